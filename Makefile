@@ -1,0 +1,54 @@
+# ip-masq-agent with an eBPF SNAT datapath.
+#
+#   make demo      run the agent in a throwaway namespace sandbox (root)
+#   make test      all tests: unit, BPF datapath and end to end (root)
+#   make bench     benchmarks (root)
+#   make generate  rebuild the BPF objects and Go bindings (clang)
+
+GO       ?= go
+BIN      := bin/ip-masq-agent
+VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+LDFLAGS  := -s -w -X github.com/ip-masq-agent/ip-masq-agent/pkg/version.Version=$(VERSION)
+# Packages whose tests need nothing but Go; the rest need root and the tools `make deps` installs.
+TESTFLAGS ?= -count=1 -timeout 25m
+
+# Pinned clang flags for the BPF objects (read by the go:generate lines through the environment).
+export BPF_CFLAGS := -O2 -g -Wall -Werror -mcpu=v3
+
+.PHONY: all build test unit demo generate check-generate bench lint deps clean
+
+all: build
+
+build:
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/ip-masq-agent
+
+## test: every test, privileged ones included (run as root; CI=true makes a test that cannot run fail)
+test: deps build
+	$(GO) test $(TESTFLAGS) ./...
+
+## unit: only the tests that need no privileges
+unit:
+	$(GO) test -count=1 -short ./...
+
+demo: deps build
+	./test/demo.sh $(BIN)
+
+generate:
+	$(GO) generate ./...
+
+## check-generate: regenerate the BPF objects and bindings and fail when they differ from the commit
+check-generate: generate
+	@git diff --exit-code --stat -- '*.o' '*_bpfel.go' || { echo "generated BPF files are stale: run make generate and commit"; exit 1; }
+
+bench: deps build
+	$(GO) test -run '^$$' -bench . -benchmem -count=1 ./...
+
+lint:
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+
+deps:
+	./test/deps.sh
+
+clean:
+	rm -rf bin

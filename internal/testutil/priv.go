@@ -1,0 +1,33 @@
+// Package testutil holds helpers shared by tests. Production code never imports it.
+package testutil
+
+import (
+	"os"
+	"os/exec"
+	"testing"
+)
+
+// InCI reports whether the tests run in CI, where a privileged test that cannot run must fail.
+func InCI() bool { return os.Getenv("CI") == "true" }
+
+// RequirePrivileged stops a test that needs root (and the named tools on PATH). Outside CI it
+// skips, so `go test` works for anyone; in CI it fails, so nothing silently stops being tested.
+// With -short it always skips: `make unit` runs only what needs no privileges.
+func RequirePrivileged(t testing.TB, tools ...string) {
+	t.Helper()
+	if testing.Short() && !InCI() {
+		t.Skip("privileged test skipped in -short mode")
+	}
+	stop := t.Skipf
+	if InCI() {
+		stop = t.Fatalf
+	}
+	if os.Geteuid() != 0 {
+		stop("this test needs root")
+	}
+	for _, tool := range tools {
+		if _, err := exec.LookPath(tool); err != nil {
+			stop("this test needs %s on PATH (make deps installs it)", tool)
+		}
+	}
+}

@@ -1,0 +1,379 @@
+// Package config reads and validates the agent's configuration file (the ip-masq-agent ConfigMap).
+//
+// Only typed, validated values leave this package: CIDRs as netip.Prefix, durations as
+// time.Duration. No raw string from the file ever reaches a command line.
+package config
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+	"time"
+
+	"sigs.k8s.io/yaml"
+)
+
+// DefaultPath is where the upstream DaemonSet mounts the ConfigMap.
+const DefaultPath = "/etc/config/ip-masq-agent"
+
+// MaxFileSize bounds how much of a config file is read. 100k CIDRs fit in well under this.
+const MaxFileSize = 16 << 20
+
+// MinResyncInterval keeps a typo such as "1ns" from turning the resync into a busy loop.
+const MinResyncInterval = 100 * time.Millisecond
+
+// Keys of the configuration file, as users write them.
+const (
+	KeyNonMasqueradeCIDRs = "nonMasqueradeCIDRs"
+	KeyMasqueradeCIDRs    = "masqueradeCIDRs"
+	KeyMasqOutBound       = "masqOutBound"
+	KeyMasqOutBoundIPv6   = "masqOutBoundIPv6"
+	KeyMasqLinkLocal      = "masqLinkLocal"
+	KeyMasqLinkLocalIPv6  = "masqLinkLocalIPv6"
+	KeyCIDRLimit          = "cidrLimit"
+	KeyResyncInterval     = "resyncInterval"
+)
+
+// Keys lists every key the file may contain.
+var Keys = []string{
+	KeyNonMasqueradeCIDRs, KeyMasqueradeCIDRs, KeyMasqOutBound, KeyMasqOutBoundIPv6,
+	KeyMasqLinkLocal, KeyMasqLinkLocalIPv6, KeyCIDRLimit, KeyResyncInterval,
+}
+
+// Config is a parsed and validated configuration.
+type Config struct {
+	NonMasqueradeCIDRs []netip.Prefix
+	MasqueradeCIDRs    []netip.Prefix
+	MasqOutBound       bool
+	MasqOutBoundIPv6   bool
+	MasqLinkLocal      bool
+	MasqLinkLocalIPv6  bool
+	CIDRLimit          int
+	ResyncInterval     time.Duration
+}
+
+// Options are the command-line flags that change how a file is read.
+type Options struct {
+	// EnableIPv6 allows IPv6 CIDRs (upstream --enable-ipv6).
+	EnableIPv6 bool
+	// NoMasqAllReservedRanges adds the RFC reserved ranges to the default nonMasqueradeCIDRs
+	// (upstream --nomasq-all-reserved-ranges). A file that sets nonMasqueradeCIDRs overrides them.
+	NoMasqAllReservedRanges bool
+}
+
+// rfc1918 are the private ranges that are never masqueraded by default.
+var rfc1918 = []string{"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"}
+
+// reservedRanges are added by --nomasq-all-reserved-ranges, as upstream does.
+var reservedRanges = []string{
+	"100.64.0.0/10",   // RFC 6598 shared address space
+	"192.0.0.0/24",    // RFC 6890 IETF protocol assignments
+	"192.0.2.0/24",    // RFC 5737 TEST-NET-1
+	"192.88.99.0/24",  // RFC 7526 deprecated 6to4 relay anycast
+	"198.18.0.0/15",   // RFC 2544 benchmarking
+	"198.51.100.0/24", // RFC 5737 TEST-NET-2
+	"203.0.113.0/24",  // RFC 5737 TEST-NET-3
+	"240.0.0.0/4",     // RFC 1112 former class E
+}
+
+// Default returns the configuration in force when no file exists.
+func Default(opts Options) Config {
+	cidrs := rfc1918
+	if opts.NoMasqAllReservedRanges {
+		cidrs = append(slices.Clone(rfc1918), reservedRanges...)
+	}
+	nonMasq := make([]netip.Prefix, len(cidrs))
+	for i, c := range cidrs {
+		nonMasq[i] = netip.MustParsePrefix(c)
+	}
+	return Config{
+		NonMasqueradeCIDRs: nonMasq,
+		MasqOutBound:       true,
+		MasqOutBoundIPv6:   true,
+		CIDRLimit:          64,
+		ResyncInterval:     60 * time.Second,
+	}
+}
+
+// Load reads the file at path. A missing file means the defaults; so does an empty one.
+func Load(path string, opts Options) (Config, error) {
+	f, err := os.Open(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return Default(opts), nil
+	}
+	if err != nil {
+		return Config{}, fmt.Errorf("open config: %w", err)
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, MaxFileSize+1))
+	if err != nil {
+		return Config{}, fmt.Errorf("read config %s: %w", path, err)
+	}
+	if len(data) > MaxFileSize {
+		return Config{}, fmt.Errorf("config %s is larger than %d bytes", path, MaxFileSize)
+	}
+	cfg, err := Parse(data, opts)
+	if err != nil {
+		return Config{}, fmt.Errorf("config %s: %w", path, err)
+	}
+	return cfg, nil
+}
+
+// Parse reads a YAML or JSON document. A key absent from the document keeps its default; so
+// does a key whose value is null (an empty YAML value). Every problem found is reported, each
+// naming the key, the value and what is wrong.
+func Parse(data []byte, opts Options) (Config, error) {
+	cfg := Default(opts)
+	if len(bytes.TrimSpace(data)) == 0 {
+		return cfg, nil
+	}
+	// Strict: duplicate keys are an error rather than a silent last-one-wins.
+	js, err := yaml.YAMLToJSONStrict(data)
+	if err != nil {
+		return Config{}, fmt.Errorf("not valid YAML or JSON: %w", err)
+	}
+	if string(js) == "null" {
+		return cfg, nil // a document of only comments
+	}
+	var doc map[string]json.RawMessage
+	if err := json.Unmarshal(js, &doc); err != nil {
+		return Config{}, fmt.Errorf("the document must be a mapping of keys to values, got %s", describeJSON(js))
+	}
+
+	var errs []error
+	// Sorted so that error output is stable.
+	names := make([]string, 0, len(doc))
+	for k := range doc {
+		names = append(names, k)
+	}
+	slices.Sort(names)
+	for _, key := range names {
+		raw := doc[key]
+		if string(raw) == "null" {
+			if !slices.Contains(Keys, key) {
+				errs = append(errs, unknownKey(key))
+			}
+			continue
+		}
+		var err error
+		switch key {
+		case KeyNonMasqueradeCIDRs:
+			cfg.NonMasqueradeCIDRs, err = decodeCIDRs(key, raw, opts)
+		case KeyMasqueradeCIDRs:
+			cfg.MasqueradeCIDRs, err = decodeCIDRs(key, raw, opts)
+		case KeyMasqOutBound:
+			err = decodeBool(key, raw, &cfg.MasqOutBound)
+		case KeyMasqOutBoundIPv6:
+			err = decodeBool(key, raw, &cfg.MasqOutBoundIPv6)
+		case KeyMasqLinkLocal:
+			err = decodeBool(key, raw, &cfg.MasqLinkLocal)
+		case KeyMasqLinkLocalIPv6:
+			err = decodeBool(key, raw, &cfg.MasqLinkLocalIPv6)
+		case KeyCIDRLimit:
+			err = decodeLimit(key, raw, &cfg.CIDRLimit)
+		case KeyResyncInterval:
+			err = decodeDuration(key, raw, &cfg.ResyncInterval)
+		default:
+			err = unknownKey(key)
+		}
+		if err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) > 0 {
+		return Config{}, errors.Join(errs...)
+	}
+	if n := len(cfg.NonMasqueradeCIDRs); n > cfg.CIDRLimit {
+		return Config{}, &FieldError{Key: KeyNonMasqueradeCIDRs, Index: -1, Value: fmt.Sprintf("%d entries", n),
+			Problem: fmt.Sprintf("more than cidrLimit (%d) entries", cfg.CIDRLimit),
+			Hint:    fmt.Sprintf("raise cidrLimit to at least %d if this many is intended", n)}
+	}
+	return cfg, nil
+}
+
+// FieldError is a validation failure of one key or one list entry.
+type FieldError struct {
+	Key     string
+	Index   int // entry of a list key, or -1
+	Value   string
+	Problem string
+	Hint    string
+}
+
+func (e *FieldError) Error() string {
+	var b strings.Builder
+	b.WriteString(e.Key)
+	if e.Index >= 0 {
+		fmt.Fprintf(&b, "[%d]", e.Index)
+	}
+	fmt.Fprintf(&b, ": %s: %s", quote(e.Value), e.Problem)
+	if e.Hint != "" {
+		b.WriteString("; " + e.Hint)
+	}
+	return b.String()
+}
+
+// quote bounds a user value for messages and logs: long input is cut, odd bytes escaped.
+func quote(s string) string {
+	const maxLen = 80
+	if len(s) > maxLen {
+		return fmt.Sprintf("%q...", s[:maxLen])
+	}
+	return fmt.Sprintf("%q", s)
+}
+
+func decodeCIDRs(key string, raw json.RawMessage, opts Options) ([]netip.Prefix, error) {
+	var items []json.RawMessage
+	if err := json.Unmarshal(raw, &items); err != nil {
+		return nil, &FieldError{Key: key, Index: -1, Value: string(raw), Problem: "must be a list of CIDR strings",
+			Hint: `for example ["10.0.0.0/8"]`}
+	}
+	prefixes := make([]netip.Prefix, 0, len(items))
+	var errs []error
+	for i, item := range items {
+		var s string
+		if err := json.Unmarshal(item, &s); err != nil {
+			errs = append(errs, &FieldError{Key: key, Index: i, Value: string(item), Problem: "must be a CIDR string"})
+			continue
+		}
+		p, err := ParseCIDR(s, opts.EnableIPv6)
+		if err != nil {
+			var fe *FieldError
+			if errors.As(err, &fe) {
+				fe.Key, fe.Index = key, i
+			}
+			errs = append(errs, err)
+			continue
+		}
+		prefixes = append(prefixes, p)
+	}
+	return prefixes, errors.Join(errs...)
+}
+
+// ParseCIDR parses one CIDR as the file and the command line accept it: canonical network
+// address (no host bits), no zone, no IPv4-mapped IPv6, IPv6 only when enabled.
+func ParseCIDR(s string, enableIPv6 bool) (netip.Prefix, error) {
+	p, err := netip.ParsePrefix(s)
+	if err != nil {
+		return netip.Prefix{}, &FieldError{Index: -1, Value: s, Problem: "not a CIDR",
+			Hint: "write an address and a prefix length such as 10.0.0.0/8 or fd00::/8"}
+	}
+	if p.Addr().Is4In6() {
+		return netip.Prefix{}, &FieldError{Index: -1, Value: s, Problem: "IPv4-mapped IPv6 prefixes are not supported",
+			Hint: "write the IPv4 prefix itself"}
+	}
+	if m := p.Masked(); m != p {
+		return netip.Prefix{}, &FieldError{Index: -1, Value: s, Problem: "host bits are set",
+			Hint: fmt.Sprintf("did you mean %q?", m.String())}
+	}
+	if p.Addr().Is6() && !enableIPv6 {
+		return netip.Prefix{}, &FieldError{Index: -1, Value: s, Problem: "IPv6 CIDR but IPv6 is not enabled",
+			Hint: "start the agent with --enable-ipv6"}
+	}
+	return p, nil
+}
+
+func decodeBool(key string, raw json.RawMessage, dst *bool) error {
+	if err := json.Unmarshal(raw, dst); err != nil {
+		return &FieldError{Key: key, Index: -1, Value: string(raw), Problem: "must be true or false"}
+	}
+	return nil
+}
+
+func decodeLimit(key string, raw json.RawMessage, dst *int) error {
+	var n int
+	if err := json.Unmarshal(raw, &n); err != nil {
+		return &FieldError{Key: key, Index: -1, Value: string(raw), Problem: "must be a whole number"}
+	}
+	if n < 0 {
+		return &FieldError{Key: key, Index: -1, Value: string(raw), Problem: "must not be negative"}
+	}
+	*dst = n
+	return nil
+}
+
+func decodeDuration(key string, raw json.RawMessage, dst *time.Duration) error {
+	var s string
+	if err := json.Unmarshal(raw, &s); err != nil {
+		return &FieldError{Key: key, Index: -1, Value: string(raw), Problem: "must be a duration string",
+			Hint: `for example "60s" or "1m30s"`}
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		return &FieldError{Key: key, Index: -1, Value: s, Problem: "not a duration",
+			Hint: `use a number with a unit, for example "60s" or "500ms"`}
+	}
+	if d <= 0 {
+		return &FieldError{Key: key, Index: -1, Value: s, Problem: "must be positive"}
+	}
+	if d < MinResyncInterval {
+		return &FieldError{Key: key, Index: -1, Value: s, Problem: fmt.Sprintf("must be at least %s", MinResyncInterval)}
+	}
+	*dst = d
+	return nil
+}
+
+func unknownKey(key string) error {
+	fe := &FieldError{Key: key, Index: -1, Value: key, Problem: "unknown key"}
+	if s := closest(key); s != "" {
+		fe.Hint = fmt.Sprintf("did you mean %q?", s)
+	} else {
+		fe.Hint = "known keys: " + strings.Join(Keys, ", ")
+	}
+	return fe
+}
+
+// closest returns the known key nearest to key by edit distance, ignoring case, or "" when
+// none is near enough to be a plausible typo.
+func closest(key string) string {
+	best, bestDist := "", 1<<30
+	lk := strings.ToLower(key)
+	for _, k := range Keys {
+		if d := editDistance(lk, strings.ToLower(k)); d < bestDist {
+			best, bestDist = k, d
+		}
+	}
+	if bestDist <= max(2, len(best)/4) {
+		return best
+	}
+	return ""
+}
+
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	cur := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev, cur = cur, prev
+	}
+	return prev[len(b)]
+}
+
+func describeJSON(js []byte) string {
+	switch {
+	case len(js) == 0:
+		return "nothing"
+	case js[0] == '[':
+		return "a list"
+	case js[0] == '"':
+		return "a string"
+	default:
+		return "a scalar"
+	}
+}

@@ -1,0 +1,224 @@
+// Package policy compiles a configuration into the ordered rule list that every backend renders.
+//
+// The list per address family is exactly the order of the IP-MASQ-AGENT chain:
+//
+//  1. each masqueradeCIDRs entry          -> MASQUERADE
+//  2. link-local, unless masqLinkLocal     -> RETURN
+//  3. each nonMasqueradeCIDRs entry        -> RETURN
+//  4. everything else, if masqOutBound     -> MASQUERADE
+//
+// First match wins; a packet that matches nothing leaves the chain unchanged (RETURN).
+// Decide is the reference semantics every backend is tested against.
+package policy
+
+import (
+	"fmt"
+	"net/netip"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+)
+
+// Action is what a rule does with a matching packet.
+type Action uint8
+
+const (
+	// Return leaves the packet's source address alone.
+	Return Action = iota
+	// Masquerade rewrites the source to the node's address.
+	Masquerade
+)
+
+func (a Action) String() string {
+	if a == Masquerade {
+		return "MASQUERADE"
+	}
+	return "RETURN"
+}
+
+// Family is an address family.
+type Family uint8
+
+const (
+	IPv4 Family = 4
+	IPv6 Family = 6
+)
+
+func (f Family) String() string {
+	if f == IPv6 {
+		return "ipv6"
+	}
+	return "ipv4"
+}
+
+// FamilyOf returns the family of an address; IPv4-mapped IPv6 addresses count as IPv4.
+func FamilyOf(a netip.Addr) Family {
+	if a.Unmap().Is4() {
+		return IPv4
+	}
+	return IPv6
+}
+
+// Origin says which part of the configuration put a rule in the list.
+type Origin string
+
+const (
+	OriginMasqueradeCIDRs    Origin = config.KeyMasqueradeCIDRs
+	OriginLinkLocal          Origin = "link-local"
+	OriginNonMasqueradeCIDRs Origin = config.KeyNonMasqueradeCIDRs
+	OriginOutbound           Origin = "outbound"
+)
+
+// Comment texts of the chain, as the seeds show them.
+const (
+	CommentSpecificMasquerade = "ip-masq-agent: specific outbound traffic is subject to MASQUERADE"
+	CommentNonMasquerade      = "ip-masq-agent: local traffic is not subject to MASQUERADE"
+	CommentOutbound           = "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)"
+)
+
+// Link-local ranges (RFC 3927, RFC 4291).
+var (
+	LinkLocalIPv4 = netip.MustParsePrefix("169.254.0.0/16")
+	LinkLocalIPv6 = netip.MustParsePrefix("fe80::/10")
+)
+
+// Rule is one entry of the chain.
+type Rule struct {
+	// Number is the rule's 1-based position in its family's list, as `iptables -L --line-numbers`.
+	Number int
+	Family Family
+	// Prefix is the destination; 0.0.0.0/0 or ::/0 for the outbound rule.
+	Prefix  netip.Prefix
+	Action  Action
+	Origin  Origin
+	// Entry is the index within the config key the rule came from, or -1.
+	Entry   int
+	Comment string
+}
+
+// Source describes where the rule came from, e.g. "nonMasqueradeCIDRs[2]" or "masqOutBound".
+func (r Rule) Source() string {
+	switch r.Origin {
+	case OriginMasqueradeCIDRs, OriginNonMasqueradeCIDRs:
+		return fmt.Sprintf("%s[%d]", r.Origin, r.Entry)
+	case OriginLinkLocal:
+		if r.Family == IPv6 {
+			return "link-local (masqLinkLocalIPv6: false)"
+		}
+		return "link-local (masqLinkLocal: false)"
+	case OriginOutbound:
+		if r.Family == IPv6 {
+			return "masqOutBoundIPv6: true"
+		}
+		return "masqOutBound: true"
+	}
+	return string(r.Origin)
+}
+
+// Options are the flags that shape the policy beyond the config file.
+type Options struct {
+	EnableIPv6  bool
+	RandomFully bool
+	// ToPorts restricts masquerade source ports; empty means the backend's default.
+	ToPorts PortRanges
+}
+
+// Policy is the compiled rule list of each family plus the NAT settings.
+type Policy struct {
+	IPv4 []Rule
+	// IPv6 is nil when IPv6 is not enabled: the agent then leaves IPv6 traffic alone.
+	IPv6        []Rule
+	EnableIPv6  bool
+	RandomFully bool
+	ToPorts     PortRanges
+}
+
+// Compile builds the rule lists from a validated configuration.
+func Compile(cfg config.Config, opts Options) *Policy {
+	p := &Policy{EnableIPv6: opts.EnableIPv6, RandomFully: opts.RandomFully, ToPorts: opts.ToPorts}
+	p.IPv4 = compileFamily(cfg, IPv4)
+	if opts.EnableIPv6 {
+		p.IPv6 = compileFamily(cfg, IPv6)
+	}
+	return p
+}
+
+func compileFamily(cfg config.Config, fam Family) []Rule {
+	var rules []Rule
+	add := func(prefix netip.Prefix, action Action, origin Origin, entry int, comment string) {
+		rules = append(rules, Rule{Number: len(rules) + 1, Family: fam, Prefix: prefix, Action: action,
+			Origin: origin, Entry: entry, Comment: comment})
+	}
+	for i, c := range cfg.MasqueradeCIDRs {
+		if FamilyOf(c.Addr()) == fam {
+			add(c, Masquerade, OriginMasqueradeCIDRs, i, CommentSpecificMasquerade)
+		}
+	}
+	linkLocal, masqLinkLocal := LinkLocalIPv4, cfg.MasqLinkLocal
+	if fam == IPv6 {
+		linkLocal, masqLinkLocal = LinkLocalIPv6, cfg.MasqLinkLocalIPv6
+	}
+	if !masqLinkLocal {
+		add(linkLocal, Return, OriginLinkLocal, -1, CommentNonMasquerade)
+	}
+	for i, c := range cfg.NonMasqueradeCIDRs {
+		if FamilyOf(c.Addr()) == fam {
+			add(c, Return, OriginNonMasqueradeCIDRs, i, CommentNonMasquerade)
+		}
+	}
+	outbound := cfg.MasqOutBound
+	all := netip.PrefixFrom(netip.IPv4Unspecified(), 0)
+	if fam == IPv6 {
+		outbound = cfg.MasqOutBoundIPv6
+		all = netip.PrefixFrom(netip.IPv6Unspecified(), 0)
+	}
+	if outbound {
+		add(all, Masquerade, OriginOutbound, -1, CommentOutbound)
+	}
+	return rules
+}
+
+// Rules returns the rule list of a family (nil when the family is not enabled).
+func (p *Policy) Rules(fam Family) []Rule {
+	if fam == IPv6 {
+		return p.IPv6
+	}
+	return p.IPv4
+}
+
+// Verdict is the outcome of Decide.
+type Verdict struct {
+	Action Action
+	// Rule is the rule that decided, or nil when no rule matched (the end of the chain).
+	Rule *Rule
+	// Reason explains a verdict that no rule gave.
+	Reason string
+}
+
+// Decide returns what the chain does with a packet to addr: first match over the rule list.
+func (p *Policy) Decide(addr netip.Addr) Verdict {
+	addr = addr.Unmap()
+	fam := FamilyOf(addr)
+	if fam == IPv6 && !p.EnableIPv6 {
+		return Verdict{Action: Return, Reason: "IPv6 is not enabled (--enable-ipv6): IPv6 traffic is left alone"}
+	}
+	rules := p.Rules(fam)
+	for i := range rules {
+		if rules[i].Prefix.Contains(addr) {
+			return Verdict{Action: rules[i].Action, Rule: &rules[i]}
+		}
+	}
+	key := config.KeyMasqOutBound
+	if fam == IPv6 {
+		key = config.KeyMasqOutBoundIPv6
+	}
+	return Verdict{Action: Return, Reason: fmt.Sprintf("no rule matched and %s is false: end of chain", key)}
+}
+
+// OutboundAction is what happens to a packet that no CIDR rule matched.
+func (p *Policy) OutboundAction(fam Family) (Action, *Rule) {
+	rules := p.Rules(fam)
+	if n := len(rules); n > 0 && rules[n-1].Origin == OriginOutbound {
+		return Masquerade, &rules[n-1]
+	}
+	return Return, nil
+}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what the build, the demo and the tests need on Debian or Ubuntu, when it is missing.
+set -euo pipefail
+
+need=()
+have() { command -v "$1" >/dev/null 2>&1; }
+have clang      || need+=(clang)
+have llvm-strip || need+=(llvm)
+have bpftool    || need+=(bpftool)
+have iptables   || need+=(iptables)
+have ip         || need+=(iproute2)
+have capsh      || need+=(libcap2-bin)
+have ping       || need+=(iputils-ping)
+have iperf3     || need+=(iperf3)
+have make       || need+=(make)
+
+[ ${#need[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -ne 0 ]; then
+	echo "missing: ${need[*]}; run as root (or: apt-get install ${need[*]})" >&2
+	exit 1
+fi
+if ! have apt-get; then
+	echo "missing: ${need[*]}; this script installs them only with apt-get (Debian, Ubuntu)" >&2
+	exit 1
+fi
+echo "installing: ${need[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
