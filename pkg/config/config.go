@@ -15,6 +15,7 @@ import (
 	"slices"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"sigs.k8s.io/yaml"
 )
@@ -183,7 +184,12 @@ func Parse(data []byte, opts Options) (Config, error) {
 			err = unknownKey(key)
 		}
 		if err != nil {
-			errs = append(errs, err)
+			// Flatten, so that callers see one FieldError per problem.
+			if joined, ok := err.(interface{ Unwrap() []error }); ok {
+				errs = append(errs, joined.Unwrap()...)
+			} else {
+				errs = append(errs, err)
+			}
 		}
 	}
 	if len(errs) > 0 {
@@ -208,7 +214,11 @@ type FieldError struct {
 
 func (e *FieldError) Error() string {
 	var b strings.Builder
-	b.WriteString(e.Key)
+	if len(e.Key) > maxQuoted || !utf8.ValidString(e.Key) {
+		b.WriteString(quote(e.Key)) // an unknown key is user input too
+	} else {
+		b.WriteString(e.Key)
+	}
 	if e.Index >= 0 {
 		fmt.Fprintf(&b, "[%d]", e.Index)
 	}
@@ -220,10 +230,11 @@ func (e *FieldError) Error() string {
 }
 
 // quote bounds a user value for messages and logs: long input is cut, odd bytes escaped.
+const maxQuoted = 80
+
 func quote(s string) string {
-	const maxLen = 80
-	if len(s) > maxLen {
-		return fmt.Sprintf("%q...", s[:maxLen])
+	if len(s) > maxQuoted {
+		return fmt.Sprintf("%q...", s[:maxQuoted])
 	}
 	return fmt.Sprintf("%q", s)
 }
@@ -231,7 +242,7 @@ func quote(s string) string {
 func decodeCIDRs(key string, raw json.RawMessage, opts Options) ([]netip.Prefix, error) {
 	var items []json.RawMessage
 	if err := json.Unmarshal(raw, &items); err != nil {
-		return nil, &FieldError{Key: key, Index: -1, Value: string(raw), Problem: "must be a list of CIDR strings",
+		return nil, &FieldError{Key: key, Index: -1, Value: display(raw), Problem: "must be a list of CIDR strings, not " + describeJSON(raw),
 			Hint: `for example ["10.0.0.0/8"]`}
 	}
 	prefixes := make([]netip.Prefix, 0, len(items))
@@ -239,7 +250,7 @@ func decodeCIDRs(key string, raw json.RawMessage, opts Options) ([]netip.Prefix,
 	for i, item := range items {
 		var s string
 		if err := json.Unmarshal(item, &s); err != nil {
-			errs = append(errs, &FieldError{Key: key, Index: i, Value: string(item), Problem: "must be a CIDR string"})
+			errs = append(errs, &FieldError{Key: key, Index: i, Value: display(item), Problem: "must be a CIDR string, not " + describeJSON(item)})
 			continue
 		}
 		p, err := ParseCIDR(s, opts.EnableIPv6)
@@ -281,15 +292,24 @@ func ParseCIDR(s string, enableIPv6 bool) (netip.Prefix, error) {
 
 func decodeBool(key string, raw json.RawMessage, dst *bool) error {
 	if err := json.Unmarshal(raw, dst); err != nil {
-		return &FieldError{Key: key, Index: -1, Value: string(raw), Problem: "must be true or false"}
+		return &FieldError{Key: key, Index: -1, Value: display(raw), Problem: "must be true or false, not " + describeJSON(raw)}
 	}
 	return nil
+}
+
+// display shows a JSON value as the user wrote it: strings without their JSON quotes.
+func display(raw json.RawMessage) string {
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return s
+	}
+	return string(raw)
 }
 
 func decodeLimit(key string, raw json.RawMessage, dst *int) error {
 	var n int
 	if err := json.Unmarshal(raw, &n); err != nil {
-		return &FieldError{Key: key, Index: -1, Value: string(raw), Problem: "must be a whole number"}
+		return &FieldError{Key: key, Index: -1, Value: display(raw), Problem: "must be a whole number, not " + describeJSON(raw)}
 	}
 	if n < 0 {
 		return &FieldError{Key: key, Index: -1, Value: string(raw), Problem: "must not be negative"}
@@ -301,7 +321,7 @@ func decodeLimit(key string, raw json.RawMessage, dst *int) error {
 func decodeDuration(key string, raw json.RawMessage, dst *time.Duration) error {
 	var s string
 	if err := json.Unmarshal(raw, &s); err != nil {
-		return &FieldError{Key: key, Index: -1, Value: string(raw), Problem: "must be a duration string",
+		return &FieldError{Key: key, Index: -1, Value: display(raw), Problem: "must be a duration string, not " + describeJSON(raw),
 			Hint: `for example "60s" or "1m30s"`}
 	}
 	d, err := time.ParseDuration(s)
@@ -371,9 +391,42 @@ func describeJSON(js []byte) string {
 		return "nothing"
 	case js[0] == '[':
 		return "a list"
+	case js[0] == '{':
+		return "a mapping"
 	case js[0] == '"':
 		return "a string"
+	case js[0] == 't' || js[0] == 'f':
+		return "a boolean"
 	default:
-		return "a scalar"
+		return "a number"
 	}
+}
+
+// Canonical returns the configuration as a JSON document with every key, in a fixed order.
+// Equal configurations give equal bytes, so it can be hashed to identify the config in force,
+// and Parse of it gives the configuration back.
+func (c Config) Canonical() []byte {
+	strs := func(ps []netip.Prefix) []string {
+		out := make([]string, len(ps))
+		for i, p := range ps {
+			out[i] = p.String()
+		}
+		return out
+	}
+	doc := struct {
+		NonMasqueradeCIDRs []string `json:"nonMasqueradeCIDRs"`
+		MasqueradeCIDRs    []string `json:"masqueradeCIDRs"`
+		MasqOutBound       bool     `json:"masqOutBound"`
+		MasqOutBoundIPv6   bool     `json:"masqOutBoundIPv6"`
+		MasqLinkLocal      bool     `json:"masqLinkLocal"`
+		MasqLinkLocalIPv6  bool     `json:"masqLinkLocalIPv6"`
+		CIDRLimit          int      `json:"cidrLimit"`
+		ResyncInterval     string   `json:"resyncInterval"`
+	}{strs(c.NonMasqueradeCIDRs), strs(c.MasqueradeCIDRs), c.MasqOutBound, c.MasqOutBoundIPv6,
+		c.MasqLinkLocal, c.MasqLinkLocalIPv6, c.CIDRLimit, c.ResyncInterval.String()}
+	b, err := json.Marshal(doc)
+	if err != nil {
+		panic(fmt.Sprintf("marshal config: %v", err)) // only strings, bools and ints: cannot fail
+	}
+	return b
 }
