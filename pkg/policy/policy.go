@@ -87,9 +87,9 @@ type Rule struct {
 	Number int
 	Family Family
 	// Prefix is the destination; 0.0.0.0/0 or ::/0 for the outbound rule.
-	Prefix  netip.Prefix
-	Action  Action
-	Origin  Origin
+	Prefix netip.Prefix
+	Action Action
+	Origin Origin
 	// Entry is the index within the config key the rule came from, or -1.
 	Entry   int
 	Comment string

@@ -93,16 +93,16 @@ func TestDecide(t *testing.T) {
 		action Action
 		number int // 0: no rule
 	}{
-		{"10.10.10.10", Masquerade, 1},      // masqueradeCIDRs beat the wider non-masquerade 10/8
-		{"10.10.10.11", Return, 4},          // 10.0.0.0/8
-		{"169.254.169.254", Masquerade, 2},  // masqueradeCIDRs beat link-local
-		{"169.254.1.1", Return, 3},          // link-local
-		{"172.31.255.255", Return, 5},       // 172.16.0.0/12, last address
-		{"172.32.0.0", Masquerade, 7},       // just outside
-		{"8.8.8.8", Masquerade, 7},          // outbound
-		{"::ffff:10.1.1.1", Return, 4},      // IPv4-mapped counts as IPv4
-		{"fd12::1", Return, 2},              // fd00::/8 (IPv6 list: link-local #1, fd00::/8 #2, outbound #3)
-		{"fe80::1", Return, 1},              // IPv6 link-local
+		{"10.10.10.10", Masquerade, 1},     // masqueradeCIDRs beat the wider non-masquerade 10/8
+		{"10.10.10.11", Return, 4},         // 10.0.0.0/8
+		{"169.254.169.254", Masquerade, 2}, // masqueradeCIDRs beat link-local
+		{"169.254.1.1", Return, 3},         // link-local
+		{"172.31.255.255", Return, 5},      // 172.16.0.0/12, last address
+		{"172.32.0.0", Masquerade, 7},      // just outside
+		{"8.8.8.8", Masquerade, 7},         // outbound
+		{"::ffff:10.1.1.1", Return, 4},     // IPv4-mapped counts as IPv4
+		{"fd12::1", Return, 2},             // fd00::/8 (IPv6 list: link-local #1, fd00::/8 #2, outbound #3)
+		{"fe80::1", Return, 1},             // IPv6 link-local
 		{"2001:4860:4860::8888", Masquerade, 3},
 	}
 	for _, tt := range tests {
