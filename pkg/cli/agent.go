@@ -4,8 +4,16 @@ import (
 	"context"
 	"errors"
 	"flag"
+	"fmt"
 	"io"
+	"log/slog"
+	"net"
 	"strings"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
 )
 
 // agentFlags are the flags of the agent itself, beyond the policy flags.
@@ -48,10 +56,55 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	if len(pos) > 0 {
-		return usageError{errors.New("the agent takes no arguments; subcommands: explain, render, version")}
+		return usageError{errors.New("the agent takes no arguments; subcommands: explain, render, cleanup, version")}
 	}
-	if _, _, err := af.options(); err != nil {
+	copts, popts, err := af.options()
+	if err != nil {
 		return err
 	}
-	return errors.New("the agent runtime is not part of this build yet")
+	log := newLogger(stderr, af.verbosity)
+	log.Info("starting", "component", "cli", "version", version.String(), "config", af.configPath, "backend", af.backend)
+	backend, err := newBackend(ctx, af.backend, &af, log)
+	if err != nil {
+		return err
+	}
+	a, err := agent.New(agent.Options{ConfigPath: af.configPath, ConfigOptions: copts, PolicyOptions: popts,
+		Backend: backend, Logger: log})
+	if err != nil {
+		return err
+	}
+	var ln net.Listener
+	if af.metricsAddress != "" {
+		// Listening before the loop starts makes a taken port an immediate, clear error.
+		ln, err = (&net.ListenConfig{}).Listen(ctx, "tcp", af.metricsAddress)
+		if err != nil {
+			return fmt.Errorf("metrics-address: %w", err)
+		}
+	}
+	return a.Run(ctx, ln)
+}
+
+// newBackend returns the datapath backend that --backend names.
+func newBackend(ctx context.Context, name string, af *agentFlags, log *slog.Logger) (datapath.Backend, error) {
+	switch name {
+	case "auto", iptables.Name:
+		if len(af.interfaceList()) > 0 {
+			// MASQUERADE takes the address of whichever device a packet leaves by.
+			log.Info("the iptables backend masquerades on every uplink; --interfaces is ignored", "component", "cli")
+		}
+		return iptables.New(ctx, iptables.Options{Chain: af.masqChain, Logger: log})
+	case "bpf":
+		return nil, errors.New("backend bpf is not available in this build; use --backend=iptables (or auto)")
+	default:
+		return nil, usageError{fmt.Errorf("backend %q: must be auto, bpf or iptables", name)}
+	}
+}
+
+// newLogger logs text to stderr; --v 4 or more adds debug messages, as klog's verbosity did.
+func newLogger(stderr io.Writer, verbosity int) *slog.Logger {
+	level := slog.LevelInfo
+	if verbosity >= 4 {
+		level = slog.LevelDebug
+	}
+	return slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
 }

@@ -1,0 +1,324 @@
+// Package agent is the ip-masq-agent daemon: one reconcile loop that turns the configuration
+// file into one Apply on the datapath backend, and the health endpoints.
+//
+// Everything that can change the datapath goes through the loop: a change in the config
+// directory (debounced), the periodic resync (which re-applies and so heals drift), and the
+// retry of a failed apply. Shutdown stops the loop and leaves the datapath in place, so that
+// pods keep working while the agent is restarted or upgraded.
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"path/filepath"
+	"reflect"
+	"sync"
+	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// Defaults of Options.
+const (
+	// DefaultDebounce lets a burst of directory events (a ConfigMap swap is several) settle into
+	// one reload, while keeping a change well under a second from file to datapath.
+	DefaultDebounce = 50 * time.Millisecond
+	DefaultRetryMin = 500 * time.Millisecond
+	DefaultRetryMax = 30 * time.Second
+	// shutdownTimeout bounds how long in-flight health requests may delay the exit.
+	shutdownTimeout = 5 * time.Second
+)
+
+// Options configure an Agent.
+type Options struct {
+	// ConfigPath is the configuration file; a missing file means the defaults.
+	ConfigPath    string
+	ConfigOptions config.Options
+	PolicyOptions policy.Options
+	Backend       datapath.Backend
+	// Logger receives the agent's logs; nil discards them.
+	Logger *slog.Logger
+	// Debounce is how long the config directory must stay quiet before the file is re-read.
+	Debounce time.Duration
+	// RetryMin and RetryMax bound the exponential backoff of a failed apply.
+	RetryMin, RetryMax time.Duration
+}
+
+// Stats are the agent's counters, for logs, tests and metrics.
+type Stats struct {
+	// Applies counts successful applies; ApplyErrors failed ones.
+	Applies, ApplyErrors uint64
+	// ConfigErrors counts reloads that found a file that does not parse or validate.
+	ConfigErrors uint64
+	// LastApply is when the last successful apply finished.
+	LastApply time.Time
+	// Ready is true once a configuration is in the datapath.
+	Ready bool
+}
+
+// Agent is the daemon. Create it with New, add handlers to Mux if needed, then Run it.
+type Agent struct {
+	opts Options
+	log  *slog.Logger
+	mux  *http.ServeMux
+
+	mu       sync.Mutex
+	stats    Stats
+	notReady string // why /readyz fails, while not ready
+}
+
+// New checks the options and returns an agent; it touches neither the file nor the datapath.
+func New(opts Options) (*Agent, error) {
+	if opts.Backend == nil {
+		return nil, errors.New("agent: no datapath backend")
+	}
+	if opts.ConfigPath == "" {
+		return nil, errors.New("agent: no config path")
+	}
+	if opts.Debounce <= 0 {
+		opts.Debounce = DefaultDebounce
+	}
+	if opts.RetryMin <= 0 {
+		opts.RetryMin = DefaultRetryMin
+	}
+	if opts.RetryMax < opts.RetryMin {
+		opts.RetryMax = max(DefaultRetryMax, opts.RetryMin)
+	}
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	a := &Agent{opts: opts, log: log.With("component", "agent"), mux: http.NewServeMux(),
+		notReady: "the first configuration is not applied yet"}
+	a.mux.HandleFunc("GET /healthz", a.healthz)
+	a.mux.HandleFunc("GET /readyz", a.readyz)
+	return a, nil
+}
+
+// Mux is the HTTP handler served on the metrics address; more handlers (such as /metrics) can
+// be added before Run.
+func (a *Agent) Mux() *http.ServeMux { return a.mux }
+
+// Stats returns a snapshot of the counters.
+func (a *Agent) Stats() Stats {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.stats
+}
+
+// Run runs the reconcile loop, and serves Mux on ln when ln is not nil, until ctx is done. It
+// returns nil after a shutdown through ctx; the datapath is left as it is.
+func (a *Agent) Run(ctx context.Context, ln net.Listener) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	serveErr := make(chan error, 1)
+	if ln != nil {
+		srv := &http.Server{Handler: a.mux, ReadHeaderTimeout: 5 * time.Second,
+			ErrorLog: slog.NewLogLogger(a.log.Handler(), slog.LevelWarn)}
+		go func() {
+			err := srv.Serve(ln)
+			if errors.Is(err, http.ErrServerClosed) {
+				err = nil
+			} else {
+				cancel() // without health endpoints the agent is invisible: stop
+			}
+			serveErr <- err
+		}()
+		defer func() {
+			sctx, scancel := context.WithTimeout(context.WithoutCancel(ctx), shutdownTimeout)
+			defer scancel()
+			_ = srv.Shutdown(sctx)
+		}()
+		a.log.Info("serving health endpoints", "address", ln.Addr().String())
+	} else {
+		serveErr <- nil
+	}
+	loopErr := a.loop(ctx)
+	cancel()
+	var err error
+	select {
+	case err = <-serveErr:
+	default:
+	}
+	if err != nil {
+		return fmt.Errorf("serve health endpoints: %w", err)
+	}
+	return loopErr
+}
+
+// trigger says why the loop reconciles, for logs.
+type trigger string
+
+const (
+	triggerStartup trigger = "startup"
+	triggerChange  trigger = "config-change"
+	triggerResync  trigger = "resync"
+	triggerRetry   trigger = "retry"
+)
+
+// loopState is owned by the loop goroutine.
+type loopState struct {
+	// desired is the policy of the last good configuration, nil before there was one.
+	desired *policy.Policy
+	// applied is the policy the backend last applied successfully.
+	applied *policy.Policy
+	// failed is set while desired could not be applied; backoff is the next retry delay.
+	failed  bool
+	backoff time.Duration
+	// resync is the interval of the last good configuration.
+	resync time.Duration
+}
+
+func (a *Agent) loop(ctx context.Context) error {
+	log := a.log.With("config", a.opts.ConfigPath, "backend", a.opts.Backend.Name())
+	w, err := newDirWatcher(filepath.Dir(a.opts.ConfigPath), log)
+	if err != nil {
+		return fmt.Errorf("watch config directory: %w", err)
+	}
+	defer w.close()
+
+	st := &loopState{resync: config.Default(a.opts.ConfigOptions).ResyncInterval}
+	resync := time.NewTimer(time.Hour)
+	debounce := time.NewTimer(time.Hour)
+	retry := time.NewTimer(time.Hour)
+	debounce.Stop()
+	retry.Stop()
+	defer resync.Stop()
+	defer debounce.Stop()
+	defer retry.Stop()
+
+	next := triggerStartup
+	for {
+		if next != "" {
+			interval := st.resync
+			a.reconcile(ctx, st, next)
+			if st.failed {
+				retry.Reset(st.backoff)
+			} else {
+				retry.Stop()
+			}
+			// Only a resync (or a new interval) restarts the resync clock: a directory that keeps
+			// changing must not postpone the drift repair forever.
+			if next == triggerStartup || next == triggerResync || st.resync != interval {
+				resync.Reset(st.resync)
+			}
+			next = ""
+		}
+		select {
+		case <-ctx.Done():
+			log.Info("shutting down; the datapath stays in place")
+			return nil
+		case ev := <-w.events():
+			if w.relevant(ev) {
+				log.Debug("config directory changed", "event", ev.String())
+				debounce.Reset(a.opts.Debounce)
+			}
+		case err := <-w.errors():
+			log.Warn("config directory watch error", "error", err)
+		case <-debounce.C:
+			next = triggerChange
+		case <-resync.C:
+			w.ensure()
+			next = triggerResync
+		case <-retry.C:
+			next = triggerRetry
+		}
+	}
+}
+
+// reconcile reads the file and, when it is good, applies its policy. A change reload applies only
+// a policy that differs from the one in place; a resync or retry always applies, which heals
+// drift. A bad file changes nothing: the last good policy stays (and a resync re-applies it).
+func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger) {
+	log := a.log.With("trigger", string(why))
+	cfg, err := config.Load(a.opts.ConfigPath, a.opts.ConfigOptions)
+	if err != nil {
+		a.mu.Lock()
+		a.stats.ConfigErrors++
+		if !a.stats.Ready {
+			a.notReady = "no valid configuration yet: " + err.Error()
+		}
+		a.mu.Unlock()
+		if st.desired == nil {
+			log.Error("config rejected; nothing applied, not ready until a valid configuration arrives",
+				"path", a.opts.ConfigPath, "error", err)
+			return
+		}
+		log.Error("config rejected; the last good configuration stays in force",
+			"path", a.opts.ConfigPath, "error", err)
+		if why == triggerResync || why == triggerRetry {
+			a.apply(ctx, st, st.desired, log)
+		}
+		return
+	}
+	st.resync = cfg.ResyncInterval
+	p := policy.Compile(cfg, a.opts.PolicyOptions)
+	if why == triggerChange && !st.failed && reflect.DeepEqual(p, st.applied) {
+		log.Debug("config unchanged; nothing to apply")
+		return
+	}
+	if st.desired != nil && !reflect.DeepEqual(p, st.desired) {
+		log.Info("config changed", "path", a.opts.ConfigPath)
+	}
+	st.desired = p
+	a.apply(ctx, st, p, log)
+}
+
+func (a *Agent) apply(ctx context.Context, st *loopState, p *policy.Policy, log *slog.Logger) {
+	start := time.Now()
+	err := a.opts.Backend.Apply(ctx, p)
+	took := time.Since(start)
+	if err != nil {
+		if ctx.Err() != nil {
+			return // shutting down: the datapath stays as it is
+		}
+		st.failed = true
+		st.backoff = min(max(2*st.backoff, a.opts.RetryMin), a.opts.RetryMax)
+		a.mu.Lock()
+		a.stats.ApplyErrors++
+		if !a.stats.Ready {
+			a.notReady = "apply failed: " + err.Error()
+		}
+		a.mu.Unlock()
+		log.Error("apply failed; retrying", "error", err, "retryIn", st.backoff)
+		return
+	}
+	changed := !reflect.DeepEqual(p, st.applied)
+	st.applied, st.failed, st.backoff = p, false, 0
+	a.mu.Lock()
+	a.stats.Applies++
+	a.stats.LastApply = time.Now()
+	first := !a.stats.Ready
+	a.stats.Ready, a.notReady = true, ""
+	a.mu.Unlock()
+	level := slog.LevelDebug
+	if changed || first {
+		level = slog.LevelInfo
+	}
+	log.Log(ctx, level, "policy applied", "ipv4Rules", len(p.IPv4), "ipv6Rules", len(p.IPv6),
+		"ipv6", p.EnableIPv6, "took", took)
+}
+
+func (a *Agent) healthz(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	fmt.Fprintln(w, "ok")
+}
+
+func (a *Agent) readyz(w http.ResponseWriter, _ *http.Request) {
+	a.mu.Lock()
+	ready, why := a.stats.Ready, a.notReady
+	a.mu.Unlock()
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	if !ready {
+		w.WriteHeader(http.StatusServiceUnavailable)
+		fmt.Fprintln(w, "not ready:", why)
+		return
+	}
+	fmt.Fprintln(w, "ok")
+}

@@ -1,0 +1,366 @@
+package iptables
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"regexp"
+	"strconv"
+	"strings"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// Name is the backend's name on the command line.
+const Name = "iptables"
+
+// probeChain is a throwaway chain used once to ask the kernel whether it accepts
+// MASQUERADE --random-fully. It is removed right after.
+const probeChain = "IP-MASQ-AGENT-PROBE"
+
+// Options configure a Backend.
+type Options struct {
+	// Chain is the nat chain the policy lives in (--masq-chain); empty means DefaultChain.
+	Chain string
+	// Mode forces iptables-legacy or iptables-nft; empty detects it with DetectMode.
+	Mode Mode
+	// Runner runs the tools; nil means ExecRunner with DefaultTimeout.
+	Runner Runner
+	// Logger receives the backend's logs; nil discards them.
+	Logger *slog.Logger
+}
+
+// Backend is the iptables datapath: the policy as one nat chain per family, hooked from
+// POSTROUTING, each family applied with one iptables-restore --noflush transaction.
+type Backend struct {
+	chain  string
+	mode   Mode
+	runner Runner
+	log    *slog.Logger
+
+	tools map[policy.Family]*tools
+	// randomFully caches, per family, whether the tools and the kernel accept --random-fully.
+	randomFully map[policy.Family]bool
+	// applied is, per family, the policy the last successful Apply installed (with the settings
+	// the node could not honour dropped), for Counters.
+	applied map[policy.Family]*policy.Policy
+	// staleIPv6Checked is set once the first Apply without IPv6 removed what an earlier run
+	// with --enable-ipv6 left behind.
+	staleIPv6Checked bool
+}
+
+var _ datapath.Backend = (*Backend)(nil)
+
+// New returns a backend for the node: it chooses the iptables mode and checks that the IPv4
+// tools are installed. It changes nothing.
+func New(ctx context.Context, opts Options) (*Backend, error) {
+	b := &Backend{chain: opts.Chain, mode: opts.Mode, runner: opts.Runner, log: opts.Logger,
+		tools: map[policy.Family]*tools{}, randomFully: map[policy.Family]bool{}}
+	if b.chain == "" {
+		b.chain = DefaultChain
+	}
+	if err := ValidateChain(b.chain); err != nil {
+		return nil, err
+	}
+	if b.runner == nil {
+		b.runner = ExecRunner{}
+	}
+	if b.log == nil {
+		b.log = slog.New(slog.DiscardHandler)
+	}
+	b.log = b.log.With("component", "iptables")
+	if b.mode == "" {
+		choice, err := DetectMode(ctx, b.runner)
+		if err != nil {
+			return nil, err
+		}
+		b.mode = choice.Mode
+		b.log.Info("iptables mode chosen", "mode", b.mode, "reason", choice.Reason)
+	}
+	if _, err := b.toolsFor(ctx, policy.IPv4); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// Name implements datapath.Backend.
+func (b *Backend) Name() string { return Name }
+
+// Mode is the iptables mode the backend uses.
+func (b *Backend) Mode() Mode { return b.mode }
+
+// Chain is the nat chain the backend manages.
+func (b *Backend) Chain() string { return b.chain }
+
+func (b *Backend) toolsFor(ctx context.Context, fam policy.Family) (*tools, error) {
+	if t, ok := b.tools[fam]; ok {
+		return t, nil
+	}
+	t, err := resolveTools(ctx, b.runner, b.mode, fam)
+	if err != nil {
+		return nil, err
+	}
+	b.tools[fam] = t
+	return t, nil
+}
+
+// Apply implements datapath.Backend: per family, one iptables-restore --noflush transaction
+// that declares (and so flushes) the chain, refills it and, when missing, adds the POSTROUTING
+// jump. With IPv6 disabled, the first Apply removes an IPv6 chain and jump left by an earlier
+// run with --enable-ipv6, so that no stale IPv6 policy stays in force unmanaged.
+func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
+	families := []policy.Family{policy.IPv4}
+	if p.EnableIPv6 {
+		families = append(families, policy.IPv6)
+	} else if !b.staleIPv6Checked {
+		if err := b.removeStale(ctx, policy.IPv6); err != nil {
+			// Not fatal: IPv6 is not managed, and the kernel may lack it altogether.
+			b.log.Warn("could not remove a stale IPv6 chain", "error", err)
+		}
+		b.staleIPv6Checked = true
+	}
+	applied := map[policy.Family]*policy.Policy{}
+	for _, fam := range families {
+		fp := *p
+		if fp.RandomFully && !b.supportsRandomFully(ctx, fam) {
+			fp.RandomFully = false
+		}
+		if err := b.applyFamily(ctx, &fp, fam); err != nil {
+			return err
+		}
+		applied[fam] = &fp
+	}
+	b.applied = applied
+	return nil
+}
+
+func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.Family) error {
+	t, err := b.toolsFor(ctx, fam)
+	if err != nil {
+		return err
+	}
+	nat, err := b.save(ctx, t, "-t", "nat")
+	if err != nil {
+		return err
+	}
+	withJump := !nat.HasRule(JumpRule(b.chain))
+	payload := Render(p, fam, b.chain, withJump)
+	if err := b.restore(ctx, t, payload); err != nil {
+		return fmt.Errorf("apply %s chain %s: %w", fam, b.chain, err)
+	}
+	b.log.Debug("chain applied", "family", fam, "rules", len(p.Rules(fam)), "jumpAdded", withJump)
+	return nil
+}
+
+// save runs the family's iptables-save and returns its nat table.
+func (b *Backend) save(ctx context.Context, t *tools, args ...string) (*Table, error) {
+	out, err := b.runner.Run(ctx, nil, t.save, args...)
+	if err != nil {
+		return nil, fmt.Errorf("read nat table: %w", err)
+	}
+	return ParseSave(out, "nat")
+}
+
+var failedLineRE = regexp.MustCompile(`line:? (\d+)`)
+
+// restore runs one iptables-restore --noflush transaction. Its error carries iptables' own
+// message and, when iptables names a line, that line of the payload.
+func (b *Backend) restore(ctx context.Context, t *tools, payload []byte) error {
+	args := []string{"--noflush"}
+	if t.atLeast(1, 6, 2) {
+		args = append(args, "--wait") // older restores have no --wait
+	}
+	_, err := b.runner.Run(ctx, payload, t.restore, args...)
+	if err == nil {
+		return nil
+	}
+	var ee *ExecError
+	if errors.As(err, &ee) {
+		if m := failedLineRE.FindStringSubmatch(ee.Stderr); m != nil {
+			n, _ := strconv.Atoi(m[1])
+			lines := strings.Split(string(payload), "\n")
+			if n >= 1 && n <= len(lines) {
+				return fmt.Errorf("%w (payload line %d: %s)", err, n, lines[n-1])
+			}
+		}
+	}
+	return err
+}
+
+// supportsRandomFully reports whether --random-fully can be used: iptables 1.6.2 or newer, and a
+// kernel that accepts it, probed once per family with a throwaway chain.
+func (b *Backend) supportsRandomFully(ctx context.Context, fam policy.Family) bool {
+	if ok, done := b.randomFully[fam]; done {
+		return ok
+	}
+	t, err := b.toolsFor(ctx, fam)
+	if err != nil {
+		return false // Apply reports the missing tools
+	}
+	if !t.atLeast(1, 6, 2) {
+		b.log.Warn("iptables is older than 1.6.2 and has no --random-fully; masquerading without it",
+			"family", fam, "tool", t.restore, "version", fmt.Sprintf("%d.%d.%d", t.version[0], t.version[1], t.version[2]))
+		b.randomFully[fam] = false
+		return false
+	}
+	probe := fmt.Sprintf("*nat\n:%s - [0:0]\n-A %s -j MASQUERADE --random-fully\nCOMMIT\n", probeChain, probeChain)
+	perr := b.restore(ctx, t, []byte(probe))
+	// Remove the probe chain whatever happened; declaring it first makes the removal valid
+	// even when the probe never created it.
+	if err := b.restore(ctx, t, []byte(fmt.Sprintf("*nat\n:%s - [0:0]\n-X %s\nCOMMIT\n", probeChain, probeChain))); err != nil {
+		b.log.Warn("could not remove the --random-fully probe chain", "family", fam, "chain", probeChain, "error", err)
+	}
+	if perr != nil {
+		if ctx.Err() != nil {
+			return false // cancelled: decide on a later call
+		}
+		b.log.Warn("the kernel rejects MASQUERADE --random-fully; masquerading without it", "family", fam, "error", perr)
+		b.randomFully[fam] = false
+		return false
+	}
+	b.randomFully[fam] = true
+	return true
+}
+
+// Counters implements datapath.Backend: the rule counters of iptables-save -c, mapped back to
+// the policy rules through the lines Render produced for them.
+func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
+	var out []datapath.RuleCounter
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		p, ok := b.applied[fam]
+		if !ok {
+			continue
+		}
+		t, err := b.toolsFor(ctx, fam)
+		if err != nil {
+			return nil, err
+		}
+		nat, err := b.save(ctx, t, "-c", "-t", "nat")
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, matchCounters(p, fam, b.chain, nat.ChainRules(b.chain))...)
+	}
+	return out, nil
+}
+
+// matchCounters sums the live lines' counters per policy rule. Each expected line takes the first
+// unused live line with the same text, so duplicate rules each find their own line.
+func matchCounters(p *policy.Policy, fam policy.Family, chain string, live []SavedRule) []datapath.RuleCounter {
+	used := make([]bool, len(live))
+	var out []datapath.RuleCounter
+	index := map[int]int{} // rule number -> position in out
+	missing := map[int]bool{}
+	for _, l := range ChainLines(p, fam, chain) {
+		found := -1
+		for i, r := range live {
+			if !used[i] && r.Text == l.Text {
+				found = i
+				break
+			}
+		}
+		if found < 0 {
+			missing[l.Rule.Number] = true
+			continue
+		}
+		used[found] = true
+		i, ok := index[l.Rule.Number]
+		if !ok {
+			i = len(out)
+			index[l.Rule.Number] = i
+			out = append(out, datapath.RuleCounter{Family: fam, Rule: l.Rule.Number, Prefix: l.Rule.Prefix, Action: l.Rule.Action})
+		}
+		out[i].Packets += live[found].Packets
+		out[i].Bytes += live[found].Bytes
+	}
+	// A rule with any of its lines missing is not (fully) installed: leave it out.
+	kept := out[:0]
+	for _, c := range out {
+		if !missing[c.Rule] {
+			kept = append(kept, c)
+		}
+	}
+	return kept
+}
+
+// Cleanup implements datapath.Backend: in both modes whose tools are installed and for both
+// families, every rule that jumps to the chain is deleted and the chain removed, in one
+// transaction per mode and family. Nothing to remove is not an error.
+func (b *Backend) Cleanup(ctx context.Context) error {
+	var errs []error
+	for _, mode := range []Mode{b.mode, otherMode(b.mode)} {
+		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+			t, err := resolveTools(ctx, b.runner, mode, fam)
+			if err != nil {
+				b.log.Debug("no tools, nothing to clean up", "mode", mode, "family", fam)
+				continue
+			}
+			if err := b.removeChains(ctx, t); err != nil {
+				if mode == b.mode && fam == policy.IPv4 {
+					errs = append(errs, fmt.Errorf("clean up %s %s: %w", mode, fam, err))
+					continue
+				}
+				// The kernel may lack IPv6 or the other mode altogether.
+				b.log.Warn("could not clean up", "mode", mode, "family", fam, "error", err)
+			}
+		}
+	}
+	b.applied = nil
+	return errors.Join(errs...)
+}
+
+// removeStale removes the chain of a family in the backend's own mode.
+func (b *Backend) removeStale(ctx context.Context, fam policy.Family) error {
+	t, err := resolveTools(ctx, b.runner, b.mode, fam)
+	if err != nil {
+		var missing *MissingToolsError
+		if errors.As(err, &missing) {
+			return nil // nothing can have been installed with tools that are not there
+		}
+		return err
+	}
+	return b.removeChains(ctx, t)
+}
+
+// removeChains deletes the rules that target the backend's chains (the policy chain and a
+// leftover probe chain) and the chains themselves, in one transaction, if there are any. It
+// reads the dump without -t so that a legacy table nobody uses is not created by reading it.
+func (b *Backend) removeChains(ctx context.Context, t *tools) error {
+	nat, err := b.save(ctx, t)
+	if err != nil {
+		return err
+	}
+	var payload strings.Builder
+	var removed []string
+	jumps := 0
+	for _, chain := range []string{b.chain, probeChain} {
+		refs := nat.RulesTargeting(chain)
+		if len(refs) == 0 && !nat.HasChain(chain) {
+			continue
+		}
+		for _, r := range refs {
+			payload.WriteString("-D" + strings.TrimPrefix(r.Text, "-A") + "\n")
+		}
+		// Declaring the chain flushes it (or creates it, so that -X is valid either way).
+		fmt.Fprintf(&payload, ":%s - [0:0]\n-X %s\n", chain, chain)
+		removed = append(removed, chain)
+		jumps += len(refs)
+	}
+	if len(removed) == 0 {
+		return nil
+	}
+	if err := b.restore(ctx, t, []byte("*nat\n"+payload.String()+"COMMIT\n")); err != nil {
+		return fmt.Errorf("remove chain %s: %w", strings.Join(removed, ", "), err)
+	}
+	b.log.Info("removed chain", "tool", t.restore, "chains", removed, "jumps", jumps)
+	return nil
+}
+
+func otherMode(m Mode) Mode {
+	if m == ModeNFT {
+		return ModeLegacy
+	}
+	return ModeNFT
+}

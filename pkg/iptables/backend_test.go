@@ -1,0 +1,496 @@
+package iptables
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+func testPolicy(t *testing.T, doc string, opts policy.Options) *policy.Policy {
+	t.Helper()
+	cfg, err := config.Parse([]byte(doc), config.Options{EnableIPv6: opts.EnableIPv6})
+	if err != nil {
+		t.Fatalf("parse config: %v", err)
+	}
+	return policy.Compile(cfg, opts)
+}
+
+func newFakeBackend(t *testing.T, f *fakeIptables) *Backend {
+	t.Helper()
+	b, err := New(context.Background(), Options{Runner: f})
+	if err != nil {
+		t.Fatalf("new backend: %v", err)
+	}
+	return b
+}
+
+func lineTexts(p *policy.Policy, fam policy.Family) []string {
+	var out []string
+	for _, l := range ChainLines(p, fam, DefaultChain) {
+		out = append(out, l.Text)
+	}
+	return out
+}
+
+func TestApplyInstallsChainAndJumpOnce(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeIptables()
+	b := newFakeBackend(t, f)
+	if b.Mode() != ModeNFT {
+		t.Fatalf("mode = %s, want nft on a node without rules", b.Mode())
+	}
+	p := testPolicy(t, "masqueradeCIDRs: [10.10.10.10/32]", policy.Options{RandomFully: true})
+	for i := range 3 {
+		if err := b.Apply(ctx, p); err != nil {
+			t.Fatalf("apply #%d: %v", i+1, err)
+		}
+	}
+	if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(p, policy.IPv4); !slices.Equal(got, want) {
+		t.Errorf("chain:\n got %q\nwant %q", got, want)
+	}
+	if got, want := f.chainTexts(ModeNFT, policy.IPv4, "POSTROUTING"), []string{JumpRule(DefaultChain)}; !slices.Equal(got, want) {
+		t.Errorf("POSTROUTING = %q, want exactly one jump %q", got, want)
+	}
+	var withJump int
+	for _, payload := range f.restores() {
+		if strings.Contains(payload, JumpRule(DefaultChain)) {
+			withJump++
+		}
+	}
+	if withJump != 1 {
+		t.Errorf("%d payloads carried the jump, want only the first", withJump)
+	}
+	if len(f.stack(ModeLegacy, policy.IPv4).tables) != 0 {
+		t.Errorf("apply in nft mode touched legacy tables")
+	}
+}
+
+func TestApplyReplacesAndHealsDrift(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeIptables()
+	b := newFakeBackend(t, f)
+	first := testPolicy(t, "nonMasqueradeCIDRs: [10.0.0.0/8, 100.64.0.0/10]", policy.Options{})
+	second := testPolicy(t, "nonMasqueradeCIDRs: [192.168.0.0/16]\nmasqLinkLocal: true", policy.Options{})
+	if err := b.Apply(ctx, first); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Apply(ctx, second); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(second, policy.IPv4); !slices.Equal(got, want) {
+		t.Fatalf("after a new policy the chain is\n %q\nwant\n %q", got, want)
+	}
+	// Someone flushes the chain and deletes the jump; the next apply (the resync) repairs both.
+	nat := f.nat(ModeNFT, policy.IPv4)
+	nat.rules[DefaultChain] = nil
+	nat.rules["POSTROUTING"] = nil
+	if err := b.Apply(ctx, second); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(second, policy.IPv4); !slices.Equal(got, want) {
+		t.Errorf("drift not healed: chain %q, want %q", got, want)
+	}
+	if got := f.chainTexts(ModeNFT, policy.IPv4, "POSTROUTING"); !slices.Equal(got, []string{JumpRule(DefaultChain)}) {
+		t.Errorf("drift not healed: POSTROUTING %q", got)
+	}
+}
+
+func TestApplyIPv6(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeIptables()
+	b := newFakeBackend(t, f)
+	p := testPolicy(t, "nonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]", policy.Options{EnableIPv6: true})
+	if err := b.Apply(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := f.chainTexts(ModeNFT, policy.IPv6, DefaultChain), lineTexts(p, policy.IPv6); !slices.Equal(got, want) {
+		t.Errorf("IPv6 chain %q, want %q", got, want)
+	}
+	if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(p, policy.IPv4); !slices.Equal(got, want) {
+		t.Errorf("IPv4 chain %q, want %q", got, want)
+	}
+
+	// A later run without --enable-ipv6 removes the IPv6 chain and jump it no longer manages.
+	b2 := newFakeBackend(t, f)
+	v4only := testPolicy(t, "", policy.Options{})
+	if err := b2.Apply(ctx, v4only); err != nil {
+		t.Fatal(err)
+	}
+	nat6 := f.nat(ModeNFT, policy.IPv6)
+	if nat6.has(DefaultChain) || len(nat6.rules["POSTROUTING"]) != 0 {
+		t.Errorf("stale IPv6 chain left: chains %q, POSTROUTING %+v", nat6.chains, nat6.rules["POSTROUTING"])
+	}
+	// The check runs once per process, not on every resync.
+	before := len(f.calls)
+	if err := b2.Apply(ctx, v4only); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range f.calls[before:] {
+		if strings.HasPrefix(c.name, "ip6tables") {
+			t.Errorf("second apply without IPv6 ran %s", c.name)
+		}
+	}
+}
+
+func TestApplyIPv6MissingTools(t *testing.T) {
+	f := newFakeIptables()
+	for _, n := range []string{"ip6tables-nft-save", "ip6tables-nft-restore", "ip6tables-save", "ip6tables-restore"} {
+		delete(f.installed, n)
+	}
+	b := newFakeBackend(t, f)
+	err := b.Apply(context.Background(), testPolicy(t, "", policy.Options{EnableIPv6: true}))
+	var missing *MissingToolsError
+	if !errors.As(err, &missing) || !strings.Contains(err.Error(), `install the "iptables" package`) || !strings.Contains(err.Error(), "ip6tables-nft-restore") {
+		t.Fatalf("err = %v, want a MissingToolsError naming ip6tables-nft-restore and the package", err)
+	}
+}
+
+func TestNewMissingTools(t *testing.T) {
+	f := newFakeIptables()
+	f.installed = map[string]bool{}
+	_, err := New(context.Background(), Options{Runner: f})
+	if err == nil || !strings.Contains(err.Error(), "apt-get install iptables") {
+		t.Fatalf("err = %v, want one naming the package to install", err)
+	}
+	// Only the plain tools, and they are legacy: a forced nft mode finds nothing.
+	f = newFakeIptables()
+	for n := range f.installed {
+		if strings.Contains(n, "-nft") {
+			delete(f.installed, n)
+		}
+	}
+	_, err = New(context.Background(), Options{Runner: f, Mode: ModeLegacy})
+	if err != nil {
+		t.Fatalf("legacy tools are installed: %v", err)
+	}
+}
+
+func TestRandomFullyFallback(t *testing.T) {
+	ctx := context.Background()
+	p := testPolicy(t, "", policy.Options{RandomFully: true})
+	noRandom := *p
+	noRandom.RandomFully = false
+
+	t.Run("kernel rejects it", func(t *testing.T) {
+		f := newFakeIptables()
+		f.rejectRandomFully = true
+		b := newFakeBackend(t, f)
+		if err := b.Apply(ctx, p); err != nil {
+			t.Fatal(err)
+		}
+		if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(&noRandom, policy.IPv4); !slices.Equal(got, want) {
+			t.Errorf("chain %q, want %q", got, want)
+		}
+		if f.nat(ModeNFT, policy.IPv4).has(probeChain) {
+			t.Errorf("probe chain left behind")
+		}
+		// The probe runs once.
+		n := len(f.restores())
+		if err := b.Apply(ctx, p); err != nil {
+			t.Fatal(err)
+		}
+		if got := len(f.restores()) - n; got != 1 {
+			t.Errorf("second apply ran %d restores, want 1 (no new probe)", got)
+		}
+	})
+	t.Run("iptables too old", func(t *testing.T) {
+		f := newFakeIptables()
+		f.version = "v1.6.1"
+		b := newFakeBackend(t, f)
+		if err := b.Apply(ctx, p); err != nil {
+			t.Fatal(err)
+		}
+		if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(&noRandom, policy.IPv4); !slices.Equal(got, want) {
+			t.Errorf("chain %q, want %q", got, want)
+		}
+		for _, c := range f.calls {
+			if slices.Contains(c.args, "--wait") {
+				t.Errorf("%s got --wait, which 1.6.1 does not know", c.name)
+			}
+		}
+	})
+	t.Run("supported", func(t *testing.T) {
+		f := newFakeIptables()
+		b := newFakeBackend(t, f)
+		if err := b.Apply(ctx, p); err != nil {
+			t.Fatal(err)
+		}
+		if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(p, policy.IPv4); !slices.Equal(got, want) {
+			t.Errorf("chain %q, want %q", got, want)
+		}
+		if f.nat(ModeNFT, policy.IPv4).has(probeChain) {
+			t.Errorf("probe chain left behind")
+		}
+	})
+}
+
+func TestRestoreErrorCarriesIptablesMessage(t *testing.T) {
+	f := newFakeIptables()
+	b := newFakeBackend(t, f)
+	f.failRestore = DefaultChain
+	err := b.Apply(context.Background(), testPolicy(t, "", policy.Options{}))
+	if err == nil {
+		t.Fatal("apply succeeded although iptables-restore failed")
+	}
+	for _, want := range []string{
+		"iptables-restore: line 2 failed: No chain/target/match by that name.",
+		"payload line 2: :IP-MASQ-AGENT - [0:0]",
+		"apply ipv4 chain IP-MASQ-AGENT",
+	} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not contain %q", err, want)
+		}
+	}
+	if strings.Contains(err.Error(), "Try `") {
+		t.Errorf("error keeps iptables' usage hint: %q", err)
+	}
+	// Nothing was half-applied.
+	if f.nat(ModeNFT, policy.IPv4).has(DefaultChain) {
+		t.Errorf("failed transaction left the chain behind")
+	}
+}
+
+func TestDetectMode(t *testing.T) {
+	ctx := context.Background()
+	addRules := func(f *fakeIptables, mode Mode, fam policy.Family, n int) {
+		nat := f.nat(mode, fam)
+		for i := range n {
+			nat.rules["POSTROUTING"] = append(nat.rules["POSTROUTING"], fakeRule{text: "-A POSTROUTING -s 10.0.0." + string(rune('0'+i)) + "/32 -j RETURN"})
+		}
+	}
+	tests := []struct {
+		name  string
+		setup func(f *fakeIptables)
+		want  Mode
+	}{
+		{"nothing anywhere", func(*fakeIptables) {}, ModeNFT},
+		{"legacy holds more rules", func(f *fakeIptables) {
+			addRules(f, ModeLegacy, policy.IPv4, 2)
+			addRules(f, ModeLegacy, policy.IPv6, 2)
+			addRules(f, ModeNFT, policy.IPv4, 3)
+		}, ModeLegacy},
+		{"equal counts", func(f *fakeIptables) {
+			addRules(f, ModeLegacy, policy.IPv4, 2)
+			addRules(f, ModeNFT, policy.IPv6, 2)
+		}, ModeNFT},
+		{"kubelet hint beats counts", func(f *fakeIptables) {
+			addRules(f, ModeNFT, policy.IPv4, 5)
+			f.stack(ModeLegacy, policy.IPv4).tables["mangle"] = newFakeTable("PREROUTING", kubeletHintChain)
+		}, ModeLegacy},
+		{"only legacy tools", func(f *fakeIptables) {
+			for n := range f.installed {
+				if strings.Contains(n, "-nft") {
+					delete(f.installed, n)
+				}
+				// the plain names are nft in the fake; without nft they go too
+				if !strings.Contains(n, "-legacy") {
+					delete(f.installed, n)
+				}
+			}
+		}, ModeLegacy},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFakeIptables()
+			tc.setup(f)
+			got, err := DetectMode(ctx, f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got.Mode != tc.want {
+				t.Errorf("mode %s (%s), want %s", got.Mode, got.Reason, tc.want)
+			}
+			for _, c := range f.calls {
+				if slices.Contains(c.args, "-t") {
+					t.Errorf("detection ran %s %q: naming a table loads it", c.name, c.args)
+				}
+			}
+		})
+	}
+}
+
+func TestCounters(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeIptables()
+	b := newFakeBackend(t, f)
+	if c, err := b.Counters(ctx); err != nil || c != nil {
+		t.Fatalf("counters before apply = %v, %v; want none", c, err)
+	}
+	ports, err := policy.ParsePortRanges("40000-40999,50000-50999")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := testPolicy(t, "nonMasqueradeCIDRs: [10.0.0.0/8, 10.0.0.0/8, fc00::/7]", policy.Options{EnableIPv6: true, ToPorts: ports})
+	if err := b.Apply(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	// Give every live line distinct counters: line i gets i+1 packets and 100*(i+1) bytes.
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		rules := f.nat(ModeNFT, fam).rules[DefaultChain]
+		for i := range rules {
+			rules[i].packets, rules[i].bytes = uint64(i+1), uint64(100*(i+1))
+		}
+	}
+	got, err := b.Counters(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Expected: per policy rule, the sum over its lines, in policy order.
+	var want []datapath.RuleCounter
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		line := 0
+		for _, r := range p.Rules(fam) {
+			c := datapath.RuleCounter{Family: fam, Rule: r.Number, Prefix: r.Prefix, Action: r.Action}
+			n := 1
+			if r.Action == policy.Masquerade {
+				n = 3*2 + 1 // tcp, udp, sctp per port range, plus the portless line
+			}
+			for range n {
+				line++
+				c.Packets += uint64(line)
+				c.Bytes += uint64(100 * line)
+			}
+			want = append(want, c)
+		}
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("counters\n got %+v\nwant %+v", got, want)
+	}
+	// The duplicate 10.0.0.0/8 rules (IPv4 #2 and #3) got their own lines: 2 and 3 packets.
+	if got[1].Packets != 2 || got[2].Packets != 3 {
+		t.Errorf("duplicate rules share a line: %+v %+v", got[1], got[2])
+	}
+
+	// A rule deleted behind the agent's back is left out, not reported as zero.
+	nat := f.nat(ModeNFT, policy.IPv4)
+	nat.rules[DefaultChain] = nat.rules[DefaultChain][1:]
+	got, err = b.Counters(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range got {
+		if c.Family == policy.IPv4 && c.Rule == 1 {
+			t.Errorf("missing rule reported: %+v", c)
+		}
+	}
+	if len(got) != len(want)-1 {
+		t.Errorf("%d counters, want %d", len(got), len(want)-1)
+	}
+	if got[0].Prefix != netip.MustParsePrefix("10.0.0.0/8") || got[0].Packets != 2 {
+		t.Errorf("first counter after drift = %+v", got[0])
+	}
+}
+
+func TestCleanup(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeIptables()
+	b := newFakeBackend(t, f)
+	if err := b.Apply(ctx, testPolicy(t, "", policy.Options{EnableIPv6: true, RandomFully: true})); err != nil {
+		t.Fatal(err)
+	}
+	// An earlier run in legacy mode left a chain there too, and someone duplicated the jump.
+	legacy := f.nat(ModeLegacy, policy.IPv4)
+	legacy.chains = append(legacy.chains, DefaultChain)
+	legacy.rules[DefaultChain] = []fakeRule{{text: "-A IP-MASQ-AGENT -j MASQUERADE"}}
+	legacy.rules["POSTROUTING"] = []fakeRule{{text: JumpRule(DefaultChain)}, {text: "-A POSTROUTING -j ACCEPT"}, {text: JumpRule(DefaultChain)}}
+	// Something unrelated stays.
+	nft := f.nat(ModeNFT, policy.IPv4)
+	nft.rules["POSTROUTING"] = append(nft.rules["POSTROUTING"], fakeRule{text: "-A POSTROUTING -s 10.0.0.0/8 -j RETURN"})
+
+	for i := range 2 {
+		if err := b.Cleanup(ctx); err != nil {
+			t.Fatalf("cleanup #%d: %v", i+1, err)
+		}
+		for key, s := range f.stacks {
+			nat := s.tables["nat"]
+			if nat == nil {
+				continue
+			}
+			if nat.has(DefaultChain) || nat.has(probeChain) {
+				t.Errorf("cleanup #%d: %s still has a chain: %q", i+1, key, nat.chains)
+			}
+			for _, r := range nat.rules["POSTROUTING"] {
+				if strings.Contains(r.text, "-j "+DefaultChain) {
+					t.Errorf("cleanup #%d: %s still jumps: %q", i+1, key, r.text)
+				}
+			}
+		}
+	}
+	if got := f.chainTexts(ModeNFT, policy.IPv4, "POSTROUTING"); !slices.Equal(got, []string{"-A POSTROUTING -s 10.0.0.0/8 -j RETURN"}) {
+		t.Errorf("cleanup touched other rules: %q", got)
+	}
+	if got := f.chainTexts(ModeLegacy, policy.IPv4, "POSTROUTING"); !slices.Equal(got, []string{"-A POSTROUTING -j ACCEPT"}) {
+		t.Errorf("cleanup touched other legacy rules: %q", got)
+	}
+	// The second cleanup found nothing and so restored nothing.
+	n := len(f.restores())
+	if err := b.Cleanup(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if len(f.restores()) != n {
+		t.Errorf("cleanup with nothing installed ran iptables-restore")
+	}
+	if c, err := b.Counters(ctx); err != nil || c != nil {
+		t.Errorf("counters after cleanup = %v, %v; want none", c, err)
+	}
+	// Cleaning up never creates a legacy IPv6 table that nobody used.
+	if len(f.stack(ModeLegacy, policy.IPv6).tables) != 0 {
+		t.Errorf("cleanup created legacy IPv6 tables")
+	}
+}
+
+func TestParseSave(t *testing.T) {
+	out := `# Generated by iptables-save v1.8.9 (nf_tables) on Mon Nov 30 04:15:06 2026
+*filter
+:INPUT ACCEPT [0:0]
+-A INPUT -j ACCEPT
+COMMIT
+*nat
+:PREROUTING ACCEPT [0:0]
+:POSTROUTING ACCEPT [3:180]
+:IP-MASQ-AGENT - [0:0]
+[1:60] -A POSTROUTING -m comment --comment j -m addrtype ! --dst-type LOCAL -j IP-MASQ-AGENT
+[0:0] -A IP-MASQ-AGENT -d 169.254.0.0/16 -m comment --comment "x y" -j RETURN
+[18446744073709551615:7] -A IP-MASQ-AGENT -m comment --comment o -j MASQUERADE --random-fully
+COMMIT
+`
+	nat, err := ParseSave([]byte(out), "nat")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(nat.Chains, []string{"PREROUTING", "POSTROUTING", "IP-MASQ-AGENT"}) {
+		t.Errorf("chains %q", nat.Chains)
+	}
+	rules := nat.ChainRules("IP-MASQ-AGENT")
+	want := []SavedRule{
+		{Chain: "IP-MASQ-AGENT", Text: `-A IP-MASQ-AGENT -d 169.254.0.0/16 -m comment --comment "x y" -j RETURN`},
+		{Chain: "IP-MASQ-AGENT", Text: "-A IP-MASQ-AGENT -m comment --comment o -j MASQUERADE --random-fully", Packets: 1<<64 - 1, Bytes: 7},
+	}
+	if !slices.Equal(rules, want) {
+		t.Errorf("rules\n got %+v\nwant %+v", rules, want)
+	}
+	if refs := nat.RulesTargeting("IP-MASQ-AGENT"); len(refs) != 1 || refs[0].Packets != 1 {
+		t.Errorf("targeting %+v", refs)
+	}
+	if len(nat.RulesTargeting("IP-MASQ")) != 0 {
+		t.Errorf("a chain name prefix matched")
+	}
+	if f, _ := ParseSave([]byte(out), "filter"); len(f.Rules) != 1 {
+		t.Errorf("filter table %+v", f)
+	}
+	if m, _ := ParseSave([]byte(out), "mangle"); len(m.Chains)+len(m.Rules) != 0 {
+		t.Errorf("absent table %+v", m)
+	}
+	for _, bad := range []string{"*nat\n[1:2 -A X\n", "*nat\n[x:2] -A X -j RETURN\n", "*nat\n-I X 1\n"} {
+		if _, err := ParseSave([]byte(bad), "nat"); err == nil {
+			t.Errorf("ParseSave(%q) succeeded", bad)
+		}
+	}
+}
