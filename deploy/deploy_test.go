@@ -1,0 +1,379 @@
+// Package deploy holds the Kubernetes manifests; its test decodes each of them strictly into the
+// API types and checks the invariants the agent relies on.
+package deploy
+
+import (
+	"bytes"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/yaml"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// Local types for the two non-core kinds, with only the fields this project writes: strict
+// decoding then still rejects any misspelt or misplaced field.
+type kustomization struct {
+	APIVersion string   `json:"apiVersion"`
+	Kind       string   `json:"kind"`
+	Namespace  string   `json:"namespace,omitempty"`
+	Resources  []string `json:"resources"`
+	Patches    []struct {
+		Target struct {
+			Kind string `json:"kind"`
+			Name string `json:"name"`
+		} `json:"target"`
+		Patch string `json:"patch"`
+	} `json:"patches,omitempty"`
+}
+
+type podMonitor struct {
+	APIVersion string            `json:"apiVersion"`
+	Kind       string            `json:"kind"`
+	Metadata   metav1.ObjectMeta `json:"metadata"`
+	Spec       struct {
+		Selector struct {
+			MatchLabels map[string]string `json:"matchLabels"`
+		} `json:"selector"`
+		PodMetricsEndpoints []struct {
+			Port        string `json:"port"`
+			Path        string `json:"path"`
+			Interval    string `json:"interval"`
+			Relabelings []struct {
+				SourceLabels []string `json:"sourceLabels"`
+				TargetLabel  string   `json:"targetLabel"`
+			} `json:"relabelings"`
+		} `json:"podMetricsEndpoints"`
+	} `json:"spec"`
+}
+
+type typeMeta struct {
+	APIVersion string `json:"apiVersion"`
+	Kind       string `json:"kind"`
+}
+
+// manifests decodes every YAML file under deploy/ strictly; unknown fields fail the test.
+func manifests(t *testing.T) map[string][]any {
+	t.Helper()
+	out := map[string][]any{}
+	err := filepath.WalkDir(".", func(path string, d os.DirEntry, err error) error {
+		if err != nil || d.IsDir() || filepath.Ext(path) != ".yaml" {
+			return err
+		}
+		data, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		for i, doc := range bytes.Split(data, []byte("\n---\n")) {
+			var tm typeMeta
+			if err := yaml.Unmarshal(doc, &tm); err != nil {
+				return fmt.Errorf("%s doc %d: %w", path, i, err)
+			}
+			var obj any
+			switch tm.APIVersion + "/" + tm.Kind {
+			case "apps/v1/DaemonSet":
+				obj = &appsv1.DaemonSet{}
+			case "v1/ConfigMap":
+				obj = &corev1.ConfigMap{}
+			case "v1/Service":
+				obj = &corev1.Service{}
+			case "kustomize.config.k8s.io/v1beta1/Kustomization":
+				obj = &kustomization{}
+			case "monitoring.coreos.com/v1/PodMonitor":
+				obj = &podMonitor{}
+			default:
+				return fmt.Errorf("%s doc %d: unexpected kind %s %s", path, i, tm.APIVersion, tm.Kind)
+			}
+			if err := yaml.UnmarshalStrict(doc, obj); err != nil {
+				return fmt.Errorf("%s doc %d: %w", path, i, err)
+			}
+			out[path] = append(out[path], obj)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func one[T any](t *testing.T, all map[string][]any, path string) T {
+	t.Helper()
+	objs := all[path]
+	if len(objs) != 1 {
+		t.Fatalf("%s: %d documents, want 1", path, len(objs))
+	}
+	obj, ok := objs[0].(T)
+	if !ok {
+		t.Fatalf("%s: %T", path, objs[0])
+	}
+	return obj
+}
+
+func TestManifestsDecodeStrictly(t *testing.T) {
+	all := manifests(t)
+	if len(all) < 10 {
+		t.Errorf("only %d manifest files found", len(all))
+	}
+	// Every kustomization resource exists.
+	for path, objs := range all {
+		k, ok := objs[0].(*kustomization)
+		if !ok {
+			continue
+		}
+		for _, r := range k.Resources {
+			if _, err := os.Stat(filepath.Join(filepath.Dir(path), r)); err != nil {
+				t.Errorf("%s: resource %s: %v", path, r, err)
+			}
+		}
+	}
+}
+
+// flagValue returns the value of --name=value in args.
+func flagValue(t *testing.T, args []string, name string) string {
+	t.Helper()
+	for _, a := range args {
+		if v, ok := strings.CutPrefix(a, "--"+name+"="); ok {
+			return v
+		}
+	}
+	t.Fatalf("args %q have no --%s=", args, name)
+	return ""
+}
+
+func TestDaemonSetInvariants(t *testing.T) {
+	all := manifests(t)
+	ds := one[*appsv1.DaemonSet](t, all, "base/daemonset.yaml")
+	spec := ds.Spec.Template.Spec
+	if !spec.HostNetwork {
+		t.Error("hostNetwork must be true: the agent works on the node's uplink")
+	}
+	if spec.PriorityClassName != "system-node-critical" {
+		t.Errorf("priorityClassName %q", spec.PriorityClassName)
+	}
+	if len(spec.Tolerations) != 1 || spec.Tolerations[0].Operator != corev1.TolerationOpExists || spec.Tolerations[0].Key != "" {
+		t.Errorf("tolerations %+v: want one that tolerates every taint", spec.Tolerations)
+	}
+	ru := ds.Spec.UpdateStrategy.RollingUpdate
+	if ds.Spec.UpdateStrategy.Type != appsv1.RollingUpdateDaemonSetStrategyType || ru == nil || ru.MaxSurge.IntValue() != 0 {
+		t.Errorf("update strategy %+v: want a rolling update without surge (one agent per node)", ds.Spec.UpdateStrategy)
+	}
+	if len(spec.Containers) != 1 {
+		t.Fatalf("%d containers", len(spec.Containers))
+	}
+	for _, c := range append(slices.Clone(spec.InitContainers), spec.Containers...) {
+		if sc := c.SecurityContext; sc == nil || (sc.Privileged != nil && *sc.Privileged) {
+			t.Errorf("container %s is privileged (or has no securityContext)", c.Name)
+		}
+	}
+	c := spec.Containers[0]
+	volumes := map[string]corev1.Volume{}
+	for _, v := range spec.Volumes {
+		volumes[v.Name] = v
+	}
+	mounts := map[string]corev1.VolumeMount{}
+	for _, m := range c.VolumeMounts {
+		mounts[m.Name] = m
+		if _, ok := volumes[m.Name]; !ok {
+			t.Errorf("mount %s has no volume", m.Name)
+		}
+	}
+
+	// bpffs: the host's /sys/fs/bpf at the path --bpffs names, seeing the host's mounts.
+	bpffs := flagValue(t, c.Args, "bpffs")
+	if v := volumes["bpffs"]; v.HostPath == nil || v.HostPath.Path != "/sys/fs/bpf" {
+		t.Errorf("bpffs volume %+v", v)
+	}
+	if m := mounts["bpffs"]; m.MountPath != bpffs || m.MountPropagation == nil || *m.MountPropagation != corev1.MountPropagationHostToContainer || m.ReadOnly {
+		t.Errorf("bpffs mount %+v: want %s, HostToContainer, writable", m, bpffs)
+	}
+
+	// The config: the ConfigMap's key lands exactly where --config (and the default) points.
+	cfgPath := flagValue(t, c.Args, "config")
+	if cfgPath != config.DefaultPath {
+		t.Errorf("--config=%s, the default is %s", cfgPath, config.DefaultPath)
+	}
+	cv := volumes["config"]
+	if cv.ConfigMap == nil || cv.ConfigMap.Name != "ip-masq-agent" || len(cv.ConfigMap.Items) != 1 || cv.ConfigMap.Optional == nil || !*cv.ConfigMap.Optional {
+		t.Fatalf("config volume %+v", cv)
+	}
+	if got := filepath.Join(mounts["config"].MountPath, cv.ConfigMap.Items[0].Path); got != cfgPath {
+		t.Errorf("config mounted at %s, --config is %s", got, cfgPath)
+	}
+	base := one[*corev1.ConfigMap](t, all, "base/configmap.yaml")
+	if _, ok := base.Data[cv.ConfigMap.Items[0].Key]; !ok {
+		t.Errorf("the base ConfigMap has no key %q", cv.ConfigMap.Items[0].Key)
+	}
+
+	// Probes and the metrics port.
+	_, port, err := net.SplitHostPort(flagValue(t, c.Args, "metrics-address"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.Ports) != 1 || fmt.Sprint(c.Ports[0].ContainerPort) != port || c.Ports[0].Name != "metrics" {
+		t.Errorf("ports %+v, metrics address port %s", c.Ports, port)
+	}
+	for name, probe := range map[string]*corev1.Probe{"/healthz": c.LivenessProbe, "/readyz": c.ReadinessProbe} {
+		if probe == nil || probe.HTTPGet == nil || probe.HTTPGet.Path != name || probe.HTTPGet.Port.String() != "metrics" {
+			t.Errorf("probe for %s: %+v", name, probe)
+		}
+	}
+	svc := one[*corev1.Service](t, all, "base/service.yaml")
+	if len(svc.Spec.Ports) != 1 || fmt.Sprint(svc.Spec.Ports[0].Port) != port || svc.Spec.Ports[0].TargetPort.String() != "metrics" {
+		t.Errorf("service ports %+v", svc.Spec.Ports)
+	}
+	pm := one[*podMonitor](t, all, "monitoring/podmonitor.yaml")
+	if len(pm.Spec.PodMetricsEndpoints) != 1 || pm.Spec.PodMetricsEndpoints[0].Port != "metrics" || pm.Spec.PodMetricsEndpoints[0].Path != "/metrics" {
+		t.Errorf("pod monitor endpoints %+v", pm.Spec.PodMetricsEndpoints)
+	}
+	for _, sel := range []map[string]string{pm.Spec.Selector.MatchLabels, svc.Spec.Selector, ds.Spec.Selector.MatchLabels} {
+		for k, v := range sel {
+			if ds.Spec.Template.Labels[k] != v {
+				t.Errorf("selector %v does not select the agent's pods %v", sel, ds.Spec.Template.Labels)
+			}
+		}
+	}
+
+	// Resources: requests and a memory limit.
+	if c.Resources.Requests.Cpu().IsZero() || c.Resources.Requests.Memory().IsZero() || c.Resources.Limits.Memory().IsZero() {
+		t.Errorf("resources %+v", c.Resources)
+	}
+
+	// Capabilities: all dropped, a few added back, each with a comment saying why.
+	sc := c.SecurityContext
+	if sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) {
+		t.Errorf("capabilities %+v: want drop ALL", sc.Capabilities)
+	}
+	if sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
+		t.Error("allowPrivilegeEscalation must be false")
+	}
+	raw, err := os.ReadFile("base/daemonset.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, capability := range sc.Capabilities.Add {
+		re := regexp.MustCompile(`#\s*` + string(capability) + `:.*\n(\s*#.*\n)*\s*- ` + string(capability) + `\n`)
+		if !re.Match(raw) {
+			t.Errorf("capability %s has no comment saying why it is needed", capability)
+		}
+	}
+	if got := AgentCapabilities(t); !slices.Equal(got, sc.Capabilities.Add) {
+		t.Errorf("AgentCapabilities = %v, manifest adds %v", got, sc.Capabilities.Add)
+	}
+}
+
+// AgentCapabilities is the capability set of the DaemonSet, which the end-to-end capability
+// test runs the agent with.
+func AgentCapabilities(t *testing.T) []corev1.Capability {
+	t.Helper()
+	ds := one[*appsv1.DaemonSet](t, manifests(t), "base/daemonset.yaml")
+	return ds.Spec.Template.Spec.Containers[0].SecurityContext.Capabilities.Add
+}
+
+// The handbook overlay adds the masq-agent-ds-ready node selector to the base DaemonSet.
+func TestReadyLabelOverlay(t *testing.T) {
+	all := manifests(t)
+	k := one[*kustomization](t, all, "overlays/masq-agent-ds-ready/kustomization.yaml")
+	if len(k.Patches) != 1 || k.Patches[0].Target.Kind != "DaemonSet" || k.Patches[0].Target.Name != "ip-masq-agent" {
+		t.Fatalf("patches %+v", k.Patches)
+	}
+	var ops []struct {
+		Op    string `json:"op"`
+		Path  string `json:"path"`
+		Value string `json:"value"`
+	}
+	if err := yaml.UnmarshalStrict([]byte(k.Patches[0].Patch), &ops); err != nil {
+		t.Fatal(err)
+	}
+	ds := one[*appsv1.DaemonSet](t, all, "base/daemonset.yaml")
+	const prefix = "/spec/template/spec/nodeSelector/"
+	if len(ops) != 1 || ops[0].Op != "add" || !strings.HasPrefix(ops[0].Path, prefix) {
+		t.Fatalf("patch %+v", ops)
+	}
+	// A JSON-patch "add" below nodeSelector needs nodeSelector to exist in the base.
+	if ds.Spec.Template.Spec.NodeSelector == nil {
+		t.Fatal("the base DaemonSet has no nodeSelector for the overlay to add to")
+	}
+	key := strings.NewReplacer("~1", "/", "~0", "~").Replace(strings.TrimPrefix(ops[0].Path, prefix))
+	if key != "beta.kubernetes.io/masq-agent-ds-ready" || ops[0].Value != "true" {
+		t.Errorf("overlay selects %s=%s", key, ops[0].Value)
+	}
+}
+
+// Each ConfigMap example parses and validates, equals the seed scenario's config that the
+// golden chain tests use, and gives the seed's verdicts for the seed's addresses.
+func TestConfigMapExamples(t *testing.T) {
+	all := manifests(t)
+	type verdict struct {
+		addr   string
+		action policy.Action
+	}
+	M, R := policy.Masquerade, policy.Return
+	examples := map[string]struct {
+		seed     string // config in pkg/iptables/testdata/seeds, "" for the defaults
+		verdicts []verdict
+	}{
+		"examples/configmap-defaults.yaml": {"", []verdict{
+			{"10.1.2.3", R}, {"172.16.0.1", R}, {"192.168.1.1", R}, {"169.254.169.254", R}, {"8.8.8.8", M}, {"100.64.0.1", M},
+		}},
+		"base/configmap.yaml": {"", []verdict{{"10.1.2.3", R}, {"8.8.8.8", M}}},
+		"examples/configmap-pod-identity.yaml": {"cce-pod-identity.yaml", []verdict{
+			{"10.1.2.3", R}, {"172.16.0.1", R}, {"100.64.230.9", R}, {"192.168.1.1", R}, {"169.254.169.254", R},
+			{"8.8.8.8", R}, // masqOutBound: false: the pod exits with its own address
+			{"fd00::1", R}, {"2001:4860:4860::8888", M},
+		}},
+		"examples/configmap-node-identity.yaml": {"cce-node-identity.yaml", []verdict{
+			{"10.1.2.3", R}, {"172.16.0.1", R}, {"100.64.230.9", R}, {"100.64.231.9", M}, {"8.8.8.8", M},
+			{"fd00::1", R}, {"2001:4860:4860::8888", M},
+		}},
+		"examples/configmap-some-destinations.yaml": {"cce-some-destinations.yaml", []verdict{
+			{"10.10.10.10", M}, // the service VIP that accepts only node addresses
+			{"10.10.10.11", R}, {"172.16.0.1", R}, {"8.8.8.8", R}, {"fd00::1", R}, {"2001:4860:4860::8888", M},
+		}},
+	}
+	for path, ex := range examples {
+		t.Run(path, func(t *testing.T) {
+			cm := one[*corev1.ConfigMap](t, all, path)
+			opts := config.Options{EnableIPv6: true}
+			cfg, err := config.Parse([]byte(cm.Data["config"]), opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := config.Default(opts)
+			if ex.seed != "" {
+				if want, err = config.Load(filepath.Join("..", "pkg", "iptables", "testdata", "seeds", ex.seed), opts); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if !bytes.Equal(cfg.Canonical(), want.Canonical()) {
+				t.Errorf("config %s\nwant     %s", cfg.Canonical(), want.Canonical())
+			}
+			p := policy.Compile(cfg, policy.Options{EnableIPv6: true})
+			for _, v := range ex.verdicts {
+				if got := p.Decide(netip.MustParseAddr(v.addr)); got.Action != v.action {
+					t.Errorf("%s: %v, want %v", v.addr, got.Action, v.action)
+				}
+			}
+		})
+	}
+	// Every example is covered above.
+	matches, _ := filepath.Glob("examples/*.yaml")
+	for _, m := range matches {
+		if _, ok := examples[m]; !ok {
+			t.Errorf("example %s is not checked", m)
+		}
+	}
+}
+
