@@ -376,4 +376,3 @@ func TestConfigMapExamples(t *testing.T) {
 		}
 	}
 }
-
