@@ -1,0 +1,114 @@
+/* Maps of the SNAT engine. Sizes marked "load time" are placeholders: the Go loader sets them
+ * (LoadOptions) before the maps are created. All maps are BTF-defined, so bpftool prints their
+ * keys and values by field. */
+#pragma once
+
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+
+#include "types.h"
+
+/* Policy: masqueradeCIDRs (rule 1 entries). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct lpm4_key);
+	__type(value, struct lpm_val);
+} masq_v4 SEC(".maps");
+
+/* Policy: link-local and nonMasqueradeCIDRs (rule 2 and 3 entries). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct lpm4_key);
+	__type(value, struct lpm_val);
+} nomasq_v4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct lpm6_key);
+	__type(value, struct lpm_val);
+} masq_v6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct lpm6_key);
+	__type(value, struct lpm_val);
+} nomasq_v6 SEC(".maps");
+
+/* Policy: rule 4 and the NAT settings, in entry 0. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct nat_config);
+} nat_config SEC(".maps");
+
+/* SNAT addresses by uplink ifindex. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 64);
+	__type(key, __u32);
+	__type(value, struct uplink);
+} uplink_snat SEC(".maps");
+
+/* Per-rule hit counters, indexed by counter slot. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1); /* load time */
+	__type(key, __u32);
+	__type(value, struct rule_stats);
+} rule_stats SEC(".maps");
+
+/* Which rule each counter slot belongs to (userspace bookkeeping, never read here). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1); /* load time */
+	__type(key, __u32);
+	__type(value, struct rule_slot);
+} rule_slots SEC(".maps");
+
+/* The NAT tables: both directions of every flow, bounded by LRU eviction. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct nat4_key);
+	__type(value, struct nat_entry);
+} nat_v4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct nat6_key);
+	__type(value, struct nat_entry);
+} nat_v6 SEC(".maps");
+
+/* Ports of the first fragment of IPv4 datagrams, for their later fragments. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct frag4_key);
+	__type(value, struct frag_ports);
+} frag_v4 SEC(".maps");
+
+/* Drop and event counters by reason (enum event). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, EV_MAX);
+	__type(key, enum event);
+	__type(value, __u64);
+} event_stats SEC(".maps");
+
+static __always_inline void event_add(__u32 ev, __u64 n)
+{
+	__u64 *c = bpf_map_lookup_elem(&event_stats, &ev);
+
+	if (c)
+		*c += n;
+}

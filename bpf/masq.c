@@ -1,0 +1,260 @@
+//go:build ignore
+
+/* The ip-masq-agent SNAT engine: tc programs for the egress and ingress of an uplink.
+ *
+ * Egress: a packet of a known flow is translated from the NAT table at once. A new flow from
+ * the uplink's own address is a host flow: recorded so no pod mapping takes its port. Any
+ * other new flow is classified by the policy tries; MASQUERADE gets a mapping to the uplink
+ * address and a port from the NAT range.
+ * Ingress: replies to a mapping are translated back; new flows toward pod addresses are
+ * recorded so their replies leave untouched; ICMP errors quoting a flow are translated. */
+
+#include <linux/bpf.h>
+#include <linux/pkt_cls.h>
+#include <bpf/bpf_helpers.h>
+
+#include "types.h"
+#include "maps.h"
+#include "parse.h"
+#include "csum.h"
+#include "policy.h"
+#include "nat.h"
+#include "icmp.h"
+
+char __license[] SEC("license") = "Dual BSD/GPL";
+
+/* xlate rewrites the source (egress) or destination (ingress) to (to, to_port); fields that
+ * already hold the value stay untouched. A failed helper leaves a half-rewritten packet,
+ * which is dropped rather than sent. */
+static __always_inline int xlate(struct __sk_buff *skb, const struct pkt *p, const int v6, const int source,
+				 const __be32 *to, __be16 to_port)
+{
+	const __be32 *from = source ? p->saddr : p->daddr;
+	__be16 from_port = source ? p->sport : p->dport;
+
+	if (!addr_eq(v6, from, to) && rewrite_addr(skb, p, v6, source, from, to) < 0)
+		goto drop;
+	if (p->l4 != L4_NONE && from_port != to_port && rewrite_port(skb, p, source, from_port, to_port) < 0)
+		goto drop;
+	return TC_ACT_OK;
+drop:
+	event_add(EV_DROP_REWRITE, 1);
+	return TC_ACT_SHOT;
+}
+
+/* Later IPv4 fragments: the flow is found through the first fragment's ports. */
+static __always_inline int frag_later(struct __sk_buff *skb, struct pkt *p, const int dir)
+{
+	struct frag_ports *fp = frag_lookup(p, dir);
+	union nat_key k;
+	struct nat_entry *e;
+
+	if (!fp) {
+		event_add(EV_FRAG_MISS, 1);
+		return TC_ACT_OK;
+	}
+	nat_key(0, &k, p->saddr, p->daddr, fp->sport, fp->dport, p->proto, dir);
+	e = nat_lookup(0, &k);
+	if (!e)
+		return TC_ACT_OK;
+	if (dir == DIR_EGRESS && e->kind == NAT_MASQ)
+		count_rule(e->slot, p->len);
+	return xlate(skb, p, 0, dir == DIR_EGRESS, e->addr, e->port);
+}
+
+static __always_inline const __be32 *uplink_addr(const struct uplink *u, const int v6)
+{
+	if (!u || !(v6 ? u->has_v6 : u->has_v4))
+		return 0;
+	return v6 ? u->v6 : &u->v4;
+}
+
+/* A host socket's flow: reserve its port toward this remote, or remap it when a pod mapping
+ * already holds that port. */
+static __always_inline int host_flow(struct __sk_buff *skb, const struct pkt *p, const int v6,
+				     const struct nat_config *cfg, const union nat_key *k, __u64 now)
+{
+	struct nat_entry e = {.port = p->sport, .kind = NAT_HOST, .slot = NO_SLOT,
+			      .ifindex = skb->ifindex, .last_seen = now};
+	struct nat_entry *re;
+	union nat_key rk;
+
+	if (p->l4 == L4_ECHO && !p->echo_request)
+		return TC_ACT_OK;
+	addr_copy(v6, e.addr, p->saddr);
+	nat_key(v6, &rk, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_INGRESS);
+	if (nat_update(v6, &rk, &e, BPF_NOEXIST) == 0) {
+		e.flags = NAT_F_SEEN;
+		nat_update(v6, k, &e, BPF_NOEXIST);
+		event_add(EV_HOST_FLOW, 1);
+		return TC_ACT_OK;
+	}
+	re = nat_lookup(v6, &rk);
+	if (re && re->kind == NAT_HOST && addr_eq(v6, re->addr, p->saddr) && re->port == p->sport) {
+		/* Our own reservation whose egress half was evicted. */
+		e.flags = NAT_F_SEEN;
+		nat_update(v6, k, &e, BPF_NOEXIST);
+		return TC_ACT_OK;
+	}
+	if (nat_alloc(v6, p, cfg, k, p->saddr, NAT_HOST, NO_SLOT, skb->ifindex, now, &e) < 0)
+		return TC_ACT_SHOT;
+	event_add(EV_HOST_REMAP, 1);
+	return xlate(skb, p, v6, 1, e.addr, e.port);
+}
+
+static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, const int v6,
+				      const union nat_key *k, __u64 now)
+{
+	__u32 zero = 0, ifindex = skb->ifindex, slot;
+	const struct nat_config *cfg = bpf_map_lookup_elem(&nat_config, &zero);
+	const struct uplink *u = bpf_map_lookup_elem(&uplink_snat, &ifindex);
+	const __be32 *snat = uplink_addr(u, v6);
+	const struct family_cfg *fc;
+	struct nat_entry e;
+	__be32 to[4] = {};
+
+	if (!cfg)
+		return TC_ACT_OK;
+	fc = family_cfg(cfg, v6);
+	if (!fc->enabled)
+		return TC_ACT_OK;
+	if (snat && addr_eq(v6, p->saddr, snat))
+		return host_flow(skb, p, v6, cfg, k, now);
+	if (p->l4 == L4_ECHO && !p->echo_request)
+		return TC_ACT_OK; /* an echo reply opens nothing */
+
+	if (classify(v6, p->daddr, fc, &slot) == ACTION_RETURN) {
+		count_rule(slot, p->len);
+		return TC_ACT_OK;
+	}
+	count_rule(slot, p->len);
+	if (!snat) {
+		event_add(EV_DROP_NO_ADDR, 1);
+		return TC_ACT_SHOT;
+	}
+	addr_copy(v6, to, snat);
+	if (nat_alloc(v6, p, cfg, k, to, NAT_MASQ, slot, ifindex, now, &e) < 0)
+		return TC_ACT_SHOT;
+	if (e.kind == NAT_MASQ)
+		event_add(EV_NEW_MASQ, 1);
+	if (p->frag == FRAG_FIRST)
+		frag_remember(p, DIR_EGRESS);
+	return xlate(skb, p, v6, 1, e.addr, e.port);
+}
+
+static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const int v6)
+{
+	__u64 now = bpf_ktime_get_ns();
+	union nat_key k;
+	struct nat_entry *e;
+
+	if (p->l4 == L4_ICMP_ERROR)
+		return icmp_error(skb, p, v6, DIR_EGRESS);
+	if (!v6 && p->l4 == L4_NONE)
+		return frag_later(skb, p, DIR_EGRESS);
+
+	nat_key(v6, &k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_EGRESS);
+	e = nat_lookup(v6, &k);
+	if (!e)
+		return egress_new(skb, p, v6, &k, now);
+
+	if (is_reopen(p, e))
+		reopen(v6, &k, e);
+	if (touch(e, p, now) && check_partner(v6, &k, e, p, now) < 0) {
+		/* The LRU evicted this flow's ingress half and another flow owns its port now. */
+		nat_delete(v6, &k);
+		event_add(EV_REALLOC, 1);
+		return egress_new(skb, p, v6, &k, now);
+	}
+	if (e->kind == NAT_MASQ)
+		count_rule(e->slot, p->len);
+	if (p->frag == FRAG_FIRST)
+		frag_remember(p, DIR_EGRESS);
+	return xlate(skb, p, v6, 1, e->addr, e->port);
+}
+
+/* A new flow arriving from outside toward an address behind the uplink (a pod): record both
+ * halves as an identity mapping, so that its replies are never masqueraded. */
+static __always_inline int ingress_new(struct __sk_buff *skb, const struct pkt *p, const int v6,
+				       const union nat_key *k, __u64 now)
+{
+	__u32 zero = 0, ifindex = skb->ifindex;
+	const struct nat_config *cfg = bpf_map_lookup_elem(&nat_config, &zero);
+	const struct uplink *u = bpf_map_lookup_elem(&uplink_snat, &ifindex);
+	const __be32 *snat = uplink_addr(u, v6);
+	struct nat_entry e = {.port = p->dport, .kind = NAT_INBOUND, .slot = NO_SLOT,
+			      .ifindex = ifindex, .last_seen = now};
+	union nat_key ek;
+
+	if (!cfg || !family_cfg(cfg, v6)->enabled)
+		return TC_ACT_OK;
+	if (p->l4 == L4_ECHO && !p->echo_request)
+		return TC_ACT_OK;
+	if (snat && addr_eq(v6, p->daddr, snat))
+		return TC_ACT_OK; /* to the host itself: its replies are host flows */
+	if (v6 ? (((__u8 *)p->daddr)[0] == 0xff)
+	       : ((((__u8 *)p->daddr)[0] & 0xf0) == 0xe0 || p->daddr[0] == 0xffffffff))
+		return TC_ACT_OK; /* multicast and broadcast open no flows */
+
+	addr_copy(v6, e.addr, p->daddr);
+	nat_key(v6, &ek, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_EGRESS);
+	if (nat_update(v6, &ek, &e, BPF_NOEXIST) != 0)
+		return TC_ACT_OK; /* that tuple already has a flow */
+	e.flags = NAT_F_SEEN;
+	nat_update(v6, k, &e, BPF_NOEXIST);
+	event_add(EV_INBOUND_FLOW, 1);
+	if (p->frag == FRAG_FIRST)
+		frag_remember(p, DIR_INGRESS);
+	return TC_ACT_OK;
+}
+
+static __always_inline int ingress(struct __sk_buff *skb, struct pkt *p, const int v6)
+{
+	__u64 now = bpf_ktime_get_ns();
+	union nat_key k;
+	struct nat_entry *e;
+
+	if (p->l4 == L4_ICMP_ERROR)
+		return icmp_error(skb, p, v6, DIR_INGRESS);
+	if (!v6 && p->l4 == L4_NONE)
+		return frag_later(skb, p, DIR_INGRESS);
+
+	nat_key(v6, &k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_INGRESS);
+	e = nat_lookup(v6, &k);
+	if (!e)
+		return ingress_new(skb, p, v6, &k, now);
+	if (is_reopen(p, e))
+		reopen(v6, &k, e);
+	touch(e, p, now);
+	if (p->frag == FRAG_FIRST)
+		frag_remember(p, DIR_INGRESS);
+	return xlate(skb, p, v6, 0, e->addr, e->port);
+}
+
+SEC("tc")
+int tc_egress(struct __sk_buff *skb)
+{
+	struct pkt p = {};
+
+	switch (parse(skb, &p)) {
+	case 4:
+		return egress(skb, &p, 0);
+	case 6:
+		return egress(skb, &p, 1);
+	}
+	return TC_ACT_OK;
+}
+
+SEC("tc")
+int tc_ingress(struct __sk_buff *skb)
+{
+	struct pkt p = {};
+
+	switch (parse(skb, &p)) {
+	case 4:
+		return ingress(skb, &p, 0);
+	case 6:
+		return ingress(skb, &p, 1);
+	}
+	return TC_ACT_OK;
+}

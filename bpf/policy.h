@@ -1,0 +1,67 @@
+/* Policy lookup: the ordered rule list of the chain, as two LPM tries and a fallback.
+ *
+ * Rule 1 entries (masqueradeCIDRs) precede every RETURN rule, so any match in the masquerade
+ * trie decides; otherwise the first RETURN rule that matches decides (link-local and
+ * nonMasqueradeCIDRs share one action, so the longest match among them gives the same
+ * verdict as the first match); otherwise the outbound rule. Each trie value is the counter
+ * slot of the first rule with that prefix, which is the one a first-match chain counts. */
+#pragma once
+
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+
+#include "maps.h"
+
+static __always_inline const struct family_cfg *family_cfg(const struct nat_config *cfg, const int v6)
+{
+	return v6 ? &cfg->v6 : &cfg->v4;
+}
+
+/* classify returns the action for a new flow to daddr and sets *slot to the deciding rule's
+ * counter slot (NO_SLOT at the end of the chain). */
+static __always_inline __u8 classify(const int v6, const __be32 *daddr, const struct family_cfg *fc,
+				     __u32 *slot)
+{
+	struct lpm_val *v;
+
+	if (v6) {
+		struct lpm6_key k = {.prefixlen = 128};
+
+		__builtin_memcpy(k.addr, daddr, 16);
+		v = bpf_map_lookup_elem(&masq_v6, &k);
+		if (v) {
+			*slot = v->slot;
+			return ACTION_MASQUERADE;
+		}
+		v = bpf_map_lookup_elem(&nomasq_v6, &k);
+	} else {
+		struct lpm4_key k = {.prefixlen = 32, .addr = daddr[0]};
+
+		v = bpf_map_lookup_elem(&masq_v4, &k);
+		if (v) {
+			*slot = v->slot;
+			return ACTION_MASQUERADE;
+		}
+		v = bpf_map_lookup_elem(&nomasq_v4, &k);
+	}
+	if (v) {
+		*slot = v->slot;
+		return ACTION_RETURN;
+	}
+	*slot = fc->out_slot;
+	return fc->outbound;
+}
+
+/* count_rule adds a packet to a rule's per-CPU counters. */
+static __always_inline void count_rule(__u32 slot, __u32 len)
+{
+	struct rule_stats *s;
+
+	if (slot == NO_SLOT)
+		return;
+	s = bpf_map_lookup_elem(&rule_stats, &slot);
+	if (s) {
+		s->packets++;
+		s->bytes += len;
+	}
+}

@@ -1,0 +1,182 @@
+/* Types shared with the Go side (pkg/bpf, through bpf2go): every struct is laid out without
+ * implicit padding, so the generated Go types have exactly the C layout. Addresses and ports
+ * are kept in network byte order, as they appear in packets. */
+#pragma once
+
+#include <linux/types.h>
+
+/* Verdicts, as policy.Action. */
+enum __attribute__((packed)) action {
+	ACTION_RETURN = 0,
+	ACTION_MASQUERADE = 1,
+};
+
+/* Counter slot of a verdict that no rule gave (end of chain). */
+#define NO_SLOT 0xffffffffu
+
+/* Key of the LPM tries (masq_v4, nomasq_v4, masq_v6, nomasq_v6). */
+struct lpm4_key {
+	__u32 prefixlen;
+	__be32 addr;
+};
+
+struct lpm6_key {
+	__u32 prefixlen;
+	__be32 addr[4];
+};
+
+/* Value of the LPM tries: the counter slot of the first rule with that prefix. */
+struct lpm_val {
+	__u32 slot;
+};
+
+/* Per family settings: the outbound rule (rule 4 of the chain). */
+struct family_cfg {
+	__u8 enabled;  /* 0: the family is left alone (e.g. IPv6 without --enable-ipv6) */
+	enum action outbound; /* for destinations no trie matched */
+	__u8 pad[2];
+	__u32 out_slot; /* counter slot of the outbound rule, or NO_SLOT */
+};
+
+#define MAX_PORT_RANGES 16
+
+struct port_range {
+	__u16 first; /* host byte order, inclusive */
+	__u16 last;
+};
+
+/* The single value of the nat_config array. */
+struct nat_config {
+	struct family_cfg v4;
+	struct family_cfg v6;
+	__u8 random_fully; /* 1: random ports; 0: keep the original port when free */
+	__u8 nranges;
+	__u16 pad;
+	__u32 nports; /* sum of the range sizes */
+	struct port_range ranges[MAX_PORT_RANGES];
+};
+
+/* The SNAT addresses of an uplink (uplink_snat, keyed by ifindex). */
+struct uplink {
+	__be32 v4;
+	__be32 v6[4];
+	__u8 has_v4;
+	__u8 has_v6;
+	__u8 pad[2];
+};
+
+/* Per-CPU, per-rule hit counters (rule_stats, indexed by slot). */
+struct rule_stats {
+	__u64 packets;
+	__u64 bytes; /* IP packet lengths, as iptables counts them */
+};
+
+enum __attribute__((packed)) rule_origin {
+	ORIGIN_MASQUERADE_CIDRS = 1,
+	ORIGIN_LINK_LOCAL = 2,
+	ORIGIN_NON_MASQUERADE_CIDRS = 3,
+	ORIGIN_OUTBOUND = 4,
+};
+
+/* What a counter slot is assigned to (rule_slots, indexed by slot). Written by userspace only,
+ * so that counters can be tied back to rules after an agent restart. */
+struct rule_slot {
+	__be32 addr[4]; /* IPv4 in addr[0] */
+	__u8 prefixlen;
+	__u8 family; /* 4 or 6; 0 = free slot */
+	enum action action;
+	enum rule_origin origin;
+	__u16 dup;   /* n-th rule with the same identity (duplicates in the config) */
+	__u16 pad;
+};
+
+
+/* Direction of a NAT table key: the egress key matches packets leaving through the uplink
+ * (original tuple), the ingress key matches the packets that come back. */
+enum __attribute__((packed)) nat_dir {
+	DIR_EGRESS = 0,
+	DIR_INGRESS = 1,
+};
+
+/* For ICMP echo the identifier plays the port: a request carries it as sport (dport 0), a
+ * reply as dport (sport 0), so that request and reply keys mirror each other like ports do. */
+struct nat4_key {
+	__be32 saddr;
+	__be32 daddr;
+	__be16 sport;
+	__be16 dport;
+	__u8 proto;
+	enum nat_dir dir;
+	__u8 pad[2];
+};
+
+struct nat6_key {
+	__be32 saddr[4];
+	__be32 daddr[4];
+	__be16 sport;
+	__be16 dport;
+	__u8 proto;
+	enum nat_dir dir;
+	__u8 pad[2];
+};
+
+/* What kind of flow a NAT entry belongs to. */
+enum __attribute__((packed)) nat_kind {
+	NAT_MASQ = 1,    /* masqueraded pod flow: a rule decided it */
+	NAT_HOST = 2,    /* host socket on the uplink address: reserves its port (remapped if taken) */
+	NAT_INBOUND = 3, /* connection opened from outside: its replies leave untouched */
+};
+
+/* Entry flags: what was seen in the entry's direction, for the userspace sweep. */
+enum __attribute__((packed)) nat_flags {
+	NAT_F_SEEN = 1, /* a packet went this way (both directions seen: established) */
+	NAT_F_FIN = 2,
+	NAT_F_RST = 4,
+};
+
+/* Value of both NAT entries of a flow. An egress entry holds the translated source (the
+ * uplink address and the allocated port); an ingress entry holds the original source, which
+ * replies get back as their destination. Either entry is enough to compute the other's key. */
+struct nat_entry {
+	__be32 addr[4]; /* IPv4 in addr[0] */
+	__be16 port;
+	enum nat_kind kind;
+	enum nat_flags flags;
+	__u32 slot; /* counter slot of the deciding rule (NAT_MASQ egress entries), else NO_SLOT */
+	__u32 ifindex;
+	__u32 pad;
+	__u64 last_seen; /* bpf_ktime_get_ns (CLOCK_MONOTONIC), refreshed at most once a second */
+};
+
+/* A later IPv4 fragment has no ports: they are remembered from the first fragment. */
+struct frag4_key {
+	__be32 saddr;
+	__be32 daddr;
+	__be16 id;
+	__u8 proto;
+	enum nat_dir dir;
+};
+
+struct frag_ports {
+	__be16 sport;
+	__be16 dport;
+};
+
+/* Per-CPU event counters (event_stats, indexed by event). */
+enum event {
+	EV_NEW_MASQ = 0,      /* masquerade mappings created */
+	EV_PORT_RETRY,        /* port claims that found the port taken (summed over allocations) */
+	EV_DROP_NO_PORT,      /* dropped: no free port within the retries */
+	EV_DROP_NO_ADDR,      /* dropped: masquerade decided but the uplink has no address */
+	EV_DROP_REWRITE,      /* dropped: a rewrite helper failed midway */
+	EV_HOST_FLOW,         /* host flows recorded */
+	EV_HOST_REMAP,        /* host flows whose port a pod mapping held: remapped */
+	EV_INBOUND_FLOW,      /* inbound flows recorded */
+	EV_NAT_RACE,          /* another CPU created the same mapping first: theirs was used */
+	EV_REPAIR,            /* a flow's ingress entry was missing (LRU eviction) and re-created */
+	EV_REALLOC,           /* a flow's port was taken over after eviction: new port allocated */
+	EV_ICMP_ERROR,        /* ICMP errors translated */
+	EV_FRAG_MISS,         /* later fragment without a known first fragment: passed unchanged */
+	EV_REOPEN,            /* closed TCP mapping reused by a new SYN of the same tuple */
+	EV_MAX,
+};

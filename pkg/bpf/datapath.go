@@ -1,0 +1,132 @@
+// Package bpf loads the SNAT engine (bpf/masq.c: a tc egress and a tc ingress program) and keeps
+// its maps in step with the policy: the rule tries, the outbound action and NAT settings, the
+// per-uplink SNAT addresses and the rule counters. It also reads and expires the NAT table.
+//
+// Attaching the programs to devices is the caller's business (tcx or clsact); so is deciding
+// when to sweep. Every method is safe for concurrent use.
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// Defaults of LoadOptions.
+const (
+	DefaultMaxRules    = 4096
+	DefaultNATEntries  = 1 << 18
+	DefaultFragEntries = 8192
+)
+
+// LoadOptions size the maps; they are fixed once the maps exist.
+type LoadOptions struct {
+	// MaxRules is the number of rule counter slots, shared by both families; it bounds the rules
+	// of a policy (SyncPolicy fails beyond it) and the capacity of each trie.
+	MaxRules uint32
+	// NATEntries is the size of each family's NAT table. A flow takes two entries (one per
+	// direction); the least recently used are evicted when the table is full.
+	NATEntries uint32
+	// FragEntries bounds the IPv4 datagrams whose later fragments can be translated at once.
+	FragEntries uint32
+	// PinPath, when set, pins every map by name in that directory (on a bpffs) and reuses maps
+	// already pinned there, so an agent restart keeps flows, rules and counters. Reusing fails
+	// with an error wrapping ebpf.ErrMapIncompatible when the pinned maps have other sizes.
+	PinPath string
+}
+
+func (o LoadOptions) withDefaults() LoadOptions {
+	if o.MaxRules == 0 {
+		o.MaxRules = DefaultMaxRules
+	}
+	if o.NATEntries == 0 {
+		o.NATEntries = DefaultNATEntries
+	}
+	if o.FragEntries == 0 {
+		o.FragEntries = DefaultFragEntries
+	}
+	return o
+}
+
+// Datapath is the loaded programs and maps.
+type Datapath struct {
+	objs masqObjects
+	opts LoadOptions
+
+	mu sync.Mutex // serialises the writers below
+	// slots assigns counter slots to rules; tries mirrors the tries' content, so a sync writes
+	// only the difference.
+	slots *slotTable
+	tries map[string]map[trieKey]uint32
+	// synced is the last policy written, with each rule's slot.
+	synced     *policy.Policy
+	syncedSlot map[*policy.Rule]uint32
+}
+
+// Load creates (or, with PinPath, reuses) the maps and loads both programs.
+func Load(opts LoadOptions) (*Datapath, error) {
+	opts = opts.withDefaults()
+	spec, err := loadMasq()
+	if err != nil {
+		return nil, fmt.Errorf("load bpf spec: %w", err)
+	}
+	sizes := map[string]uint32{
+		masqMapMasqV4: opts.MaxRules, masqMapNomasqV4: opts.MaxRules,
+		masqMapMasqV6: opts.MaxRules, masqMapNomasqV6: opts.MaxRules,
+		masqMapRuleStats: opts.MaxRules, masqMapRuleSlots: opts.MaxRules,
+		masqMapNatV4: opts.NATEntries, masqMapNatV6: opts.NATEntries,
+		masqMapFragV4: opts.FragEntries,
+	}
+	for name, n := range sizes {
+		spec.Maps[name].MaxEntries = n
+	}
+	var copts ebpf.CollectionOptions
+	if opts.PinPath != "" {
+		for _, m := range spec.Maps {
+			m.Pinning = ebpf.PinByName
+		}
+		copts.Maps.PinPath = opts.PinPath
+	}
+	d := &Datapath{opts: opts}
+	if err := spec.LoadAndAssign(&d.objs, &copts); err != nil {
+		var verr *ebpf.VerifierError
+		if errors.As(err, &verr) {
+			return nil, fmt.Errorf("load bpf objects: %+v", verr)
+		}
+		return nil, fmt.Errorf("load bpf objects: %w", err)
+	}
+	if err := d.recover(); err != nil {
+		d.objs.Close()
+		return nil, err
+	}
+	return d, nil
+}
+
+// Close releases the programs and maps (pinned maps stay in the bpffs).
+func (d *Datapath) Close() error {
+	if err := d.objs.Close(); err != nil {
+		return fmt.Errorf("close bpf objects: %w", err)
+	}
+	return nil
+}
+
+// Egress is the program for the uplink's tc egress hook.
+func (d *Datapath) Egress() *ebpf.Program { return d.objs.TcEgress }
+
+// Ingress is the program for the uplink's tc ingress hook.
+func (d *Datapath) Ingress() *ebpf.Program { return d.objs.TcIngress }
+
+// Maps returns every map by name (as `bpftool map` shows them), e.g. for pinning or dumping.
+func (d *Datapath) Maps() map[string]*ebpf.Map {
+	m := d.objs.masqMaps
+	return map[string]*ebpf.Map{
+		masqMapMasqV4: m.MasqV4, masqMapNomasqV4: m.NomasqV4, masqMapMasqV6: m.MasqV6,
+		masqMapNomasqV6: m.NomasqV6, masqMapNatConfig: m.NatConfig, masqMapUplinkSnat: m.UplinkSnat,
+		masqMapRuleStats: m.RuleStats, masqMapRuleSlots: m.RuleSlots, masqMapNatV4: m.NatV4,
+		masqMapNatV6: m.NatV6, masqMapFragV4: m.FragV4, masqMapEventStats: m.EventStats,
+	}
+}

@@ -1,0 +1,5 @@
+package bpf
+
+// The clang flags come from the Makefile (BPF_CFLAGS), so that `make generate` is the one way to
+// rebuild the objects; bpf/masq.c refuses to compile without them.
+//go:generate go tool bpf2go -tags linux -target bpfel -cflags "$BPF_CFLAGS" -type nat_kind -type nat_flags -type nat_dir -type action -type rule_origin masq ../../bpf/masq.c -- -I../../headers

@@ -1,0 +1,429 @@
+package bpf
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"github.com/gopacket/gopacket"
+	"github.com/gopacket/gopacket/layers"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// Each test drives the real programs through BPF_PROG_TEST_RUN: build a packet, run the entry
+// point, check the verdict, the bytes and the maps. The kernel runs test packets on the
+// loopback device of the caller's namespace, so skb->ifindex is 1 and that is the uplink the
+// tests configure; nothing is attached anywhere and no packet leaves the test.
+
+const (
+	testIfindex = 1
+	tcActOK     = 0
+	tcActShot   = 2
+)
+
+var (
+	snat4 = netip.MustParseAddr("192.0.2.1")
+	snat6 = netip.MustParseAddr("2001:db8::1")
+)
+
+func snatFor(a netip.Addr) netip.Addr {
+	if a.Is4() {
+		return snat4
+	}
+	return snat6
+}
+
+// harness is a loaded datapath with a policy and the test uplink.
+type harness struct {
+	t  testing.TB
+	dp *Datapath
+	p  *policy.Policy
+}
+
+// defaultPolicy is the stock configuration with IPv6 enabled: RFC 1918 stays, the rest of IPv4
+// and all of IPv6 (but link-local) is masqueraded.
+func defaultPolicy(randomFully bool) *policy.Policy {
+	return policy.Compile(config.Default(config.Options{EnableIPv6: true}),
+		policy.Options{EnableIPv6: true, RandomFully: randomFully})
+}
+
+func newHarness(t testing.TB, p *policy.Policy, opts LoadOptions) *harness {
+	t.Helper()
+	testutil.RequirePrivileged(t)
+	dp, err := Load(opts)
+	if errors.Is(err, ebpf.ErrNotSupported) {
+		t.Skipf("kernel lacks a BPF feature the datapath needs: %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dp.Close() })
+	if p != nil {
+		if err := dp.SyncPolicy(p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := dp.SetUplink(testIfindex, Uplink{IPv4: snat4, IPv6: snat6}); err != nil {
+		t.Fatal(err)
+	}
+	return &harness{t: t, dp: dp, p: p}
+}
+
+func runProg(t testing.TB, prog *ebpf.Program, frame []byte) (uint32, []byte) {
+	t.Helper()
+	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+512), Repeat: 1}
+	ret, err := prog.Run(&opts)
+	if errors.Is(err, ebpf.ErrNotSupported) {
+		t.Skipf("kernel cannot test-run tc programs: %v", err)
+	}
+	if err != nil {
+		t.Fatalf("run %s: %v", prog, err)
+	}
+	return ret, opts.DataOut
+}
+
+func (h *harness) egress(frame []byte) (uint32, []byte) {
+	h.t.Helper()
+	return runProg(h.t, h.dp.Egress(), frame)
+}
+
+func (h *harness) ingress(frame []byte) (uint32, []byte) {
+	h.t.Helper()
+	return runProg(h.t, h.dp.Ingress(), frame)
+}
+
+// mustPass runs a program and requires TC_ACT_OK and valid checksums on the result.
+func (h *harness) mustPass(prog *ebpf.Program, frame []byte) []byte {
+	h.t.Helper()
+	ret, out := runProg(h.t, prog, frame)
+	if ret != tcActOK {
+		h.t.Fatalf("%s: verdict %d, want TC_ACT_OK", prog, ret)
+	}
+	if err := verifyChecksums(out); err != nil {
+		h.t.Fatalf("%s: output checksums: %v\n%s", prog, err, describe(out))
+	}
+	return out
+}
+
+func (h *harness) events() map[Event]uint64 {
+	h.t.Helper()
+	ev, err := h.dp.EventCounts()
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	return ev
+}
+
+// Packets.
+
+const (
+	tcpSYN = 1 << iota
+	tcpACK
+	tcpFIN
+	tcpRST
+)
+
+var (
+	macA = net.HardwareAddr{2, 0, 0, 0, 0, 1}
+	macB = net.HardwareAddr{2, 0, 0, 0, 0, 2}
+)
+
+// serialize builds an Ethernet frame around an IP packet of src -> dst carrying l4 layers.
+func serialize(src, dst netip.Addr, proto layers.IPProtocol, l4 ...gopacket.SerializableLayer) []byte {
+	eth := &layers.Ethernet{SrcMAC: macA, DstMAC: macB}
+	var ip gopacket.NetworkLayer
+	if src.Is4() {
+		eth.EthernetType = layers.EthernetTypeIPv4
+		ip = &layers.IPv4{Version: 4, IHL: 5, TTL: 64, Id: 0x1234, Protocol: proto,
+			SrcIP: src.AsSlice(), DstIP: dst.AsSlice()}
+	} else {
+		eth.EthernetType = layers.EthernetTypeIPv6
+		ip = &layers.IPv6{Version: 6, HopLimit: 64, NextHeader: proto, SrcIP: src.AsSlice(), DstIP: dst.AsSlice()}
+	}
+	for _, l := range l4 {
+		if c, ok := l.(interface {
+			SetNetworkLayerForChecksum(gopacket.NetworkLayer) error
+		}); ok {
+			if err := c.SetNetworkLayerForChecksum(ip); err != nil {
+				panic(err)
+			}
+		}
+	}
+	buf := gopacket.NewSerializeBuffer()
+	all := append([]gopacket.SerializableLayer{eth, ip.(gopacket.SerializableLayer)}, l4...)
+	if err := gopacket.SerializeLayers(buf, gopacket.SerializeOptions{FixLengths: true, ComputeChecksums: true}, all...); err != nil {
+		panic(err)
+	}
+	return append([]byte(nil), buf.Bytes()...)
+}
+
+// serializeRaw serializes layers as given (no IP layer added).
+func serializeRaw(ls ...gopacket.SerializableLayer) []byte {
+	buf := gopacket.NewSerializeBuffer()
+	if err := gopacket.SerializeLayers(buf, gopacket.SerializeOptions{FixLengths: true}, ls...); err != nil {
+		panic(err)
+	}
+	return append([]byte(nil), buf.Bytes()...)
+}
+
+func tcpPacket(src, dst netip.AddrPort, flags int, payload []byte) []byte {
+	tcp := &layers.TCP{SrcPort: layers.TCPPort(src.Port()), DstPort: layers.TCPPort(dst.Port()),
+		Seq: 1000, Window: 65535, SYN: flags&tcpSYN != 0, ACK: flags&tcpACK != 0,
+		FIN: flags&tcpFIN != 0, RST: flags&tcpRST != 0}
+	if tcp.ACK {
+		tcp.Ack = 2000
+	}
+	return serialize(src.Addr(), dst.Addr(), layers.IPProtocolTCP, tcp, gopacket.Payload(payload))
+}
+
+func udpPacket(src, dst netip.AddrPort, payload []byte) []byte {
+	udp := &layers.UDP{SrcPort: layers.UDPPort(src.Port()), DstPort: layers.UDPPort(dst.Port())}
+	return serialize(src.Addr(), dst.Addr(), layers.IPProtocolUDP, udp, gopacket.Payload(payload))
+}
+
+// echoPacket is an ICMP or ICMPv6 echo request (or reply) with identifier id.
+func echoPacket(src, dst netip.Addr, id uint16, request bool, payload []byte) []byte {
+	if src.Is4() {
+		typ := uint8(layers.ICMPv4TypeEchoReply)
+		if request {
+			typ = layers.ICMPv4TypeEchoRequest
+		}
+		icmp := &layers.ICMPv4{TypeCode: layers.CreateICMPv4TypeCode(typ, 0), Id: id, Seq: 7}
+		return serialize(src, dst, layers.IPProtocolICMPv4, icmp, gopacket.Payload(payload))
+	}
+	typ := uint8(layers.ICMPv6TypeEchoReply)
+	if request {
+		typ = layers.ICMPv6TypeEchoRequest
+	}
+	icmp := &layers.ICMPv6{TypeCode: layers.CreateICMPv6TypeCode(typ, 0)}
+	echo := &layers.ICMPv6Echo{Identifier: id, SeqNumber: 7}
+	return serialize(src, dst, layers.IPProtocolICMPv6, icmp, echo, gopacket.Payload(payload))
+}
+
+// icmpErrorPacket is an ICMP error from src to dst quoting the IP packet of frame.
+// rest is the 4 bytes after the checksum (unused, or the MTU of "fragmentation needed").
+func icmpErrorPacket(src, dst netip.Addr, typ, code uint8, rest uint32, quoted []byte) []byte {
+	payload := binary.BigEndian.AppendUint32(nil, rest)
+	payload = append(payload, quoted[14:]...)
+	if src.Is4() {
+		icmp := &layers.ICMPv4{TypeCode: layers.CreateICMPv4TypeCode(typ, code),
+			Id: uint16(rest >> 16), Seq: uint16(rest)}
+		return serialize(src, dst, layers.IPProtocolICMPv4, icmp, gopacket.Payload(quoted[14:]))
+	}
+	icmp := &layers.ICMPv6{TypeCode: layers.CreateICMPv6TypeCode(typ, code)}
+	return serialize(src, dst, layers.IPProtocolICMPv6, icmp, gopacket.Payload(payload))
+}
+
+// tuple is what a packet looks like to the NAT: protocol and both ends; for ICMP echo the
+// identifier is the request's source port and the reply's destination port.
+type tuple struct {
+	proto    uint8
+	src, dst netip.AddrPort
+}
+
+func (tu tuple) String() string { return fmt.Sprintf("%d %s -> %s", tu.proto, tu.src, tu.dst) }
+
+func tupleOf(t testing.TB, frame []byte) tuple {
+	t.Helper()
+	pkt := gopacket.NewPacket(frame, layers.LayerTypeEthernet, gopacket.Default)
+	var tu tuple
+	var src, dst netip.Addr
+	switch ip := pkt.NetworkLayer().(type) {
+	case *layers.IPv4:
+		src, dst = netip.AddrFrom4([4]byte(ip.SrcIP.To4())), netip.AddrFrom4([4]byte(ip.DstIP.To4()))
+		tu.proto = uint8(ip.Protocol)
+	case *layers.IPv6:
+		src, dst = netip.AddrFrom16([16]byte(ip.SrcIP)), netip.AddrFrom16([16]byte(ip.DstIP))
+		tu.proto = uint8(ip.NextHeader)
+	default:
+		t.Fatalf("not an IP packet:\n%s", pkt.Dump())
+	}
+	var sp, dp uint16
+	switch l := pkt.TransportLayer().(type) {
+	case *layers.TCP:
+		sp, dp = uint16(l.SrcPort), uint16(l.DstPort)
+	case *layers.UDP:
+		sp, dp = uint16(l.SrcPort), uint16(l.DstPort)
+	}
+	if l, ok := pkt.Layer(layers.LayerTypeICMPv4).(*layers.ICMPv4); ok {
+		switch l.TypeCode.Type() {
+		case layers.ICMPv4TypeEchoRequest:
+			sp = l.Id
+		case layers.ICMPv4TypeEchoReply:
+			dp = l.Id
+		}
+	}
+	if l, ok := pkt.Layer(layers.LayerTypeICMPv6Echo).(*layers.ICMPv6Echo); ok {
+		if icmp := pkt.Layer(layers.LayerTypeICMPv6).(*layers.ICMPv6); icmp.TypeCode.Type() == layers.ICMPv6TypeEchoRequest {
+			sp = l.Identifier
+		} else {
+			dp = l.Identifier
+		}
+	}
+	tu.src, tu.dst = netip.AddrPortFrom(src, sp), netip.AddrPortFrom(dst, dp)
+	return tu
+}
+
+func describe(frame []byte) string {
+	return gopacket.NewPacket(frame, layers.LayerTypeEthernet, gopacket.Default).Dump()
+}
+
+// Checksums, recomputed here from the bytes rather than trusted to any library.
+
+func sum16(b []byte, s uint32) uint32 {
+	for len(b) >= 2 {
+		s += uint32(b[0])<<8 | uint32(b[1])
+		b = b[2:]
+	}
+	if len(b) == 1 {
+		s += uint32(b[0]) << 8
+	}
+	return s
+}
+
+// valid tells whether a one's complement sum including the checksum field folds to 0xffff.
+func valid(s uint32) bool {
+	for s > 0xffff {
+		s = s&0xffff + s>>16
+	}
+	return s == 0xffff
+}
+
+func pseudoSum(src, dst []byte, proto uint8, length int) uint32 {
+	s := sum16(src, 0)
+	s = sum16(dst, s)
+	return s + uint32(proto) + uint32(length)
+}
+
+// verifyChecksums checks the IPv4 header checksum and the L4 checksum of an Ethernet frame
+// (skipped for fragments, whose datagram checksum needs reassembly: see verifyDatagram). For
+// ICMP errors it also checks the quoted IPv4 header and, when the quote is complete, the quoted
+// L4 checksum.
+func verifyChecksums(frame []byte) error {
+	if len(frame) < 14 {
+		return fmt.Errorf("frame of %d bytes", len(frame))
+	}
+	switch binary.BigEndian.Uint16(frame[12:]) {
+	case uint16(layers.EthernetTypeIPv4), uint16(layers.EthernetTypeIPv6):
+		return verifyIP(frame[14:], true)
+	}
+	return nil
+}
+
+func verifyIP(pkt []byte, outer bool) error {
+	if len(pkt) < 1 {
+		return errors.New("empty IP packet")
+	}
+	var src, dst, l4 []byte
+	var proto uint8
+	complete := true
+	switch pkt[0] >> 4 {
+	case 4:
+		ihl := int(pkt[0]&0xf) * 4
+		if len(pkt) < ihl {
+			return fmt.Errorf("truncated IPv4 header")
+		}
+		if !valid(sum16(pkt[:ihl], 0)) {
+			return fmt.Errorf("bad IPv4 header checksum %#04x", binary.BigEndian.Uint16(pkt[10:]))
+		}
+		total := int(binary.BigEndian.Uint16(pkt[2:]))
+		if frag := binary.BigEndian.Uint16(pkt[6:]); frag&0x3fff != 0 {
+			return nil // fragment: verifyDatagram checks the reassembled datagram
+		}
+		if total > len(pkt) {
+			if outer {
+				return fmt.Errorf("IPv4 total length %d beyond %d bytes", total, len(pkt))
+			}
+			complete, total = false, len(pkt)
+		}
+		src, dst, proto, l4 = pkt[12:16], pkt[16:20], pkt[9], pkt[ihl:total]
+	case 6:
+		if len(pkt) < 40 {
+			return fmt.Errorf("truncated IPv6 header")
+		}
+		total := 40 + int(binary.BigEndian.Uint16(pkt[4:]))
+		if total > len(pkt) {
+			if outer {
+				return fmt.Errorf("IPv6 payload length beyond the packet")
+			}
+			complete, total = false, len(pkt)
+		}
+		src, dst, proto, l4 = pkt[8:24], pkt[24:40], pkt[6], pkt[40:total]
+	default:
+		return fmt.Errorf("IP version %d", pkt[0]>>4)
+	}
+	v6 := pkt[0]>>4 == 6
+	if !complete {
+		return nil // a quote cut short: its L4 checksum covers bytes that are not there
+	}
+	switch proto {
+	case uint8(layers.IPProtocolTCP):
+		if len(l4) < 20 || !valid(sum16(l4, pseudoSum(src, dst, proto, len(l4)))) {
+			return fmt.Errorf("bad TCP checksum")
+		}
+	case uint8(layers.IPProtocolUDP):
+		if len(l4) < 8 {
+			return fmt.Errorf("truncated UDP header")
+		}
+		if binary.BigEndian.Uint16(l4[6:]) == 0 && !v6 {
+			return nil
+		}
+		if !valid(sum16(l4, pseudoSum(src, dst, proto, len(l4)))) {
+			return fmt.Errorf("bad UDP checksum %#04x", binary.BigEndian.Uint16(l4[6:]))
+		}
+	case uint8(layers.IPProtocolICMPv4):
+		if len(l4) < 8 || !valid(sum16(l4, 0)) {
+			return fmt.Errorf("bad ICMP checksum")
+		}
+		if outer && (l4[0] == 3 || l4[0] == 11) {
+			if err := verifyIP(l4[8:], false); err != nil {
+				return fmt.Errorf("quoted packet: %w", err)
+			}
+		}
+	case uint8(layers.IPProtocolICMPv6):
+		if len(l4) < 8 || !valid(sum16(l4, pseudoSum(src, dst, proto, len(l4)))) {
+			return fmt.Errorf("bad ICMPv6 checksum")
+		}
+		if outer && l4[0] < 128 {
+			if err := verifyIP(l4[8:], false); err != nil {
+				return fmt.Errorf("quoted packet: %w", err)
+			}
+		}
+	}
+	return nil
+}
+
+// Addresses for tests: pods in 10.0.0.0/8 (never masqueraded as destinations by default),
+// remotes outside every default non-masquerade range.
+func pod4(i int) netip.Addr { return netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)}) }
+func pod6(i int) netip.Addr {
+	return netip.AddrFrom16([16]byte{0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, byte(i >> 8), byte(i)})
+}
+
+var (
+	remote4 = netip.MustParseAddr("198.51.100.7")
+	remote6 = netip.MustParseAddr("2001:db8:ffff::7")
+)
+
+func pod(v6 bool, i int) netip.Addr {
+	if v6 {
+		return pod6(i)
+	}
+	return pod4(i)
+}
+
+func remote(v6 bool) netip.Addr {
+	if v6 {
+		return remote6
+	}
+	return remote4
+}
+
+func ap(a netip.Addr, port uint16) netip.AddrPort { return netip.AddrPortFrom(a, port) }

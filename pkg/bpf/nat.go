@@ -1,0 +1,402 @@
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// Direction says which half of a flow an entry is.
+type Direction uint8
+
+const (
+	// Egress entries match packets leaving through the uplink by their original tuple.
+	Egress = Direction(masqNatDirDIR_EGRESS)
+	// Ingress entries match the replies as they arrive.
+	Ingress = Direction(masqNatDirDIR_INGRESS)
+)
+
+func (d Direction) String() string {
+	if d == Ingress {
+		return "ingress"
+	}
+	return "egress"
+}
+
+// Kind is the kind of flow an entry belongs to.
+type Kind uint8
+
+const (
+	// KindMasq is a masqueraded pod flow.
+	KindMasq = Kind(masqNatKindNAT_MASQ)
+	// KindHost is a host socket's flow on the uplink address: it reserves its port, and is
+	// translated only when a pod mapping held that port first.
+	KindHost = Kind(masqNatKindNAT_HOST)
+	// KindInbound is a connection opened from outside toward a pod: never translated.
+	KindInbound = Kind(masqNatKindNAT_INBOUND)
+)
+
+func (k Kind) String() string {
+	switch k {
+	case KindMasq:
+		return "masq"
+	case KindHost:
+		return "host"
+	case KindInbound:
+		return "inbound"
+	}
+	return fmt.Sprintf("kind_%d", uint8(k))
+}
+
+// Flags record what went through an entry's direction.
+type Flags uint8
+
+const (
+	FlagSeen = Flags(masqNatFlagsNAT_F_SEEN) // a packet went this way (both ways: established)
+	FlagFIN  = Flags(masqNatFlagsNAT_F_FIN)
+	FlagRST  = Flags(masqNatFlagsNAT_F_RST)
+)
+
+// NATEntry is one half of a flow, as the NAT table holds it.
+type NATEntry struct {
+	Dir   Direction
+	Proto uint8
+	// Src and Dst are the key: the tuple of the packets this entry matches. For ICMP echo the
+	// identifier is the request's source port and the reply's destination port.
+	Src, Dst netip.AddrPort
+	// To is the translation: the new source of egress packets, the new destination of ingress
+	// packets. It equals the key's side for untranslated (host, inbound) flows.
+	To      netip.AddrPort
+	Kind    Kind
+	Flags   Flags
+	Slot    uint32 // counter slot of the deciding rule (masqueraded egress entries)
+	Ifindex int
+	// LastSeen is CLOCK_MONOTONIC time (see MonotonicNow), refreshed at most once a second.
+	LastSeen time.Duration
+}
+
+// PartnerKey is the other half's key: (src, dst) of the flow's entry in the other direction.
+func (e NATEntry) PartnerKey() (src, dst netip.AddrPort) {
+	if e.Dir == Egress {
+		return e.Dst, e.To
+	}
+	return e.To, e.Src
+}
+
+// MonotonicNow is the clock of NATEntry.LastSeen (bpf_ktime_get_ns).
+func MonotonicNow() time.Duration {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+		panic(fmt.Sprintf("clock_gettime(CLOCK_MONOTONIC): %v", err)) // cannot fail on Linux
+	}
+	return time.Duration(ts.Nano())
+}
+
+func (d *Datapath) natMap(fam policy.Family) *ebpf.Map {
+	if fam == policy.IPv6 {
+		return d.objs.NatV6
+	}
+	return d.objs.NatV4
+}
+
+func decode4(k masqNat4Key, v masqNatEntry) NATEntry {
+	return decodeEntry(false, Direction(k.Dir), k.Proto, [4]uint32{k.Saddr}, [4]uint32{k.Daddr}, k.Sport, k.Dport, v)
+}
+
+func decode6(k masqNat6Key, v masqNatEntry) NATEntry {
+	return decodeEntry(true, Direction(k.Dir), k.Proto, k.Saddr, k.Daddr, k.Sport, k.Dport, v)
+}
+
+func decodeEntry(v6 bool, dir Direction, proto uint8, s, d [4]uint32, sp, dp uint16, v masqNatEntry) NATEntry {
+	return NATEntry{
+		Dir: dir, Proto: proto,
+		Src:  netip.AddrPortFrom(wordsAddr(v6, s), ntohs(sp)),
+		Dst:  netip.AddrPortFrom(wordsAddr(v6, d), ntohs(dp)),
+		To:   netip.AddrPortFrom(wordsAddr(v6, v.Addr), ntohs(v.Port)),
+		Kind: Kind(v.Kind), Flags: Flags(v.Flags), Slot: v.Slot, Ifindex: int(v.Ifindex),
+		LastSeen: time.Duration(v.LastSeen),
+	}
+}
+
+// natKey is the map key of an entry's (dir, proto, src, dst).
+func natKey(dir Direction, proto uint8, src, dst netip.AddrPort) any {
+	if src.Addr().Is4() {
+		return masqNat4Key{Saddr: addr4Word(src.Addr()), Daddr: addr4Word(dst.Addr()),
+			Sport: htons(src.Port()), Dport: htons(dst.Port()), Proto: proto, Dir: masqNatDir(dir)}
+	}
+	return masqNat6Key{Saddr: addr6Words(src.Addr()), Daddr: addr6Words(dst.Addr()),
+		Sport: htons(src.Port()), Dport: htons(dst.Port()), Proto: proto, Dir: masqNatDir(dir)}
+}
+
+// NATEntries calls fn for every entry of a family's NAT table, until fn returns false. The
+// table changes under the walk: an entry may be missed or seen twice.
+func (d *Datapath) NATEntries(fam policy.Family, fn func(NATEntry) bool) error {
+	var v masqNatEntry
+	it := d.natMap(fam).Iterate()
+	if fam == policy.IPv6 {
+		var k masqNat6Key
+		for it.Next(&k, &v) {
+			if !fn(decode6(k, v)) {
+				return nil
+			}
+		}
+	} else {
+		var k masqNat4Key
+		for it.Next(&k, &v) {
+			if !fn(decode4(k, v)) {
+				return nil
+			}
+		}
+	}
+	if err := it.Err(); err != nil {
+		return fmt.Errorf("read %s nat table: %w", fam, err)
+	}
+	return nil
+}
+
+// LookupNAT returns the entry with the given key, or false.
+func (d *Datapath) LookupNAT(dir Direction, proto uint8, src, dst netip.AddrPort) (NATEntry, bool, error) {
+	fam := policy.FamilyOf(src.Addr())
+	var v masqNatEntry
+	k := natKey(dir, proto, src, dst)
+	if err := d.natMap(fam).Lookup(k, &v); err != nil {
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return NATEntry{}, false, nil
+		}
+		return NATEntry{}, false, fmt.Errorf("lookup %s nat entry: %w", fam, err)
+	}
+	if fam == policy.IPv6 {
+		return decode6(k.(masqNat6Key), v), true, nil
+	}
+	return decode4(k.(masqNat4Key), v), true, nil
+}
+
+// deleteEntries deletes entries by key; entries already gone are fine.
+func (d *Datapath) deleteEntries(fam policy.Family, entries []NATEntry) error {
+	m := d.natMap(fam)
+	for _, e := range entries {
+		err := m.Delete(natKey(e.Dir, e.Proto, e.Src, e.Dst))
+		if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("delete %s nat entry: %w", fam, err)
+		}
+	}
+	return nil
+}
+
+// Timeouts say how long an idle flow is kept, by protocol and state.
+type Timeouts struct {
+	// TCPEstablished: both directions seen, no FIN or RST.
+	TCPEstablished time.Duration
+	// TCPOpening: only one direction seen yet (e.g. a SYN with no answer).
+	TCPOpening time.Duration
+	// TCPClosing: a FIN or RST seen. Long enough that a pod reusing its port after TIME_WAIT
+	// still finds its mapping (and the far side sees the same port again).
+	TCPClosing time.Duration
+	UDP        time.Duration
+	ICMP       time.Duration
+	// Other covers any protocol number the datapath may learn later.
+	Other time.Duration
+}
+
+// DefaultTimeouts are conntrack-like.
+var DefaultTimeouts = Timeouts{
+	TCPEstablished: 6 * time.Hour,
+	TCPOpening:     2 * time.Minute,
+	TCPClosing:     2 * time.Minute,
+	UDP:            2 * time.Minute,
+	ICMP:           30 * time.Second,
+	Other:          2 * time.Minute,
+}
+
+// timeout is how long a flow may be idle, from the flags of both of its halves.
+func (t Timeouts) timeout(proto uint8, flags Flags, bothSeen bool) time.Duration {
+	switch proto {
+	case unix.IPPROTO_TCP:
+		switch {
+		case flags&(FlagFIN|FlagRST) != 0:
+			return t.TCPClosing
+		case bothSeen:
+			return t.TCPEstablished
+		default:
+			return t.TCPOpening
+		}
+	case unix.IPPROTO_UDP:
+		return t.UDP
+	case unix.IPPROTO_ICMP, unix.IPPROTO_ICMPV6:
+		return t.ICMP
+	}
+	return t.Other
+}
+
+// SweepResult counts what a sweep removed.
+type SweepResult struct {
+	Flows   int // flows whose both halves were removed
+	Orphans int // halves whose partner was gone or belonged to another flow
+}
+
+// Sweep removes the flows idle for longer than their timeout at time now (MonotonicNow), both
+// halves together. A flow's state and idle time combine its two halves; a half without its
+// partner (evicted, or its key taken over) expires by its own.
+func (d *Datapath) Sweep(now time.Duration, t Timeouts) (SweepResult, error) {
+	var res SweepResult
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		type key struct {
+			dir      Direction
+			proto    uint8
+			src, dst netip.AddrPort
+		}
+		all := map[key]NATEntry{}
+		if err := d.NATEntries(fam, func(e NATEntry) bool {
+			all[key{e.Dir, e.Proto, e.Src, e.Dst}] = e
+			return true
+		}); err != nil {
+			return res, fmt.Errorf("sweep: %w", err)
+		}
+		var expired []NATEntry
+		for _, e := range all {
+			ps, pd := e.PartnerKey()
+			partner, ok := all[key{1 - e.Dir, e.Proto, ps, pd}]
+			if ok && !pointsBack(e, partner) {
+				ok = false
+			}
+			if !ok {
+				if now-e.LastSeen > t.timeout(e.Proto, e.Flags, false) {
+					expired = append(expired, e)
+					res.Orphans++
+				}
+				continue
+			}
+			if e.Dir != Egress {
+				continue // a flow is judged once, from its egress half
+			}
+			last := max(e.LastSeen, partner.LastSeen)
+			flags := e.Flags | partner.Flags
+			both := e.Flags&FlagSeen != 0 && partner.Flags&FlagSeen != 0
+			if now-last > t.timeout(e.Proto, flags, both) {
+				expired = append(expired, e, partner)
+				res.Flows++
+			}
+		}
+		if err := d.deleteEntries(fam, expired); err != nil {
+			return res, fmt.Errorf("sweep: %w", err)
+		}
+	}
+	return res, nil
+}
+
+// pointsBack tells whether partner is the other half of e's flow rather than of a flow that
+// took its key over (the BPF side's points_back).
+func pointsBack(e, partner NATEntry) bool {
+	if e.Dir == Egress {
+		return partner.To == e.Src
+	}
+	return partner.To == e.Dst
+}
+
+// FlushAddr removes every flow translated to or from addr (an uplink's previous SNAT address):
+// masqueraded and host flows whose translated source is addr, with both halves.
+func (d *Datapath) FlushAddr(addr netip.Addr) (int, error) {
+	addr = addr.Unmap()
+	fam := policy.FamilyOf(addr)
+	var doomed []NATEntry
+	if err := d.NATEntries(fam, func(e NATEntry) bool {
+		switch {
+		case e.Kind == KindInbound:
+		case e.Dir == Egress && e.To.Addr() == addr:
+			doomed = append(doomed, e)
+		case e.Dir == Ingress && e.Dst.Addr() == addr:
+			doomed = append(doomed, e)
+		}
+		return true
+	}); err != nil {
+		return 0, fmt.Errorf("flush %s: %w", addr, err)
+	}
+	if err := d.deleteEntries(fam, doomed); err != nil {
+		return 0, fmt.Errorf("flush %s: %w", addr, err)
+	}
+	return len(doomed), nil
+}
+
+// Uplink is the SNAT addresses of an uplink device; an invalid (zero) address means none of
+// that family, and masquerading packets of that family on the device are dropped.
+type Uplink struct {
+	IPv4, IPv6 netip.Addr
+}
+
+// SetUplink sets the SNAT addresses of the device with ifindex. When an address changes, the
+// flows translated to the old one are flushed (they could not get replies any more); the
+// number of entries removed is returned.
+func (d *Datapath) SetUplink(ifindex int, u Uplink) (int, error) {
+	if u.IPv4.IsValid() && !u.IPv4.Unmap().Is4() {
+		return 0, fmt.Errorf("set uplink %d: %s is not an IPv4 address", ifindex, u.IPv4)
+	}
+	if u.IPv6.IsValid() && (!u.IPv6.Is6() || u.IPv6.Is4In6()) {
+		return 0, fmt.Errorf("set uplink %d: %s is not an IPv6 address", ifindex, u.IPv6)
+	}
+	old, _, err := d.Uplink(ifindex)
+	if err != nil {
+		return 0, err
+	}
+	var v masqUplink
+	if u.IPv4.IsValid() {
+		v.V4, v.HasV4 = addr4Word(u.IPv4.Unmap()), 1
+	}
+	if u.IPv6.IsValid() {
+		v.V6, v.HasV6 = addr6Words(u.IPv6), 1
+	}
+	if err := d.objs.UplinkSnat.Put(uint32(ifindex), &v); err != nil {
+		return 0, fmt.Errorf("set uplink %d: write uplink_snat: %w", ifindex, err)
+	}
+	return d.flushChanged(old, u)
+}
+
+// RemoveUplink forgets a device and flushes the flows translated to its addresses.
+func (d *Datapath) RemoveUplink(ifindex int) (int, error) {
+	old, ok, err := d.Uplink(ifindex)
+	if err != nil || !ok {
+		return 0, err
+	}
+	if err := d.objs.UplinkSnat.Delete(uint32(ifindex)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return 0, fmt.Errorf("remove uplink %d: %w", ifindex, err)
+	}
+	return d.flushChanged(old, Uplink{})
+}
+
+func (d *Datapath) flushChanged(old, cur Uplink) (int, error) {
+	n := 0
+	for _, pair := range [][2]netip.Addr{{old.IPv4, cur.IPv4}, {old.IPv6, cur.IPv6}} {
+		if pair[0].IsValid() && pair[0] != pair[1] {
+			m, err := d.FlushAddr(pair[0])
+			n += m
+			if err != nil {
+				return n, err
+			}
+		}
+	}
+	return n, nil
+}
+
+// Uplink reads the SNAT addresses of a device.
+func (d *Datapath) Uplink(ifindex int) (Uplink, bool, error) {
+	var v masqUplink
+	if err := d.objs.UplinkSnat.Lookup(uint32(ifindex), &v); err != nil {
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return Uplink{}, false, nil
+		}
+		return Uplink{}, false, fmt.Errorf("read uplink %d: %w", ifindex, err)
+	}
+	var u Uplink
+	if v.HasV4 != 0 {
+		u.IPv4 = word4Addr(v.V4)
+	}
+	if v.HasV6 != 0 {
+		u.IPv6 = words6Addr(v.V6)
+	}
+	return u, true, nil
+}

@@ -1,0 +1,430 @@
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// noSlot is the slot of a verdict no rule gave (C: NO_SLOT).
+const noSlot = ^uint32(0)
+
+// slotKey is what makes a rule "the same rule" across syncs, so its counters survive a config
+// change that keeps it: not its position (rules before it may come and go) but what it matches,
+// what it does and where it came from. dup tells apart identical rules of one list.
+type slotKey struct {
+	family policy.Family
+	prefix netip.Prefix
+	action policy.Action
+	origin policy.Origin
+	dup    uint16
+}
+
+var originCodes = map[policy.Origin]masqRuleOrigin{
+	policy.OriginMasqueradeCIDRs:    masqRuleOriginORIGIN_MASQUERADE_CIDRS,
+	policy.OriginLinkLocal:          masqRuleOriginORIGIN_LINK_LOCAL,
+	policy.OriginNonMasqueradeCIDRs: masqRuleOriginORIGIN_NON_MASQUERADE_CIDRS,
+	policy.OriginOutbound:           masqRuleOriginORIGIN_OUTBOUND,
+}
+
+func (k slotKey) value() masqRuleSlot {
+	return masqRuleSlot{
+		Addr: addrWords(k.prefix.Addr()), Prefixlen: uint8(k.prefix.Bits()), Family: uint8(k.family),
+		Action: masqAction(k.action), Origin: originCodes[k.origin], Dup: k.dup,
+	}
+}
+
+func slotKeyOf(v masqRuleSlot) (slotKey, bool) {
+	fam := policy.Family(v.Family)
+	if fam != policy.IPv4 && fam != policy.IPv6 {
+		return slotKey{}, false
+	}
+	addr := wordsAddr(fam == policy.IPv6, v.Addr)
+	prefix, err := addr.Prefix(int(v.Prefixlen))
+	if err != nil {
+		return slotKey{}, false
+	}
+	for o, c := range originCodes {
+		if c == v.Origin {
+			return slotKey{family: fam, prefix: prefix, action: policy.Action(v.Action), origin: o, dup: v.Dup}, true
+		}
+	}
+	return slotKey{}, false
+}
+
+// slotTable assigns counter slots. A freed slot is reused as late as possible (never-used slots
+// first, then the longest-freed), because established flows of a removed rule may still count
+// into it for a while; it is zeroed before reuse.
+type slotTable struct {
+	max   uint32
+	bySlt map[uint32]slotKey
+	byKey map[slotKey]uint32
+	next  uint32   // slots from here on were never used
+	free  []uint32 // freed slots, oldest first
+}
+
+func newSlotTable(max uint32) *slotTable {
+	return &slotTable{max: max, bySlt: map[uint32]slotKey{}, byKey: map[slotKey]uint32{}}
+}
+
+func (t *slotTable) alloc(k slotKey) (uint32, error) {
+	var s uint32
+	switch {
+	case t.next < t.max:
+		s = t.next
+		t.next++
+	case len(t.free) > 0:
+		s = t.free[0]
+		t.free = t.free[1:]
+	default:
+		return 0, fmt.Errorf("all %d rule counter slots are in use (LoadOptions.MaxRules): a sync needs slots for the rules it adds while the rules it removes still hold theirs", t.max)
+	}
+	t.bySlt[s], t.byKey[k] = k, s
+	return s, nil
+}
+
+func (t *slotTable) release(s uint32) {
+	delete(t.byKey, t.bySlt[s])
+	delete(t.bySlt, s)
+	t.free = append(t.free, s)
+}
+
+// trieKey is a prefix in one of the four tries.
+type trieKey = netip.Prefix
+
+func trieName(fam policy.Family, action policy.Action) string {
+	switch {
+	case fam == policy.IPv4 && action == policy.Masquerade:
+		return masqMapMasqV4
+	case fam == policy.IPv4:
+		return masqMapNomasqV4
+	case action == policy.Masquerade:
+		return masqMapMasqV6
+	default:
+		return masqMapNomasqV6
+	}
+}
+
+var trieNames = []string{masqMapMasqV4, masqMapNomasqV4, masqMapMasqV6, masqMapNomasqV6}
+
+func (d *Datapath) trieMap(name string) *ebpf.Map { return d.Maps()[name] }
+
+func lpmKey(p netip.Prefix) any {
+	if p.Addr().Is4() {
+		return masqLpm4Key{Prefixlen: uint32(p.Bits()), Addr: addr4Word(p.Addr())}
+	}
+	return masqLpm6Key{Prefixlen: uint32(p.Bits()), Addr: addr6Words(p.Addr())}
+}
+
+// plan is what a policy asks of the maps.
+type plan struct {
+	keys   []slotKey                  // per rule, in policy order (v4 then v6)
+	rules  []*policy.Rule             // same order
+	tries  map[string]map[trieKey]int // prefix -> index into keys of the first rule with it
+	out    map[policy.Family]int      // index into keys of the outbound rule, or -1
+	config masqNatConfig              // without slots
+}
+
+func makePlan(p *policy.Policy) (*plan, error) {
+	pl := &plan{tries: map[string]map[trieKey]int{}, out: map[policy.Family]int{policy.IPv4: -1, policy.IPv6: -1}}
+	for _, name := range trieNames {
+		pl.tries[name] = map[trieKey]int{}
+	}
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		if fam == policy.IPv6 && !p.EnableIPv6 {
+			continue
+		}
+		rules := p.Rules(fam)
+		seen := map[slotKey]uint16{}
+		returned := false
+		for i := range rules {
+			r := &rules[i]
+			if policy.FamilyOf(r.Prefix.Addr()) != fam || r.Prefix != r.Prefix.Masked() {
+				return nil, fmt.Errorf("%s rule %d: prefix %s is not a %s network", fam, r.Number, r.Prefix, fam)
+			}
+			k := slotKey{family: fam, prefix: r.Prefix, action: r.Action, origin: r.Origin}
+			k.dup = seen[k]
+			seen[k]++
+			idx := len(pl.keys)
+			pl.keys, pl.rules = append(pl.keys, k), append(pl.rules, r)
+
+			if r.Origin == policy.OriginOutbound && r.Prefix.Bits() == 0 && i == len(rules)-1 {
+				// The fallback: rule 4 of the chain.
+				pl.out[fam] = idx
+				continue
+			}
+			// First match over "all MASQUERADE rules, then all RETURN rules" is what the two
+			// tries compute; any other order would need a different lookup.
+			if r.Action == policy.Return {
+				returned = true
+			} else if returned {
+				return nil, fmt.Errorf("%s rule %d: a MASQUERADE rule after a RETURN rule cannot be expressed by the tries", fam, r.Number)
+			}
+			trie := pl.tries[trieName(fam, r.Action)]
+			if _, ok := trie[r.Prefix]; !ok {
+				trie[r.Prefix] = idx
+			}
+		}
+	}
+
+	ranges := p.ToPorts
+	if len(ranges) == 0 {
+		ranges = policy.PortRanges{policy.DefaultPortRange}
+	}
+	if len(ranges) > len(pl.config.Ranges) {
+		return nil, fmt.Errorf("to-ports: %d ranges given, the datapath takes at most %d", len(ranges), len(pl.config.Ranges))
+	}
+	c := &pl.config
+	c.V4.Enabled = 1
+	if p.EnableIPv6 {
+		c.V6.Enabled = 1
+	}
+	if p.RandomFully {
+		c.RandomFully = 1
+	}
+	c.Nranges = uint8(len(ranges))
+	for i, r := range ranges {
+		if r.First == 0 || r.First > r.Last {
+			return nil, fmt.Errorf("to-ports: invalid range %s", r)
+		}
+		c.Ranges[i].First, c.Ranges[i].Last = r.First, r.Last
+		c.Nports += uint32(r.Size())
+	}
+	return pl, nil
+}
+
+// SyncPolicy writes a policy into the maps as a difference from what they hold: new trie
+// entries and the new settings first, stale entries after, so that no packet ever sees an empty
+// or partial rule set (at worst, briefly, a mix of the old and the new). Rules that stay keep
+// their counter slot, and so their counters; new rules get zeroed slots.
+//
+// It fails without writing anything when the policy cannot be represented (a MASQUERADE rule
+// after a RETURN rule, more than 16 port ranges, more rules than slots); a failure midway (a map
+// write) leaves the maps between the two policies, and the next sync completes the change.
+func (d *Datapath) SyncPolicy(p *policy.Policy) error {
+	pl, err := makePlan(p)
+	if err != nil {
+		return fmt.Errorf("sync policy: %w", err)
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+
+	// 1. Slots for every rule, zeroed when new.
+	slots := make([]uint32, len(pl.keys))
+	used := map[uint32]bool{}
+	for i, k := range pl.keys {
+		s, ok := d.slots.byKey[k]
+		if !ok {
+			if s, err = d.slots.alloc(k); err != nil {
+				return fmt.Errorf("sync policy: %w", err)
+			}
+			if err := d.resetSlot(s, k); err != nil {
+				d.slots.release(s)
+				return fmt.Errorf("sync policy: %w", err)
+			}
+		}
+		slots[i] = s
+		used[s] = true
+	}
+
+	// 2. New and changed trie entries.
+	want := map[string]map[trieKey]uint32{}
+	for _, name := range trieNames {
+		want[name] = map[trieKey]uint32{}
+		for prefix, idx := range pl.tries[name] {
+			want[name][prefix] = slots[idx]
+		}
+		var put []trieKey
+		for prefix, s := range want[name] {
+			if cur, ok := d.tries[name][prefix]; !ok || cur != s {
+				put = append(put, prefix)
+			}
+		}
+		if err := d.putTrie(name, put, want[name]); err != nil {
+			return fmt.Errorf("sync policy: %w", err)
+		}
+	}
+
+	// 3. The outbound rule and NAT settings.
+	cfg := pl.config
+	cfg.V4.OutSlot, cfg.V6.OutSlot = noSlot, noSlot
+	if i := pl.out[policy.IPv4]; i >= 0 {
+		cfg.V4.Outbound, cfg.V4.OutSlot = masqActionACTION_MASQUERADE, slots[i]
+	}
+	if i := pl.out[policy.IPv6]; i >= 0 {
+		cfg.V6.Outbound, cfg.V6.OutSlot = masqActionACTION_MASQUERADE, slots[i]
+	}
+	if err := d.objs.NatConfig.Put(uint32(0), &cfg); err != nil {
+		return fmt.Errorf("sync policy: write nat_config: %w", err)
+	}
+
+	// 4. Stale trie entries.
+	for _, name := range trieNames {
+		var del []trieKey
+		for prefix := range d.tries[name] {
+			if _, ok := want[name][prefix]; !ok {
+				del = append(del, prefix)
+			}
+		}
+		if err := d.deleteTrie(name, del); err != nil {
+			return fmt.Errorf("sync policy: %w", err)
+		}
+	}
+
+	// 5. Slots of rules that are gone.
+	for s := range d.slots.bySlt {
+		if used[s] {
+			continue
+		}
+		if err := d.objs.RuleSlots.Put(s, &masqRuleSlot{}); err != nil {
+			return fmt.Errorf("sync policy: free slot %d: %w", s, err)
+		}
+		d.slots.release(s)
+	}
+
+	d.synced = p
+	d.syncedSlot = make(map[*policy.Rule]uint32, len(pl.rules))
+	for i, r := range pl.rules {
+		d.syncedSlot[r] = slots[i]
+	}
+	return nil
+}
+
+// resetSlot zeroes a slot's counters on every CPU and records which rule owns it.
+func (d *Datapath) resetSlot(s uint32, k slotKey) error {
+	zero := make([]masqRuleStats, ebpf.MustPossibleCPU())
+	if err := d.objs.RuleStats.Put(s, zero); err != nil {
+		return fmt.Errorf("zero rule_stats[%d]: %w", s, err)
+	}
+	v := k.value()
+	if err := d.objs.RuleSlots.Put(s, &v); err != nil {
+		return fmt.Errorf("write rule_slots[%d]: %w", s, err)
+	}
+	return nil
+}
+
+func (d *Datapath) putTrie(name string, prefixes []trieKey, slots map[trieKey]uint32) error {
+	if len(prefixes) == 0 {
+		return nil
+	}
+	m := d.trieMap(name)
+	keys, vals := trieKeys(name, prefixes), make([]masqLpmVal, len(prefixes))
+	for i, p := range prefixes {
+		vals[i].Slot = slots[p]
+	}
+	_, err := m.BatchUpdate(keys, vals, nil)
+	if errors.Is(err, ebpf.ErrNotSupported) {
+		err = nil
+		for i, p := range prefixes {
+			if err = m.Put(lpmKey(p), &vals[i]); err != nil {
+				break
+			}
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("write %s: %w", name, err)
+	}
+	for _, p := range prefixes {
+		d.tries[name][p] = slots[p]
+	}
+	return nil
+}
+
+func (d *Datapath) deleteTrie(name string, prefixes []trieKey) error {
+	if len(prefixes) == 0 {
+		return nil
+	}
+	m := d.trieMap(name)
+	_, err := m.BatchDelete(trieKeys(name, prefixes), nil)
+	if errors.Is(err, ebpf.ErrNotSupported) {
+		err = nil
+		for _, p := range prefixes {
+			if err = m.Delete(lpmKey(p)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+				break
+			}
+			err = nil
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("delete from %s: %w", name, err)
+	}
+	for _, p := range prefixes {
+		delete(d.tries[name], p)
+	}
+	return nil
+}
+
+// trieKeys builds the key slice of a batch operation on trie name.
+func trieKeys(name string, prefixes []trieKey) any {
+	if name == masqMapMasqV4 || name == masqMapNomasqV4 {
+		keys := make([]masqLpm4Key, len(prefixes))
+		for i, p := range prefixes {
+			keys[i] = lpmKey(p).(masqLpm4Key)
+		}
+		return keys
+	}
+	keys := make([]masqLpm6Key, len(prefixes))
+	for i, p := range prefixes {
+		keys[i] = lpmKey(p).(masqLpm6Key)
+	}
+	return keys
+}
+
+// recover reads back the slot assignment and the tries, so that a datapath loaded over pinned
+// maps continues where the previous agent left off.
+func (d *Datapath) recover() error {
+	d.slots = newSlotTable(d.opts.MaxRules)
+	var (
+		slot  uint32
+		value masqRuleSlot
+		last  = -1
+	)
+	inUse := map[uint32]bool{}
+	it := d.objs.RuleSlots.Iterate()
+	for it.Next(&slot, &value) {
+		if k, ok := slotKeyOf(value); ok {
+			d.slots.bySlt[slot], d.slots.byKey[k] = k, slot
+			inUse[slot] = true
+			last = max(last, int(slot))
+		}
+	}
+	if err := it.Err(); err != nil {
+		return fmt.Errorf("read rule_slots: %w", err)
+	}
+	d.slots.next = uint32(last + 1)
+	for s := uint32(0); s < d.slots.next; s++ {
+		if !inUse[s] {
+			d.slots.free = append(d.slots.free, s)
+		}
+	}
+
+	d.tries = map[string]map[trieKey]uint32{}
+	for _, name := range trieNames {
+		d.tries[name] = map[trieKey]uint32{}
+		var v masqLpmVal
+		if name == masqMapMasqV4 || name == masqMapNomasqV4 {
+			var k masqLpm4Key
+			it := d.trieMap(name).Iterate()
+			for it.Next(&k, &v) {
+				d.tries[name][netip.PrefixFrom(word4Addr(k.Addr), int(k.Prefixlen))] = v.Slot
+			}
+			if err := it.Err(); err != nil {
+				return fmt.Errorf("read %s: %w", name, err)
+			}
+			continue
+		}
+		var k masqLpm6Key
+		it := d.trieMap(name).Iterate()
+		for it.Next(&k, &v) {
+			d.tries[name][netip.PrefixFrom(words6Addr(k.Addr), int(k.Prefixlen))] = v.Slot
+		}
+		if err := it.Err(); err != nil {
+			return fmt.Errorf("read %s: %w", name, err)
+		}
+	}
+	return nil
+}
