@@ -3,8 +3,8 @@
  * Rule 1 entries (masqueradeCIDRs) precede every RETURN rule, so any match in the masquerade
  * trie decides; otherwise the first RETURN rule that matches decides (link-local and
  * nonMasqueradeCIDRs share one action, so the longest match among them gives the same
- * verdict as the first match); otherwise the outbound rule. Each trie value is the counter
- * slot of the first rule with that prefix, which is the one a first-match chain counts. */
+ * verdict as the first match); otherwise the outbound rule. Each trie value is the counter slot
+ * of the rule a first-match chain counts for that longest match (computed in userspace). */
 #pragma once
 
 #include <linux/bpf.h>

@@ -25,7 +25,9 @@ struct lpm6_key {
 	__be32 addr[4];
 };
 
-/* Value of the LPM tries: the counter slot of the first rule with that prefix. */
+/* Value of the LPM tries: the counter slot of the rule a first-match chain would count for the
+ * addresses whose longest match is this entry: the first rule among this prefix and the shorter
+ * prefixes of the same trie that contain it. */
 struct lpm_val {
 	__u32 slot;
 };

@@ -170,6 +170,9 @@ func makePlan(p *policy.Policy) (*plan, error) {
 			}
 		}
 	}
+	for _, trie := range pl.tries {
+		firstMatch(trie)
+	}
 
 	ranges := p.ToPorts
 	if len(ranges) == 0 {
@@ -195,6 +198,27 @@ func makePlan(p *policy.Policy) (*plan, error) {
 		c.Nports += uint32(r.Size())
 	}
 	return pl, nil
+}
+
+// firstMatch turns "prefix -> first rule with this prefix" into "prefix -> first rule that
+// matches the addresses whose longest match is this prefix". Those addresses are matched by the
+// prefix and by every shorter prefix of the trie that contains it, and by nothing else of the
+// trie; the chain counts the first of these rules, so that is the slot the entry must carry.
+func firstMatch(trie map[trieKey]int) {
+	own := make(map[trieKey]int, len(trie))
+	for p, idx := range trie {
+		own[p] = idx
+	}
+	for p := range trie {
+		best := own[p]
+		for bits := p.Bits() - 1; bits >= 0; bits-- {
+			q, _ := p.Addr().Prefix(bits)
+			if idx, ok := own[q]; ok && idx < best {
+				best = idx
+			}
+		}
+		trie[p] = best
+	}
 }
 
 // SyncPolicy writes a policy into the maps as a difference from what they hold: new trie

@@ -1,0 +1,259 @@
+package bpf
+
+import (
+	"bytes"
+	"encoding/binary"
+	"math/rand/v2"
+	"net/netip"
+	"testing"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// TestDifferentialDecide: for random configurations and random destinations, the verdict of
+// the real egress program (masqueraded or not, read from the packet) and the rule it counted
+// (read from the per-rule counters) equal policy.Decide. The configurations are synced one
+// after the other into the same datapath, so stale entries of an earlier policy would show.
+func TestDifferentialDecide(t *testing.T) {
+	const perFamily = 10000
+	seed := rand.Uint64()
+	t.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(seed, 0x6d617371))
+
+	h := newHarness(t, nil, LoadOptions{MaxRules: 1 << 14, NATEntries: 1 << 16})
+	probe := 0
+	for round := 0; round < 8; round++ {
+		nonMasq := 1 + rng.IntN(40)
+		if round == 7 {
+			nonMasq = 3000 // a large list, as users raise cidrLimit
+		}
+		cfg := randomConfig(rng, nonMasq)
+		p := policy.Compile(cfg, policy.Options{EnableIPv6: round%4 != 3, RandomFully: rng.IntN(2) == 0})
+		if err := h.dp.SyncPolicy(p); err != nil {
+			t.Fatalf("round %d: %v", round, err)
+		}
+		// Flows from earlier rounds are gone, as after an expiry: every probe is a new flow.
+		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+			if err := h.dp.deleteAllNAT(fam); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+			want := map[uint32]uint64{}
+			before := h.slotPackets()
+			for i := 0; i < perFamily; i++ {
+				dst := randomDestination(rng, p, fam)
+				probe++
+				// A fresh source per probe: the verdict must come from the tries, not the table.
+				src := ap(probeSource(fam, probe), uint16(1024+probe%60000))
+				in := udpPacket(src, ap(dst, 53), nil)
+				ret, out := h.egress(in)
+				v := p.Decide(dst)
+				if ret != tcActOK {
+					t.Fatalf("round %d %s: %s: verdict %d", round, fam, dst, ret)
+				}
+				got := tupleOf(t, out)
+				masqueraded := got.src.Addr() == snatFor(dst)
+				wantMasq := v.Action == policy.Masquerade
+				if fam == policy.IPv6 && !p.EnableIPv6 {
+					wantMasq = false
+				}
+				if masqueraded != wantMasq || (!masqueraded && !bytes.Equal(in, out)) {
+					t.Fatalf("round %d %s: %s: program masqueraded=%v (packet %s), Decide says %s (%v)",
+						round, fam, dst, masqueraded, got, v.Action, ruleName(v.Rule))
+				}
+				if v.Rule != nil && (fam == policy.IPv4 || p.EnableIPv6) {
+					s := h.dp.syncedSlot[v.Rule]
+					want[s]++
+					if i%97 == 0 {
+						// Spot checks that the counted slot is the deciding rule's, probe by probe.
+						if n := h.slotPacketsOf(s); n-before[s] != want[s] {
+							t.Fatalf("round %d %s: %s: slot of %s counted %d, want %d", round, fam, dst, ruleName(v.Rule), n-before[s], want[s])
+						}
+					}
+				}
+			}
+			after := h.slotPackets()
+			for s, n := range after {
+				if d := n - before[s]; d != want[s] {
+					k := h.dp.slots.bySlt[s]
+					t.Fatalf("round %d %s: slot %d (%s %s %s #%d) counted %d packets, want %d",
+						round, fam, s, k.family, k.prefix, k.action, k.dup, d, want[s])
+				}
+			}
+		}
+	}
+}
+
+func ruleName(r *policy.Rule) string {
+	if r == nil {
+		return "no rule"
+	}
+	return r.Family.String() + " rule " + r.Prefix.String() + " " + r.Action.String() + " " + r.Source()
+}
+
+// slotPackets reads the packet counters of every slot in use.
+func (h *harness) slotPackets() map[uint32]uint64 {
+	h.t.Helper()
+	out := map[uint32]uint64{}
+	for s := range h.dp.slots.bySlt {
+		out[s] = h.slotPacketsOf(s)
+	}
+	return out
+}
+
+func (h *harness) slotPacketsOf(s uint32) uint64 {
+	h.t.Helper()
+	n, _, err := h.dp.slotStats(s)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	return n
+}
+
+// deleteAllNAT empties a family's NAT table.
+func (d *Datapath) deleteAllNAT(fam policy.Family) error {
+	var all []NATEntry
+	if err := d.NATEntries(fam, func(e NATEntry) bool { all = append(all, e); return true }); err != nil {
+		return err
+	}
+	return d.deleteEntries(fam, all)
+}
+
+func probeSource(fam policy.Family, n int) netip.Addr {
+	if fam == policy.IPv4 {
+		var b [4]byte
+		binary.BigEndian.PutUint32(b[:], 0x0a800000|uint32(n))
+		return netip.AddrFrom4(b)
+	}
+	b := [16]byte{0xfd, 0x42}
+	binary.BigEndian.PutUint64(b[8:], uint64(n))
+	return netip.AddrFrom16(b)
+}
+
+// randomConfig draws nested, overlapping and duplicate prefixes, some present in both lists.
+func randomConfig(rng *rand.Rand, nonMasq int) config.Config {
+	cfg := config.Config{
+		MasqOutBound: rng.IntN(3) != 0, MasqOutBoundIPv6: rng.IntN(3) != 0,
+		MasqLinkLocal: rng.IntN(2) == 0, MasqLinkLocalIPv6: rng.IntN(2) == 0,
+	}
+	var pool []netip.Prefix
+	pick := func(v6 bool) netip.Prefix {
+		if len(pool) > 0 && rng.IntN(4) == 0 {
+			p := pool[rng.IntN(len(pool))]
+			if p.Addr().Is6() == v6 {
+				if rng.IntN(2) == 0 || p.Bits() == 0 {
+					return p // duplicate
+				}
+				// nested inside or around an existing prefix
+				bits := rng.IntN(p.Addr().BitLen() + 1)
+				q, _ := randomAddrIn(rng, p).Prefix(bits)
+				return q
+			}
+		}
+		p := randomPrefix(rng, v6)
+		pool = append(pool, p)
+		return p
+	}
+	for i, n := 0, rng.IntN(6); i < n; i++ {
+		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, pick(rng.IntN(2) == 0))
+	}
+	for i := 0; i < nonMasq; i++ {
+		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, pick(rng.IntN(2) == 0))
+	}
+	if rng.IntN(3) == 0 {
+		// The same prefix in both lists: the masquerade rule comes first and wins.
+		p := pick(rng.IntN(2) == 0)
+		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, p)
+		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, p)
+	}
+	if rng.IntN(8) == 0 {
+		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, netip.MustParsePrefix("0.0.0.0/0"))
+	}
+	if rng.IntN(8) == 0 {
+		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, netip.MustParsePrefix("::/0"))
+	}
+	return cfg
+}
+
+func randomPrefix(rng *rand.Rand, v6 bool) netip.Prefix {
+	var a netip.Addr
+	var bits int
+	if v6 {
+		var b [16]byte
+		for i := range b {
+			b[i] = byte(rng.UintN(256))
+		}
+		if rng.IntN(2) == 0 {
+			b[0], b[1] = 0x20, 0x01 // cluster the prefixes, so that they nest and overlap
+		}
+		a, bits = netip.AddrFrom16(b), 8+rng.IntN(121)
+	} else {
+		var b [4]byte
+		binary.BigEndian.PutUint32(b[:], rng.Uint32())
+		if rng.IntN(2) == 0 {
+			b[0] = 10
+		}
+		a, bits = netip.AddrFrom4(b), 4+rng.IntN(29)
+	}
+	p, _ := a.Prefix(bits)
+	return p
+}
+
+func randomAddrIn(rng *rand.Rand, p netip.Prefix) netip.Addr {
+	b := p.Addr().AsSlice()
+	for i := range b {
+		r := byte(rng.UintN(256))
+		keep := p.Bits() - 8*i // bits of this byte that belong to the prefix
+		switch {
+		case keep >= 8:
+		case keep <= 0:
+			b[i] = r
+		default:
+			mask := byte(0xff << (8 - keep))
+			b[i] = b[i]&mask | r&^mask
+		}
+	}
+	a, _ := netip.AddrFromSlice(b)
+	return a
+}
+
+// randomDestination aims at the rules: inside a random rule's prefix, at its edges, or anywhere.
+func randomDestination(rng *rand.Rand, p *policy.Policy, fam policy.Family) netip.Addr {
+	rules := p.Rules(fam)
+	if fam == policy.IPv6 && !p.EnableIPv6 {
+		rules = policy.Compile(config.Default(config.Options{EnableIPv6: true}), policy.Options{EnableIPv6: true}).IPv6
+	}
+	if len(rules) > 0 && rng.IntN(10) < 7 {
+		pr := rules[rng.IntN(len(rules))].Prefix
+		switch rng.IntN(6) {
+		case 0:
+			return pr.Addr() // first address
+		case 1:
+			return lastAddr(pr)
+		default:
+			return randomAddrIn(rng, pr)
+		}
+	}
+	if fam == policy.IPv4 {
+		return randomAddrIn(rng, netip.MustParsePrefix("0.0.0.0/0"))
+	}
+	return randomAddrIn(rng, netip.MustParsePrefix("::/0"))
+}
+
+// lastAddr is the highest address of a prefix.
+func lastAddr(p netip.Prefix) netip.Addr {
+	b := p.Addr().AsSlice()
+	for i := range b {
+		switch keep := p.Bits() - 8*i; {
+		case keep >= 8:
+		case keep <= 0:
+			b[i] = 0xff
+		default:
+			b[i] |= 0xff >> keep
+		}
+	}
+	a, _ := netip.AddrFromSlice(b)
+	return a
+}
