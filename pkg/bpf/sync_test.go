@@ -1,0 +1,272 @@
+package bpf
+
+import (
+	"bytes"
+	"errors"
+	"net/netip"
+	"os"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+func prefixes(ss ...string) []netip.Prefix {
+	out := make([]netip.Prefix, len(ss))
+	for i, s := range ss {
+		out[i] = netip.MustParsePrefix(s)
+	}
+	return out
+}
+
+func compile(masq, nonMasq []netip.Prefix, outbound bool) *policy.Policy {
+	cfg := config.Config{MasqueradeCIDRs: masq, NonMasqueradeCIDRs: nonMasq, MasqOutBound: outbound, MasqOutBoundIPv6: outbound}
+	return policy.Compile(cfg, policy.Options{EnableIPv6: true, RandomFully: true})
+}
+
+// statsByPrefix maps each rule's prefix and action to its counters.
+func (h *harness) statsByPrefix() map[string]RuleStats {
+	h.t.Helper()
+	stats, err := h.dp.RuleStats()
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	out := map[string]RuleStats{}
+	for _, s := range stats {
+		out[s.Rule.Prefix.String()+" "+s.Rule.Action.String()] = s
+	}
+	return out
+}
+
+// TestSyncKeepsCounters: rules that stay across a sync keep their slot and their counters,
+// even when rules before them come and go; a new rule starts at zero even when it reuses the
+// slot of a removed rule.
+func TestSyncKeepsCounters(t *testing.T) {
+	a := compile(prefixes("10.9.0.0/16"), prefixes("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"), true)
+	// 6 IPv4 rules and 2 IPv6 rules; one more slot for the rule B adds before it drops one.
+	h := newHarness(t, a, LoadOptions{MaxRules: 9})
+	hit := func(dst string, n int) {
+		for i := 0; i < n; i++ {
+			h.mustPass(h.dp.Egress(), udpPacket(ap(pod4(1000+i), 999), ap(netip.MustParseAddr(dst), 53), nil))
+		}
+	}
+	hit("10.9.1.1", 3)    // masquerade 10.9/16
+	hit("10.1.1.1", 4)    // return 10/8
+	hit("172.16.1.1", 5)  // return 172.16/12
+	hit("192.168.1.1", 6) // return 192.168/16
+	hit("8.8.8.8", 7)     // outbound
+	first := h.statsByPrefix()
+
+	b := compile(prefixes("10.9.0.0/16"), prefixes("100.64.0.0/10", "10.0.0.0/8", "192.168.0.0/16"), true)
+	if err := h.dp.SyncPolicy(b); err != nil {
+		t.Fatal(err)
+	}
+	second := h.statsByPrefix()
+	for _, k := range []string{"10.9.0.0/16 MASQUERADE", "10.0.0.0/8 RETURN", "192.168.0.0/16 RETURN", "0.0.0.0/0 MASQUERADE", "169.254.0.0/16 RETURN"} {
+		if second[k].Packets != first[k].Packets || second[k].Slot != first[k].Slot {
+			t.Errorf("%s: %d packets in slot %d before the sync, %d in slot %d after", k,
+				first[k].Packets, first[k].Slot, second[k].Packets, second[k].Slot)
+		}
+	}
+	if n := second["100.64.0.0/10 RETURN"].Packets; n != 0 {
+		t.Errorf("new rule starts with %d packets", n)
+	}
+	hit("10.1.1.1", 1)
+	if n := h.statsByPrefix()["10.0.0.0/8 RETURN"].Packets; n != 5 {
+		t.Errorf("10.0.0.0/8 counts %d after one more packet, want 5", n)
+	}
+
+	// 172.16/12 comes back: it takes the only free slot, its own old one, zeroed.
+	c := compile(prefixes("10.9.0.0/16"), prefixes("100.64.0.0/10", "10.0.0.0/8", "192.168.0.0/16", "172.16.0.0/12"), true)
+	if err := h.dp.SyncPolicy(c); err != nil {
+		t.Fatal(err)
+	}
+	third := h.statsByPrefix()
+	back := third["172.16.0.0/12 RETURN"]
+	if back.Slot != first["172.16.0.0/12 RETURN"].Slot {
+		t.Fatalf("expected the freed slot %d to be reused, got %d", first["172.16.0.0/12 RETURN"].Slot, back.Slot)
+	}
+	if back.Packets != 0 || back.Bytes != 0 {
+		t.Errorf("reused slot not zeroed: %d packets %d bytes", back.Packets, back.Bytes)
+	}
+	// The slot table in the maps says which rule owns each slot.
+	var v masqRuleSlot
+	if err := h.dp.objs.RuleSlots.Lookup(back.Slot, &v); err != nil {
+		t.Fatal(err)
+	}
+	if k, ok := slotKeyOf(v); !ok || k.prefix != netip.MustParsePrefix("172.16.0.0/12") || k.origin != policy.OriginNonMasqueradeCIDRs {
+		t.Errorf("rule_slots[%d] = %+v", back.Slot, v)
+	}
+
+	// A policy needing more slots than there are fails before writing anything.
+	d := compile(prefixes("10.9.0.0/16", "10.8.0.0/16", "10.7.0.0/16"), prefixes("10.0.0.0/8"), true)
+	if err := h.dp.SyncPolicy(d); err == nil {
+		t.Fatal("sync beyond MaxRules succeeded")
+	}
+}
+
+// TestSyncTries: after any sequence of syncs the tries hold exactly what the last policy asks.
+func TestSyncTries(t *testing.T) {
+	h := newHarness(t, nil, LoadOptions{})
+	policies := []*policy.Policy{
+		compile(prefixes("10.9.0.0/16", "2001:db8:9::/48"), prefixes("10.0.0.0/8", "fd00::/8"), true),
+		compile(nil, prefixes("10.0.0.0/8", "10.0.0.0/8", "10.1.0.0/16"), false),
+		compile(prefixes("0.0.0.0/0"), prefixes("192.168.0.0/16", "::/0"), true),
+		compile(nil, nil, true),
+	}
+	for i, p := range policies {
+		if err := h.dp.SyncPolicy(p); err != nil {
+			t.Fatal(err)
+		}
+		pl, _ := makePlan(p)
+		for _, name := range trieNames {
+			got := map[netip.Prefix]uint32{}
+			it := h.dp.trieMap(name).Iterate()
+			if name == masqMapMasqV4 || name == masqMapNomasqV4 {
+				var k masqLpm4Key
+				var v masqLpmVal
+				for it.Next(&k, &v) {
+					got[netip.PrefixFrom(word4Addr(k.Addr), int(k.Prefixlen))] = v.Slot
+				}
+			} else {
+				var k masqLpm6Key
+				var v masqLpmVal
+				for it.Next(&k, &v) {
+					got[netip.PrefixFrom(words6Addr(k.Addr), int(k.Prefixlen))] = v.Slot
+				}
+			}
+			if err := it.Err(); err != nil {
+				t.Fatal(err)
+			}
+			if len(got) != len(pl.tries[name]) {
+				t.Fatalf("policy %d: %s holds %d entries, want %d: %v", i, name, len(got), len(pl.tries[name]), got)
+			}
+			for prefix, idx := range pl.tries[name] {
+				want := h.dp.syncedSlot[pl.rules[idx]]
+				if s, ok := got[prefix]; !ok || s != want {
+					t.Fatalf("policy %d: %s[%s] = %d (present %v), want slot %d", i, name, prefix, s, ok, want)
+				}
+			}
+		}
+	}
+}
+
+// TestSyncNoGap: while policies that decide the same for some addresses replace each other,
+// packets to those addresses never see another verdict: entries are added before stale ones go.
+func TestSyncNoGap(t *testing.T) {
+	// With masqOutBound false, a gap in the masquerade trie would let 8.8.8.8 out unmasqueraded;
+	// with a gap in the non-masquerade trie, 10.5.5.5 would fall to... RETURN as well, so the
+	// second pair masquerades the rest to make that gap visible too.
+	pairs := [][2]*policy.Policy{
+		{compile(prefixes("8.8.0.0/16"), nil, false), compile(prefixes("8.8.0.0/17", "8.8.128.0/17"), nil, false)},
+		{compile(nil, prefixes("10.0.0.0/8"), true), compile(nil, prefixes("10.0.0.0/9", "10.128.0.0/9"), true)},
+	}
+	probes := []struct {
+		dst  netip.Addr
+		masq bool
+	}{{netip.MustParseAddr("8.8.8.8"), true}, {netip.MustParseAddr("10.5.5.5"), false}}
+	for i, pair := range pairs {
+		h := newHarness(t, pair[0], LoadOptions{})
+		probe := probes[i]
+		var stop atomic.Bool
+		var wg sync.WaitGroup
+		var bad atomic.Value
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for n := 0; !stop.Load(); n++ {
+				in := udpPacket(ap(probeSource(policy.IPv4, n), 4000), ap(probe.dst, 53), nil)
+				opts := ebpf.RunOptions{Data: in, DataOut: make([]byte, len(in)+64), Repeat: 1}
+				if _, err := h.dp.Egress().Run(&opts); err != nil {
+					bad.Store(err.Error())
+					return
+				}
+				masq := !bytes.Equal(opts.DataOut[14+12:14+16], in[14+12:14+16])
+				if masq != probe.masq {
+					bad.Store("verdict flipped during a sync for " + probe.dst.String())
+					return
+				}
+			}
+		}()
+		for n := 0; n < 300 && bad.Load() == nil; n++ {
+			if err := h.dp.SyncPolicy(pair[(n+1)%2]); err != nil {
+				t.Fatal(err)
+			}
+		}
+		stop.Store(true)
+		wg.Wait()
+		if msg := bad.Load(); msg != nil {
+			t.Fatal(msg)
+		}
+	}
+}
+
+// TestPinnedReuse: a datapath loaded over pinned maps continues with the previous one's flows,
+// rules and counters.
+func TestPinnedReuse(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	h := &harness{t: t}
+	dir := t.TempDir()
+	if err := unix.Mount("bpffs", dir, "bpf", 0, ""); err != nil {
+		t.Fatalf("mount bpffs on %s: %v", dir, err)
+	}
+	t.Cleanup(func() {
+		if err := unix.Unmount(dir, 0); err != nil {
+			t.Errorf("unmount %s: %v", dir, err)
+		}
+	})
+	p := defaultPolicy(true)
+	load := func(opts LoadOptions) *Datapath {
+		opts.PinPath = dir
+		dp, err := Load(opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return dp
+	}
+	first := load(LoadOptions{})
+	h.dp = first
+	if err := first.SyncPolicy(p); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := first.SetUplink(testIfindex, Uplink{IPv4: snat4}); err != nil {
+		t.Fatal(err)
+	}
+	podEnd, dst := ap(pod4(5), 40000), ap(remote4, 443)
+	nat := tupleOf(t, h.mustPass(first.Egress(), tcpPacket(podEnd, dst, tcpSYN, nil))).src
+	before := h.statsByPrefix()
+	first.Close()
+
+	second := load(LoadOptions{})
+	defer second.Close()
+	h.dp = second
+	if err := second.SyncPolicy(p); err != nil {
+		t.Fatal(err)
+	}
+	after := h.statsByPrefix()
+	for k, s := range before {
+		if after[k].Slot != s.Slot || after[k].Packets != s.Packets {
+			t.Errorf("%s: slot %d with %d packets before the reload, slot %d with %d after", k, s.Slot, s.Packets, after[k].Slot, after[k].Packets)
+		}
+	}
+	back := tupleOf(t, h.mustPass(second.Ingress(), tcpPacket(dst, nat, tcpSYN|tcpACK, nil)))
+	if back.dst != podEnd {
+		t.Fatalf("reply after the reload arrives at %s, want %s", back.dst, podEnd)
+	}
+	for name := range second.Maps() {
+		if _, err := os.Stat(dir + "/" + name); err != nil {
+			t.Errorf("map %s not pinned: %v", name, err)
+		}
+	}
+
+	// Other sizes cannot reuse the pins.
+	if _, err := Load(LoadOptions{PinPath: dir, NATEntries: 1 << 10}); !errors.Is(err, ebpf.ErrMapIncompatible) {
+		t.Fatalf("loading with another NAT size over the pins: %v, want ErrMapIncompatible", err)
+	}
+}
