@@ -1,0 +1,254 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// MetricsAddress is where the agent under test serves /healthz and /readyz, on the node
+// namespace's own loopback.
+const MetricsAddress = "127.0.0.1:9808"
+
+// Agent is the agent binary running inside the node namespace.
+type Agent struct {
+	ns   string
+	cmd  *exec.Cmd
+	logs *logBuffer
+	done chan struct{}
+	err  error // exit status, valid once done is closed
+}
+
+// StartAgent runs bin inside ns with args (plus --metrics-address and debug logging). The
+// process is killed with its process group when the test ends, and by the kernel if the test
+// binary dies first.
+func StartAgent(ctx context.Context, t testing.TB, ns, bin string, args ...string) *Agent {
+	t.Helper()
+	a := &Agent{ns: ns, logs: &logBuffer{}, done: make(chan struct{})}
+	argv := append([]string{"netns", "exec", ns, bin, "--metrics-address=" + MetricsAddress, "--v=4"}, args...)
+	// The process outlives this call; it is bound to the test through the cleanup below, so it
+	// gets a context of its own rather than one that a caller might cancel early.
+	cmd := exec.CommandContext(context.WithoutCancel(ctx), "ip", argv...)
+	cmd.Stdout, cmd.Stderr = a.logs, a.logs
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	cmd.WaitDelay = 2 * time.Second
+	// The kernel sends Pdeathsig when the forking *thread* exits, and Go ends threads whose
+	// goroutine exits while locked (as Do's do). So fork from a thread of our own, locked until
+	// the agent is gone.
+	started := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		if err := cmd.Start(); err != nil {
+			started <- err
+			return
+		}
+		started <- nil
+		a.err = cmd.Wait()
+		close(a.done)
+	}()
+	if err := <-started; err != nil {
+		t.Fatalf("start agent: %v", err)
+	}
+	a.cmd = cmd
+	t.Cleanup(func() {
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		select {
+		case <-a.done:
+		case <-time.After(10 * time.Second):
+			t.Errorf("agent pid %d did not die", cmd.Process.Pid)
+		}
+		if t.Failed() {
+			t.Logf("agent log (%s):\n%s", strings.Join(args, " "), a.Logs())
+		}
+	})
+	return a
+}
+
+// Logs returns what the agent wrote so far.
+func (a *Agent) Logs() string { return a.logs.String() }
+
+// Count is how many log lines contain every one of subs.
+func (a *Agent) Count(subs ...string) int {
+	n := 0
+next:
+	for _, l := range strings.Split(a.Logs(), "\n") {
+		for _, s := range subs {
+			if !strings.Contains(l, s) {
+				continue next
+			}
+		}
+		n++
+	}
+	return n
+}
+
+// WaitLog waits until at least n log lines contain every one of subs.
+func (a *Agent) WaitLog(ctx context.Context, n int, subs ...string) error {
+	return a.poll(ctx, fmt.Sprintf("%d log lines with %q", n, subs), func() (bool, error) {
+		return a.Count(subs...) >= n, nil
+	})
+}
+
+// Exited reports whether the agent process ended, and how.
+func (a *Agent) Exited() (bool, error) {
+	select {
+	case <-a.done:
+		return true, a.err
+	default:
+		return false, nil
+	}
+}
+
+// Stop sends SIGTERM and waits for the exit; the error is the exit status.
+func (a *Agent) Stop(ctx context.Context) error {
+	if err := a.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		return fmt.Errorf("signal agent: %w", err)
+	}
+	select {
+	case <-a.done:
+		return a.err
+	case <-ctx.Done():
+		return fmt.Errorf("agent did not exit after SIGTERM: %w", ctx.Err())
+	}
+}
+
+// Get fetches a path of the agent's HTTP endpoint from inside the node namespace.
+func (a *Agent) Get(ctx context.Context, path string) (int, string, error) {
+	client := http.Client{Transport: &http.Transport{
+		DisableKeepAlives: true,
+		// The socket must be made inside the namespace; the transport dials from goroutines of
+		// its own, so the dial itself is moved there.
+		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			var c net.Conn
+			err := Do(a.ns, func() error {
+				var err error
+				c, err = (&net.Dialer{}).DialContext(ctx, network, addr)
+				return err
+			})
+			return c, err
+		},
+	}}
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+MetricsAddress+path, nil)
+	if err != nil {
+		return 0, "", err
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(body), err
+}
+
+// WaitReady waits until /readyz answers 200.
+func (a *Agent) WaitReady(ctx context.Context) error {
+	return a.poll(ctx, "/readyz 200", func() (bool, error) {
+		code, _, err := a.Get(ctx, "/readyz")
+		return err == nil && code == http.StatusOK, nil
+	})
+}
+
+// WaitServing waits until the HTTP endpoint answers at all, and returns /readyz's answer.
+func (a *Agent) WaitServing(ctx context.Context) (int, string, error) {
+	var code int
+	var body string
+	err := a.poll(ctx, "/readyz answering", func() (bool, error) {
+		var err error
+		code, body, err = a.Get(ctx, "/readyz")
+		return err == nil, nil
+	})
+	return code, body, err
+}
+
+// poll checks cond until it holds, the agent exits, or ctx ends.
+func (a *Agent) poll(ctx context.Context, what string, cond func() (bool, error)) error {
+	for {
+		ok, err := cond()
+		if err != nil {
+			return err
+		}
+		if ok {
+			return nil
+		}
+		if exited, err := a.Exited(); exited {
+			return fmt.Errorf("waiting for %s: the agent exited (%v)", what, err)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for %s: %w", what, ctx.Err())
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+// logBuffer collects the agent's output while tests read it.
+type logBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *logBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *logBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// ConfigDir is a config directory that is updated the way the kubelet updates a ConfigMap
+// volume: each version in a fresh timestamped directory, "..data" switched to it by an atomic
+// rename, and the file itself a symlink through "..data".
+type ConfigDir struct {
+	dir string
+	n   int
+}
+
+// NewConfigDir returns an empty config directory (no file: the agent's defaults).
+func NewConfigDir(t testing.TB) *ConfigDir { return &ConfigDir{dir: t.TempDir()} }
+
+// Path is the config file path to give the agent.
+func (c *ConfigDir) Path() string { return filepath.Join(c.dir, "ip-masq-agent") }
+
+// Write publishes a new version of the file.
+func (c *ConfigDir) Write(content string) error {
+	c.n++
+	version := fmt.Sprintf("..2026_01_01_00_00_00.%d", c.n)
+	if err := os.Mkdir(filepath.Join(c.dir, version), 0o755); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(c.dir, version, "ip-masq-agent"), []byte(content), 0o644); err != nil {
+		return err
+	}
+	tmp := filepath.Join(c.dir, "..data_tmp")
+	if err := os.Symlink(version, tmp); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, filepath.Join(c.dir, "..data")); err != nil {
+		return err
+	}
+	if _, err := os.Lstat(c.Path()); errors.Is(err, os.ErrNotExist) {
+		return os.Symlink(filepath.Join("..data", "ip-masq-agent"), c.Path())
+	}
+	return nil
+}

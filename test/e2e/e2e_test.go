@@ -1,0 +1,244 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+)
+
+// agentBin is the agent binary under test, built once by TestMain (or given as
+// $IP_MASQ_AGENT_BIN); empty when the privileged tests cannot run.
+var agentBin string
+
+func TestMain(m *testing.M) {
+	os.Exit(runMain(m))
+}
+
+func runMain(m *testing.M) int {
+	// Build only where the privileged tests can run; elsewhere they skip (or fail in CI) on
+	// their own, without a binary.
+	if os.Geteuid() == 0 {
+		if bin := os.Getenv("IP_MASQ_AGENT_BIN"); bin != "" {
+			abs, err := filepath.Abs(bin)
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "e2e:", err)
+				return 1
+			}
+			agentBin = abs
+		} else {
+			dir, err := os.MkdirTemp("", "ip-masq-agent-e2e-")
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "e2e:", err)
+				return 1
+			}
+			defer os.RemoveAll(dir)
+			agentBin = filepath.Join(dir, "ip-masq-agent")
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+			defer cancel()
+			build := exec.CommandContext(ctx, "go", "build", "-o", agentBin, "github.com/ip-masq-agent/ip-masq-agent/cmd/ip-masq-agent")
+			build.Env = append(os.Environ(), "CGO_ENABLED=0")
+			if out, err := build.CombinedOutput(); err != nil {
+				fmt.Fprintf(os.Stderr, "e2e: build the agent: %v\n%s", err, out)
+				return 1
+			}
+		}
+	}
+	return m.Run()
+}
+
+// backends are the datapaths the scenario table runs against. A new backend adds a Backend
+// value here; nothing else in the table changes.
+func backends() []Backend {
+	return []Backend{
+		IptablesBackend(iptables.ModeNFT),
+		IptablesBackend(iptables.ModeLegacy),
+	}
+}
+
+func requireBackend(t *testing.T, b Backend) {
+	t.Helper()
+	testutil.RequirePrivileged(t, append([]string{"ip"}, b.Tools...)...)
+	if agentBin == "" {
+		t.Fatal("no agent binary was built")
+	}
+}
+
+// TestScenarios runs the scenario table against every backend: the source address the external
+// host sees, over TCP and UDP, IPv4 and IPv6, and the installed datapath read back after every
+// step. Select one backend with -run 'TestScenarios/iptables-nft/'.
+func TestScenarios(t *testing.T) {
+	for _, b := range backends() {
+		for _, sc := range Scenarios() {
+			t.Run(b.Name+"/"+sc.Name, func(t *testing.T) {
+				t.Parallel()
+				requireBackend(t, b)
+				Run(t, agentBin, b, sc)
+			})
+		}
+	}
+}
+
+// TestLifecycle: SIGTERM leaves the datapath in place; a restart with a bad file keeps it and
+// stays unready; cleanup removes everything for both families, twice without error.
+func TestLifecycle(t *testing.T) {
+	for _, b := range backends() {
+		t.Run(b.Name, func(t *testing.T) {
+			t.Parallel()
+			requireBackend(t, b)
+			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+			defer cancel()
+			env := NewEnv(ctx, t, agentBin, []string{"--enable-ipv6"})
+			if b.Prepare != nil {
+				b.Prepare(ctx, t, env)
+			}
+			if err := env.Config.Write(seedNodeIdentity); err != nil {
+				t.Fatal(err)
+			}
+			env.SetGood(seedNodeIdentity, false)
+			masqueraded := join(expect(Masq, "8.8.8.8", "2001:4860:4860::8888"), expect(Keep, "10.1.2.3", "fd00::1"))
+
+			ag := env.StartAgent(ctx, t, b)
+			if err := ag.WaitReady(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if code, body, err := ag.Get(ctx, "/healthz"); err != nil || code != http.StatusOK {
+				t.Errorf("healthz = %d %q %v", code, body, err)
+			}
+			env.Check(ctx, t, masqueraded, nil)
+
+			// SIGTERM: a clean exit, and the datapath stays.
+			if err := ag.Stop(ctx); err != nil {
+				t.Fatalf("agent exit after SIGTERM: %v", err)
+			}
+			b.Verify(ctx, t, env)
+			env.Check(ctx, t, masqueraded, nil)
+
+			// A restart with a bad file: not ready, nothing changed, the old policy still works.
+			if err := env.Config.Write("nonMasqueradeCIDRs: [10.0.0.0/33]\n"); err != nil {
+				t.Fatal(err)
+			}
+			ag = env.StartAgent(ctx, t, b)
+			if err := ag.WaitLog(ctx, 1, "config rejected"); err != nil {
+				t.Fatal(err)
+			}
+			code, body, err := ag.WaitServing(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if code != http.StatusServiceUnavailable || !strings.Contains(body, "10.0.0.0/33") {
+				t.Errorf("readyz with only a bad file = %d %q, want 503 naming the bad value", code, body)
+			}
+			b.Verify(ctx, t, env)
+			env.Check(ctx, t, masqueraded, nil)
+			if err := ag.Stop(ctx); err != nil {
+				t.Fatalf("agent exit after SIGTERM: %v", err)
+			}
+
+			// cleanup, without --enable-ipv6, removes IPv4 and IPv6; twice is fine.
+			for i := range 2 {
+				out, err := NSExec(ctx, env.Node, "", agentBin, "cleanup")
+				if err != nil {
+					t.Fatalf("cleanup #%d: %v", i+1, err)
+				}
+				t.Logf("cleanup #%d: %s", i+1, strings.TrimSpace(string(out)))
+				b.Gone(ctx, t, env)
+			}
+			env.Check(ctx, t, expect(Keep, "8.8.8.8", "2001:4860:4860::8888"), nil)
+		})
+	}
+}
+
+// TestBadConfigAtStartup: with only a bad file, the agent installs nothing and is not ready;
+// the first good file is applied and makes it ready.
+func TestBadConfigAtStartup(t *testing.T) {
+	for _, b := range backends() {
+		t.Run(b.Name, func(t *testing.T) {
+			t.Parallel()
+			requireBackend(t, b)
+			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+			defer cancel()
+			env := NewEnv(ctx, t, agentBin, nil)
+			if b.Prepare != nil {
+				b.Prepare(ctx, t, env)
+			}
+			if err := env.Config.Write("masqOutBound: yes please\n"); err != nil {
+				t.Fatal(err)
+			}
+			ag := env.StartAgent(ctx, t, b)
+			if err := ag.WaitLog(ctx, 1, "config rejected"); err != nil {
+				t.Fatal(err)
+			}
+			code, body, err := ag.WaitServing(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if code != http.StatusServiceUnavailable || !strings.Contains(body, "yes please") {
+				t.Errorf("readyz = %d %q, want 503 naming the bad value", code, body)
+			}
+			b.Gone(ctx, t, env)
+			env.Check(ctx, t, expect(Keep, "8.8.8.8"), nil)
+
+			if err := env.Config.Write("masqOutBound: true\n"); err != nil {
+				t.Fatal(err)
+			}
+			env.SetGood("masqOutBound: true\n", false)
+			if err := ag.WaitReady(ctx); err != nil {
+				t.Fatal(err)
+			}
+			env.Check(ctx, t, join(expect(Masq, "8.8.8.8"), expect(Keep, "10.1.2.3")), nil)
+			b.Verify(ctx, t, env)
+		})
+	}
+}
+
+// TestResyncHealsDrift: the datapath is damaged behind the agent's back; the periodic resync
+// re-applies the policy.
+func TestResyncHealsDrift(t *testing.T) {
+	const cfg = "resyncInterval: 1s\n"
+	for _, b := range backends() {
+		t.Run(b.Name, func(t *testing.T) {
+			t.Parallel()
+			requireBackend(t, b)
+			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+			defer cancel()
+			env := NewEnv(ctx, t, agentBin, nil)
+			if b.Prepare != nil {
+				b.Prepare(ctx, t, env)
+			}
+			if err := env.Config.Write(cfg); err != nil {
+				t.Fatal(err)
+			}
+			env.SetGood(cfg, false)
+			ag := env.StartAgent(ctx, t, b)
+			if err := ag.WaitReady(ctx); err != nil {
+				t.Fatal(err)
+			}
+			env.Check(ctx, t, expect(Masq, "8.8.8.8"), nil)
+			// Damage the datapath right after a resync, so that the next one is a whole interval
+			// away while the damage is observed.
+			resyncs := ag.Count("trigger=resync", "policy applied") + 1
+			if err := ag.WaitLog(ctx, resyncs, "trigger=resync", "policy applied"); err != nil {
+				t.Fatal(err)
+			}
+			b.Drift(ctx, t, env)
+			if got, _, err := env.Observe(ctx, "tcp", netip.MustParseAddr("8.8.8.8")); err != nil || got != Keep {
+				t.Fatalf("the drift did not take the policy out: %v %v", got, err)
+			}
+			if err := ag.WaitLog(ctx, resyncs+1, "trigger=resync", "policy applied"); err != nil {
+				t.Fatal(err)
+			}
+			env.Check(ctx, t, join(expect(Masq, "8.8.8.8"), expect(Keep, "10.1.2.3")), nil)
+			b.Verify(ctx, t, env)
+		})
+	}
+}

@@ -1,0 +1,143 @@
+package e2e
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// IptablesBackend is the iptables datapath on a node that uses mode ("nft" or "legacy"): Prepare
+// gives the node the rules kube-proxy would have there, so the agent's mode detection has a mode
+// to follow.
+func IptablesBackend(mode iptables.Mode) Backend {
+	b := Backend{
+		Name:  "iptables-" + string(mode),
+		Flags: []string{"--backend=iptables"},
+		Tools: []string{"iptables-" + string(mode) + "-restore", "ip6tables-" + string(mode) + "-restore"},
+		Verify: func(ctx context.Context, t testing.TB, env *Env) {
+			t.Helper()
+			verifyIptables(ctx, t, env, mode)
+		},
+		Gone: func(ctx context.Context, t testing.TB, env *Env) {
+			t.Helper()
+			for _, m := range []iptables.Mode{iptables.ModeNFT, iptables.ModeLegacy} {
+				for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+					if s := installed(ctx, t, env, m, fam); s != "" {
+						t.Errorf("%s %s still holds:\n%s", m, fam, s)
+					}
+				}
+			}
+		},
+		Drift: func(ctx context.Context, t testing.TB, env *Env) {
+			t.Helper()
+			chain := env.FlagValue("masq-chain", iptables.DefaultChain)
+			jump := strings.Fields(iptables.JumpRule(chain))
+			jump[0] = "-D"
+			jump = unquote(jump)
+			for _, args := range [][]string{{"-t", "nat", "-F", chain}, append([]string{"-t", "nat"}, jump...)} {
+				if _, err := NSExec(ctx, env.Node, "", "iptables-"+string(mode), args...); err != nil {
+					t.Fatalf("drift: %v", err)
+				}
+			}
+		},
+	}
+	b.Prepare = func(ctx context.Context, t testing.TB, env *Env) {
+		t.Helper()
+		prepareNode(ctx, t, env, mode)
+	}
+	return b
+}
+
+// prepareNode adds, in mode and for both families, the conntrack rule every kube-proxy node has
+// (KUBE-FORWARD accepts RELATED,ESTABLISHED). Besides marking the mode, it keeps conntrack
+// running in the namespace: a node whose only conntrack user is the MASQUERADE rule stops
+// tracking a family when the last MASQUERADE rule of that family goes, and its established
+// masqueraded flows then break. Real nodes never get there; the test node must not either.
+func prepareNode(ctx context.Context, t testing.TB, env *Env, mode iptables.Mode) {
+	t.Helper()
+	for _, tool := range []string{"iptables", "ip6tables"} {
+		if _, err := NSExec(ctx, env.Node, "", tool+"-"+string(mode), "-t", "filter", "-A", "FORWARD",
+			"-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED",
+			"-m", "comment", "--comment", "e2e: kube-proxy-like forward rule", "-j", "ACCEPT"); err != nil {
+			t.Fatalf("prepare %s node: %v", mode, err)
+		}
+	}
+}
+
+// unquote joins the quoted comment of a rule split by strings.Fields back into one argument.
+func unquote(f []string) []string {
+	var out []string
+	for i := 0; i < len(f); i++ {
+		if !strings.HasPrefix(f[i], `"`) {
+			out = append(out, f[i])
+			continue
+		}
+		j := i
+		for !strings.HasSuffix(f[j], `"`) {
+			j++
+		}
+		out = append(out, strings.Trim(strings.Join(f[i:j+1], " "), `"`))
+		i = j
+	}
+	return out
+}
+
+// installed returns the chain and jumps of the env's chain in one mode and family, in render's
+// layout (a comment line naming the restore tool, then the payload), or "" when there are none.
+func installed(ctx context.Context, t testing.TB, env *Env, mode iptables.Mode, fam policy.Family) string {
+	t.Helper()
+	chain := env.FlagValue("masq-chain", iptables.DefaultChain)
+	tool := "iptables"
+	if fam == policy.IPv6 {
+		tool = "ip6tables"
+	}
+	out, err := NSExec(ctx, env.Node, "", tool+"-"+string(mode)+"-save")
+	if err != nil {
+		t.Fatalf("read back: %v", err)
+	}
+	nat, err := iptables.ParseSave(out, "nat")
+	if err != nil {
+		t.Fatalf("read back: %v", err)
+	}
+	jumps := nat.RulesTargeting(chain)
+	if !nat.HasChain(chain) && len(jumps) == 0 {
+		return ""
+	}
+	var b strings.Builder
+	b.WriteString("# " + tool + "-restore --noflush\n*nat\n")
+	if nat.HasChain(chain) {
+		b.WriteString(":" + chain + " - [0:0]\n")
+	}
+	for _, r := range nat.ChainRules(chain) {
+		b.WriteString(r.Text + "\n")
+	}
+	for _, r := range jumps {
+		b.WriteString(r.Text + "\n")
+	}
+	b.WriteString("COMMIT\n")
+	return b.String()
+}
+
+// verifyIptables checks that the chain and jump the agent installed, read back with
+// iptables-save inside the node, equal `render`'s output for the same flags and configuration,
+// and that the other mode holds nothing.
+func verifyIptables(ctx context.Context, t testing.TB, env *Env, mode iptables.Mode) {
+	t.Helper()
+	want := env.Render(ctx, t)
+	got := installed(ctx, t, env, mode, policy.IPv4) + installed(ctx, t, env, mode, policy.IPv6)
+	if got != want {
+		t.Errorf("installed (iptables-%s-save) differs from render:\n--- installed\n%s--- render\n%s", mode, got, want)
+	}
+	other := iptables.ModeLegacy
+	if mode == iptables.ModeLegacy {
+		other = iptables.ModeNFT
+	}
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		if s := installed(ctx, t, env, other, fam); s != "" {
+			t.Errorf("the agent also installed into %s (%s):\n%s", other, fam, s)
+		}
+	}
+}

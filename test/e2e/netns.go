@@ -1,0 +1,87 @@
+// Package e2e is the end-to-end harness: throwaway network namespaces (a pod, the node, an
+// external host), the real agent binary running inside the node namespace, and probes that
+// report which source address the external host sees. The scenario table in scenarios.go is
+// backend-independent; a Backend value says how to select and verify one datapath.
+//
+// Everything here acts only inside namespaces the harness created, and sends traffic only to
+// addresses that live inside them. Tests import this package; production code never does.
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// cmdTimeout bounds every command the harness runs.
+const cmdTimeout = 20 * time.Second
+
+// Do runs fn on an OS thread that has entered the named network namespace. Sockets fn creates
+// belong to that namespace for their whole life and may be used from any goroutine afterwards.
+func Do(ns string, fn func() error) error {
+	f, err := os.Open(filepath.Join("/run/netns", ns))
+	if err != nil {
+		return fmt.Errorf("open netns %s: %w", ns, err)
+	}
+	defer f.Close()
+	errc := make(chan error, 1)
+	go func() {
+		// The thread stays locked so that it ends with this goroutine: a thread moved to another
+		// namespace must never run other goroutines.
+		runtime.LockOSThread()
+		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
+			errc <- fmt.Errorf("setns %s: %w", ns, err)
+			return
+		}
+		errc <- fn()
+	}()
+	return <-errc
+}
+
+// run runs a command with the payload on stdin and returns its output; the error carries stderr.
+func run(ctx context.Context, stdin string, name string, args ...string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, cmdTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, name, args...)
+	if stdin != "" {
+		cmd.Stdin = strings.NewReader(stdin)
+	}
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	cmd.WaitDelay = time.Second
+	if err := cmd.Run(); err != nil {
+		return stdout.Bytes(), fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+	}
+	return stdout.Bytes(), nil
+}
+
+// IPBatch runs ip commands (one per line, without the leading "ip") inside a namespace.
+func IPBatch(ctx context.Context, ns, batch string) error {
+	_, err := run(ctx, batch, "ip", "-n", ns, "-batch", "-")
+	return err
+}
+
+// NSExec runs a command inside a namespace (ip netns exec) and returns its standard output.
+func NSExec(ctx context.Context, ns string, stdin string, name string, args ...string) ([]byte, error) {
+	return run(ctx, stdin, "ip", append([]string{"netns", "exec", ns, name}, args...)...)
+}
+
+// writeSysctl sets a per-namespace sysctl: /proc/sys/net resolves to the namespace of the thread
+// that opens it.
+func writeSysctl(ns, key, value string) error {
+	return Do(ns, func() error {
+		path := filepath.Join("/proc/sys", strings.ReplaceAll(key, ".", "/"))
+		if err := os.WriteFile(path, []byte(value), 0o644); err != nil {
+			return fmt.Errorf("sysctl %s in %s: %w", key, ns, err)
+		}
+		return nil
+	})
+}

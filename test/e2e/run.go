@@ -1,0 +1,241 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// ScenarioTimeout bounds one scenario, so that its cleanups run long before go test's own
+// timeout would kill the binary without them.
+const ScenarioTimeout = 90 * time.Second
+
+// LiveChangeLimit is the bound on a live config change, file written to traffic changed.
+const LiveChangeLimit = time.Second
+
+// Backend says how to run the agent with one datapath and how to check what it installed. The
+// scenario table is the same for every backend.
+type Backend struct {
+	// Name names the backend in subtest names, e.g. "iptables".
+	Name string
+	// Flags select the backend on the agent's command line, e.g. --backend=iptables.
+	Flags []string
+	// Tools must be on PATH for the backend's tests.
+	Tools []string
+	// Prepare, when set, readies the node before the agent starts.
+	Prepare func(ctx context.Context, t testing.TB, env *Env)
+	// Verify checks that what the agent installed in the node equals the policy of env's last
+	// good configuration.
+	Verify func(ctx context.Context, t testing.TB, env *Env)
+	// Gone checks that nothing of the backend is left in the node.
+	Gone func(ctx context.Context, t testing.TB, env *Env)
+	// Drift damages the installed datapath behind the agent's back, as an admin or another
+	// agent might; the periodic resync must repair it.
+	Drift func(ctx context.Context, t testing.TB, env *Env)
+}
+
+// Env is one scenario's world.
+type Env struct {
+	*Topology
+	Bin   string
+	Agent *Agent
+	// Flags are the scenario's policy flags.
+	Flags []string
+	// Config is the file's directory.
+	Config *ConfigDir
+	// Good is the content of the last good configuration, GoodNoFile true when that was no file.
+	Good       string
+	GoodNoFile bool
+}
+
+// NewEnv builds a topology for one test.
+func NewEnv(ctx context.Context, t testing.TB, bin string, flags []string) *Env {
+	t.Helper()
+	return &Env{Topology: NewTopology(ctx, t), Bin: bin, Flags: flags, Config: NewConfigDir(t)}
+}
+
+// StartAgent runs the agent for backend b in the node with the env's flags and config.
+func (e *Env) StartAgent(ctx context.Context, t testing.TB, b Backend) *Agent {
+	t.Helper()
+	args := append(append([]string{"--config=" + e.Config.Path()}, b.Flags...), e.Flags...)
+	e.Agent = StartAgent(ctx, t, e.Node, e.Bin, args...)
+	return e.Agent
+}
+
+// SetGood records the configuration the datapath must now implement.
+func (e *Env) SetGood(content string, noFile bool) { e.Good, e.GoodNoFile = content, noFile }
+
+// Render runs `render` with the env's policy flags on the last good configuration: the payload
+// the iptables backend must have installed. render applies nothing.
+func (e *Env) Render(ctx context.Context, t testing.TB) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "good")
+	if !e.GoodNoFile {
+		if err := os.WriteFile(path, []byte(e.Good), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out, err := run(ctx, "", e.Bin, append([]string{"render", "--config=" + path}, e.Flags...)...)
+	if err != nil {
+		t.Fatalf("render: %v", err)
+	}
+	return string(out)
+}
+
+// FlagValue returns the value of a --name=value flag of the env, or def.
+func (e *Env) FlagValue(name, def string) string {
+	v := def
+	for _, f := range e.Flags {
+		if s, ok := strings.CutPrefix(f, "--"+name+"="); ok {
+			v = s
+		}
+	}
+	return v
+}
+
+// Observe probes dst over proto and classifies the source the external host saw.
+func (e *Env) Observe(ctx context.Context, proto string, dst netip.Addr) (Want, netip.AddrPort, error) {
+	src, err := e.Probe(ctx, proto, dst)
+	if err != nil {
+		return 0, src, err
+	}
+	fam := policy.FamilyOf(dst)
+	switch src.Addr() {
+	case NodeAddr(fam):
+		return Masq, src, nil
+	case PodAddr(fam):
+		return Keep, src, nil
+	}
+	return 0, src, fmt.Errorf("%s to %s: source %s is neither the pod's nor the node's address", proto, dst, src)
+}
+
+// Check probes every expectation over TCP and UDP and reports each mismatch.
+func (e *Env) Check(ctx context.Context, t testing.TB, expects []Expect, masqPorts *policy.PortRange) {
+	t.Helper()
+	for _, ex := range expects {
+		dst := netip.MustParseAddr(ex.Dst)
+		for _, proto := range []string{"tcp", "udp"} {
+			got, src, err := e.Observe(ctx, proto, dst)
+			if err != nil {
+				t.Errorf("%v", err)
+				continue
+			}
+			if got != ex.Want {
+				t.Errorf("%s to %s: external host saw %s (%s), want %s", proto, dst, src, got, ex.Want)
+				continue
+			}
+			if got == Masq && masqPorts != nil && (src.Port() < masqPorts.First || src.Port() > masqPorts.Last) {
+				t.Errorf("%s to %s: masqueraded to port %d, outside %s", proto, dst, src.Port(), masqPorts)
+			}
+		}
+	}
+}
+
+// Run runs one scenario against one backend.
+func Run(t *testing.T, bin string, b Backend, sc Scenario) {
+	ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+	t.Cleanup(cancel)
+	env := NewEnv(ctx, t, bin, sc.Flags)
+	if b.Prepare != nil {
+		b.Prepare(ctx, t, env)
+	}
+	first := sc.Steps[0]
+	if !first.NoFile {
+		if err := env.Config.Write(first.Config); err != nil {
+			t.Fatal(err)
+		}
+	}
+	env.SetGood(first.Config, first.NoFile)
+	ag := env.StartAgent(ctx, t, b)
+	if err := ag.WaitReady(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for i, st := range sc.Steps {
+		if i > 0 {
+			applyStep(ctx, t, env, sc.Steps[i-1], st)
+			if t.Failed() {
+				return
+			}
+		}
+		env.Check(ctx, t, st.Expect, sc.MasqPorts)
+		b.Verify(ctx, t, env)
+		if t.Failed() {
+			t.Fatalf("step %d failed", i+1)
+		}
+	}
+}
+
+// applyStep publishes a step's file while the agent runs and waits until the agent acted on it:
+// for a bad file, until it logged the rejection; for a good one, until traffic changed (timed).
+func applyStep(ctx context.Context, t *testing.T, env *Env, prev, st Step) {
+	t.Helper()
+	ag := env.Agent
+	if st.Bad {
+		rejected := ag.Count("config rejected")
+		if err := env.Config.Write(st.Config); err != nil {
+			t.Fatal(err)
+		}
+		if err := ag.WaitLog(ctx, rejected+1, "config rejected"); err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(ag.Logs(), st.LogMentions) {
+			t.Errorf("the rejection does not mention %q", st.LogMentions)
+		}
+		return
+	}
+	// A destination whose outcome this change flips shows when the change took effect.
+	var sentinel *Expect
+	for _, ex := range st.Expect {
+		for _, old := range prev.Expect {
+			if old.Dst == ex.Dst && old.Want != ex.Want {
+				sentinel = &ex
+				break
+			}
+		}
+		if sentinel != nil {
+			break
+		}
+	}
+	if sentinel == nil {
+		t.Fatalf("scenario error: a live change must flip at least one destination of the previous step")
+	}
+	applied := ag.Count("trigger=config-change", "policy applied")
+	dst := netip.MustParseAddr(sentinel.Dst)
+	start := time.Now()
+	if err := env.Config.Write(st.Config); err != nil {
+		t.Fatal(err)
+	}
+	var probeErrs []error
+	for {
+		got, _, err := env.Observe(ctx, "tcp", dst)
+		if err == nil && got == sentinel.Want {
+			break
+		}
+		if err != nil {
+			probeErrs = append(probeErrs, err)
+		}
+		if ctx.Err() != nil || time.Since(start) > 10*LiveChangeLimit {
+			t.Fatalf("the change did not take effect within %v: tcp to %s still %s (%v)", time.Since(start), dst, got, err)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	took := time.Since(start)
+	t.Logf("live config change: file written to traffic changed (tcp to %s %s) in %v", dst, sentinel.Want, took)
+	if took > LiveChangeLimit {
+		t.Errorf("live config change took %v, more than %v; probe errors meanwhile: %v", took, LiveChangeLimit, probeErrs)
+	}
+	// The change came through the agent's reload (whose log line follows the apply by a hair).
+	wctx, wcancel := context.WithTimeout(ctx, 5*time.Second)
+	defer wcancel()
+	if err := ag.WaitLog(wctx, applied+1, "trigger=config-change", "policy applied"); err != nil {
+		t.Errorf("traffic changed but the agent logged no config-change apply: %v", err)
+	}
+	env.SetGood(st.Config, false)
+}
