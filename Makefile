@@ -15,7 +15,7 @@ TESTFLAGS ?= -count=1 -timeout 25m
 # Pinned clang flags for the BPF objects (read by the go:generate lines through the environment).
 export BPF_CFLAGS := -O2 -g -Wall -Werror -mcpu=v3
 
-.PHONY: all build test unit demo generate check-generate bench lint deps clean
+.PHONY: all build test unit e2e demo generate check-generate bench lint deps clean
 
 all: build
 
@@ -25,6 +25,10 @@ build:
 ## test: every test, privileged ones included (run as root; CI=true makes a test that cannot run fail)
 test: deps build
 	$(GO) test $(TESTFLAGS) ./...
+
+## e2e: the end-to-end suite only, against the binary in bin/ (root)
+e2e: deps build
+	IP_MASQ_AGENT_BIN=$(CURDIR)/$(BIN) $(GO) test $(TESTFLAGS) -v ./test/e2e
 
 ## unit: only the tests that need no privileges
 unit:

@@ -29,12 +29,16 @@ func runMain(m *testing.M) int {
 	// their own, without a binary.
 	if os.Geteuid() == 0 {
 		if bin := os.Getenv("IP_MASQ_AGENT_BIN"); bin != "" {
-			abs, err := filepath.Abs(bin)
-			if err != nil {
+			// go test runs in the package directory, so a relative path would be misread.
+			if !filepath.IsAbs(bin) {
+				fmt.Fprintf(os.Stderr, "e2e: IP_MASQ_AGENT_BIN=%s must be an absolute path\n", bin)
+				return 1
+			}
+			if _, err := os.Stat(bin); err != nil {
 				fmt.Fprintln(os.Stderr, "e2e:", err)
 				return 1
 			}
-			agentBin = abs
+			agentBin = bin
 		} else {
 			dir, err := os.MkdirTemp("", "ip-masq-agent-e2e-")
 			if err != nil {

@@ -1,0 +1,49 @@
+package cli
+
+import (
+	"strings"
+	"testing"
+)
+
+// These cases fail before the agent touches anything; none of them may reach a datapath, since
+// unit tests run in the host's namespace.
+func TestAgentCommandLineErrors(t *testing.T) {
+	tests := []struct {
+		args     []string
+		wantCode int
+		wantErr  string
+	}{
+		{[]string{"--backend=bpf"}, 1, "backend bpf is not available in this build"},
+		{[]string{"--backend", "ebpf"}, 2, `backend "ebpf": must be auto, bpf or iptables`},
+		{[]string{"--backend=bpf", "extra"}, 2, "the agent takes no arguments"},
+		{[]string{"--masq-chain=POSTROUTING"}, 2, "is a built-in chain"},
+		{[]string{"--to-ports=9-1"}, 2, "starts after it ends"},
+		{[]string{"cleanup", "now"}, 2, "cleanup takes no arguments"},
+		{[]string{"cleanup", "--masq-chain=bad name"}, 2, "only letters, digits"},
+		{[]string{"cleanup", "--no-such-flag"}, 2, "flag provided but not defined"},
+	}
+	for _, tc := range tests {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			_, _, err := run(t, tc.args...)
+			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Fatalf("err = %v, want it to contain %q", err, tc.wantErr)
+			}
+			if got := ExitCode(err); got != tc.wantCode {
+				t.Errorf("exit code %d, want %d", got, tc.wantCode)
+			}
+		})
+	}
+}
+
+// The cleanup subcommand takes the agent's flags, so the DaemonSet's arguments can be reused.
+func TestCleanupAcceptsAgentFlags(t *testing.T) {
+	_, stderr, err := run(t, "cleanup", "--help")
+	if err == nil {
+		t.Fatal("--help returned no error")
+	}
+	for _, flag := range []string{"-masq-chain", "-backend", "-enable-ipv6", "-metrics-address", "-interfaces"} {
+		if !strings.Contains(stderr, flag) {
+			t.Errorf("cleanup --help does not list %s:\n%s", flag, stderr)
+		}
+	}
+}
