@@ -220,7 +220,9 @@ func (a *Agent) loop(ctx context.Context) error {
 				debounce.Reset(a.opts.Debounce)
 			}
 		case err := <-w.errors():
-			log.Warn("config directory watch error", "error", err)
+			// Events may have been lost (a queue overflow): re-read to be sure.
+			log.Warn("config directory watch error; re-reading the file", "error", err)
+			debounce.Reset(a.opts.Debounce)
 		case <-debounce.C:
 			next = triggerChange
 		case <-resync.C:

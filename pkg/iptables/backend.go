@@ -1,6 +1,7 @@
 package iptables
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -145,8 +146,20 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 	if err != nil {
 		return err
 	}
-	withJump := !nat.HasRule(JumpRule(b.chain))
+	jump := JumpRule(b.chain)
+	jumps := 0
+	for _, r := range nat.ChainRules("POSTROUTING") {
+		if r.Text == jump {
+			jumps++
+		}
+	}
+	withJump := jumps == 0
 	payload := Render(p, fam, b.chain, withJump)
+	if jumps > 1 {
+		// Two agents overlapping in a rolling update may each have added the jump; keep one.
+		dedup := strings.Repeat("-D"+strings.TrimPrefix(jump, "-A")+"\n", jumps-1)
+		payload = append(bytes.TrimSuffix(payload, []byte("COMMIT\n")), dedup+"COMMIT\n"...)
+	}
 	if err := b.restore(ctx, t, payload); err != nil {
 		return fmt.Errorf("apply %s chain %s: %w", fam, b.chain, err)
 	}

@@ -70,6 +70,17 @@ func TestApplyInstallsChainAndJumpOnce(t *testing.T) {
 	if len(f.stack(ModeLegacy, policy.IPv4).tables) != 0 {
 		t.Errorf("apply in nft mode touched legacy tables")
 	}
+
+	// Duplicated jumps (two agents overlapping) are reduced to one; other rules stay.
+	nat := f.nat(ModeNFT, policy.IPv4)
+	other := fakeRule{text: "-A POSTROUTING -s 10.0.0.0/8 -j RETURN"}
+	nat.rules["POSTROUTING"] = append(nat.rules["POSTROUTING"], other, fakeRule{text: JumpRule(DefaultChain)}, fakeRule{text: JumpRule(DefaultChain)})
+	if err := b.Apply(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := f.chainTexts(ModeNFT, policy.IPv4, "POSTROUTING"), []string{other.text, JumpRule(DefaultChain)}; !slices.Equal(got, want) {
+		t.Errorf("POSTROUTING after dedup = %q, want %q", got, want)
+	}
 }
 
 func TestApplyReplacesAndHealsDrift(t *testing.T) {

@@ -161,7 +161,8 @@ func Scenarios() []Scenario {
 			)}},
 		},
 		{
-			Name: "masq-link-local",
+			Name:  "masq-link-local",
+			Flags: []string{"--random-fully=false"},
 			Steps: []Step{{Config: "masqLinkLocal: true\n", Expect: join(
 				expect(Masq, "169.254.169.254", "8.8.8.8"),
 				expect(Keep, "10.1.2.3", "192.168.1.1"),
