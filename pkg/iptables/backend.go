@@ -124,6 +124,13 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	}
 	applied := map[policy.Family]*policy.Policy{}
 	for _, fam := range families {
+		if prev, ok := b.applied[fam]; ok {
+			applied[fam] = prev // until this family's transaction succeeds
+		}
+	}
+	// Counters must match what is installed even when a later family fails.
+	defer func() { b.applied = applied }()
+	for _, fam := range families {
 		fp := *p
 		if fp.RandomFully && !b.supportsRandomFully(ctx, fam) {
 			fp.RandomFully = false
@@ -133,7 +140,6 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 		}
 		applied[fam] = &fp
 	}
-	b.applied = applied
 	return nil
 }
 

@@ -46,16 +46,6 @@ func (t *Table) ChainRules(chain string) []SavedRule {
 	return out
 }
 
-// HasRule reports whether a rule with exactly this text exists.
-func (t *Table) HasRule(text string) bool {
-	for _, r := range t.Rules {
-		if r.Text == text {
-			return true
-		}
-	}
-	return false
-}
-
 // RulesTargeting returns the rules of any chain that jump or go to the chain.
 func (t *Table) RulesTargeting(chain string) []SavedRule {
 	var out []SavedRule
