@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"net/http"
 	"net/netip"
@@ -25,9 +26,10 @@ func TestMain(m *testing.M) {
 }
 
 func runMain(m *testing.M) int {
-	// Build only where the privileged tests can run; elsewhere they skip (or fail in CI) on
+	flag.Parse()
+	// Build only where the privileged tests will run; elsewhere they skip (or fail in CI) on
 	// their own, without a binary.
-	if os.Geteuid() == 0 {
+	if os.Geteuid() == 0 && (!testing.Short() || testutil.InCI()) {
 		if bin := os.Getenv("IP_MASQ_AGENT_BIN"); bin != "" {
 			// go test runs in the package directory, so a relative path would be misread.
 			if !filepath.IsAbs(bin) {
