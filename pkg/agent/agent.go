@@ -48,6 +48,10 @@ type Options struct {
 	Debounce time.Duration
 	// RetryMin and RetryMax bound the exponential backoff of a failed apply.
 	RetryMin, RetryMax time.Duration
+	// Changes, when set, carries events from outside the file that the datapath must follow
+	// (such as an uplink address change, reported by a backend); each value, a short reason
+	// for the logs, makes the loop re-read the file and re-apply, as a resync does.
+	Changes <-chan string
 }
 
 // Stats are the agent's counters, for logs, tests and metrics.
@@ -160,6 +164,7 @@ const (
 	triggerChange  trigger = "config-change"
 	triggerResync  trigger = "resync"
 	triggerRetry   trigger = "retry"
+	triggerEvent   trigger = "datapath-event"
 )
 
 // loopState is owned by the loop goroutine.
@@ -193,6 +198,7 @@ func (a *Agent) loop(ctx context.Context) error {
 	defer debounce.Stop()
 	defer retry.Stop()
 
+	changes := a.opts.Changes
 	next := triggerStartup
 	for {
 		if next != "" {
@@ -230,6 +236,13 @@ func (a *Agent) loop(ctx context.Context) error {
 			next = triggerResync
 		case <-retry.C:
 			next = triggerRetry
+		case why, ok := <-changes:
+			if !ok {
+				changes = nil // closed: no more events
+				continue
+			}
+			log.Info("datapath event; re-applying", "event", why)
+			next = triggerEvent
 		}
 	}
 }
@@ -254,7 +267,7 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger) {
 		}
 		log.Error("config rejected; the last good configuration stays in force",
 			"path", a.opts.ConfigPath, "error", err)
-		if why == triggerResync || why == triggerRetry {
+		if why == triggerResync || why == triggerRetry || why == triggerEvent {
 			a.apply(ctx, st, st.desired, log)
 		}
 		return

@@ -461,3 +461,23 @@ func TestShutdownLeavesDatapath(t *testing.T) {
 		t.Errorf("health endpoint still served after shutdown")
 	}
 }
+
+func TestDatapathEventReapplies(t *testing.T) {
+	b := newFakeBackend()
+	events := make(chan string)
+	r := startAgent(t, filepath.Join(t.TempDir(), "none"), b, func(o *Options) { o.Changes = events })
+	first := b.waitApply(t)
+	events <- "uplink address changed"
+	if p := b.waitApply(t); fmt.Sprint(p) != fmt.Sprint(first) {
+		t.Errorf("re-applied %+v, want the same policy", p)
+	}
+	if !strings.Contains(r.log.String(), "uplink address changed") {
+		t.Errorf("the event's reason is not logged:\n%s", r.log.String())
+	}
+	// A closed channel ends the events, not the agent.
+	close(events)
+	b.noApply(t, 100*time.Millisecond)
+	if r.agent.Stats().Applies != 2 {
+		t.Errorf("stats %+v", r.agent.Stats())
+	}
+}
