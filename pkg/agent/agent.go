@@ -9,11 +9,14 @@ package agent
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"path/filepath"
 	"reflect"
 	"sync"
@@ -54,16 +57,67 @@ type Options struct {
 	Changes <-chan string
 }
 
-// Stats are the agent's counters, for logs, tests and metrics.
+// Stats are the agent's counters, for logs, tests and metrics (which read them at scrape time).
+//
+// A reload is one read of the config file: at startup, after a change in its directory, at each
+// resync and retry, and after a datapath event. Every reload counts once, in Reloads,
+// ReloadApplyErrors or ConfigErrors.
 type Stats struct {
-	// Applies counts successful applies; ApplyErrors failed ones.
+	// Applies counts successful applies; ApplyErrors failed ones. A bad file at a resync still
+	// re-applies the last good policy, so applies and reloads differ.
 	Applies, ApplyErrors uint64
+	// Reloads counts reloads whose valid configuration is now in the datapath (applied, or
+	// already in place); ReloadApplyErrors those whose valid configuration could not be applied.
+	Reloads, ReloadApplyErrors uint64
 	// ConfigErrors counts reloads that found a file that does not parse or validate.
 	ConfigErrors uint64
+	// LastReload is when the last reload counted in Reloads finished.
+	LastReload time.Time
+	// ConfigSHA256 identifies the configuration in force: the hex SHA-256 of the canonical form
+	// (config.Config.Canonical) of the configuration whose policy the datapath last took in
+	// full. Empty before the first.
+	ConfigSHA256 string
 	// LastApply is when the last successful apply finished.
 	LastApply time.Time
+	// SyncDurations are the durations of every apply, failed ones included.
+	SyncDurations DurationHistogram
 	// Ready is true once a configuration is in the datapath.
 	Ready bool
+}
+
+// numSyncBuckets is the number of buckets of SyncBuckets.
+const numSyncBuckets = 14
+
+// SyncBuckets are the upper bounds, in seconds, of DurationHistogram's buckets: from a BPF map
+// update (a millisecond) to an iptables-restore of thousands of rules or one that waits for the
+// xtables lock (up to its 30 s timeout).
+func SyncBuckets() []float64 {
+	return []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}
+}
+
+// DurationHistogram counts durations as a Prometheus histogram does.
+type DurationHistogram struct {
+	// Buckets[i] counts the durations of at most SyncBuckets()[i] seconds: cumulative, so the
+	// last bucket holds every duration up to 30 s and Count those beyond too.
+	Buckets [numSyncBuckets]uint64
+	Count   uint64
+	Sum     time.Duration
+}
+
+func (h *DurationHistogram) observe(d time.Duration) {
+	for i, bound := range SyncBuckets() {
+		if d.Seconds() <= bound {
+			h.Buckets[i]++
+		}
+	}
+	h.Count++
+	h.Sum += d
+}
+
+// ConfigHash is what Stats.ConfigSHA256 holds for a configuration.
+func ConfigHash(cfg config.Config) string {
+	sum := sha256.Sum256(cfg.Canonical())
+	return hex.EncodeToString(sum[:])
 }
 
 // Agent is the daemon. Create it with New, add handlers to Mux if needed, then Run it.
@@ -109,6 +163,18 @@ func New(opts Options) (*Agent, error) {
 // be added before Run.
 func (a *Agent) Mux() *http.ServeMux { return a.mux }
 
+// paths lists what the mux serves, for the startup log: the health endpoints, and /metrics once
+// the caller added it.
+func (a *Agent) paths() []string {
+	var out []string
+	for _, p := range []string{"/metrics", "/healthz", "/readyz"} {
+		if _, pattern := a.mux.Handler(&http.Request{Method: http.MethodGet, URL: &url.URL{Path: p}}); pattern != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
 // Stats returns a snapshot of the counters.
 func (a *Agent) Stats() Stats {
 	a.mu.Lock()
@@ -139,7 +205,7 @@ func (a *Agent) Run(ctx context.Context, ln net.Listener) error {
 			defer scancel()
 			_ = srv.Shutdown(sctx)
 		}()
-		a.log.Info("serving health endpoints", "address", ln.Addr().String())
+		a.log.Info("serving HTTP endpoints", "address", ln.Addr().String(), "paths", a.paths())
 	} else {
 		serveErr <- nil
 	}
@@ -169,8 +235,10 @@ const (
 
 // loopState is owned by the loop goroutine.
 type loopState struct {
-	// desired is the policy of the last good configuration, nil before there was one.
-	desired *policy.Policy
+	// desired is the policy of the last good configuration, nil before there was one;
+	// desiredHash is that configuration's ConfigHash.
+	desired     *policy.Policy
+	desiredHash string
 	// applied is the policy the backend last applied successfully.
 	applied *policy.Policy
 	// failed is set while desired could not be applied; backoff is the next retry delay.
@@ -268,47 +336,73 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger) {
 		log.Error("config rejected; the last good configuration stays in force",
 			"path", a.opts.ConfigPath, "error", err)
 		if why == triggerResync || why == triggerRetry || why == triggerEvent {
-			a.apply(ctx, st, st.desired, log)
+			_ = a.apply(ctx, st, log) // counted as an apply, not as a reload of this file
 		}
 		return
 	}
 	st.resync = cfg.ResyncInterval
 	p := policy.Compile(cfg, a.opts.PolicyOptions)
+	hash := ConfigHash(cfg)
 	if why == triggerChange && !st.failed && reflect.DeepEqual(p, st.applied) {
 		log.Debug("config unchanged; nothing to apply")
+		// The datapath implements this configuration too (it may differ in settings that do
+		// not reach the datapath, such as resyncInterval): it is the one in force now.
+		st.desiredHash = hash
+		a.mu.Lock()
+		a.stats.Reloads++
+		a.stats.LastReload = time.Now()
+		a.stats.ConfigSHA256 = hash
+		a.mu.Unlock()
 		return
 	}
 	if st.desired != nil && !reflect.DeepEqual(p, st.desired) {
 		log.Info("config changed", "path", a.opts.ConfigPath)
 	}
-	st.desired = p
-	a.apply(ctx, st, p, log)
+	st.desired, st.desiredHash = p, hash
+	err = a.apply(ctx, st, log)
+	if ctx.Err() != nil {
+		return
+	}
+	a.mu.Lock()
+	if err == nil {
+		a.stats.Reloads++
+		a.stats.LastReload = time.Now()
+	} else {
+		a.stats.ReloadApplyErrors++
+	}
+	a.mu.Unlock()
 }
 
-func (a *Agent) apply(ctx context.Context, st *loopState, p *policy.Policy, log *slog.Logger) {
+// apply applies the desired policy and records the outcome. It returns the backend's error; a
+// cancelled context (shutdown) records nothing.
+func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger) error {
+	p := st.desired
 	start := time.Now()
 	err := a.opts.Backend.Apply(ctx, p)
 	took := time.Since(start)
 	if err != nil {
 		if ctx.Err() != nil {
-			return // shutting down: the datapath stays as it is
+			return err // shutting down: the datapath stays as it is
 		}
 		st.failed = true
 		st.backoff = min(max(2*st.backoff, a.opts.RetryMin), a.opts.RetryMax)
 		a.mu.Lock()
 		a.stats.ApplyErrors++
+		a.stats.SyncDurations.observe(took)
 		if !a.stats.Ready {
 			a.notReady = "apply failed: " + err.Error()
 		}
 		a.mu.Unlock()
 		log.Error("apply failed; retrying", "error", err, "retryIn", st.backoff)
-		return
+		return err
 	}
 	changed := !reflect.DeepEqual(p, st.applied)
 	st.applied, st.failed, st.backoff = p, false, 0
 	a.mu.Lock()
 	a.stats.Applies++
 	a.stats.LastApply = time.Now()
+	a.stats.SyncDurations.observe(took)
+	a.stats.ConfigSHA256 = st.desiredHash
 	first := !a.stats.Ready
 	a.stats.Ready, a.notReady = true, ""
 	a.mu.Unlock()
@@ -318,6 +412,7 @@ func (a *Agent) apply(ctx context.Context, st *loopState, p *policy.Policy, log 
 	}
 	log.Log(ctx, level, "policy applied", "ipv4Rules", len(p.IPv4), "ipv6Rules", len(p.IPv6),
 		"ipv6", p.EnableIPv6, "took", took)
+	return nil
 }
 
 func (a *Agent) healthz(w http.ResponseWriter, _ *http.Request) {

@@ -481,3 +481,109 @@ func TestDatapathEventReapplies(t *testing.T) {
 		t.Errorf("stats %+v", r.agent.Stats())
 	}
 }
+
+// waitStats waits until the agent's stats satisfy cond, and returns them.
+func (r *running) waitStats(t *testing.T, what string, cond func(Stats) bool) Stats {
+	t.Helper()
+	deadline := time.Now().Add(waitFor)
+	for {
+		s := r.agent.Stats()
+		if cond(s) {
+			return s
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("waiting for %s: stats %+v", what, s)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+func hashOf(t *testing.T, doc string) string {
+	t.Helper()
+	cfg, err := config.Parse([]byte(doc), config.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ConfigHash(cfg)
+}
+
+// Every reload counts once by result; the hash follows the configuration in force; every apply
+// is timed.
+func TestReloadStats(t *testing.T) {
+	const (
+		docA     = "nonMasqueradeCIDRs: [10.0.0.0/8]\n"
+		docASame = "nonMasqueradeCIDRs: [10.0.0.0/8]\ncidrLimit: 10\n" // same policy, other config
+		docB     = "nonMasqueradeCIDRs: [192.168.0.0/16]\n"
+	)
+	cm := newConfigMap(t)
+	cm.write(docA)
+	b := newFakeBackend()
+	start := time.Now()
+	r := startAgent(t, cm.path(), b)
+	b.waitApply(t)
+	s := r.waitStats(t, "the first reload", func(s Stats) bool { return s.Reloads == 1 })
+	if s.ConfigSHA256 != hashOf(t, docA) || s.LastReload.Before(start) || s.ConfigErrors+s.ReloadApplyErrors != 0 {
+		t.Errorf("after the first reload: %+v", s)
+	}
+	if h := s.SyncDurations; h.Count != 1 || h.Buckets[numSyncBuckets-1] != 1 || h.Sum <= 0 {
+		t.Errorf("sync durations %+v, want one apply", h)
+	}
+	if got := ConfigHash(config.Default(config.Options{})); got == s.ConfigSHA256 || len(got) != 64 {
+		t.Errorf("hash of the defaults %q vs %q", got, s.ConfigSHA256)
+	}
+
+	// A file with the same policy: nothing applied, but it is the configuration in force.
+	last := s.LastReload
+	cm.write(docASame)
+	s = r.waitStats(t, "the second reload", func(s Stats) bool { return s.Reloads == 2 })
+	if s.ConfigSHA256 != hashOf(t, docASame) || !s.LastReload.After(last) || s.Applies != 1 {
+		t.Errorf("after a reload of the same policy: %+v", s)
+	}
+	b.noApply(t, 50*time.Millisecond)
+
+	// A bad file: counted, the hash stays.
+	cm.write("nonMasqueradeCIDRs: [10.0.0.1/8]\n")
+	s = r.waitStats(t, "the bad file", func(s Stats) bool { return s.ConfigErrors == 1 })
+	if s.ConfigSHA256 != hashOf(t, docASame) || s.Reloads != 2 {
+		t.Errorf("after a bad file: %+v", s)
+	}
+
+	// A good file whose first apply fails: one apply error, then the retry's reload succeeds.
+	b.mu.Lock()
+	b.failNext = 1
+	b.mu.Unlock()
+	cm.write(docB)
+	b.waitApply(t)
+	s = r.waitStats(t, "the retried reload", func(s Stats) bool { return s.Reloads == 3 })
+	if s.ReloadApplyErrors != 1 || s.ApplyErrors != 1 || s.Applies != 2 || s.ConfigSHA256 != hashOf(t, docB) {
+		t.Errorf("after a failed then retried apply: %+v", s)
+	}
+	if h := s.SyncDurations; h.Count != 3 || h.Buckets[numSyncBuckets-1] != 3 {
+		t.Errorf("sync durations %+v, want three applies", h)
+	}
+}
+
+func TestDurationHistogram(t *testing.T) {
+	var h DurationHistogram
+	for _, d := range []time.Duration{time.Millisecond, 3 * time.Millisecond, time.Second, time.Minute} {
+		h.observe(d)
+	}
+	bounds := SyncBuckets()
+	if len(bounds) != numSyncBuckets {
+		t.Fatalf("%d bounds, %d buckets", len(bounds), numSyncBuckets)
+	}
+	for i, bound := range bounds {
+		var want uint64
+		for _, d := range []float64{0.001, 0.003, 1} {
+			if d <= bound {
+				want++
+			}
+		}
+		if h.Buckets[i] != want {
+			t.Errorf("bucket le=%g holds %d, want %d", bound, h.Buckets[i], want)
+		}
+	}
+	if h.Count != 4 || h.Sum != time.Minute+time.Second+4*time.Millisecond {
+		t.Errorf("count %d sum %v", h.Count, h.Sum)
+	}
+}

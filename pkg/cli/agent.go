@@ -13,6 +13,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
 )
 
@@ -73,6 +74,11 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
+	reg, err := metrics.NewRegistry(metrics.Options{Backend: backend, Agent: a, Logger: log})
+	if err != nil {
+		return fmt.Errorf("metrics: %w", err)
+	}
+	a.Mux().Handle("GET /metrics", metrics.Handler(reg, log))
 	var ln net.Listener
 	if af.metricsAddress != "" {
 		// Listening before the loop starts makes a taken port an immediate, clear error.

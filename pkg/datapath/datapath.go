@@ -1,8 +1,11 @@
 // Package datapath defines what the agent needs from a datapath backend (iptables, BPF): install
-// a compiled policy, report how often each rule matched, and remove everything again.
+// a compiled policy, report how often each rule matched, and remove everything again; and, as
+// optional interfaces, what a backend may add for metrics and `dump` (its NAT table, how it is
+// attached).
 //
-// The agent drives a backend from one goroutine; implementations need not be safe for
-// concurrent use.
+// The agent drives Apply and Cleanup from one goroutine. The reading methods (Counters and the
+// optional reporters) are also called by metric scrapes, from other goroutines, at any time:
+// they must be safe to call concurrently with Apply and with each other.
 package datapath
 
 import (
@@ -30,16 +33,26 @@ type Backend interface {
 	//   - Apply must not keep p after it returns beyond reading it; the caller does not mutate it.
 	//   - Settings the node cannot honour (for example --random-fully on an iptables without it)
 	//     are dropped with a warning rather than failing every apply.
+	//   - The counters of rules that stay (see Counters) are kept.
 	Apply(ctx context.Context, p *policy.Policy) error
 
 	// Counters returns, for each rule of the policy last applied by this process, how many
 	// packets and bytes matched it, read from the live datapath.
 	//
 	//   - Before the first successful Apply it returns no counters and no error.
-	//   - Counters start at zero when a rule is (re)installed; they are not persisted.
+	//   - A rule that stays across an Apply keeps its counters: a rule of the new policy with
+	//     the same family, prefix and action as one of the old (the same origin too, where the
+	//     datapath can tell origins apart) continues its predecessor's counts, whatever its
+	//     position; identical rules of one list pair up in order. Rules new to the datapath
+	//     start at zero, and so does a rule whose installed form changed (on iptables, for
+	//     example, another --to-ports or --random-fully).
+	//   - Counters live in the datapath, not in the process: an agent restart keeps them for
+	//     the rules that stay. Cleanup discards them.
 	//   - A rule missing from the live datapath (drift not yet healed) is left out rather than
 	//     reported as zero.
 	//   - The order is the policy order: IPv4 rules by number, then IPv6 rules by number.
+	//   - Safe to call concurrently with Apply (a metrics scrape); during an Apply it reports
+	//     the old or the new policy's rules.
 	Counters(ctx context.Context) ([]RuleCounter, error)
 
 	// Cleanup removes everything this backend installs, for both address families, whether or
@@ -56,12 +69,162 @@ type Backend interface {
 // RuleCounter is the hit count of one policy rule.
 type RuleCounter struct {
 	Family policy.Family
-	// Rule is the rule's 1-based number in its family's list (policy.Rule.Number).
+	// Rule is the rule's 1-based number in its family's list (policy.Rule.Number), or 0 when a
+	// Reader found an installed rule that the configuration it was given does not contain.
 	Rule   int
 	Prefix netip.Prefix
 	Action policy.Action
-	// Packets and Bytes are totals since the rule was installed. A rule that the datapath splits
-	// into several entries (per protocol or port range) reports their sum.
+	// Origin is the part of the configuration the rule came from (policy.Rule.Origin); empty
+	// when Rule is 0.
+	Origin policy.Origin
+	// Entry is the index within the config key the rule came from (policy.Rule.Entry), or -1
+	// for link-local and outbound rules and when unknown.
+	Entry int
+	// Packets and Bytes are totals since the rule was installed (see Backend.Counters for what
+	// survives a reload). Bytes are IP packet lengths. A rule that the datapath splits into
+	// several entries (per protocol or port range) reports their sum. What a packet is differs:
+	// iptables' nat table sees only the first packet of each connection, the BPF datapath every
+	// packet it classifies or translates.
 	Packets uint64
 	Bytes   uint64
+}
+
+// Source describes where the counter's rule came from, as policy.Rule.Source does for
+// configured rules: "nonMasqueradeCIDRs[2]", or the origin alone when the entry is unknown.
+func (c RuleCounter) Source() string {
+	switch {
+	case c.Origin == "":
+		return "?"
+	case c.Entry >= 0:
+		return policy.Rule{Origin: c.Origin, Entry: c.Entry}.Source()
+	}
+	return string(c.Origin)
+}
+
+// Info describes how a datapath is installed, for the datapath_info metric and `dump`.
+type Info struct {
+	// Backend is the backend's name, as Backend.Name.
+	Backend string
+	// AttachMode is how programs are attached to the uplinks: "tcx" or "tc" (clsact and
+	// cls_bpf); AttachNone for a backend that attaches no programs (iptables).
+	AttachMode string
+	// Details is a short human-readable line for `dump`, e.g. "nft, chain IP-MASQ-AGENT"; not
+	// a metric label.
+	Details string
+}
+
+// AttachNone is the AttachMode of a backend that attaches no programs.
+const AttachNone = "none"
+
+// InfoReporter is implemented by backends that can say how they are installed. A backend that
+// does not implement it is reported as Info{Backend: Name(), AttachMode: AttachNone}.
+//
+//   - Info reads no kernel state and does not fail; before the first Apply it reports what
+//     the backend will do (for example the attach mode it chose when it was created).
+//   - Safe to call concurrently with Apply.
+type InfoReporter interface {
+	Info() Info
+}
+
+// Reader reads a datapath that is installed on the node, from any process: the agent's own
+// (where the Backend is the Reader) or another one such as `dump`, while an agent runs or
+// after it stopped. A Reader may also implement NATReporter.
+type Reader interface {
+	InfoReporter
+	// Counters is Backend.Counters for the rules as installed. A Reader in another process
+	// maps them to the configuration it was given; an installed rule that configuration lacks
+	// is reported with Rule 0 and no Origin, after the configured ones.
+	Counters(ctx context.Context) ([]RuleCounter, error)
+}
+
+// NATReporter is implemented by datapaths that keep a NAT table of their own (BPF; iptables
+// leaves NAT to conntrack and does not implement it). Metrics and `dump` use it when present.
+//
+// Both methods are safe to call concurrently with Apply and with each other, and read the live
+// tables each time (no cache): their cost grows with the table, so NATStats should count
+// without allocating per entry. An error means nothing of the answer is usable; callers report
+// what else they can.
+type NATReporter interface {
+	// NATStats returns the table's size and the counters of the NAT engine.
+	//
+	//   - Counters are totals since the datapath was created; they survive agent restarts
+	//     where the datapath keeps its state (pinned maps) and may be reset by a new datapath.
+	//   - Before the first Apply the table is empty and the counters may be zero.
+	NATStats(ctx context.Context) (NATStats, error)
+
+	// NATSummary walks the table for `dump`: entries by family, protocol and state, and the
+	// remote endpoints that hold the most entries.
+	//
+	//   - top bounds Busiest; top <= 0 means none.
+	//   - Entries change while they are walked: the summary is a best effort, not a snapshot.
+	NATSummary(ctx context.Context, top int) (NATSummary, error)
+}
+
+// NATStats are the NAT table's metrics.
+type NATStats struct {
+	// Entries counts the table's entries by family and protocol; a flow takes one entry per
+	// direction. Families and protocols without entries may be left out.
+	Entries []NATEntries
+	// PortAllocationRetries counts port claims that found the port taken and tried another.
+	PortAllocationRetries uint64
+	// PortAllocationFailures counts new flows that found no free port within the retries.
+	PortAllocationFailures uint64
+	// Drops counts dropped packets by reason (DropNoPort, ...); every reason the datapath
+	// knows should be present, zero or not, so the series exist before the first drop.
+	Drops map[string]uint64
+	// Swept counts the entries the periodic sweep removed as idle, by protocol (ProtocolName).
+	Swept map[string]uint64
+}
+
+// NATEntries is a count of NAT table entries.
+type NATEntries struct {
+	Family policy.Family
+	// Protocol is ProtocolName of the entries' IP protocol.
+	Protocol string
+	// State is the flows' state in a NATSummary ("unreplied", "established", "closing"); empty
+	// in NATStats.
+	State   string
+	Entries uint64
+}
+
+// RemoteEndpoint is a remote address and port (the destination of the flows leaving the node)
+// with the number of NAT entries toward it.
+type RemoteEndpoint struct {
+	Protocol string
+	Endpoint netip.AddrPort
+	Entries  uint64
+}
+
+// NATSummary is what `dump` shows of the NAT table.
+type NATSummary struct {
+	// Entries by family, protocol and state, each combination at most once.
+	Entries []NATEntries
+	// Busiest are the remote endpoints with the most entries, most first.
+	Busiest []RemoteEndpoint
+}
+
+// Drop reasons of NATStats.Drops.
+const (
+	// DropNoPort: a new flow found no free source port.
+	DropNoPort = "no_port"
+	// DropNoAddr: the uplink has no SNAT address of the packet's family.
+	DropNoAddr = "no_addr"
+	// DropRewrite: rewriting the packet failed midway.
+	DropRewrite = "rewrite"
+)
+
+// ProtocolName is the label value of an IP protocol number: "tcp", "udp", "icmp", "icmpv6",
+// else "other".
+func ProtocolName(proto uint8) string {
+	switch proto {
+	case 6:
+		return "tcp"
+	case 17:
+		return "udp"
+	case 1:
+		return "icmp"
+	case 58:
+		return "icmpv6"
+	}
+	return "other"
 }

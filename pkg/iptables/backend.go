@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -35,24 +36,33 @@ type Options struct {
 
 // Backend is the iptables datapath: the policy as one nat chain per family, hooked from
 // POSTROUTING, each family applied with one iptables-restore --noflush transaction.
+//
+// Apply and Cleanup run on the agent's loop; Counters and Info may run at the same time (a
+// metrics scrape), so what they share is guarded by mu.
 type Backend struct {
 	chain  string
 	mode   Mode
 	runner Runner
 	log    *slog.Logger
 
-	tools map[policy.Family]*tools
 	// randomFully caches, per family, whether the tools and the kernel accept --random-fully.
+	// Only Apply uses it.
 	randomFully map[policy.Family]bool
-	// applied is, per family, the policy the last successful Apply installed (with the settings
-	// the node could not honour dropped), for Counters.
-	applied map[policy.Family]*policy.Policy
 	// staleIPv6Checked is set once the first Apply without IPv6 removed what an earlier run
-	// with --enable-ipv6 left behind.
+	// with --enable-ipv6 left behind. Only Apply uses it.
 	staleIPv6Checked bool
+
+	mu    sync.Mutex
+	tools map[policy.Family]*tools
+	// applied is, per family, the policy the last successful Apply installed (with the settings
+	// the node could not honour dropped), for Counters. A published map is never modified.
+	applied map[policy.Family]*policy.Policy
 }
 
-var _ datapath.Backend = (*Backend)(nil)
+var (
+	_ datapath.Backend      = (*Backend)(nil)
+	_ datapath.InfoReporter = (*Backend)(nil)
+)
 
 // New returns a backend for the node: it chooses the iptables mode and checks that the IPv4
 // tools are installed. It changes nothing.
@@ -95,22 +105,37 @@ func (b *Backend) Mode() Mode { return b.mode }
 // Chain is the nat chain the backend manages.
 func (b *Backend) Chain() string { return b.chain }
 
+// Info implements datapath.InfoReporter: iptables attaches no programs.
+func (b *Backend) Info() datapath.Info {
+	return datapath.Info{Backend: Name, AttachMode: datapath.AttachNone,
+		Details: fmt.Sprintf("iptables-%s, chain %s", b.mode, b.chain)}
+}
+
 func (b *Backend) toolsFor(ctx context.Context, fam policy.Family) (*tools, error) {
-	if t, ok := b.tools[fam]; ok {
+	b.mu.Lock()
+	t, ok := b.tools[fam]
+	b.mu.Unlock()
+	if ok {
 		return t, nil
 	}
+	// Resolved without the lock (it runs --version); two callers may both resolve, harmlessly.
 	t, err := resolveTools(ctx, b.runner, b.mode, fam)
 	if err != nil {
 		return nil, err
 	}
+	b.mu.Lock()
 	b.tools[fam] = t
+	b.mu.Unlock()
 	return t, nil
 }
 
-// Apply implements datapath.Backend: per family, one iptables-restore --noflush transaction
-// that declares (and so flushes) the chain, refills it and, when missing, adds the POSTROUTING
-// jump. With IPv6 disabled, the first Apply removes an IPv6 chain and jump left by an earlier
-// run with --enable-ipv6, so that no stale IPv6 policy stays in force unmanaged.
+// Apply implements datapath.Backend: per family, one iptables-restore --noflush --counters
+// transaction that declares (and so flushes) the chain, refills it with the live counters of
+// the lines that stay and, when missing, adds the POSTROUTING jump. A family whose chain and
+// jump are already exactly as wanted is left alone: rewriting it would lose the packets counted
+// between reading the counters and the restore. With IPv6 disabled, the first Apply removes an
+// IPv6 chain and jump left by an earlier run with --enable-ipv6, so that no stale IPv6 policy
+// stays in force unmanaged.
 func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	families := []policy.Family{policy.IPv4}
 	if p.EnableIPv6 {
@@ -122,14 +147,27 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 		}
 		b.staleIPv6Checked = true
 	}
+	// Counters must match what is installed, also when a later family fails, and a scrape
+	// during Apply must see each family's current policy: each family's policy is published as
+	// soon as its transaction succeeded. A family not managed any more is dropped at once.
 	applied := map[policy.Family]*policy.Policy{}
+	publish := func() {
+		next := make(map[policy.Family]*policy.Policy, len(applied))
+		for f, ap := range applied {
+			next[f] = ap
+		}
+		b.mu.Lock()
+		b.applied = next
+		b.mu.Unlock()
+	}
+	b.mu.Lock()
 	for _, fam := range families {
 		if prev, ok := b.applied[fam]; ok {
 			applied[fam] = prev // until this family's transaction succeeds
 		}
 	}
-	// Counters must match what is installed even when a later family fails.
-	defer func() { b.applied = applied }()
+	b.mu.Unlock()
+	publish()
 	for _, fam := range families {
 		fp := *p
 		if fp.RandomFully && !b.supportsRandomFully(ctx, fam) {
@@ -139,6 +177,7 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 			return err
 		}
 		applied[fam] = &fp
+		publish()
 	}
 	return nil
 }
@@ -148,7 +187,7 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 	if err != nil {
 		return err
 	}
-	nat, err := b.save(ctx, t, "-t", "nat")
+	nat, err := b.save(ctx, t, "-c", "-t", "nat")
 	if err != nil {
 		return err
 	}
@@ -159,18 +198,36 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 			jumps++
 		}
 	}
+	live := nat.ChainRules(b.chain)
+	if jumps == 1 && nat.HasChain(b.chain) && sameLines(ChainLines(p, fam, b.chain), live) {
+		b.log.Debug("chain unchanged; nothing to restore", "family", fam, "rules", len(p.Rules(fam)))
+		return nil
+	}
 	withJump := jumps == 0
-	payload := Render(p, fam, b.chain, withJump)
+	payload, kept := RenderKeepingCounters(p, fam, b.chain, withJump, live)
 	if jumps > 1 {
 		// Two agents overlapping in a rolling update may each have added the jump; keep one.
 		dedup := strings.Repeat("-D"+strings.TrimPrefix(jump, "-A")+"\n", jumps-1)
 		payload = append(bytes.TrimSuffix(payload, []byte("COMMIT\n")), dedup+"COMMIT\n"...)
 	}
-	if err := b.restore(ctx, t, payload); err != nil {
+	if err := b.restore(ctx, t, payload, "--counters"); err != nil {
 		return fmt.Errorf("apply %s chain %s: %w", fam, b.chain, err)
 	}
-	b.log.Debug("chain applied", "family", fam, "rules", len(p.Rules(fam)), "jumpAdded", withJump)
+	b.log.Debug("chain applied", "family", fam, "rules", len(p.Rules(fam)), "linesKeepingCounters", kept, "jumpAdded", withJump)
 	return nil
+}
+
+// sameLines reports whether the live chain is exactly the rendered one.
+func sameLines(lines []Line, live []SavedRule) bool {
+	if len(lines) != len(live) {
+		return false
+	}
+	for i := range lines {
+		if lines[i].Text != live[i].Text {
+			return false
+		}
+	}
+	return true
 }
 
 // save runs the family's iptables-save and returns its nat table.
@@ -184,10 +241,11 @@ func (b *Backend) save(ctx context.Context, t *tools, args ...string) (*Table, e
 
 var failedLineRE = regexp.MustCompile(`line:? (\d+)`)
 
-// restore runs one iptables-restore --noflush transaction. Its error carries iptables' own
-// message and, when iptables names a line, that line of the payload.
-func (b *Backend) restore(ctx context.Context, t *tools, payload []byte) error {
-	args := []string{"--noflush"}
+// restore runs one iptables-restore --noflush transaction, with extra arguments such as
+// --counters. Its error carries iptables' own message and, when iptables names a line, that
+// line of the payload.
+func (b *Backend) restore(ctx context.Context, t *tools, payload []byte, extra ...string) error {
+	args := append([]string{"--noflush"}, extra...)
 	if t.atLeast(1, 6, 2) {
 		args = append(args, "--wait") // older restores have no --wait
 	}
@@ -246,9 +304,12 @@ func (b *Backend) supportsRandomFully(ctx context.Context, fam policy.Family) bo
 // Counters implements datapath.Backend: the rule counters of iptables-save -c, mapped back to
 // the policy rules through the lines Render produced for them.
 func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
+	b.mu.Lock()
+	applied := b.applied
+	b.mu.Unlock()
 	var out []datapath.RuleCounter
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		p, ok := b.applied[fam]
+		p, ok := applied[fam]
 		if !ok {
 			continue
 		}
@@ -268,40 +329,53 @@ func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) 
 // matchCounters sums the live lines' counters per policy rule. Each expected line takes the first
 // unused live line with the same text, so duplicate rules each find their own line.
 func matchCounters(p *policy.Policy, fam policy.Family, chain string, live []SavedRule) []datapath.RuleCounter {
-	used := make([]bool, len(live))
-	var out []datapath.RuleCounter
-	index := map[int]int{} // rule number -> position in out
+	out, _ := mapLines(p, fam, chain, live)
+	return out
+}
+
+// mapLines pairs the lines rendered for p with the live ones and sums the live counters per
+// rule. A rule with any of its lines missing is not (fully) installed and is left out; rest are
+// the indexes of the live lines no reported rule took, in chain order.
+func mapLines(p *policy.Policy, fam policy.Family, chain string, live []SavedRule) (counters []datapath.RuleCounter, rest []int) {
+	lines := ChainLines(p, fam, chain)
+	match := pairLines(lines, live)
+	index := map[int]int{} // rule number -> position in counters
 	missing := map[int]bool{}
-	for _, l := range ChainLines(p, fam, chain) {
-		found := -1
-		for i, r := range live {
-			if !used[i] && r.Text == l.Text {
-				found = i
-				break
-			}
-		}
-		if found < 0 {
+	for i, l := range lines {
+		j := match[i]
+		if j < 0 {
 			missing[l.Rule.Number] = true
 			continue
 		}
-		used[found] = true
-		i, ok := index[l.Rule.Number]
+		k, ok := index[l.Rule.Number]
 		if !ok {
-			i = len(out)
-			index[l.Rule.Number] = i
-			out = append(out, datapath.RuleCounter{Family: fam, Rule: l.Rule.Number, Prefix: l.Rule.Prefix, Action: l.Rule.Action})
+			k = len(counters)
+			index[l.Rule.Number] = k
+			r := l.Rule
+			counters = append(counters, datapath.RuleCounter{Family: fam, Rule: r.Number, Prefix: r.Prefix,
+				Action: r.Action, Origin: r.Origin, Entry: r.Entry})
 		}
-		out[i].Packets += live[found].Packets
-		out[i].Bytes += live[found].Bytes
+		counters[k].Packets += live[j].Packets
+		counters[k].Bytes += live[j].Bytes
 	}
-	// A rule with any of its lines missing is not (fully) installed: leave it out.
-	kept := out[:0]
-	for _, c := range out {
+	kept := counters[:0]
+	for _, c := range counters {
 		if !missing[c.Rule] {
 			kept = append(kept, c)
 		}
 	}
-	return kept
+	taken := make([]bool, len(live))
+	for i, l := range lines {
+		if j := match[i]; j >= 0 && !missing[l.Rule.Number] {
+			taken[j] = true
+		}
+	}
+	for j := range live {
+		if !taken[j] {
+			rest = append(rest, j)
+		}
+	}
+	return kept, rest
 }
 
 // Cleanup implements datapath.Backend: in both modes whose tools are installed and for both
@@ -326,7 +400,9 @@ func (b *Backend) Cleanup(ctx context.Context) error {
 			}
 		}
 	}
+	b.mu.Lock()
 	b.applied = nil
+	b.mu.Unlock()
 	return errors.Join(errs...)
 }
 

@@ -202,13 +202,14 @@ func TestRandomFullyFallback(t *testing.T) {
 		if f.nat(ModeNFT, policy.IPv4).has(probeChain) {
 			t.Errorf("probe chain left behind")
 		}
-		// The probe runs once.
+		// The probe runs once: after a drift the next apply restores the chain only.
+		f.nat(ModeNFT, policy.IPv4).rules[DefaultChain] = nil
 		n := len(f.restores())
 		if err := b.Apply(ctx, p); err != nil {
 			t.Fatal(err)
 		}
-		if got := len(f.restores()) - n; got != 1 {
-			t.Errorf("second apply ran %d restores, want 1 (no new probe)", got)
+		if got := f.restores()[n:]; len(got) != 1 || strings.Contains(got[0], probeChain) {
+			t.Errorf("second apply ran restores %q, want one without a new probe", got)
 		}
 	})
 	t.Run("iptables too old", func(t *testing.T) {
@@ -358,7 +359,7 @@ func TestCounters(t *testing.T) {
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 		line := 0
 		for _, r := range p.Rules(fam) {
-			c := datapath.RuleCounter{Family: fam, Rule: r.Number, Prefix: r.Prefix, Action: r.Action}
+			c := datapath.RuleCounter{Family: fam, Rule: r.Number, Prefix: r.Prefix, Action: r.Action, Origin: r.Origin, Entry: r.Entry}
 			n := 1
 			if r.Action == policy.Masquerade {
 				n = 3*2 + 1 // tcp, udp, sctp per port range, plus the portless line
@@ -503,5 +504,179 @@ COMMIT
 		if _, err := ParseSave([]byte(bad), "nat"); err == nil {
 			t.Errorf("ParseSave(%q) succeeded", bad)
 		}
+	}
+}
+
+// setCounters gives every live line of the chain distinct counters: line i gets base+i packets
+// and 100*(base+i) bytes.
+func setCounters(f *fakeIptables, fam policy.Family, base uint64) {
+	rules := f.nat(ModeNFT, fam).rules[DefaultChain]
+	for i := range rules {
+		rules[i].packets, rules[i].bytes = base+uint64(i), 100*(base+uint64(i))
+	}
+}
+
+func counterOf(t *testing.T, cs []datapath.RuleCounter, fam policy.Family, prefix string, origin policy.Origin) datapath.RuleCounter {
+	t.Helper()
+	for _, c := range cs {
+		if c.Family == fam && c.Prefix == netip.MustParsePrefix(prefix) && c.Origin == origin {
+			return c
+		}
+	}
+	t.Fatalf("no counter for %s %s %s in %+v", fam, prefix, origin, cs)
+	return datapath.RuleCounter{}
+}
+
+// A reload keeps the counters of the rules that stay, wherever they move, and starts new rules
+// at zero; duplicates keep their own lines' counters, in order.
+func TestApplyKeepsCountersOfRulesThatStay(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeIptables()
+	b := newFakeBackend(t, f)
+	first := testPolicy(t, "masqueradeCIDRs: [10.10.10.10/32]\nnonMasqueradeCIDRs: [10.0.0.0/8, 10.0.0.0/8, 172.16.0.0/12, fc00::/7]", policy.Options{EnableIPv6: true})
+	if err := b.Apply(ctx, first); err != nil {
+		t.Fatal(err)
+	}
+	setCounters(f, policy.IPv4, 10)
+	setCounters(f, policy.IPv6, 50)
+	before, err := b.Counters(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 10.10.10.10/32 changes to /24, 172.16/12 goes, a new rule comes first: every kept rule
+	// moves one place down.
+	second := testPolicy(t, "masqueradeCIDRs: [192.0.2.0/24, 10.10.10.0/24]\nnonMasqueradeCIDRs: [10.0.0.0/8, 10.0.0.0/8, fc00::/7]", policy.Options{EnableIPv6: true})
+	if err := b.Apply(ctx, second); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(second, policy.IPv4); !slices.Equal(got, want) {
+		t.Fatalf("chain %q, want %q", got, want)
+	}
+	after, err := b.Counters(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []struct {
+		fam    policy.Family
+		prefix string
+		origin policy.Origin
+	}{
+		{policy.IPv4, "169.254.0.0/16", policy.OriginLinkLocal},
+		{policy.IPv4, "0.0.0.0/0", policy.OriginOutbound},
+		{policy.IPv6, "fe80::/10", policy.OriginLinkLocal},
+		{policy.IPv6, "fc00::/7", policy.OriginNonMasqueradeCIDRs},
+		{policy.IPv6, "::/0", policy.OriginOutbound},
+	} {
+		old, cur := counterOf(t, before, k.fam, k.prefix, k.origin), counterOf(t, after, k.fam, k.prefix, k.origin)
+		if old.Packets == 0 || cur.Packets != old.Packets || cur.Bytes != old.Bytes {
+			t.Errorf("%s %s: counters %d/%d after the reload, %d/%d before", k.fam, k.prefix, cur.Packets, cur.Bytes, old.Packets, old.Bytes)
+		}
+		if cur.Rule == old.Rule && k.origin == policy.OriginLinkLocal && k.fam == policy.IPv4 {
+			t.Errorf("%s %s: rule number %d did not move; the test means to move it", k.fam, k.prefix, cur.Rule)
+		}
+	}
+	// The duplicates keep their own counters, in order.
+	var dups, oldDups []uint64
+	for _, c := range after {
+		if c.Prefix == netip.MustParsePrefix("10.0.0.0/8") {
+			dups = append(dups, c.Packets)
+		}
+	}
+	for _, c := range before {
+		if c.Prefix == netip.MustParsePrefix("10.0.0.0/8") {
+			oldDups = append(oldDups, c.Packets)
+		}
+	}
+	if !slices.Equal(dups, oldDups) || len(dups) != 2 || dups[0] == dups[1] {
+		t.Errorf("duplicate rules' counters %v after, %v before", dups, oldDups)
+	}
+	for _, prefix := range []string{"192.0.2.0/24", "10.10.10.0/24"} {
+		if c := counterOf(t, after, policy.IPv4, prefix, policy.OriginMasqueradeCIDRs); c.Packets != 0 || c.Bytes != 0 {
+			t.Errorf("new rule %s starts at %d/%d, want zero", prefix, c.Packets, c.Bytes)
+		}
+	}
+	// The IPv4 transaction asked iptables to take the counters; the IPv6 chain did not change
+	// and was not rewritten.
+	var restores []fakeCall
+	for _, c := range f.calls {
+		if strings.HasSuffix(c.name, "-restore") && strings.Contains(c.stdin, DefaultChain) {
+			restores = append(restores, c)
+		}
+	}
+	if last := restores[len(restores)-1]; last.name != "iptables-nft-restore" || !slices.Contains(last.args, "--counters") {
+		t.Errorf("last restore %s %q, want iptables-nft-restore with --counters", last.name, last.args)
+	}
+	if len(restores) != 3 {
+		t.Errorf("%d restores of the chain, want 3 (both families, then IPv4 only)", len(restores))
+	}
+
+	// A new backend (an agent restart) keeps them too: they live in the kernel.
+	b2 := newFakeBackend(t, f)
+	if err := b2.Apply(ctx, second); err != nil {
+		t.Fatal(err)
+	}
+	restarted, err := b2.Counters(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(restarted, after) {
+		t.Errorf("after a restart\n got %+v\nwant %+v", restarted, after)
+	}
+}
+
+// An apply that finds the chain as wanted (the periodic resync) rewrites nothing: a restore
+// would lose the packets counted between reading the counters and writing them back.
+func TestApplyUnchangedChainRestoresNothing(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeIptables()
+	b := newFakeBackend(t, f)
+	p := testPolicy(t, "nonMasqueradeCIDRs: [10.0.0.0/8]", policy.Options{RandomFully: true})
+	if err := b.Apply(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	n := len(f.restores())
+	for range 2 {
+		if err := b.Apply(ctx, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := f.restores()[n:]; len(got) != 0 {
+		t.Errorf("unchanged applies ran restores %q", got)
+	}
+	// A duplicated jump, or a missing chain line, is drift: repaired.
+	nat := f.nat(ModeNFT, policy.IPv4)
+	nat.rules["POSTROUTING"] = append(nat.rules["POSTROUTING"], fakeRule{text: JumpRule(DefaultChain)})
+	if err := b.Apply(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	if got := f.chainTexts(ModeNFT, policy.IPv4, "POSTROUTING"); len(got) != 1 {
+		t.Errorf("POSTROUTING %q, want one jump", got)
+	}
+	nat.rules[DefaultChain] = nat.rules[DefaultChain][1:]
+	if err := b.Apply(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(p, policy.IPv4); !slices.Equal(got, want) {
+		t.Errorf("chain %q, want %q", got, want)
+	}
+}
+
+func TestRenderKeepingCounters(t *testing.T) {
+	p := testPolicy(t, "nonMasqueradeCIDRs: [10.0.0.0/8, 10.0.0.0/8]", policy.Options{})
+	lines := lineTexts(p, policy.IPv4)
+	live := []SavedRule{
+		{Text: lines[2], Packets: 3, Bytes: 30}, // the second 10/8 line's text (same as the first)
+		{Text: "-A IP-MASQ-AGENT -d 192.0.2.0/24 -j RETURN", Packets: 9, Bytes: 90},
+		{Text: lines[1], Packets: 2, Bytes: 20},
+		{Text: lines[3], Packets: 4, Bytes: 40},
+	}
+	got, kept := RenderKeepingCounters(p, policy.IPv4, DefaultChain, false, live)
+	want := "*nat\n:IP-MASQ-AGENT - [0:0]\n" + lines[0] + "\n[3:30] " + lines[1] + "\n[2:20] " + lines[2] + "\n[4:40] " + lines[3] + "\nCOMMIT\n"
+	if string(got) != want || kept != 3 {
+		t.Errorf("payload (kept %d):\n%s\nwant (kept 3):\n%s", kept, got, want)
+	}
+	// Without live lines it is exactly Render.
+	if got, kept := RenderKeepingCounters(p, policy.IPv4, DefaultChain, true, nil); string(got) != string(Render(p, policy.IPv4, DefaultChain, true)) || kept != 0 {
+		t.Errorf("without live lines:\n%s", got)
 	}
 }

@@ -136,7 +136,7 @@ func (f *fakeIptables) Run(_ context.Context, stdin []byte, name string, args ..
 		if !slices.Contains(args, "--noflush") {
 			return nil, fmt.Errorf("fake: restore without --noflush would flush the table")
 		}
-		if err := f.restore(mode, fam, string(stdin)); err != nil {
+		if err := f.restore(mode, fam, string(stdin), slices.Contains(args, "--counters")); err != nil {
 			return nil, &ExecError{Command: name + " " + strings.Join(args, " "), Stderr: err.Error() + "\n", Err: fmt.Errorf("exit status 1")}
 		}
 		return nil, nil
@@ -189,7 +189,9 @@ func (f *fakeIptables) save(mode Mode, fam policy.Family, args []string) []byte 
 
 var fakeTargets = []string{"RETURN", "MASQUERADE", "ACCEPT", "DROP"}
 
-func (f *fakeIptables) restore(mode Mode, fam policy.Family, payload string) error {
+// restore applies a payload. A rule line may start with "[packets:bytes] ", which sets the new
+// rule's counters with --counters (withCounters) and is ignored without, as iptables does.
+func (f *fakeIptables) restore(mode Mode, fam policy.Family, payload string, withCounters bool) error {
 	if f.failRestore != "" && strings.Contains(payload, f.failRestore) {
 		return fmt.Errorf("iptables-restore: line 2 failed: No chain/target/match by that name.")
 	}
@@ -222,6 +224,17 @@ func (f *fakeIptables) restore(mode Mode, fam policy.Family, payload string) err
 				work.chains = append(work.chains, name)
 			}
 		default:
+			var packets, bytes uint64
+			if line[0] == '[' {
+				counters, rest, ok := strings.Cut(line[1:], "] ")
+				if _, err := fmt.Sscanf(counters, "%d:%d", &packets, &bytes); !ok || err != nil {
+					return fail("bad counters")
+				}
+				line = rest
+				if !withCounters {
+					packets, bytes = 0, 0
+				}
+			}
 			fields := strings.Fields(line)
 			if len(fields) < 2 {
 				return fail("bad line")
@@ -239,7 +252,7 @@ func (f *fakeIptables) restore(mode Mode, fam policy.Family, payload string) err
 				if f.rejectRandomFully && slices.Contains(fields, "--random-fully") {
 					return fmt.Errorf("iptables-restore: line %d failed: Invalid argument", n)
 				}
-				work.rules[chain] = append(work.rules[chain], fakeRule{text: line})
+				work.rules[chain] = append(work.rules[chain], fakeRule{text: line, packets: packets, bytes: bytes})
 			case "-D":
 				want := "-A" + strings.TrimPrefix(line, "-D")
 				i := slices.IndexFunc(work.rules[chain], func(r fakeRule) bool { return r.text == want })

@@ -107,10 +107,56 @@ func probability(n, of int) string {
 // it when applied with --noflush), its rules, and the POSTROUTING jump when withJump is set.
 // The whole payload is one transaction.
 func Render(p *policy.Policy, fam policy.Family, chain string, withJump bool) []byte {
+	return render(ChainLines(p, fam, chain), chain, withJump, nil)
+}
+
+// RenderKeepingCounters is Render for iptables-restore --counters: every rule line that is
+// already installed is prefixed with its live counters ("[packets:bytes] -A ..."), so that the
+// rules that stay keep their counts through the flush and refill; new lines start at zero.
+// live is the chain as iptables-save -c read it. Each rendered line takes the first unused live
+// line with the same text, so identical lines pair up in order, as Counters pairs them. It
+// also returns how many lines kept their counters.
+func RenderKeepingCounters(p *policy.Policy, fam policy.Family, chain string, withJump bool, live []SavedRule) ([]byte, int) {
+	lines := ChainLines(p, fam, chain)
+	match := pairLines(lines, live)
+	prefixes := make([]string, len(lines))
+	kept := 0
+	for i, j := range match {
+		if j >= 0 {
+			prefixes[i] = fmt.Sprintf("[%d:%d] ", live[j].Packets, live[j].Bytes)
+			kept++
+		}
+	}
+	return render(lines, chain, withJump, prefixes), kept
+}
+
+// pairLines pairs each rendered line with the first unused live line of the same text: match[i]
+// is the index into live of line i's partner, or -1.
+func pairLines(lines []Line, live []SavedRule) []int {
+	used := make([]bool, len(live))
+	match := make([]int, len(lines))
+	for i, l := range lines {
+		match[i] = -1
+		for j, r := range live {
+			if !used[j] && r.Text == l.Text {
+				used[j] = true
+				match[i] = j
+				break
+			}
+		}
+	}
+	return match
+}
+
+// render writes the payload; prefixes, when set, go before the rule lines they index.
+func render(lines []Line, chain string, withJump bool, prefixes []string) []byte {
 	var b bytes.Buffer
 	b.WriteString("*nat\n")
 	fmt.Fprintf(&b, ":%s - [0:0]\n", chain)
-	for _, l := range ChainLines(p, fam, chain) {
+	for i, l := range lines {
+		if prefixes != nil {
+			b.WriteString(prefixes[i])
+		}
 		b.WriteString(l.Text)
 		b.WriteByte('\n')
 	}

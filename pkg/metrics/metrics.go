@@ -1,0 +1,297 @@
+// Package metrics exports the agent's Prometheus metrics: the datapath's per-rule hit counters
+// and NAT table, the reload loop's outcomes, and what runs. A Collector reads them when
+// Prometheus scrapes (no polling loop), from the backend and from the agent's Stats.
+//
+// Every metric name starts with Namespace. Definitions lists them all; the README's Metrics
+// section documents each, and a test keeps the two in step.
+package metrics
+
+import (
+	"context"
+	"log/slog"
+	"net/http"
+	"runtime"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
+)
+
+// Namespace is the common prefix of the agent's metric names.
+const Namespace = "ip_masq_agent"
+
+// DefaultReadTimeout bounds the datapath reads of one scrape: well under Prometheus' default
+// scrape timeout of 10 s, so that a stuck read costs its metrics, not the whole scrape.
+const DefaultReadTimeout = 5 * time.Second
+
+// Metric names.
+const (
+	RulePackets          = Namespace + "_rule_packets_total"
+	RuleBytes            = Namespace + "_rule_bytes_total"
+	NATEntries           = Namespace + "_nat_entries"
+	NATPortRetries       = Namespace + "_nat_port_allocation_retries_total"
+	NATPortFailures      = Namespace + "_nat_port_allocation_failures_total"
+	Drops                = Namespace + "_drops_total"
+	NATSwept             = Namespace + "_nat_swept_entries_total"
+	ConfigReloads        = Namespace + "_config_reloads_total"
+	ConfigLastReload     = Namespace + "_config_last_reload_success_timestamp_seconds"
+	ConfigInfo           = Namespace + "_config_info"
+	DatapathSyncDuration = Namespace + "_datapath_sync_duration_seconds"
+	DatapathSyncErrors   = Namespace + "_datapath_sync_errors_total"
+	DatapathInfo         = Namespace + "_datapath_info"
+	BuildInfo            = Namespace + "_build_info"
+	ScrapeErrors         = Namespace + "_scrape_errors_total"
+)
+
+// Label values of ConfigReloads' result.
+const (
+	ReloadSuccess    = "success"
+	ReloadInvalid    = "invalid"
+	ReloadApplyError = "apply_error"
+)
+
+// Label values of ScrapeErrors' source: which datapath read failed.
+const (
+	SourceRules = "rules"
+	SourceNAT   = "nat"
+)
+
+// Definition describes one metric family.
+type Definition struct {
+	Name string
+	// Type is "counter", "gauge" or "histogram".
+	Type   string
+	Labels []string
+	Help   string
+}
+
+var ruleLabels = []string{"family", "action", "cidr", "origin"}
+
+// Definitions returns every metric the agent exports, besides the go_* and process_* metrics
+// of client_golang's standard collectors.
+func Definitions() []Definition {
+	return []Definition{
+		{RulePackets, "counter", ruleLabels, "Packets that matched the rule: on iptables the first packet of each new connection, on BPF every packet."},
+		{RuleBytes, "counter", ruleLabels, "Bytes (IP packet lengths) of the packets counted in " + RulePackets + "."},
+		{NATEntries, "gauge", []string{"family", "protocol"}, "Entries in the BPF datapath's NAT table (one per direction of a flow)."},
+		{NATPortRetries, "counter", nil, "Source port claims that found the port taken and tried another."},
+		{NATPortFailures, "counter", nil, "New flows that found no free source port within the retries (each one a dropped packet)."},
+		{Drops, "counter", []string{"reason"}, "Packets the BPF datapath dropped, by reason: no_port, no_addr (the uplink has no address of the family), rewrite (a rewrite failed)."},
+		{NATSwept, "counter", []string{"protocol"}, "NAT table entries the periodic sweep removed as idle."},
+		{ConfigReloads, "counter", []string{"result"}, "Reads of the config file by result: success (its policy is in the datapath), invalid (parse or validation failed; the last good configuration stays), apply_error."},
+		{ConfigLastReload, "gauge", nil, "Unix time of the last successful reload; 0 before the first."},
+		{ConfigInfo, "gauge", []string{"sha256"}, "Always 1; sha256 is the hash of the canonical form of the configuration in force."},
+		{DatapathSyncDuration, "histogram", nil, "Time to apply the policy to the datapath, failed applies included."},
+		{DatapathSyncErrors, "counter", nil, "Applies of the policy that failed (each is retried)."},
+		{DatapathInfo, "gauge", []string{"backend", "attach_mode"}, "Always 1; the datapath backend and how its programs are attached (none for iptables)."},
+		{BuildInfo, "gauge", []string{"version", "revision", "goversion"}, "Always 1; the agent's version, VCS revision and Go version."},
+		{ScrapeErrors, "counter", []string{"source"}, "Scrapes whose read of the datapath failed, by source (rules, nat); the scrape then leaves those metrics out."},
+	}
+}
+
+// Names returns the names of Definitions, in the same order.
+func Names() []string {
+	defs := Definitions()
+	out := make([]string, len(defs))
+	for i, d := range defs {
+		out[i] = d.Name
+	}
+	return out
+}
+
+// StatsSource is what the collector reads from the agent.
+type StatsSource interface {
+	Stats() agent.Stats
+}
+
+// Options configure a Collector.
+type Options struct {
+	Backend datapath.Backend
+	Agent   StatsSource
+	// Logger receives a warning for each failed datapath read; nil discards them.
+	Logger *slog.Logger
+	// ReadTimeout bounds the datapath reads of one scrape; zero means DefaultReadTimeout.
+	ReadTimeout time.Duration
+}
+
+// Collector is a prometheus.Collector that reads the backend and the agent at scrape time. It
+// is safe for concurrent scrapes (the backend's reading methods are, see package datapath).
+type Collector struct {
+	opts  Options
+	log   *slog.Logger
+	descs map[string]*prometheus.Desc
+	build [3]string
+	// Scrape errors by source, since the collector was created.
+	rulesErrors, natErrors atomic.Uint64
+}
+
+var _ prometheus.Collector = (*Collector)(nil)
+
+// NewCollector returns a collector of the backend's and the agent's metrics.
+func NewCollector(opts Options) *Collector {
+	if opts.ReadTimeout <= 0 {
+		opts.ReadTimeout = DefaultReadTimeout
+	}
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	c := &Collector{opts: opts, log: log.With("component", "metrics"), descs: map[string]*prometheus.Desc{},
+		build: [3]string{version.Version, version.Revision(), runtime.Version()}}
+	for _, d := range Definitions() {
+		c.descs[d.Name] = prometheus.NewDesc(d.Name, d.Help, d.Labels, nil)
+	}
+	return c
+}
+
+// Describe implements prometheus.Collector.
+func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range c.descs {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector. A datapath read that fails leaves out its own
+// metrics, counts in ScrapeErrors and is logged; the rest of the scrape is served.
+func (c *Collector) Collect(ch chan<- prometheus.Metric) {
+	gauge := func(name string, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(c.descs[name], prometheus.GaugeValue, v, labels...)
+	}
+	counter := func(name string, v uint64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(c.descs[name], prometheus.CounterValue, float64(v), labels...)
+	}
+	gauge(BuildInfo, 1, c.build[:]...)
+
+	info := datapath.Info{Backend: c.opts.Backend.Name(), AttachMode: datapath.AttachNone}
+	if r, ok := c.opts.Backend.(datapath.InfoReporter); ok {
+		info = r.Info()
+	}
+	gauge(DatapathInfo, 1, info.Backend, info.AttachMode)
+
+	if c.opts.Agent != nil {
+		s := c.opts.Agent.Stats()
+		counter(ConfigReloads, s.Reloads, ReloadSuccess)
+		counter(ConfigReloads, s.ConfigErrors, ReloadInvalid)
+		counter(ConfigReloads, s.ReloadApplyErrors, ReloadApplyError)
+		var last float64
+		if !s.LastReload.IsZero() {
+			last = float64(s.LastReload.UnixNano()) / 1e9
+		}
+		gauge(ConfigLastReload, last)
+		if s.ConfigSHA256 != "" {
+			gauge(ConfigInfo, 1, s.ConfigSHA256)
+		}
+		h := s.SyncDurations
+		buckets := make(map[float64]uint64, len(h.Buckets))
+		for i, bound := range agent.SyncBuckets() {
+			buckets[bound] = h.Buckets[i]
+		}
+		ch <- prometheus.MustNewConstHistogram(c.descs[DatapathSyncDuration], h.Count, h.Sum.Seconds(), buckets)
+		counter(DatapathSyncErrors, s.ApplyErrors)
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), c.opts.ReadTimeout)
+	defer cancel()
+	c.collectRules(ctx, counter)
+	nat, hasNAT := c.opts.Backend.(datapath.NATReporter)
+	if hasNAT {
+		c.collectNAT(ctx, nat, gauge, counter)
+	}
+	counter(ScrapeErrors, c.rulesErrors.Load(), SourceRules)
+	if hasNAT {
+		counter(ScrapeErrors, c.natErrors.Load(), SourceNAT)
+	}
+}
+
+// ruleSeries identifies one series of the per-rule metrics.
+type ruleSeries struct {
+	family, action, cidr, origin string
+}
+
+func (c *Collector) collectRules(ctx context.Context, counter func(string, uint64, ...string)) {
+	rules, err := c.opts.Backend.Counters(ctx)
+	if err != nil {
+		c.rulesErrors.Add(1)
+		c.log.Warn("scrape: cannot read the rule counters; leaving them out", "error", err)
+		return
+	}
+	seen := make(map[ruleSeries]bool, len(rules))
+	for _, r := range rules {
+		if r.Origin == "" {
+			continue // not a rule of the agent's policy
+		}
+		k := ruleSeries{r.Family.String(), r.Action.String(), r.Prefix.String(), string(r.Origin)}
+		// Identical rules would make one series twice. Only the first can match (first match
+		// wins), so it is the one reported.
+		if seen[k] {
+			continue
+		}
+		seen[k] = true
+		counter(RulePackets, r.Packets, k.family, k.action, k.cidr, k.origin)
+		counter(RuleBytes, r.Bytes, k.family, k.action, k.cidr, k.origin)
+	}
+}
+
+func (c *Collector) collectNAT(ctx context.Context, nat datapath.NATReporter, gauge func(string, float64, ...string), counter func(string, uint64, ...string)) {
+	st, err := nat.NATStats(ctx)
+	if err != nil {
+		c.natErrors.Add(1)
+		c.log.Warn("scrape: cannot read the NAT table; leaving its metrics out", "error", err)
+		return
+	}
+	type entryKey struct{ family, protocol string }
+	entries := map[entryKey]uint64{}
+	var order []entryKey
+	for _, e := range st.Entries {
+		k := entryKey{e.Family.String(), e.Protocol}
+		if _, ok := entries[k]; !ok {
+			order = append(order, k)
+		}
+		entries[k] += e.Entries // one series per family and protocol, whatever the state
+	}
+	for _, k := range order {
+		gauge(NATEntries, float64(entries[k]), k.family, k.protocol)
+	}
+	counter(NATPortRetries, st.PortAllocationRetries)
+	counter(NATPortFailures, st.PortAllocationFailures)
+	for reason, n := range st.Drops {
+		counter(Drops, n, reason)
+	}
+	for proto, n := range st.Swept {
+		counter(NATSwept, n, proto)
+	}
+}
+
+// NewRegistry returns a registry of its own (not the global default) with the agent's
+// collector and client_golang's Go runtime and process collectors.
+func NewRegistry(opts Options) (*prometheus.Registry, error) {
+	reg := prometheus.NewRegistry()
+	for _, c := range []prometheus.Collector{
+		NewCollector(opts),
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+	} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	return reg, nil
+}
+
+// Handler serves the registry in the Prometheus exposition formats. A metric that fails to
+// gather is logged and left out; the rest is served.
+func Handler(reg *prometheus.Registry, log *slog.Logger) http.Handler {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return promhttp.HandlerFor(reg, promhttp.HandlerOpts{
+		ErrorLog:      slog.NewLogLogger(log.With("component", "metrics").Handler(), slog.LevelWarn),
+		ErrorHandling: promhttp.ContinueOnError,
+	})
+}

@@ -1,0 +1,412 @@
+package metrics
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
+)
+
+// fakeBackend reports fixed counters, or an error.
+type fakeBackend struct {
+	mu       sync.Mutex
+	counters []datapath.RuleCounter
+	err      error
+	// block makes Counters wait for its context.
+	block bool
+	reads int
+}
+
+func (f *fakeBackend) Name() string                                { return "fake" }
+func (f *fakeBackend) Apply(context.Context, *policy.Policy) error { return nil }
+func (f *fakeBackend) Cleanup(context.Context) error               { return nil }
+
+func (f *fakeBackend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.reads++
+	if f.block {
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
+	return slices.Clone(f.counters), f.err
+}
+
+func (f *fakeBackend) readCount() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.reads
+}
+
+// fakeNATBackend adds the optional interfaces of a BPF-like datapath.
+type fakeNATBackend struct {
+	fakeBackend
+	stats  datapath.NATStats
+	natErr error
+}
+
+func (f *fakeNATBackend) Info() datapath.Info {
+	return datapath.Info{Backend: "bpf", AttachMode: "tcx"}
+}
+
+func (f *fakeNATBackend) NATStats(context.Context) (datapath.NATStats, error) {
+	return f.stats, f.natErr
+}
+
+func (f *fakeNATBackend) NATSummary(context.Context, int) (datapath.NATSummary, error) {
+	return datapath.NATSummary{}, errors.New("not used by metrics")
+}
+
+type fakeStats struct{ s agent.Stats }
+
+func (f fakeStats) Stats() agent.Stats { return f.s }
+
+func rc(fam policy.Family, number int, prefix string, action policy.Action, origin policy.Origin, entry int, packets, bytes uint64) datapath.RuleCounter {
+	return datapath.RuleCounter{Family: fam, Rule: number, Prefix: netip.MustParsePrefix(prefix), Action: action,
+		Origin: origin, Entry: entry, Packets: packets, Bytes: bytes}
+}
+
+// scrape serves the registry over HTTP, as Prometheus sees it, and parses the answer.
+func scrape(t *testing.T, reg *prometheus.Registry) map[string]*dto.MetricFamily {
+	t.Helper()
+	srv := httptest.NewServer(Handler(reg, nil))
+	defer srv.Close()
+	resp, err := http.Get(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("scrape: %s", resp.Status)
+	}
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("parse scrape: %v", err)
+	}
+	return fams
+}
+
+func newRegistry(t *testing.T, opts Options) *prometheus.Registry {
+	t.Helper()
+	reg, err := NewRegistry(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return reg
+}
+
+func TestRuleMetrics(t *testing.T) {
+	b := &fakeBackend{counters: []datapath.RuleCounter{
+		rc(policy.IPv4, 1, "169.254.0.0/16", policy.Return, policy.OriginLinkLocal, -1, 1, 84),
+		// The same CIDR and action from another origin is another series.
+		rc(policy.IPv4, 2, "169.254.0.0/16", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 0, 0),
+		rc(policy.IPv4, 3, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 1, 7, 700),
+		// A duplicate of rule 3: same labels, so only the first is reported.
+		rc(policy.IPv4, 4, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 2, 99, 9900),
+		rc(policy.IPv4, 5, "0.0.0.0/0", policy.Masquerade, policy.OriginOutbound, -1, 3, 180),
+		rc(policy.IPv6, 1, "fe80::/10", policy.Return, policy.OriginLinkLocal, -1, 0, 0),
+		rc(policy.IPv6, 2, "::/0", policy.Masquerade, policy.OriginOutbound, -1, 5, 400),
+		// Not a rule of the policy (only a dump's Reader reports these): left out.
+		{Family: policy.IPv4, Prefix: netip.MustParsePrefix("192.0.2.0/24"), Packets: 1},
+	}}
+	c := NewCollector(Options{Backend: b})
+	want := `
+# HELP ip_masq_agent_rule_packets_total Packets that matched the rule: on iptables the first packet of each new connection, on BPF every packet.
+# TYPE ip_masq_agent_rule_packets_total counter
+ip_masq_agent_rule_packets_total{action="RETURN",cidr="169.254.0.0/16",family="ipv4",origin="link-local"} 1
+ip_masq_agent_rule_packets_total{action="RETURN",cidr="169.254.0.0/16",family="ipv4",origin="nonMasqueradeCIDRs"} 0
+ip_masq_agent_rule_packets_total{action="RETURN",cidr="10.0.0.0/8",family="ipv4",origin="nonMasqueradeCIDRs"} 7
+ip_masq_agent_rule_packets_total{action="MASQUERADE",cidr="0.0.0.0/0",family="ipv4",origin="outbound"} 3
+ip_masq_agent_rule_packets_total{action="RETURN",cidr="fe80::/10",family="ipv6",origin="link-local"} 0
+ip_masq_agent_rule_packets_total{action="MASQUERADE",cidr="::/0",family="ipv6",origin="outbound"} 5
+# HELP ip_masq_agent_rule_bytes_total Bytes (IP packet lengths) of the packets counted in ip_masq_agent_rule_packets_total.
+# TYPE ip_masq_agent_rule_bytes_total counter
+ip_masq_agent_rule_bytes_total{action="RETURN",cidr="169.254.0.0/16",family="ipv4",origin="link-local"} 84
+ip_masq_agent_rule_bytes_total{action="RETURN",cidr="169.254.0.0/16",family="ipv4",origin="nonMasqueradeCIDRs"} 0
+ip_masq_agent_rule_bytes_total{action="RETURN",cidr="10.0.0.0/8",family="ipv4",origin="nonMasqueradeCIDRs"} 700
+ip_masq_agent_rule_bytes_total{action="MASQUERADE",cidr="0.0.0.0/0",family="ipv4",origin="outbound"} 180
+ip_masq_agent_rule_bytes_total{action="RETURN",cidr="fe80::/10",family="ipv6",origin="link-local"} 0
+ip_masq_agent_rule_bytes_total{action="MASQUERADE",cidr="::/0",family="ipv6",origin="outbound"} 400
+# HELP ip_masq_agent_scrape_errors_total Scrapes whose read of the datapath failed, by source (rules, nat); the scrape then leaves those metrics out.
+# TYPE ip_masq_agent_scrape_errors_total counter
+ip_masq_agent_scrape_errors_total{source="rules"} 0
+# HELP ip_masq_agent_datapath_info Always 1; the datapath backend and how its programs are attached (none for iptables).
+# TYPE ip_masq_agent_datapath_info gauge
+ip_masq_agent_datapath_info{attach_mode="none",backend="fake"} 1
+`
+	if err := testutil.CollectAndCompare(c, strings.NewReader(want), RulePackets, RuleBytes, ScrapeErrors, DatapathInfo); err != nil {
+		t.Error(err)
+	}
+	// Without the optional NAT interface there are no NAT series at all.
+	if n := testutil.CollectAndCount(c, NATEntries, NATPortRetries, NATPortFailures, Drops, NATSwept); n != 0 {
+		t.Errorf("%d NAT series from a backend without a NAT table", n)
+	}
+}
+
+func TestNATMetrics(t *testing.T) {
+	b := &fakeNATBackend{stats: datapath.NATStats{
+		Entries: []datapath.NATEntries{
+			{Family: policy.IPv4, Protocol: "tcp", Entries: 10},
+			{Family: policy.IPv4, Protocol: "udp", Entries: 4},
+			// A second count of the same family and protocol (another state) adds up.
+			{Family: policy.IPv4, Protocol: "tcp", State: "closing", Entries: 2},
+			{Family: policy.IPv6, Protocol: "icmpv6", Entries: 2},
+		},
+		PortAllocationRetries:  17,
+		PortAllocationFailures: 3,
+		Drops:                  map[string]uint64{datapath.DropNoPort: 3, datapath.DropNoAddr: 0, datapath.DropRewrite: 1},
+		Swept:                  map[string]uint64{"tcp": 40, "udp": 12},
+	}}
+	c := NewCollector(Options{Backend: b})
+	want := `
+# HELP ip_masq_agent_nat_entries Entries in the BPF datapath's NAT table (one per direction of a flow).
+# TYPE ip_masq_agent_nat_entries gauge
+ip_masq_agent_nat_entries{family="ipv4",protocol="tcp"} 12
+ip_masq_agent_nat_entries{family="ipv4",protocol="udp"} 4
+ip_masq_agent_nat_entries{family="ipv6",protocol="icmpv6"} 2
+# HELP ip_masq_agent_nat_port_allocation_retries_total Source port claims that found the port taken and tried another.
+# TYPE ip_masq_agent_nat_port_allocation_retries_total counter
+ip_masq_agent_nat_port_allocation_retries_total 17
+# HELP ip_masq_agent_nat_port_allocation_failures_total New flows that found no free source port within the retries (each one a dropped packet).
+# TYPE ip_masq_agent_nat_port_allocation_failures_total counter
+ip_masq_agent_nat_port_allocation_failures_total 3
+# HELP ip_masq_agent_drops_total Packets the BPF datapath dropped, by reason: no_port, no_addr (the uplink has no address of the family), rewrite (a rewrite failed).
+# TYPE ip_masq_agent_drops_total counter
+ip_masq_agent_drops_total{reason="no_addr"} 0
+ip_masq_agent_drops_total{reason="no_port"} 3
+ip_masq_agent_drops_total{reason="rewrite"} 1
+# HELP ip_masq_agent_nat_swept_entries_total NAT table entries the periodic sweep removed as idle.
+# TYPE ip_masq_agent_nat_swept_entries_total counter
+ip_masq_agent_nat_swept_entries_total{protocol="tcp"} 40
+ip_masq_agent_nat_swept_entries_total{protocol="udp"} 12
+# HELP ip_masq_agent_datapath_info Always 1; the datapath backend and how its programs are attached (none for iptables).
+# TYPE ip_masq_agent_datapath_info gauge
+ip_masq_agent_datapath_info{attach_mode="tcx",backend="bpf"} 1
+# HELP ip_masq_agent_scrape_errors_total Scrapes whose read of the datapath failed, by source (rules, nat); the scrape then leaves those metrics out.
+# TYPE ip_masq_agent_scrape_errors_total counter
+ip_masq_agent_scrape_errors_total{source="nat"} 0
+ip_masq_agent_scrape_errors_total{source="rules"} 0
+`
+	if err := testutil.CollectAndCompare(c, strings.NewReader(want), NATEntries, NATPortRetries, NATPortFailures, Drops, NATSwept, DatapathInfo, ScrapeErrors); err != nil {
+		t.Error(err)
+	}
+}
+
+func TestAgentMetrics(t *testing.T) {
+	var s agent.Stats
+	s.Reloads, s.ConfigErrors, s.ReloadApplyErrors, s.ApplyErrors = 5, 2, 1, 3
+	s.LastReload = time.Unix(1700000000, 500_000_000)
+	s.ConfigSHA256 = strings.Repeat("ab", 32)
+	s.SyncDurations.Count = 9
+	s.SyncDurations.Sum = 1500 * time.Millisecond
+	for i := range s.SyncDurations.Buckets {
+		s.SyncDurations.Buckets[i] = uint64(min(i, 9))
+	}
+	c := NewCollector(Options{Backend: &fakeBackend{}, Agent: fakeStats{s}})
+	want := `
+# HELP ip_masq_agent_config_reloads_total Reads of the config file by result: success (its policy is in the datapath), invalid (parse or validation failed; the last good configuration stays), apply_error.
+# TYPE ip_masq_agent_config_reloads_total counter
+ip_masq_agent_config_reloads_total{result="success"} 5
+ip_masq_agent_config_reloads_total{result="invalid"} 2
+ip_masq_agent_config_reloads_total{result="apply_error"} 1
+# HELP ip_masq_agent_config_last_reload_success_timestamp_seconds Unix time of the last successful reload; 0 before the first.
+# TYPE ip_masq_agent_config_last_reload_success_timestamp_seconds gauge
+ip_masq_agent_config_last_reload_success_timestamp_seconds 1.7000000005e+09
+# HELP ip_masq_agent_config_info Always 1; sha256 is the hash of the canonical form of the configuration in force.
+# TYPE ip_masq_agent_config_info gauge
+ip_masq_agent_config_info{sha256="` + s.ConfigSHA256 + `"} 1
+# HELP ip_masq_agent_datapath_sync_errors_total Applies of the policy that failed (each is retried).
+# TYPE ip_masq_agent_datapath_sync_errors_total counter
+ip_masq_agent_datapath_sync_errors_total 3
+# HELP ip_masq_agent_datapath_sync_duration_seconds Time to apply the policy to the datapath, failed applies included.
+# TYPE ip_masq_agent_datapath_sync_duration_seconds histogram
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="0.001"} 0
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="0.0025"} 1
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="0.005"} 2
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="0.01"} 3
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="0.025"} 4
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="0.05"} 5
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="0.1"} 6
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="0.25"} 7
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="0.5"} 8
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="1"} 9
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="2.5"} 9
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="5"} 9
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="10"} 9
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="30"} 9
+ip_masq_agent_datapath_sync_duration_seconds_bucket{le="+Inf"} 9
+ip_masq_agent_datapath_sync_duration_seconds_sum 1.5
+ip_masq_agent_datapath_sync_duration_seconds_count 9
+`
+	if err := testutil.CollectAndCompare(c, strings.NewReader(want), ConfigReloads, ConfigLastReload, ConfigInfo, DatapathSyncErrors, DatapathSyncDuration); err != nil {
+		t.Error(err)
+	}
+
+	// Before the first good reload: no config_info, a zero timestamp.
+	c = NewCollector(Options{Backend: &fakeBackend{}, Agent: fakeStats{}})
+	if n := testutil.CollectAndCount(c, ConfigInfo); n != 0 {
+		t.Errorf("%d config_info series before any configuration", n)
+	}
+	want = `
+# HELP ip_masq_agent_config_last_reload_success_timestamp_seconds Unix time of the last successful reload; 0 before the first.
+# TYPE ip_masq_agent_config_last_reload_success_timestamp_seconds gauge
+ip_masq_agent_config_last_reload_success_timestamp_seconds 0
+`
+	if err := testutil.CollectAndCompare(c, strings.NewReader(want), ConfigLastReload); err != nil {
+		t.Error(err)
+	}
+}
+
+func TestBuildInfo(t *testing.T) {
+	fams := scrape(t, newRegistry(t, Options{Backend: &fakeBackend{}}))
+	bi := fams[BuildInfo]
+	if bi == nil || len(bi.Metric) != 1 || bi.Metric[0].GetGauge().GetValue() != 1 {
+		t.Fatalf("build_info %v", bi)
+	}
+	labels := map[string]string{}
+	for _, l := range bi.Metric[0].Label {
+		labels[l.GetName()] = l.GetValue()
+	}
+	if labels["version"] != version.Version || labels["revision"] != version.Revision() || !strings.HasPrefix(labels["goversion"], "go") {
+		t.Errorf("build_info labels %v", labels)
+	}
+	// The standard runtime and process metrics are there too.
+	for _, name := range []string{"go_goroutines", "process_resident_memory_bytes"} {
+		if fams[name] == nil {
+			t.Errorf("no %s", name)
+		}
+	}
+}
+
+// A failed datapath read costs its own metrics only, and is counted: the scrape still answers.
+func TestScrapeErrors(t *testing.T) {
+	b := &fakeNATBackend{fakeBackend: fakeBackend{err: errors.New("iptables-save: exit status 1")}, natErr: errors.New("map gone")}
+	reg := newRegistry(t, Options{Backend: b, Agent: fakeStats{agent.Stats{Reloads: 1}}})
+	for i := 1; i <= 2; i++ {
+		fams := scrape(t, reg)
+		if fams[RulePackets] != nil || fams[NATEntries] != nil || fams[NATPortRetries] != nil {
+			t.Errorf("scrape %d: metrics of failed reads are served", i)
+		}
+		for _, name := range []string{BuildInfo, DatapathInfo, ConfigReloads, DatapathSyncDuration} {
+			if fams[name] == nil {
+				t.Errorf("scrape %d: %s missing", i, name)
+			}
+		}
+		errs := map[string]float64{}
+		for _, m := range fams[ScrapeErrors].GetMetric() {
+			errs[m.Label[0].GetValue()] = m.GetCounter().GetValue()
+		}
+		if errs[SourceRules] != float64(i) || errs[SourceNAT] != float64(i) {
+			t.Errorf("scrape %d: scrape errors %v, want %d of each", i, errs, i)
+		}
+	}
+}
+
+// A read that hangs is cut off by the read timeout, well within a scrape.
+func TestScrapeReadTimeout(t *testing.T) {
+	b := &fakeBackend{block: true}
+	reg := newRegistry(t, Options{Backend: b, ReadTimeout: 50 * time.Millisecond})
+	start := time.Now()
+	fams := scrape(t, reg)
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("scrape took %v", took)
+	}
+	if fams[ScrapeErrors].GetMetric()[0].GetCounter().GetValue() != 1 {
+		t.Errorf("timed-out read not counted: %v", fams[ScrapeErrors])
+	}
+}
+
+// Scrapes read at scrape time: a counter that moves shows the new value on the next scrape,
+// with no polling in between; concurrent scrapes are fine.
+func TestScrapeTimeReads(t *testing.T) {
+	b := &fakeBackend{counters: []datapath.RuleCounter{rc(policy.IPv4, 1, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 1, 60)}}
+	reg := newRegistry(t, Options{Backend: b})
+	time.Sleep(20 * time.Millisecond)
+	if n := b.readCount(); n != 0 {
+		t.Fatalf("%d reads before any scrape", n)
+	}
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := reg.Gather(); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	b.mu.Lock()
+	b.counters[0].Packets = 42
+	b.mu.Unlock()
+	fams := scrape(t, reg)
+	if v := fams[RulePackets].GetMetric()[0].GetCounter().GetValue(); v != 42 {
+		t.Errorf("packets %v, want 42", v)
+	}
+	if n := b.readCount(); n != 5 {
+		t.Errorf("%d reads for 5 scrapes", n)
+	}
+}
+
+// Every metric follows Prometheus' naming conventions, and Names is exactly what is exported.
+func TestNamesAndLint(t *testing.T) {
+	s := agent.Stats{ConfigSHA256: strings.Repeat("0", 64)}
+	b := &fakeNATBackend{
+		fakeBackend: fakeBackend{counters: []datapath.RuleCounter{rc(policy.IPv4, 1, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 1, 60)}},
+		stats: datapath.NATStats{Entries: []datapath.NATEntries{{Family: policy.IPv4, Protocol: "tcp", Entries: 1}},
+			Drops: map[string]uint64{datapath.DropNoPort: 0}, Swept: map[string]uint64{"tcp": 0}},
+	}
+	c := NewCollector(Options{Backend: b, Agent: fakeStats{s}})
+	problems, err := testutil.CollectAndLint(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range problems {
+		t.Errorf("lint: %s: %s", p.Metric, p.Text)
+	}
+	fams := scrape(t, newRegistry(t, Options{Backend: b, Agent: fakeStats{s}}))
+	var got []string
+	for name := range fams {
+		if strings.HasPrefix(name, Namespace+"_") {
+			got = append(got, name)
+		}
+	}
+	want := slices.Clone(Names())
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Errorf("exported %q\nNames    %q", got, want)
+	}
+	for _, d := range Definitions() {
+		for _, m := range fams[d.Name].GetMetric() {
+			var labels []string
+			for _, l := range m.Label {
+				labels = append(labels, l.GetName())
+			}
+			if want := slices.Sorted(slices.Values(d.Labels)); !slices.Equal(labels, want) {
+				t.Errorf("%s has labels %q, its definition %q", d.Name, labels, d.Labels)
+			}
+		}
+		if want := strings.ToLower(d.Type); strings.ToLower(fams[d.Name].GetType().String()) != want {
+			t.Errorf("%s is a %s, its definition says %s", d.Name, fams[d.Name].GetType(), d.Type)
+		}
+	}
+}
