@@ -5,8 +5,8 @@
  * changes touch. On CHECKSUM_COMPLETE packets (ingress) skb->csum must follow every byte that
  * changed: an IPv4 address change is cancelled by its header checksum change, and the helper's
  * pseudo-header update adjusts skb->csum for the L4 checksum change. IPv6 has no header
- * checksum, so its address store recomputes skb->csum itself, which together with the
- * helper's adjustment nets out (BPF_F_IPV6 says the same, but only since Linux 6.16). */
+ * checksum, so the address store adds its own difference back to skb->csum, which together
+ * with the helper's adjustment nets out (BPF_F_IPV6 says the same, but only since Linux 6.16). */
 #pragma once
 
 #include <linux/bpf.h>
@@ -27,6 +27,29 @@ static __always_inline int l4_has_pseudo(const struct pkt *p)
 	return p->frag != FRAG_LATER && p->proto != IPPROTO_ICMP;
 }
 
+/* Fields are written with direct packet access once the checksum helpers have run: cheaper
+ * than bpf_skb_store_bytes, and the verifier unclones the skb first (its direct-write
+ * prologue), as the store helper would. Pointers are re-derived because helpers invalidate
+ * them. */
+static __always_inline int store(struct __sk_buff *skb, __u32 off, const void *from, const __u32 len)
+{
+	void *data, *data_end, *dst;
+
+	/* Keep clang from reusing a ctx field address computed earlier: the verifier only accepts
+	 * ctx loads at a constant offset from the ctx pointer itself. */
+	asm volatile("" : "+r"(skb));
+	data = (void *)(long)skb->data;
+	data_end = (void *)(long)skb->data_end;
+
+	if (off > ETH_HLEN + 60 + TCP_HLEN_MIN)
+		return -1;
+	dst = data + off;
+	if (dst + len > data_end)
+		return -1;
+	__builtin_memcpy(dst, from, len);
+	return 0;
+}
+
 /* rewrite_addr replaces the source (source=1) or destination address. */
 static __always_inline int rewrite_addr(struct __sk_buff *skb, const struct pkt *p, const int v6,
 					const int source, const __be32 *from, const __be32 *to)
@@ -35,23 +58,30 @@ static __always_inline int rewrite_addr(struct __sk_buff *skb, const struct pkt 
 
 	if (!v6) {
 		__u32 off = ETH_HLEN + (source ? offsetof(struct iphdr, saddr) : offsetof(struct iphdr, daddr));
+		__be32 addr = to[0];
 
 		if (l4_has_pseudo(p) &&
-		    bpf_l4_csum_replace(skb, csum_off, from[0], to[0],
+		    bpf_l4_csum_replace(skb, csum_off, from[0], addr,
 					BPF_F_PSEUDO_HDR | mangled0(p->proto) | sizeof(__be32)) < 0)
 			return -1;
-		if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), from[0], to[0],
+		if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), from[0], addr,
 					sizeof(__be32)) < 0)
 			return -1;
-		return bpf_skb_store_bytes(skb, off, to, sizeof(__be32), 0) < 0 ? -1 : 0;
+		return store(skb, off, &addr, sizeof(addr));
 	}
 
 	__u32 off = ETH_HLEN + (source ? offsetof(struct ipv6hdr, saddr) : offsetof(struct ipv6hdr, daddr));
-	__s64 diff = bpf_csum_diff((__be32 *)from, 16, (__be32 *)to, 16, 0);
+	__be32 addr[4] = {to[0], to[1], to[2], to[3]};
+	__s64 diff = bpf_csum_diff((__be32 *)from, 16, addr, 16, 0);
 
 	if (bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR | mangled0(p->proto)) < 0)
 		return -1;
-	return bpf_skb_store_bytes(skb, off, to, 16, BPF_F_RECOMPUTE_CSUM) < 0 ? -1 : 0;
+	if (store(skb, off, addr, sizeof(addr)) < 0)
+		return -1;
+	/* The stored bytes changed the packet sum by diff (skb->csum follows on CHECKSUM_COMPLETE
+	 * only; elsewhere this fails harmlessly). */
+	bpf_csum_update(skb, diff);
+	return 0;
 }
 
 /* rewrite_port replaces the source (source=1) or destination port, or the echo identifier. */
@@ -61,9 +91,7 @@ static __always_inline int rewrite_port(struct __sk_buff *skb, const struct pkt 
 	if (bpf_l4_csum_replace(skb, p->l4_off + l4_csum_off(p->proto), from, to,
 				mangled0(p->proto) | sizeof(__be16)) < 0)
 		return -1;
-	return bpf_skb_store_bytes(skb, p->l4_off + l4_port_off(p->proto, source), &to, sizeof(to), 0) < 0
-		       ? -1
-		       : 0;
+	return store(skb, p->l4_off + l4_port_off(p->proto, source), &to, sizeof(to));
 }
 
 /* Software checksum arithmetic for the quoted packet of ICMP errors, which no helper reaches. */
