@@ -57,7 +57,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	if len(pos) > 0 {
-		return usageError{errors.New("the agent takes no arguments; subcommands: explain, render, cleanup, version")}
+		return usageError{errors.New("the agent takes no arguments; subcommands: explain, render, dump, cleanup, version")}
 	}
 	copts, popts, err := af.options()
 	if err != nil {

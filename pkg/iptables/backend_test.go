@@ -3,6 +3,7 @@ package iptables
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"slices"
 	"strings"
@@ -678,5 +679,53 @@ func TestRenderKeepingCounters(t *testing.T) {
 	// Without live lines it is exactly Render.
 	if got, kept := RenderKeepingCounters(p, policy.IPv4, DefaultChain, true, nil); string(got) != string(Render(p, policy.IPv4, DefaultChain, true)) || kept != 0 {
 		t.Errorf("without live lines:\n%s", got)
+	}
+}
+
+// A scrape reads the counters while the agent applies: no data race, and every read reports
+// rules of the old or the new policy with their counters.
+func TestCountersDuringApply(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeIptables()
+	b := newFakeBackend(t, f)
+	policies := []*policy.Policy{
+		testPolicy(t, "nonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]", policy.Options{EnableIPv6: true}),
+		testPolicy(t, "nonMasqueradeCIDRs: [10.0.0.0/8, 172.16.0.0/12, fc00::/7]", policy.Options{EnableIPv6: true}),
+	}
+	if err := b.Apply(ctx, policies[0]); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	errs := make(chan error, 1)
+	go func() {
+		defer close(errs)
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			cs, err := b.Counters(ctx)
+			if err != nil {
+				errs <- err
+				return
+			}
+			for _, c := range cs {
+				if c.Prefix == netip.MustParsePrefix("10.0.0.0/8") && c.Origin != policy.OriginNonMasqueradeCIDRs {
+					errs <- fmt.Errorf("counter %+v", c)
+					return
+				}
+			}
+			_ = b.Info()
+		}
+	}()
+	for i := range 50 {
+		if err := b.Apply(ctx, policies[i%2]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	close(done)
+	if err := <-errs; err != nil {
+		t.Fatal(err)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
@@ -47,6 +48,9 @@ type fakeStack struct {
 // with the semantics the backend relies on (a chain declaration flushes, -D needs an exact match,
 // -X needs an unreferenced chain, a transaction applies whole or not at all).
 type fakeIptables struct {
+	// mu makes each tool run atomic, as the xtables lock does, for tests that read while the
+	// backend applies.
+	mu sync.Mutex
 	// installed are the tool names in PATH.
 	installed map[string]bool
 	// version is what every restore tool prints for --version (without the mode suffix).
@@ -117,6 +121,8 @@ func (f *fakeIptables) LookPath(name string) error {
 }
 
 func (f *fakeIptables) Run(_ context.Context, stdin []byte, name string, args ...string) ([]byte, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
 	f.calls = append(f.calls, fakeCall{name: name, args: args, stdin: string(stdin)})
 	if !f.installed[name] {
 		return nil, &ExecError{Command: name, Err: exec.ErrNotFound}

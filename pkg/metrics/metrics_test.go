@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -408,5 +409,53 @@ func TestNamesAndLint(t *testing.T) {
 		if want := strings.ToLower(d.Type); strings.ToLower(fams[d.Name].GetType().String()) != want {
 			t.Errorf("%s is a %s, its definition says %s", d.Name, fams[d.Name].GetType(), d.Type)
 		}
+	}
+}
+
+// The README's Metrics section lists every metric with exactly its labels, and nothing else.
+func TestREADMEListsEveryMetric(t *testing.T) {
+	data, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(data), "\n## Metrics\n")
+	if !ok {
+		t.Fatal("README has no Metrics section")
+	}
+	section, _, _ = strings.Cut(section, "\n## ")
+	rows := map[string][]string{} // metric -> labels
+	for _, line := range strings.Split(section, "\n") {
+		cells := strings.Split(line, "|")
+		if len(cells) < 5 || !strings.HasPrefix(strings.TrimSpace(cells[1]), "`"+Namespace) {
+			continue
+		}
+		name := strings.Trim(strings.TrimSpace(cells[1]), "`")
+		var labels []string
+		for _, l := range strings.Split(cells[3], ",") {
+			if l = strings.Trim(strings.TrimSpace(l), "`"); l != "" {
+				labels = append(labels, l)
+			}
+		}
+		if _, dup := rows[name]; dup {
+			t.Errorf("README lists %s twice", name)
+		}
+		rows[name] = labels
+		if typ := strings.TrimSpace(cells[2]); !slices.ContainsFunc(Definitions(), func(d Definition) bool { return d.Name == name && d.Type == typ }) {
+			t.Errorf("README: %s is a %q, which no definition says", name, typ)
+		}
+	}
+	for _, d := range Definitions() {
+		labels, ok := rows[d.Name]
+		if !ok {
+			t.Errorf("README does not list %s", d.Name)
+			continue
+		}
+		if !slices.Equal(labels, d.Labels) {
+			t.Errorf("README lists %s with labels %q, it has %q", d.Name, labels, d.Labels)
+		}
+		delete(rows, d.Name)
+	}
+	for name := range rows {
+		t.Errorf("README lists %s, which the agent does not export", name)
 	}
 }

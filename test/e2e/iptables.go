@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
@@ -17,6 +18,7 @@ func IptablesBackend(mode iptables.Mode) Backend {
 		Name:  "iptables-" + string(mode),
 		Flags: []string{"--backend=iptables"},
 		Tools: []string{"iptables-" + string(mode) + "-restore", "ip6tables-" + string(mode) + "-restore"},
+		Info:  datapath.Info{Backend: iptables.Name, AttachMode: datapath.AttachNone},
 		Verify: func(ctx context.Context, t testing.TB, env *Env) {
 			t.Helper()
 			verifyIptables(ctx, t, env, mode)

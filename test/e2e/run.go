@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
@@ -39,6 +40,11 @@ type Backend struct {
 	// Drift damages the installed datapath behind the agent's back, as an admin or another
 	// agent might; the periodic resync must repair it.
 	Drift func(ctx context.Context, t testing.TB, env *Env)
+	// Info is what the backend's ip_masq_agent_datapath_info says (its backend and attach_mode
+	// labels).
+	Info datapath.Info
+	// NAT says whether the backend has a NAT table of its own and exports its metrics.
+	NAT bool
 }
 
 // Env is one scenario's world.

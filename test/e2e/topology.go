@@ -240,6 +240,51 @@ func (tp *Topology) Probe(ctx context.Context, proto string, dst netip.Addr) (ne
 	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), nil
 }
 
+// Datagram sends one UDP datagram with payload from a fresh pod port to dst's echo server and
+// waits for the answer: exactly one packet leaves the pod, the first of a new flow, which both
+// iptables (counting connections) and BPF (counting packets) count once, with the same length.
+// It does not resend: a lost datagram is an error, as the count would be unknown. It returns
+// the source the external host saw.
+func (tp *Topology) Datagram(ctx context.Context, dst netip.Addr, payload []byte) (netip.AddrPort, error) {
+	port := uint16(tp.nextPort.Add(1))
+	local := netip.AddrPortFrom(PodAddr(policy.FamilyOf(dst)), port)
+	remote := netip.AddrPortFrom(dst, EchoPort)
+	ctx, cancel := context.WithTimeout(ctx, probeWindow)
+	defer cancel()
+	var reply string
+	err := Do(tp.Pod, func() error {
+		d := net.Dialer{LocalAddr: net.UDPAddrFromAddrPort(local)}
+		conn, err := d.DialContext(ctx, "udp", remote.String())
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		deadline, _ := ctx.Deadline()
+		if err := conn.SetDeadline(deadline); err != nil {
+			return err
+		}
+		if _, err := conn.Write(payload); err != nil {
+			return err
+		}
+		buf := make([]byte, 256)
+		n, err := conn.Read(buf)
+		reply = string(buf[:n])
+		return err
+	})
+	if err != nil {
+		return netip.AddrPort{}, fmt.Errorf("datagram %s -> %s: %w", local, remote, err)
+	}
+	src, ok := strings.CutPrefix(strings.TrimSpace(reply), "from ")
+	if !ok {
+		return netip.AddrPort{}, fmt.Errorf("datagram to %s: unexpected reply %q", remote, reply)
+	}
+	ap, err := netip.ParseAddrPort(src)
+	if err != nil {
+		return netip.AddrPort{}, fmt.Errorf("datagram to %s: reply %q: %w", remote, reply, err)
+	}
+	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), nil
+}
+
 // StartEcho starts, inside ns, a TCP and a UDP echo server for every address: each answers with
 // "from ADDR:PORT", the source it saw. UDP servers bind each address so that replies come from
 // the address the probe was sent to. stop closes them all.

@@ -1,0 +1,255 @@
+package cli
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// savedRunner answers like a node with only iptables-nft whose iptables-save prints save. It
+// never runs a tool: these tests run in the host's namespace.
+type savedRunner struct {
+	save map[string]string // tool -> output
+}
+
+func (r savedRunner) LookPath(name string) error {
+	if strings.HasPrefix(name, "iptables-nft-") || strings.HasPrefix(name, "ip6tables-nft-") {
+		return nil
+	}
+	return &exec.Error{Name: name, Err: exec.ErrNotFound}
+}
+
+func (r savedRunner) Run(_ context.Context, _ []byte, name string, args ...string) ([]byte, error) {
+	if slices.Contains(args, "--version") {
+		return []byte(name + " v1.8.9 (nf_tables)\n"), nil
+	}
+	if !strings.HasSuffix(name, "-save") || !slices.Equal(args, []string{"-c"}) {
+		return nil, fmt.Errorf("unexpected command %s %q", name, args)
+	}
+	return []byte(r.save[name]), nil
+}
+
+// savedChain renders p's IPv4 chain as iptables-save -c prints it, line i with i*10 packets and
+// i*600 bytes, plus extra lines.
+func savedChain(p *policy.Policy, extra ...string) string {
+	var b strings.Builder
+	b.WriteString("*nat\n:PREROUTING ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n:IP-MASQ-AGENT - [0:0]\n")
+	b.WriteString("[0:0] " + iptables.JumpRule(iptables.DefaultChain) + "\n")
+	for i, l := range iptables.ChainLines(p, policy.IPv4, iptables.DefaultChain) {
+		fmt.Fprintf(&b, "[%d:%d] %s\n", (i+1)*10, (i+1)*600, l.Text)
+	}
+	for _, e := range extra {
+		b.WriteString("[1:60] " + e + "\n")
+	}
+	b.WriteString("COMMIT\n")
+	return b.String()
+}
+
+func dumpFlags(t *testing.T, args ...string) *agentFlags {
+	t.Helper()
+	var af agentFlags
+	fs := newFlagSet("dump", "dump", &bytes.Buffer{})
+	af.register(fs)
+	if _, err := parseInterspersed(fs, args); err != nil {
+		t.Fatal(err)
+	}
+	return &af
+}
+
+func runDumpWith(t *testing.T, r iptables.Runner, args ...string) (string, string, error) {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	err := dump(context.Background(), dumpFlags(t, args...), defaultTop, r, &out, &errOut)
+	return out.String(), errOut.String(), err
+}
+
+func fields(out string) [][]string {
+	var rows [][]string
+	for _, l := range strings.Split(strings.TrimSpace(out), "\n") {
+		rows = append(rows, strings.Fields(l))
+	}
+	return rows
+}
+
+func TestDumpIptables(t *testing.T) {
+	const doc = "masqueradeCIDRs: [10.10.10.10/32]\nnonMasqueradeCIDRs: [10.0.0.0/8]\n"
+	path := writeConfig(t, doc)
+	cfg, err := config.Parse([]byte(doc), config.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The agent runs with --random-fully (the default) and the kernel took it.
+	p := policy.Compile(cfg, policy.Options{RandomFully: true})
+	stray := "-A IP-MASQ-AGENT -d 192.0.2.0/24 -j MASQUERADE"
+	r := savedRunner{save: map[string]string{"iptables-nft-save": savedChain(p, stray), "ip6tables-nft-save": "*filter\nCOMMIT\n"}}
+	bpffs := t.TempDir()
+
+	out, stderr, err := runDumpWith(t, r, "--config="+path, "--bpffs="+bpffs)
+	if err != nil {
+		t.Fatalf("dump: %v\n%s", err, stderr)
+	}
+	want := [][]string{
+		{"iptables:", "iptables-nft,", "chain", "IP-MASQ-AGENT", "(ipv4)"},
+		{"FAMILY", "RULE", "ACTION", "CIDR", "ORIGIN", "PACKETS", "BYTES"},
+		{"ipv4", "1", "MASQUERADE", "10.10.10.10/32", "masqueradeCIDRs[0]", "10", "600"},
+		{"ipv4", "2", "RETURN", "169.254.0.0/16", "link-local", "20", "1200"},
+		{"ipv4", "3", "RETURN", "10.0.0.0/8", "nonMasqueradeCIDRs[0]", "30", "1800"},
+		{"ipv4", "4", "MASQUERADE", "0.0.0.0/0", "outbound", "40", "2400"},
+		{"ipv4", "-", "MASQUERADE", "192.0.2.0/24", "?", "1", "60"},
+	}
+	rows := fields(out)
+	if len(rows) < len(want)+2 {
+		t.Fatalf("dump printed:\n%s", out)
+	}
+	for i, w := range want {
+		if !slices.Equal(rows[i], w) {
+			t.Errorf("row %d: %q, want %q", i, rows[i], w)
+		}
+	}
+	if !strings.Contains(out, "origin ?: installed, but not a rule of the configuration") || !strings.Contains(out, "iptables counts connections") {
+		t.Errorf("notes missing:\n%s", out)
+	}
+
+	// A configuration that cannot be read: the counters still show, without origins.
+	bad := writeConfig(t, "nonMasqueradeCIDRs: [10.0.0.1/8]\n")
+	out, stderr, err = runDumpWith(t, r, "--config="+bad, "--bpffs="+bpffs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(stderr, "host bits are set") || !strings.Contains(stderr, "without their origin") {
+		t.Errorf("stderr %q", stderr)
+	}
+	if got := fields(out)[2]; !slices.Equal(got, []string{"ipv4", "-", "MASQUERADE", "10.10.10.10/32", "?", "10", "600"}) {
+		t.Errorf("first row without a configuration: %q", got)
+	}
+
+	// BPF pins present: an error, after the iptables table.
+	if err := os.MkdirAll(filepath.Join(bpffs, BPFPinDir), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(bpffs, BPFPinDir, "rule_stats"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out, _, err = runDumpWith(t, r, "--config="+path, "--bpffs="+bpffs)
+	if err == nil || !strings.Contains(err.Error(), "a BPF datapath is pinned under "+filepath.Join(bpffs, BPFPinDir)) {
+		t.Errorf("err = %v, want one about the BPF pins", err)
+	}
+	if !strings.Contains(out, "10.10.10.10/32") {
+		t.Errorf("the iptables table is not shown next to the error:\n%s", out)
+	}
+}
+
+func TestDumpNothingInstalled(t *testing.T) {
+	r := savedRunner{save: map[string]string{"iptables-nft-save": "*nat\n:POSTROUTING ACCEPT [0:0]\nCOMMIT\n", "ip6tables-nft-save": ""}}
+	bpffs := t.TempDir()
+	// An empty pin directory holds nothing.
+	if err := os.Mkdir(filepath.Join(bpffs, BPFPinDir), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err := runDumpWith(t, r, "--config="+filepath.Join(t.TempDir(), "none"), "--bpffs="+bpffs, "--masq-chain=MY-CHAIN")
+	if err == nil || !strings.Contains(err.Error(), "no datapath installed: no MY-CHAIN chain") || ExitCode(err) != 1 {
+		t.Errorf("err = %v", err)
+	}
+}
+
+func TestDumpCommandLine(t *testing.T) {
+	for _, tc := range []struct {
+		args    []string
+		wantErr string
+	}{
+		{[]string{"dump", "extra"}, "dump takes no arguments"},
+		{[]string{"dump", "--masq-chain=bad name"}, "only letters, digits"},
+		{[]string{"dump", "--to-ports=9-1"}, "starts after it ends"},
+	} {
+		_, _, err := run(t, tc.args...)
+		if err == nil || !strings.Contains(err.Error(), tc.wantErr) || ExitCode(err) != 2 {
+			t.Errorf("%q: err %v (exit %d), want %q (exit 2)", tc.args, err, ExitCode(err), tc.wantErr)
+		}
+	}
+	// It takes the agent's flags, so that the DaemonSet's arguments can be reused, and --top.
+	_, stderr, _ := run(t, "dump", "--help")
+	for _, flag := range []string{"-config", "-masq-chain", "-bpffs", "-enable-ipv6", "-metrics-address", "-top"} {
+		if !strings.Contains(stderr, flag) {
+			t.Errorf("dump --help does not list %s", flag)
+		}
+	}
+}
+
+// natReader is a datapath with a NAT table, as the BPF backend's reader will be.
+type natReader struct{}
+
+func (natReader) Info() datapath.Info {
+	return datapath.Info{Backend: "bpf", AttachMode: "tcx", Details: "uplink eth0"}
+}
+
+func (natReader) Counters(context.Context) ([]datapath.RuleCounter, error) {
+	return []datapath.RuleCounter{{Family: policy.IPv6, Rule: 2, Prefix: netip.MustParsePrefix("::/0"),
+		Action: policy.Masquerade, Origin: policy.OriginOutbound, Entry: -1, Packets: 123, Bytes: 45678}}, nil
+}
+
+func (natReader) NATStats(context.Context) (datapath.NATStats, error) {
+	return datapath.NATStats{}, nil
+}
+
+func (natReader) NATSummary(_ context.Context, top int) (datapath.NATSummary, error) {
+	busiest := []datapath.RemoteEndpoint{
+		{Protocol: "tcp", Endpoint: netip.MustParseAddrPort("[2001:db8::1]:443"), Entries: 8},
+		{Protocol: "udp", Endpoint: netip.MustParseAddrPort("192.0.2.53:53"), Entries: 4},
+	}
+	return datapath.NATSummary{
+		Entries: []datapath.NATEntries{
+			{Family: policy.IPv4, Protocol: "udp", State: "unreplied", Entries: 4},
+			{Family: policy.IPv6, Protocol: "tcp", State: "established", Entries: 8},
+		},
+		Busiest: busiest[:min(top, len(busiest))],
+	}, nil
+}
+
+func TestDumpNATTable(t *testing.T) {
+	var out bytes.Buffer
+	if err := writeReader(context.Background(), &out, natReader{}, 1); err != nil {
+		t.Fatal(err)
+	}
+	want := [][]string{
+		{"bpf", "(tcx):", "uplink", "eth0"},
+		{"FAMILY", "RULE", "ACTION", "CIDR", "ORIGIN", "PACKETS", "BYTES"},
+		{"ipv6", "2", "MASQUERADE", "::/0", "outbound", "123", "45678"},
+		{"NAT", "table"},
+		{"FAMILY", "PROTOCOL", "STATE", "ENTRIES"},
+		{"ipv4", "udp", "unreplied", "4"},
+		{"ipv6", "tcp", "established", "8"},
+		{"total", "12"},
+		{"busiest", "remote", "endpoints"},
+		{"PROTOCOL", "ENDPOINT", "ENTRIES"},
+		{"tcp", "[2001:db8::1]:443", "8"},
+	}
+	var rows [][]string
+	for _, r := range fields(out.String()) {
+		if len(r) > 0 {
+			rows = append(rows, r)
+		}
+	}
+	if len(rows) != len(want) {
+		t.Fatalf("dump printed:\n%s", out.String())
+	}
+	for i, w := range want {
+		if !slices.Equal(rows[i], w) {
+			t.Errorf("row %d: %q, want %q", i, rows[i], w)
+		}
+	}
+	if strings.Contains(out.String(), "iptables counts") {
+		t.Errorf("the iptables note on a BPF datapath:\n%s", out.String())
+	}
+}
