@@ -149,7 +149,7 @@ func writeReader(ctx context.Context, w io.Writer, r datapath.Reader, top int) e
 		fmt.Fprintln(w, "(no rules)")
 	}
 	if unknown > 0 {
-		fmt.Fprintln(w, "origin ?: installed, but not a rule of the configuration given to dump (give dump the agent's --config and policy flags)")
+		fmt.Fprintln(w, "rule -: installed, but not a rule of the configuration given to dump (give dump the agent's --config and policy flags)")
 	}
 	if info.Backend == iptables.Name {
 		fmt.Fprintln(w, "iptables counts connections: the first packet of each")

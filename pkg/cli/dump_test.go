@@ -118,7 +118,7 @@ func TestDumpIptables(t *testing.T) {
 			t.Errorf("row %d: %q, want %q", i, rows[i], w)
 		}
 	}
-	if !strings.Contains(out, "origin ?: installed, but not a rule of the configuration") || !strings.Contains(out, "iptables counts connections") {
+	if !strings.Contains(out, "rule -: installed, but not a rule of the configuration") || !strings.Contains(out, "iptables counts connections") {
 		t.Errorf("notes missing:\n%s", out)
 	}
 

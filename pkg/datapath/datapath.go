@@ -74,8 +74,9 @@ type RuleCounter struct {
 	Rule   int
 	Prefix netip.Prefix
 	Action policy.Action
-	// Origin is the part of the configuration the rule came from (policy.Rule.Origin); empty
-	// when Rule is 0.
+	// Origin is the part of the configuration the rule came from (policy.Rule.Origin). With
+	// Rule 0 it is what the datapath records, if anything: empty when it cannot tell (iptables).
+	// Metrics leave out counters without an origin.
 	Origin policy.Origin
 	// Entry is the index within the config key the rule came from (policy.Rule.Entry), or -1
 	// for link-local and outbound rules and when unknown.
@@ -133,7 +134,8 @@ type Reader interface {
 	InfoReporter
 	// Counters is Backend.Counters for the rules as installed. A Reader in another process
 	// maps them to the configuration it was given; an installed rule that configuration lacks
-	// is reported with Rule 0 and no Origin, after the configured ones.
+	// is reported with Rule 0 (and the origin the datapath records, if any), after the
+	// configured ones of its family.
 	Counters(ctx context.Context) ([]RuleCounter, error)
 }
 
