@@ -50,6 +50,15 @@ struct {
 	__type(value, struct nat_config);
 } nat_config SEC(".maps");
 
+/* The NAT port ranges laid out flat: entry i is the i-th port (host order) of the ranges, for
+ * i < nat_config.nports. A port is then one lookup away, whatever the number of ranges. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, NAT_PORTS_MAX);
+	__type(key, __u32);
+	__type(value, __u16);
+} nat_ports SEC(".maps");
+
 /* SNAT addresses by uplink ifindex. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);

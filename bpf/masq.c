@@ -155,22 +155,21 @@ static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const in
 
 	nat_key(v6, &k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_EGRESS);
 	e = nat_lookup(v6, &k);
-	if (!e)
-		return egress_new(skb, p, v6, &k, now);
-
-	if (is_reopen(p, e))
-		reopen(v6, &k, e);
-	if (touch(e, p, now) && check_partner(v6, &k, e, p, now) < 0) {
+	if (e) {
+		if (is_reopen(p, e))
+			reopen(v6, &k, e);
+		if (!touch(e, p, now) || check_partner(v6, &k, e, p, now) == 0) {
+			if (e->kind == NAT_MASQ)
+				count_rule(e->slot, p->len);
+			if (p->frag == FRAG_FIRST)
+				frag_remember(p, DIR_EGRESS);
+			return xlate(skb, p, v6, 1, e->addr, e->port);
+		}
 		/* The LRU evicted this flow's ingress half and another flow owns its port now. */
 		nat_delete(v6, &k);
 		event_add(EV_REALLOC, 1);
-		return egress_new(skb, p, v6, &k, now);
 	}
-	if (e->kind == NAT_MASQ)
-		count_rule(e->slot, p->len);
-	if (p->frag == FRAG_FIRST)
-		frag_remember(p, DIR_EGRESS);
-	return xlate(skb, p, v6, 1, e->addr, e->port);
+	return egress_new(skb, p, v6, &k, now);
 }
 
 /* A new flow arriving from outside toward an address behind the uplink (a pod): record both

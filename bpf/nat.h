@@ -196,22 +196,6 @@ static __always_inline int check_partner(const int v6, const union nat_key *k, c
 	return pe && points_back(v6, k, pe) ? 0 : -1;
 }
 
-/* port_at maps an index in [0, nports) onto the configured ranges. */
-static __always_inline __u16 port_at(const struct nat_config *cfg, __u32 idx)
-{
-	for (int i = 0; i < MAX_PORT_RANGES; i++) {
-		__u32 size;
-
-		if (i >= cfg->nranges)
-			break;
-		size = (__u32)cfg->ranges[i].last - cfg->ranges[i].first + 1;
-		if (idx < size)
-			return cfg->ranges[i].first + idx;
-		idx -= size;
-	}
-	return 0;
-}
-
 static __always_inline int port_in_ranges(const struct nat_config *cfg, __u16 port)
 {
 	for (int i = 0; i < MAX_PORT_RANGES; i++) {
@@ -226,7 +210,8 @@ static __always_inline int port_in_ranges(const struct nat_config *cfg, __u16 po
 /* nat_alloc creates both entries of a new flow translated to (to_addr, a port from the
  * ranges). The ingress entry is claimed first with BPF_NOEXIST: whoever inserts it owns the
  * port toward that remote. The original port is tried first unless random_fully; then
- * consecutive ports from a random start. On success *out holds the egress entry. */
+ * consecutive ports of the ranges (nat_ports) from a random start. On success *out holds the
+ * egress entry. */
 static __always_inline int nat_alloc(const int v6, const struct pkt *p, const struct nat_config *cfg,
 				     const union nat_key *k, const __be32 *to_addr, __u8 kind, __u32 slot,
 				     __u32 ifindex, __u64 now, struct nat_entry *out)
@@ -234,11 +219,11 @@ static __always_inline int nat_alloc(const int v6, const struct pkt *p, const st
 	struct nat_entry rev = {.port = p->sport, .kind = kind, .slot = NO_SLOT, .ifindex = ifindex,
 				.last_seen = now};
 	union nat_key rk;
-	__u32 n = cfg->nports, start, tries;
+	__u32 n = cfg->nports, start, tries, i;
 	__u16 orig = bpf_ntohs(p->sport), port = 0;
-	int preserve, claimed = 0;
+	int preserve;
 
-	if (n == 0 || n > 65536)
+	if (n == 0 || n > NAT_PORTS_MAX)
 		return -1;
 	addr_copy(v6, rev.addr, p->saddr);
 	nat_key(v6, &rk, p->daddr, to_addr, p->dport, 0, p->proto, DIR_INGRESS);
@@ -246,26 +231,27 @@ static __always_inline int nat_alloc(const int v6, const struct pkt *p, const st
 	start = bpf_get_prandom_u32() % n;
 	tries = n < NAT_RETRIES ? n : NAT_RETRIES;
 
-	for (__u32 i = 0; i < NAT_RETRIES; i++) {
+	for (i = 0; i < NAT_RETRIES; i++) {
 		if (i >= tries)
 			break;
 		if (preserve && i == 0) {
 			port = orig;
 		} else {
-			__u32 idx = start + i;
+			/* start + i < 2n: tries is at most n when n < NAT_RETRIES */
+			__u32 idx = start + i >= n ? start + i - n : start + i;
+			__u16 *pp = bpf_map_lookup_elem(&nat_ports, &idx);
 
-			port = port_at(cfg, idx >= n ? idx - n : idx);
+			if (!pp)
+				continue; /* cannot happen: idx < n <= NAT_PORTS_MAX */
+			port = *pp;
 		}
 		nat_key_set_dport(v6, &rk, bpf_htons(port));
-		if (nat_update(v6, &rk, &rev, BPF_NOEXIST) == 0) {
-			claimed = 1;
-			if (i > 0)
-				event_add(EV_PORT_RETRY, i);
+		if (nat_update(v6, &rk, &rev, BPF_NOEXIST) == 0)
 			break;
-		}
 	}
-	if (!claimed) {
-		event_add(EV_PORT_RETRY, tries);
+	if (i > 0)
+		event_add(EV_PORT_RETRY, i);
+	if (i >= tries) {
 		event_add(EV_DROP_NO_PORT, 1);
 		return -1;
 	}

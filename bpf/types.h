@@ -41,6 +41,7 @@ struct family_cfg {
 };
 
 #define MAX_PORT_RANGES 16
+#define NAT_PORTS_MAX 65536
 
 struct port_range {
 	__u16 first; /* host byte order, inclusive */
@@ -54,8 +55,8 @@ struct nat_config {
 	__u8 random_fully; /* 1: random ports; 0: keep the original port when free */
 	__u8 nranges;
 	__u16 pad;
-	__u32 nports; /* sum of the range sizes */
-	struct port_range ranges[MAX_PORT_RANGES];
+	__u32 nports; /* sum of the range sizes: the entries of nat_ports in use */
+	struct port_range ranges[MAX_PORT_RANGES]; /* as configured, for port_in_ranges and dumps */
 };
 
 /* The SNAT addresses of an uplink (uplink_snat, keyed by ifindex). */

@@ -62,6 +62,8 @@ type Datapath struct {
 	// only the difference.
 	slots *slotTable
 	tries map[string]map[trieKey]uint32
+	// ports are the ranges nat_ports holds.
+	ports policy.PortRanges
 	// synced is the last policy written, with each rule's slot.
 	synced     *policy.Policy
 	syncedSlot map[*policy.Rule]uint32
@@ -128,5 +130,6 @@ func (d *Datapath) Maps() map[string]*ebpf.Map {
 		masqMapNomasqV6: m.NomasqV6, masqMapNatConfig: m.NatConfig, masqMapUplinkSnat: m.UplinkSnat,
 		masqMapRuleStats: m.RuleStats, masqMapRuleSlots: m.RuleSlots, masqMapNatV4: m.NatV4,
 		masqMapNatV6: m.NatV6, masqMapFragV4: m.FragV4, masqMapEventStats: m.EventStats,
+		masqMapNatPorts: m.NatPorts,
 	}
 }

@@ -200,6 +200,7 @@ const (
 	masqMapMasqV4     = "masq_v4"
 	masqMapMasqV6     = "masq_v6"
 	masqMapNatConfig  = "nat_config"
+	masqMapNatPorts   = "nat_ports"
 	masqMapNatV4      = "nat_v4"
 	masqMapNatV6      = "nat_v6"
 	masqMapNomasqV4   = "nomasq_v4"
@@ -266,6 +267,7 @@ type masqMapSpecs struct {
 	MasqV4     *ebpf.MapSpec `ebpf:"masq_v4"`
 	MasqV6     *ebpf.MapSpec `ebpf:"masq_v6"`
 	NatConfig  *ebpf.MapSpec `ebpf:"nat_config"`
+	NatPorts   *ebpf.MapSpec `ebpf:"nat_ports"`
 	NatV4      *ebpf.MapSpec `ebpf:"nat_v4"`
 	NatV6      *ebpf.MapSpec `ebpf:"nat_v6"`
 	NomasqV4   *ebpf.MapSpec `ebpf:"nomasq_v4"`
@@ -306,6 +308,7 @@ type masqMaps struct {
 	MasqV4     *ebpf.Map `ebpf:"masq_v4"`
 	MasqV6     *ebpf.Map `ebpf:"masq_v6"`
 	NatConfig  *ebpf.Map `ebpf:"nat_config"`
+	NatPorts   *ebpf.Map `ebpf:"nat_ports"`
 	NatV4      *ebpf.Map `ebpf:"nat_v4"`
 	NatV6      *ebpf.Map `ebpf:"nat_v6"`
 	NomasqV4   *ebpf.Map `ebpf:"nomasq_v4"`
@@ -322,6 +325,7 @@ func (m *masqMaps) Close() error {
 		m.MasqV4,
 		m.MasqV6,
 		m.NatConfig,
+		m.NatPorts,
 		m.NatV4,
 		m.NatV6,
 		m.NomasqV4,

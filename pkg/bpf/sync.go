@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 
 	"github.com/cilium/ebpf"
 
@@ -127,6 +128,7 @@ type plan struct {
 	tries  map[string]map[trieKey]int // prefix -> index into keys of the first rule with it
 	out    map[policy.Family]int      // index into keys of the outbound rule, or -1
 	config masqNatConfig              // without slots
+	ranges policy.PortRanges
 }
 
 func makePlan(p *policy.Policy) (*plan, error) {
@@ -189,6 +191,7 @@ func makePlan(p *policy.Policy) (*plan, error) {
 	if p.RandomFully {
 		c.RandomFully = 1
 	}
+	pl.ranges = ranges
 	c.Nranges = uint8(len(ranges))
 	for i, r := range ranges {
 		if r.First == 0 || r.First > r.Last {
@@ -273,7 +276,10 @@ func (d *Datapath) SyncPolicy(p *policy.Policy) error {
 		}
 	}
 
-	// 3. The outbound rule and NAT settings.
+	// 3. The port table, then the outbound rule and NAT settings that say how much of it counts.
+	if err := d.writePorts(pl.ranges); err != nil {
+		return fmt.Errorf("sync policy: %w", err)
+	}
 	cfg := pl.config
 	cfg.V4.OutSlot, cfg.V6.OutSlot = noSlot, noSlot
 	if i := pl.out[policy.IPv4]; i >= 0 {
@@ -315,6 +321,36 @@ func (d *Datapath) SyncPolicy(p *policy.Policy) error {
 	for i, r := range pl.rules {
 		d.syncedSlot[r] = slots[i]
 	}
+	return nil
+}
+
+// writePorts lays the port ranges out in nat_ports (entry i: the i-th port), unless they are
+// what the table already holds.
+func (d *Datapath) writePorts(ranges policy.PortRanges) error {
+	if slices.Equal(ranges, d.ports) {
+		return nil
+	}
+	var keys []uint32
+	var ports []uint16
+	for _, r := range ranges {
+		for p := int(r.First); p <= int(r.Last); p++ {
+			keys = append(keys, uint32(len(keys)))
+			ports = append(ports, uint16(p))
+		}
+	}
+	_, err := d.objs.NatPorts.BatchUpdate(keys, ports, nil)
+	if errors.Is(err, ebpf.ErrNotSupported) {
+		err = nil
+		for i := range keys {
+			if err = d.objs.NatPorts.Put(keys[i], ports[i]); err != nil {
+				break
+			}
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("write nat_ports: %w", err)
+	}
+	d.ports = slices.Clone(ranges)
 	return nil
 }
 
@@ -424,6 +460,15 @@ func (d *Datapath) recover() error {
 		if !inUse[s] {
 			d.slots.free = append(d.slots.free, s)
 		}
+	}
+
+	// The port table matches the ranges of nat_config when a sync wrote both.
+	var cfg masqNatConfig
+	if err := d.objs.NatConfig.Lookup(uint32(0), &cfg); err != nil {
+		return fmt.Errorf("read nat_config: %w", err)
+	}
+	for _, r := range cfg.Ranges[:min(int(cfg.Nranges), len(cfg.Ranges))] {
+		d.ports = append(d.ports, policy.PortRange{First: r.First, Last: r.Last})
 	}
 
 	d.tries = map[string]map[trieKey]uint32{}

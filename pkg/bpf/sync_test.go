@@ -270,3 +270,55 @@ func TestPinnedReuse(t *testing.T) {
 		t.Fatalf("loading with another NAT size over the pins: %v, want ErrMapIncompatible", err)
 	}
 }
+
+// TestSyncPortRanges: a change of --to-ports takes effect for new flows; flows that have a
+// port keep it.
+func TestSyncPortRanges(t *testing.T) {
+	h := newHarness(t, defaultPolicy(true), LoadOptions{})
+	dst := ap(remote4, 443)
+	old := tupleOf(t, h.mustPass(h.dp.Egress(), tcpPacket(ap(pod4(1), 1234), dst, tcpSYN, nil))).src
+	if old.Port() < policy.DefaultPortRange.First {
+		t.Fatalf("port %d outside the default range", old.Port())
+	}
+	narrow := defaultPolicy(true)
+	narrow.ToPorts = policy.PortRanges{{First: 5000, Last: 5001}, {First: 6000, Last: 6002}}
+	if err := h.dp.SyncPolicy(narrow); err != nil {
+		t.Fatal(err)
+	}
+	for i := 2; i < 7; i++ {
+		p := tupleOf(t, h.mustPass(h.dp.Egress(), tcpPacket(ap(pod4(i), 1234), dst, tcpSYN, nil))).src.Port()
+		if !(p >= 5000 && p <= 5001 || p >= 6000 && p <= 6002) {
+			t.Fatalf("new flow got port %d outside 5000-5001,6000-6002", p)
+		}
+	}
+	if got := tupleOf(t, h.mustPass(h.dp.Egress(), tcpPacket(ap(pod4(1), 1234), dst, tcpACK, nil))).src; got != old {
+		t.Fatalf("existing flow moved from %s to %s", old, got)
+	}
+	if err := h.dp.SyncPolicy(defaultPolicy(true)); err != nil {
+		t.Fatal(err)
+	}
+	if p := tupleOf(t, h.mustPass(h.dp.Egress(), tcpPacket(ap(pod4(9), 1234), dst, tcpSYN, nil))).src.Port(); p < policy.DefaultPortRange.First {
+		t.Fatalf("port %d after returning to the default range", p)
+	}
+}
+
+// TestVerifierComplexity keeps the programs well within the verifier's budget of a million
+// processed instructions, so that other kernels' verifiers (which explore differently) load
+// them too.
+func TestVerifierComplexity(t *testing.T) {
+	h := newHarness(t, nil, LoadOptions{})
+	for name, prog := range map[string]*ebpf.Program{"tc_egress": h.dp.Egress(), "tc_ingress": h.dp.Ingress()} {
+		info, err := prog.Info()
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, ok := info.VerifiedInstructions()
+		if !ok {
+			t.Skipf("kernel does not report verified instructions")
+		}
+		t.Logf("%s: %d instructions processed by the verifier", name, n)
+		if n > 300_000 {
+			t.Errorf("%s: the verifier processed %d instructions; keep it under 300,000", name, n)
+		}
+	}
+}
