@@ -21,7 +21,8 @@ static __always_inline __u64 mangled0(__u8 proto)
 	return proto == IPPROTO_UDP ? BPF_F_MARK_MANGLED_0 : 0;
 }
 
-/* L4 checksums that include the pseudo header: all but ICMPv4. Later fragments have none. */
+/* L4 checksums that include the pseudo header: all but ICMPv4. Later fragments have no L4
+ * header at all. */
 static __always_inline int l4_has_pseudo(const struct pkt *p)
 {
 	return p->frag != FRAG_LATER && p->proto != IPPROTO_ICMP;
@@ -74,7 +75,8 @@ static __always_inline int rewrite_addr(struct __sk_buff *skb, const struct pkt 
 	__be32 addr[4] = {to[0], to[1], to[2], to[3]};
 	__s64 diff = bpf_csum_diff((__be32 *)from, 16, addr, 16, 0);
 
-	if (bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR | mangled0(p->proto)) < 0)
+	if (l4_has_pseudo(p) &&
+	    bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR | mangled0(p->proto)) < 0)
 		return -1;
 	if (store(skb, off, addr, sizeof(addr)) < 0)
 		return -1;

@@ -98,13 +98,20 @@ struct {
 	__type(value, struct nat_entry);
 } nat_v6 SEC(".maps");
 
-/* Ports of the first fragment of IPv4 datagrams, for their later fragments. */
+/* Ports of the first fragment of datagrams, for their later fragments. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 1); /* load time */
 	__type(key, struct frag4_key);
 	__type(value, struct frag_ports);
 } frag_v4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct frag6_key);
+	__type(value, struct frag_ports);
+} frag_v6 SEC(".maps");
 
 /* Drop and event counters by reason (enum event). */
 struct {

@@ -42,10 +42,10 @@ drop:
 	return TC_ACT_SHOT;
 }
 
-/* Later IPv4 fragments: the flow is found through the first fragment's ports. */
-static __always_inline int frag_later(struct __sk_buff *skb, struct pkt *p, const int dir)
+/* Later fragments: the flow is found through the first fragment's ports. */
+static __always_inline int frag_later(struct __sk_buff *skb, struct pkt *p, const int v6, const int dir)
 {
-	struct frag_ports *fp = frag_lookup(p, dir);
+	struct frag_ports *fp = frag_lookup(v6, p, dir);
 	union nat_key k;
 	struct nat_entry *e;
 
@@ -53,13 +53,13 @@ static __always_inline int frag_later(struct __sk_buff *skb, struct pkt *p, cons
 		event_add(EV_FRAG_MISS, 1);
 		return TC_ACT_OK;
 	}
-	nat_key(0, &k, p->saddr, p->daddr, fp->sport, fp->dport, p->proto, dir);
-	e = nat_lookup(0, &k);
+	nat_key(v6, &k, p->saddr, p->daddr, fp->sport, fp->dport, p->proto, dir);
+	e = nat_lookup(v6, &k);
 	if (!e)
 		return TC_ACT_OK;
 	if (dir == DIR_EGRESS && e->kind == NAT_MASQ)
 		count_rule(e->slot, p->len);
-	return xlate(skb, p, 0, dir == DIR_EGRESS, e->addr, e->port);
+	return xlate(skb, p, v6, dir == DIR_EGRESS, e->addr, e->port);
 }
 
 static __always_inline const __be32 *uplink_addr(const struct uplink *u, const int v6)
@@ -138,7 +138,7 @@ static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, cons
 	if (e.kind == NAT_MASQ)
 		event_add(EV_NEW_MASQ, 1);
 	if (p->frag == FRAG_FIRST)
-		frag_remember(p, DIR_EGRESS);
+		frag_remember(v6, p, DIR_EGRESS);
 	return xlate(skb, p, v6, 1, e.addr, e.port);
 }
 
@@ -150,8 +150,8 @@ static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const in
 
 	if (p->l4 == L4_ICMP_ERROR)
 		return icmp_error(skb, p, v6, DIR_EGRESS);
-	if (!v6 && p->l4 == L4_NONE)
-		return frag_later(skb, p, DIR_EGRESS);
+	if (p->l4 == L4_NONE)
+		return frag_later(skb, p, v6, DIR_EGRESS);
 
 	nat_key(v6, &k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_EGRESS);
 	e = nat_lookup(v6, &k);
@@ -162,7 +162,7 @@ static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const in
 			if (e->kind == NAT_MASQ)
 				count_rule(e->slot, p->len);
 			if (p->frag == FRAG_FIRST)
-				frag_remember(p, DIR_EGRESS);
+				frag_remember(v6, p, DIR_EGRESS);
 			return xlate(skb, p, v6, 1, e->addr, e->port);
 		}
 		/* The LRU evicted this flow's ingress half and another flow owns its port now. */
@@ -191,9 +191,8 @@ static __always_inline int ingress_new(struct __sk_buff *skb, const struct pkt *
 		return TC_ACT_OK;
 	if (snat && addr_eq(v6, p->daddr, snat))
 		return TC_ACT_OK; /* to the host itself: its replies are host flows */
-	if (v6 ? (((__u8 *)p->daddr)[0] == 0xff)
-	       : ((((__u8 *)p->daddr)[0] & 0xf0) == 0xe0 || p->daddr[0] == 0xffffffff))
-		return TC_ACT_OK; /* multicast and broadcast open no flows */
+	if (skb->pkt_type != PACKET_HOST)
+		return TC_ACT_OK; /* multicast, broadcast, or another host's: opens no flow */
 
 	addr_copy(v6, e.addr, p->daddr);
 	nat_key(v6, &ek, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_EGRESS);
@@ -203,7 +202,7 @@ static __always_inline int ingress_new(struct __sk_buff *skb, const struct pkt *
 	nat_update(v6, k, &e, BPF_NOEXIST);
 	event_add(EV_INBOUND_FLOW, 1);
 	if (p->frag == FRAG_FIRST)
-		frag_remember(p, DIR_INGRESS);
+		frag_remember(v6, p, DIR_INGRESS);
 	return TC_ACT_OK;
 }
 
@@ -215,8 +214,8 @@ static __always_inline int ingress(struct __sk_buff *skb, struct pkt *p, const i
 
 	if (p->l4 == L4_ICMP_ERROR)
 		return icmp_error(skb, p, v6, DIR_INGRESS);
-	if (!v6 && p->l4 == L4_NONE)
-		return frag_later(skb, p, DIR_INGRESS);
+	if (p->l4 == L4_NONE)
+		return frag_later(skb, p, v6, DIR_INGRESS);
 
 	nat_key(v6, &k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_INGRESS);
 	e = nat_lookup(v6, &k);
@@ -226,7 +225,7 @@ static __always_inline int ingress(struct __sk_buff *skb, struct pkt *p, const i
 		reopen(v6, &k, e);
 	touch(e, p, now);
 	if (p->frag == FRAG_FIRST)
-		frag_remember(p, DIR_INGRESS);
+		frag_remember(v6, p, DIR_INGRESS);
 	return xlate(skb, p, v6, 0, e->addr, e->port);
 }
 

@@ -273,19 +273,35 @@ static __always_inline int nat_alloc(const int v6, const struct pkt *p, const st
 	return 0;
 }
 
-/* Later IPv4 fragments carry no ports; the first fragment's are remembered by datagram. */
-static __always_inline void frag_remember(const struct pkt *p, __u8 dir)
+/* Later fragments carry no ports; the first fragment's are remembered by datagram. */
+static __always_inline void frag_remember(const int v6, const struct pkt *p, __u8 dir)
 {
-	struct frag4_key fk = {.saddr = p->saddr[0], .daddr = p->daddr[0], .id = p->ip_id,
-			       .proto = p->proto, .dir = dir};
 	struct frag_ports fp = {.sport = p->sport, .dport = p->dport};
 
-	bpf_map_update_elem(&frag_v4, &fk, &fp, BPF_ANY);
+	if (v6) {
+		struct frag6_key fk = {.id = p->frag_id, .proto = p->proto, .dir = dir};
+
+		__builtin_memcpy(fk.saddr, p->saddr, 16);
+		__builtin_memcpy(fk.daddr, p->daddr, 16);
+		bpf_map_update_elem(&frag_v6, &fk, &fp, BPF_ANY);
+	} else {
+		struct frag4_key fk = {.saddr = p->saddr[0], .daddr = p->daddr[0], .id = (__be16)p->frag_id,
+				       .proto = p->proto, .dir = dir};
+
+		bpf_map_update_elem(&frag_v4, &fk, &fp, BPF_ANY);
+	}
 }
 
-static __always_inline struct frag_ports *frag_lookup(const struct pkt *p, __u8 dir)
+static __always_inline struct frag_ports *frag_lookup(const int v6, const struct pkt *p, __u8 dir)
 {
-	struct frag4_key fk = {.saddr = p->saddr[0], .daddr = p->daddr[0], .id = p->ip_id,
+	if (v6) {
+		struct frag6_key fk = {.id = p->frag_id, .proto = p->proto, .dir = dir};
+
+		__builtin_memcpy(fk.saddr, p->saddr, 16);
+		__builtin_memcpy(fk.daddr, p->daddr, 16);
+		return bpf_map_lookup_elem(&frag_v6, &fk);
+	}
+	struct frag4_key fk = {.saddr = p->saddr[0], .daddr = p->daddr[0], .id = (__be16)p->frag_id,
 			       .proto = p->proto, .dir = dir};
 
 	return bpf_map_lookup_elem(&frag_v4, &fk);

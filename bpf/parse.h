@@ -20,6 +20,9 @@
 #define ICMP_ECHO 8
 #define ICMP_TIME_EXCEEDED 11
 
+/* skb->pkt_type of a packet addressed to this host (linux/if_packet.h). */
+#define PACKET_HOST 0
+
 /* Every field the NAT reads or writes lies within the first 8 bytes of ICMP, UDP and ICMPv6
  * headers, and the first 20 of TCP. */
 #define ICMP_HLEN 8
@@ -28,6 +31,18 @@
 
 #define IP_MF 0x2000
 #define IP_OFFMASK 0x1fff
+
+/* IPv6 fragment header (RFC 8200 4.5). */
+#define IPV6_FRAGMENT 44
+#define IP6_MF 0x0001
+#define IP6_OFFMASK 0xfff8
+
+struct frag6_hdr {
+	__u8 nexthdr;
+	__u8 reserved;
+	__be16 frag_off;
+	__be32 id;
+};
 
 enum frag {
 	FRAG_NONE = 0,
@@ -39,7 +54,7 @@ enum l4 {
 	L4_PORTS = 1,     /* TCP, UDP */
 	L4_ECHO = 2,      /* ICMP(v6) echo request or reply: the identifier is the port */
 	L4_ICMP_ERROR = 3, /* ICMP(v6) error quoting a packet */
-	L4_NONE = 4,      /* later IPv4 fragment */
+	L4_NONE = 4,      /* later fragment */
 };
 
 struct pkt {
@@ -53,9 +68,9 @@ struct pkt {
 	__u8 l4;       /* enum l4 */
 	__u8 frag;     /* enum frag */
 	__u8 tcp_flags; /* FIN 0x01, SYN 0x02, RST 0x04, ACK 0x10 */
-	__be16 ip_id;
 	__u8 echo_request;
-	__u8 pad;
+	__u8 pad[3];
+	__be32 frag_id; /* datagram id: IPv4 (16 bits) or IPv6 fragment header */
 };
 
 #define TCPF_FIN 0x01
@@ -63,7 +78,8 @@ struct pkt {
 #define TCPF_RST 0x04
 #define TCPF_ACK 0x10
 
-/* Enough linear data for Ethernet, the largest IPv4 header and a TCP header. */
+/* Enough linear data for Ethernet, the largest IPv4 header (or IPv6 with a fragment header)
+ * and a TCP header. */
 #define PULL_LEN (ETH_HLEN + 60 + TCP_HLEN_MIN)
 
 static __always_inline int is_icmp(__u8 proto)
@@ -194,7 +210,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 		p->saddr[0] = ip->saddr;
 		p->daddr[0] = ip->daddr;
 		p->proto = ip->protocol;
-		p->ip_id = ip->id;
+		p->frag_id = ip->id;
 		p->l4_off = ETH_HLEN + hlen;
 		frag = bpf_ntohs(ip->frag_off);
 		if (frag & IP_OFFMASK) {
@@ -220,9 +236,30 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 			return -1;
 		__builtin_memcpy(p->saddr, &ip6->saddr, 16);
 		__builtin_memcpy(p->daddr, &ip6->daddr, 16);
-		/* Extension headers (fragments included) are not followed: such packets pass. */
 		p->proto = ip6->nexthdr;
 		p->l4_off = ETH_HLEN + sizeof(*ip6);
+		/* A fragment header right after the fixed header is followed; other extension
+		 * headers are not, and such packets pass unchanged. */
+		if (p->proto == IPV6_FRAGMENT) {
+			struct frag6_hdr *fh = (void *)(ip6 + 1);
+			__u16 off;
+
+			if ((void *)(fh + 1) > data_end)
+				return -1;
+			p->proto = fh->nexthdr;
+			p->frag_id = fh->id;
+			p->l4_off += sizeof(*fh);
+			off = bpf_ntohs(fh->frag_off);
+			if (off & IP6_OFFMASK) {
+				if (p->proto != IPPROTO_TCP && p->proto != IPPROTO_UDP && p->proto != IPPROTO_ICMPV6)
+					return -1;
+				p->frag = FRAG_LATER;
+				p->l4 = L4_NONE;
+				return 6;
+			}
+			if (off & IP6_MF)
+				p->frag = FRAG_FIRST;
+		}
 		if (parse_l4(data, data_end, p, 1) < 0)
 			return -1;
 		return 6;

@@ -151,13 +151,22 @@ struct nat_entry {
 	__u64 last_seen; /* bpf_ktime_get_ns (CLOCK_MONOTONIC), refreshed at most once a second */
 };
 
-/* A later IPv4 fragment has no ports: they are remembered from the first fragment. */
+/* A later fragment has no ports: they are remembered from the first fragment, by datagram. */
 struct frag4_key {
 	__be32 saddr;
 	__be32 daddr;
 	__be16 id;
 	__u8 proto;
 	enum nat_dir dir;
+};
+
+struct frag6_key {
+	__be32 saddr[4];
+	__be32 daddr[4];
+	__be32 id;
+	__u8 proto;
+	enum nat_dir dir;
+	__u8 pad[2];
 };
 
 struct frag_ports {

@@ -31,7 +31,8 @@ type LoadOptions struct {
 	// NATEntries is the size of each family's NAT table. A flow takes two entries (one per
 	// direction); the least recently used are evicted when the table is full.
 	NATEntries uint32
-	// FragEntries bounds the IPv4 datagrams whose later fragments can be translated at once.
+	// FragEntries bounds, per family, the datagrams whose later fragments can be translated at
+	// once.
 	FragEntries uint32
 	// PinPath, when set, pins every map by name in that directory (on a bpffs) and reuses maps
 	// already pinned there, so an agent restart keeps flows, rules and counters. Reusing fails
@@ -81,7 +82,7 @@ func Load(opts LoadOptions) (*Datapath, error) {
 		masqMapMasqV6: opts.MaxRules, masqMapNomasqV6: opts.MaxRules,
 		masqMapRuleStats: opts.MaxRules, masqMapRuleSlots: opts.MaxRules,
 		masqMapNatV4: opts.NATEntries, masqMapNatV6: opts.NATEntries,
-		masqMapFragV4: opts.FragEntries,
+		masqMapFragV4: opts.FragEntries, masqMapFragV6: opts.FragEntries,
 	}
 	for name, n := range sizes {
 		spec.Maps[name].MaxEntries = n
@@ -130,6 +131,6 @@ func (d *Datapath) Maps() map[string]*ebpf.Map {
 		masqMapNomasqV6: m.NomasqV6, masqMapNatConfig: m.NatConfig, masqMapUplinkSnat: m.UplinkSnat,
 		masqMapRuleStats: m.RuleStats, masqMapRuleSlots: m.RuleSlots, masqMapNatV4: m.NatV4,
 		masqMapNatV6: m.NatV6, masqMapFragV4: m.FragV4, masqMapEventStats: m.EventStats,
-		masqMapNatPorts: m.NatPorts,
+		masqMapNatPorts: m.NatPorts, masqMapFragV6: m.FragV6,
 	}
 }

@@ -266,6 +266,26 @@ func TestInboundReplyUntouched(t *testing.T) {
 	}
 }
 
+// TestInboundOnlyForThisHost: only packets addressed to this host open inbound flows; frames
+// for other hosts (promiscuous mode) and multicast do not fill the table.
+func TestInboundOnlyForThisHost(t *testing.T) {
+	h := newHarness(t, defaultPolicy(true), LoadOptions{})
+	other := udpPacket(ap(remote4, 5000), ap(pod4(1), 53), payload)
+	copy(other[0:6], []byte{2, 0, 0, 0, 0, 9}) // another host's MAC: PACKET_OTHERHOST
+	mcast4 := udpPacket(ap(remote4, 5000), ap(netip.MustParseAddr("239.1.2.3"), 53), payload)
+	copy(mcast4[0:6], []byte{0x01, 0x00, 0x5e, 0x01, 0x02, 0x03})
+	mcast6 := udpPacket(ap(remote6, 5000), ap(netip.MustParseAddr("ff05::1:3"), 547), payload)
+	copy(mcast6[0:6], []byte{0x33, 0x33, 0, 1, 0, 3})
+	for name, frame := range map[string][]byte{"other host": other, "multicast": mcast4, "ipv6 multicast": mcast6} {
+		if out := h.mustPass(h.dp.Ingress(), frame); !bytes.Equal(out, frame) {
+			t.Fatalf("%s: rewritten", name)
+		}
+	}
+	if n := h.events()[EventInboundFlow]; n != 0 {
+		t.Fatalf("%d inbound flows recorded", n)
+	}
+}
+
 // TestICMPErrorTranslated: ICMP errors quoting a masqueraded flow are translated in the outer
 // and the quoted headers, with valid checksums everywhere, in both directions.
 func TestICMPErrorTranslated(t *testing.T) {

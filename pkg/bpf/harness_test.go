@@ -130,9 +130,11 @@ const (
 	tcpRST
 )
 
+// Frames go from macA to macB, the address of the device test runs use (loopback: all zeros),
+// so that the kernel marks them PACKET_HOST as a received frame for this host would be.
 var (
 	macA = net.HardwareAddr{2, 0, 0, 0, 0, 1}
-	macB = net.HardwareAddr{2, 0, 0, 0, 0, 2}
+	macB = net.HardwareAddr{0, 0, 0, 0, 0, 0}
 )
 
 // serialize builds an Ethernet frame around an IP packet of src -> dst carrying l4 layers.

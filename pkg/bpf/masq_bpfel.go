@@ -49,6 +49,16 @@ type masqFrag4Key struct {
 	Dir   masqNatDir
 }
 
+type masqFrag6Key struct {
+	_     structs.HostLayout
+	Saddr [4]uint32
+	Daddr [4]uint32
+	Id    uint32
+	Proto uint8
+	Dir   masqNatDir
+	Pad   [2]uint8
+}
+
 type masqFragPorts struct {
 	_     structs.HostLayout
 	Sport uint16
@@ -197,6 +207,7 @@ type masqUplink struct {
 const (
 	masqMapEventStats = "event_stats"
 	masqMapFragV4     = "frag_v4"
+	masqMapFragV6     = "frag_v6"
 	masqMapMasqV4     = "masq_v4"
 	masqMapMasqV6     = "masq_v6"
 	masqMapNatConfig  = "nat_config"
@@ -264,6 +275,7 @@ type masqProgramSpecs struct {
 type masqMapSpecs struct {
 	EventStats *ebpf.MapSpec `ebpf:"event_stats"`
 	FragV4     *ebpf.MapSpec `ebpf:"frag_v4"`
+	FragV6     *ebpf.MapSpec `ebpf:"frag_v6"`
 	MasqV4     *ebpf.MapSpec `ebpf:"masq_v4"`
 	MasqV6     *ebpf.MapSpec `ebpf:"masq_v6"`
 	NatConfig  *ebpf.MapSpec `ebpf:"nat_config"`
@@ -305,6 +317,7 @@ func (o *masqObjects) Close() error {
 type masqMaps struct {
 	EventStats *ebpf.Map `ebpf:"event_stats"`
 	FragV4     *ebpf.Map `ebpf:"frag_v4"`
+	FragV6     *ebpf.Map `ebpf:"frag_v6"`
 	MasqV4     *ebpf.Map `ebpf:"masq_v4"`
 	MasqV6     *ebpf.Map `ebpf:"masq_v6"`
 	NatConfig  *ebpf.Map `ebpf:"nat_config"`
@@ -322,6 +335,7 @@ func (m *masqMaps) Close() error {
 	return _MasqClose(
 		m.EventStats,
 		m.FragV4,
+		m.FragV6,
 		m.MasqV4,
 		m.MasqV6,
 		m.NatConfig,
