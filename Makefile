@@ -56,3 +56,8 @@ deps:
 
 clean:
 	rm -rf bin
+
+## headers: refresh the vendored libbpf and kernel uapi headers from the pinned Debian packages
+.PHONY: headers
+headers:
+	./headers/update.sh
