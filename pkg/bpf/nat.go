@@ -258,7 +258,6 @@ func (d *Datapath) Sweep(now time.Duration, t Timeouts) (SweepResult, error) {
 		}); err != nil {
 			return res, fmt.Errorf("sweep: %w", err)
 		}
-		var expired []NATEntry
 		for _, e := range all {
 			ps, pd := e.PartnerKey()
 			partner, ok := all[key{1 - e.Dir, e.Proto, ps, pd}]
@@ -267,8 +266,11 @@ func (d *Datapath) Sweep(now time.Duration, t Timeouts) (SweepResult, error) {
 			}
 			if !ok {
 				if now-e.LastSeen > t.timeout(e.Proto, e.Flags, false) {
-					expired = append(expired, e)
-					res.Orphans++
+					n, err := d.deleteIdle(fam, e)
+					if err != nil {
+						return res, fmt.Errorf("sweep: %w", err)
+					}
+					res.Orphans += n
 				}
 				continue
 			}
@@ -279,15 +281,35 @@ func (d *Datapath) Sweep(now time.Duration, t Timeouts) (SweepResult, error) {
 			flags := e.Flags | partner.Flags
 			both := e.Flags&FlagSeen != 0 && partner.Flags&FlagSeen != 0
 			if now-last > t.timeout(e.Proto, flags, both) {
-				expired = append(expired, e, partner)
-				res.Flows++
+				n, err := d.deleteIdle(fam, e, partner)
+				if err != nil {
+					return res, fmt.Errorf("sweep: %w", err)
+				}
+				res.Flows += n / 2
 			}
-		}
-		if err := d.deleteEntries(fam, expired); err != nil {
-			return res, fmt.Errorf("sweep: %w", err)
 		}
 	}
 	return res, nil
+}
+
+// deleteIdle deletes the entries of one flow unless a packet refreshed one of them since they
+// were read, and returns how many it deleted.
+func (d *Datapath) deleteIdle(fam policy.Family, entries ...NATEntry) (int, error) {
+	m := d.natMap(fam)
+	for _, e := range entries {
+		var v masqNatEntry
+		err := m.Lookup(natKey(e.Dir, e.Proto, e.Src, e.Dst), &v)
+		if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return 0, fmt.Errorf("lookup %s nat entry: %w", fam, err)
+		}
+		if err == nil && time.Duration(v.LastSeen) != e.LastSeen {
+			return 0, nil // active again
+		}
+	}
+	if err := d.deleteEntries(fam, entries); err != nil {
+		return 0, err
+	}
+	return len(entries), nil
 }
 
 // pointsBack tells whether partner is the other half of e's flow rather than of a flow that

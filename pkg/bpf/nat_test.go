@@ -113,6 +113,15 @@ func TestSweep(t *testing.T) {
 			if len(left) != 1 || !left[established.String()+"->"+dst.String()] {
 				t.Fatalf("left after 2m: %v, want only the established flow", left)
 			}
+			// A flow that a packet refreshes after the sweep has read it stays.
+			read, ok, err := h.dp.LookupNAT(Egress, 6, established, dst)
+			if err != nil || !ok {
+				t.Fatalf("established flow: %v %v", ok, err)
+			}
+			h.age(Egress, 6, established, dst, 0)
+			if n, err := h.dp.deleteIdle(fam, read); err != nil || n != 0 {
+				t.Fatalf("refreshed flow deleted (%d, %v)", n, err)
+			}
 			if res := sweep(2 * time.Hour); res.Flows != 1 || len(h.flowsOf(fam)) != 0 {
 				t.Fatalf("after 2h: %+v, flows left %v", res, h.flowsOf(fam))
 			}
