@@ -117,6 +117,17 @@ func (d *Datapath) Close() error {
 	return nil
 }
 
+// Unpin removes the maps' pins (LoadOptions.PinPath), e.g. for a cleanup; the maps live on
+// while programs or descriptors hold them.
+func (d *Datapath) Unpin() error {
+	for name, m := range d.Maps() {
+		if err := m.Unpin(); err != nil {
+			return fmt.Errorf("unpin %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
 // Egress is the program for the uplink's tc egress hook.
 func (d *Datapath) Egress() *ebpf.Program { return d.objs.TcEgress }
 

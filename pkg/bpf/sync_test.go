@@ -269,6 +269,14 @@ func TestPinnedReuse(t *testing.T) {
 	if _, err := Load(LoadOptions{PinPath: dir, NATEntries: 1 << 10}); !errors.Is(err, ebpf.ErrMapIncompatible) {
 		t.Fatalf("loading with another NAT size over the pins: %v, want ErrMapIncompatible", err)
 	}
+	if err := second.Unpin(); err != nil {
+		t.Fatal(err)
+	}
+	for name := range second.Maps() {
+		if _, err := os.Stat(dir + "/" + name); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("pin of %s left after Unpin: %v", name, err)
+		}
+	}
 }
 
 // TestSyncPortRanges: a change of --to-ports takes effect for new flows; flows that have a
