@@ -9,6 +9,7 @@ package bpf
 import (
 	"errors"
 	"fmt"
+	"path/filepath"
 	"sync"
 
 	"github.com/cilium/ebpf"
@@ -136,12 +137,45 @@ func (d *Datapath) Ingress() *ebpf.Program { return d.objs.TcIngress }
 
 // Maps returns every map by name (as `bpftool map` shows them), e.g. for pinning or dumping.
 func (d *Datapath) Maps() map[string]*ebpf.Map {
-	m := d.objs.masqMaps
-	return map[string]*ebpf.Map{
-		masqMapMasqV4: m.MasqV4, masqMapNomasqV4: m.NomasqV4, masqMapMasqV6: m.MasqV6,
-		masqMapNomasqV6: m.NomasqV6, masqMapNatConfig: m.NatConfig, masqMapUplinkSnat: m.UplinkSnat,
-		masqMapRuleStats: m.RuleStats, masqMapRuleSlots: m.RuleSlots, masqMapNatV4: m.NatV4,
-		masqMapNatV6: m.NatV6, masqMapFragV4: m.FragV4, masqMapEventStats: m.EventStats,
-		masqMapNatPorts: m.NatPorts, masqMapFragV6: m.FragV6,
+	out := make(map[string]*ebpf.Map)
+	for name, m := range d.mapFields() {
+		out[name] = *m
 	}
+	return out
+}
+
+// mapFields names the map fields of the generated objects.
+func (d *Datapath) mapFields() map[string]**ebpf.Map {
+	m := &d.objs.masqMaps
+	return map[string]**ebpf.Map{
+		masqMapMasqV4: &m.MasqV4, masqMapNomasqV4: &m.NomasqV4, masqMapMasqV6: &m.MasqV6,
+		masqMapNomasqV6: &m.NomasqV6, masqMapNatConfig: &m.NatConfig, masqMapNatPorts: &m.NatPorts,
+		masqMapUplinkSnat: &m.UplinkSnat, masqMapRuleStats: &m.RuleStats, masqMapRuleSlots: &m.RuleSlots,
+		masqMapNatV4: &m.NatV4, masqMapNatV6: &m.NatV6, masqMapFragV4: &m.FragV4, masqMapFragV6: &m.FragV6,
+		masqMapEventStats: &m.EventStats,
+	}
+}
+
+// OpenPinned opens the maps a datapath pinned in dir (LoadOptions.PinPath), without loading
+// programs and without creating anything: for readers in another process, such as `dump`. It
+// fails with an error wrapping fs.ErrNotExist when a map is not pinned there. Egress and
+// Ingress return nil on the result; everything that reads or writes maps works.
+func OpenPinned(dir string) (*Datapath, error) {
+	d := &Datapath{opts: LoadOptions{PinPath: dir}}
+	for name, field := range d.mapFields() {
+		m, err := ebpf.LoadPinnedMap(filepath.Join(dir, name), nil)
+		if err != nil {
+			d.objs.Close()
+			return nil, fmt.Errorf("open pinned map %s: %w", name, err)
+		}
+		*field = m
+	}
+	d.opts.MaxRules = d.objs.RuleSlots.MaxEntries()
+	d.opts.NATEntries = d.objs.NatV4.MaxEntries()
+	d.opts.FragEntries = d.objs.FragV4.MaxEntries()
+	if err := d.recover(); err != nil {
+		d.objs.Close()
+		return nil, err
+	}
+	return d, nil
 }

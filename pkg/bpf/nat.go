@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -214,14 +215,87 @@ var DefaultTimeouts = Timeouts{
 	Other:          2 * time.Minute,
 }
 
-// timeout is how long a flow may be idle, from the flags of both of its halves.
-func (t Timeouts) timeout(proto uint8, flags Flags, bothSeen bool) time.Duration {
+// FlowState is what a flow's two halves have seen.
+type FlowState uint8
+
+const (
+	// StateUnreplied: packets went one way only so far.
+	StateUnreplied FlowState = iota
+	// StateEstablished: packets went both ways.
+	StateEstablished
+	// StateClosing: a TCP FIN or RST went either way.
+	StateClosing
+)
+
+func (s FlowState) String() string {
+	switch s {
+	case StateEstablished:
+		return "established"
+	case StateClosing:
+		return "closing"
+	}
+	return "unreplied"
+}
+
+// stateOf combines the flags of a flow's halves; partner is nil when the other half is gone.
+func stateOf(e NATEntry, partner *NATEntry) FlowState {
+	flags := e.Flags
+	both := false
+	if partner != nil {
+		flags |= partner.Flags
+		both = e.Flags&FlagSeen != 0 && partner.Flags&FlagSeen != 0
+	}
+	switch {
+	case flags&(FlagFIN|FlagRST) != 0:
+		return StateClosing
+	case both:
+		return StateEstablished
+	}
+	return StateUnreplied
+}
+
+// Flow is both halves of a flow.
+type Flow struct {
+	Egress NATEntry
+	// Ingress is the other half; Partial tells that it is missing (evicted, or taken over).
+	Ingress NATEntry
+	Partial bool
+	State   FlowState
+}
+
+// Flows calls fn for every flow of a family, from its egress half (one lookup per flow for the
+// ingress half), until fn returns false. Ingress halves without an egress half are not seen.
+func (d *Datapath) Flows(fam policy.Family, fn func(Flow) bool) error {
+	var inner error
+	err := d.NATEntries(fam, func(e NATEntry) bool {
+		if e.Dir != Egress {
+			return true
+		}
+		s, dst := e.PartnerKey()
+		p, ok, err := d.LookupNAT(Ingress, e.Proto, s, dst)
+		if err != nil {
+			inner = err
+			return false
+		}
+		f := Flow{Egress: e}
+		if ok && pointsBack(e, p) {
+			f.Ingress, f.State = p, stateOf(e, &p)
+		} else {
+			f.Partial, f.State = true, stateOf(e, nil)
+		}
+		return fn(f)
+	})
+	return cmp.Or(inner, err)
+}
+
+// timeout is how long a flow in a state may be idle.
+func (t Timeouts) timeout(proto uint8, state FlowState) time.Duration {
 	switch proto {
 	case unix.IPPROTO_TCP:
-		switch {
-		case flags&(FlagFIN|FlagRST) != 0:
+		switch state {
+		case StateClosing:
 			return t.TCPClosing
-		case bothSeen:
+		case StateEstablished:
 			return t.TCPEstablished
 		default:
 			return t.TCPOpening
@@ -265,7 +339,7 @@ func (d *Datapath) Sweep(now time.Duration, t Timeouts) (SweepResult, error) {
 				ok = false
 			}
 			if !ok {
-				if now-e.LastSeen > t.timeout(e.Proto, e.Flags, false) {
+				if now-e.LastSeen > t.timeout(e.Proto, stateOf(e, nil)) {
 					n, err := d.deleteIdle(fam, e)
 					if err != nil {
 						return res, fmt.Errorf("sweep: %w", err)
@@ -278,9 +352,7 @@ func (d *Datapath) Sweep(now time.Duration, t Timeouts) (SweepResult, error) {
 				continue // a flow is judged once, from its egress half
 			}
 			last := max(e.LastSeen, partner.LastSeen)
-			flags := e.Flags | partner.Flags
-			both := e.Flags&FlagSeen != 0 && partner.Flags&FlagSeen != 0
-			if now-last > t.timeout(e.Proto, flags, both) {
+			if now-last > t.timeout(e.Proto, stateOf(e, &partner)) {
 				n, err := d.deleteIdle(fam, e, partner)
 				if err != nil {
 					return res, fmt.Errorf("sweep: %w", err)

@@ -129,6 +129,45 @@ func TestSweep(t *testing.T) {
 	}
 }
 
+// TestFlowStates: a flow is unreplied until a packet goes the other way, established then, and
+// closing after a FIN or RST in either direction.
+func TestFlowStates(t *testing.T) {
+	h := newHarness(t, defaultPolicy(true), LoadOptions{})
+	for _, fam := range families {
+		t.Run(fam.name, func(t *testing.T) {
+			h.t = t
+			f := policy.FamilyOf(remote(fam.v6))
+			state := func() FlowState {
+				t.Helper()
+				var flows []Flow
+				if err := h.dp.Flows(f, func(fl Flow) bool { flows = append(flows, fl); return true }); err != nil {
+					t.Fatal(err)
+				}
+				if len(flows) != 1 || flows[0].Partial {
+					t.Fatalf("flows: %+v", flows)
+				}
+				return flows[0].State
+			}
+			podEnd, dst := ap(pod(fam.v6, 21), 2100), ap(remote(fam.v6), 80)
+			nat := tupleOf(t, h.mustPass(h.dp.Egress(), tcpPacket(podEnd, dst, tcpSYN, nil))).src
+			if s := state(); s != StateUnreplied {
+				t.Fatalf("after SYN: %s", s)
+			}
+			h.mustPass(h.dp.Ingress(), tcpPacket(dst, nat, tcpSYN|tcpACK, nil))
+			if s := state(); s != StateEstablished {
+				t.Fatalf("after SYN-ACK: %s", s)
+			}
+			h.mustPass(h.dp.Ingress(), tcpPacket(dst, nat, tcpRST, nil))
+			if s := state(); s != StateClosing {
+				t.Fatalf("after RST: %s", s)
+			}
+			if err := h.dp.deleteAllNAT(f); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
 // TestEvictedHalf: when the LRU evicts a flow's ingress half, the flow's next refresh puts it
 // back; when another flow took its port meanwhile, the flow moves to a new port and both flows'
 // replies reach their pods.

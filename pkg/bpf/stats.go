@@ -1,8 +1,11 @@
 package bpf
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
+	"net/netip"
+	"slices"
 
 	"github.com/cilium/ebpf"
 
@@ -45,6 +48,46 @@ func (d *Datapath) RuleStats() ([]RuleStats, error) {
 			out = append(out, RuleStats{Rule: rules[i], Slot: s, Packets: packets, Bytes: bytes})
 		}
 	}
+	return out, nil
+}
+
+// InstalledRule is a rule as the maps record it (rule_slots), with its counters: what a reader
+// without the configuration (`dump` in another process) can know.
+type InstalledRule struct {
+	Family policy.Family
+	Prefix netip.Prefix
+	Action policy.Action
+	Origin policy.Origin
+	// Dup > 0 marks the n-th repetition of an identical rule, which never matches.
+	Dup     int
+	Slot    uint32
+	Packets uint64
+	Bytes   uint64
+}
+
+var originOrder = map[policy.Origin]int{
+	policy.OriginMasqueradeCIDRs: 0, policy.OriginLinkLocal: 1, policy.OriginNonMasqueradeCIDRs: 2,
+	policy.OriginOutbound: 3,
+}
+
+// InstalledRules lists every rule that holds a counter slot, by family and in chain order as
+// far as the maps tell it (origin, then the order the rules were first installed in).
+func (d *Datapath) InstalledRules() ([]InstalledRule, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	out := make([]InstalledRule, 0, len(d.slots.bySlt))
+	for s, k := range d.slots.bySlt {
+		packets, bytes, err := d.slotStats(s)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, InstalledRule{Family: k.family, Prefix: k.prefix, Action: k.action, Origin: k.origin,
+			Dup: int(k.dup), Slot: s, Packets: packets, Bytes: bytes})
+	}
+	slices.SortFunc(out, func(a, b InstalledRule) int {
+		return cmp.Or(cmp.Compare(a.Family, b.Family), cmp.Compare(originOrder[a.Origin], originOrder[b.Origin]),
+			cmp.Compare(a.Slot, b.Slot))
+	})
 	return out, nil
 }
 

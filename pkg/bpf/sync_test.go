@@ -265,6 +265,40 @@ func TestPinnedReuse(t *testing.T) {
 		}
 	}
 
+	// A reader in another process sees the same rules, counters and flows without loading
+	// programs.
+	reader, err := OpenPinned(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reader.Close()
+	if reader.Egress() != nil {
+		t.Fatal("OpenPinned loaded programs")
+	}
+	installed, err := reader.InstalledRules()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(installed) != len(after) {
+		t.Fatalf("%d installed rules, %d configured", len(installed), len(after))
+	}
+	for _, r := range installed {
+		s, ok := after[r.Prefix.String()+" "+r.Action.String()]
+		if !ok || s.Slot != r.Slot || s.Packets != r.Packets || s.Bytes != r.Bytes || s.Rule.Origin != r.Origin || r.Dup != 0 {
+			t.Errorf("installed %+v, configured %+v", r, s)
+		}
+	}
+	var flows []Flow
+	if err := reader.Flows(policy.IPv4, func(f Flow) bool { flows = append(flows, f); return true }); err != nil {
+		t.Fatal(err)
+	}
+	if len(flows) != 1 || flows[0].Egress.Src != podEnd || flows[0].Egress.To != nat || flows[0].State != StateEstablished {
+		t.Fatalf("flows read from the pins: %+v", flows)
+	}
+	if _, err := OpenPinned(t.TempDir()); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("OpenPinned on an empty directory: %v, want ErrNotExist", err)
+	}
+
 	// Other sizes cannot reuse the pins.
 	if _, err := Load(LoadOptions{PinPath: dir, NATEntries: 1 << 10}); !errors.Is(err, ebpf.ErrMapIncompatible) {
 		t.Fatalf("loading with another NAT size over the pins: %v, want ErrMapIncompatible", err)
