@@ -34,8 +34,10 @@ e2e: deps build
 unit:
 	$(GO) test -count=1 -short ./...
 
+## demo: a throwaway namespace sandbox (two pods, the node running the agent, an external host)
+DEMO_BACKEND ?= iptables
 demo: deps build
-	./test/demo.sh $(BIN)
+	$(GO) run ./test/demo -bin $(BIN) -backend $(DEMO_BACKEND)
 
 generate:
 	$(GO) generate ./...

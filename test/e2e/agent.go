@@ -128,13 +128,18 @@ func (a *Agent) Stop(ctx context.Context) error {
 
 // Get fetches a path of the agent's HTTP endpoint from inside the node namespace.
 func (a *Agent) Get(ctx context.Context, path string) (int, string, error) {
+	return HTTPGet(ctx, a.ns, "http://"+MetricsAddress+path)
+}
+
+// HTTPGet fetches url from inside the namespace ns.
+func HTTPGet(ctx context.Context, ns, url string) (int, string, error) {
 	client := http.Client{Transport: &http.Transport{
 		DisableKeepAlives: true,
 		// The socket must be made inside the namespace; the transport dials from goroutines of
 		// its own, so the dial itself is moved there.
 		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
 			var c net.Conn
-			err := Do(a.ns, func() error {
+			err := Do(ns, func() error {
 				var err error
 				c, err = (&net.Dialer{}).DialContext(ctx, network, addr)
 				return err
@@ -144,7 +149,7 @@ func (a *Agent) Get(ctx context.Context, path string) (int, string, error) {
 	}}
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+MetricsAddress+path, nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return 0, "", err
 	}

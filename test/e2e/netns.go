@@ -74,9 +74,9 @@ func NSExec(ctx context.Context, ns string, stdin string, name string, args ...s
 	return run(ctx, stdin, "ip", append([]string{"netns", "exec", ns, name}, args...)...)
 }
 
-// writeSysctl sets a per-namespace sysctl: /proc/sys/net resolves to the namespace of the thread
+// WriteSysctl sets a per-namespace sysctl: /proc/sys/net resolves to the namespace of the thread
 // that opens it.
-func writeSysctl(ns, key, value string) error {
+func WriteSysctl(ns, key, value string) error {
 	return Do(ns, func() error {
 		path := filepath.Join("/proc/sys", strings.ReplaceAll(key, ".", "/"))
 		if err := os.WriteFile(path, []byte(value), 0o644); err != nil {

@@ -99,7 +99,7 @@ func (tp *Topology) build(ctx context.Context) error {
 	// discovery works from the first packet instead of after a second or two.
 	for _, ns := range []string{tp.Pod, tp.Node, tp.Ext} {
 		for _, key := range []string{"net.ipv6.conf.all.accept_dad", "net.ipv6.conf.default.accept_dad"} {
-			if err := writeSysctl(ns, key, "0"); err != nil {
+			if err := WriteSysctl(ns, key, "0"); err != nil {
 				return err
 			}
 		}
@@ -150,10 +150,10 @@ route add %s via %s dev eth0
 	if err := IPBatch(ctx, tp.Ext, ext.String()); err != nil {
 		return err
 	}
-	if err := writeSysctl(tp.Node, "net.ipv4.ip_forward", "1"); err != nil {
+	if err := WriteSysctl(tp.Node, "net.ipv4.ip_forward", "1"); err != nil {
 		return err
 	}
-	return writeSysctl(tp.Node, "net.ipv6.conf.all.forwarding", "1")
+	return WriteSysctl(tp.Node, "net.ipv6.conf.all.forwarding", "1")
 }
 
 // NodeAddr is the node's uplink address of a family: the source of a masqueraded flow.
