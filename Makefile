@@ -46,8 +46,15 @@ generate:
 check-generate: generate
 	@git diff --exit-code --stat -- '*.o' '*_bpfel.go' || { echo "generated BPF files are stale: run make generate and commit"; exit 1; }
 
-bench: deps build
-	$(GO) test -run '^$$' -bench . -benchmem -count=1 ./...
+## bench: BPF_PROG_TEST_RUN microbenchmarks and end-to-end benchmarks (no agent, iptables, BPF);
+## writes docs/benchmarks.md and the plots in docs/. Raw results stay in $(BENCH_OUT).
+BENCH_OUT ?= bin/bench
+bench: build
+	./test/deps.sh bench
+	mkdir -p $(BENCH_OUT)
+	$(GO) test -run '^$$' -bench . -benchtime 3000x -timeout 30m ./pkg/bpf | tee $(BENCH_OUT)/micro.txt
+	$(GO) test -run '^$$' -bench EndToEnd -benchtime 1x -timeout 60m ./test/bench -args -out $(abspath $(BENCH_OUT))
+	$(GO) run ./test/bench/report -in $(BENCH_OUT) -docs docs
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi

@@ -13,6 +13,10 @@ have capsh      || need+=(libcap2-bin)
 have ping       || need+=(iputils-ping)
 have iperf3     || need+=(iperf3)
 have make       || need+=(make)
+# `deps.sh bench`: what make bench needs beyond the tests.
+if [ "${1:-}" = bench ]; then
+	have gnuplot || need+=(gnuplot-nox)
+fi
 
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ]; then

@@ -18,7 +18,7 @@ import (
 // run of the program (ns/op also holds the syscall around it). Each run gets a fresh copy of the
 // packet (Repeat 1), because the programs rewrite packets in place.
 
-var benchSizes = []int{1, 64, 10_000, 100_000}
+var benchSizes = []int{1, 64, 1_000, 10_000, 100_000}
 
 // benchPolicy has n non-masquerade CIDRs (10.0.0.0/8 first, then random prefixes of 11.0.0.0/8
 // up to 126.0.0.0/8, /12 to /32) and masquerades everything else.

@@ -78,6 +78,9 @@ func StartAgent(ctx context.Context, t testing.TB, ns, bin string, args ...strin
 	return a
 }
 
+// Pid is the agent's process id (ip netns exec execs the agent in place).
+func (a *Agent) Pid() int { return a.cmd.Process.Pid }
+
 // Logs returns what the agent wrote so far.
 func (a *Agent) Logs() string { return a.logs.String() }
 

@@ -103,6 +103,8 @@ type Result struct {
 	P99ms float64 `json:"p99_ms"`
 	// Slow counts connections that took over one second: a SYN that had to be retransmitted.
 	Slow int64 `json:"slow"`
+	// FirstError is the first failure seen, if any.
+	FirstError string `json:"first_error,omitempty"`
 }
 
 func load(ctx context.Context, target string, workers int, duration, timeout time.Duration) Result {
@@ -119,6 +121,7 @@ func load(ctx context.Context, target string, workers int, duration, timeout tim
 			defer wg.Done()
 			var local []time.Duration
 			var conns, errs, slow int64
+			var firstErr error
 			buf := make([]byte, 1)
 			d := net.Dialer{Timeout: timeout}
 			for ctx.Err() == nil {
@@ -129,6 +132,9 @@ func load(ctx context.Context, target string, workers int, duration, timeout tim
 				}
 				took := time.Since(t0)
 				if err != nil {
+					if firstErr == nil {
+						firstErr = err
+					}
 					errs++
 					continue
 				}
@@ -142,6 +148,9 @@ func load(ctx context.Context, target string, workers int, duration, timeout tim
 			res.Connections += conns
 			res.Errors += errs
 			res.Slow += slow
+			if firstErr != nil && res.FirstError == "" {
+				res.FirstError = firstErr.Error()
+			}
 			lat = append(lat, local...)
 			mu.Unlock()
 		}()

@@ -1,0 +1,456 @@
+// Package bench holds the end-to-end benchmarks: pod -> node -> external host in throwaway
+// namespaces, with no agent (the limit), the iptables backend and the BPF backend. They run
+// only with -bench (make bench) and write their results as JSON for the report generator in
+// ./report; nothing here is a timed assertion.
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/test/e2e"
+)
+
+var (
+	outDir   = flag.String("out", "", "directory for the JSON results (default: a temp dir, printed)")
+	runs     = flag.Int("runs", 3, "runs per measurement; the report uses the median")
+	duration = flag.Duration("duration", 5*time.Second, "length of one load run")
+	workers  = flag.Int("workers", 32, "concurrent connections of the short-connection load")
+	only     = flag.String("modes", "", "comma-separated subset of modes to run (none,iptables,bpf)")
+)
+
+// target is the external host's address the load goes to: public, so the default policy
+// masquerades it.
+var target = netip.MustParseAddr("8.8.8.8")
+
+const (
+	connratePort = 7001
+	iperfPort    = 5201
+)
+
+// Mode is one way of running the node.
+type Mode struct {
+	Name    string
+	Backend *e2e.Backend // nil: no agent (the limit)
+}
+
+func modes() []Mode {
+	ipt := e2e.IptablesBackend(iptables.ModeNFT)
+	all := []Mode{{Name: "none"}, {Name: "iptables", Backend: &ipt}}
+	all = append(all, extraModes()...)
+	if *only == "" {
+		return all
+	}
+	var out []Mode
+	for _, m := range all {
+		if slices.Contains(strings.Split(*only, ","), m.Name) {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// CIDR sets the load runs under: the defaults, and 10k non-masquerade CIDRs that the target
+// lies outside of, so every new flow is checked against all of them before it is masqueraded.
+var cidrSets = []int{0, 10000}
+
+// Results is what the report generator reads.
+type Results struct {
+	Machine   Machine       `json:"machine"`
+	Load      []LoadResult  `json:"load"`
+	Apply     []ApplyResult `json:"apply"`
+	Memory    []MemResult   `json:"memory"`
+	StartedAt time.Time     `json:"started_at"`
+}
+
+// Machine describes where the numbers come from.
+type Machine struct {
+	Kernel string `json:"kernel"`
+	CPUs   int    `json:"cpus"`
+	CPU    string `json:"cpu"`
+	Go     string `json:"go"`
+}
+
+// LoadResult is one mode under one CIDR set.
+type LoadResult struct {
+	Mode  string `json:"mode"`
+	CIDRs int    `json:"cidrs"`
+	// ConnRates are connections per second of each run; Slow the SYN-retransmitted ones.
+	ConnRates []float64 `json:"conn_rates"`
+	Slow      []int64   `json:"slow"`
+	Errors    []int64   `json:"errors"`
+	// Throughputs are bulk TCP bits per second of each run.
+	Throughputs []float64 `json:"throughputs"`
+}
+
+// ApplyResult is the time from writing a config to the datapath holding it.
+type ApplyResult struct {
+	Mode    string  `json:"mode"`
+	CIDRs   int     `json:"cidrs"`
+	Seconds float64 `json:"seconds"`
+}
+
+// MemResult is the agent's resident memory.
+type MemResult struct {
+	Mode       string `json:"mode"`
+	State      string `json:"state"`
+	RSSBytes   int64  `json:"rss_bytes"`
+	NATEntries int    `json:"nat_entries,omitempty"`
+}
+
+// BenchmarkEndToEnd runs every measurement once (use -benchtime=1x) and writes results.json.
+func BenchmarkEndToEnd(b *testing.B) {
+	testutil.RequirePrivileged(b, "ip", "iperf3", "iptables-nft-restore")
+	bins := buildBinaries(b)
+	res := &Results{Machine: machine(), StartedAt: time.Now().UTC()}
+	for range b.N {
+		for _, n := range cidrSets {
+			b.Run(fmt.Sprintf("load/cidrs=%d", n), func(b *testing.B) {
+				res.Load = append(res.Load, measureLoad(b, bins, modes(), n)...)
+			})
+		}
+		for _, m := range modes() {
+			if m.Backend == nil {
+				continue
+			}
+			for _, n := range []int{10000, 100000} {
+				b.Run(fmt.Sprintf("apply/%s/cidrs=%d", m.Name, n), func(b *testing.B) {
+					res.Apply = append(res.Apply, measureApply(b, bins, m, n))
+				})
+			}
+			b.Run("memory/"+m.Name, func(b *testing.B) {
+				res.Memory = append(res.Memory, measureMemory(b, bins, m)...)
+			})
+		}
+	}
+	dir := *outDir
+	if dir == "" {
+		dir = b.TempDir()
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		b.Fatal(err)
+	}
+	data, err := json.MarshalIndent(res, "", "  ")
+	if err != nil {
+		b.Fatal(err)
+	}
+	path := filepath.Join(dir, "e2e.json")
+	if err := os.WriteFile(path, data, 0o644); err != nil {
+		b.Fatal(err)
+	}
+	b.Logf("results: %s", path)
+}
+
+type binaries struct{ agent, connrate string }
+
+func buildBinaries(b *testing.B) binaries {
+	dir := b.TempDir()
+	bins := binaries{agent: filepath.Join(dir, "ip-masq-agent"), connrate: filepath.Join(dir, "connrate")}
+	for pkg, out := range map[string]string{"../../cmd/ip-masq-agent": bins.agent, "../bench/connrate": bins.connrate} {
+		cmd := exec.Command("go", "build", "-o", out, pkg)
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if o, err := cmd.CombinedOutput(); err != nil {
+			b.Fatalf("build %s: %v\n%s", pkg, err, o)
+		}
+	}
+	return bins
+}
+
+func machine() Machine {
+	var u syscall.Utsname
+	_ = syscall.Uname(&u)
+	kernel := utsString(u.Release[:])
+	cpu := ""
+	if data, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		for _, line := range strings.Split(string(data), "\n") {
+			if name, ok := strings.CutPrefix(line, "model name"); ok {
+				cpu = strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(name), ":"))
+				break
+			}
+		}
+	}
+	goVersion, _ := exec.Command("go", "env", "GOVERSION").Output()
+	return Machine{Kernel: kernel, CPUs: numCPU(), CPU: cpu, Go: strings.TrimSpace(string(goVersion))}
+}
+
+func utsString(b []int8) string {
+	var s []byte
+	for _, c := range b {
+		if c == 0 {
+			break
+		}
+		s = append(s, byte(c))
+	}
+	return string(s)
+}
+
+// cidrConfig is a config with n non-masquerade /24s in 11.0.0.0/8 and beyond: none contains
+// the target, so each new flow is masqueraded after every one of them was considered.
+func cidrConfig(n int) string {
+	if n == 0 {
+		return ""
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "cidrLimit: %d\nnonMasqueradeCIDRs:\n", n)
+	for i := range n {
+		// 11.0.0.0/24 onwards, skipping nothing the topology uses (10/8 holds the node's uplink).
+		fmt.Fprintf(&b, "  - %d.%d.%d.0/24\n", 11+i/65536, (i/256)%256, i%256)
+	}
+	return b.String()
+}
+
+// newEnv builds a topology whose node is like a kube-proxy node (conntrack in use) and writes a
+// config with n CIDRs (none: the defaults).
+func newEnv(ctx context.Context, b *testing.B, bins binaries, n int) *e2e.Env {
+	b.Helper()
+	env := e2e.NewEnv(ctx, b, bins.agent, nil)
+	// Every mode runs on a node with kube-proxy's conntrack rule, as real nodes are.
+	e2e.IptablesBackend(iptables.ModeNFT).Prepare(ctx, b, env)
+	if cfg := cidrConfig(n); cfg != "" {
+		if err := env.Config.Write(cfg); err != nil {
+			b.Fatal(err)
+		}
+	}
+	return env
+}
+
+// startMode starts the agent of mode (nothing for the limit) and waits until it is ready.
+func startMode(ctx context.Context, b *testing.B, env *e2e.Env, m Mode) {
+	b.Helper()
+	if m.Backend == nil {
+		return
+	}
+	if m.Backend.Prepare != nil && m.Backend.Name != e2e.IptablesBackend(iptables.ModeNFT).Name {
+		m.Backend.Prepare(ctx, b, env)
+	}
+	a := env.StartAgent(ctx, b, *m.Backend)
+	if err := a.WaitReady(ctx); err != nil {
+		b.Fatalf("agent: %v\n%s", err, a.Logs())
+	}
+}
+
+// stopMode stops the agent and removes what it installed, so the next mode starts clean.
+func stopMode(ctx context.Context, b *testing.B, env *e2e.Env, m Mode) {
+	b.Helper()
+	if m.Backend == nil {
+		return
+	}
+	if err := env.Agent.Stop(ctx); err != nil {
+		b.Logf("agent exit: %v", err)
+	}
+	args := append([]string{"cleanup", "--config=" + env.Config.Path()}, m.Backend.Flags...)
+	if _, err := e2e.NSExec(ctx, env.Node, "", env.Bin, args...); err != nil {
+		b.Fatalf("cleanup: %v", err)
+	}
+}
+
+// background starts a long-running command inside ns and stops it when the benchmark ends.
+// Pdeathsig fires when the forking *thread* exits, and the harness ends threads it moved into a
+// namespace; so the command is forked from a thread of its own, locked until the command is gone.
+func background(b *testing.B, ns string, name string, args ...string) {
+	b.Helper()
+	cmd := exec.Command("ip", append([]string{"netns", "exec", ns, name}, args...)...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	started, done := make(chan error, 1), make(chan struct{})
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		if err := cmd.Start(); err != nil {
+			started <- err
+			return
+		}
+		started <- nil
+		_ = cmd.Wait()
+		close(done)
+	}()
+	if err := <-started; err != nil {
+		b.Fatalf("start %s: %v", name, err)
+	}
+	b.Cleanup(func() {
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		<-done
+	})
+	time.Sleep(200 * time.Millisecond) // let it listen
+}
+
+// measureLoad measures every mode on one topology, interleaved run by run, so that whatever
+// else the machine does in the meantime weighs on every mode alike.
+func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) []LoadResult {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer cancel()
+	e := newEnv(ctx, b, bins, n)
+	background(b, e.Ext, bins.connrate, "serve", "-listen", netip.AddrPortFrom(target, connratePort).String())
+	background(b, e.Ext, "iperf3", "-s", "-B", target.String(), "-p", strconv.Itoa(iperfPort))
+	results := make([]LoadResult, len(ms))
+	for i, m := range ms {
+		results[i] = LoadResult{Mode: m.Name, CIDRs: n}
+	}
+	// A discarded warm-up: neighbour entries, page cache and CPU frequency settle first.
+	connRate(ctx, b, bins, e)
+	bulk(ctx, b, e)
+	for run := range *runs {
+		for i, m := range ms {
+			startMode(ctx, b, e, m)
+			rate, slow, errs := connRate(ctx, b, bins, e)
+			tput := bulk(ctx, b, e)
+			stopMode(ctx, b, e, m)
+			r := &results[i]
+			r.ConnRates, r.Slow, r.Errors = append(r.ConnRates, rate), append(r.Slow, slow), append(r.Errors, errs)
+			r.Throughputs = append(r.Throughputs, tput)
+			b.Logf("%s cidrs=%d run %d: %.0f conn/s (%d slow, %d errors), %.2f Gbit/s", m.Name, n, run+1, rate, slow, errs, tput/1e9)
+		}
+	}
+	for _, r := range results {
+		b.ReportMetric(median(r.ConnRates), r.Mode+"-conn/s")
+		b.ReportMetric(median(r.Throughputs)/1e9, r.Mode+"-Gbit/s")
+	}
+	return results
+}
+
+// connRate runs the short-connection load from the pod for one run.
+func connRate(ctx context.Context, b *testing.B, bins binaries, e *e2e.Env) (rate float64, slow, errs int64) {
+	b.Helper()
+	out, err := e2e.NSExec(ctx, e.Pod, "", bins.connrate, "run", "-target", netip.AddrPortFrom(target, connratePort).String(),
+		"-workers", strconv.Itoa(*workers), "-duration", duration.String())
+	if err != nil {
+		b.Fatalf("connrate: %v", err)
+	}
+	var r struct {
+		Rate       float64 `json:"rate"`
+		Slow       int64   `json:"slow"`
+		Errors     int64   `json:"errors"`
+		FirstError string  `json:"first_error"`
+	}
+	if err := json.Unmarshal(out, &r); err != nil {
+		b.Fatalf("connrate output %q: %v", out, err)
+	}
+	if r.FirstError != "" {
+		b.Logf("connrate: %d errors, the first: %s", r.Errors, r.FirstError)
+	}
+	return r.Rate, r.Slow, r.Errors
+}
+
+// bulk runs one iperf3 TCP stream from the pod and returns bits per second.
+func bulk(ctx context.Context, b *testing.B, e *e2e.Env) float64 {
+	b.Helper()
+	out, err := e2e.NSExec(ctx, e.Pod, "", "iperf3", "-c", target.String(), "-p", strconv.Itoa(iperfPort),
+		"-t", strconv.Itoa(max(1, int(duration.Seconds()))), "-J")
+	if err != nil {
+		b.Fatalf("iperf3: %v", err)
+	}
+	var r struct {
+		End struct {
+			SumReceived struct {
+				BitsPerSecond float64 `json:"bits_per_second"`
+			} `json:"sum_received"`
+		} `json:"end"`
+	}
+	if err := json.Unmarshal(out, &r); err != nil {
+		b.Fatalf("iperf3 output: %v", err)
+	}
+	return r.End.SumReceived.BitsPerSecond
+}
+
+// measureApply starts the agent with the defaults, writes a config with n CIDRs and times how
+// long until the agent reports the datapath holds it (it logs after the backend's Apply
+// returned). The time includes the agent's debounce of directory events.
+func measureApply(b *testing.B, bins binaries, m Mode, n int) ApplyResult {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	e := newEnv(ctx, b, bins, 0)
+	startMode(ctx, b, e, m)
+	want := []string{"policy applied", fmt.Sprintf("ipv4Rules=%d ", n+2)}
+	before := e.Agent.Count(want...)
+	start := time.Now()
+	if err := e.Config.Write(cidrConfig(n)); err != nil {
+		b.Fatal(err)
+	}
+	if err := e.Agent.WaitLog(ctx, before+1, want...); err != nil {
+		b.Fatalf("apply of %d CIDRs: %v\n%s", n, err, e.Agent.Logs())
+	}
+	took := time.Since(start)
+	b.Logf("%s: %d CIDRs live after %v", m.Name, n, took)
+	b.ReportMetric(took.Seconds()*1000, "ms")
+	return ApplyResult{Mode: m.Name, CIDRs: n, Seconds: took.Seconds()}
+}
+
+// measureMemory reads the agent's resident memory idle, and with many NAT entries where the
+// backend has a NAT table.
+func measureMemory(b *testing.B, bins binaries, m Mode) []MemResult {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	e := newEnv(ctx, b, bins, 0)
+	startMode(ctx, b, e, m)
+	time.Sleep(2 * time.Second) // past start-up allocations
+	out := []MemResult{{Mode: m.Name, State: "idle", RSSBytes: rss(b, e.Agent.Pid())}}
+	b.Logf("%s idle: %d KiB", m.Name, out[0].RSSBytes/1024)
+	if fill := natFiller(m); fill != nil {
+		entries := fill(ctx, b, e)
+		out = append(out, MemResult{Mode: m.Name, State: "nat", RSSBytes: rss(b, e.Agent.Pid()), NATEntries: entries})
+		b.Logf("%s with %d NAT entries: %d KiB", m.Name, entries, out[1].RSSBytes/1024)
+	}
+	return out
+}
+
+func rss(b *testing.B, pid int) int64 {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			if err != nil {
+				b.Fatal(err)
+			}
+			return kb * 1024
+		}
+	}
+	b.Fatal("no VmRSS")
+	return 0
+}
+
+func median(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
+
+func numCPU() int {
+	data, err := os.ReadFile("/sys/devices/system/cpu/online")
+	if err != nil {
+		return 0
+	}
+	n := 0
+	for _, part := range strings.Split(strings.TrimSpace(string(data)), ",") {
+		lo, hi, isRange := strings.Cut(part, "-")
+		l, _ := strconv.Atoi(lo)
+		h := l
+		if isRange {
+			h, _ = strconv.Atoi(hi)
+		}
+		n += h - l + 1
+	}
+	return n
+}
