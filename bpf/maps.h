@@ -121,6 +121,15 @@ struct {
 	__type(value, __u64);
 } event_stats SEC(".maps");
 
+/* NAT entries the userspace sweep removed, by IP protocol number. Only userspace writes it;
+ * it lives here so that the totals survive an agent restart and bpftool shows them. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 256);
+	__type(key, __u32);
+	__type(value, __u64);
+} sweep_stats SEC(".maps");
+
 static __always_inline void event_add(__u32 ev, __u64 n)
 {
 	__u64 *c = bpf_map_lookup_elem(&event_stats, &ev);

@@ -9,7 +9,12 @@ package bpf
 import (
 	"errors"
 	"fmt"
+	"io/fs"
+	"maps"
+	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 
 	"github.com/cilium/ebpf"
@@ -32,6 +37,9 @@ type LoadOptions struct {
 	// NATEntries is the size of each family's NAT table. A flow takes two entries (one per
 	// direction); the least recently used are evicted when the table is full.
 	NATEntries uint32
+	// NATEntriesV6, when set, sizes the IPv6 NAT table instead of NATEntries: LRU tables are
+	// preallocated, so a node without IPv6 masquerading can keep that one small.
+	NATEntriesV6 uint32
 	// FragEntries bounds, per family, the datagrams whose later fragments can be translated at
 	// once.
 	FragEntries uint32
@@ -51,7 +59,89 @@ func (o LoadOptions) withDefaults() LoadOptions {
 	if o.FragEntries == 0 {
 		o.FragEntries = DefaultFragEntries
 	}
+	if o.NATEntriesV6 == 0 {
+		o.NATEntriesV6 = o.NATEntries
+	}
 	return o
+}
+
+// spec is the collection spec with the maps sized by o (which has its defaults).
+func (o LoadOptions) spec() (*ebpf.CollectionSpec, error) {
+	spec, err := loadMasq()
+	if err != nil {
+		return nil, fmt.Errorf("load bpf spec: %w", err)
+	}
+	sizes := map[string]uint32{
+		masqMapMasqV4: o.MaxRules, masqMapNomasqV4: o.MaxRules,
+		masqMapMasqV6: o.MaxRules, masqMapNomasqV6: o.MaxRules,
+		masqMapRuleStats: o.MaxRules, masqMapRuleSlots: o.MaxRules,
+		masqMapNatV4: o.NATEntries, masqMapNatV6: o.NATEntriesV6,
+		masqMapFragV4: o.FragEntries, masqMapFragV6: o.FragEntries,
+	}
+	for name, n := range sizes {
+		spec.Maps[name].MaxEntries = n
+	}
+	return spec, nil
+}
+
+// PinMismatch is a map pinned under LoadOptions.PinPath whose layout differs from what Load
+// would create (another size, key or value), so Load cannot reuse it.
+type PinMismatch struct {
+	Map string
+	// Reason says what differs, e.g. "MaxEntries: 1024 changed to 262144".
+	Reason string
+}
+
+// CheckPins compares the maps pinned under opts.PinPath with those Load(opts) would create, and
+// returns the ones that differ. A map that is not pinned is not a mismatch: Load creates it.
+// Removing the pins of the mismatches (RemovePins) lets Load replace just those maps, keeping
+// the rest: an upgrade that changes one table keeps the flows and counters of the others.
+func CheckPins(opts LoadOptions) ([]PinMismatch, error) {
+	opts = opts.withDefaults()
+	if opts.PinPath == "" {
+		return nil, nil
+	}
+	spec, err := opts.spec()
+	if err != nil {
+		return nil, err
+	}
+	var out []PinMismatch
+	for _, name := range slices.Sorted(maps.Keys(spec.Maps)) {
+		if !strings.HasPrefix(name, ".") { // .rodata and friends are never pinned
+			m, err := ebpf.LoadPinnedMap(filepath.Join(opts.PinPath, name), nil)
+			if errors.Is(err, fs.ErrNotExist) {
+				continue
+			}
+			if err != nil {
+				return nil, fmt.Errorf("open pinned map %s: %w", name, err)
+			}
+			cerr := spec.Maps[name].Compatible(m)
+			m.Close()
+			if errors.Is(cerr, ebpf.ErrMapIncompatible) {
+				out = append(out, PinMismatch{Map: name, Reason: strings.TrimSuffix(cerr.Error(), ": "+ebpf.ErrMapIncompatible.Error())})
+			} else if cerr != nil {
+				return nil, fmt.Errorf("compare pinned map %s: %w", name, cerr)
+			}
+		}
+	}
+	return out, nil
+}
+
+// RemovePins removes the pins of the named maps under dir; pins already gone are fine. Maps
+// still in use (by attached programs) live on until those let go of them.
+func RemovePins(dir string, names ...string) error {
+	for _, name := range names {
+		if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("remove pin of %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// MapNames lists the names of every map of the datapath (its pins' file names).
+func MapNames() []string {
+	var d Datapath
+	return slices.Sorted(maps.Keys(d.mapFields()))
 }
 
 // Datapath is the loaded programs and maps.
@@ -74,19 +164,9 @@ type Datapath struct {
 // Load creates (or, with PinPath, reuses) the maps and loads both programs.
 func Load(opts LoadOptions) (*Datapath, error) {
 	opts = opts.withDefaults()
-	spec, err := loadMasq()
+	spec, err := opts.spec()
 	if err != nil {
-		return nil, fmt.Errorf("load bpf spec: %w", err)
-	}
-	sizes := map[string]uint32{
-		masqMapMasqV4: opts.MaxRules, masqMapNomasqV4: opts.MaxRules,
-		masqMapMasqV6: opts.MaxRules, masqMapNomasqV6: opts.MaxRules,
-		masqMapRuleStats: opts.MaxRules, masqMapRuleSlots: opts.MaxRules,
-		masqMapNatV4: opts.NATEntries, masqMapNatV6: opts.NATEntries,
-		masqMapFragV4: opts.FragEntries, masqMapFragV6: opts.FragEntries,
-	}
-	for name, n := range sizes {
-		spec.Maps[name].MaxEntries = n
+		return nil, err
 	}
 	var copts ebpf.CollectionOptions
 	if opts.PinPath != "" {
@@ -152,7 +232,7 @@ func (d *Datapath) mapFields() map[string]**ebpf.Map {
 		masqMapNomasqV6: &m.NomasqV6, masqMapNatConfig: &m.NatConfig, masqMapNatPorts: &m.NatPorts,
 		masqMapUplinkSnat: &m.UplinkSnat, masqMapRuleStats: &m.RuleStats, masqMapRuleSlots: &m.RuleSlots,
 		masqMapNatV4: &m.NatV4, masqMapNatV6: &m.NatV6, masqMapFragV4: &m.FragV4, masqMapFragV6: &m.FragV6,
-		masqMapEventStats: &m.EventStats,
+		masqMapEventStats: &m.EventStats, masqMapSweepStats: &m.SweepStats,
 	}
 }
 
@@ -160,10 +240,18 @@ func (d *Datapath) mapFields() map[string]**ebpf.Map {
 // programs and without creating anything: for readers in another process, such as `dump`. It
 // fails with an error wrapping fs.ErrNotExist when a map is not pinned there. Egress and
 // Ingress return nil on the result; everything that reads or writes maps works.
-func OpenPinned(dir string) (*Datapath, error) {
+func OpenPinned(dir string) (*Datapath, error) { return openPinned(dir, nil) }
+
+// OpenPinnedReadOnly is OpenPinned with read-only map descriptors: every reader works, every
+// writer fails. It is what a process that only reports (`dump`) should use.
+func OpenPinnedReadOnly(dir string) (*Datapath, error) {
+	return openPinned(dir, &ebpf.LoadPinOptions{ReadOnly: true})
+}
+
+func openPinned(dir string, pinOpts *ebpf.LoadPinOptions) (*Datapath, error) {
 	d := &Datapath{opts: LoadOptions{PinPath: dir}}
 	for name, field := range d.mapFields() {
-		m, err := ebpf.LoadPinnedMap(filepath.Join(dir, name), nil)
+		m, err := ebpf.LoadPinnedMap(filepath.Join(dir, name), pinOpts)
 		if err != nil {
 			d.objs.Close()
 			return nil, fmt.Errorf("open pinned map %s: %w", name, err)
@@ -172,6 +260,7 @@ func OpenPinned(dir string) (*Datapath, error) {
 	}
 	d.opts.MaxRules = d.objs.RuleSlots.MaxEntries()
 	d.opts.NATEntries = d.objs.NatV4.MaxEntries()
+	d.opts.NATEntriesV6 = d.objs.NatV6.MaxEntries()
 	d.opts.FragEntries = d.objs.FragV4.MaxEntries()
 	if err := d.recover(); err != nil {
 		d.objs.Close()

@@ -218,6 +218,7 @@ const (
 	masqMapNomasqV6   = "nomasq_v6"
 	masqMapRuleSlots  = "rule_slots"
 	masqMapRuleStats  = "rule_stats"
+	masqMapSweepStats = "sweep_stats"
 	masqMapUplinkSnat = "uplink_snat"
 	masqProgTcEgress  = "tc_egress"
 	masqProgTcIngress = "tc_ingress"
@@ -286,6 +287,7 @@ type masqMapSpecs struct {
 	NomasqV6   *ebpf.MapSpec `ebpf:"nomasq_v6"`
 	RuleSlots  *ebpf.MapSpec `ebpf:"rule_slots"`
 	RuleStats  *ebpf.MapSpec `ebpf:"rule_stats"`
+	SweepStats *ebpf.MapSpec `ebpf:"sweep_stats"`
 	UplinkSnat *ebpf.MapSpec `ebpf:"uplink_snat"`
 }
 
@@ -328,6 +330,7 @@ type masqMaps struct {
 	NomasqV6   *ebpf.Map `ebpf:"nomasq_v6"`
 	RuleSlots  *ebpf.Map `ebpf:"rule_slots"`
 	RuleStats  *ebpf.Map `ebpf:"rule_stats"`
+	SweepStats *ebpf.Map `ebpf:"sweep_stats"`
 	UplinkSnat *ebpf.Map `ebpf:"uplink_snat"`
 }
 
@@ -346,6 +349,7 @@ func (m *masqMaps) Close() error {
 		m.NomasqV6,
 		m.RuleSlots,
 		m.RuleStats,
+		m.SweepStats,
 		m.UplinkSnat,
 	)
 }

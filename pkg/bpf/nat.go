@@ -317,8 +317,16 @@ type SweepResult struct {
 // Sweep removes the flows idle for longer than their timeout at time now (MonotonicNow), both
 // halves together. A flow's state and idle time combine its two halves; a half without its
 // partner (evicted, or its key taken over) expires by its own.
-func (d *Datapath) Sweep(now time.Duration, t Timeouts) (SweepResult, error) {
-	var res SweepResult
+//
+// The entries it removes are added, by protocol, to the totals that SweptEntries reads (kept in
+// a map, so that they survive an agent restart); the totals assume one sweeper at a time.
+func (d *Datapath) Sweep(now time.Duration, t Timeouts) (res SweepResult, err error) {
+	swept := map[uint8]uint64{}
+	defer func() {
+		if serr := d.addSwept(swept); serr != nil && err == nil {
+			err = fmt.Errorf("sweep: %w", serr)
+		}
+	}()
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 		type key struct {
 			dir      Direction
@@ -345,6 +353,7 @@ func (d *Datapath) Sweep(now time.Duration, t Timeouts) (SweepResult, error) {
 						return res, fmt.Errorf("sweep: %w", err)
 					}
 					res.Orphans += n
+					swept[e.Proto] += uint64(n)
 				}
 				continue
 			}
@@ -358,10 +367,48 @@ func (d *Datapath) Sweep(now time.Duration, t Timeouts) (SweepResult, error) {
 					return res, fmt.Errorf("sweep: %w", err)
 				}
 				res.Flows += n / 2
+				swept[e.Proto] += uint64(n)
 			}
 		}
 	}
 	return res, nil
+}
+
+// addSwept adds removed entries by protocol to sweep_stats.
+func (d *Datapath) addSwept(swept map[uint8]uint64) error {
+	for proto, n := range swept {
+		if n == 0 {
+			continue
+		}
+		var total uint64
+		if err := d.objs.SweepStats.Lookup(uint32(proto), &total); err != nil {
+			return fmt.Errorf("read sweep_stats[%d]: %w", proto, err)
+		}
+		if err := d.objs.SweepStats.Put(uint32(proto), total+n); err != nil {
+			return fmt.Errorf("write sweep_stats[%d]: %w", proto, err)
+		}
+	}
+	return nil
+}
+
+// SweptEntries returns how many NAT entries sweeps removed, by IP protocol number, since the
+// maps were created. Protocols without removals are left out.
+func (d *Datapath) SweptEntries() (map[uint8]uint64, error) {
+	out := map[uint8]uint64{}
+	var (
+		proto uint32
+		n     uint64
+	)
+	it := d.objs.SweepStats.Iterate()
+	for it.Next(&proto, &n) {
+		if n > 0 {
+			out[uint8(proto)] = n
+		}
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("read sweep_stats: %w", err)
+	}
+	return out, nil
 }
 
 // deleteIdle deletes the entries of one flow unless a packet refreshed one of them since they

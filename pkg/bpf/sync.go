@@ -434,6 +434,15 @@ func trieKeys(name string, prefixes []trieKey) any {
 	return keys
 }
 
+// Refresh re-reads what the maps hold (tries, counter slots, port table) instead of trusting
+// what this process last wrote, so that the next SyncPolicy also repairs entries changed or
+// removed behind its back (drift).
+func (d *Datapath) Refresh() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.recover()
+}
+
 // recover reads back the slot assignment and the tries, so that a datapath loaded over pinned
 // maps continues where the previous agent left off.
 func (d *Datapath) recover() error {
@@ -467,6 +476,7 @@ func (d *Datapath) recover() error {
 	if err := d.objs.NatConfig.Lookup(uint32(0), &cfg); err != nil {
 		return fmt.Errorf("read nat_config: %w", err)
 	}
+	d.ports = nil
 	for _, r := range cfg.Ranges[:min(int(cfg.Nranges), len(cfg.Ranges))] {
 		d.ports = append(d.ports, policy.PortRange{First: r.First, Last: r.Last})
 	}

@@ -1,0 +1,240 @@
+package bpf
+
+import (
+	"errors"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// mountBPFFS mounts a private bpffs for the test and unmounts it after.
+func mountBPFFS(t *testing.T) string {
+	t.Helper()
+	testutil.RequirePrivileged(t)
+	dir := t.TempDir()
+	if err := unix.Mount("bpffs", dir, "bpf", 0, ""); err != nil {
+		t.Fatalf("mount bpffs on %s: %v", dir, err)
+	}
+	t.Cleanup(func() {
+		if err := unix.Unmount(dir, 0); err != nil {
+			t.Errorf("unmount %s: %v", dir, err)
+		}
+	})
+	return dir
+}
+
+// TestReplaceMismatchedPins: CheckPins names exactly the pinned maps whose size changed; with
+// their pins removed, Load replaces those maps and keeps the flows of the others.
+func TestReplaceMismatchedPins(t *testing.T) {
+	// A directory of its own, as the agent uses: the bpffs root holds files of the kernel's.
+	dir := filepath.Join(mountBPFFS(t), "ip-masq-agent")
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	small := LoadOptions{PinPath: dir, NATEntries: 1 << 12, NATEntriesV6: 1 << 6}
+	first, err := Load(small)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &harness{t: t, dp: first}
+	if err := first.SyncPolicy(defaultPolicy(true)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := first.SetUplink(testIfindex, Uplink{IPv4: snat4, IPv6: snat6}); err != nil {
+		t.Fatal(err)
+	}
+	if got := first.Maps()["nat_v6"].MaxEntries(); got != 1<<6 {
+		t.Fatalf("nat_v6 holds %d entries, want the NATEntriesV6 given (64)", got)
+	}
+	flow4, flow6 := ap(pod4(7), 4000), ap(pod6(7), 4000)
+	h.mustPass(first.Egress(), udpPacket(flow4, ap(remote4, 53), nil))
+	h.mustPass(first.Egress(), udpPacket(flow6, ap(remote6, 53), nil))
+	first.Close()
+
+	if mm, err := CheckPins(small); err != nil || len(mm) != 0 {
+		t.Fatalf("the same options: mismatches %v, %v; want none", mm, err)
+	}
+	bigger := small
+	bigger.NATEntriesV6 = 1 << 12
+	mm, err := CheckPins(bigger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(mm) != 1 || mm[0].Map != "nat_v6" || mm[0].Reason != "MaxEntries: 64 changed to 4096" {
+		t.Fatalf("mismatches %+v, want nat_v6 with its sizes", mm)
+	}
+	if _, err := Load(bigger); !errors.Is(err, ebpf.ErrMapIncompatible) {
+		t.Fatalf("load over a mismatched pin: %v, want ErrMapIncompatible", err)
+	}
+	var names []string
+	for _, m := range mm {
+		names = append(names, m.Map)
+	}
+	if err := RemovePins(dir, names...); err != nil {
+		t.Fatal(err)
+	}
+	second, err := Load(bigger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer second.Close()
+	if got := second.Maps()["nat_v6"].MaxEntries(); got != 1<<12 {
+		t.Fatalf("replaced nat_v6 holds %d entries, want 4096", got)
+	}
+	if _, ok, err := second.LookupNAT(Egress, unix.IPPROTO_UDP, flow4, ap(remote4, 53)); err != nil || !ok {
+		t.Fatalf("the IPv4 flow did not survive the replacement of nat_v6: %v %v", ok, err)
+	}
+	if _, ok, err := second.LookupNAT(Egress, unix.IPPROTO_UDP, flow6, ap(remote6, 53)); err != nil || ok {
+		t.Fatalf("the IPv6 flow survived in a new table: %v %v", ok, err)
+	}
+	pinned, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, e := range pinned {
+		got = append(got, e.Name())
+	}
+	if want := MapNames(); !slices.Equal(got, want) {
+		t.Fatalf("pins %v, want every map %v", got, want)
+	}
+	if err := RemovePins(dir, "nat_v6", "nat_v6"); err != nil {
+		t.Fatalf("removing a pin twice: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "nat_v6")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("nat_v6 still pinned: %v", err)
+	}
+}
+
+// TestOpenPinnedReadOnly: a read-only reader reads rules and flows and cannot write.
+func TestOpenPinnedReadOnly(t *testing.T) {
+	dir := mountBPFFS(t)
+	dp, err := Load(LoadOptions{PinPath: dir, NATEntries: 1 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dp.Close()
+	h := &harness{t: t, dp: dp}
+	if err := dp.SyncPolicy(defaultPolicy(true)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dp.SetUplink(testIfindex, Uplink{IPv4: snat4}); err != nil {
+		t.Fatal(err)
+	}
+	h.mustPass(dp.Egress(), udpPacket(ap(pod4(1), 1000), ap(remote4, 53), nil))
+
+	r, err := OpenPinnedReadOnly(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	rules, err := r.InstalledRules()
+	if err != nil || len(rules) == 0 {
+		t.Fatalf("installed rules %v, %v", rules, err)
+	}
+	n := 0
+	if err := r.NATEntries(policy.IPv4, func(NATEntry) bool { n++; return true }); err != nil || n != 2 {
+		t.Fatalf("%d entries (%v), want the flow's 2", n, err)
+	}
+	if _, err := r.SetUplink(testIfindex, Uplink{IPv4: netip.MustParseAddr("192.0.2.99")}); err == nil {
+		t.Fatal("a read-only reader wrote uplink_snat")
+	}
+	if u, _, err := dp.Uplink(testIfindex); err != nil || u.IPv4 != snat4 {
+		t.Fatalf("uplink after the refused write: %v %v", u, err)
+	}
+}
+
+// TestRefreshRepairsDrift: a trie entry and a counter slot removed behind the datapath's back
+// come back with the next sync after Refresh, and only then.
+func TestRefreshRepairsDrift(t *testing.T) {
+	p := defaultPolicy(true)
+	h := newHarness(t, p, LoadOptions{})
+	dst := ap(netip.MustParseAddr("10.9.9.9"), 53)
+	if out := tupleOf(t, h.mustPass(h.dp.Egress(), udpPacket(ap(pod4(1), 1000), dst, nil))); out.src.Addr() != pod4(1) {
+		t.Fatalf("10/8 masqueraded before the drift: %v", out)
+	}
+	// Someone deletes 10.0.0.0/8 from the non-masquerade trie.
+	if err := h.dp.objs.NomasqV4.Delete(lpmKey(netip.MustParsePrefix("10.0.0.0/8"))); err != nil {
+		t.Fatal(err)
+	}
+	if out := tupleOf(t, h.mustPass(h.dp.Egress(), udpPacket(ap(pod4(2), 1000), dst, nil))); out.src.Addr() != snat4 {
+		t.Fatalf("the drift did not take 10/8 out: %v", out)
+	}
+	// Without Refresh, the sync trusts its mirror and writes nothing.
+	if err := h.dp.SyncPolicy(p); err != nil {
+		t.Fatal(err)
+	}
+	if out := tupleOf(t, h.mustPass(h.dp.Egress(), udpPacket(ap(pod4(3), 1000), dst, nil))); out.src.Addr() != snat4 {
+		t.Fatalf("a sync without Refresh changed the trie: %v", out)
+	}
+	before := h.statsByPrefix()
+	if err := h.dp.Refresh(); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.dp.SyncPolicy(p); err != nil {
+		t.Fatal(err)
+	}
+	if out := tupleOf(t, h.mustPass(h.dp.Egress(), udpPacket(ap(pod4(4), 1000), dst, nil))); out.src.Addr() != pod4(4) {
+		t.Fatalf("10/8 still masqueraded after Refresh and a sync: %v", out)
+	}
+	after := h.statsByPrefix()
+	for k, s := range before {
+		if after[k].Slot != s.Slot {
+			t.Errorf("%s moved from slot %d to %d", k, s.Slot, after[k].Slot)
+		}
+	}
+	if got := after["10.0.0.0/8 RETURN"].Packets; got != before["10.0.0.0/8 RETURN"].Packets+1 {
+		t.Errorf("10/8 counted %d packets, want %d", got, before["10.0.0.0/8 RETURN"].Packets+1)
+	}
+}
+
+// TestSweptEntries: the sweep's removals are totalled by protocol in the maps.
+func TestSweptEntries(t *testing.T) {
+	h := newHarness(t, defaultPolicy(true), LoadOptions{})
+	if got, err := h.dp.SweptEntries(); err != nil || len(got) != 0 {
+		t.Fatalf("before any sweep: %v %v", got, err)
+	}
+	for i := range 3 {
+		h.mustPass(h.dp.Egress(), udpPacket(ap(pod4(i+1), 1000), ap(remote4, 53), nil))
+	}
+	h.mustPass(h.dp.Egress(), tcpPacket(ap(pod6(1), 1000), ap(remote6, 443), tcpSYN, nil))
+	h.mustPass(h.dp.Egress(), echoPacket(pod4(9), remote4, 77, true, nil))
+	timeouts := Timeouts{TCPEstablished: time.Hour, TCPOpening: time.Minute, TCPClosing: time.Minute,
+		UDP: time.Minute, ICMP: time.Minute, Other: time.Minute}
+	for range 2 { // the second sweep adds to the totals
+		if _, err := h.dp.Sweep(MonotonicNow()+2*time.Minute, timeouts); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := h.dp.SweptEntries()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Each flow is two entries.
+	want := map[uint8]uint64{unix.IPPROTO_UDP: 6, unix.IPPROTO_TCP: 2, unix.IPPROTO_ICMP: 2}
+	if len(got) != len(want) {
+		t.Fatalf("swept %v, want %v", got, want)
+	}
+	for p, n := range want {
+		if got[p] != n {
+			t.Errorf("protocol %d: swept %d, want %d", p, got[p], n)
+		}
+	}
+	// More flows, swept later, add to the totals.
+	h.mustPass(h.dp.Egress(), udpPacket(ap(pod4(20), 1000), ap(remote4, 53), nil))
+	if _, err := h.dp.Sweep(MonotonicNow()+2*time.Minute, timeouts); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := h.dp.SweptEntries(); err != nil || got[unix.IPPROTO_UDP] != 8 {
+		t.Fatalf("after another UDP flow: %v %v, want 8 UDP entries", got, err)
+	}
+}
