@@ -1,0 +1,253 @@
+// Package tc attaches a pair of tc programs (egress and ingress) to network devices, and finds
+// and removes them again from another process: with tcx links (Linux 6.6+), pinned so that they
+// outlive the process, or with clsact and cls_bpf filters through netlink, which outlive it by
+// nature. Either way a new process replaces the programs in place, without a moment in which a
+// device runs none.
+//
+// A Hook is one attachment mechanism; a Manager attaches with one and removes what the other
+// left on the same devices, so that a device never runs the programs twice.
+package tc
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/link"
+	"golang.org/x/sys/unix"
+)
+
+// Attach modes: the names the datapath_info metric and the logs use.
+const (
+	ModeTCX = "tcx"
+	ModeTC  = "tc"
+)
+
+// netlinkTimeout bounds every netlink request (the netlink library takes no context).
+const netlinkTimeout = 5 * time.Second
+
+// Direction is the hook of a device a program runs at.
+type Direction uint8
+
+const (
+	Egress Direction = iota
+	Ingress
+)
+
+func (d Direction) String() string {
+	if d == Ingress {
+		return "ingress"
+	}
+	return "egress"
+}
+
+// Directions lists both, egress first.
+func Directions() []Direction { return []Direction{Egress, Ingress} }
+
+// Programs are what a device gets.
+type Programs struct {
+	Egress, Ingress *ebpf.Program
+}
+
+func (p Programs) get(d Direction) *ebpf.Program {
+	if d == Ingress {
+		return p.Ingress
+	}
+	return p.Egress
+}
+
+// Attachment is one of our programs on a device.
+type Attachment struct {
+	Mode    string
+	Ifindex int
+	Dir     Direction
+	Program ebpf.ProgramID
+}
+
+// Hook is one way of attaching programs to devices.
+//
+// Every method is idempotent and safe for concurrent use. "Ours" means attached by a Hook with
+// the same Options, in this process or an earlier one.
+type Hook interface {
+	// Mode is ModeTCX or ModeTC.
+	Mode() string
+	// Attach makes the device run prog at dir. What of ours is there already is replaced in
+	// place (atomically: packets see the old program or the new one), and left alone when it
+	// already is prog. Programs of others on the device are kept.
+	Attach(ctx context.Context, ifindex int, dir Direction, prog *ebpf.Program) error
+	// Detach removes ours from the device at dir; nothing of ours there is not an error, and
+	// neither is a device that is gone.
+	Detach(ctx context.Context, ifindex int, dir Direction) error
+	// List returns ours on every device of the network namespace.
+	List(ctx context.Context) ([]Attachment, error)
+	// Close releases what the hook holds; attachments stay.
+	Close() error
+}
+
+// Options identify our attachments.
+type Options struct {
+	// LinkDir is the directory on a bpffs where tcx links are pinned, one file per device and
+	// direction.
+	LinkDir string
+	// FilterName prefixes the name of our tc filters ("NAME:prog"); with FilterPriority and
+	// FilterHandle it tells our filters from others'.
+	FilterName     string
+	FilterPriority uint16
+	FilterHandle   uint32
+	// Owns tells whether an attached program is ours, for programs found on a device without
+	// a pin (for example pinned on another bpffs): it lets tcx find and replace them.
+	Owns func(*ebpf.ProgramInfo) bool
+	// Logger receives what the hooks change; nil discards it.
+	Logger *slog.Logger
+}
+
+func (o Options) logger() *slog.Logger {
+	if o.Logger == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return o.Logger.With("component", "tc")
+}
+
+// Probe tells which attach mode the kernel supports: tcx when it has tcx links, else tc. It
+// asks the kernel (it creates a tcx link on no device), rather than guessing from the version;
+// reason says what it found, for the logs.
+func Probe() (mode string, reason string, err error) {
+	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Type: ebpf.SchedCLS, License: "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 0), asm.Return()},
+	})
+	if err != nil {
+		return "", "", fmt.Errorf("probe tc programs: %w", err)
+	}
+	defer prog.Close()
+	// Ifindex 0 is no device: a kernel with tcx answers ENODEV, one without it does not know
+	// the attach type.
+	l, err := link.AttachTCX(link.TCXOptions{Interface: 0, Program: prog, Attach: ebpf.AttachTCXIngress})
+	switch {
+	case err == nil:
+		l.Close()
+		return ModeTCX, "tcx links supported", nil
+	case errors.Is(err, unix.ENODEV):
+		return ModeTCX, "the kernel has tcx links", nil
+	case errors.Is(err, ebpf.ErrNotSupported):
+		return ModeTC, "the kernel has no tcx links (Linux 6.6+): clsact and cls_bpf", nil
+	}
+	return ModeTC, fmt.Sprintf("tcx probe failed (%v): clsact and cls_bpf", err), nil
+}
+
+// NewHook returns the hook of a mode.
+func NewHook(mode string, opts Options) (Hook, error) {
+	switch mode {
+	case ModeTCX:
+		return newTCX(opts), nil
+	case ModeTC:
+		return newClsact(opts)
+	}
+	return nil, fmt.Errorf("attach mode %q: must be %s or %s", mode, ModeTCX, ModeTC)
+}
+
+// Manager attaches with one hook and keeps the other's attachments off the same devices.
+type Manager struct {
+	attach, other Hook
+	log           *slog.Logger
+}
+
+// NewManager returns a manager that attaches in mode.
+func NewManager(mode string, opts Options) (*Manager, error) {
+	otherMode := ModeTC
+	if mode == ModeTC {
+		otherMode = ModeTCX
+	}
+	a, err := NewHook(mode, opts)
+	if err != nil {
+		return nil, err
+	}
+	o, err := NewHook(otherMode, opts)
+	if err != nil {
+		a.Close()
+		return nil, err
+	}
+	return &Manager{attach: a, other: o, log: opts.logger()}, nil
+}
+
+// Mode is the mode the manager attaches in.
+func (m *Manager) Mode() string { return m.attach.Mode() }
+
+// Attach makes the device run both programs, then removes what of ours the other mode left
+// there (after, so that the device is never without them).
+func (m *Manager) Attach(ctx context.Context, ifindex int, progs Programs) error {
+	for _, d := range Directions() {
+		if err := m.attach.Attach(ctx, ifindex, d, progs.get(d)); err != nil {
+			return err
+		}
+	}
+	for _, d := range Directions() {
+		if err := m.other.Detach(ctx, ifindex, d); err != nil {
+			return fmt.Errorf("remove %s attachment of ifindex %d: %w", m.other.Mode(), ifindex, err)
+		}
+	}
+	return nil
+}
+
+// Detach removes ours, of both modes, from the device.
+func (m *Manager) Detach(ctx context.Context, ifindex int) error {
+	var errs []error
+	for _, h := range []Hook{m.attach, m.other} {
+		for _, d := range Directions() {
+			errs = append(errs, h.Detach(ctx, ifindex, d))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// List returns ours, of both modes, on every device.
+func (m *Manager) List(ctx context.Context) ([]Attachment, error) {
+	a, err := m.attach.List(ctx)
+	if err != nil {
+		return nil, err
+	}
+	o, err := m.other.List(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return append(a, o...), nil
+}
+
+// Close releases both hooks; attachments stay.
+func (m *Manager) Close() error {
+	return errors.Join(m.attach.Close(), m.other.Close())
+}
+
+// RemoveAll removes ours, of both modes, from every device, and the link pins: what a cleanup
+// needs, from any process. It returns what it removed.
+func RemoveAll(ctx context.Context, opts Options) ([]Attachment, error) {
+	var removed []Attachment
+	var errs []error
+	for _, mode := range []string{ModeTCX, ModeTC} {
+		h, err := NewHook(mode, opts)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		found, err := h.List(ctx)
+		if err != nil && !errors.Is(err, ebpf.ErrNotSupported) {
+			errs = append(errs, fmt.Errorf("list %s attachments: %w", mode, err))
+		}
+		for _, a := range found {
+			if err := h.Detach(ctx, a.Ifindex, a.Dir); err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			removed = append(removed, a)
+		}
+		if t, ok := h.(*tcx); ok {
+			errs = append(errs, t.removePins())
+		}
+		errs = append(errs, h.Close())
+	}
+	return removed, errors.Join(errs...)
+}

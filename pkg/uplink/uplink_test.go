@@ -1,0 +1,193 @@
+package uplink
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+)
+
+// The tests build devices, addresses and routes in a network namespace of their own.
+
+func ip(t *testing.T, ns string, batch string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "ip", "-n", ns, "-batch", "-")
+	cmd.Stdin = strings.NewReader(batch)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("ip -batch: %v: %s\n%s", err, out, batch)
+	}
+}
+
+// inNetns runs fn on a thread of its own inside the namespace; the thread is never reused.
+func inNetns(t *testing.T, ns string, fn func()) {
+	t.Helper()
+	f, err := os.Open("/run/netns/" + ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	started := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread ends with the goroutine
+		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
+			started <- err
+			return
+		}
+		started <- nil
+		fn()
+	}()
+	if err := <-started; err != nil {
+		t.Fatalf("enter netns %s: %v", ns, err)
+	}
+}
+
+func newNode(t *testing.T) string {
+	t.Helper()
+	testutil.RequirePrivileged(t, "ip")
+	ns := testutil.NewNetns(t)
+	ip(t, ns, `link add up0 type veth peer name peer0
+link add lan0 type veth peer name peer1
+link set up0 up
+link set peer0 up
+link set lan0 up
+link set peer1 up
+addr add 192.0.2.10/24 dev up0
+addr add 192.0.2.11/24 dev up0
+addr add 198.51.100.10/24 dev up0
+addr add 2001:db8:1::10/64 dev up0 nodad
+addr add 2001:db8:1::11/64 dev up0 nodad preferred_lft 0
+addr add 2001:db8:1::12/64 dev up0 nodad
+addr add 10.0.0.1/24 dev lan0
+route add default via 192.0.2.1 dev up0
+route add default via 2001:db8:1::1 dev up0
+`)
+	return ns
+}
+
+func resolve(t *testing.T, ns string, names ...string) Set {
+	t.Helper()
+	var set Set
+	var err error
+	done := make(chan struct{})
+	inNetns(t, ns, func() {
+		defer close(done)
+		var r *Resolver
+		if r, err = NewResolver(names); err != nil {
+			return
+		}
+		defer r.Close()
+		set, err = r.Resolve(context.Background())
+	})
+	<-done
+	if err != nil {
+		t.Fatal(err)
+	}
+	return set
+}
+
+func TestResolve(t *testing.T) {
+	ns := newNode(t)
+	set := resolve(t, ns)
+	if len(set.Uplinks) != 1 || len(set.Missing) != 0 {
+		t.Fatalf("uplinks %+v", set)
+	}
+	u := set.Uplinks[0]
+	// The first address in the gateway's subnet (not the secondary .11, not the other subnet);
+	// the oldest IPv6 address that is not deprecated (not ::11, not the newer ::12).
+	if u.Name != "up0" || u.IPv4 != netip.MustParseAddr("192.0.2.10") || u.IPv6 != netip.MustParseAddr("2001:db8:1::10") {
+		t.Fatalf("uplink %v", u)
+	}
+
+	// A preferred source on the default route wins.
+	ip(t, ns, "route replace default via 192.0.2.1 dev up0 src 198.51.100.10\n")
+	if got := resolve(t, ns).Uplinks[0].IPv4; got != netip.MustParseAddr("198.51.100.10") {
+		t.Fatalf("with src on the route: %s", got)
+	}
+
+	// Named devices, whether or not they carry a default route; missing ones are reported.
+	set = resolve(t, ns, "lan0", "nosuch0")
+	if len(set.Uplinks) != 1 || set.Uplinks[0].Name != "lan0" || set.Uplinks[0].IPv4 != netip.MustParseAddr("10.0.0.1") ||
+		set.Uplinks[0].IPv6.IsValid() || fmt.Sprint(set.Missing) != "[nosuch0]" {
+		t.Fatalf("named: %+v", set)
+	}
+
+	// Without default routes there is no uplink.
+	ip(t, ns, "route del default dev up0\nroute del ::/0 dev up0\n")
+	if set := resolve(t, ns); len(set.Uplinks) != 0 {
+		t.Fatalf("without default routes: %+v", set)
+	}
+}
+
+func TestWatch(t *testing.T) {
+	ns := newNode(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	changes := make(chan string, 1)
+	stopped := make(chan struct{})
+	inNetns(t, ns, func() {
+		defer close(stopped)
+		r, err := NewResolver(nil)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer r.Close()
+		Watch(ctx, r, changes, nil)
+	})
+	defer func() {
+		cancel()
+		select {
+		case <-stopped:
+		case <-time.After(5 * time.Second):
+			t.Error("Watch did not return after the context ended")
+		}
+	}()
+	next := func(want ...string) {
+		t.Helper()
+		select {
+		case got := <-changes:
+			for _, w := range want {
+				if !strings.Contains(got, w) {
+					t.Fatalf("change %q does not mention %q", got, w)
+				}
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("no change reported (want %q)", want)
+		}
+	}
+	// Let Watch take its first look and subscribe.
+	time.Sleep(300 * time.Millisecond)
+	select {
+	case got := <-changes:
+		t.Fatalf("a change without one: %q", got)
+	default:
+	}
+
+	// The SNAT address moves.
+	ip(t, ns, "addr del 192.0.2.10/24 dev up0\naddr add 192.0.2.20/24 dev up0\n")
+	next("up0 IPv4 address 192.0.2.10 -> 192.0.2.")
+	// A second default route brings another uplink.
+	ip(t, ns, "addr add 203.0.113.5/24 dev lan0\nroute add default via 203.0.113.1 dev lan0 metric 200\n")
+	next("uplink lan0", "appeared")
+	// Events that change nothing about the uplinks report nothing.
+	ip(t, ns, "link add extra0 type veth peer name extra1\nlink set extra0 up\naddr add 10.9.9.9/24 dev extra0\n")
+	time.Sleep(300 * time.Millisecond)
+	select {
+	case got := <-changes:
+		t.Fatalf("a change for an unrelated device: %q", got)
+	default:
+	}
+	// The device goes away.
+	ip(t, ns, "link del lan0\n")
+	next("uplink lan0 is gone")
+}

@@ -1,0 +1,171 @@
+package uplink
+
+import (
+	"context"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/vishvananda/netlink"
+)
+
+// Watch timing.
+const (
+	// settle lets a burst of netlink events (a device coming up brings links, addresses and
+	// routes) end before the uplinks are read again.
+	settle = 100 * time.Millisecond
+	// resubscribeDelay paces new subscriptions after one failed.
+	resubscribeDelay = time.Second
+)
+
+// Watch follows link, address and route events until ctx is done, and sends a short reason to
+// changes each time the resolved uplinks differ from the previous resolution (the first one is
+// made when Watch starts). A send never blocks: while a reason waits in changes, later ones are
+// dropped, since whoever reads it resolves the uplinks afresh anyway. A failed subscription is
+// renewed, and since events may have been missed, the uplinks are read again then.
+func Watch(ctx context.Context, r *Resolver, changes chan<- string, log *slog.Logger) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	log = log.With("component", "uplink")
+	last, err := r.Resolve(ctx)
+	if err != nil {
+		log.Warn("cannot read the uplinks", "error", err)
+	}
+	for ctx.Err() == nil {
+		s := subscribe(log)
+		if s == nil {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(resubscribeDelay):
+				continue
+			}
+		}
+		last = follow(ctx, r, s, last, changes, log)
+		s.close()
+		if ctx.Err() == nil {
+			// Events were lost: look again before resubscribing.
+			last = check(ctx, r, last, changes, log)
+			select {
+			case <-ctx.Done():
+			case <-time.After(resubscribeDelay):
+			}
+		}
+	}
+}
+
+// subscription is one set of netlink subscriptions.
+type subscription struct {
+	done   chan struct{}
+	links  chan netlink.LinkUpdate
+	addrs  chan netlink.AddrUpdate
+	routes chan netlink.RouteUpdate
+}
+
+func subscribe(log *slog.Logger) *subscription {
+	s := &subscription{done: make(chan struct{})}
+	onErr := func(err error) { log.Warn("netlink subscription error", "error", err) }
+	fail := func(what string, err error) *subscription {
+		log.Warn("cannot subscribe to netlink "+what+" events; retrying", "error", err)
+		s.close()
+		return nil
+	}
+	// A channel is kept only once its subscription runs: the library closes it then.
+	links := make(chan netlink.LinkUpdate, 64)
+	if err := netlink.LinkSubscribeWithOptions(links, s.done, netlink.LinkSubscribeOptions{ErrorCallback: onErr}); err != nil {
+		return fail("link", err)
+	}
+	s.links = links
+	addrs := make(chan netlink.AddrUpdate, 64)
+	if err := netlink.AddrSubscribeWithOptions(addrs, s.done, netlink.AddrSubscribeOptions{ErrorCallback: onErr}); err != nil {
+		return fail("address", err)
+	}
+	s.addrs = addrs
+	routes := make(chan netlink.RouteUpdate, 64)
+	if err := netlink.RouteSubscribeWithOptions(routes, s.done, netlink.RouteSubscribeOptions{ErrorCallback: onErr}); err != nil {
+		return fail("route", err)
+	}
+	s.routes = routes
+	return s
+}
+
+// close ends the subscriptions and drains their channels until the library closes them, so that
+// none of its goroutines stays blocked on a send.
+func (s *subscription) close() {
+	select {
+	case <-s.done:
+	default:
+		close(s.done)
+	}
+	for s.links != nil || s.addrs != nil || s.routes != nil {
+		select {
+		case _, ok := <-s.links:
+			if !ok {
+				s.links = nil
+			}
+		case _, ok := <-s.addrs:
+			if !ok {
+				s.addrs = nil
+			}
+		case _, ok := <-s.routes:
+			if !ok {
+				s.routes = nil
+			}
+		}
+	}
+}
+
+// follow reads events until ctx is done or a subscription ends, and returns the last resolution.
+func follow(ctx context.Context, r *Resolver, s *subscription, last Set, changes chan<- string, log *slog.Logger) Set {
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	defer timer.Stop()
+	// The state may have changed between the resolution before and the subscription.
+	timer.Reset(settle)
+	for {
+		select {
+		case <-ctx.Done():
+			return last
+		case _, ok := <-s.links:
+			if !ok {
+				return last
+			}
+			timer.Reset(settle)
+		case _, ok := <-s.addrs:
+			if !ok {
+				return last
+			}
+			timer.Reset(settle)
+		case _, ok := <-s.routes:
+			if !ok {
+				return last
+			}
+			timer.Reset(settle)
+		case <-timer.C:
+			last = check(ctx, r, last, changes, log)
+		}
+	}
+}
+
+// check resolves the uplinks and reports a difference from last.
+func check(ctx context.Context, r *Resolver, last Set, changes chan<- string, log *slog.Logger) Set {
+	cur, err := r.Resolve(ctx)
+	if err != nil {
+		if ctx.Err() == nil {
+			log.Warn("cannot read the uplinks", "error", err)
+		}
+		return last
+	}
+	diff := Diff(last, cur)
+	if len(diff) == 0 {
+		return cur
+	}
+	reason := strings.Join(diff, "; ")
+	log.Debug("uplinks changed", "change", reason)
+	select {
+	case changes <- reason:
+	default:
+	}
+	return cur
+}
