@@ -4,6 +4,7 @@ package deploy
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/netip"
@@ -20,6 +21,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
@@ -37,6 +39,14 @@ type kustomization struct {
 		} `json:"target"`
 		Patch string `json:"patch"`
 	} `json:"patches,omitempty"`
+	ConfigMapGenerator []struct {
+		Name    string   `json:"name"`
+		Files   []string `json:"files"`
+		Options struct {
+			Labels                map[string]string `json:"labels"`
+			DisableNameSuffixHash bool              `json:"disableNameSuffixHash"`
+		} `json:"options"`
+	} `json:"configMapGenerator,omitempty"`
 }
 
 type podMonitor struct {
@@ -133,9 +143,13 @@ func TestManifestsDecodeStrictly(t *testing.T) {
 		if !ok {
 			continue
 		}
-		for _, r := range k.Resources {
+		files := slices.Clone(k.Resources)
+		for _, g := range k.ConfigMapGenerator {
+			files = append(files, g.Files...)
+		}
+		for _, r := range files {
 			if _, err := os.Stat(filepath.Join(filepath.Dir(path), r)); err != nil {
-				t.Errorf("%s: resource %s: %v", path, r, err)
+				t.Errorf("%s: %s: %v", path, r, err)
 			}
 		}
 	}
@@ -373,6 +387,103 @@ func TestConfigMapExamples(t *testing.T) {
 	for _, m := range matches {
 		if _, ok := examples[m]; !ok {
 			t.Errorf("example %s is not checked", m)
+		}
+	}
+}
+
+// Every metric the Grafana dashboard queries is one the agent exports, grouped only by labels it
+// has (or the target labels the PodMonitor adds), and filtered only on label values it emits.
+func TestDashboardQueriesExportedMetrics(t *testing.T) {
+	data, err := os.ReadFile("monitoring/grafana-dashboard.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dash struct {
+		Panels []struct {
+			Title   string `json:"title"`
+			Type    string `json:"type"`
+			Targets []struct {
+				Expr string `json:"expr"`
+			} `json:"targets"`
+		} `json:"panels"`
+		Templating struct {
+			List []struct {
+				Name  string `json:"name"`
+				Query any    `json:"query"`
+			} `json:"list"`
+		} `json:"templating"`
+	}
+	if err := json.Unmarshal(data, &dash); err != nil {
+		t.Fatal(err)
+	}
+	defs := map[string]metrics.Definition{}
+	for _, d := range metrics.Definitions() {
+		defs[d.Name] = d
+	}
+	// The PodMonitor's relabeling adds node; Prometheus adds job, instance, pod and namespace.
+	targetLabels := []string{"node", "job", "instance", "pod", "namespace"}
+	labelValues := map[string][]string{
+		"result": {metrics.ReloadSuccess, metrics.ReloadInvalid, metrics.ReloadApplyError},
+		"source": {metrics.SourceRules, metrics.SourceNAT},
+	}
+	nameRE := regexp.MustCompile(`ip_masq_agent_[a-z0-9_]+`)
+	byRE := regexp.MustCompile(`by \(([^)]*)\)`)
+	matcherRE := regexp.MustCompile(`([a-z_]+)\s*=~?\s*"([^"$]*)"`)
+	var exprs []string
+	queried := 0
+	for _, p := range dash.Panels {
+		if p.Type != "row" && len(p.Targets) == 0 {
+			t.Errorf("panel %q has no query", p.Title)
+		}
+		for _, tg := range p.Targets {
+			exprs = append(exprs, tg.Expr)
+		}
+	}
+	for _, v := range dash.Templating.List {
+		if q, ok := v.Query.(map[string]any); ok {
+			exprs = append(exprs, fmt.Sprint(q["query"]))
+		}
+	}
+	for _, expr := range exprs {
+		var labels []string
+		for _, name := range nameRE.FindAllString(expr, -1) {
+			base := name
+			for _, suffix := range []string{"_bucket", "_sum", "_count"} {
+				if b, ok := strings.CutSuffix(name, suffix); ok && defs[b].Type == "histogram" {
+					base = b
+					if suffix == "_bucket" {
+						labels = append(labels, "le")
+					}
+				}
+			}
+			d, ok := defs[base]
+			if !ok {
+				t.Errorf("%q queries %s, which the agent does not export", expr, name)
+				continue
+			}
+			queried++
+			labels = append(labels, d.Labels...)
+		}
+		for _, m := range byRE.FindAllStringSubmatch(expr, -1) {
+			for _, l := range strings.Split(m[1], ",") {
+				if l = strings.TrimSpace(l); !slices.Contains(labels, l) && !slices.Contains(targetLabels, l) {
+					t.Errorf("%q groups by %s, which its metrics do not have", expr, l)
+				}
+			}
+		}
+		for _, m := range matcherRE.FindAllStringSubmatch(expr, -1) {
+			if vals, ok := labelValues[m[1]]; ok && !slices.Contains(vals, m[2]) {
+				t.Errorf("%q filters %s=%q, a value the agent never emits", expr, m[1], m[2])
+			}
+		}
+	}
+	if queried < 10 {
+		t.Errorf("only %d metric references found; is the dashboard parsed?", queried)
+	}
+	// Every agent metric appears on the dashboard.
+	for name := range defs {
+		if !strings.Contains(string(data), name) {
+			t.Errorf("the dashboard does not show %s", name)
 		}
 	}
 }
