@@ -487,3 +487,39 @@ func TestDashboardQueriesExportedMetrics(t *testing.T) {
 		}
 	}
 }
+
+// The uninstall DaemonSet runs `cleanup` with what the agent used (bpffs, chain) and the same
+// capabilities, so it can remove whatever the agent installed.
+func TestCleanupDaemonSet(t *testing.T) {
+	all := manifests(t)
+	agent := one[*appsv1.DaemonSet](t, all, "base/daemonset.yaml").Spec.Template.Spec.Containers[0]
+	ds := one[*appsv1.DaemonSet](t, all, "cleanup/daemonset.yaml")
+	spec := ds.Spec.Template.Spec
+	if !spec.HostNetwork || len(spec.InitContainers) != 1 {
+		t.Fatalf("cleanup DaemonSet: hostNetwork %v, %d init containers", spec.HostNetwork, len(spec.InitContainers))
+	}
+	c := spec.InitContainers[0]
+	if len(c.Args) == 0 || c.Args[0] != "cleanup" {
+		t.Errorf("args %q: want the cleanup subcommand", c.Args)
+	}
+	for _, f := range []string{"bpffs", "masq-chain"} {
+		if got, want := flagValue(t, c.Args[1:], f), flagValue(t, agent.Args, f); got != want {
+			t.Errorf("--%s=%s, the agent uses %s", f, got, want)
+		}
+	}
+	if c.Image != agent.Image {
+		t.Errorf("image %s, the agent's is %s", c.Image, agent.Image)
+	}
+	if !slices.Equal(c.SecurityContext.Capabilities.Add, agent.SecurityContext.Capabilities.Add) {
+		t.Errorf("capabilities %v, the agent has %v", c.SecurityContext.Capabilities.Add, agent.SecurityContext.Capabilities.Add)
+	}
+	mounted := false
+	for _, m := range c.VolumeMounts {
+		if m.MountPath == flagValue(t, agent.Args, "bpffs") {
+			mounted = true
+		}
+	}
+	if !mounted {
+		t.Error("the cleanup container does not mount the BPF filesystem")
+	}
+}
