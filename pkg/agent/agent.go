@@ -55,6 +55,18 @@ type Options struct {
 	// (such as an uplink address change, reported by a backend); each value, a short reason
 	// for the logs, makes the loop re-read the file and re-apply, as a resync does.
 	Changes <-chan string
+	// Displace are the other backends, whose state is removed once Backend holds a policy (after
+	// the first successful apply, so that the node is never without a datapath, and never while
+	// only a bad configuration is at hand). A failed removal is logged and retried after the
+	// next successful apply.
+	Displace []Displaced
+}
+
+// Displaced is a backend whose state the agent removes (see Options.Displace).
+type Displaced interface {
+	Name() string
+	// Cleanup removes everything the backend installed; absent state is not an error.
+	Cleanup(ctx context.Context) error
 }
 
 // Stats are the agent's counters, for logs, tests and metrics (which read them at scrape time).
@@ -246,6 +258,8 @@ type loopState struct {
 	backoff time.Duration
 	// resync is the interval of the last good configuration.
 	resync time.Duration
+	// displaced counts the Options.Displace entries already removed (they are removed in order).
+	displaced int
 }
 
 func (a *Agent) loop(ctx context.Context) error {
@@ -412,7 +426,22 @@ func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger) erro
 	}
 	log.Log(ctx, level, "policy applied", "ipv4Rules", len(p.IPv4), "ipv6Rules", len(p.IPv6),
 		"ipv6", p.EnableIPv6, "took", took)
+	a.displace(ctx, st, log)
 	return nil
+}
+
+// displace removes the other backends' state, once (see Options.Displace).
+func (a *Agent) displace(ctx context.Context, st *loopState, log *slog.Logger) {
+	for st.displaced < len(a.opts.Displace) {
+		d := a.opts.Displace[st.displaced]
+		if err := d.Cleanup(ctx); err != nil {
+			log.Warn("cannot remove the other backend's state; retrying after the next apply",
+				"other", d.Name(), "error", err)
+			return
+		}
+		log.Info("the other backend's state is removed (backends are exclusive)", "other", d.Name())
+		st.displaced++
+	}
 }
 
 func (a *Agent) healthz(w http.ResponseWriter, _ *http.Request) {

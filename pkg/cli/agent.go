@@ -11,9 +11,11 @@ import (
 	"strings"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
 )
 
@@ -24,6 +26,7 @@ type agentFlags struct {
 	interfaces     string
 	metricsAddress string
 	bpffs          string
+	attachMode     string
 	verbosity      int
 }
 
@@ -33,6 +36,7 @@ func (f *agentFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.interfaces, "interfaces", "", "comma-separated uplinks to masquerade on (default: the devices of the default routes)")
 	fs.StringVar(&f.metricsAddress, "metrics-address", ":9808", "HOST:PORT serving /metrics, /healthz and /readyz; empty disables")
 	fs.StringVar(&f.bpffs, "bpffs", "/sys/fs/bpf", "BPF filesystem where maps and links are pinned")
+	fs.StringVar(&f.attachMode, "attach-mode", "auto", "how the BPF backend attaches its programs: auto (tcx where the kernel has it, else tc), tcx, or tc (clsact and cls_bpf)")
 	// Accepted so that upstream manifests keep working: klog verbosity (4 and above log debug).
 	fs.IntVar(&f.verbosity, "v", 0, "log verbosity; 4 or more logs debug messages")
 	fs.Bool("logtostderr", true, "ignored: logs always go to stderr (accepted for upstream manifests)")
@@ -63,18 +67,28 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
+	switch af.attachMode {
+	case "auto", tc.ModeTCX, tc.ModeTC:
+	default:
+		return usageError{fmt.Errorf("attach mode %q: must be auto, %s or %s", af.attachMode, tc.ModeTCX, tc.ModeTC)}
+	}
 	log := newLogger(stderr, af.verbosity)
 	log.Info("starting", "component", "cli", "version", version.String(), "config", af.configPath, "backend", af.backend)
-	backend, err := newBackend(ctx, af.backend, &af, log)
+	dp, err := newBackend(ctx, af.backend, &af, log)
 	if err != nil {
 		return err
 	}
+	defer func() {
+		if err := dp.close(); err != nil {
+			log.Warn("release the datapath", "component", "cli", "error", err)
+		}
+	}()
 	a, err := agent.New(agent.Options{ConfigPath: af.configPath, ConfigOptions: copts, PolicyOptions: popts,
-		Backend: backend, Logger: log})
+		Backend: dp.backend, Logger: log, Changes: dp.changes, Displace: dp.displace})
 	if err != nil {
 		return err
 	}
-	reg, err := metrics.NewRegistry(metrics.Options{Backend: backend, Agent: a, Logger: log})
+	reg, err := metrics.NewRegistry(metrics.Options{Backend: dp.backend, Agent: a, Logger: log})
 	if err != nil {
 		return fmt.Errorf("metrics: %w", err)
 	}
@@ -90,20 +104,63 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	return a.Run(ctx, ln)
 }
 
-// newBackend returns the datapath backend that --backend names.
-func newBackend(ctx context.Context, name string, af *agentFlags, log *slog.Logger) (datapath.Backend, error) {
+// chosenBackend is the datapath the agent runs, and what goes with it.
+type chosenBackend struct {
+	backend datapath.Backend
+	// displace are the other backends, removed once this one holds a policy.
+	displace []agent.Displaced
+	// changes are the backend's events (uplink changes), nil when it has none.
+	changes <-chan string
+	close   func() error
+}
+
+// newBackend returns the datapath backend that --backend names. auto takes BPF when the node can
+// run it (probed: a BPF filesystem at --bpffs, programs the kernel loads), else iptables, and
+// logs why.
+func newBackend(ctx context.Context, name string, af *agentFlags, log *slog.Logger) (*chosenBackend, error) {
 	switch name {
-	case "auto", iptables.Name:
-		if len(af.interfaceList()) > 0 {
-			// MASQUERADE takes the address of whichever device a packet leaves by.
-			log.Info("the iptables backend masquerades on every uplink; --interfaces is ignored", "component", "cli")
+	case "auto", bpfbackend.Name:
+		b, err := bpfbackend.New(ctx, bpfbackend.Options{BPFFS: af.bpffs, Interfaces: af.interfaceList(),
+			EnableIPv6: af.enableIPv6, AttachMode: af.attachMode, Logger: log})
+		if err == nil {
+			log.Info("datapath chosen", "component", "cli", "backend", bpfbackend.Name, "attachMode", b.Mode())
+			return &chosenBackend{backend: b, displace: iptablesToDisplace(ctx, af, log), changes: b.Changes(), close: b.Close}, nil
 		}
-		return iptables.New(ctx, iptables.Options{Chain: af.masqChain, Logger: log})
-	case "bpf":
-		return nil, errors.New("backend bpf is not available in this build; use --backend=iptables (or auto)")
+		if name == bpfbackend.Name {
+			return nil, fmt.Errorf("backend bpf: %w", err)
+		}
+		log.Warn("the BPF datapath cannot run here; using iptables", "component", "cli", "reason", err)
+	case iptables.Name:
 	default:
 		return nil, usageError{fmt.Errorf("backend %q: must be auto, bpf or iptables", name)}
 	}
+	if len(af.interfaceList()) > 0 {
+		// MASQUERADE takes the address of whichever device a packet leaves by.
+		log.Info("the iptables backend masquerades on every uplink; --interfaces is ignored", "component", "cli")
+	}
+	b, err := iptables.New(ctx, iptables.Options{Chain: af.masqChain, Logger: log})
+	if err != nil {
+		return nil, err
+	}
+	log.Info("datapath chosen", "component", "cli", "backend", iptables.Name)
+	return &chosenBackend{backend: b, displace: []agent.Displaced{bpfbackend.Cleaner{BPFFS: af.bpffs, Logger: log}},
+		close: func() error { return nil }}, nil
+}
+
+// iptablesToDisplace returns the iptables backend for the BPF backend to remove, or none when
+// the node has no iptables tools (then nothing can have installed a chain through them).
+func iptablesToDisplace(ctx context.Context, af *agentFlags, log *slog.Logger) []agent.Displaced {
+	// A fixed mode skips detection: its Cleanup covers both modes anyway.
+	var errs []error
+	for _, mode := range []iptables.Mode{iptables.ModeNFT, iptables.ModeLegacy} {
+		b, err := iptables.New(ctx, iptables.Options{Chain: af.masqChain, Mode: mode, Logger: log})
+		if err == nil {
+			return []agent.Displaced{b}
+		}
+		errs = append(errs, err)
+	}
+	log.Debug("no iptables tools: no chain to remove", "component", "cli", "error", errors.Join(errs...))
+	return nil
 }
 
 // newLogger logs text to stderr; --v 4 or more adds debug messages, as klog's verbosity did.

@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"os"
 	"strings"
 	"testing"
 )
@@ -13,7 +14,9 @@ func TestAgentCommandLineErrors(t *testing.T) {
 		wantCode int
 		wantErr  string
 	}{
-		{[]string{"--backend=bpf"}, 1, "backend bpf is not available in this build"},
+		{[]string{"--backend=bpf", "--bpffs=" + os.TempDir()}, 1, "is not a BPF filesystem"},
+		{[]string{"--backend=bpf", "--bpffs=/nonexistent/bpffs"}, 1, "--bpffs /nonexistent/bpffs: no such file or directory"},
+		{[]string{"--backend=bpf", "--attach-mode=xdp"}, 2, `attach mode "xdp": must be auto, tcx or tc`},
 		{[]string{"--backend", "ebpf"}, 2, `backend "ebpf": must be auto, bpf or iptables`},
 		{[]string{"--backend=bpf", "extra"}, 2, "the agent takes no arguments"},
 		{[]string{"--masq-chain=POSTROUTING"}, 2, "is a built-in chain"},

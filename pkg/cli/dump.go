@@ -5,17 +5,17 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"path/filepath"
 	"text/tabwriter"
 
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
 // BPFPinDir is the directory under --bpffs where the BPF backend pins its maps and links.
-const BPFPinDir = "ip-masq-agent"
+const BPFPinDir = bpfbackend.PinDir
 
 // defaultTop is how many of the busiest remote endpoints dump shows.
 const defaultTop = 10
@@ -67,6 +67,9 @@ func dump(ctx context.Context, af *agentFlags, top int, runner iptables.Runner, 
 		if err := writeReader(ctx, stdout, r, top); err != nil {
 			errs = append(errs, err)
 		}
+		if c, ok := r.(io.Closer); ok {
+			errs = append(errs, c.Close())
+		}
 	}
 	return errors.Join(append(errs, findErr)...)
 }
@@ -92,27 +95,19 @@ func findInstalled(ctx context.Context, af *agentFlags, p *policy.Policy, runner
 	return out, errors.Join(errs...)
 }
 
-// openBPF is the hook through which dump reads the BPF datapath: it returns a Reader of what the
-// BPF backend pinned under <bpffs>/ip-masq-agent/, or nil when nothing is pinned there.
-//
-// The BPF backend fills it in: open the pinned maps read-only (loading no program, creating no
-// map), and return a value that implements datapath.Reader and datapath.NATReporter, mapping
-// the counter slots to the rules of p (nil when the configuration could not be read). Until
-// then, pins that exist are an error, so that dump never passes the iptables chain off as the
-// whole truth on a node where a BPF datapath is installed.
-func openBPF(_ context.Context, bpffs string, _ *policy.Policy) (datapath.Reader, error) {
-	dir := filepath.Join(bpffs, BPFPinDir)
-	entries, err := os.ReadDir(dir)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
+// openBPF returns a Reader of what the BPF backend pinned under <bpffs>/ip-masq-agent/, or nil
+// when nothing is pinned there. It opens the pinned maps read-only (loading no program, creating
+// no map) and maps the counter slots to the rules of p (nil when the configuration could not be
+// read).
+func openBPF(_ context.Context, bpffs string, p *policy.Policy) (datapath.Reader, error) {
+	r, err := bpfbackend.OpenReader(bpffs, p)
 	if err != nil {
-		return nil, fmt.Errorf("read BPF pins: %w", err)
+		return nil, err
 	}
-	if len(entries) == 0 {
-		return nil, nil
+	if r == nil {
+		return nil, nil // not a nil *Reader inside the interface
 	}
-	return nil, fmt.Errorf("a BPF datapath is pinned under %s, but this build has no BPF backend to read it", dir)
+	return r, nil
 }
 
 // writeReader prints one datapath: a title, its rules as `iptables -L -v` shows them (with the

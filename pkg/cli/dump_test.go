@@ -135,7 +135,7 @@ func TestDumpIptables(t *testing.T) {
 		t.Errorf("first row without a configuration: %q", got)
 	}
 
-	// BPF pins present: an error, after the iptables table.
+	// Pins present, but not on a BPF filesystem: an error, after the iptables table.
 	if err := os.MkdirAll(filepath.Join(bpffs, BPFPinDir), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -143,7 +143,8 @@ func TestDumpIptables(t *testing.T) {
 		t.Fatal(err)
 	}
 	out, _, err = runDumpWith(t, r, "--config="+path, "--bpffs="+bpffs)
-	if err == nil || !strings.Contains(err.Error(), "a BPF datapath is pinned under "+filepath.Join(bpffs, BPFPinDir)) {
+	if err == nil || !strings.Contains(err.Error(), "read the BPF datapath pinned under "+filepath.Join(bpffs, BPFPinDir)) ||
+		!strings.Contains(err.Error(), "is not a BPF filesystem") {
 		t.Errorf("err = %v, want one about the BPF pins", err)
 	}
 	if !strings.Contains(out, "10.10.10.10/32") {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
 
 // agentBin is the agent binary under test, built once by TestMain (or given as
@@ -68,6 +69,8 @@ func backends() []Backend {
 	return []Backend{
 		IptablesBackend(iptables.ModeNFT),
 		IptablesBackend(iptables.ModeLegacy),
+		BPFBackend(tc.ModeTCX),
+		BPFBackend(tc.ModeTC),
 	}
 }
 
@@ -150,9 +153,11 @@ func TestLifecycle(t *testing.T) {
 				t.Fatalf("agent exit after SIGTERM: %v", err)
 			}
 
-			// cleanup, without --enable-ipv6, removes IPv4 and IPv6; twice is fine.
+			// cleanup, without --enable-ipv6, removes IPv4 and IPv6; twice is fine. It gets the
+			// backend's own flags (--bpffs), as a DaemonSet's cleanup would.
 			for i := range 2 {
-				out, err := NSExec(ctx, env.Node, "", agentBin, "cleanup")
+				args := append(append([]string{"cleanup"}, b.Flags...), env.AgentFlags...)
+				out, err := NSExec(ctx, env.Node, "", agentBin, args...)
 				if err != nil {
 					t.Fatalf("cleanup #%d: %v", i+1, err)
 				}

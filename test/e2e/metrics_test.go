@@ -146,7 +146,7 @@ func configHash(t *testing.T, doc string) string {
 // dumpRules runs `dump` in the node, as a second process, and returns its rows by series.
 func dumpRules(ctx context.Context, t *testing.T, env *Env, b Backend) map[RuleKey]RuleCount {
 	t.Helper()
-	args := append(append([]string{"dump", "--config=" + env.Config.Path()}, b.Flags...), env.Flags...)
+	args := append(env.DatapathArgs("dump", b), "--config="+env.Config.Path())
 	out, err := NSExec(ctx, env.Node, "", env.Bin, args...)
 	if err != nil {
 		t.Fatalf("dump: %v\n%s", err, out)

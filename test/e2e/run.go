@@ -54,6 +54,9 @@ type Env struct {
 	Agent *Agent
 	// Flags are the scenario's policy flags.
 	Flags []string
+	// AgentFlags are datapath flags a backend's Prepare adds (such as --bpffs): given to the
+	// agent, dump and cleanup, not to render.
+	AgentFlags []string
 	// Config is the file's directory.
 	Config *ConfigDir
 	// Good is the content of the last good configuration, GoodNoFile true when that was no file.
@@ -70,7 +73,7 @@ func NewEnv(ctx context.Context, t testing.TB, bin string, flags []string) *Env 
 // StartAgent runs the agent for backend b in the node with the env's flags and config.
 func (e *Env) StartAgent(ctx context.Context, t testing.TB, b Backend) *Agent {
 	t.Helper()
-	args := append(append([]string{"--config=" + e.Config.Path()}, b.Flags...), e.Flags...)
+	args := append(append(append([]string{"--config=" + e.Config.Path()}, b.Flags...), e.AgentFlags...), e.Flags...)
 	e.Agent = StartAgent(ctx, t, e.Node, e.Bin, args...)
 	return e.Agent
 }
@@ -93,6 +96,22 @@ func (e *Env) Render(ctx context.Context, t testing.TB) string {
 		t.Fatalf("render: %v", err)
 	}
 	return string(out)
+}
+
+// DatapathArgs are the arguments of a subcommand that reads or changes the datapath (dump,
+// cleanup) for backend b: the agent's flags, without its config.
+func (e *Env) DatapathArgs(cmd string, b Backend) []string {
+	return append(append(append([]string{cmd}, b.Flags...), e.AgentFlags...), e.Flags...)
+}
+
+// FlagSet reports whether a boolean --name flag of the env is set.
+func (e *Env) FlagSet(name string) bool {
+	for _, f := range e.Flags {
+		if f == "--"+name || f == "--"+name+"=true" {
+			return true
+		}
+	}
+	return false
 }
 
 // FlagValue returns the value of a --name=value flag of the env, or def.

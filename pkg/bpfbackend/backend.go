@@ -1,0 +1,478 @@
+// Package bpfbackend is the BPF datapath behind the agent's backend interface: it loads the SNAT
+// engine (package bpf) with its maps pinned under <bpffs>/ip-masq-agent/, attaches the programs
+// to the uplinks (package tc), follows the uplinks and their addresses (package uplink), writes
+// each policy into the maps and expires idle NAT entries. A Reader reads what it pinned from
+// another process (`dump`); Cleanup removes everything it installed.
+package bpfbackend
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/uplink"
+)
+
+// Name is the backend's name on the command line.
+const Name = "bpf"
+
+// PinDir is the directory under the bpffs that holds the maps' pins, and LinkDir, under it, the
+// tcx links' pins.
+const (
+	PinDir  = "ip-masq-agent"
+	LinkDir = "links"
+)
+
+// Defaults of Options.
+const (
+	// DefaultSweepInterval keeps the NAT table close to its live flows: the shortest timeout
+	// (ICMP, 30 s) is then overrun by a third at most.
+	DefaultSweepInterval = 10 * time.Second
+	// natEntriesNoIPv6 sizes the IPv6 NAT table when IPv6 is not enabled: the programs then
+	// record no IPv6 flow, and LRU tables are preallocated (the default size is ~33 MB).
+	natEntriesNoIPv6 = 1024
+)
+
+// Our tc filters (clsact mode): a fixed priority and handle, and the name prefix.
+const (
+	filterName     = "ip-masq-agent"
+	filterPriority = 20000
+	filterHandle   = 1
+)
+
+// Options configure a Backend.
+type Options struct {
+	// BPFFS is the mount point of a BPF filesystem (--bpffs).
+	BPFFS string
+	// Interfaces names the uplinks; empty means the devices of the default routes.
+	Interfaces []string
+	// EnableIPv6 sizes the IPv6 NAT table: small without it (see natEntriesNoIPv6).
+	EnableIPv6 bool
+	// AttachMode is tc.ModeTCX, tc.ModeTC, or "" / "auto" for the kernel's best (probed).
+	AttachMode string
+	// Load sizes the maps; PinPath is set by the backend. Zero values are the bpf defaults.
+	Load bpf.LoadOptions
+	// SweepInterval is how often idle NAT entries are removed; zero means the default.
+	SweepInterval time.Duration
+	// Timeouts are the idle timeouts of the sweep; zero means bpf.DefaultTimeouts.
+	Timeouts bpf.Timeouts
+	// Logger receives the backend's logs; nil discards them.
+	Logger *slog.Logger
+}
+
+// Backend is the BPF datapath. Apply runs on the agent's loop; Counters, Info and the NAT
+// reports may run at the same time (metric scrapes).
+type Backend struct {
+	opts    Options
+	pinDir  string
+	mode    string
+	log     *slog.Logger
+	attach  *tc.Manager
+	resolve *uplink.Resolver
+	changes chan string
+
+	// dp is nil until the first Apply loads the datapath (a bad configuration at startup thus
+	// leaves the node as it was).
+	dp atomic.Pointer[bpf.Datapath]
+
+	stop func()
+	wg   sync.WaitGroup
+
+	mu      sync.Mutex // guards what Apply publishes for Info
+	uplinks []uplink.Uplink
+}
+
+var (
+	_ datapath.Backend      = (*Backend)(nil)
+	_ datapath.InfoReporter = (*Backend)(nil)
+	_ datapath.NATReporter  = (*Backend)(nil)
+	_ datapath.Reader       = (*Backend)(nil)
+)
+
+// New checks that the node can run the BPF datapath (a writable BPF filesystem, programs the
+// kernel loads, a way to attach them), chooses the attach mode, and starts following the uplinks
+// and sweeping the NAT table until ctx ends or Close. It installs nothing: the first Apply does.
+func New(ctx context.Context, opts Options) (*Backend, error) {
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	log := opts.Logger.With("component", "bpf")
+	if opts.SweepInterval <= 0 {
+		opts.SweepInterval = DefaultSweepInterval
+	}
+	if opts.Timeouts == (bpf.Timeouts{}) {
+		opts.Timeouts = bpf.DefaultTimeouts
+	}
+	if err := CheckBPFFS(opts.BPFFS); err != nil {
+		return nil, err
+	}
+	if err := probeLoad(); err != nil {
+		return nil, err
+	}
+	mode := opts.AttachMode
+	switch mode {
+	case "", "auto":
+		m, reason, err := tc.Probe()
+		if err != nil {
+			return nil, err
+		}
+		mode = m
+		log.Info("attach mode chosen", "mode", mode, "reason", reason)
+	case tc.ModeTCX, tc.ModeTC:
+		log.Info("attach mode chosen", "mode", mode, "reason", "--attach-mode")
+	default:
+		return nil, fmt.Errorf("attach mode %q: must be auto, %s or %s", mode, tc.ModeTCX, tc.ModeTC)
+	}
+	pinDir := filepath.Join(opts.BPFFS, PinDir)
+	attach, err := tc.NewManager(mode, tcOptions(pinDir, log))
+	if err != nil {
+		return nil, err
+	}
+	res, err := uplink.NewResolver(opts.Interfaces)
+	if err != nil {
+		attach.Close()
+		return nil, err
+	}
+	watchRes, err := uplink.NewResolver(opts.Interfaces)
+	if err != nil {
+		attach.Close()
+		res.Close()
+		return nil, err
+	}
+	b := &Backend{opts: opts, pinDir: pinDir, mode: mode, log: log, attach: attach, resolve: res,
+		changes: make(chan string, 1)}
+	ctx, cancel := context.WithCancel(ctx)
+	b.stop = cancel
+	b.wg.Add(2)
+	go func() {
+		defer b.wg.Done()
+		defer watchRes.Close()
+		uplink.Watch(ctx, watchRes, b.changes, opts.Logger)
+	}()
+	go func() {
+		defer b.wg.Done()
+		b.sweepLoop(ctx)
+	}()
+	return b, nil
+}
+
+// tcOptions identify our attachments, for the backend and for cleanup.
+func tcOptions(pinDir string, log *slog.Logger) tc.Options {
+	return tc.Options{LinkDir: filepath.Join(pinDir, LinkDir), FilterName: filterName,
+		FilterPriority: filterPriority, FilterHandle: filterHandle, Owns: owns, Logger: log}
+}
+
+// owns tells our programs: the engine's entry points, using the engine's maps.
+func owns(info *ebpf.ProgramInfo) bool {
+	if info.Name != "tc_egress" && info.Name != "tc_ingress" {
+		return false
+	}
+	ids, ok := info.MapIDs()
+	if !ok {
+		return false
+	}
+	for _, id := range ids {
+		m, err := ebpf.NewMapFromID(id)
+		if err != nil {
+			continue
+		}
+		mi, err := m.Info()
+		m.Close()
+		if err == nil && mi.Name == "uplink_snat" {
+			return true
+		}
+	}
+	return false
+}
+
+// probeLoad loads the programs once with tiny maps, pinning nothing: the kernel must accept them.
+func probeLoad() error {
+	dp, err := bpf.Load(bpf.LoadOptions{MaxRules: 8, NATEntries: 64, NATEntriesV6: 64, FragEntries: 64})
+	if err != nil {
+		return fmt.Errorf("the kernel does not load the BPF programs: %w", err)
+	}
+	return dp.Close()
+}
+
+// Name implements datapath.Backend.
+func (b *Backend) Name() string { return Name }
+
+// Changes carries uplink changes (an uplink appeared or went away, an address changed); each one
+// should lead to an Apply, which reads the uplinks afresh (agent.Options.Changes).
+func (b *Backend) Changes() <-chan string { return b.changes }
+
+// Mode is the attach mode, tc.ModeTCX or tc.ModeTC.
+func (b *Backend) Mode() string { return b.mode }
+
+// Info implements datapath.InfoReporter.
+func (b *Backend) Info() datapath.Info {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return datapath.Info{Backend: Name, AttachMode: b.mode, Details: details(b.pinDir, b.uplinks)}
+}
+
+func details(pinDir string, ups []uplink.Uplink) string {
+	s := "maps pinned under " + pinDir
+	if len(ups) > 0 {
+		names := make([]string, len(ups))
+		for i, u := range ups {
+			names[i] = u.String()
+		}
+		s += "; uplinks " + strings.Join(names, ", ")
+	}
+	return s
+}
+
+// Apply implements datapath.Backend: the policy into the maps (as a difference, new entries
+// before stale ones are removed), then the uplinks' addresses, then the programs onto the
+// uplinks (replacing an earlier process's in place), then what is left on devices that are no
+// longer uplinks is removed. Each step repairs drift: entries changed behind the agent's back are
+// rewritten, programs detached behind its back are attached again.
+func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
+	dp := b.dp.Load()
+	if dp == nil {
+		var err error
+		if dp, err = b.load(p); err != nil {
+			return err
+		}
+		b.dp.Store(dp)
+	}
+	if err := dp.Refresh(); err != nil {
+		return fmt.Errorf("read the maps: %w", err)
+	}
+	if err := dp.SyncPolicy(p); err != nil {
+		return err
+	}
+	set, err := b.resolve.Resolve(ctx)
+	if err != nil {
+		return err
+	}
+	if len(set.Missing) > 0 {
+		b.log.Warn("uplinks named by --interfaces do not exist (yet); they are attached when they appear", "missing", set.Missing)
+	}
+	if len(set.Uplinks) == 0 {
+		if len(b.opts.Interfaces) > 0 {
+			return fmt.Errorf("no uplink: none of --interfaces %s exists", strings.Join(b.opts.Interfaces, ","))
+		}
+		return errors.New("no uplink: no default route")
+	}
+	progs := tc.Programs{Egress: dp.Egress(), Ingress: dp.Ingress()}
+	keep := map[int]bool{}
+	for _, u := range set.Uplinks {
+		addrs := bpf.Uplink{IPv4: u.IPv4}
+		if p.EnableIPv6 {
+			addrs.IPv6 = u.IPv6
+		}
+		if !u.IPv4.IsValid() {
+			b.log.Warn("uplink has no IPv4 address: its masqueraded IPv4 traffic is dropped", "uplink", u.Name)
+		}
+		if p.EnableIPv6 && !u.IPv6.IsValid() {
+			b.log.Warn("uplink has no global IPv6 address: its masqueraded IPv6 traffic is dropped", "uplink", u.Name)
+		}
+		flushed, err := dp.SetUplink(u.Index, addrs)
+		if err != nil {
+			return err
+		}
+		if flushed > 0 {
+			b.log.Info("uplink address changed; flows of the old address flushed", "uplink", u.Name, "entries", flushed)
+		}
+		if err := b.attach.Attach(ctx, u.Index, progs); err != nil {
+			return fmt.Errorf("attach to %s: %w", u.Name, err)
+		}
+		keep[u.Index] = true
+	}
+	if err := b.dropStale(ctx, dp, keep); err != nil {
+		return err
+	}
+	b.mu.Lock()
+	changed := !slices.Equal(b.uplinks, set.Uplinks)
+	b.uplinks = set.Uplinks
+	b.mu.Unlock()
+	if changed {
+		names := make([]string, len(set.Uplinks))
+		for i, u := range set.Uplinks {
+			names[i] = u.String()
+		}
+		b.log.Info("programs attached", "mode", b.mode, "uplinks", names)
+	}
+	return nil
+}
+
+// dropStale removes our programs and SNAT addresses from devices that are not uplinks any more.
+func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, keep map[int]bool) error {
+	found, err := b.attach.List(ctx)
+	if err != nil {
+		return err
+	}
+	for _, a := range found {
+		if !keep[a.Ifindex] {
+			if err := b.attach.Detach(ctx, a.Ifindex); err != nil {
+				return err
+			}
+			b.log.Info("detached from a device that is no longer an uplink", "ifindex", a.Ifindex)
+		}
+	}
+	var idx uint32
+	var val []byte
+	var stale []int
+	it := dp.Maps()["uplink_snat"].Iterate()
+	for it.Next(&idx, &val) {
+		if !keep[int(idx)] {
+			stale = append(stale, int(idx))
+		}
+	}
+	if err := it.Err(); err != nil {
+		return fmt.Errorf("read uplink_snat: %w", err)
+	}
+	for _, i := range stale {
+		n, err := dp.RemoveUplink(i)
+		if err != nil {
+			return err
+		}
+		b.log.Info("forgot a former uplink", "ifindex", i, "flushedEntries", n)
+	}
+	return nil
+}
+
+// load loads the datapath over what is pinned. Pinned maps of another layout (another version
+// or other sizes, such as the IPv6 NAT table after --enable-ipv6 changed) are replaced, and only
+// they: their entries are lost, every other map keeps its flows and counters. The programs still
+// attached keep using the old maps until Apply replaces them, so traffic never meets empty maps.
+func (b *Backend) load(p *policy.Policy) (*bpf.Datapath, error) {
+	if err := os.MkdirAll(b.pinDir, 0o700); err != nil {
+		return nil, fmt.Errorf("create pin directory: %w", err)
+	}
+	lopts := b.opts.Load
+	lopts.PinPath = b.pinDir
+	if !p.EnableIPv6 && lopts.NATEntriesV6 == 0 {
+		lopts.NATEntriesV6 = natEntriesNoIPv6
+	}
+	mismatched, err := bpf.CheckPins(lopts)
+	if err != nil {
+		return nil, err
+	}
+	if len(mismatched) > 0 {
+		var names, why []string
+		for _, m := range mismatched {
+			names = append(names, m.Map)
+			why = append(why, m.Map+": "+m.Reason)
+		}
+		b.log.Warn("pinned maps have another layout; replacing them (their entries are lost, the other maps are kept)",
+			"maps", why)
+		if err := bpf.RemovePins(b.pinDir, names...); err != nil {
+			return nil, err
+		}
+	}
+	start := time.Now()
+	dp, err := bpf.Load(lopts)
+	if err != nil {
+		return nil, err
+	}
+	rules, err := dp.InstalledRules()
+	if err != nil {
+		dp.Close()
+		return nil, err
+	}
+	b.log.Info("datapath loaded", "pins", b.pinDir, "reusedRules", len(rules), "took", time.Since(start))
+	return dp, nil
+}
+
+// Counters implements datapath.Backend.
+func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
+	dp := b.dp.Load()
+	if dp == nil {
+		return nil, nil
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	stats, err := dp.RuleStats()
+	if err != nil {
+		return nil, err
+	}
+	out := make([]datapath.RuleCounter, len(stats))
+	for i, s := range stats {
+		out[i] = datapath.RuleCounter{Family: s.Rule.Family, Rule: s.Rule.Number, Prefix: s.Rule.Prefix,
+			Action: s.Rule.Action, Origin: s.Rule.Origin, Entry: s.Rule.Entry, Packets: s.Packets, Bytes: s.Bytes}
+	}
+	return out, nil
+}
+
+// NATStats implements datapath.NATReporter.
+func (b *Backend) NATStats(ctx context.Context) (datapath.NATStats, error) {
+	dp := b.dp.Load()
+	if dp == nil {
+		return emptyStats(), nil
+	}
+	return natStats(ctx, dp)
+}
+
+// NATSummary implements datapath.NATReporter.
+func (b *Backend) NATSummary(ctx context.Context, top int) (datapath.NATSummary, error) {
+	dp := b.dp.Load()
+	if dp == nil {
+		return datapath.NATSummary{}, nil
+	}
+	return natSummary(ctx, dp, top)
+}
+
+// Cleanup implements datapath.Backend: everything the BPF backend installs under the bpffs it
+// was given, and its programs on every device.
+func (b *Backend) Cleanup(ctx context.Context) error {
+	_, err := Cleanup(ctx, b.opts.BPFFS, b.opts.Logger)
+	return err
+}
+
+// Close stops following the uplinks and sweeping, and releases descriptors. Programs, maps and
+// links stay installed.
+func (b *Backend) Close() error {
+	b.stop()
+	b.wg.Wait()
+	var errs []error
+	if dp := b.dp.Load(); dp != nil {
+		errs = append(errs, dp.Close())
+	}
+	errs = append(errs, b.attach.Close())
+	b.resolve.Close()
+	return errors.Join(errs...)
+}
+
+// sweepLoop expires idle NAT entries until ctx ends.
+func (b *Backend) sweepLoop(ctx context.Context) {
+	t := time.NewTicker(b.opts.SweepInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		dp := b.dp.Load()
+		if dp == nil {
+			continue
+		}
+		start := time.Now()
+		res, err := dp.Sweep(bpf.MonotonicNow(), b.opts.Timeouts)
+		if err != nil {
+			b.log.Warn("NAT sweep failed", "error", err)
+			continue
+		}
+		if res.Flows > 0 || res.Orphans > 0 {
+			b.log.Debug("NAT sweep", "flows", res.Flows, "orphanEntries", res.Orphans, "took", time.Since(start))
+		}
+	}
+}

@@ -1,0 +1,89 @@
+package bpfbackend
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
+)
+
+// bpfFSMagic is the statfs magic of a BPF filesystem (BPF_FS_MAGIC).
+const bpfFSMagic = 0xcafe4a11
+
+// CheckBPFFS checks that dir is a writable BPF filesystem.
+func CheckBPFFS(dir string) error {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return fmt.Errorf("--bpffs %s: %w", dir, err)
+	}
+	if uint32(st.Type) != bpfFSMagic {
+		return fmt.Errorf("--bpffs %s is not a BPF filesystem (filesystem magic %#x); mount one there (mount -t bpf bpf %s) or give another --bpffs", dir, uint32(st.Type), dir)
+	}
+	if err := unix.Access(dir, unix.W_OK); err != nil {
+		return fmt.Errorf("--bpffs %s is not writable: %w", dir, err)
+	}
+	return nil
+}
+
+// Removed says what Cleanup removed.
+type Removed struct {
+	// Attachments are our programs it detached, of either mode.
+	Attachments []tc.Attachment
+	// PinDir is the pin directory it removed, empty when there was none.
+	PinDir string
+}
+
+// Cleanup removes everything the BPF backend installs, whatever process installed it and with
+// whatever flags: our programs on every device of the network namespace (tcx links, pinned under
+// bpffs or anywhere else, and clsact filters), then the pins under <bpffs>/ip-masq-agent/
+// (maps, and with them their counters and flows). Traffic keeps flowing, untranslated from then
+// on. Absent state is not an error; running it twice is fine. Pins are touched only when bpffs is
+// a BPF filesystem.
+func Cleanup(ctx context.Context, bpffs string, log *slog.Logger) (Removed, error) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	log = log.With("component", "bpf")
+	var res Removed
+	pinDir := filepath.Join(bpffs, PinDir)
+	removed, err := tc.RemoveAll(ctx, tcOptions(pinDir, log))
+	res.Attachments = removed
+	if err != nil {
+		return res, fmt.Errorf("remove BPF programs: %w", err)
+	}
+	if _, err := os.Stat(pinDir); errors.Is(err, fs.ErrNotExist) {
+		return res, nil
+	}
+	if err := CheckBPFFS(bpffs); err != nil {
+		return res, fmt.Errorf("leave %s alone: %w", pinDir, err)
+	}
+	if err := os.RemoveAll(pinDir); err != nil {
+		return res, fmt.Errorf("remove BPF pins: %w", err)
+	}
+	res.PinDir = pinDir
+	log.Info("BPF datapath removed", "attachments", len(removed), "pins", pinDir)
+	return res, nil
+}
+
+// Cleaner removes the BPF backend's state without loading anything: what another backend uses
+// to displace it (agent.Options.Displace).
+type Cleaner struct {
+	BPFFS  string
+	Logger *slog.Logger
+}
+
+// Name is the backend's name.
+func (c Cleaner) Name() string { return Name }
+
+// Cleanup removes the BPF datapath (see Cleanup).
+func (c Cleaner) Cleanup(ctx context.Context) error {
+	_, err := Cleanup(ctx, c.BPFFS, c.Logger)
+	return err
+}

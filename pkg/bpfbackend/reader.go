@@ -1,0 +1,293 @@
+package bpfbackend
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/uplink"
+)
+
+// Reader reads a BPF datapath pinned under <bpffs>/ip-masq-agent/ from any process, through
+// read-only map descriptors: it never changes what it reads.
+type Reader struct {
+	dp   *bpf.Datapath
+	p    *policy.Policy
+	info datapath.Info
+}
+
+var (
+	_ datapath.Reader      = (*Reader)(nil)
+	_ datapath.NATReporter = (*Reader)(nil)
+)
+
+// OpenReader opens what is pinned under bpffs, or returns nil and no error when nothing is.
+// p, the configuration the reader is given (nil when it has none), says which configured rule
+// each installed one is.
+func OpenReader(bpffs string, p *policy.Policy) (*Reader, error) {
+	dir := filepath.Join(bpffs, PinDir)
+	entries, err := os.ReadDir(dir)
+	if errors.Is(err, fs.ErrNotExist) || err == nil && len(entries) == 0 {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read BPF pins: %w", err)
+	}
+	if err := CheckBPFFS(bpffs); err != nil {
+		return nil, fmt.Errorf("read the BPF datapath pinned under %s: %w", dir, err)
+	}
+	dp, err := bpf.OpenPinnedReadOnly(dir)
+	if err != nil {
+		return nil, fmt.Errorf("read the BPF datapath pinned under %s: %w", dir, err)
+	}
+	// tcx links are pinned; clsact filters are not.
+	mode := tc.ModeTC
+	if links, err := os.ReadDir(filepath.Join(dir, LinkDir)); err == nil && len(links) > 0 {
+		mode = tc.ModeTCX
+	}
+	return &Reader{dp: dp, p: p, info: readInfo(dp, dir, mode)}, nil
+}
+
+// Close releases the descriptors.
+func (r *Reader) Close() error { return r.dp.Close() }
+
+// Info implements datapath.InfoReporter: the attach mode as the pins tell it, and the uplinks
+// the maps held when the reader was opened.
+func (r *Reader) Info() datapath.Info { return r.info }
+
+// readInfo reads what Info reports.
+func readInfo(dp *bpf.Datapath, pinDir, mode string) datapath.Info {
+	s := "maps pinned under " + pinDir
+	var ups []string
+	var idx uint32
+	var val []byte
+	it := dp.Maps()["uplink_snat"].Iterate()
+	for it.Next(&idx, &val) {
+		u, ok, err := dp.Uplink(int(idx))
+		if err != nil || !ok {
+			continue
+		}
+		ul := uplink.Uplink{Name: "?", Index: int(idx), IPv4: u.IPv4, IPv6: u.IPv6}
+		if ifc, err := net.InterfaceByIndex(int(idx)); err == nil {
+			ul.Name = ifc.Name
+		}
+		ups = append(ups, ul.String())
+	}
+	if len(ups) > 0 {
+		slices.Sort(ups)
+		s += "; uplinks " + strings.Join(ups, ", ")
+	}
+	return datapath.Info{Backend: Name, AttachMode: mode, Details: s}
+}
+
+// Counters implements datapath.Reader: the installed rules with their counters, mapped to the
+// configuration's rules by family, prefix, action and origin (identical rules in order);
+// installed rules the configuration lacks follow those of their family with Rule 0.
+func (r *Reader) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	installed, err := r.dp.InstalledRules()
+	if err != nil {
+		return nil, err
+	}
+	type key struct {
+		fam    policy.Family
+		prefix netip.Prefix
+		action policy.Action
+		origin policy.Origin
+		dup    int
+	}
+	byKey := map[key]bpf.InstalledRule{}
+	for _, ir := range installed {
+		byKey[key{ir.Family, ir.Prefix, ir.Action, ir.Origin, ir.Dup}] = ir
+	}
+	var out []datapath.RuleCounter
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		if r.p != nil && (fam == policy.IPv4 || r.p.EnableIPv6) {
+			seen := map[key]int{}
+			for _, rule := range r.p.Rules(fam) {
+				k := key{fam, rule.Prefix, rule.Action, rule.Origin, 0}
+				k.dup = seen[k]
+				seen[k]++
+				ir, ok := byKey[k]
+				if !ok {
+					continue // not installed (yet): left out rather than shown as zero
+				}
+				delete(byKey, k)
+				out = append(out, datapath.RuleCounter{Family: fam, Rule: rule.Number, Prefix: rule.Prefix,
+					Action: rule.Action, Origin: rule.Origin, Entry: rule.Entry, Packets: ir.Packets, Bytes: ir.Bytes})
+			}
+		}
+		for _, ir := range installed {
+			k := key{ir.Family, ir.Prefix, ir.Action, ir.Origin, ir.Dup}
+			if _, ok := byKey[k]; !ok || ir.Family != fam {
+				continue
+			}
+			out = append(out, datapath.RuleCounter{Family: fam, Rule: 0, Prefix: ir.Prefix, Action: ir.Action,
+				Origin: ir.Origin, Entry: -1, Packets: ir.Packets, Bytes: ir.Bytes})
+		}
+	}
+	return out, nil
+}
+
+// NATStats implements datapath.NATReporter.
+func (r *Reader) NATStats(ctx context.Context) (datapath.NATStats, error) {
+	return natStats(ctx, r.dp)
+}
+
+// NATSummary implements datapath.NATReporter.
+func (r *Reader) NATSummary(ctx context.Context, top int) (datapath.NATSummary, error) {
+	return natSummary(ctx, r.dp, top)
+}
+
+// dropEvents maps the datapath's drop events to the reasons of NATStats.Drops.
+var dropEvents = map[string]bpf.Event{
+	datapath.DropNoPort: bpf.EventDropNoPort, datapath.DropNoAddr: bpf.EventDropNoAddr,
+	datapath.DropRewrite: bpf.EventDropRewrite,
+}
+
+func emptyStats() datapath.NATStats {
+	st := datapath.NATStats{Drops: map[string]uint64{}, Swept: map[string]uint64{}}
+	for reason := range dropEvents {
+		st.Drops[reason] = 0
+	}
+	return st
+}
+
+func natStats(ctx context.Context, dp *bpf.Datapath) (datapath.NATStats, error) {
+	st := emptyStats()
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		var byProto [256]uint64
+		if err := dp.NATEntries(fam, func(e bpf.NATEntry) bool {
+			byProto[e.Proto]++
+			return ctx.Err() == nil
+		}); err != nil {
+			return datapath.NATStats{}, err
+		}
+		if err := ctx.Err(); err != nil {
+			return datapath.NATStats{}, err
+		}
+		counts := map[string]uint64{}
+		for proto, n := range byProto {
+			if n > 0 {
+				counts[datapath.ProtocolName(uint8(proto))] += n
+			}
+		}
+		for _, name := range sortedNames(counts) {
+			st.Entries = append(st.Entries, datapath.NATEntries{Family: fam, Protocol: name, Entries: counts[name]})
+		}
+	}
+	ev, err := dp.EventCounts()
+	if err != nil {
+		return datapath.NATStats{}, err
+	}
+	st.PortAllocationRetries = ev[bpf.EventPortRetry]
+	st.PortAllocationFailures = ev[bpf.EventDropNoPort]
+	for reason, e := range dropEvents {
+		st.Drops[reason] = ev[e]
+	}
+	swept, err := dp.SweptEntries()
+	if err != nil {
+		return datapath.NATStats{}, err
+	}
+	for proto, n := range swept {
+		st.Swept[datapath.ProtocolName(proto)] += n
+	}
+	return st, nil
+}
+
+func sortedNames(m map[string]uint64) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// natSummary counts entries by family, protocol and state (a flow's two halves count in its
+// state; a half without its partner by its own flags), and the remote endpoints with the most.
+func natSummary(ctx context.Context, dp *bpf.Datapath, top int) (datapath.NATSummary, error) {
+	type stateKey struct {
+		fam   policy.Family
+		proto string
+		state string
+	}
+	type halfKey struct {
+		proto    uint8
+		src, dst netip.AddrPort
+	}
+	type remoteKey struct {
+		proto    string
+		endpoint netip.AddrPort
+	}
+	states := map[stateKey]uint64{}
+	remotes := map[remoteKey]uint64{}
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		paired := map[halfKey]bool{}
+		if err := dp.Flows(fam, func(f bpf.Flow) bool {
+			n := uint64(1)
+			if !f.Partial {
+				n = 2
+				paired[halfKey{f.Ingress.Proto, f.Ingress.Src, f.Ingress.Dst}] = true
+			}
+			proto := datapath.ProtocolName(f.Egress.Proto)
+			states[stateKey{fam, proto, f.State.String()}] += n
+			remotes[remoteKey{proto, f.Egress.Dst}] += n
+			return ctx.Err() == nil
+		}); err != nil {
+			return datapath.NATSummary{}, err
+		}
+		// Ingress halves whose egress half is gone.
+		if err := dp.NATEntries(fam, func(e bpf.NATEntry) bool {
+			if e.Dir != bpf.Ingress || paired[halfKey{e.Proto, e.Src, e.Dst}] {
+				return ctx.Err() == nil
+			}
+			state := bpf.StateUnreplied
+			if e.Flags&(bpf.FlagFIN|bpf.FlagRST) != 0 {
+				state = bpf.StateClosing
+			}
+			proto := datapath.ProtocolName(e.Proto)
+			states[stateKey{fam, proto, state.String()}]++
+			remotes[remoteKey{proto, e.Src}]++
+			return ctx.Err() == nil
+		}); err != nil {
+			return datapath.NATSummary{}, err
+		}
+		if err := ctx.Err(); err != nil {
+			return datapath.NATSummary{}, err
+		}
+	}
+	var sum datapath.NATSummary
+	for k, n := range states {
+		sum.Entries = append(sum.Entries, datapath.NATEntries{Family: k.fam, Protocol: k.proto, State: k.state, Entries: n})
+	}
+	slices.SortFunc(sum.Entries, func(a, b datapath.NATEntries) int {
+		return cmp.Or(cmp.Compare(a.Family, b.Family), cmp.Compare(a.Protocol, b.Protocol), cmp.Compare(a.State, b.State))
+	})
+	if top > 0 {
+		for k, n := range remotes {
+			sum.Busiest = append(sum.Busiest, datapath.RemoteEndpoint{Protocol: k.proto, Endpoint: k.endpoint, Entries: n})
+		}
+		slices.SortFunc(sum.Busiest, func(a, b datapath.RemoteEndpoint) int {
+			return cmp.Or(cmp.Compare(b.Entries, a.Entries), cmp.Compare(a.Protocol, b.Protocol), a.Endpoint.Compare(b.Endpoint))
+		})
+		if len(sum.Busiest) > top {
+			sum.Busiest = sum.Busiest[:top]
+		}
+	}
+	return sum, nil
+}

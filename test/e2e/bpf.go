@@ -1,0 +1,399 @@
+package e2e
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
+)
+
+// BPFBackend is the BPF datapath with its programs attached in mode (tc.ModeTCX or tc.ModeTC).
+// Prepare mounts a BPF filesystem of the test's own (ip netns exec remounts /sys, and tests
+// never use the host's /sys/fs/bpf) and gives it to the agent, dump and cleanup as --bpffs.
+// Verify reads the pinned maps and the uplink's attachments back and compares them with the
+// policy of the last good configuration.
+func BPFBackend(mode string) Backend {
+	return Backend{
+		Name:  "bpf-" + mode,
+		Flags: []string{"--backend=bpf", "--attach-mode=" + mode},
+		Tools: []string{"iptables-nft-save", "iptables-legacy-save", "ip6tables-nft-save", "ip6tables-legacy-save"},
+		Info:  datapath.Info{Backend: bpfbackend.Name, AttachMode: mode},
+		NAT:   true,
+		Prepare: func(ctx context.Context, t testing.TB, env *Env) {
+			t.Helper()
+			env.AgentFlags = append(env.AgentFlags, "--bpffs="+MountBPFFS(t))
+		},
+		Verify: func(ctx context.Context, t testing.TB, env *Env) {
+			t.Helper()
+			verifyBPF(ctx, t, env, mode)
+		},
+		Gone: func(ctx context.Context, t testing.TB, env *Env) {
+			t.Helper()
+			if s := bpfLeft(t, env); s != "" {
+				t.Errorf("BPF state left: %s", s)
+			}
+		},
+		Drift: func(ctx context.Context, t testing.TB, env *Env) {
+			t.Helper()
+			driftBPF(t, env, mode)
+		},
+	}
+}
+
+// MountBPFFS mounts a BPF filesystem in a temporary directory and unmounts it when the test ends
+// (after the agent is gone: cleanups run in reverse order).
+func MountBPFFS(t testing.TB) string {
+	t.Helper()
+	dir := t.TempDir()
+	if err := unix.Mount("bpffs", dir, "bpf", 0, "mode=0700"); err != nil {
+		t.Fatalf("mount bpffs at %s: %v", dir, err)
+	}
+	t.Cleanup(func() {
+		if err := unix.Unmount(dir, 0); err != nil {
+			t.Errorf("unmount bpffs at %s: %v", dir, err)
+		}
+	})
+	return dir
+}
+
+// BPFFS is the --bpffs the env's Prepare set, or "".
+func (e *Env) BPFFS() string {
+	for _, f := range e.AgentFlags {
+		if v, ok := strings.CutPrefix(f, "--bpffs="); ok {
+			return v
+		}
+	}
+	return ""
+}
+
+// PinDir is where the agent pins its maps.
+func (e *Env) PinDir() string { return filepath.Join(e.BPFFS(), bpfbackend.PinDir) }
+
+// GoodPolicy compiles the last good configuration with the env's policy flags.
+func (e *Env) GoodPolicy(t testing.TB) *policy.Policy {
+	t.Helper()
+	copts := config.Options{EnableIPv6: e.FlagSet("enable-ipv6"), NoMasqAllReservedRanges: e.FlagSet("nomasq-all-reserved-ranges")}
+	cfg := config.Default(copts)
+	if !e.GoodNoFile {
+		var err error
+		if cfg, err = config.Parse([]byte(e.Good), copts); err != nil {
+			t.Fatalf("the last good configuration does not parse: %v", err)
+		}
+	}
+	ports, err := policy.ParsePortRanges(e.FlagValue("to-ports", ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return policy.Compile(cfg, policy.Options{EnableIPv6: copts.EnableIPv6,
+		RandomFully: e.FlagValue("random-fully", "true") == "true", ToPorts: ports})
+}
+
+// Attached is a program on a device hook, as the kernel reports it.
+type Attached struct {
+	Mode, Dir, Name string
+}
+
+// UplinkPrograms lists the programs attached to the node's uplink, by tcx and by tc filters,
+// and whether the uplink has a clsact qdisc.
+func (e *Env) UplinkPrograms(t testing.TB) ([]Attached, bool) {
+	t.Helper()
+	var out []Attached
+	clsact := false
+	err := Do(e.Node, func() error {
+		ifc, err := net.InterfaceByName(Uplink)
+		if err != nil {
+			return err
+		}
+		for _, d := range []struct {
+			name string
+			typ  ebpf.AttachType
+			tc   uint32
+		}{{"egress", ebpf.AttachTCXEgress, netlink.HANDLE_MIN_EGRESS}, {"ingress", ebpf.AttachTCXIngress, netlink.HANDLE_MIN_INGRESS}} {
+			res, err := link.QueryPrograms(link.QueryOptions{Target: ifc.Index, Attach: d.typ})
+			if err != nil && !errors.Is(err, ebpf.ErrNotSupported) {
+				return fmt.Errorf("query tcx %s: %w", d.name, err)
+			}
+			if res != nil {
+				for _, p := range res.Programs {
+					out = append(out, Attached{tc.ModeTCX, d.name, programName(p.ID)})
+				}
+			}
+			l, err := netlink.LinkByIndex(ifc.Index)
+			if err != nil {
+				return err
+			}
+			fs, err := netlink.FilterList(l, d.tc)
+			if err != nil && !errors.Is(err, unix.EINVAL) {
+				return fmt.Errorf("list tc filters %s: %w", d.name, err)
+			}
+			for _, f := range fs {
+				name := f.Type()
+				if bf, ok := f.(*netlink.BpfFilter); ok {
+					name = programName(ebpf.ProgramID(bf.Id))
+				}
+				out = append(out, Attached{tc.ModeTC, d.name, name})
+			}
+			qs, err := netlink.QdiscList(l)
+			if err != nil {
+				return err
+			}
+			clsact = clsact || slices.ContainsFunc(qs, func(q netlink.Qdisc) bool { return q.Type() == "clsact" })
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("read the uplink's programs: %v", err)
+	}
+	return out, clsact
+}
+
+func programName(id ebpf.ProgramID) string {
+	p, err := ebpf.NewProgramFromID(id)
+	if err != nil {
+		return fmt.Sprintf("program %d (%v)", id, err)
+	}
+	defer p.Close()
+	info, err := p.Info()
+	if err != nil {
+		return fmt.Sprintf("program %d (%v)", id, err)
+	}
+	return info.Name
+}
+
+// TriePrefixes reads the prefixes of a pinned LPM trie, straight from its bytes (prefixlen, then
+// the address in network order), independently of the engine's decoding.
+func TriePrefixes(t testing.TB, path string) []netip.Prefix {
+	t.Helper()
+	m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		t.Fatalf("open %s: %v", path, err)
+	}
+	defer m.Close()
+	var out []netip.Prefix
+	var k, v []byte
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		addr, ok := netip.AddrFromSlice(k[4:])
+		if !ok {
+			t.Fatalf("%s: key %x", path, k)
+		}
+		out = append(out, netip.PrefixFrom(addr, int(binary.NativeEndian.Uint32(k[:4]))))
+	}
+	if err := it.Err(); err != nil {
+		t.Fatalf("read %s: %v", path, err)
+	}
+	slices.SortFunc(out, func(a, b netip.Prefix) int { return strings.Compare(a.String(), b.String()) })
+	return out
+}
+
+// verifyBPF checks the installed BPF datapath against the policy of the env's last good
+// configuration: the tries hold exactly its prefixes, every rule has its counter slot, the
+// uplink has its SNAT addresses and exactly our two programs in mode, and no iptables chain of
+// the agent is left in either mode.
+func verifyBPF(ctx context.Context, t testing.TB, env *Env, mode string) {
+	t.Helper()
+	p := env.GoodPolicy(t)
+	want := map[string][]netip.Prefix{}
+	type ruleKey struct {
+		fam    policy.Family
+		prefix netip.Prefix
+		action policy.Action
+		origin policy.Origin
+	}
+	wantRules := map[ruleKey]bool{}
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		masq, nomasq := "masq_v4", "nomasq_v4"
+		if fam == policy.IPv6 {
+			masq, nomasq = "masq_v6", "nomasq_v6"
+		}
+		want[masq], want[nomasq] = []netip.Prefix{}, []netip.Prefix{}
+		if fam == policy.IPv6 && !p.EnableIPv6 {
+			continue
+		}
+		rules := p.Rules(fam)
+		for i, r := range rules {
+			wantRules[ruleKey{fam, r.Prefix, r.Action, r.Origin}] = true
+			if r.Origin == policy.OriginOutbound && i == len(rules)-1 {
+				continue // the fallback lives in nat_config
+			}
+			name := nomasq
+			if r.Action == policy.Masquerade {
+				name = masq
+			}
+			if !slices.Contains(want[name], r.Prefix) {
+				want[name] = append(want[name], r.Prefix)
+			}
+		}
+	}
+	for name, prefixes := range want {
+		slices.SortFunc(prefixes, func(a, b netip.Prefix) int { return strings.Compare(a.String(), b.String()) })
+		got := TriePrefixes(t, filepath.Join(env.PinDir(), name))
+		if !slices.Equal(got, prefixes) {
+			t.Errorf("%s holds %v, want %v", name, got, prefixes)
+		}
+	}
+
+	r, err := bpf.OpenPinnedReadOnly(env.PinDir())
+	if err != nil {
+		t.Fatalf("open the pins: %v", err)
+	}
+	defer r.Close()
+	rules, err := r.InstalledRules()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[ruleKey]bool{}
+	for _, ir := range rules {
+		got[ruleKey{ir.Family, ir.Prefix, ir.Action, ir.Origin}] = true
+	}
+	for k := range wantRules {
+		if !got[k] {
+			t.Errorf("rule %v has no counter slot", k)
+		}
+	}
+	for k := range got {
+		if !wantRules[k] {
+			t.Errorf("a counter slot is left for %v, which the policy does not have", k)
+		}
+	}
+
+	var ifindex int
+	if err := Do(env.Node, func() error {
+		ifc, err := net.InterfaceByName(Uplink)
+		if err == nil {
+			ifindex = ifc.Index
+		}
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	u, ok, err := r.Uplink(ifindex)
+	wantUplink := bpf.Uplink{IPv4: NodeAddr4}
+	if p.EnableIPv6 {
+		wantUplink.IPv6 = NodeAddr6
+	}
+	if err != nil || !ok || u != wantUplink {
+		t.Errorf("uplink_snat of %s: %+v %v %v, want %+v", Uplink, u, ok, err, wantUplink)
+	}
+
+	progs, _ := env.UplinkPrograms(t)
+	wantProgs := []Attached{{mode, "egress", "tc_egress"}, {mode, "ingress", "tc_ingress"}}
+	if !slices.Equal(progs, wantProgs) {
+		t.Errorf("programs on %s: %v, want %v", Uplink, progs, wantProgs)
+	}
+
+	// Exclusive: nothing of the iptables backend.
+	for _, m := range []iptables.Mode{iptables.ModeNFT, iptables.ModeLegacy} {
+		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+			if s := installed(ctx, t, env, m, fam); s != "" {
+				t.Errorf("the BPF backend runs, but iptables-%s %s holds:\n%s", m, fam, s)
+			}
+		}
+	}
+}
+
+// bpfLeft describes what of the BPF backend is left in the node: programs or filters on the
+// uplink, a clsact qdisc, pins. Empty when nothing is.
+func bpfLeft(t testing.TB, env *Env) string {
+	t.Helper()
+	var left []string
+	progs, clsact := env.UplinkPrograms(t)
+	for _, p := range progs {
+		left = append(left, fmt.Sprintf("%s %s program %s on %s", p.Mode, p.Dir, p.Name, Uplink))
+	}
+	if clsact {
+		left = append(left, "a clsact qdisc on "+Uplink)
+	}
+	if env.BPFFS() != "" {
+		entries, err := os.ReadDir(env.PinDir())
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			t.Fatal(err)
+		}
+		for _, e := range entries {
+			left = append(left, "pin "+e.Name())
+		}
+	}
+	return strings.Join(left, "; ")
+}
+
+// driftBPF damages the datapath as an admin might: the egress program is detached from the
+// uplink, and 10.0.0.0/8 is deleted from the non-masquerade trie.
+func driftBPF(t testing.TB, env *Env, mode string) {
+	t.Helper()
+	err := Do(env.Node, func() error {
+		ifc, err := net.InterfaceByName(Uplink)
+		if err != nil {
+			return err
+		}
+		if mode == tc.ModeTC {
+			l, err := netlink.LinkByIndex(ifc.Index)
+			if err != nil {
+				return err
+			}
+			fs, err := netlink.FilterList(l, netlink.HANDLE_MIN_EGRESS)
+			if err != nil {
+				return err
+			}
+			for _, f := range fs {
+				if err := netlink.FilterDel(f); err != nil {
+					return fmt.Errorf("delete tc filter: %w", err)
+				}
+			}
+			return nil
+		}
+		res, err := link.QueryPrograms(link.QueryOptions{Target: ifc.Index, Attach: ebpf.AttachTCXEgress})
+		if err != nil {
+			return err
+		}
+		for _, p := range res.Programs {
+			id, ok := p.LinkID()
+			if !ok {
+				continue
+			}
+			l, err := link.NewFromID(id)
+			if err != nil {
+				return err
+			}
+			err = l.Detach()
+			l.Close()
+			if err != nil {
+				return fmt.Errorf("detach tcx link %d: %w", id, err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("drift: %v", err)
+	}
+	m, err := ebpf.LoadPinnedMap(filepath.Join(env.PinDir(), "nomasq_v4"), nil)
+	if err != nil {
+		t.Fatalf("drift: %v", err)
+	}
+	defer m.Close()
+	key := make([]byte, 8)
+	binary.NativeEndian.PutUint32(key, 8)
+	copy(key[4:], []byte{10, 0, 0, 0})
+	if err := m.Delete(key); err != nil {
+		t.Fatalf("drift: delete 10.0.0.0/8 from nomasq_v4: %v", err)
+	}
+}
