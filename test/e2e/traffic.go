@@ -1,0 +1,262 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+)
+
+// Traffic helpers beyond the one-shot probes: a second pod, long-lived connections, an echo
+// server that answers every line and echoes datagrams whole, and the external host's routes
+// back to the pods (without them, only masqueraded traffic is answered).
+
+// LinePort is where StartLineEcho listens.
+const LinePort = 7778
+
+// AddPod adds a pod namespace behind the node, on its own /24 and /64 of the pod networks
+// (index 2 and up; the topology's pod is 1), and returns the namespace and its addresses.
+func (tp *Topology) AddPod(ctx context.Context, t testing.TB, index int) (ns string, addr4, addr6 netip.Addr) {
+	t.Helper()
+	ns = testutil.NewNetns(t)
+	addr4 = netip.AddrFrom4([4]byte{10, 244, byte(index), 2})
+	addr6 = netip.MustParseAddr(fmt.Sprintf("fd00:10:244:%x::2", index))
+	gw4 := netip.AddrFrom4([4]byte{10, 244, byte(index), 1})
+	gw6 := netip.MustParseAddr(fmt.Sprintf("fd00:10:244:%x::1", index))
+	if err := WriteSysctl(ns, "net.ipv6.conf.all.accept_dad", "0"); err != nil {
+		t.Fatal(err)
+	}
+	dev := fmt.Sprintf("pod%d", index)
+	if err := IPBatch(ctx, tp.Node, fmt.Sprintf(`link add %s type veth peer name eth0 netns %s
+addr add %s/24 dev %s
+addr add %s/64 dev %s nodad
+link set %s up
+`, dev, ns, gw4, dev, gw6, dev, dev)); err != nil {
+		t.Fatalf("add pod: %v", err)
+	}
+	if err := IPBatch(ctx, ns, fmt.Sprintf(`link set lo up
+addr add %s/24 dev eth0
+addr add %s/64 dev eth0 nodad
+link set eth0 up
+route add default via %s dev eth0
+route add default via %s dev eth0
+`, addr4, addr6, gw4, gw6)); err != nil {
+		t.Fatalf("add pod: %v", err)
+	}
+	return ns, addr4, addr6
+}
+
+// CutReturnRoutes removes the external host's routes to the pod networks: from then on a flow
+// that keeps its pod address gets no answer, so every answer proves a masquerade (and its
+// translation back). RestoreReturnRoutes puts them back.
+func (tp *Topology) CutReturnRoutes(ctx context.Context, t testing.TB) {
+	t.Helper()
+	if err := IPBatch(ctx, tp.Ext, fmt.Sprintf("route del %s\nroute del %s\n", PodNet4, PodNet6)); err != nil {
+		t.Fatalf("cut return routes: %v", err)
+	}
+}
+
+// RestoreReturnRoutes undoes CutReturnRoutes.
+func (tp *Topology) RestoreReturnRoutes(ctx context.Context, t testing.TB) {
+	t.Helper()
+	if err := IPBatch(ctx, tp.Ext, fmt.Sprintf("route add %s via %s dev eth0\nroute add %s via %s dev eth0\n",
+		PodNet4, NodeAddr4, PodNet6, NodeAddr6)); err != nil {
+		t.Fatalf("restore return routes: %v", err)
+	}
+}
+
+// StartLineEcho starts, inside ns and on every address, a TCP server that answers each line
+// with "from SRC LINE" and a UDP server that answers each datagram with "from SRC\n" followed by
+// the datagram itself (so that a large datagram gets an equally large answer). The servers stop
+// when the test ends.
+func StartLineEcho(t testing.TB, ns string, addrs []netip.Addr) {
+	t.Helper()
+	var closers []func() error
+	var wg sync.WaitGroup
+	t.Cleanup(func() {
+		for _, c := range closers {
+			_ = c()
+		}
+		wg.Wait()
+	})
+	err := Do(ns, func() error {
+		ln, err := net.Listen("tcp", fmt.Sprintf(":%d", LinePort))
+		if err != nil {
+			return err
+		}
+		var mu sync.Mutex
+		conns := map[net.Conn]bool{}
+		closers = append(closers, ln.Close, func() error {
+			mu.Lock()
+			defer mu.Unlock()
+			for c := range conns {
+				c.Close()
+			}
+			return nil
+		})
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				mu.Lock()
+				conns[c] = true
+				mu.Unlock()
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					defer c.Close()
+					sc := bufio.NewScanner(c)
+					for sc.Scan() {
+						if _, err := fmt.Fprintf(c, "from %s %s\n", c.RemoteAddr(), sc.Text()); err != nil {
+							return
+						}
+					}
+				}()
+			}
+		}()
+		for _, a := range addrs {
+			pc, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(a, LinePort)))
+			if err != nil {
+				return err
+			}
+			closers = append(closers, pc.Close)
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				buf := make([]byte, 65536)
+				for {
+					n, from, err := pc.ReadFromUDPAddrPort(buf)
+					if err != nil {
+						return
+					}
+					reply := append([]byte(fmt.Sprintf("from %s\n", from)), buf[:n]...)
+					_, _ = pc.WriteToUDPAddrPort(reply, from)
+				}
+			}()
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("line echo in %s: %v", ns, err)
+	}
+}
+
+// Conn is a TCP connection to a StartLineEcho server, held open across steps of a test.
+type Conn struct {
+	c  net.Conn
+	rd *bufio.Reader
+}
+
+// DialLine connects from local (an address of ns; port 0 picks one) to the line echo server
+// at dst.
+func DialLine(ctx context.Context, ns string, local netip.AddrPort, dst netip.Addr) (*Conn, error) {
+	var c net.Conn
+	err := Do(ns, func() error {
+		d := net.Dialer{Timeout: probeWindow}
+		if local.IsValid() {
+			d.LocalAddr = net.TCPAddrFromAddrPort(local)
+		}
+		var err error
+		c, err = d.DialContext(ctx, "tcp", netip.AddrPortFrom(dst, LinePort).String())
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("connect %s -> %s:%d: %w", local, dst, LinePort, err)
+	}
+	return &Conn{c: c, rd: bufio.NewReader(c)}, nil
+}
+
+// Exchange sends a line and returns the source the server saw.
+func (c *Conn) Exchange(line string) (netip.AddrPort, error) {
+	if err := c.c.SetDeadline(time.Now().Add(probeWindow)); err != nil {
+		return netip.AddrPort{}, err
+	}
+	if _, err := fmt.Fprintln(c.c, line); err != nil {
+		return netip.AddrPort{}, fmt.Errorf("send %q: %w", line, err)
+	}
+	reply, err := c.rd.ReadString('\n')
+	if err != nil {
+		return netip.AddrPort{}, fmt.Errorf("answer to %q: %w", line, err)
+	}
+	f := strings.Fields(reply)
+	if len(f) != 3 || f[0] != "from" || f[2] != line {
+		return netip.AddrPort{}, fmt.Errorf("answer to %q: %q", line, reply)
+	}
+	ap, err := netip.ParseAddrPort(f[1])
+	if err != nil {
+		return netip.AddrPort{}, fmt.Errorf("answer to %q: %w", line, err)
+	}
+	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), nil
+}
+
+// Local is the connection's own address and port.
+func (c *Conn) Local() netip.AddrPort { return c.c.LocalAddr().(*net.TCPAddr).AddrPort() }
+
+// Close closes the connection.
+func (c *Conn) Close() error { return c.c.Close() }
+
+// BigDatagram sends one UDP datagram of size bytes from ns to the line echo server at dst and
+// returns the source the server saw; the answer must carry the datagram back intact.
+func BigDatagram(ctx context.Context, ns string, dst netip.Addr, size int) (netip.AddrPort, error) {
+	payload := make([]byte, size)
+	for i := range payload {
+		payload[i] = byte('a' + i%26)
+	}
+	var src netip.AddrPort
+	err := Do(ns, func() error {
+		ctx, cancel := context.WithTimeout(ctx, probeWindow)
+		defer cancel()
+		c, err := (&net.Dialer{}).DialContext(ctx, "udp", netip.AddrPortFrom(dst, LinePort).String())
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		deadline, _ := ctx.Deadline()
+		buf := make([]byte, 65536)
+		// Ask again now and then: the first fragments may meet unresolved neighbours.
+		for {
+			if _, err := c.Write(payload); err != nil {
+				return err
+			}
+			next := time.Now().Add(300 * time.Millisecond)
+			if next.After(deadline) {
+				next = deadline
+			}
+			if err := c.SetReadDeadline(next); err != nil {
+				return err
+			}
+			n, err := c.Read(buf)
+			if err != nil {
+				if ne, ok := err.(net.Error); ok && ne.Timeout() && time.Now().Before(deadline) {
+					continue
+				}
+				return err
+			}
+			head, body, ok := strings.Cut(string(buf[:n]), "\n")
+			if !ok || body != string(payload) {
+				return fmt.Errorf("answer of %d bytes does not carry the datagram back", n)
+			}
+			ap, err := netip.ParseAddrPort(strings.TrimPrefix(head, "from "))
+			if err != nil {
+				return err
+			}
+			src = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+			return nil
+		}
+	})
+	if err != nil {
+		return src, fmt.Errorf("udp datagram of %d bytes to %s: %w", size, dst, err)
+	}
+	return src, nil
+}
