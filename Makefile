@@ -34,8 +34,9 @@ e2e: deps build
 unit:
 	$(GO) test -count=1 -short ./...
 
-## demo: a throwaway namespace sandbox (two pods, the node running the agent, an external host)
-DEMO_BACKEND ?= iptables
+## demo: a throwaway namespace sandbox (two pods, the node running the agent, an external host);
+## DEMO_BACKEND=iptables shows the fallback datapath
+DEMO_BACKEND ?= bpf
 demo: deps build
 	$(GO) run ./test/demo -bin $(BIN) -backend $(DEMO_BACKEND)
 
