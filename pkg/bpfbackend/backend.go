@@ -94,6 +94,9 @@ type Backend struct {
 
 	mu      sync.Mutex // guards what Apply publishes for Info
 	uplinks []uplink.Uplink
+
+	// missing are the --interfaces devices the last Apply did not find (only Apply uses it).
+	missing []string
 }
 
 var (
@@ -138,7 +141,7 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 		return nil, fmt.Errorf("attach mode %q: must be auto, %s or %s", mode, tc.ModeTCX, tc.ModeTC)
 	}
 	pinDir := filepath.Join(opts.BPFFS, PinDir)
-	attach, err := tc.NewManager(mode, tcOptions(pinDir, log))
+	attach, err := tc.NewManager(mode, tcOptions(pinDir, opts.Logger))
 	if err != nil {
 		return nil, err
 	}
@@ -261,9 +264,10 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	if err != nil {
 		return err
 	}
-	if len(set.Missing) > 0 {
+	if len(set.Missing) > 0 && !slices.Equal(set.Missing, b.missing) {
 		b.log.Warn("uplinks named by --interfaces do not exist (yet); they are attached when they appear", "missing", set.Missing)
 	}
+	b.missing = set.Missing
 	if len(set.Uplinks) == 0 {
 		if len(b.opts.Interfaces) > 0 {
 			return fmt.Errorf("no uplink: none of --interfaces %s exists", strings.Join(b.opts.Interfaces, ","))

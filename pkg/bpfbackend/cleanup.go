@@ -50,10 +50,10 @@ func Cleanup(ctx context.Context, bpffs string, log *slog.Logger) (Removed, erro
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	log = log.With("component", "bpf")
 	var res Removed
 	pinDir := filepath.Join(bpffs, PinDir)
 	removed, err := tc.RemoveAll(ctx, tcOptions(pinDir, log))
+	log = log.With("component", "bpf")
 	res.Attachments = removed
 	if err != nil {
 		return res, fmt.Errorf("remove BPF programs: %w", err)

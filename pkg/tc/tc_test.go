@@ -180,7 +180,9 @@ func TestProbe(t *testing.T) {
 	// This only checks the probe against the kernel it runs on; the probe itself never looks
 	// at the version.
 	var major, minor int
-	fmt.Sscanf(unix.ByteSliceToString(uts.Release[:]), "%d.%d", &major, &minor)
+	if _, err := fmt.Sscanf(unix.ByteSliceToString(uts.Release[:]), "%d.%d", &major, &minor); err != nil {
+		t.Fatalf("kernel release: %v", err)
+	}
 	if want := major > 6 || major == 6 && minor >= 6; (mode == ModeTCX) != want {
 		t.Errorf("probe says %s on Linux %d.%d", mode, major, minor)
 	}

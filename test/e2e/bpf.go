@@ -117,10 +117,16 @@ type Attached struct {
 // and whether the uplink has a clsact qdisc.
 func (e *Env) UplinkPrograms(t testing.TB) ([]Attached, bool) {
 	t.Helper()
+	return e.DevicePrograms(t, Uplink)
+}
+
+// DevicePrograms is UplinkPrograms for any device of the node.
+func (e *Env) DevicePrograms(t testing.TB, dev string) ([]Attached, bool) {
+	t.Helper()
 	var out []Attached
 	clsact := false
 	err := Do(e.Node, func() error {
-		ifc, err := net.InterfaceByName(Uplink)
+		ifc, err := net.InterfaceByName(dev)
 		if err != nil {
 			return err
 		}
@@ -162,7 +168,7 @@ func (e *Env) UplinkPrograms(t testing.TB) ([]Attached, bool) {
 		return nil
 	})
 	if err != nil {
-		t.Fatalf("read the uplink's programs: %v", err)
+		t.Fatalf("read the programs of %s: %v", dev, err)
 	}
 	return out, clsact
 }

@@ -5,11 +5,17 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
@@ -326,4 +332,179 @@ func TestBackendSwitch(t *testing.T) {
 func lastLine(s string) string {
 	lines := strings.Split(strings.TrimSpace(s), "\n")
 	return lines[len(lines)-1]
+}
+
+// TestBPFLayoutChange: without --enable-ipv6 the IPv6 NAT table is small; a restart with
+// --enable-ipv6 says that its layout changed and replaces that map only, so a held IPv4 flow
+// keeps working (same address and port) and IPv6 is masqueraded from then on.
+func TestBPFLayoutChange(t *testing.T) {
+	b := BPFBackend(tc.ModeTCX)
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+	defer cancel()
+	env := bpfEnv(ctx, t, b)
+	StartLineEcho(t, env.Ext, []netip.Addr{public4})
+	env.CutReturnRoutes(ctx, t)
+	natV6 := func() uint32 {
+		t.Helper()
+		m, err := ebpf.LoadPinnedMap(filepath.Join(env.PinDir(), "nat_v6"), &ebpf.LoadPinOptions{ReadOnly: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer m.Close()
+		return m.MaxEntries()
+	}
+	if n := natV6(); n >= 1<<16 {
+		t.Errorf("without IPv6 the IPv6 NAT table has %d entries", n)
+	}
+	c, err := DialLine(ctx, env.Pod, netip.AddrPort{}, public4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	before, err := c.Exchange("before")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := env.Agent.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	env.Flags = []string{"--enable-ipv6"}
+	ag := env.StartAgent(ctx, t, b)
+	if err := ag.WaitReady(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if ag.Count("pinned maps have another layout", "nat_v6: MaxEntries") != 1 || ag.Count("nat_v4") != 0 {
+		t.Errorf("the layout change was not reported for nat_v6 alone:\n%s", ag.Logs())
+	}
+	if n := natV6(); n != 1<<18 {
+		t.Errorf("with IPv6 the IPv6 NAT table has %d entries, want the default 262144", n)
+	}
+	if after, err := c.Exchange("after"); err != nil || after != before {
+		t.Errorf("the IPv4 flow after the layout change: %s (%v), before it %s", after, err, before)
+	}
+	env.Check(ctx, t, expect(Masq, "2001:4860:4860::8888", "8.8.8.8"), nil)
+	b.Verify(ctx, t, env)
+}
+
+// TestBPFFollowsUplinks: a new address of the uplink becomes the SNAT address and the flows of
+// the old one are flushed; a device named by --interfaces that appears later gets the programs.
+func TestBPFFollowsUplinks(t *testing.T) {
+	for _, b := range bpfBackends() {
+		t.Run(b.Name, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+			defer cancel()
+			env := bpfEnv(ctx, t, b, "--interfaces="+Uplink+",late0")
+			if env.Agent.Count("do not exist (yet)", "late0") == 0 {
+				t.Errorf("the missing device is not reported:\n%s", env.Agent.Logs())
+			}
+			StartLineEcho(t, env.Ext, []netip.Addr{public4})
+			env.CutReturnRoutes(ctx, t)
+			c, err := DialLine(ctx, env.Pod, netip.AddrPort{}, public4)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			if src, err := c.Exchange("old"); err != nil || src.Addr() != NodeAddr4 {
+				t.Fatalf("before the change: %s %v", src, err)
+			}
+
+			// The address moves: the new one is promoted when the old one goes.
+			newAddr := netip.MustParseAddr("10.99.0.7")
+			if err := WriteSysctl(env.Node, "net.ipv4.conf."+Uplink+".promote_secondaries", "1"); err != nil {
+				t.Fatal(err)
+			}
+			events := env.Agent.Count("datapath event")
+			if err := IPBatch(ctx, env.Node, fmt.Sprintf("addr add %s/24 dev %s\naddr del %s/24 dev %s\n", newAddr, Uplink, NodeAddr4, Uplink)); err != nil {
+				t.Fatal(err)
+			}
+			if err := env.Agent.WaitLog(ctx, events+1, "datapath event", "10.99.0.1 -> 10.99.0.7"); err != nil {
+				t.Fatal(err)
+			}
+			if err := env.Agent.WaitLog(ctx, 1, "flows of the old address flushed"); err != nil {
+				t.Fatal(err)
+			}
+			if src, err := env.Probe(ctx, "tcp", public4); err != nil || src.Addr() != newAddr {
+				t.Errorf("a new flow after the change is seen from %s (%v), want %s", src, err, newAddr)
+			}
+			r, err := bpf.OpenPinnedReadOnly(env.PinDir())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Close()
+			if err := r.NATEntries(policy.IPv4, func(e bpf.NATEntry) bool {
+				if e.Dir == bpf.Egress && e.To.Addr() == NodeAddr4 || e.Dir == bpf.Ingress && e.Dst.Addr() == NodeAddr4 {
+					t.Errorf("an entry of the old address is left: %+v", e)
+				}
+				return true
+			}); err != nil {
+				t.Fatal(err)
+			}
+
+			// The named device appears.
+			if err := IPBatch(ctx, env.Node, fmt.Sprintf("link add late0 type veth peer name late1 netns %s\naddr add 192.0.2.10/24 dev late0\nlink set late0 up\n", env.Ext)); err != nil {
+				t.Fatal(err)
+			}
+			if err := env.Agent.WaitLog(ctx, 1, "datapath event", "late0", "appeared"); err != nil {
+				t.Fatal(err)
+			}
+			mode := strings.TrimPrefix(b.Name, "bpf-")
+			want := []Attached{{mode, "egress", "tc_egress"}, {mode, "ingress", "tc_ingress"}}
+			deadline := time.Now().Add(5 * time.Second)
+			for {
+				got, _ := env.DevicePrograms(t, "late0")
+				if slices.Equal(got, want) {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("programs on late0: %v, want %v", got, want)
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		})
+	}
+}
+
+// TestAutoFallback: --backend auto uses iptables, and says why, when --bpffs is not a BPF
+// filesystem; --backend bpf refuses to start there.
+func TestAutoFallback(t *testing.T) {
+	ipt := IptablesBackend(iptables.ModeNFT)
+	requireBackend(t, ipt)
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+	defer cancel()
+	env := NewEnv(ctx, t, agentBin, nil)
+	ipt.Prepare(ctx, t, env)
+	notBPF := t.TempDir()
+	env.AgentFlags = []string{"--bpffs=" + notBPF}
+	env.SetGood("", true)
+
+	ag := env.StartAgent(ctx, t, Backend{Name: "bpf", Flags: []string{"--backend=bpf"}})
+	if err := ag.WaitReady(ctx); err == nil {
+		t.Fatal("--backend=bpf started without a BPF filesystem")
+	}
+	if ag.Count("is not a BPF filesystem") == 0 {
+		t.Errorf("--backend=bpf did not say why it stopped:\n%s", ag.Logs())
+	}
+
+	auto := ipt
+	auto.Flags = []string{"--backend=auto"}
+	ag = env.StartAgent(ctx, t, auto)
+	if err := ag.WaitReady(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if ag.Count("the BPF datapath cannot run here; using iptables", notBPF, "is not a BPF filesystem") != 1 {
+		t.Errorf("auto did not log why it fell back:\n%s", ag.Logs())
+	}
+	env.Check(ctx, t, join(expect(Masq, "8.8.8.8"), expect(Keep, "10.1.2.3")), nil)
+	ipt.Verify(ctx, t, env)
+	m, err := ag.Scrape(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, ok := m.Value("ip_masq_agent_datapath_info", Labels{"backend": "iptables", "attach_mode": "none"}); !ok || v != 1 {
+		t.Errorf("datapath_info %v", m.Series("ip_masq_agent_datapath_info", nil))
+	}
 }

@@ -1,0 +1,302 @@
+package bpfbackend
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"github.com/gopacket/gopacket"
+	"github.com/gopacket/gopacket/layers"
+	"golang.org/x/sys/unix"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// These tests load the datapath over a private bpffs and drive it with BPF_PROG_TEST_RUN; they
+// attach nothing and send no packet. The one that lists devices runs inside a namespace of its
+// own.
+
+func mountBPFFS(t *testing.T) string {
+	t.Helper()
+	testutil.RequirePrivileged(t)
+	dir := t.TempDir()
+	if err := unix.Mount("bpffs", dir, "bpf", 0, ""); err != nil {
+		t.Fatalf("mount bpffs on %s: %v", dir, err)
+	}
+	t.Cleanup(func() {
+		if err := unix.Unmount(dir, 0); err != nil {
+			t.Errorf("unmount %s: %v", dir, err)
+		}
+	})
+	return dir
+}
+
+func compile(t *testing.T, doc string, ipv6 bool) *policy.Policy {
+	t.Helper()
+	cfg, err := config.Parse([]byte(doc), config.Options{EnableIPv6: ipv6})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return policy.Compile(cfg, policy.Options{EnableIPv6: ipv6, RandomFully: true})
+}
+
+// loadPinned loads the datapath pinned under bpffs, as the backend does, with policy p.
+func loadPinned(t *testing.T, bpffs string, p *policy.Policy) *bpf.Datapath {
+	t.Helper()
+	dir := filepath.Join(bpffs, PinDir)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	dp, err := bpf.Load(bpf.LoadOptions{PinPath: dir, NATEntries: 1024})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dp.Close() })
+	if err := dp.SyncPolicy(p); err != nil {
+		t.Fatal(err)
+	}
+	return dp
+}
+
+func TestCheckBPFFS(t *testing.T) {
+	bpffs := mountBPFFS(t)
+	if err := CheckBPFFS(bpffs); err != nil {
+		t.Errorf("a bpffs: %v", err)
+	}
+	plain := t.TempDir()
+	if err := CheckBPFFS(plain); err == nil || !strings.Contains(err.Error(), plain+" is not a BPF filesystem") {
+		t.Errorf("a plain directory: %v", err)
+	}
+	if err := CheckBPFFS(filepath.Join(plain, "none")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a missing directory: %v", err)
+	}
+}
+
+type row struct {
+	fam    policy.Family
+	rule   int
+	prefix string
+	origin policy.Origin
+	entry  int
+}
+
+func rows(cs []datapath.RuleCounter) []row {
+	out := make([]row, len(cs))
+	for i, c := range cs {
+		out[i] = row{c.Family, c.Rule, c.Prefix.String(), c.Origin, c.Entry}
+	}
+	return out
+}
+
+// TestReaderCounters: the reader maps installed rules to the configuration it is given; rules
+// the configuration lacks follow their family's with rule 0, and without a configuration every
+// rule is such a rule.
+func TestReaderCounters(t *testing.T) {
+	bpffs := mountBPFFS(t)
+	if r, err := OpenReader(bpffs, nil); r != nil || err != nil {
+		t.Fatalf("nothing pinned: %v %v", r, err)
+	}
+	installed := compile(t, "masqueradeCIDRs: [10.10.0.0/16]\nnonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]\n", true)
+	loadPinned(t, bpffs, installed)
+
+	given := compile(t, "nonMasqueradeCIDRs: [192.168.0.0/16, 10.0.0.0/8]\n", false)
+	r, err := OpenReader(bpffs, given)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	got, err := r.Counters(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []row{
+		// given: link-local #1, 192.168/16 #2 (not installed: left out), 10/8 #3, outbound #4
+		{policy.IPv4, 1, "169.254.0.0/16", policy.OriginLinkLocal, -1},
+		{policy.IPv4, 3, "10.0.0.0/8", policy.OriginNonMasqueradeCIDRs, 1},
+		{policy.IPv4, 4, "0.0.0.0/0", policy.OriginOutbound, -1},
+		{policy.IPv4, 0, "10.10.0.0/16", policy.OriginMasqueradeCIDRs, -1},
+		// IPv6 is not enabled in the given configuration: all of it is unknown to it.
+		{policy.IPv6, 0, "fe80::/10", policy.OriginLinkLocal, -1},
+		{policy.IPv6, 0, "fc00::/7", policy.OriginNonMasqueradeCIDRs, -1},
+		{policy.IPv6, 0, "::/0", policy.OriginOutbound, -1},
+	}
+	if !slices.Equal(rows(got), want) {
+		t.Errorf("counters:\n%v\nwant\n%v", rows(got), want)
+	}
+	info := r.Info()
+	if info.Backend != Name || info.AttachMode != "tc" || !strings.Contains(info.Details, filepath.Join(bpffs, PinDir)) {
+		t.Errorf("info %+v", info)
+	}
+
+	r2, err := OpenReader(bpffs, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r2.Close()
+	got, err = r2.Counters(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 7 || slices.ContainsFunc(got, func(c datapath.RuleCounter) bool { return c.Rule != 0 || c.Origin == "" }) {
+		t.Errorf("without a configuration: %v", rows(got))
+	}
+}
+
+// udp builds an Ethernet frame with a UDP datagram.
+func udp(t *testing.T, src, dst netip.AddrPort) []byte {
+	t.Helper()
+	eth := &layers.Ethernet{SrcMAC: net.HardwareAddr{2, 0, 0, 0, 0, 1}, DstMAC: net.HardwareAddr{2, 0, 0, 0, 0, 2}, EthernetType: layers.EthernetTypeIPv4}
+	ip := &layers.IPv4{Version: 4, TTL: 64, Protocol: layers.IPProtocolUDP, SrcIP: src.Addr().AsSlice(), DstIP: dst.Addr().AsSlice()}
+	u := &layers.UDP{SrcPort: layers.UDPPort(src.Port()), DstPort: layers.UDPPort(dst.Port())}
+	if err := u.SetNetworkLayerForChecksum(ip); err != nil {
+		t.Fatal(err)
+	}
+	buf := gopacket.NewSerializeBuffer()
+	if err := gopacket.SerializeLayers(buf, gopacket.SerializeOptions{FixLengths: true, ComputeChecksums: true},
+		eth, ip, u, gopacket.Payload("hello")); err != nil {
+		t.Fatal(err)
+	}
+	return buf.Bytes()
+}
+
+// run runs a program on a frame and returns the (rewritten) frame.
+func run(t *testing.T, prog *ebpf.Program, frame []byte) []byte {
+	t.Helper()
+	out := make([]byte, len(frame)+256)
+	opts := ebpf.RunOptions{Data: frame, DataOut: out}
+	ret, err := prog.Run(&opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ret != 0 {
+		t.Fatalf("verdict %d, want TC_ACT_OK", ret)
+	}
+	return opts.DataOut
+}
+
+// TestNATReports: the NAT metrics and the dump summary of a datapath with two flows, one of them
+// answered, read through a Reader; sweep totals and drops come from their maps.
+func TestNATReports(t *testing.T) {
+	bpffs := mountBPFFS(t)
+	dp := loadPinned(t, bpffs, compile(t, "", false))
+	// BPF_PROG_TEST_RUN runs on the loopback device: it is the uplink here.
+	node := netip.MustParseAddr("192.0.2.1")
+	if _, err := dp.SetUplink(1, bpf.Uplink{IPv4: node}); err != nil {
+		t.Fatal(err)
+	}
+	remote := netip.MustParseAddrPort("198.51.100.7:53")
+	out := run(t, dp.Egress(), udp(t, netip.MustParseAddrPort("10.1.0.5:1000"), remote))
+	mapped := gopacket.NewPacket(out, layers.LayerTypeEthernet, gopacket.Default)
+	sport := mapped.Layer(layers.LayerTypeUDP).(*layers.UDP).SrcPort
+	run(t, dp.Ingress(), udp(t, remote, netip.AddrPortFrom(node, uint16(sport))))
+	run(t, dp.Egress(), udp(t, netip.MustParseAddrPort("10.1.0.6:1000"), netip.MustParseAddrPort("198.51.100.8:123")))
+	if err := dp.Maps()["sweep_stats"].Put(uint32(unix.IPPROTO_TCP), uint64(7)); err != nil {
+		t.Fatal(err)
+	}
+
+	r, err := OpenReader(bpffs, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	st, err := r.NATStats(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(st.Entries) != 1 || st.Entries[0] != (datapath.NATEntries{Family: policy.IPv4, Protocol: "udp", Entries: 4}) {
+		t.Errorf("entries %+v, want 4 udp entries", st.Entries)
+	}
+	if fmt.Sprint(st.Swept) != "map[tcp:7]" {
+		t.Errorf("swept %v", st.Swept)
+	}
+	if fmt.Sprint(st.Drops) != "map[no_addr:0 no_port:0 rewrite:0]" || st.PortAllocationFailures != 0 {
+		t.Errorf("drops %v, failures %d", st.Drops, st.PortAllocationFailures)
+	}
+
+	sum, err := r.NATSummary(context.Background(), 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantEntries := []datapath.NATEntries{
+		{Family: policy.IPv4, Protocol: "udp", State: "established", Entries: 2},
+		{Family: policy.IPv4, Protocol: "udp", State: "unreplied", Entries: 2},
+	}
+	if !slices.Equal(sum.Entries, wantEntries) {
+		t.Errorf("summary %+v, want %+v", sum.Entries, wantEntries)
+	}
+	if len(sum.Busiest) != 1 || sum.Busiest[0].Endpoint != remote || sum.Busiest[0].Entries != 2 {
+		t.Errorf("busiest %+v, want %s (the first of two with 2 entries each)", sum.Busiest, remote)
+	}
+}
+
+// inNetns runs fn on the test goroutine's thread moved into a new namespace, and moves it back.
+func inNetns(t *testing.T, fn func()) {
+	t.Helper()
+	ns := testutil.NewNetns(t)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	orig, err := os.Open(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer orig.Close()
+	target, err := os.Open("/run/netns/" + ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer target.Close()
+	if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET); err != nil {
+			runtime.LockOSThread() // the thread cannot be trusted any more: let it die
+			t.Errorf("return from netns %s: %v", ns, err)
+		}
+	}()
+	fn()
+}
+
+// TestCleanup: the pins go, twice is fine, and a directory that is not on a BPF filesystem is
+// left alone.
+func TestCleanup(t *testing.T) {
+	bpffs := mountBPFFS(t)
+	loadPinned(t, bpffs, compile(t, "", false))
+	plain := t.TempDir()
+	if err := os.Mkdir(filepath.Join(plain, PinDir), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	inNetns(t, func() {
+		for i := range 2 {
+			res, err := Cleanup(context.Background(), bpffs, nil)
+			if err != nil {
+				t.Fatalf("cleanup #%d: %v", i+1, err)
+			}
+			if (res.PinDir != "") != (i == 0) || len(res.Attachments) != 0 {
+				t.Errorf("cleanup #%d: %+v", i+1, res)
+			}
+		}
+		if _, err := os.Stat(filepath.Join(bpffs, PinDir)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("pins left: %v", err)
+		}
+		if _, err := Cleanup(context.Background(), plain, nil); err == nil || !strings.Contains(err.Error(), "is not a BPF filesystem") {
+			t.Errorf("cleanup of a plain directory: %v", err)
+		}
+		if _, err := os.Stat(filepath.Join(plain, PinDir)); err != nil {
+			t.Errorf("a directory outside a bpffs was touched: %v", err)
+		}
+	})
+}
