@@ -48,7 +48,7 @@ static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p
 	__be32 to[4] = {};
 	__be16 to_port;
 
-	if (bpf_skb_load_bytes(skb, qoff, q, qlen) < 0)
+	if (qoff + qlen > p->end || bpf_skb_load_bytes(skb, qoff, q, qlen) < 0)
 		return TC_ACT_OK; /* quote too short to say which flow */
 	if (v6) {
 		if ((q[0] >> 4) != 6)
@@ -138,7 +138,7 @@ static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p
 		__u32 toff = qoff + ihl + offsetof(struct tcphdr, check);
 		__u32 ow, nw;
 
-		if (bpf_skb_load_bytes(skb, toff, &ow, 4) == 0) {
+		if (toff + 4 <= p->end && bpf_skb_load_bytes(skb, toff, &ow, 4) == 0) {
 			__builtin_memcpy(&check, &ow, 2);
 			check = csum_apply(check, l4_d);
 			nw = ow;

@@ -1,6 +1,9 @@
 /* Packet parsing: Ethernet, IPv4/IPv6 and the L4 fields the NAT needs. A packet that is not
  * IP, is truncated, or carries a protocol the NAT does not handle is reported as such and
- * passed on unchanged by the callers: nothing is ever rewritten from a partial header. */
+ * passed on unchanged by the callers: nothing is ever rewritten from a partial header.
+ *
+ * Truncated means cut short by the skb or by the IP packet's own length: on ingress a short
+ * frame carries Ethernet padding after the IP packet, which is no header. */
 #pragma once
 
 #include <linux/bpf.h>
@@ -63,6 +66,7 @@ struct pkt {
 	__be16 sport; /* echo: request carries the id here */
 	__be16 dport; /* echo: reply carries the id here */
 	__u32 l4_off;
+	__u32 end; /* offset where the IP packet ends: its own length, at most skb->len */
 	__u32 len; /* IP packet length (skb->len without the Ethernet header) */
 	__u8 proto;
 	__u8 l4;       /* enum l4 */
@@ -116,7 +120,7 @@ static __always_inline int parse_l4(void *data, void *data_end, struct pkt *p, _
 	case IPPROTO_TCP: {
 		struct tcphdr *th = l4;
 
-		if (l4 + TCP_HLEN_MIN > data_end)
+		if (l4 + TCP_HLEN_MIN > data_end || p->l4_off + TCP_HLEN_MIN > p->end)
 			return -1;
 		p->sport = th->source;
 		p->dport = th->dest;
@@ -127,7 +131,7 @@ static __always_inline int parse_l4(void *data, void *data_end, struct pkt *p, _
 	case IPPROTO_UDP: {
 		struct udphdr *uh = l4;
 
-		if (l4 + UDP_HLEN > data_end)
+		if (l4 + UDP_HLEN > data_end || p->l4_off + UDP_HLEN > p->end)
 			return -1;
 		p->sport = uh->source;
 		p->dport = uh->dest;
@@ -139,7 +143,7 @@ static __always_inline int parse_l4(void *data, void *data_end, struct pkt *p, _
 		__u8 *ih = l4;
 		__u8 type;
 
-		if (l4 + ICMP_HLEN > data_end)
+		if (l4 + ICMP_HLEN > data_end || p->l4_off + ICMP_HLEN > p->end)
 			return -1;
 		if ((p->proto == IPPROTO_ICMP) != !v6)
 			return -1; /* ICMPv4 in IPv6 or the reverse */
@@ -200,13 +204,24 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
 		struct iphdr *ip = data + ETH_HLEN;
 		__u16 frag;
-		__u32 hlen;
+		__u32 hlen, tot;
 
 		if ((void *)(ip + 1) > data_end)
 			return -1;
 		hlen = ip->ihl * 4;
 		if (ip->version != 4 || hlen < sizeof(*ip))
 			return -1;
+		/* A total length of 0 is IPv4 BIG TCP's (a GSO packet beyond 64k): the skb's counts. */
+		tot = bpf_ntohs(ip->tot_len);
+		p->end = skb->len;
+		if (tot) {
+			if (tot < hlen)
+				return -1;
+			if (ETH_HLEN + tot < p->end)
+				p->end = ETH_HLEN + tot;
+		}
+		if (ETH_HLEN + hlen > p->end)
+			return -1; /* options cut short */
 		p->saddr[0] = ip->saddr;
 		p->daddr[0] = ip->daddr;
 		p->proto = ip->protocol;
@@ -234,6 +249,10 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 			return -1;
 		if (ip6->version != 6)
 			return -1;
+		/* A payload length of 0 is a jumbogram's or IPv6 BIG TCP's: the skb's counts. */
+		p->end = skb->len;
+		if (ip6->payload_len && ETH_HLEN + sizeof(*ip6) + bpf_ntohs(ip6->payload_len) < p->end)
+			p->end = ETH_HLEN + sizeof(*ip6) + bpf_ntohs(ip6->payload_len);
 		__builtin_memcpy(p->saddr, &ip6->saddr, 16);
 		__builtin_memcpy(p->daddr, &ip6->daddr, 16);
 		p->proto = ip6->nexthdr;
@@ -244,7 +263,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 			struct frag6_hdr *fh = (void *)(ip6 + 1);
 			__u16 off;
 
-			if ((void *)(fh + 1) > data_end)
+			if ((void *)(fh + 1) > data_end || p->l4_off + sizeof(*fh) > p->end)
 				return -1;
 			p->proto = fh->nexthdr;
 			p->frag_id = fh->id;

@@ -1,0 +1,1000 @@
+package bpf
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"github.com/gopacket/gopacket"
+	"github.com/gopacket/gopacket/layers"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// FuzzPrograms runs packets through the real tc programs (BPF_PROG_TEST_RUN) under a few fixed
+// policies: a first packet a on a fresh NAT table, then a second packet b on the state a left.
+// dirs bit 0 sends a through ingress instead of egress, bit 1 does the same for b. The corpus
+// (f.Add below and testdata/fuzz/FuzzPrograms) starts from valid TCP, UDP, ICMP and ICMPv6
+// flows, their replies and ICMP errors, fragments, other protocols and truncated packets;
+// `go test` replays it, `go test -fuzz FuzzPrograms` mutates it.
+//
+// A small model of what the programs parse (fuzzPacket) and of the NAT table as it was before
+// each packet predicts the outcome; every packet is checked for:
+//   - anything the NAT does not handle (not IP, another protocol, a family the policy leaves
+//     alone, a header cut short by the frame or by the IP length) leaves byte for byte as it came;
+//   - an egress packet to a RETURN destination with no flow leaves unchanged; a packet of no
+//     known flow is rewritten only on egress, only to a masqueraded destination, to the uplink
+//     address and a port of the range; a packet of a known flow takes that flow's translation;
+//   - a rewritten packet differs only in the address, port and checksum fields the NAT owns, and
+//     every checksum (IPv4 header, L4, and those of an ICMP error's quote) is off by exactly as
+//     much as it was before: valid stays valid;
+//   - a drop is counted under exactly one drop reason and only a drop is; the deciding rule's
+//     counter gains exactly this packet; event counters never decrease; NAT entries come in
+//     pairs that point at each other; a packet the NAT does not handle creates no entry.
+func FuzzPrograms(f *testing.F) {
+	pols := fuzzPolicies()
+	hs := make([]*harness, len(pols))
+	for i, fp := range pols {
+		hs[i] = newHarness(f, fp.p, LoadOptions{MaxRules: 64, NATEntries: 4096, FragEntries: 256})
+		if fp.noIPv6Addr {
+			if _, err := hs[i].dp.SetUplink(testIfindex, Uplink{IPv4: snat4}); err != nil {
+				f.Fatal(err)
+			}
+		}
+	}
+	for i, fp := range pols {
+		for _, s := range fuzzSeeds(fp) {
+			f.Add(uint8(i), s.dirs, s.a, s.b)
+		}
+	}
+	f.Fuzz(func(t *testing.T, pol, dirs uint8, a, b []byte) {
+		if !runnable(a) || (len(b) > 0 && !runnable(b)) {
+			return
+		}
+		fz := &fuzzRun{t: t, h: hs[int(pol)%len(hs)], pol: pols[int(pol)%len(pols)]}
+		fz.h.t = t
+		fz.reset()
+		fz.step("a", dirs&1 != 0, a, true)
+		if len(b) > 0 {
+			fz.step("b", dirs&2 != 0, b, false)
+		}
+	})
+}
+
+// runnable: BPF_PROG_TEST_RUN refuses frames shorter than Ethernet plus the IP header of their
+// EtherType, and frames beyond a page.
+func runnable(frame []byte) bool {
+	if len(frame) < 14 || len(frame) > 2048 {
+		return false
+	}
+	switch binary.BigEndian.Uint16(frame[12:]) {
+	case uint16(layers.EthernetTypeIPv4):
+		return len(frame) >= 14+20
+	case uint16(layers.EthernetTypeIPv6):
+		return len(frame) >= 14+40
+	}
+	return true
+}
+
+type fuzzPolicy struct {
+	name string
+	p    *policy.Policy
+	// port is what the first masqueraded flow from port 40000 gets (fresh table).
+	port uint16
+	// noIPv6Addr: the uplink has no IPv6 address, so IPv6 flows to masquerade are dropped.
+	noIPv6Addr bool
+}
+
+// fuzzPolicies: the defaults with IPv6 (ports kept); an IPv4-only list where 198.51.100.0/25 is
+// masqueraded, the rest of that /24 is not and nothing is masqueraded by default; a single
+// random port (exhaustion at the second flow to a remote); everything RETURN; the defaults on an
+// uplink without an IPv6 address.
+func fuzzPolicies() []fuzzPolicy {
+	v6 := config.Options{EnableIPv6: true}
+	list := config.Default(config.Options{})
+	list.MasqueradeCIDRs = []netip.Prefix{netip.MustParsePrefix("198.51.100.0/25"), netip.MustParsePrefix("10.9.0.0/16")}
+	list.NonMasqueradeCIDRs = []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("198.51.100.0/24")}
+	list.MasqOutBound, list.MasqLinkLocal = false, true
+	none := config.Default(v6)
+	none.NonMasqueradeCIDRs = []netip.Prefix{netip.MustParsePrefix("0.0.0.0/0"), netip.MustParsePrefix("::/0")}
+	return []fuzzPolicy{
+		{"defaults", policy.Compile(config.Default(v6), policy.Options{EnableIPv6: true}), 40000, false},
+		{"ipv4-list", policy.Compile(list, policy.Options{ToPorts: policy.PortRanges{{First: 1024, Last: 65535}}}), 40000, false},
+		{"one-port", policy.Compile(config.Default(v6), policy.Options{EnableIPv6: true, RandomFully: true,
+			ToPorts: policy.PortRanges{{First: 5000, Last: 5000}}}), 5000, false},
+		{"return-all", policy.Compile(none, policy.Options{EnableIPv6: true}), 0, false},
+		{"no-ipv6-address", policy.Compile(config.Default(v6), policy.Options{EnableIPv6: true}), 40000, true},
+	}
+}
+
+func (fp fuzzPolicy) ports() policy.PortRanges {
+	if len(fp.p.ToPorts) > 0 {
+		return fp.p.ToPorts
+	}
+	return policy.PortRanges{policy.DefaultPortRange}
+}
+
+func inRanges(rs policy.PortRanges, port uint16) bool {
+	return slices.ContainsFunc(rs, func(r policy.PortRange) bool { return port >= r.First && port <= r.Last })
+}
+
+// verdict is the chain's first match for a packet of the given family: policy.Decide, except
+// that an IPv4-mapped IPv6 destination stays IPv6 here (Decide unmaps it), as it does for the
+// datapath and for ip6tables.
+func (fp fuzzPolicy) verdict(v6 bool, dst netip.Addr) (policy.Action, *policy.Rule) {
+	if !dst.Is4In6() {
+		v := fp.p.Decide(dst)
+		return v.Action, v.Rule
+	}
+	rules := fp.p.Rules(policy.IPv6)
+	for i := range rules {
+		if rules[i].Prefix.Contains(dst) {
+			return rules[i].Action, &rules[i]
+		}
+	}
+	return policy.Return, nil
+}
+
+func (fp fuzzPolicy) enabled(v6 bool) bool { return !v6 || fp.p.EnableIPv6 }
+
+// snat is the uplink's address of the family, if it has one.
+func (fp fuzzPolicy) snat(v6 bool) (netip.Addr, bool) {
+	if v6 {
+		return snat6, !fp.noIPv6Addr
+	}
+	return snat4, true
+}
+
+// The model of what parse() in bpf/parse.h makes of a frame.
+
+const (
+	pktPass      = iota // not handled: passes unchanged
+	pktPorts            // TCP, UDP
+	pktEcho             // ICMP(v6) echo request or reply
+	pktICMPError        // ICMP(v6) error quoting a packet
+	pktLater            // a later fragment: no L4 header
+)
+
+type fuzzPacket struct {
+	kind   int
+	v6     bool
+	proto  uint8
+	ihl    int // IP header length (40 for IPv6, without the fragment header)
+	l4     int // frame offset of the L4 header
+	end    int // frame offset where the IP packet ends: its declared length, bounded by the frame
+	first  bool
+	fragID uint32 // raw bytes of the datagram id, as the frag maps key it
+	src    netip.Addr
+	dst    netip.Addr
+	sport  uint16 // TCP/UDP source port; echo request: the identifier
+	dport  uint16 // TCP/UDP destination port; echo reply: the identifier
+	flags  uint8  // TCP flags
+	echoRq bool
+}
+
+func parseFuzz(f []byte) fuzzPacket {
+	var p fuzzPacket
+	if len(f) < 14 {
+		return p
+	}
+	switch binary.BigEndian.Uint16(f[12:]) {
+	case uint16(layers.EthernetTypeIPv4):
+		if len(f) < 14+20 {
+			return p
+		}
+		ip := f[14:]
+		p.ihl = int(ip[0]&0xf) * 4
+		if ip[0]>>4 != 4 || p.ihl < 20 {
+			return p
+		}
+		// A total length of 0 is what IPv4 BIG TCP sends: the skb says how long it is.
+		p.end = len(f)
+		if tot := int(binary.BigEndian.Uint16(ip[2:])); tot != 0 {
+			if tot < p.ihl {
+				return p
+			}
+			p.end = min(p.end, 14+tot)
+		}
+		if 14+p.ihl > p.end {
+			return p // options cut short
+		}
+		p.proto, p.l4 = ip[9], 14+p.ihl
+		p.src, p.dst = netip.AddrFrom4([4]byte(ip[12:16])), netip.AddrFrom4([4]byte(ip[16:20]))
+		p.fragID = uint32(binary.NativeEndian.Uint16(ip[4:6]))
+		frag := binary.BigEndian.Uint16(ip[6:])
+		if frag&0x1fff != 0 {
+			if p.proto == 6 || p.proto == 17 || p.proto == 1 {
+				p.kind = pktLater
+			}
+			return p
+		}
+		p.first = frag&0x2000 != 0
+	case uint16(layers.EthernetTypeIPv6):
+		if len(f) < 14+40 {
+			return p
+		}
+		ip := f[14:]
+		if ip[0]>>4 != 6 {
+			return p
+		}
+		p.v6, p.ihl = true, 40
+		p.end = len(f)
+		if pl := int(binary.BigEndian.Uint16(ip[4:])); pl != 0 {
+			p.end = min(p.end, 14+40+pl)
+		}
+		p.proto, p.l4 = ip[6], 14+40
+		p.src, p.dst = netip.AddrFrom16([16]byte(ip[8:24])), netip.AddrFrom16([16]byte(ip[24:40]))
+		if p.proto == 44 {
+			if p.l4+8 > p.end {
+				return p
+			}
+			fh := f[p.l4:]
+			p.proto, p.l4 = fh[0], p.l4+8
+			p.fragID = binary.NativeEndian.Uint32(fh[4:8])
+			off := binary.BigEndian.Uint16(fh[2:])
+			if off&0xfff8 != 0 {
+				if p.proto == 6 || p.proto == 17 || p.proto == 58 {
+					p.kind = pktLater
+				}
+				return p
+			}
+			p.first = off&1 != 0
+		}
+	default:
+		return p
+	}
+	l4 := f[p.l4:min(p.end, len(f))]
+	switch p.proto {
+	case 6:
+		if len(l4) < 20 {
+			return p
+		}
+		p.sport, p.dport, p.flags = binary.BigEndian.Uint16(l4), binary.BigEndian.Uint16(l4[2:]), l4[13]
+		p.kind = pktPorts
+	case 17:
+		if len(l4) < 8 {
+			return p
+		}
+		p.sport, p.dport = binary.BigEndian.Uint16(l4), binary.BigEndian.Uint16(l4[2:])
+		p.kind = pktPorts
+	case 1, 58:
+		if len(l4) < 8 || (p.proto == 58) != p.v6 {
+			return p
+		}
+		echoRq, echoRp, errs := []uint8{8}, []uint8{0}, []uint8{3, 11}
+		if p.v6 {
+			echoRq, echoRp, errs = []uint8{128}, []uint8{129}, []uint8{1, 2, 3}
+		}
+		switch typ := l4[0]; {
+		case slices.Contains(echoRq, typ):
+			p.kind, p.echoRq, p.sport = pktEcho, true, binary.BigEndian.Uint16(l4[4:])
+		case slices.Contains(echoRp, typ):
+			p.kind, p.dport = pktEcho, binary.BigEndian.Uint16(l4[4:])
+		case slices.Contains(errs, typ):
+			p.kind = pktICMPError
+		}
+	}
+	return p
+}
+
+func (p fuzzPacket) family() policy.Family {
+	if p.v6 {
+		return policy.IPv6
+	}
+	return policy.IPv4
+}
+
+// Offsets of the fields the NAT may write.
+func (p fuzzPacket) addrOff(source bool) int {
+	switch {
+	case p.v6 && source:
+		return 14 + 8
+	case p.v6:
+		return 14 + 24
+	case source:
+		return 14 + 12
+	}
+	return 14 + 16
+}
+
+func (p fuzzPacket) addrLen() int {
+	if p.v6 {
+		return 16
+	}
+	return 4
+}
+
+func l4CsumOff(proto uint8) int {
+	switch proto {
+	case 6:
+		return 16
+	case 17:
+		return 6
+	}
+	return 2
+}
+
+func l4PortOff(proto uint8, source bool) int {
+	switch {
+	case proto == 1 || proto == 58:
+		return 4
+	case source:
+		return 0
+	}
+	return 2
+}
+
+// quote is the packet an ICMP error quotes, as icmp_error() in bpf/icmp.h reads it.
+type quote struct {
+	off, ihl     int // frame offset of the quoted IP header; its length
+	proto        uint8
+	src, dst     netip.Addr
+	sport, dport uint16
+}
+
+func (p fuzzPacket) quote(f []byte) (quote, bool) {
+	q := quote{off: p.l4 + 8, ihl: 20}
+	if p.v6 {
+		q.ihl = 40
+	}
+	if q.off+q.ihl+8 > p.end {
+		return q, false
+	}
+	b := f[q.off:]
+	if p.v6 {
+		if b[0]>>4 != 6 {
+			return q, false
+		}
+		q.proto = b[6]
+		q.src, q.dst = netip.AddrFrom16([16]byte(b[8:24])), netip.AddrFrom16([16]byte(b[24:40]))
+	} else {
+		if b[0] != 0x45 || binary.BigEndian.Uint16(b[6:])&0x1fff != 0 {
+			return q, false
+		}
+		q.proto = b[9]
+		q.src, q.dst = netip.AddrFrom4([4]byte(b[12:16])), netip.AddrFrom4([4]byte(b[16:20]))
+	}
+	l4 := b[q.ihl:]
+	switch q.proto {
+	case 6, 17:
+		q.sport, q.dport = binary.BigEndian.Uint16(l4), binary.BigEndian.Uint16(l4[2:])
+	case 1, 58:
+		if (q.proto == 58) != p.v6 {
+			return q, false
+		}
+		rq, rp := uint8(8), uint8(0)
+		if p.v6 {
+			rq, rp = 128, 129
+		}
+		switch l4[0] {
+		case rq:
+			q.sport = binary.BigEndian.Uint16(l4[4:])
+		case rp:
+			q.dport = binary.BigEndian.Uint16(l4[4:])
+		default:
+			return q, false
+		}
+	default:
+		return q, false
+	}
+	return q, true
+}
+
+// side is the quoted packet's end that a translation rewrites: the quote went the other way, so
+// on ingress its source (the NAT end of a masqueraded flow), on egress its destination.
+func (q quote) side(ingress bool) netip.AddrPort {
+	if ingress {
+		return netip.AddrPortFrom(q.src, q.sport)
+	}
+	return netip.AddrPortFrom(q.dst, q.dport)
+}
+
+// State: the NAT and fragment tables and the counters, read before and after each packet.
+
+type natKeyT struct {
+	dir      Direction
+	proto    uint8
+	src, dst netip.AddrPort
+}
+
+type fragKeyT struct {
+	dir      Direction
+	proto    uint8
+	src, dst netip.Addr
+	id       uint32
+}
+
+type fuzzState struct {
+	nat    map[natKeyT]NATEntry
+	frag   map[fragKeyT][2]uint16 // source and destination port
+	slots  map[uint32][2]uint64   // packets, bytes
+	events map[Event]uint64
+}
+
+type fuzzRun struct {
+	t   *testing.T
+	h   *harness
+	pol fuzzPolicy
+}
+
+// reset empties the NAT and fragment tables: each input starts from a fresh table, so that it
+// replays alone exactly as it ran.
+func (fz *fuzzRun) reset() {
+	fz.t.Helper()
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		if err := fz.h.dp.deleteAllNAT(fam); err != nil {
+			fz.t.Fatal(err)
+		}
+	}
+	if err := deleteAll[masqFrag4Key, masqFragPorts](fz.h.dp.objs.FragV4); err != nil {
+		fz.t.Fatal(err)
+	}
+	if err := deleteAll[masqFrag6Key, masqFragPorts](fz.h.dp.objs.FragV6); err != nil {
+		fz.t.Fatal(err)
+	}
+}
+
+func deleteAll[K, V any](m *ebpf.Map) error {
+	var keys []K
+	var k K
+	var v V
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		keys = append(keys, k)
+	}
+	if err := it.Err(); err != nil {
+		return fmt.Errorf("iterate %s: %w", m, err)
+	}
+	for _, k := range keys {
+		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("delete from %s: %w", m, err)
+		}
+	}
+	return nil
+}
+
+func (fz *fuzzRun) state() fuzzState {
+	fz.t.Helper()
+	s := fuzzState{nat: map[natKeyT]NATEntry{}, frag: map[fragKeyT][2]uint16{}, slots: map[uint32][2]uint64{}}
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		err := fz.h.dp.NATEntries(fam, func(e NATEntry) bool {
+			s.nat[natKeyT{e.Dir, e.Proto, e.Src, e.Dst}] = e
+			return true
+		})
+		if err != nil {
+			fz.t.Fatal(err)
+		}
+	}
+	var k4 masqFrag4Key
+	var k6 masqFrag6Key
+	var v masqFragPorts
+	for it := fz.h.dp.objs.FragV4.Iterate(); it.Next(&k4, &v); {
+		s.frag[fragKeyT{Direction(k4.Dir), k4.Proto, word4Addr(k4.Saddr), word4Addr(k4.Daddr), uint32(k4.Id)}] =
+			[2]uint16{ntohs(v.Sport), ntohs(v.Dport)}
+	}
+	for it := fz.h.dp.objs.FragV6.Iterate(); it.Next(&k6, &v); {
+		s.frag[fragKeyT{Direction(k6.Dir), k6.Proto, words6Addr(k6.Saddr), words6Addr(k6.Daddr), k6.Id}] =
+			[2]uint16{ntohs(v.Sport), ntohs(v.Dport)}
+	}
+	for slot := range fz.h.dp.slots.bySlt {
+		packets, bytes, err := fz.h.dp.slotStats(slot)
+		if err != nil {
+			fz.t.Fatal(err)
+		}
+		s.slots[slot] = [2]uint64{packets, bytes}
+	}
+	s.events = fz.h.events()
+	return s
+}
+
+// expectation is what the model predicts for one packet.
+type expectation struct {
+	unchanged bool   // every byte stays
+	why       string // the reason, for failures
+	// When the packet is translated: the side (source on egress, destination on ingress) becomes
+	// addr and, when exact, port; otherwise a port of the NAT range (a new mapping).
+	addr      netip.Addr
+	port      uint16
+	exactPort bool
+	// newMapping: the packet needs a new mapping, so it gets a port of the range or, when
+	// none is free, is dropped (counted as no_port).
+	newMapping bool
+	// noAddr: the packet needs a new mapping but the uplink has no address of its family: it
+	// must be dropped (counted as no_addr). No other drop is expected.
+	noAddr bool
+	// slot is the counter slot the packet counts on, or noSlot.
+	slot uint32
+}
+
+func (fz *fuzzRun) slotOf(r *policy.Rule) uint32 {
+	if r == nil {
+		return noSlot
+	}
+	s, ok := fz.h.dp.syncedSlot[r]
+	if !ok {
+		fz.t.Fatalf("no counter slot for %s", ruleName(r))
+	}
+	return s
+}
+
+func (fz *fuzzRun) expect(p fuzzPacket, frame []byte, ingress bool, pre fuzzState) expectation {
+	pass := func(why string) expectation { return expectation{unchanged: true, why: why, slot: noSlot} }
+	dir := Egress
+	if ingress {
+		dir = Ingress
+	}
+	switch {
+	case p.kind == pktPass:
+		return pass("not a packet the NAT handles (not IP, other protocol, header cut short)")
+	case !fz.pol.enabled(p.v6):
+		return pass("IPv6 is not enabled")
+	}
+	snat, hasSNAT := fz.pol.snat(p.v6)
+	// side is what a translation rewrites: the source on egress, the destination on ingress.
+	side := netip.AddrPortFrom(p.src, p.sport)
+	if ingress {
+		side = netip.AddrPortFrom(p.dst, p.dport)
+	}
+	// translate: the packet takes the translation of entry e; a flow that is not translated
+	// (host, inbound) leaves it as it is. Egress packets of masqueraded flows count on the rule.
+	translate := func(e NATEntry, why string, exactPort bool) expectation {
+		x := expectation{why: why, addr: e.To.Addr(), port: e.To.Port(), exactPort: exactPort, slot: noSlot}
+		if !ingress && e.Kind == KindMasq && p.kind != pktICMPError {
+			x.slot = e.Slot
+		}
+		if e.To.Addr() == side.Addr() && (!exactPort || e.To.Port() == side.Port()) {
+			x.unchanged, x.why = true, why+", not translated"
+		}
+		return x
+	}
+	switch p.kind {
+	case pktICMPError:
+		q, ok := p.quote(frame)
+		if !ok {
+			return pass("ICMP error whose quote the NAT cannot read")
+		}
+		e, ok := pre.nat[natKeyT{dir, q.proto, netip.AddrPortFrom(q.dst, q.dport), netip.AddrPortFrom(q.src, q.sport)}]
+		if !ok || e.To == q.side(ingress) {
+			return pass("ICMP error quoting no translated flow")
+		}
+		return translate(e, "ICMP error quoting a translated flow", true)
+	case pktLater:
+		ports, ok := pre.frag[fragKeyT{dir, p.proto, p.src, p.dst, p.fragID}]
+		if !ok {
+			return pass("later fragment of no known datagram")
+		}
+		e, ok := pre.nat[natKeyT{dir, p.proto, netip.AddrPortFrom(p.src, ports[0]), netip.AddrPortFrom(p.dst, ports[1])}]
+		if !ok {
+			return pass("later fragment of a datagram whose flow is gone")
+		}
+		return translate(e, "later fragment of a known datagram", false) // no L4 header, no port
+	}
+	key := natKeyT{dir, p.proto, netip.AddrPortFrom(p.src, p.sport), netip.AddrPortFrom(p.dst, p.dport)}
+	if e, ok := pre.nat[key]; ok {
+		// An echo request's identifier sits in the source port, a reply's in the destination
+		// port: on egress a reply (on ingress a request) is keyed with a port of 0, and its
+		// identifier becomes the entry's port only when they differ.
+		return translate(e, "packet of a known flow", p.kind != pktEcho || p.echoRq != ingress)
+	}
+	if ingress {
+		return pass("ingress packet of no known flow")
+	}
+	if hasSNAT && p.src == snat {
+		if p.kind == pktEcho && !p.echoRq {
+			return pass("host echo reply")
+		}
+		// A host flow keeps its port unless a pod mapping (or another host flow's remap) holds
+		// it toward this remote.
+		held, ok := pre.nat[natKeyT{Ingress, p.proto, netip.AddrPortFrom(p.dst, p.dport), netip.AddrPortFrom(snat, p.sport)}]
+		if !ok || (held.Kind == KindHost && held.To == netip.AddrPortFrom(snat, p.sport)) {
+			return pass("host flow")
+		}
+		return expectation{why: "host flow whose port another mapping holds", addr: snat, newMapping: true, slot: noSlot}
+	}
+	if p.kind == pktEcho && !p.echoRq {
+		return pass("echo reply of no known flow")
+	}
+	act, rule := fz.pol.verdict(p.v6, p.dst)
+	x := expectation{slot: fz.slotOf(rule)}
+	if act == policy.Return {
+		x.unchanged, x.why = true, "RETURN destination"
+		return x
+	}
+	if !hasSNAT {
+		x.why, x.noAddr = "new flow to a masqueraded destination, no uplink address", true
+		return x
+	}
+	x.why, x.addr, x.newMapping = "new flow to a masqueraded destination", snat, true
+	return x
+}
+
+// step runs one packet and checks it against the model.
+func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) {
+	t := fz.t
+	t.Helper()
+	pre := fz.state()
+	p := parseFuzz(in)
+	x := fz.expect(p, in, ingress, pre)
+	prog, progName := fz.h.dp.Egress(), "egress"
+	if ingress {
+		prog, progName = fz.h.dp.Ingress(), "ingress"
+	}
+	ret, out := runProg(t, prog, in)
+	post := fz.state()
+	fail := func(format string, args ...any) {
+		t.Helper()
+		t.Fatalf("policy %s, packet %s through %s (%s): %s\nin:\n%s\nout:\n%s", fz.pol.name, name, progName, x.why,
+			fmt.Sprintf(format, args...), describe(in), describe(out))
+	}
+
+	// Counters.
+	drops := 0
+	for _, e := range Events() {
+		if post.events[e] < pre.events[e] {
+			fail("event counter %s went down from %d to %d", e, pre.events[e], post.events[e])
+		}
+		if e.IsDrop() {
+			d := post.events[e] - pre.events[e]
+			drops += int(d)
+			if d > 0 && !(e == EventDropNoPort && x.newMapping) && !(e == EventDropNoAddr && x.noAddr) {
+				fail("dropped for %s (verdict %d)", e, ret)
+			}
+		}
+	}
+	switch {
+	case x.noAddr && ret != tcActShot:
+		fail("passed (verdict %d), want a drop for want of an uplink address", ret)
+	case ret == tcActShot && drops != 1:
+		fail("dropped with %d drop counts", drops)
+	case ret == tcActOK && drops != 0:
+		fail("passed with %d drop counts", drops)
+	case ret != tcActOK && ret != tcActShot:
+		fail("verdict %d", ret)
+	}
+	for slot, after := range post.slots {
+		want := pre.slots[slot]
+		if slot == x.slot {
+			want[0]++
+			want[1] += uint64(len(in) - 14)
+		}
+		if after != want {
+			fail("counter slot %d (%s): packets and bytes %v, want %v (deciding slot %d)", slot,
+				fz.h.dp.slots.bySlt[slot].prefix, after, want, x.slot)
+		}
+	}
+	checkPairs(fz, post, fail)
+	newMasq := 0
+	for k, e := range post.nat {
+		if _, ok := pre.nat[k]; !ok && k.dir == Egress && e.Kind == KindMasq {
+			newMasq++
+		}
+	}
+	if d := post.events[EventNewMasq] - pre.events[EventNewMasq]; d != uint64(newMasq) {
+		fail("new_masq counted %d, %d masquerade mappings created", d, newMasq)
+	}
+	if p.kind == pktPass || !fz.pol.enabled(p.v6) {
+		if len(post.nat) != len(pre.nat) {
+			fail("a packet the NAT does not handle changed the NAT table from %d to %d entries", len(pre.nat), len(post.nat))
+		}
+	}
+
+	// Bytes.
+	if len(out) != len(in) {
+		fail("length %d became %d", len(in), len(out))
+	}
+	if ret == tcActShot {
+		return
+	}
+	if x.unchanged {
+		if !bytes.Equal(in, out) {
+			fail("changed bytes %v", diffOffsets(in, out))
+		}
+		return
+	}
+	if fresh && ingress {
+		fail("the model expects ingress to translate on a fresh table")
+	}
+	if bytes.Equal(in, out) {
+		fail("not translated")
+	}
+	allowed := p.writable(in, ingress)
+	for _, off := range diffOffsets(in, out) {
+		if !allowed[off] {
+			fail("byte %d changed (%#02x -> %#02x): not a field the NAT owns; changed %v", off, in[off], out[off], diffOffsets(in, out))
+		}
+	}
+	if err := sameResiduals(p, in, out); err != nil {
+		fail("%v", err)
+	}
+	// The translated side.
+	o := parseFuzz(out)
+	var got netip.AddrPort
+	switch p.kind {
+	case pktICMPError:
+		q, _ := o.quote(out)
+		got = q.side(ingress)
+		// The outer address is the flow's own only when it was the quoted one.
+		qin, _ := p.quote(in)
+		outer, outerOut := p.src, o.src
+		if ingress {
+			outer, outerOut = p.dst, o.dst
+		}
+		if want := map[bool]netip.Addr{true: x.addr, false: outer}[outer == qin.side(ingress).Addr()]; outerOut != want {
+			fail("outer address %s became %s, want %s", outer, outerOut, want)
+		}
+	default:
+		got = netip.AddrPortFrom(o.src, o.sport)
+		if ingress {
+			got = netip.AddrPortFrom(o.dst, o.dport)
+		}
+		if p.kind == pktEcho && !p.echoRq {
+			got = netip.AddrPortFrom(got.Addr(), o.dport)
+		}
+	}
+	if got.Addr() != x.addr {
+		fail("translated to address %s, want %s", got.Addr(), x.addr)
+	}
+	switch {
+	case x.exactPort && got.Port() != x.port:
+		fail("translated to port %d, want %d", got.Port(), x.port)
+	case x.newMapping:
+		// A new mapping: a port of the range, the pod's own on a fresh table unless random.
+		if !inRanges(fz.pol.ports(), got.Port()) {
+			fail("new mapping on port %d, outside %s", got.Port(), fz.pol.ports())
+		}
+		if fresh && !fz.pol.p.RandomFully && inRanges(fz.pol.ports(), p.sport) && got.Port() != p.sport {
+			fail("port %d not kept on a fresh table without --random-fully: got %d", p.sport, got.Port())
+		}
+	}
+}
+
+// checkPairs: every NAT entry's partner exists and points back at it.
+func checkPairs(fz *fuzzRun, s fuzzState, fail func(string, ...any)) {
+	for k, e := range s.nat {
+		ps, pd := e.PartnerKey()
+		pdir := Ingress
+		if k.dir == Ingress {
+			pdir = Egress
+		}
+		partner, ok := s.nat[natKeyT{pdir, k.proto, ps, pd}]
+		if !ok {
+			fail("NAT entry %s %s -> %s (to %s, %s) has no partner", k.dir, k.src, k.dst, e.To, e.Kind)
+		}
+		if !pointsBack(e, partner) {
+			fail("NAT entry %s %s -> %s (to %s) and its partner (to %s) disagree", k.dir, k.src, k.dst, e.To, partner.To)
+		}
+	}
+}
+
+func diffOffsets(a, b []byte) []int {
+	var out []int
+	for i := range min(len(a), len(b)) {
+		if a[i] != b[i] {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// writable is the set of frame offsets a translation of p may change: the translated side's
+// address and port, the checksums that cover them and, for an ICMP error, the same in its quote.
+func (p fuzzPacket) writable(f []byte, ingress bool) map[int]bool {
+	w := map[int]bool{}
+	span := func(off, n int) {
+		for i := off; i < off+n; i++ {
+			w[i] = true
+		}
+	}
+	source := !ingress
+	span(p.addrOff(source), p.addrLen())
+	if !p.v6 {
+		span(14+10, 2)
+	}
+	switch p.kind {
+	case pktPorts, pktEcho:
+		span(p.l4+l4PortOff(p.proto, source), 2)
+		span(p.l4+l4CsumOff(p.proto), 2)
+	case pktICMPError:
+		span(p.l4+2, 2)
+		q, _ := p.quote(f)
+		// The quoted packet went the other way: on ingress its source is the translated side.
+		qsource := ingress
+		aoff := map[[2]bool]int{{false, true}: 12, {false, false}: 16, {true, true}: 8, {true, false}: 24}[[2]bool{p.v6, qsource}]
+		span(q.off+aoff, p.addrLen())
+		if !p.v6 {
+			span(q.off+10, 2)
+		}
+		span(q.off+q.ihl+l4PortOff(q.proto, qsource), 2)
+		span(q.off+q.ihl+l4CsumOff(q.proto), 2)
+	}
+	return w
+}
+
+// residual is the one's complement sum of everything a checksum covers, checksum included: 0
+// (in one's complement, where 0xffff is 0 too) when the checksum is valid. An incremental
+// update keeps it as it was, valid or not.
+func residual(s uint32) uint16 { return fold(s) % 0xffff }
+
+// sameResiduals checks that the rewrite kept every checksum exactly as (in)valid as it was.
+func sameResiduals(p fuzzPacket, in, out []byte) error {
+	type sum struct {
+		name string
+		of   func(f []byte) (uint16, bool)
+	}
+	pseudo := func(f []byte, src, dst int, n int, proto uint8) uint32 {
+		return pseudoSum(f[src:src+n], f[dst:dst+n], proto, 0)
+	}
+	sums := []sum{}
+	if !p.v6 {
+		sums = append(sums, sum{"IPv4 header", func(f []byte) (uint16, bool) { return residual(sum16(f[14:p.l4], 0)), true }})
+	}
+	l4sum := func(f []byte, l4, src, dst int, proto uint8, v6 bool) (uint16, bool) {
+		if proto == 17 && binary.BigEndian.Uint16(f[l4+6:]) == 0 {
+			return 0, false // no UDP checksum: must stay none, compared below
+		}
+		s := sum16(f[l4:], 0)
+		if proto != 1 {
+			s += pseudo(f, src, dst, map[bool]int{false: 4, true: 16}[v6], proto)
+		}
+		return residual(s), true
+	}
+	switch p.kind {
+	case pktPorts, pktEcho, pktICMPError:
+		sums = append(sums, sum{"L4", func(f []byte) (uint16, bool) {
+			return l4sum(f, p.l4, p.addrOff(true), p.addrOff(false), p.proto, p.v6)
+		}})
+	}
+	if p.kind == pktICMPError {
+		q, _ := p.quote(in)
+		if !p.v6 {
+			sums = append(sums, sum{"quoted IPv4 header", func(f []byte) (uint16, bool) {
+				return residual(sum16(f[q.off:q.off+20], 0)), true
+			}})
+		}
+		// The quote's L4 checksum covers bytes that are not there; the ones that are must
+		// keep their part of the sum. A TCP checksum lies past the 8 bytes every quote has,
+		// and is updated only when the IP packet holds it.
+		if q.proto != 6 || q.off+q.ihl+20 <= p.end {
+			qsrc, qdst := q.off+12, q.off+16
+			if p.v6 {
+				qsrc, qdst = q.off+8, q.off+24
+			}
+			sums = append(sums, sum{"quoted L4", func(f []byte) (uint16, bool) {
+				return l4sum(f, q.off+q.ihl, qsrc, qdst, q.proto, p.v6)
+			}})
+		}
+	}
+	for _, s := range sums {
+		a, aok := s.of(in)
+		b, bok := s.of(out)
+		if aok != bok || a != b {
+			return fmt.Errorf("%s checksum: residual %#04x (present %v) became %#04x (present %v)", s.name, a, aok, b, bok)
+		}
+	}
+	return nil
+}
+
+// Seeds.
+
+type fuzzSeed struct {
+	dirs uint8
+	a, b []byte
+}
+
+const (
+	seedAEgress  = 0
+	seedAIngress = 1
+	seedBIngress = 2
+)
+
+func fuzzSeeds(fp fuzzPolicy) []fuzzSeed {
+	var seeds []fuzzSeed
+	add := func(dirs uint8, a, b []byte) { seeds = append(seeds, fuzzSeed{dirs, a, b}) }
+	router := map[bool]netip.Addr{false: netip.MustParseAddr("203.0.113.9"), true: netip.MustParseAddr("2001:db8:eeee::9")}
+	for _, v6 := range []bool{false, true} {
+		podEnd, dst := ap(pod(v6, 1), 40000), ap(remote(v6), 443)
+		snat := snatFor(podEnd.Addr())
+		nat := ap(snat, fp.port)
+		for _, b := range builders(v6) {
+			pe, de := podEnd, dst
+			if b.name == "icmp-echo" {
+				de = ap(dst.Addr(), 0)
+			}
+			out := b.out(pe, de)
+			translated := append([]byte(nil), out...)
+			if fp.port != 0 {
+				translated = b.out(nat, de)
+			}
+			reply := b.back(de, nat)
+			add(seedAEgress, out, out)                                          // the flow's next packet
+			add(seedAEgress|seedBIngress, out, reply)                           // its reply
+			add(seedAEgress|seedBIngress, out, b.back(de, ap(snat, fp.port+1))) // a reply to another port
+			typ, code := uint8(3), uint8(3)
+			if v6 {
+				typ, code = 1, 4
+			}
+			add(seedAEgress|seedBIngress, out, icmpErrorPacket(router[v6], snat, typ, code, 0, translated))
+			// From outside toward the pod: the inbound flow, the pod's reply, its ICMP error.
+			in := b.out(de, pe)
+			add(seedAIngress, in, b.back(pe, de))
+			add(seedAIngress, in, icmpErrorPacket(pe.Addr(), de.Addr(), typ, code, 0, in))
+			add(seedAEgress, b.back(pe, de), nil) // an echo reply or a reply of no flow
+		}
+		// Host flows, and a host socket on a port a pod mapping holds.
+		add(seedAEgress, tcpPacket(ap(snat, 40001), dst, tcpSYN, nil), nil)
+		add(seedAEgress, tcpPacket(podEnd, dst, tcpSYN, nil), tcpPacket(ap(snat, fp.port), dst, tcpSYN, nil))
+		// A second pod on the same port to the same remote (exhaustion with one port).
+		add(seedAEgress, udpPacket(podEnd, dst, payload), udpPacket(ap(pod(v6, 2), 40000), dst, payload))
+		// Destinations the policies treat differently: RFC 1918, link-local, the /25 edge.
+		for _, d := range []string{"10.2.3.4", "169.254.1.1", "198.51.100.200", "8.8.8.8", "fd00::1", "fe80::1", "::ffff:10.0.0.1", "2600::1"} {
+			a := netip.MustParseAddr(d)
+			if a.Is6() == v6 {
+				add(seedAEgress, udpPacket(podEnd, ap(a, 53), payload), nil)
+			}
+		}
+		// Fragments: the first then a later one, both ways.
+		big := bytes.Repeat([]byte("fragmented datagram "), 40)
+		frags := fragment(udpPacket(podEnd, ap(remote(v6), 53), big), 256)
+		add(seedAEgress, frags[0], frags[1])
+		rfrags := fragment(udpPacket(ap(remote(v6), 53), nat, big), 256)
+		add(seedAEgress|seedBIngress, udpPacket(podEnd, ap(remote(v6), 53), payload), rfrags[0])
+		add(seedAEgress|seedBIngress, frags[0], rfrags[1])
+		// Cut short: by the frame, and by the IP length over Ethernet padding.
+		tcp := tcpPacket(podEnd, dst, tcpSYN, nil)
+		udp := udpPacket(podEnd, dst, nil)
+		ihl := 20
+		if v6 {
+			ihl = 40
+		}
+		add(seedAEgress, tcp[:14+ihl+12], nil)
+		add(seedAEgress, udp[:14+ihl+6], nil)
+		add(seedAEgress, withIPLength(udp, ihl+4), nil)
+		add(seedAEgress, withIPLength(tcp, ihl+8), nil)
+		add(seedAEgress|seedBIngress, udp, withIPLength(udpPacket(dst, nat, nil), ihl+4))
+		add(seedAEgress|seedBIngress, udp, icmpErrorPacket(router[v6], snat, 3, 3, 0, udp)[:14+ihl+8+10])
+		add(seedAEgress|seedBIngress, udp, withIPLength(icmpErrorPacket(router[v6], snat, 3, 3, 0, udpPacket(nat, dst, nil)), ihl+8+ihl))
+	}
+	// Not for the NAT.
+	src4, dst4 := ap(pod4(9), 40000), ap(remote4, 80)
+	src6, dst6 := ap(pod6(9), 40000), ap(remote6, 80)
+	arp := serializeRaw(&layers.Ethernet{SrcMAC: macA, DstMAC: macB, EthernetType: layers.EthernetTypeARP},
+		&layers.ARP{AddrType: layers.LinkTypeEthernet, Protocol: layers.EthernetTypeIPv4, HwAddressSize: 6,
+			ProtAddressSize: 4, Operation: 1, SourceHwAddress: macA, SourceProtAddress: []byte{10, 1, 0, 9},
+			DstHwAddress: make([]byte, 6), DstProtAddress: []byte{10, 1, 0, 1}})
+	for _, frame := range [][]byte{
+		arp,
+		withIHL(tcpPacket(src4, dst4, tcpSYN, nil)[:14+20], 15),
+		serialize(src4.Addr(), dst4.Addr(), layers.IPProtocolGRE, gopacket.Payload(make([]byte, 24))),
+		serialize(src6.Addr(), dst6.Addr(), layers.IPProtocolSCTP, gopacket.Payload(make([]byte, 24))),
+		serialize(src6.Addr(), dst6.Addr(), layers.IPProtocolIPv6HopByHop, gopacket.Payload([]byte{6, 0, 1, 4, 0, 0, 0, 0})),
+		serialize(src4.Addr(), dst4.Addr(), layers.IPProtocolICMPv4,
+			&layers.ICMPv4{TypeCode: layers.CreateICMPv4TypeCode(layers.ICMPv4TypeTimestampRequest, 0)}, gopacket.Payload(make([]byte, 12))),
+		serialize(src6.Addr(), netip.MustParseAddr("ff02::1:ff00:1"), layers.IPProtocolICMPv6,
+			&layers.ICMPv6{TypeCode: layers.CreateICMPv6TypeCode(layers.ICMPv6TypeNeighborSolicitation, 0)}, gopacket.Payload(make([]byte, 20))),
+	} {
+		add(seedAEgress, frame, nil)
+		add(seedAIngress, frame, nil)
+	}
+	return seeds
+}
+
+// withIPLength sets the IP packet's declared length (IPv4 total length, IPv6 payload length
+// plus the fixed header) to n bytes, leaving the frame as long as it was: the rest is padding,
+// as Ethernet adds to short frames.
+func withIPLength(frame []byte, n int) []byte {
+	f := append([]byte(nil), frame...)
+	if f[14]>>4 == 6 {
+		binary.BigEndian.PutUint16(f[14+4:], uint16(n-40))
+		return f
+	}
+	binary.BigEndian.PutUint16(f[14+2:], uint16(n))
+	f[14+10], f[14+11] = 0, 0
+	binary.BigEndian.PutUint16(f[14+10:], ^fold(sum16(f[14:14+20], 0)))
+	return f
+}
