@@ -13,6 +13,8 @@ import (
 	"slices"
 	"strings"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -159,10 +161,17 @@ var dropEvents = map[string]bpf.Event{
 	datapath.DropRewrite: bpf.EventDropRewrite,
 }
 
+// sweptProtocols are the protocols the sweep reports from the start, zero or not, so that their
+// series exist before the first removal.
+var sweptProtocols = []uint8{unix.IPPROTO_TCP, unix.IPPROTO_UDP, unix.IPPROTO_ICMP, unix.IPPROTO_ICMPV6}
+
 func emptyStats() datapath.NATStats {
 	st := datapath.NATStats{Drops: map[string]uint64{}, Swept: map[string]uint64{}}
 	for reason := range dropEvents {
 		st.Drops[reason] = 0
+	}
+	for _, p := range sweptProtocols {
+		st.Swept[datapath.ProtocolName(p)] = 0
 	}
 	return st
 }

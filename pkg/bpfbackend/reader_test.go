@@ -219,7 +219,7 @@ func TestNATReports(t *testing.T) {
 	if len(st.Entries) != 1 || st.Entries[0] != (datapath.NATEntries{Family: policy.IPv4, Protocol: "udp", Entries: 4}) {
 		t.Errorf("entries %+v, want 4 udp entries", st.Entries)
 	}
-	if fmt.Sprint(st.Swept) != "map[tcp:7]" {
+	if fmt.Sprint(st.Swept) != "map[icmp:0 icmpv6:0 tcp:7 udp:0]" {
 		t.Errorf("swept %v", st.Swept)
 	}
 	if fmt.Sprint(st.Drops) != "map[no_addr:0 no_port:0 rewrite:0]" || st.PortAllocationFailures != 0 {

@@ -42,7 +42,7 @@ func commands() []command {
 		{"explain", "explain [flags] ADDR...   which rule decides each address, and why", runExplain},
 		{"render", "render [flags]            print the iptables-restore payload; nothing is applied", runRender},
 		{"dump", "dump [flags]              the installed rules with hit counters, and the NAT table", runDump},
-		{"cleanup", "cleanup [flags]           remove every chain and jump the agent installed", runCleanup},
+		{"cleanup", "cleanup [flags]           remove everything the agent installed (chains, BPF programs, pins)", runCleanup},
 		{"version", "version                   print the version", runVersion},
 	}
 }
