@@ -32,8 +32,13 @@ const (
 	// DefaultDebounce lets a burst of directory events (a ConfigMap swap is several) settle into
 	// one reload, while keeping a change well under a second from file to datapath.
 	DefaultDebounce = 50 * time.Millisecond
-	DefaultRetryMin = 500 * time.Millisecond
-	DefaultRetryMax = 30 * time.Second
+	// DefaultQuiet is how long a file must be unmodified before it is read as whole: a writer
+	// that writes in several chunks pauses between them (see Options.Quiet).
+	DefaultQuiet = 100 * time.Millisecond
+	// DefaultWriterTimeout bounds the wait for a writer that keeps the file open.
+	DefaultWriterTimeout = 30 * time.Second
+	DefaultRetryMin      = 500 * time.Millisecond
+	DefaultRetryMax      = 30 * time.Second
 	// shutdownTimeout bounds how long in-flight health requests may delay the exit.
 	shutdownTimeout = 5 * time.Second
 )
@@ -49,6 +54,13 @@ type Options struct {
 	Logger *slog.Logger
 	// Debounce is how long the config directory must stay quiet before the file is re-read.
 	Debounce time.Duration
+	// Quiet and WriterTimeout keep a file that is being written from being applied half-read.
+	// A file is read as whole only when no writer has it open (a modification seen and no
+	// close after it; for at most WriterTimeout since the last modification, after which the
+	// writer is taken for stalled), it did not change during the read, and it was last
+	// modified at least Quiet ago; otherwise it is read again shortly. A ConfigMap update
+	// replaces the file whole, so it only waits out Quiet from the kubelet's write.
+	Quiet, WriterTimeout time.Duration
 	// RetryMin and RetryMax bound the exponential backoff of a failed apply.
 	RetryMin, RetryMax time.Duration
 	// Changes, when set, carries events from outside the file that the datapath must follow
@@ -151,8 +163,20 @@ func New(opts Options) (*Agent, error) {
 	if opts.ConfigPath == "" {
 		return nil, errors.New("agent: no config path")
 	}
+	// Absolute, so that watch events and the file's resolved path compare.
+	path, err := filepath.Abs(opts.ConfigPath)
+	if err != nil {
+		return nil, fmt.Errorf("agent: config path: %w", err)
+	}
+	opts.ConfigPath = path
 	if opts.Debounce <= 0 {
 		opts.Debounce = DefaultDebounce
+	}
+	if opts.Quiet <= 0 {
+		opts.Quiet = DefaultQuiet
+	}
+	if opts.WriterTimeout <= 0 {
+		opts.WriterTimeout = DefaultWriterTimeout
 	}
 	if opts.RetryMin <= 0 {
 		opts.RetryMin = DefaultRetryMin
@@ -264,7 +288,7 @@ type loopState struct {
 
 func (a *Agent) loop(ctx context.Context) error {
 	log := a.log.With("config", a.opts.ConfigPath, "backend", a.opts.Backend.Name())
-	w, err := newDirWatcher(filepath.Dir(a.opts.ConfigPath), log)
+	w, err := newDirWatcher(a.opts.ConfigPath, log)
 	if err != nil {
 		return fmt.Errorf("watch config directory: %w", err)
 	}
@@ -274,18 +298,26 @@ func (a *Agent) loop(ctx context.Context) error {
 	resync := time.NewTimer(time.Hour)
 	debounce := time.NewTimer(time.Hour)
 	retry := time.NewTimer(time.Hour)
+	settle := time.NewTimer(time.Hour) // reads again a file that was being written
 	debounce.Stop()
 	retry.Stop()
+	settle.Stop()
 	defer resync.Stop()
 	defer debounce.Stop()
 	defer retry.Stop()
+	defer settle.Stop()
 
 	changes := a.opts.Changes
 	next := triggerStartup
 	for {
 		if next != "" {
 			interval := st.resync
-			a.reconcile(ctx, st, next)
+			if again := a.reconcile(ctx, st, next, w); again > 0 {
+				settle.Reset(again)
+			} else {
+				settle.Stop()
+			}
+			w.follow() // a ConfigMap update points the file at a new directory
 			if st.failed {
 				retry.Reset(st.backoff)
 			} else {
@@ -303,7 +335,7 @@ func (a *Agent) loop(ctx context.Context) error {
 			log.Info("shutting down; the datapath stays in place")
 			return nil
 		case ev := <-w.events():
-			if w.relevant(ev) {
+			if w.handle(ev) {
 				log.Debug("config directory changed", "event", ev.String())
 				debounce.Reset(a.opts.Debounce)
 			}
@@ -312,6 +344,8 @@ func (a *Agent) loop(ctx context.Context) error {
 			log.Warn("config directory watch error; re-reading the file", "error", err)
 			debounce.Reset(a.opts.Debounce)
 		case <-debounce.C:
+			next = triggerChange
+		case <-settle.C:
 			next = triggerChange
 		case <-resync.C:
 			w.ensure()
@@ -332,9 +366,29 @@ func (a *Agent) loop(ctx context.Context) error {
 // reconcile reads the file and, when it is good, applies its policy. A change reload applies only
 // a policy that differs from the one in place; a resync or retry always applies, which heals
 // drift. A bad file changes nothing: the last good policy stays (and a resync re-applies it).
-func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger) {
+// A file being written is not read yet: reconcile returns when to read it again.
+func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, w *dirWatcher) time.Duration {
 	log := a.log.With("trigger", string(why))
-	cfg, err := config.Load(a.opts.ConfigPath, a.opts.ConfigOptions)
+	writing, lastWrite := w.writer()
+	f, err := config.ReadFile(a.opts.ConfigPath)
+	if err == nil {
+		if again, reason := a.unsettled(f, writing, lastWrite, time.Now()); again > 0 {
+			log.Debug("the config file is being written; reading it again shortly", "path", a.opts.ConfigPath,
+				"reason", reason, "in", again)
+			if st.desired != nil && (why == triggerResync || why == triggerRetry || why == triggerEvent) {
+				_ = a.apply(ctx, st, log) // the drift repair does not wait for the file
+			}
+			return again
+		}
+		if writing {
+			log.Warn("the config file is still open for writing but unmodified for a while; reading it as it is",
+				"path", a.opts.ConfigPath, "lastWrite", lastWrite)
+		}
+	}
+	var cfg config.Config
+	if err == nil {
+		cfg, err = f.Parse(a.opts.ConfigOptions)
+	}
 	if err != nil {
 		a.mu.Lock()
 		a.stats.ConfigErrors++
@@ -345,14 +399,14 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger) {
 		if st.desired == nil {
 			log.Error("config rejected; nothing applied, not ready until a valid configuration arrives",
 				"path", a.opts.ConfigPath, "error", err)
-			return
+			return 0
 		}
 		log.Error("config rejected; the last good configuration stays in force",
 			"path", a.opts.ConfigPath, "error", err)
 		if why == triggerResync || why == triggerRetry || why == triggerEvent {
 			_ = a.apply(ctx, st, log) // counted as an apply, not as a reload of this file
 		}
-		return
+		return 0
 	}
 	st.resync = cfg.ResyncInterval
 	p := policy.Compile(cfg, a.opts.PolicyOptions)
@@ -367,7 +421,7 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger) {
 		a.stats.LastReload = time.Now()
 		a.stats.ConfigSHA256 = hash
 		a.mu.Unlock()
-		return
+		return 0
 	}
 	if st.desired != nil && !reflect.DeepEqual(p, st.desired) {
 		log.Info("config changed", "path", a.opts.ConfigPath)
@@ -375,7 +429,7 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger) {
 	st.desired, st.desiredHash = p, hash
 	err = a.apply(ctx, st, log)
 	if ctx.Err() != nil {
-		return
+		return 0
 	}
 	a.mu.Lock()
 	if err == nil {
@@ -385,6 +439,30 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger) {
 		a.stats.ReloadApplyErrors++
 	}
 	a.mu.Unlock()
+	return 0
+}
+
+// unsettled tells whether a read of the config file may have caught it half-written, and if so
+// when to read it again. A missing file is settled: a ConfigMap update or an editor replaces
+// the file whole, by a rename.
+func (a *Agent) unsettled(f config.File, writing bool, lastWrite, now time.Time) (time.Duration, string) {
+	if f.Missing {
+		return 0, ""
+	}
+	if writing {
+		if left := a.opts.WriterTimeout - now.Sub(lastWrite); left > 0 {
+			// The close after the last write is an event that reads it sooner.
+			return left, "a writer has it open"
+		}
+	}
+	if f.Torn {
+		return a.opts.Quiet, "it changed while it was read"
+	}
+	// An mtime in the future (a clock step, a copied timestamp) says nothing about writers.
+	if age := now.Sub(f.ModTime); age >= 0 && age < a.opts.Quiet {
+		return a.opts.Quiet - age, "it was modified " + age.Round(time.Millisecond).String() + " ago"
+	}
+	return 0, ""
 }
 
 // apply applies the desired policy and records the outcome. It returns the backend's error; a

@@ -112,12 +112,13 @@ func (s *syncBuffer) String() string {
 }
 
 // configMap writes a config directory the way the kubelet updates a ConfigMap volume: the data
-// in a fresh timestamped directory, "..data" swapped to it by a rename, and the file a symlink
-// through "..data".
+// in a fresh timestamped directory, "..data" swapped to it by a rename, the file a symlink
+// through "..data", and the previous data directory removed.
 type configMap struct {
-	t   *testing.T
-	dir string
-	n   int
+	t    *testing.T
+	dir  string
+	n    int
+	prev string // the data directory before the last swap
 }
 
 func newConfigMap(t *testing.T) *configMap {
@@ -148,6 +149,12 @@ func (c *configMap) write(content string) {
 			c.t.Fatal(err)
 		}
 	}
+	if c.prev != "" {
+		if err := os.RemoveAll(filepath.Join(c.dir, c.prev)); err != nil {
+			c.t.Fatal(err)
+		}
+	}
+	c.prev = ts
 }
 
 type running struct {

@@ -1,70 +1,292 @@
 package agent
 
 import (
+	"encoding/binary"
 	"errors"
+	"fmt"
+	"io"
 	"log/slog"
+	"os"
 	"path/filepath"
+	"strings"
+	"sync"
+	"time"
 
-	"github.com/fsnotify/fsnotify"
+	"golang.org/x/sys/unix"
 )
 
 // dirWatcher watches the directory of the config file, not the file: a ConfigMap update swaps
 // the "..data" symlink, an editor renames a new file into place, and a file created later has no
-// inode to watch yet. Every one of these is an event in the directory.
+// inode to watch yet. Every one of these is an event in the directory. When the file is a
+// symlink into another directory, that directory (where the content changes) is watched too.
+//
+// It also tells which files are being written: modified and not closed since. A writer that
+// writes in several chunks (`cat > file` from a slow pipe, an editor writing in place) pauses
+// between them; reading then would see half a document, which may well be valid. inotify's
+// close-after-write event, which fsnotify does not offer, marks the end.
 //
 // A directory that does not exist yet (or disappears) is watched again on the next ensure; the
 // periodic resync calls it, so reloads work again at the latest one resync later.
 type dirWatcher struct {
-	dir     string
-	log     *slog.Logger
-	w       *fsnotify.Watcher
-	watched bool
+	path string // the config file
+	dir  string // its directory, as configured
+	log  *slog.Logger
+	in   *inotify
+
+	// dirs are the watched directories (symlinks resolved) by watch descriptor; configWD is
+	// the config directory's (-1 while not watched), targetWD that of the directory the
+	// file's symlinks lead to when it is another one (-1 when none).
+	dirs               map[int32]string
+	configWD, targetWD int32
+	// writing holds the files (symlinks resolved) modified and not closed since, with the time
+	// of their last modification.
+	writing map[string]time.Time
 }
 
-func newDirWatcher(dir string, log *slog.Logger) (*dirWatcher, error) {
-	w, err := fsnotify.NewWatcher()
+// dirMask: changes of entries, and content written or closed after writing. Not IN_ATTRIB:
+// attributes alone do not change the content.
+const dirMask = unix.IN_CREATE | unix.IN_DELETE | unix.IN_MOVED_FROM | unix.IN_MOVED_TO | unix.IN_MODIFY |
+	unix.IN_CLOSE_WRITE | unix.IN_DELETE_SELF | unix.IN_MOVE_SELF | unix.IN_ONLYDIR | unix.IN_EXCL_UNLINK
+
+func newDirWatcher(path string, log *slog.Logger) (*dirWatcher, error) {
+	in, err := newInotify()
 	if err != nil {
 		return nil, err
 	}
-	d := &dirWatcher{dir: filepath.Clean(dir), log: log, w: w}
+	d := &dirWatcher{path: filepath.Clean(path), dir: filepath.Dir(filepath.Clean(path)), log: log, in: in,
+		dirs: map[int32]string{}, configWD: -1, targetWD: -1, writing: map[string]time.Time{}}
 	d.ensure()
+	d.follow()
 	return d, nil
 }
 
-// ensure (re)adds the watch when the directory is not watched.
+// ensure (re)adds the watch of the config directory when it is not watched.
 func (d *dirWatcher) ensure() {
-	if d.watched {
+	if d.configWD >= 0 {
 		return
 	}
-	if err := d.w.Add(d.dir); err != nil {
+	wd, dir, err := d.add(d.dir)
+	if err != nil {
 		d.log.Warn("cannot watch the config directory; changes are picked up by the periodic resync only",
 			"dir", d.dir, "error", err)
 		return
 	}
-	d.watched = true
-	d.log.Debug("watching the config directory", "dir", d.dir)
+	d.configWD = wd
+	d.log.Debug("watching the config directory", "dir", dir)
 }
 
-// relevant reports whether an event may have changed the config file, and notes the loss of the
-// watch when the directory itself went away.
-func (d *dirWatcher) relevant(ev fsnotify.Event) bool {
-	if filepath.Clean(ev.Name) == d.dir && ev.Has(fsnotify.Remove|fsnotify.Rename) {
-		d.watched = false
-		_ = d.w.Remove(d.dir) // the kernel dropped the watch already; keep fsnotify's list in step
-		d.log.Warn("the config directory went away; watching it again at the next resync", "dir", d.dir)
+// follow watches the directory the config file's symlinks lead to, when it is not the config
+// directory itself, and stops watching the one they led to before. Called after every read,
+// since a ConfigMap update points "..data" at a new directory.
+func (d *dirWatcher) follow() {
+	var dir string
+	if real, err := filepath.EvalSymlinks(d.path); err == nil {
+		dir = filepath.Dir(real)
+	}
+	if d.targetWD >= 0 && d.dirs[d.targetWD] == dir {
+		return
+	}
+	if d.targetWD >= 0 {
+		d.forget(d.targetWD)
+		d.targetWD = -1
+	}
+	if dir == "" || (d.configWD >= 0 && d.dirs[d.configWD] == dir) {
+		return
+	}
+	wd, _, err := d.add(dir)
+	if err != nil {
+		d.log.Debug("cannot watch the directory the config file links into", "dir", dir, "error", err)
+		return
+	}
+	if wd == d.configWD {
+		return // the same directory under another name
+	}
+	d.targetWD = wd
+	d.log.Debug("watching the directory the config file links into", "dir", dir)
+}
+
+func (d *dirWatcher) add(dir string) (int32, string, error) {
+	real, err := filepath.EvalSymlinks(dir)
+	if err != nil {
+		return -1, "", err
+	}
+	wd, err := d.in.add(real, dirMask)
+	if err != nil {
+		return -1, "", err
+	}
+	d.dirs[wd] = real
+	return wd, real, nil
+}
+
+// forget removes a watch and what was known about its directory.
+func (d *dirWatcher) forget(wd int32) {
+	d.in.remove(wd)
+	d.dropDir(wd)
+}
+
+func (d *dirWatcher) dropDir(wd int32) {
+	dir := d.dirs[wd]
+	delete(d.dirs, wd)
+	for p := range d.writing {
+		if filepath.Dir(p) == dir {
+			delete(d.writing, p)
+		}
+	}
+}
+
+// handle records what an event says about writers and lost watches, and reports whether it may
+// have changed the config file.
+func (d *dirWatcher) handle(ev inotifyEvent) bool {
+	if ev.mask&unix.IN_Q_OVERFLOW != 0 {
+		// Events were lost, close events among them: start over.
+		clear(d.writing)
 		return true
 	}
-	// Attribute changes alone do not change the content.
-	return ev.Op&^fsnotify.Chmod != 0
+	dir, ok := d.dirs[ev.wd]
+	if !ok {
+		return false // a watch removed meanwhile
+	}
+	if ev.mask&(unix.IN_IGNORED|unix.IN_DELETE_SELF|unix.IN_MOVE_SELF) != 0 {
+		if ev.mask&unix.IN_IGNORED != 0 {
+			d.dropDir(ev.wd) // the kernel dropped the watch
+		} else {
+			d.forget(ev.wd)
+		}
+		switch ev.wd {
+		case d.configWD:
+			d.configWD = -1
+			d.log.Warn("the config directory went away; watching it again at the next resync", "dir", d.dir)
+		case d.targetWD:
+			d.targetWD = -1 // the old data of a ConfigMap update; follow finds the new one
+		}
+		return true
+	}
+	p := filepath.Join(dir, ev.name)
+	switch {
+	case ev.mask&unix.IN_MODIFY != 0:
+		d.writing[p] = time.Now()
+	case ev.mask&(unix.IN_CLOSE_WRITE|unix.IN_DELETE|unix.IN_MOVED_FROM) != 0:
+		delete(d.writing, p)
+	}
+	return true
 }
 
-func (d *dirWatcher) events() <-chan fsnotify.Event { return d.w.Events }
-func (d *dirWatcher) errors() <-chan error          { return d.w.Errors }
-
-func (d *dirWatcher) close() error {
-	err := d.w.Close()
-	if errors.Is(err, fsnotify.ErrClosed) {
-		return nil
+// writer reports whether the config file (symlinks resolved) is being written, and when it was
+// last modified.
+func (d *dirWatcher) writer() (bool, time.Time) {
+	real, err := filepath.EvalSymlinks(d.path)
+	if err != nil {
+		return false, time.Time{}
 	}
+	at, ok := d.writing[real]
+	return ok, at
+}
+
+func (d *dirWatcher) events() <-chan inotifyEvent { return d.in.events }
+func (d *dirWatcher) errors() <-chan error        { return d.in.errors }
+
+func (d *dirWatcher) close() error { return d.in.close() }
+
+// inotify is an inotify instance read by a goroutine.
+type inotify struct {
+	fd     int
+	f      *os.File
+	events chan inotifyEvent
+	errors chan error
+	done   chan struct{}
+	once   sync.Once
+}
+
+type inotifyEvent struct {
+	wd   int32
+	mask uint32
+	name string
+}
+
+func (ev inotifyEvent) String() string {
+	var ops []string
+	for _, o := range []struct {
+		bit  uint32
+		name string
+	}{{unix.IN_CREATE, "create"}, {unix.IN_DELETE, "delete"}, {unix.IN_MOVED_FROM, "moved-from"},
+		{unix.IN_MOVED_TO, "moved-to"}, {unix.IN_MODIFY, "modify"}, {unix.IN_CLOSE_WRITE, "close-write"},
+		{unix.IN_DELETE_SELF, "delete-self"}, {unix.IN_MOVE_SELF, "move-self"}, {unix.IN_IGNORED, "ignored"},
+		{unix.IN_Q_OVERFLOW, "overflow"}} {
+		if ev.mask&o.bit != 0 {
+			ops = append(ops, o.name)
+		}
+	}
+	return fmt.Sprintf("%q: %s", ev.name, strings.Join(ops, "|"))
+}
+
+func newInotify() (*inotify, error) {
+	// Non-blocking, so that reads go through the runtime poller and close ends them.
+	fd, err := unix.InotifyInit1(unix.IN_CLOEXEC | unix.IN_NONBLOCK)
+	if err != nil {
+		return nil, fmt.Errorf("inotify_init1: %w", err)
+	}
+	in := &inotify{fd: fd, f: os.NewFile(uintptr(fd), "inotify"), events: make(chan inotifyEvent, 64),
+		errors: make(chan error, 1), done: make(chan struct{})}
+	go in.read()
+	return in, nil
+}
+
+func (in *inotify) add(dir string, mask uint32) (int32, error) {
+	wd, err := unix.InotifyAddWatch(in.fd, dir, mask)
+	if err != nil {
+		return -1, fmt.Errorf("inotify_add_watch %s: %w", dir, err)
+	}
+	return int32(wd), nil
+}
+
+func (in *inotify) remove(wd int32) {
+	_, _ = unix.InotifyRmWatch(in.fd, uint32(wd)) // fails when the kernel dropped it already
+}
+
+func (in *inotify) read() {
+	buf := make([]byte, 64*(unix.SizeofInotifyEvent+unix.NAME_MAX+1))
+	for {
+		n, err := in.f.Read(buf)
+		if err != nil {
+			if !errors.Is(err, os.ErrClosed) && !errors.Is(err, io.EOF) {
+				select {
+				case in.errors <- fmt.Errorf("read inotify events: %w", err):
+				case <-in.done:
+				}
+			}
+			return
+		}
+		for off := 0; off+unix.SizeofInotifyEvent <= n; {
+			b := buf[off:n]
+			ev := inotifyEvent{wd: int32(binary.NativeEndian.Uint32(b)), mask: binary.NativeEndian.Uint32(b[4:])}
+			nameLen := int(binary.NativeEndian.Uint32(b[12:]))
+			if unix.SizeofInotifyEvent+nameLen > len(b) {
+				break // cannot happen: the kernel writes whole events
+			}
+			ev.name = strings.TrimRight(string(b[unix.SizeofInotifyEvent:unix.SizeofInotifyEvent+nameLen]), "\x00")
+			off += unix.SizeofInotifyEvent + nameLen
+			if ev.mask&unix.IN_Q_OVERFLOW != 0 {
+				select {
+				case in.errors <- errors.New("inotify queue overflow: events were lost"):
+				case <-in.done:
+					return
+				default: // one pending overflow says it all
+				}
+			}
+			select {
+			case in.events <- ev:
+			case <-in.done:
+				return
+			}
+		}
+	}
+}
+
+func (in *inotify) close() error {
+	var err error
+	in.once.Do(func() {
+		close(in.done)
+		err = in.f.Close()
+	})
 	return err
 }

@@ -17,6 +17,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"golang.org/x/sys/unix"
 	"sigs.k8s.io/yaml"
 )
 
@@ -104,24 +105,99 @@ func Default(opts Options) Config {
 
 // Load reads the file at path. A missing file means the defaults; so does an empty one.
 func Load(path string, opts Options) (Config, error) {
-	f, err := os.Open(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return Default(opts), nil
+	f, err := ReadFile(path)
+	if err != nil {
+		return Config{}, err
+	}
+	return f.Parse(opts)
+}
+
+// File is one read of a configuration file.
+type File struct {
+	Path string
+	Data []byte
+	// Missing is true when there is no file at Path (nor at the end of its symlinks): the
+	// defaults apply.
+	Missing bool
+	// ModTime is the file's modification time as the read ended.
+	ModTime time.Time
+	// Torn is true when the file changed while it was read (its size or modification time
+	// differ before and after), so Data may mix two versions.
+	Torn bool
+}
+
+// ReadFile reads the file at path, following symlinks (a ConfigMap mount is symlinks through
+// "..data"). Only a regular file of at most MaxFileSize bytes is read: a FIFO would block the
+// reader, a device could be endless.
+func ReadFile(path string) (File, error) {
+	out := File{Path: path}
+	// O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below.
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ENOENT) {
+		out.Missing = true
+		return out, nil
 	}
 	if err != nil {
-		return Config{}, fmt.Errorf("open config: %w", err)
+		return out, fmt.Errorf("open config %s: %w", path, err)
 	}
+	f := os.NewFile(uintptr(fd), path)
 	defer f.Close()
+	before, err := f.Stat()
+	if err != nil {
+		return out, fmt.Errorf("stat config %s: %w", path, err)
+	}
+	if !before.Mode().IsRegular() {
+		return out, fmt.Errorf("config %s is not a regular file but a %s", path, fileType(before.Mode()))
+	}
+	if before.Size() > MaxFileSize {
+		return out, tooLarge(path, before.Size())
+	}
 	data, err := io.ReadAll(io.LimitReader(f, MaxFileSize+1))
 	if err != nil {
-		return Config{}, fmt.Errorf("read config %s: %w", path, err)
+		return out, fmt.Errorf("read config %s: %w", path, err)
 	}
 	if len(data) > MaxFileSize {
-		return Config{}, fmt.Errorf("config %s is larger than %d bytes", path, MaxFileSize)
+		return out, tooLarge(path, int64(len(data)))
 	}
-	cfg, err := Parse(data, opts)
+	after, err := f.Stat()
 	if err != nil {
-		return Config{}, fmt.Errorf("config %s: %w", path, err)
+		return out, fmt.Errorf("stat config %s: %w", path, err)
+	}
+	out.Data, out.ModTime = data, after.ModTime()
+	out.Torn = before.Size() != after.Size() || !before.ModTime().Equal(after.ModTime()) ||
+		int64(len(data)) != after.Size()
+	return out, nil
+}
+
+func tooLarge(path string, size int64) error {
+	return fmt.Errorf("config %s is larger than the limit of %d bytes (%d MiB): %d bytes", path,
+		MaxFileSize, MaxFileSize>>20, size)
+}
+
+func fileType(m os.FileMode) string {
+	switch {
+	case m.IsDir():
+		return "directory"
+	case m&os.ModeNamedPipe != 0:
+		return "named pipe"
+	case m&os.ModeSocket != 0:
+		return "socket"
+	case m&os.ModeCharDevice != 0:
+		return "character device"
+	case m&os.ModeDevice != 0:
+		return "device"
+	}
+	return m.Type().String()
+}
+
+// Parse parses the file's data (see Parse); a missing file gives the defaults.
+func (f File) Parse(opts Options) (Config, error) {
+	if f.Missing {
+		return Default(opts), nil
+	}
+	cfg, err := Parse(f.Data, opts)
+	if err != nil {
+		return Config{}, fmt.Errorf("config %s: %w", f.Path, err)
 	}
 	return cfg, nil
 }

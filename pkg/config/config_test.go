@@ -2,6 +2,7 @@ package config
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -9,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func prefixes(ss ...string) []netip.Prefix {
@@ -267,5 +270,69 @@ func TestClosest(t *testing.T) {
 		if got := closest(in); got != want {
 			t.Errorf("closest(%q) = %q, want %q", in, got, want)
 		}
+	}
+}
+
+// TestReadFile: symlinks are followed (a ConfigMap's two levels of them), a missing file or a
+// link to nothing is Missing, anything but a regular file is refused without being read (a
+// pipe would block, a device could be endless), and a file whose content disagrees with its
+// size is reported torn.
+func TestReadFile(t *testing.T) {
+	dir := t.TempDir()
+	data := filepath.Join(dir, "..2026_01_01", "ip-masq-agent")
+	if err := os.MkdirAll(filepath.Dir(data), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(data, []byte("masqOutBound: false\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("..2026_01_01", filepath.Join(dir, "..data")); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, "ip-masq-agent")
+	if err := os.Symlink(filepath.Join("..data", "ip-masq-agent"), path); err != nil {
+		t.Fatal(err)
+	}
+	f, err := ReadFile(path)
+	if err != nil || f.Missing || f.Torn || string(f.Data) != "masqOutBound: false\n" || f.ModTime.IsZero() {
+		t.Fatalf("ReadFile through symlinks = %+v, %v", f, err)
+	}
+
+	dangling := filepath.Join(dir, "dangling")
+	if err := os.Symlink(filepath.Join(dir, "nothing"), dangling); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{filepath.Join(dir, "nothing"), dangling} {
+		if f, err := ReadFile(p); err != nil || !f.Missing {
+			t.Errorf("ReadFile(%s) = %+v, %v; want a missing file", p, f, err)
+		}
+		if cfg, err := Load(p, Options{}); err != nil || !equal(cfg, Default(Options{})) {
+			t.Errorf("Load(%s) = %+v, %v; want the defaults", p, cfg, err)
+		}
+	}
+
+	fifo := filepath.Join(dir, "fifo")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for p, kind := range map[string]string{fifo: "named pipe", "/dev/zero": "character device", dir: "directory"} {
+			want := fmt.Sprintf("config %s is not a regular file but a %s", p, kind)
+			if _, err := ReadFile(p); err == nil || err.Error() != want {
+				t.Errorf("ReadFile(%s) = %v, want %q", p, err, want)
+			}
+		}
+	}()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("ReadFile blocked on a named pipe")
+	}
+
+	// procfs files say they are empty and are not: what a file changing under the read looks like.
+	if f, err := ReadFile("/proc/self/status"); err != nil || !f.Torn || len(f.Data) == 0 {
+		t.Errorf("ReadFile(/proc/self/status) = torn %v, %d bytes, %v; want a torn read", f.Torn, len(f.Data), err)
 	}
 }

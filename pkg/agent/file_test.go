@@ -1,0 +1,291 @@
+package agent
+
+import (
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+)
+
+// Config file hardening: what reaches the policy is a whole, regular file of bounded size, found
+// through any symlinks, and a file that cannot be read that way changes nothing.
+
+// replace puts a file, symlink or other node at path atomically, as editors and `ln -sfn` do:
+// made under a temporary name, then renamed over path.
+func replace(t *testing.T, path string, make func(tmp string) error) {
+	t.Helper()
+	tmp := filepath.Join(filepath.Dir(path), ".tmp-"+filepath.Base(path))
+	if err := make(tmp); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func writeFile(t *testing.T, path, content string) {
+	t.Helper()
+	if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func wantNonMasq(t *testing.T, b *fakeBackend, want string) {
+	t.Helper()
+	if got := fmt.Sprint(nonMasq(b.waitApply(t))); got != want {
+		t.Fatalf("applied nonMasqueradeCIDRs %s, want %s", got, want)
+	}
+}
+
+// waitLog waits for the agent to log want.
+func (r *running) waitLog(t *testing.T, want string) {
+	t.Helper()
+	deadline := time.Now().Add(waitFor)
+	for !strings.Contains(r.log.String(), want) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the agent never logged %q", want)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestConfigTooLarge: a file over config.MaxFileSize is refused with an error naming the file,
+// its size and the limit, without being read; the last good configuration stays in force and
+// the agent stays ready; the next good file is applied.
+func TestConfigTooLarge(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "ip-masq-agent")
+	writeFile(t, path, "nonMasqueradeCIDRs: [10.0.0.0/8]\n")
+	b := newFakeBackend()
+	r := startAgent(t, path, b)
+	wantNonMasq(t, b, "[10.0.0.0/8]")
+
+	size := int64(config.MaxFileSize + 1)
+	replace(t, path, func(tmp string) error { // sparse: cheap to make
+		f, err := os.Create(tmp)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		return f.Truncate(size)
+	})
+	r.waitStats(t, "the oversized file", func(s Stats) bool { return s.ConfigErrors == 1 })
+	b.noApply(t, 200*time.Millisecond)
+	want := fmt.Sprintf("config %s is larger than the limit of %d bytes (16 MiB): %d bytes", path, config.MaxFileSize, size)
+	if !strings.Contains(r.log.String(), want) {
+		t.Errorf("log lacks %q:\n%s", want, r.log.String())
+	}
+	if code, _ := r.ready(t); code != http.StatusOK {
+		t.Errorf("an oversized file made the agent unready: %d", code)
+	}
+	writeFile(t, path, "nonMasqueradeCIDRs: [192.168.0.0/16]\n")
+	wantNonMasq(t, b, "[192.168.0.0/16]")
+}
+
+// TestConfigNotARegularFile: a config path that leads to a named pipe, a device or a directory
+// is refused at once (a pipe must not block the loop, a device must not be read) and the loop
+// goes on: the good file that replaces it is applied.
+func TestConfigNotARegularFile(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "ip-masq-agent")
+	fifo := filepath.Join(t.TempDir(), "fifo")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	writeFile(t, path, "nonMasqueradeCIDRs: [10.0.0.0/8]\n")
+	b := newFakeBackend()
+	r := startAgent(t, path, b)
+	wantNonMasq(t, b, "[10.0.0.0/8]")
+	for i, c := range []struct{ target, kind string }{
+		{fifo, "named pipe"}, {"/dev/zero", "character device"}, {t.TempDir(), "directory"},
+	} {
+		replace(t, path, func(tmp string) error { return os.Symlink(c.target, tmp) })
+		r.waitLog(t, fmt.Sprintf("config %s is not a regular file but a %s", path, c.kind))
+		b.noApply(t, 100*time.Millisecond)
+		good := fmt.Sprintf("nonMasqueradeCIDRs: [10.%d.0.0/16]\n", i+1)
+		replace(t, path, func(tmp string) error { return os.WriteFile(tmp, []byte(good), 0o644) })
+		wantNonMasq(t, b, fmt.Sprintf("[10.%d.0.0/16]", i+1))
+	}
+	if s := r.agent.Stats(); s.ConfigErrors != 3 {
+		t.Errorf("stats %+v, want 3 config errors", s)
+	}
+}
+
+// TestConfigFileIsSymlink: a config file that is a symlink into another directory is followed
+// there: a change of the target's content is applied long before the resync would find it, a
+// re-pointed link is followed to its new target (and the old one no longer matters), and a link
+// to nothing means the defaults, as a missing file does.
+func TestConfigFileIsSymlink(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "ip-masq-agent")
+	dirA, dirB := t.TempDir(), t.TempDir()
+	a, b2 := filepath.Join(dirA, "a.yaml"), filepath.Join(dirB, "b.yaml")
+	const resync = "resyncInterval: 1h\n" // only the watch can see the changes below
+	writeFile(t, a, resync+"nonMasqueradeCIDRs: [10.0.0.0/8]\n")
+	if err := os.Symlink(a, path); err != nil {
+		t.Fatal(err)
+	}
+	b := newFakeBackend()
+	startAgent(t, path, b)
+	wantNonMasq(t, b, "[10.0.0.0/8]")
+
+	writeFile(t, a, resync+"nonMasqueradeCIDRs: [192.168.0.0/16]\n")
+	wantNonMasq(t, b, "[192.168.0.0/16]")
+
+	writeFile(t, b2, resync+"nonMasqueradeCIDRs: [172.16.0.0/12]\n")
+	replace(t, path, func(tmp string) error { return os.Symlink(b2, tmp) })
+	wantNonMasq(t, b, "[172.16.0.0/12]")
+
+	writeFile(t, a, resync+"nonMasqueradeCIDRs: [10.1.0.0/16]\n")
+	b.noApply(t, 300*time.Millisecond)
+	writeFile(t, b2, resync+"nonMasqueradeCIDRs: [10.2.0.0/16]\n")
+	wantNonMasq(t, b, "[10.2.0.0/16]")
+
+	if err := os.Remove(b2); err != nil {
+		t.Fatal(err)
+	}
+	if got := nonMasq(b.waitApply(t)); len(got) != 3 {
+		t.Fatalf("a dangling link applied %v, want the three default CIDRs", got)
+	}
+}
+
+// TestConfigMapSwapsFollowed: ConfigMap updates one after the other, each swapping "..data" to
+// a new directory and removing the previous one as the kubelet does, are each applied, within
+// a fraction of a second.
+func TestConfigMapSwapsFollowed(t *testing.T) {
+	cm := newConfigMap(t)
+	cm.write("resyncInterval: 1h\nnonMasqueradeCIDRs: [10.0.0.0/8]\n")
+	b := newFakeBackend()
+	r := startAgent(t, cm.path(), b)
+	wantNonMasq(t, b, "[10.0.0.0/8]")
+	var slowest time.Duration
+	for i := 1; i <= 5; i++ {
+		start := time.Now()
+		cm.write(fmt.Sprintf("resyncInterval: 1h\nnonMasqueradeCIDRs: [10.%d.0.0/16]\n", i))
+		wantNonMasq(t, b, fmt.Sprintf("[10.%d.0.0/16]", i))
+		slowest = max(slowest, time.Since(start))
+	}
+	t.Logf("slowest ConfigMap update to apply: %v (debounce %v, quiet %v)", slowest, DefaultDebounce, DefaultQuiet)
+	b.noApply(t, 200*time.Millisecond)
+	if s := r.agent.Stats(); s.Applies != 6 || s.ConfigErrors != 0 {
+		t.Errorf("stats %+v, want 6 applies and no errors", s)
+	}
+}
+
+// TestPartialWriteNotApplied: a writer that writes a document in two chunks, pausing between
+// them longer than the debounce and the quiet period together, never gets the first chunk
+// applied, although it is a valid document on its own: only the whole file is, once the writer
+// closed it. The same through a symlink into another directory.
+func TestPartialWriteNotApplied(t *testing.T) {
+	for _, linked := range []bool{false, true} {
+		t.Run(fmt.Sprintf("symlink=%v", linked), func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "ip-masq-agent")
+			file := path
+			if linked {
+				file = filepath.Join(t.TempDir(), "real.yaml")
+				if err := os.Symlink(file, path); err != nil {
+					t.Fatal(err)
+				}
+			}
+			writeFile(t, file, "nonMasqueradeCIDRs: [172.16.0.0/12]\n")
+			b := newFakeBackend()
+			r := startAgent(t, path, b)
+			wantNonMasq(t, b, "[172.16.0.0/12]")
+
+			f, err := os.OpenFile(file, os.O_WRONLY|os.O_TRUNC, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			if _, err := f.WriteString("nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n"); err != nil {
+				t.Fatal(err)
+			}
+			b.noApply(t, 4*(DefaultDebounce+DefaultQuiet))
+			if _, err := f.WriteString("  - 192.168.0.0/16\n"); err != nil {
+				t.Fatal(err)
+			}
+			if err := f.Close(); err != nil {
+				t.Fatal(err)
+			}
+			wantNonMasq(t, b, "[10.0.0.0/8 192.168.0.0/16]")
+			b.noApply(t, 200*time.Millisecond)
+			if s := r.agent.Stats(); s.Applies != 2 || s.Reloads != 2 || s.ConfigErrors != 0 {
+				t.Errorf("stats %+v, want 2 applies and reloads, no errors", s)
+			}
+		})
+	}
+}
+
+// TestStalledWriterTimesOut: a writer that keeps the file open without writing delays the file
+// by WriterTimeout at most; then the file is read as it is, with a warning, and the writer's
+// completion is applied when it comes.
+func TestStalledWriterTimesOut(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "ip-masq-agent")
+	writeFile(t, path, "nonMasqueradeCIDRs: [172.16.0.0/12]\n")
+	b := newFakeBackend()
+	const timeout = 300 * time.Millisecond
+	r := startAgent(t, path, b, func(o *Options) { o.WriterTimeout = timeout })
+	wantNonMasq(t, b, "[172.16.0.0/12]")
+
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_TRUNC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	wrote := time.Now()
+	if _, err := f.WriteString("nonMasqueradeCIDRs: [10.0.0.0/8]\n"); err != nil {
+		t.Fatal(err)
+	}
+	wantNonMasq(t, b, "[10.0.0.0/8]")
+	if took := time.Since(wrote); took < timeout {
+		t.Errorf("the open file was applied after %v, before the writer timeout %v", took, timeout)
+	}
+	r.waitLog(t, "the config file is still open for writing but unmodified for a while")
+	if _, err := f.WriteString("masqueradeCIDRs: [10.9.0.0/16]\n"); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	p := b.waitApply(t)
+	if got := fmt.Sprint(nonMasq(p)); got != "[10.0.0.0/8]" || p.IPv4[0].Prefix.String() != "10.9.0.0/16" {
+		t.Fatalf("after the writer finished applied %+v", p)
+	}
+}
+
+// TestUnsettled: when a read may have caught a file half-written, and when to read again.
+func TestUnsettled(t *testing.T) {
+	a, err := New(Options{ConfigPath: "/etc/config/ip-masq-agent", Backend: newFakeBackend(),
+		Quiet: 100 * time.Millisecond, WriterTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	old := config.File{ModTime: now.Add(-time.Minute)}
+	for _, c := range []struct {
+		name      string
+		f         config.File
+		writing   bool
+		lastWrite time.Time
+		want      time.Duration
+	}{
+		{"whole", old, false, time.Time{}, 0},
+		{"missing", config.File{Missing: true}, true, now, 0},
+		{"just modified", config.File{ModTime: now.Add(-30 * time.Millisecond)}, false, time.Time{}, 70 * time.Millisecond},
+		{"modified in the future", config.File{ModTime: now.Add(time.Hour)}, false, time.Time{}, 0},
+		{"torn", config.File{ModTime: now.Add(-time.Minute), Torn: true}, false, time.Time{}, 100 * time.Millisecond},
+		{"open writer", old, true, now.Add(-200 * time.Millisecond), 800 * time.Millisecond},
+		{"stalled writer", old, true, now.Add(-2 * time.Second), 0},
+		{"stalled writer, just modified", config.File{ModTime: now.Add(-10 * time.Millisecond)}, true, now.Add(-2 * time.Second), 90 * time.Millisecond},
+	} {
+		got, why := a.unsettled(c.f, c.writing, c.lastWrite, now)
+		if got != c.want || (got > 0) != (why != "") {
+			t.Errorf("%s: read again in %v (%q), want %v", c.name, got, why, c.want)
+		}
+	}
+}
