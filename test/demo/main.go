@@ -23,6 +23,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"syscall"
 	"text/tabwriter"
@@ -87,6 +88,7 @@ type sandbox struct {
 	stopEcho         func()
 	agent            *exec.Cmd
 	agentLog         *os.File
+	agentExited      chan error
 	bin, backend     string
 	agentArgs        []string
 	configPath       string
@@ -253,12 +255,24 @@ func (sb *sandbox) startAgent(ctx context.Context) (time.Duration, error) {
 	cmd := exec.Command("ip", append([]string{"netns", "exec", sb.node, sb.bin}, sb.agentArgs...)...)
 	cmd.Stdout, cmd.Stderr = f, f
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
+	// Pdeathsig fires when the forking *thread* exits, and e2e.Do ends the threads it moves into
+	// a namespace; so fork from a thread of our own that stays until the agent is gone.
+	started, exited := make(chan error, 1), make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		if err := cmd.Start(); err != nil {
+			started <- err
+			return
+		}
+		started <- nil
+		exited <- cmd.Wait()
+	}()
+	if err := <-started; err != nil {
 		return 0, fmt.Errorf("start agent: %w", err)
 	}
 	sb.agent = cmd
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
+	sb.agentExited = exited
 	deadline := time.Now().Add(20 * time.Second)
 	for time.Now().Before(deadline) {
 		select {
@@ -390,10 +404,8 @@ func (sb *sandbox) teardown() error {
 	var errs []error
 	if sb.agent != nil && sb.agent.Process != nil {
 		_ = syscall.Kill(-sb.agent.Process.Pid, syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() { _, _ = sb.agent.Process.Wait(); close(done) }()
 		select {
-		case <-done:
+		case <-sb.agentExited:
 		case <-time.After(5 * time.Second):
 			_ = syscall.Kill(-sb.agent.Process.Pid, syscall.SIGKILL)
 		}
