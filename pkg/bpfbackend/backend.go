@@ -274,6 +274,9 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 		}
 		return errors.New("no uplink: no default route")
 	}
+	b.mu.Lock()
+	changed := !slices.Equal(b.uplinks, set.Uplinks)
+	b.mu.Unlock()
 	progs := tc.Programs{Egress: dp.Egress(), Ingress: dp.Ingress()}
 	keep := map[int]bool{}
 	for _, u := range set.Uplinks {
@@ -281,10 +284,13 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 		if p.EnableIPv6 {
 			addrs.IPv6 = u.IPv6
 		}
-		if !u.IPv4.IsValid() {
+		// A device named by --interfaces may carry either family; one found by its default
+		// route, the families of its routes.
+		named := len(b.opts.Interfaces) > 0
+		if changed && (named || u.DefaultV4) && !u.IPv4.IsValid() {
 			b.log.Warn("uplink has no IPv4 address: its masqueraded IPv4 traffic is dropped", "uplink", u.Name)
 		}
-		if p.EnableIPv6 && !u.IPv6.IsValid() {
+		if changed && p.EnableIPv6 && (named || u.DefaultV6) && !u.IPv6.IsValid() {
 			b.log.Warn("uplink has no global IPv6 address: its masqueraded IPv6 traffic is dropped", "uplink", u.Name)
 		}
 		flushed, err := dp.SetUplink(u.Index, addrs)
@@ -303,7 +309,6 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 		return err
 	}
 	b.mu.Lock()
-	changed := !slices.Equal(b.uplinks, set.Uplinks)
 	b.uplinks = set.Uplinks
 	b.mu.Unlock()
 	if changed {

@@ -27,6 +27,8 @@ type Uplink struct {
 	// IPv4 and IPv6 are the device's primary addresses (see Resolver.Resolve); invalid when the
 	// device has none of that family.
 	IPv4, IPv6 netip.Addr
+	// DefaultV4 and DefaultV6 tell whether the device carries a default route of the family.
+	DefaultV4, DefaultV6 bool
 }
 
 func (u Uplink) String() string {
@@ -120,6 +122,8 @@ func (r *Resolver) Resolve(ctx context.Context) (Set, error) {
 	}
 	for _, l := range links {
 		u := Uplink{Name: l.Attrs().Name, Index: l.Attrs().Index}
+		_, u.DefaultV4 = defaults[u.Index][unix.AF_INET]
+		_, u.DefaultV6 = defaults[u.Index][unix.AF_INET6]
 		for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
 			addrs, err := r.nl.AddrList(l, fam)
 			if err != nil {

@@ -105,7 +105,7 @@ func TestResolve(t *testing.T) {
 	u := set.Uplinks[0]
 	// The first address in the gateway's subnet (not the secondary .11, not the other subnet);
 	// the oldest IPv6 address that is not deprecated (not ::11, not the newer ::12).
-	if u.Name != "up0" || u.IPv4 != netip.MustParseAddr("192.0.2.10") || u.IPv6 != netip.MustParseAddr("2001:db8:1::10") {
+	if u.Name != "up0" || u.IPv4 != netip.MustParseAddr("192.0.2.10") || u.IPv6 != netip.MustParseAddr("2001:db8:1::10") || !u.DefaultV4 || !u.DefaultV6 {
 		t.Fatalf("uplink %v", u)
 	}
 
@@ -118,7 +118,7 @@ func TestResolve(t *testing.T) {
 	// Named devices, whether or not they carry a default route; missing ones are reported.
 	set = resolve(t, ns, "lan0", "nosuch0")
 	if len(set.Uplinks) != 1 || set.Uplinks[0].Name != "lan0" || set.Uplinks[0].IPv4 != netip.MustParseAddr("10.0.0.1") ||
-		set.Uplinks[0].IPv6.IsValid() || fmt.Sprint(set.Missing) != "[nosuch0]" {
+		set.Uplinks[0].IPv6.IsValid() || set.Uplinks[0].DefaultV4 || fmt.Sprint(set.Missing) != "[nosuch0]" {
 		t.Fatalf("named: %+v", set)
 	}
 
