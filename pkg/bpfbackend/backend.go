@@ -321,38 +321,37 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	return nil
 }
 
-// dropStale removes our programs and SNAT addresses from devices that are not uplinks any more.
+// dropStale removes our programs and SNAT addresses from devices that are not uplinks any more:
+// the devices uplink_snat holds (every device the programs were attached to got an entry there)
+// and those with a tcx link pin. Other devices are not looked at, so an apply costs the same on
+// a node with thousands of pod devices; cleanup looks at them all.
 func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, keep map[int]bool) error {
-	found, err := b.attach.List(ctx)
-	if err != nil {
-		return err
-	}
-	for _, a := range found {
-		if !keep[a.Ifindex] {
-			if err := b.attach.Detach(ctx, a.Ifindex); err != nil {
-				return err
-			}
-			b.log.Info("detached from a device that is no longer an uplink", "ifindex", a.Ifindex)
-		}
-	}
 	var idx uint32
 	var val []byte
-	var stale []int
+	var snat []int
 	it := dp.Maps()["uplink_snat"].Iterate()
 	for it.Next(&idx, &val) {
-		if !keep[int(idx)] {
-			stale = append(stale, int(idx))
-		}
+		snat = append(snat, int(idx))
 	}
 	if err := it.Err(); err != nil {
 		return fmt.Errorf("read uplink_snat: %w", err)
 	}
-	for _, i := range stale {
+	pinned, err := b.attach.Pinned()
+	if err != nil {
+		return err
+	}
+	for _, i := range slices.Compact(slices.Sorted(slices.Values(append(snat, pinned...)))) {
+		if keep[i] {
+			continue
+		}
+		if err := b.attach.Detach(ctx, i); err != nil {
+			return err
+		}
 		n, err := dp.RemoveUplink(i)
 		if err != nil {
 			return err
 		}
-		b.log.Info("forgot a former uplink", "ifindex", i, "flushedEntries", n)
+		b.log.Info("a former uplink is left: programs detached, its flows flushed", "ifindex", i, "flushedEntries", n)
 	}
 	return nil
 }

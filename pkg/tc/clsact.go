@@ -204,6 +204,10 @@ func (c *clsact) List(ctx context.Context) ([]Attachment, error) {
 	for _, l := range links {
 		for _, d := range Directions() {
 			fs, err := c.filters(l.Attrs().Index, d)
+			var nf netlink.LinkNotFoundError
+			if errors.As(err, &nf) || errors.Is(err, unix.ENODEV) {
+				break // the device went away meanwhile (pods come and go)
+			}
 			if err != nil {
 				return nil, fmt.Errorf("list tc filters of %s %s: %w", l.Attrs().Name, d, err)
 			}

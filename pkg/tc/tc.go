@@ -217,6 +217,17 @@ func (m *Manager) List(ctx context.Context) ([]Attachment, error) {
 	return append(a, o...), nil
 }
 
+// Pinned returns the devices that have a tcx link pin (attached or not any more), without
+// looking at any device: cheap enough for every apply, unlike List.
+func (m *Manager) Pinned() ([]int, error) {
+	for _, h := range []Hook{m.attach, m.other} {
+		if t, ok := h.(*tcx); ok {
+			return t.pinned()
+		}
+	}
+	return nil, nil
+}
+
 // Close releases both hooks; attachments stay.
 func (m *Manager) Close() error {
 	return errors.Join(m.attach.Close(), m.other.Close())

@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -314,6 +315,24 @@ func (t *tcx) List(ctx context.Context) ([]Attachment, error) {
 					out = append(out, a)
 				}
 			}
+		}
+	}
+	return out, nil
+}
+
+// pinned lists the devices with a link pin.
+func (t *tcx) pinned() ([]int, error) {
+	entries, err := os.ReadDir(t.opts.LinkDir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read link pins: %w", err)
+	}
+	var out []int
+	for _, e := range entries {
+		if s, ok := parsePin(e.Name()); ok && !slices.Contains(out, s.ifindex) {
+			out = append(out, s.ifindex)
 		}
 	}
 	return out, nil

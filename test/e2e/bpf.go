@@ -86,6 +86,22 @@ func (e *Env) BPFFS() string {
 	return ""
 }
 
+// UplinkIndex is the ifindex of the node's uplink.
+func (e *Env) UplinkIndex(t testing.TB) int {
+	t.Helper()
+	var idx int
+	if err := Do(e.Node, func() error {
+		ifc, err := net.InterfaceByName(Uplink)
+		if err == nil {
+			idx = ifc.Index
+		}
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return idx
+}
+
 // PinDir is where the agent pins its maps.
 func (e *Env) PinDir() string { return filepath.Join(e.BPFFS(), bpfbackend.PinDir) }
 
@@ -283,17 +299,7 @@ func verifyBPF(ctx context.Context, t testing.TB, env *Env, mode string) {
 		}
 	}
 
-	var ifindex int
-	if err := Do(env.Node, func() error {
-		ifc, err := net.InterfaceByName(Uplink)
-		if err == nil {
-			ifindex = ifc.Index
-		}
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
-	u, ok, err := r.Uplink(ifindex)
+	u, ok, err := r.Uplink(env.UplinkIndex(t))
 	wantUplink := bpf.Uplink{IPv4: NodeAddr4}
 	if p.EnableIPv6 {
 		wantUplink.IPv6 = NodeAddr6

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -462,6 +463,36 @@ func TestBPFFollowsUplinks(t *testing.T) {
 					t.Fatalf("programs on late0: %v, want %v", got, want)
 				}
 				time.Sleep(10 * time.Millisecond)
+			}
+
+			// It goes away again: forgotten, its pins (tcx) removed, the uplink untouched.
+			if err := IPBatch(ctx, env.Node, "link del late0\n"); err != nil {
+				t.Fatal(err)
+			}
+			if err := env.Agent.WaitLog(ctx, 1, "a former uplink is left"); err != nil {
+				t.Fatal(err)
+			}
+			var pins []string
+			links, err := os.ReadDir(filepath.Join(env.PinDir(), "links"))
+			if err != nil && !os.IsNotExist(err) {
+				t.Fatal(err)
+			}
+			for _, l := range links {
+				pins = append(pins, l.Name())
+			}
+			var wantPins []string
+			if mode == tc.ModeTCX {
+				idx := env.UplinkIndex(t)
+				wantPins = []string{fmt.Sprintf("%d-egress", idx), fmt.Sprintf("%d-ingress", idx)}
+			}
+			if !slices.Equal(pins, wantPins) {
+				t.Errorf("link pins after late0 went: %v, want %v", pins, wantPins)
+			}
+			if got, _ := env.UplinkPrograms(t); len(got) != 2 {
+				t.Errorf("programs on %s after late0 went: %v", Uplink, got)
+			}
+			if src, err := env.Probe(ctx, "udp", public4); err != nil || src.Addr() != newAddr {
+				t.Errorf("after late0 went: seen from %s (%v), want %s", src, err, newAddr)
 			}
 		})
 	}
