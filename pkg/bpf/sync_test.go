@@ -181,7 +181,10 @@ func TestSyncNoGap(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for n := 0; !stop.Load(); n++ {
-				in := udpPacket(ap(probeSource(policy.IPv4, n), 4000), ap(probe.dst, 53), nil)
+				// Each probe is a new flow; a destination port of its own keeps the masqueraded
+				// ones from filling one remote endpoint's port range, whose exhaustion (a drop)
+				// would look like a flipped verdict on a slow machine.
+				in := udpPacket(ap(probeSource(policy.IPv4, n), 4000), ap(probe.dst, uint16(1+n%60000)), nil)
 				opts := ebpf.RunOptions{Data: in, DataOut: make([]byte, len(in)+64), Repeat: 1}
 				if _, err := h.dp.Egress().Run(&opts); err != nil {
 					bad.Store(err.Error())
