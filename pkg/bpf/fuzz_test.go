@@ -19,7 +19,10 @@ import (
 
 // FuzzPrograms runs packets through the real tc programs (BPF_PROG_TEST_RUN) under a few fixed
 // policies: a first packet a on a fresh NAT table, then a second packet b on the state a left.
-// dirs bit 0 sends a through ingress instead of egress, bit 1 does the same for b. The corpus
+// dirs bit 0 sends a through ingress instead of egress, bit 1 does the same for b. With bit 2
+// (bit 3) b is not taken from the input but made from what a became: its reply (an ICMP error
+// about it from its receiver), sent back the other way, so that every mutated flow meets its
+// return traffic too. A third packet c, when given, follows (through ingress with bit 4). The corpus
 // (f.Add below and testdata/fuzz/FuzzPrograms) starts from valid TCP, UDP, ICMP and ICMPv6
 // flows, their replies and ICMP errors, fragments, other protocols and truncated packets;
 // `go test` replays it, `go test -fuzz FuzzPrograms` mutates it.
@@ -50,21 +53,78 @@ func FuzzPrograms(f *testing.F) {
 	}
 	for i, fp := range pols {
 		for _, s := range fuzzSeeds(fp) {
-			f.Add(uint8(i), s.dirs, s.a, s.b)
+			f.Add(uint8(i), s.dirs, s.a, s.b, s.c)
 		}
 	}
-	f.Fuzz(func(t *testing.T, pol, dirs uint8, a, b []byte) {
-		if !runnable(a) || (len(b) > 0 && !runnable(b)) {
+	f.Fuzz(func(t *testing.T, pol, dirs uint8, a, b, c []byte) {
+		if !runnable(a) || (len(b) > 0 && !runnable(b)) || (len(c) > 0 && !runnable(c)) {
 			return
 		}
 		fz := &fuzzRun{t: t, h: hs[int(pol)%len(hs)], pol: pols[int(pol)%len(pols)]}
 		fz.h.t = t
 		fz.reset()
-		fz.step("a", dirs&1 != 0, a, true)
-		if len(b) > 0 {
-			fz.step("b", dirs&2 != 0, b, false)
+		out := fz.step("a", dirs&1 != 0, a, true)
+		bIngress := dirs&2 != 0
+		switch {
+		case dirs&seedReply != 0:
+			b, bIngress = replyTo(out), dirs&1 == 0
+		case dirs&seedError != 0:
+			b, bIngress = errorAbout(out), dirs&1 == 0
+		}
+		if len(b) > 0 && runnable(b) {
+			fz.step("b", bIngress, b, false)
+		}
+		if len(c) > 0 {
+			fz.step("c", dirs&seedCIngress != 0, c, false)
 		}
 	})
+}
+
+// replyTo is the reply to a frame: addresses, ports and MACs swapped, an echo request turned
+// into its reply. Swapping keeps the checksums as they were; the echo type's change is
+// accounted for. nil for what has no reply.
+func replyTo(f []byte) []byte {
+	p := parseFuzz(f)
+	if p.kind == pktPass || p.kind == pktICMPError {
+		return nil
+	}
+	r := append([]byte(nil), f...)
+	copy(r[0:6], macB) // to this host, as replies arrive
+	copy(r[6:12], macA)
+	src, dst, n := p.addrOff(true), p.addrOff(false), p.addrLen()
+	swapBytes(r[src:src+n], r[dst:dst+n])
+	switch {
+	case p.kind == pktPorts:
+		swapBytes(r[p.l4:p.l4+2], r[p.l4+2:p.l4+4])
+	case p.kind == pktEcho && p.echoRq:
+		typ := map[bool]byte{false: 0, true: 129}[p.v6]
+		old := binary.BigEndian.Uint16(r[p.l4:])
+		r[p.l4] = typ
+		check := binary.BigEndian.Uint16(r[p.l4+2:])
+		// RFC 1624: HC' = ~(~HC + ~m + m')
+		binary.BigEndian.PutUint16(r[p.l4+2:], ^fold(uint32(^check)+uint32(^old)+uint32(binary.BigEndian.Uint16(r[p.l4:]))))
+	}
+	return r
+}
+
+func swapBytes(a, b []byte) {
+	for i := range a {
+		a[i], b[i] = b[i], a[i]
+	}
+}
+
+// errorAbout is an ICMP error (port unreachable) from a frame's receiver back to its sender,
+// quoting its IP header and the first 64 bytes after it, as a host or router would.
+func errorAbout(f []byte) []byte {
+	p := parseFuzz(f)
+	if p.kind == pktPass || p.kind == pktICMPError {
+		return nil
+	}
+	typ, code := uint8(3), uint8(3)
+	if p.v6 {
+		typ, code = 1, 4
+	}
+	return icmpErrorPacket(p.dst, p.src, typ, code, 0, f[:min(len(f), p.l4+64)])
 }
 
 // runnable: BPF_PROG_TEST_RUN refuses frames shorter than Ethernet plus the IP header of their
@@ -281,13 +341,6 @@ func parseFuzz(f []byte) fuzzPacket {
 		}
 	}
 	return p
-}
-
-func (p fuzzPacket) family() policy.Family {
-	if p.v6 {
-		return policy.IPv6
-	}
-	return policy.IPv4
 }
 
 // Offsets of the fields the NAT may write.
@@ -614,8 +667,8 @@ func (fz *fuzzRun) expect(p fuzzPacket, frame []byte, ingress bool, pre fuzzStat
 	return x
 }
 
-// step runs one packet and checks it against the model.
-func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) {
+// step runs one packet, checks it against the model and returns what the program made of it.
+func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) []byte {
 	t := fz.t
 	t.Helper()
 	pre := fz.state()
@@ -668,7 +721,7 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) {
 				fz.h.dp.slots.bySlt[slot].prefix, after, want, x.slot)
 		}
 	}
-	checkPairs(fz, post, fail)
+	checkPairs(post, fail)
 	newMasq := 0
 	for k, e := range post.nat {
 		if _, ok := pre.nat[k]; !ok && k.dir == Egress && e.Kind == KindMasq {
@@ -689,13 +742,13 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) {
 		fail("length %d became %d", len(in), len(out))
 	}
 	if ret == tcActShot {
-		return
+		return out
 	}
 	if x.unchanged {
 		if !bytes.Equal(in, out) {
 			fail("changed bytes %v", diffOffsets(in, out))
 		}
-		return
+		return out
 	}
 	if fresh && ingress {
 		fail("the model expects ingress to translate on a fresh table")
@@ -752,10 +805,11 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) {
 			fail("port %d not kept on a fresh table without --random-fully: got %d", p.sport, got.Port())
 		}
 	}
+	return out
 }
 
 // checkPairs: every NAT entry's partner exists and points back at it.
-func checkPairs(fz *fuzzRun, s fuzzState, fail func(string, ...any)) {
+func checkPairs(s fuzzState, fail func(string, ...any)) {
 	for k, e := range s.nat {
 		ps, pd := e.PartnerKey()
 		pdir := Ingress
@@ -883,19 +937,23 @@ func sameResiduals(p fuzzPacket, in, out []byte) error {
 // Seeds.
 
 type fuzzSeed struct {
-	dirs uint8
-	a, b []byte
+	dirs    uint8
+	a, b, c []byte
 }
 
 const (
 	seedAEgress  = 0
 	seedAIngress = 1
 	seedBIngress = 2
+	seedReply    = 4 // b is a's reply
+	seedError    = 8 // b is an ICMP error about a
+	seedCIngress = 16
 )
 
 func fuzzSeeds(fp fuzzPolicy) []fuzzSeed {
 	var seeds []fuzzSeed
-	add := func(dirs uint8, a, b []byte) { seeds = append(seeds, fuzzSeed{dirs, a, b}) }
+	add := func(dirs uint8, a, b []byte) { seeds = append(seeds, fuzzSeed{dirs, a, b, nil}) }
+	add3 := func(dirs uint8, a, b, c []byte) { seeds = append(seeds, fuzzSeed{dirs, a, b, c}) }
 	router := map[bool]netip.Addr{false: netip.MustParseAddr("203.0.113.9"), true: netip.MustParseAddr("2001:db8:eeee::9")}
 	for _, v6 := range []bool{false, true} {
 		podEnd, dst := ap(pod(v6, 1), 40000), ap(remote(v6), 443)
@@ -925,6 +983,11 @@ func fuzzSeeds(fp fuzzPolicy) []fuzzSeed {
 			add(seedAIngress, in, b.back(pe, de))
 			add(seedAIngress, in, icmpErrorPacket(pe.Addr(), de.Addr(), typ, code, 0, in))
 			add(seedAEgress, b.back(pe, de), nil) // an echo reply or a reply of no flow
+			// The same with the return traffic made from what the programs output.
+			add(seedAEgress|seedReply, out, nil)
+			add(seedAEgress|seedError, out, nil)
+			add(seedAIngress|seedReply, in, nil)
+			add(seedAIngress|seedError, in, nil)
 		}
 		// Host flows, and a host socket on a port a pod mapping holds.
 		add(seedAEgress, tcpPacket(ap(snat, 40001), dst, tcpSYN, nil), nil)
@@ -945,6 +1008,16 @@ func fuzzSeeds(fp fuzzPolicy) []fuzzSeed {
 		rfrags := fragment(udpPacket(ap(remote(v6), 53), nat, big), 256)
 		add(seedAEgress|seedBIngress, udpPacket(podEnd, ap(remote(v6), 53), payload), rfrags[0])
 		add(seedAEgress|seedBIngress, frags[0], rfrags[1])
+		add(seedAEgress|seedReply, frags[0], nil)
+		add(seedAEgress|seedError, frags[0], nil)
+		add(seedAEgress|seedReply, frags[1], nil)
+		// A reply too big for one packet: its first fragment, then a later one, both ingress.
+		add3(seedAEgress|seedBIngress|seedCIngress, udpPacket(podEnd, ap(remote(v6), 53), payload), rfrags[0], rfrags[1])
+		add3(seedAEgress|seedBIngress|seedCIngress, udpPacket(podEnd, ap(remote(v6), 53), payload), rfrags[0], rfrags[0])
+		// A flow, its reply, then its next packet (established both ways).
+		tcpOut := tcpPacket(podEnd, dst, tcpSYN, nil)
+		add3(seedAEgress|seedBIngress, tcpOut, tcpPacket(dst, nat, tcpSYN|tcpACK, nil), tcpPacket(podEnd, dst, tcpACK, nil))
+		add3(seedAEgress|seedBIngress|seedCIngress, tcpOut, tcpPacket(dst, nat, tcpRST, nil), tcpPacket(dst, nat, tcpACK, nil))
 		// Cut short: by the frame, and by the IP length over Ethernet padding.
 		tcp := tcpPacket(podEnd, dst, tcpSYN, nil)
 		udp := udpPacket(podEnd, dst, nil)
