@@ -153,8 +153,8 @@ func TestOpenPinnedReadOnly(t *testing.T) {
 	}
 }
 
-// TestRefreshRepairsDrift: a trie entry and a counter slot removed behind the datapath's back
-// come back with the next sync after Refresh, and only then.
+// TestRefreshRepairsDrift: a trie entry removed behind the datapath's back comes back, with its
+// rule's counter slot, with the next sync after Refresh, and only then.
 func TestRefreshRepairsDrift(t *testing.T) {
 	p := defaultPolicy(true)
 	h := newHarness(t, p, LoadOptions{})

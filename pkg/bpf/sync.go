@@ -434,13 +434,14 @@ func trieKeys(name string, prefixes []trieKey) any {
 	return keys
 }
 
-// Refresh re-reads what the maps hold (tries, counter slots, port table) instead of trusting
+// Refresh re-reads what decides verdicts (the tries and the port table) instead of trusting
 // what this process last wrote, so that the next SyncPolicy also repairs entries changed or
-// removed behind its back (drift).
+// removed behind its back (drift). The counter slots stay as this process assigned them: their
+// order of reuse (see slotTable) lives only here.
 func (d *Datapath) Refresh() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return d.recover()
+	return d.recoverTries()
 }
 
 // recover reads back the slot assignment and the tries, so that a datapath loaded over pinned
@@ -470,7 +471,11 @@ func (d *Datapath) recover() error {
 			d.slots.free = append(d.slots.free, s)
 		}
 	}
+	return d.recoverTries()
+}
 
+// recoverTries reads back the tries and the port ranges.
+func (d *Datapath) recoverTries() error {
 	// The port table matches the ranges of nat_config when a sync wrote both.
 	var cfg masqNatConfig
 	if err := d.objs.NatConfig.Lookup(uint32(0), &cfg); err != nil {
