@@ -123,7 +123,9 @@ static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p
 		__u32 coff = ihl + l4_csum_off(qproto);
 
 		__builtin_memcpy(&check, q + coff, 2);
-		if (check || qproto != IPPROTO_UDP || v6) {
+		/* A zero UDP checksum means none and stays zero, as in the packet itself
+		 * (BPF_F_MARK_MANGLED_0): over IPv6 too, where tunnels may send it (RFC 6936). */
+		if (check || qproto != IPPROTO_UDP) {
 			check = csum_apply(check, l4_d);
 			if (!check && qproto == IPPROTO_UDP)
 				check = 0xffff;
