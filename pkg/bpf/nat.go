@@ -135,30 +135,116 @@ func natKey(dir Direction, proto uint8, src, dst netip.AddrPort) any {
 		Sport: htons(src.Port()), Dport: htons(dst.Port()), Proto: proto, Dir: masqNatDir(dir)}
 }
 
-// NATEntries calls fn for every entry of a family's NAT table, until fn returns false. The
-// table changes under the walk: an entry may be missed or seen twice.
-func (d *Datapath) NATEntries(fam policy.Family, fn func(NATEntry) bool) error {
-	var v masqNatEntry
-	it := d.natMap(fam).Iterate()
-	if fam == policy.IPv6 {
-		var k masqNat6Key
-		for it.Next(&k, &v) {
-			if !fn(decode6(k, v)) {
-				return nil
-			}
+// natBatch is how many entries one batch lookup reads: a full default table (262144 entries)
+// is then 64 syscalls, and the buffers stay a few hundred KiB.
+const natBatch = 4096
+
+// walkNAT calls fn with the entries of a NAT table a batch at a time, until fn returns false:
+// keys[:n] and vals[:n] hold the batch, valid only during the call. It reads with
+// BPF_MAP_LOOKUP_BATCH, bucket by bucket, so that a table the programs change meanwhile is
+// still walked once (an entry added or removed during the walk may be missed); kernels without
+// batch operations are walked key by key.
+func walkNAT[K any](m *ebpf.Map, fn func(keys []K, vals []masqNatEntry, n int) bool) error {
+	keys, vals := make([]K, natBatch), make([]masqNatEntry, natBatch)
+	var cursor ebpf.MapBatchCursor
+	for {
+		n, err := m.BatchLookup(&cursor, keys, vals, nil)
+		if errors.Is(err, ebpf.ErrNotSupported) {
+			return walkNATByKey(m, keys, vals, fn)
 		}
-	} else {
-		var k masqNat4Key
-		for it.Next(&k, &v) {
-			if !fn(decode4(k, v)) {
+		done := errors.Is(err, ebpf.ErrKeyNotExist)
+		if err != nil && !done {
+			return err
+		}
+		if n > 0 && !fn(keys, vals, n) {
+			return nil
+		}
+		if done {
+			return nil
+		}
+	}
+}
+
+// walkNATByKey is walkNAT with one syscall per key, for kernels before 5.6.
+func walkNATByKey[K any](m *ebpf.Map, keys []K, vals []masqNatEntry, fn func(keys []K, vals []masqNatEntry, n int) bool) error {
+	it := m.Iterate()
+	n := 0
+	for it.Next(&keys[n], &vals[n]) {
+		if n++; n == len(keys) {
+			if !fn(keys, vals, n) {
 				return nil
 			}
+			n = 0
 		}
 	}
 	if err := it.Err(); err != nil {
+		return err
+	}
+	if n > 0 {
+		fn(keys, vals, n)
+	}
+	return nil
+}
+
+// NATEntries calls fn for every entry of a family's NAT table, until fn returns false. The
+// table changes under the walk: an entry added or removed meanwhile may be missed.
+func (d *Datapath) NATEntries(fam policy.Family, fn func(NATEntry) bool) error {
+	var err error
+	if fam == policy.IPv6 {
+		err = walkNAT(d.objs.NatV6, func(keys []masqNat6Key, vals []masqNatEntry, n int) bool {
+			for i := range n {
+				if !fn(decode6(keys[i], vals[i])) {
+					return false
+				}
+			}
+			return true
+		})
+	} else {
+		err = walkNAT(d.objs.NatV4, func(keys []masqNat4Key, vals []masqNatEntry, n int) bool {
+			for i := range n {
+				if !fn(decode4(keys[i], vals[i])) {
+					return false
+				}
+			}
+			return true
+		})
+	}
+	if err != nil {
 		return fmt.Errorf("read %s nat table: %w", fam, err)
 	}
 	return nil
+}
+
+// NATProtocols counts a family's NAT entries by IP protocol number, without decoding them: what
+// a metrics scrape needs, at a few syscalls for a full table.
+func (d *Datapath) NATProtocols(fam policy.Family) (map[uint8]uint64, error) {
+	var byProto [256]uint64
+	var err error
+	if fam == policy.IPv6 {
+		err = walkNAT(d.objs.NatV6, func(keys []masqNat6Key, _ []masqNatEntry, n int) bool {
+			for _, k := range keys[:n] {
+				byProto[k.Proto]++
+			}
+			return true
+		})
+	} else {
+		err = walkNAT(d.objs.NatV4, func(keys []masqNat4Key, _ []masqNatEntry, n int) bool {
+			for _, k := range keys[:n] {
+				byProto[k.Proto]++
+			}
+			return true
+		})
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read %s nat table: %w", fam, err)
+	}
+	out := map[uint8]uint64{}
+	for proto, n := range byProto {
+		if n > 0 {
+			out[uint8(proto)] = n
+		}
+	}
+	return out, nil
 }
 
 // LookupNAT returns the entry with the given key, or false.
@@ -308,6 +394,15 @@ func (t Timeouts) timeout(proto uint8, state FlowState) time.Duration {
 	return t.Other
 }
 
+// shortest is the least time a flow of the protocol is kept idle, whatever its state: an entry
+// seen more recently cannot expire, and the sweep does not look at it further.
+func (t Timeouts) shortest(proto uint8) time.Duration {
+	if proto == unix.IPPROTO_TCP {
+		return min(t.TCPEstablished, t.TCPOpening, t.TCPClosing)
+	}
+	return t.timeout(proto, StateUnreplied)
+}
+
 // SweepResult counts what a sweep removed.
 type SweepResult struct {
 	Flows   int // flows whose both halves were removed
@@ -318,6 +413,11 @@ type SweepResult struct {
 // halves together. A flow's state and idle time combine its two halves; a half without its
 // partner (evicted, or its key taken over) expires by its own.
 //
+// It reads the table in batches and looks further only at entries idle for longer than their
+// protocol's shortest timeout: a sweep of a busy table costs a few syscalls per batch and no
+// memory per entry. An expired flow costs two lookups (its partner, and itself again in case a
+// packet refreshed it since the batch was read); entries are deleted a batch at a time.
+//
 // The entries it removes are added, by protocol, to the totals that SweptEntries reads (kept in
 // a map, so that they survive an agent restart); the totals assume one sweeper at a time.
 func (d *Datapath) Sweep(now time.Duration, t Timeouts) (res SweepResult, err error) {
@@ -327,51 +427,179 @@ func (d *Datapath) Sweep(now time.Duration, t Timeouts) (res SweepResult, err er
 			err = fmt.Errorf("sweep: %w", serr)
 		}
 	}()
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		type key struct {
-			dir      Direction
-			proto    uint8
-			src, dst netip.AddrPort
-		}
-		all := map[key]NATEntry{}
-		if err := d.NATEntries(fam, func(e NATEntry) bool {
-			all[key{e.Dir, e.Proto, e.Src, e.Dst}] = e
-			return true
-		}); err != nil {
-			return res, fmt.Errorf("sweep: %w", err)
-		}
-		for _, e := range all {
-			ps, pd := e.PartnerKey()
-			partner, ok := all[key{1 - e.Dir, e.Proto, ps, pd}]
-			if ok && !pointsBack(e, partner) {
-				ok = false
-			}
-			if !ok {
-				if now-e.LastSeen > t.timeout(e.Proto, stateOf(e, nil)) {
-					n, err := d.deleteIdle(fam, e)
-					if err != nil {
-						return res, fmt.Errorf("sweep: %w", err)
-					}
-					res.Orphans += n
-					swept[e.Proto] += uint64(n)
-				}
-				continue
-			}
-			if e.Dir != Egress {
-				continue // a flow is judged once, from its egress half
-			}
-			last := max(e.LastSeen, partner.LastSeen)
-			if now-last > t.timeout(e.Proto, stateOf(e, &partner)) {
-				n, err := d.deleteIdle(fam, e, partner)
-				if err != nil {
-					return res, fmt.Errorf("sweep: %w", err)
-				}
-				res.Flows += n / 2
-				swept[e.Proto] += uint64(n)
-			}
-		}
+	if err := sweepTable[masqNat4Key](d.objs.NatV4, now, t, &res, swept); err != nil {
+		return res, fmt.Errorf("sweep: %w", err)
+	}
+	if err := sweepTable[masqNat6Key](d.objs.NatV6, now, t, &res, swept); err != nil {
+		return res, fmt.Errorf("sweep: %w", err)
 	}
 	return res, nil
+}
+
+// rawNATKey is a NAT table key as the map holds it (masqNat4Key, masqNat6Key), with what the
+// sweep needs of it without decoding.
+type rawNATKey[K any] interface {
+	comparable
+	direction() Direction
+	protocol() uint8
+	// partner is the key of the other half of the flow, given this half's value.
+	partner(v *masqNatEntry) K
+	// pointedBy tells whether v, the value found under partner(), is the other half of this
+	// entry's flow rather than of a flow that took its key over (pointsBack).
+	pointedBy(v *masqNatEntry) bool
+}
+
+func (k masqNat4Key) direction() Direction { return Direction(k.Dir) }
+func (k masqNat4Key) protocol() uint8      { return k.Proto }
+func (k masqNat6Key) direction() Direction { return Direction(k.Dir) }
+func (k masqNat6Key) protocol() uint8      { return k.Proto }
+
+func (k masqNat4Key) partner(v *masqNatEntry) masqNat4Key {
+	if k.direction() == Egress {
+		return masqNat4Key{Saddr: k.Daddr, Daddr: v.Addr[0], Sport: k.Dport, Dport: v.Port, Proto: k.Proto, Dir: masqNatDir(Ingress)}
+	}
+	return masqNat4Key{Saddr: v.Addr[0], Daddr: k.Saddr, Sport: v.Port, Dport: k.Sport, Proto: k.Proto, Dir: masqNatDir(Egress)}
+}
+
+func (k masqNat6Key) partner(v *masqNatEntry) masqNat6Key {
+	if k.direction() == Egress {
+		return masqNat6Key{Saddr: k.Daddr, Daddr: v.Addr, Sport: k.Dport, Dport: v.Port, Proto: k.Proto, Dir: masqNatDir(Ingress)}
+	}
+	return masqNat6Key{Saddr: v.Addr, Daddr: k.Saddr, Sport: v.Port, Dport: k.Sport, Proto: k.Proto, Dir: masqNatDir(Egress)}
+}
+
+func (k masqNat4Key) pointedBy(v *masqNatEntry) bool {
+	if k.direction() == Egress {
+		return v.Addr[0] == k.Saddr && v.Port == k.Sport
+	}
+	return v.Addr[0] == k.Daddr && v.Port == k.Dport
+}
+
+func (k masqNat6Key) pointedBy(v *masqNatEntry) bool {
+	if k.direction() == Egress {
+		return v.Addr == k.Saddr && v.Port == k.Sport
+	}
+	return v.Addr == k.Daddr && v.Port == k.Dport
+}
+
+// rawState is stateOf for raw values; partner is nil when the other half is gone.
+func rawState(v, partner *masqNatEntry) FlowState {
+	e := NATEntry{Flags: Flags(v.Flags)}
+	if partner == nil {
+		return stateOf(e, nil)
+	}
+	return stateOf(e, &NATEntry{Flags: Flags(partner.Flags)})
+}
+
+// sweepTable is Sweep on one NAT table.
+func sweepTable[K rawNATKey[K]](m *ebpf.Map, now time.Duration, t Timeouts, res *SweepResult, swept map[uint8]uint64) error {
+	var (
+		doomed []K
+		sizes  []int // per expired flow or orphan half: how many keys of doomed it has (2 or 1)
+		inner  error
+	)
+	err := walkNAT(m, func(keys []K, vals []masqNatEntry, n int) bool {
+		doomed, sizes = doomed[:0], sizes[:0]
+		for i := range n {
+			// k is a copy; lookups take &keys[i], which is on the heap already.
+			k, v := keys[i], &vals[i]
+			if now-time.Duration(v.LastSeen) <= t.shortest(k.protocol()) {
+				continue
+			}
+			pk := k.partner(v)
+			var pv masqNatEntry
+			err := m.Lookup(&pk, &pv)
+			if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+				inner = fmt.Errorf("lookup nat entry: %w", err)
+				return false
+			}
+			paired := err == nil && k.pointedBy(&pv)
+			if paired {
+				if k.direction() != Egress {
+					continue // a flow is judged once, from its egress half
+				}
+				last := time.Duration(max(v.LastSeen, pv.LastSeen))
+				if now-last <= t.timeout(k.protocol(), rawState(v, &pv)) {
+					continue
+				}
+			} else if now-time.Duration(v.LastSeen) <= t.timeout(k.protocol(), rawState(v, nil)) {
+				continue
+			}
+			// A packet may have refreshed the entry since its batch was read.
+			var cur masqNatEntry
+			if err := m.Lookup(&keys[i], &cur); err != nil {
+				if errors.Is(err, ebpf.ErrKeyNotExist) {
+					continue
+				}
+				inner = fmt.Errorf("lookup nat entry: %w", err)
+				return false
+			}
+			if cur.LastSeen != v.LastSeen {
+				continue
+			}
+			doomed = append(doomed, k)
+			if paired {
+				doomed = append(doomed, pk)
+				sizes = append(sizes, 2)
+			} else {
+				sizes = append(sizes, 1)
+			}
+		}
+		gone, err := deleteKeys(m, doomed)
+		if err != nil {
+			inner = err
+			return false
+		}
+		at := 0
+		for _, size := range sizes {
+			deleted := 0
+			for j := at; j < at+size; j++ {
+				if gone[j] {
+					deleted++
+					swept[doomed[j].protocol()]++
+				}
+			}
+			at += size
+			if size == 2 && deleted == 2 {
+				res.Flows++
+			} else {
+				res.Orphans += deleted
+			}
+		}
+		return true
+	})
+	return cmp.Or(inner, err)
+}
+
+// deleteKeys deletes keys from a NAT table, a batch at a time where the kernel can, and tells
+// which it deleted: a key that is gone already (an LRU eviction, another CPU) is skipped.
+func deleteKeys[K any](m *ebpf.Map, keys []K) ([]bool, error) {
+	gone := make([]bool, len(keys))
+	for at := 0; at < len(keys); {
+		n, err := m.BatchDelete(keys[at:], nil)
+		if errors.Is(err, ebpf.ErrNotSupported) {
+			for i := at; i < len(keys); i++ {
+				err := m.Delete(&keys[i])
+				if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+					return nil, fmt.Errorf("delete nat entry: %w", err)
+				}
+				gone[i] = err == nil
+			}
+			return gone, nil
+		}
+		for i := at; i < at+n; i++ {
+			gone[i] = true
+		}
+		at += n
+		switch {
+		case err == nil:
+		case errors.Is(err, ebpf.ErrKeyNotExist):
+			at++ // keys[at] is gone already: go on after it
+		default:
+			return nil, fmt.Errorf("delete nat entries: %w", err)
+		}
+	}
+	return gone, nil
 }
 
 // addSwept adds removed entries by protocol to sweep_stats.
@@ -412,23 +640,28 @@ func (d *Datapath) SweptEntries() (map[uint8]uint64, error) {
 }
 
 // deleteIdle deletes the entries of one flow unless a packet refreshed one of them since they
-// were read, and returns how many it deleted.
+// were read, and returns how many it deleted (entries already gone do not count).
 func (d *Datapath) deleteIdle(fam policy.Family, entries ...NATEntry) (int, error) {
 	m := d.natMap(fam)
+	present := make([]NATEntry, 0, len(entries))
 	for _, e := range entries {
 		var v masqNatEntry
 		err := m.Lookup(natKey(e.Dir, e.Proto, e.Src, e.Dst), &v)
-		if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			continue
+		}
+		if err != nil {
 			return 0, fmt.Errorf("lookup %s nat entry: %w", fam, err)
 		}
-		if err == nil && time.Duration(v.LastSeen) != e.LastSeen {
+		if time.Duration(v.LastSeen) != e.LastSeen {
 			return 0, nil // active again
 		}
+		present = append(present, e)
 	}
-	if err := d.deleteEntries(fam, entries); err != nil {
+	if err := d.deleteEntries(fam, present); err != nil {
 		return 0, err
 	}
-	return len(entries), nil
+	return len(present), nil
 }
 
 // pointsBack tells whether partner is the other half of e's flow rather than of a flow that

@@ -179,21 +179,16 @@ func emptyStats() datapath.NATStats {
 func natStats(ctx context.Context, dp *bpf.Datapath) (datapath.NATStats, error) {
 	st := emptyStats()
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		var byProto [256]uint64
-		if err := dp.NATEntries(fam, func(e bpf.NATEntry) bool {
-			byProto[e.Proto]++
-			return ctx.Err() == nil
-		}); err != nil {
+		if err := ctx.Err(); err != nil {
 			return datapath.NATStats{}, err
 		}
-		if err := ctx.Err(); err != nil {
+		byProto, err := dp.NATProtocols(fam)
+		if err != nil {
 			return datapath.NATStats{}, err
 		}
 		counts := map[string]uint64{}
 		for proto, n := range byProto {
-			if n > 0 {
-				counts[datapath.ProtocolName(uint8(proto))] += n
-			}
+			counts[datapath.ProtocolName(proto)] += n
 		}
 		for _, name := range sortedNames(counts) {
 			st.Entries = append(st.Entries, datapath.NATEntries{Family: fam, Protocol: name, Entries: counts[name]})

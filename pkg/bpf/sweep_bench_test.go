@@ -1,0 +1,115 @@
+package bpf
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// fillFlows writes flows from, from+1, ... from+n-1 into the IPv4 NAT table as the programs
+// would have made them (masqueraded UDP, two entries each), last seen at lastSeen: flow i goes
+// from pod4(i>>14) to the 32768 ports of remoteN(i/32768), so every port claim is unique.
+func fillFlows(tb testing.TB, d *Datapath, from, n int, lastSeen time.Duration) {
+	tb.Helper()
+	const chunk = 8192
+	keys := make([]masqNat4Key, 0, 2*chunk)
+	vals := make([]masqNatEntry, 0, 2*chunk)
+	flush := func() {
+		if len(keys) == 0 {
+			return
+		}
+		if _, err := d.objs.NatV4.BatchUpdate(keys, vals, nil); err != nil {
+			tb.Fatalf("fill the NAT table: %v", err)
+		}
+		keys, vals = keys[:0], vals[:0]
+	}
+	snat := addr4Word(snat4)
+	for i := from; i < from+n; i++ {
+		podAddr, remote := addr4Word(pod4(i>>14)), addr4Word(remoteN(i/32768))
+		sport, natPort := htons(uint16(1024+i&0x3fff)), htons(uint16(32768+i%32768))
+		keys = append(keys,
+			masqNat4Key{Saddr: podAddr, Daddr: remote, Sport: sport, Dport: htons(53), Proto: unix.IPPROTO_UDP, Dir: masqNatDir(Egress)},
+			masqNat4Key{Saddr: remote, Daddr: snat, Sport: htons(53), Dport: natPort, Proto: unix.IPPROTO_UDP, Dir: masqNatDir(Ingress)})
+		vals = append(vals,
+			masqNatEntry{Addr: [4]uint32{snat}, Port: natPort, Kind: masqNatKind(KindMasq), Flags: masqNatFlags(FlagSeen),
+				Ifindex: testIfindex, LastSeen: uint64(lastSeen)},
+			masqNatEntry{Addr: [4]uint32{podAddr}, Port: sport, Kind: masqNatKind(KindMasq), Slot: noSlot,
+				Ifindex: testIfindex, LastSeen: uint64(lastSeen)})
+		if len(keys) == cap(keys) {
+			flush()
+		}
+	}
+	flush()
+}
+
+// cpuTime is the CPU time (user and system) the process used so far.
+func cpuTime(tb testing.TB) time.Duration {
+	tb.Helper()
+	var ru unix.Rusage
+	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
+		tb.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// natCount counts the IPv4 NAT table's entries.
+func natCount(tb testing.TB, d *Datapath) int {
+	tb.Helper()
+	n := 0
+	if err := d.NATEntries(4, func(NATEntry) bool { n++; return true }); err != nil {
+		tb.Fatal(err)
+	}
+	return n
+}
+
+// BenchmarkSweep is the periodic sweep over a full NAT table. live: every flow is active, so
+// the sweep only reads the table (its cost every SweepInterval, whatever the traffic); idle:
+// every flow has expired and is removed (the table is refilled outside the timer).
+func BenchmarkSweep(b *testing.B) {
+	for _, entries := range []int{100_000, 262_144} {
+		for _, idle := range []bool{false, true} {
+			name := fmt.Sprintf("entries=%d/live", entries)
+			if idle {
+				name = fmt.Sprintf("entries=%d/idle", entries)
+			}
+			b.Run(name, func(b *testing.B) {
+				h := newHarness(b, defaultPolicy(true), LoadOptions{NATEntries: 1 << 18})
+				now := MonotonicNow()
+				seen := now
+				if idle {
+					seen = now - time.Hour
+				}
+				fillFlows(b, h.dp, 0, entries/2, seen)
+				have := natCount(b, h.dp)
+				b.ReportMetric(float64(have), "entries")
+				var cpu time.Duration
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					if idle && i > 0 {
+						b.StopTimer()
+						fillFlows(b, h.dp, 0, entries/2, seen)
+						have = natCount(b, h.dp) // a refilled LRU table may evict a few
+						b.StartTimer()
+					}
+					before := cpuTime(b)
+					res, err := h.dp.Sweep(now, DefaultTimeouts)
+					cpu += cpuTime(b) - before
+					if err != nil {
+						b.Fatal(err)
+					}
+					if !idle && res.Flows+res.Orphans != 0 {
+						b.Fatalf("a live table lost %+v", res)
+					}
+					if idle && 2*res.Flows+res.Orphans != have {
+						b.Fatalf("removed %+v of %d idle entries", res, have)
+					}
+				}
+				// CPU time, user and kernel (the map syscalls), is what a sweep costs the node; wall
+				// time also counts waiting for a CPU on a busy machine.
+				b.ReportMetric(float64(cpu.Microseconds())/1000/float64(b.N), "cpu-ms/op")
+			})
+		}
+	}
+}
