@@ -249,10 +249,14 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	dp := b.dp.Load()
 	if dp == nil {
 		var err error
-		if dp, err = b.load(p); err != nil {
+		if dp, err = b.load(p, 0); err != nil {
 			return err
 		}
 		b.dp.Store(dp)
+	}
+	dp, err := b.ensureCapacity(dp, p)
+	if err != nil {
+		return err
 	}
 	if err := dp.Refresh(); err != nil {
 		return fmt.Errorf("read the maps: %w", err)
@@ -360,12 +364,27 @@ func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, keep map[int]
 // or other sizes, such as the IPv6 NAT table after --enable-ipv6 changed) are replaced, and only
 // they: their entries are lost, every other map keeps its flows and counters. The programs still
 // attached keep using the old maps until Apply replaces them, so traffic never meets empty maps.
-func (b *Backend) load(p *policy.Policy) (*bpf.Datapath, error) {
+//
+// maxRules sizes the rule maps; 0 keeps the pinned maps' size, or makes room for p when nothing
+// is pinned (a larger policy later grows them: see ensureCapacity).
+func (b *Backend) load(p *policy.Policy, maxRules uint32) (*bpf.Datapath, error) {
 	if err := os.MkdirAll(b.pinDir, 0o700); err != nil {
 		return nil, fmt.Errorf("create pin directory: %w", err)
 	}
 	lopts := b.opts.Load
 	lopts.PinPath = b.pinDir
+	if maxRules == 0 && lopts.MaxRules == 0 {
+		pinned, err := bpf.PinnedRuleCapacity(b.pinDir)
+		if err != nil {
+			return nil, err
+		}
+		if maxRules = pinned; maxRules == 0 {
+			maxRules = bpf.CapacityFor(len(p.IPv4) + len(p.IPv6))
+		}
+	}
+	if maxRules != 0 {
+		lopts.MaxRules = maxRules
+	}
 	if !p.EnableIPv6 && lopts.NATEntriesV6 == 0 {
 		lopts.NATEntriesV6 = natEntriesNoIPv6
 	}

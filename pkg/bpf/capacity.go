@@ -1,0 +1,94 @@
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// The rule maps (the four tries, rule_stats and rule_slots) are sized by LoadOptions.MaxRules.
+// A policy larger than they allow is served by loading maps with more room and adopting the old
+// ones' slots and counters (AdoptRuleSlots); these helpers tell when and how large.
+
+// RuleCapacity is the number of rule counter slots of the loaded maps.
+func (d *Datapath) RuleCapacity() int { return int(d.opts.MaxRules) }
+
+// SlotsNeeded returns how many counter slots a SyncPolicy of p holds at its peak: the rules that
+// stay and the rules it adds, while the rules it removes still hold theirs.
+func (d *Datapath) SlotsNeeded(p *policy.Policy) (int, error) {
+	pl, err := makePlan(p)
+	if err != nil {
+		return 0, err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	n := len(d.slots.byKey)
+	for _, k := range pl.keys {
+		if _, ok := d.slots.byKey[k]; !ok {
+			n++
+		}
+	}
+	return n, nil
+}
+
+// CapacityFor is the MaxRules to load for n rules: the default, or twice n rounded up to a power
+// of two, so that a policy can be replaced by one of the same size (both hold slots during the
+// sync) and growth is rare.
+func CapacityFor(n int) uint32 {
+	c := uint32(DefaultMaxRules)
+	for int(c) < 2*n {
+		c *= 2
+	}
+	return c
+}
+
+// PinnedRuleCapacity returns the MaxRules of the maps pinned in dir, or 0 when none are pinned.
+func PinnedRuleCapacity(dir string) (uint32, error) {
+	m, err := ebpf.LoadPinnedMap(filepath.Join(dir, masqMapRuleSlots), &ebpf.LoadPinOptions{ReadOnly: true})
+	if errors.Is(err, os.ErrNotExist) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("open pinned %s: %w", masqMapRuleSlots, err)
+	}
+	defer m.Close()
+	return m.MaxEntries(), nil
+}
+
+// AdoptRuleSlots copies from's counter slot assignment and counters into d, slot for slot, so
+// that d continues where from left off: rules that stay keep their counters, and established
+// flows, whose NAT entries name a slot, keep counting into their rule. d must have at least
+// from's capacity and hold no rules yet (its rule maps were just created).
+func (d *Datapath) AdoptRuleSlots(from *Datapath) error {
+	if d.RuleCapacity() < from.RuleCapacity() {
+		return fmt.Errorf("adopt rule slots: %d slots cannot hold %d", d.RuleCapacity(), from.RuleCapacity())
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if len(d.slots.byKey) > 0 {
+		return errors.New("adopt rule slots: the maps already hold rules")
+	}
+	from.mu.Lock()
+	defer from.mu.Unlock()
+	var stats []masqRuleStats
+	for s, k := range from.slots.bySlt {
+		v := k.value()
+		if err := d.objs.RuleSlots.Put(s, &v); err != nil {
+			return fmt.Errorf("adopt rule slots: write slot %d: %w", s, err)
+		}
+		if err := from.objs.RuleStats.Lookup(s, &stats); err != nil {
+			return fmt.Errorf("adopt rule slots: read counters of slot %d: %w", s, err)
+		}
+		if err := d.objs.RuleStats.Put(s, stats); err != nil {
+			return fmt.Errorf("adopt rule slots: write counters of slot %d: %w", s, err)
+		}
+	}
+	// Read the assignment back as a restarted agent would; the tries are still empty, so the
+	// next SyncPolicy writes them whole.
+	return d.recover()
+}
