@@ -230,14 +230,16 @@ func newEnv(ctx context.Context, b *testing.B, bins binaries, n int) *e2e.Env {
 	return env
 }
 
-// startMode starts the agent of mode (nothing for the limit) and waits until it is ready.
-func startMode(ctx context.Context, b *testing.B, env *e2e.Env, m Mode) {
+// startMode starts the agent of mode (nothing for the limit) and waits until it is ready. The
+// mode's Prepare runs once per topology (prepared records it).
+func startMode(ctx context.Context, b *testing.B, env *e2e.Env, m Mode, prepared map[string]bool) {
 	b.Helper()
 	if m.Backend == nil {
 		return
 	}
-	if m.Backend.Prepare != nil && m.Backend.Name != e2e.IptablesBackend(iptables.ModeNFT).Name {
+	if m.Backend.Prepare != nil && !prepared[m.Backend.Name] && m.Backend.Name != e2e.IptablesBackend(iptables.ModeNFT).Name {
 		m.Backend.Prepare(ctx, b, env)
+		prepared[m.Backend.Name] = true
 	}
 	a := env.StartAgent(ctx, b, *m.Backend)
 	if err := a.WaitReady(ctx); err != nil {
@@ -254,8 +256,7 @@ func stopMode(ctx context.Context, b *testing.B, env *e2e.Env, m Mode) {
 	if err := env.Agent.Stop(ctx); err != nil {
 		b.Logf("agent exit: %v", err)
 	}
-	args := append([]string{"cleanup", "--config=" + env.Config.Path()}, m.Backend.Flags...)
-	if _, err := e2e.NSExec(ctx, env.Node, "", env.Bin, args...); err != nil {
+	if _, err := e2e.NSExec(ctx, env.Node, "", env.Bin, env.DatapathArgs("cleanup", *m.Backend)...); err != nil {
 		b.Fatalf("cleanup: %v", err)
 	}
 }
@@ -306,9 +307,10 @@ func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) []LoadResult {
 	// A discarded warm-up: neighbour entries, page cache and CPU frequency settle first.
 	connRate(ctx, b, bins, e)
 	bulk(ctx, b, e)
+	prepared := map[string]bool{}
 	for run := range *runs {
 		for i, m := range ms {
-			startMode(ctx, b, e, m)
+			startMode(ctx, b, e, m, prepared)
 			rate, slow, errs := connRate(ctx, b, bins, e)
 			tput := bulk(ctx, b, e)
 			stopMode(ctx, b, e, m)
@@ -376,7 +378,7 @@ func measureApply(b *testing.B, bins binaries, m Mode, n int) ApplyResult {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	e := newEnv(ctx, b, bins, 0)
-	startMode(ctx, b, e, m)
+	startMode(ctx, b, e, m, map[string]bool{})
 	want := []string{"policy applied", fmt.Sprintf("ipv4Rules=%d ", n+2)}
 	before := e.Agent.Count(want...)
 	start := time.Now()
@@ -398,7 +400,7 @@ func measureMemory(b *testing.B, bins binaries, m Mode) []MemResult {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	e := newEnv(ctx, b, bins, 0)
-	startMode(ctx, b, e, m)
+	startMode(ctx, b, e, m, map[string]bool{})
 	time.Sleep(2 * time.Second) // past start-up allocations
 	out := []MemResult{{Mode: m.Name, State: "idle", RSSBytes: rss(b, e.Agent.Pid())}}
 	b.Logf("%s idle: %d KiB", m.Name, out[0].RSSBytes/1024)
