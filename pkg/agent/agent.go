@@ -2,9 +2,10 @@
 // file into one Apply on the datapath backend, and the health endpoints.
 //
 // Everything that can change the datapath goes through the loop: a change in the config
-// directory (debounced), the periodic resync (which re-applies and so heals drift), and the
-// retry of a failed apply. Shutdown stops the loop and leaves the datapath in place, so that
-// pods keep working while the agent is restarted or upgraded.
+// directory (debounced), the periodic resync (which re-applies and so heals drift), the drift
+// check (every second, for backends that can tell cheaply what was changed behind the agent's
+// back), datapath events, and the retry of a failed apply. Shutdown stops the loop and leaves
+// the datapath in place, so that pods keep working while the agent is restarted or upgraded.
 package agent
 
 import (
@@ -14,11 +15,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
 	"net/url"
 	"path/filepath"
 	"reflect"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -39,6 +43,14 @@ const (
 	DefaultWriterTimeout = 30 * time.Second
 	DefaultRetryMin      = 500 * time.Millisecond
 	DefaultRetryMax      = 30 * time.Second
+	// DefaultDriftInterval is how often the datapath is checked for drift: a repair follows
+	// within about a second of the damage, at a cost the backends keep small (see
+	// datapath.DriftChecker).
+	DefaultDriftInterval = time.Second
+	// driftCheckTimeout bounds one drift check, which holds up the loop while it runs (an
+	// iptables listing may wait for the xtables lock); a check that times out is tried again at
+	// the next tick. A check takes milliseconds; the bound is for a stuck tool.
+	driftCheckTimeout = 5 * time.Second
 	// shutdownTimeout bounds how long in-flight health requests may delay the exit.
 	shutdownTimeout = 5 * time.Second
 )
@@ -63,6 +75,12 @@ type Options struct {
 	Quiet, WriterTimeout time.Duration
 	// RetryMin and RetryMax bound the exponential backoff of a failed apply.
 	RetryMin, RetryMax time.Duration
+	// DriftInterval is how often the loop asks a backend that implements
+	// datapath.DriftChecker whether what it installed is still in place, and applies again when
+	// not; zero means DefaultDriftInterval, a negative value turns the checks off (the resync
+	// still repairs drift). Every heal, found by a check or by the check before a resync, is
+	// counted by kind in Stats.Heals and logged once.
+	DriftInterval time.Duration
 	// Changes, when set, carries events from outside the file that the datapath must follow
 	// (such as an uplink address change, reported by a backend); each value, a short reason
 	// for the logs, makes the loop re-read the file and re-apply, as a resync does.
@@ -105,6 +123,10 @@ type Stats struct {
 	LastApply time.Time
 	// SyncDurations are the durations of every apply, failed ones included.
 	SyncDurations DurationHistogram
+	// Heals counts, by kind of drift (datapath.DriftChain, ...), the repairs of damage done
+	// behind the agent's back: each kind a drift check (or the check before a resync) found and
+	// the next apply repaired. Nil until the first heal.
+	Heals map[string]uint64
 	// Ready is true once a configuration is in the datapath.
 	Ready bool
 }
@@ -184,6 +206,9 @@ func New(opts Options) (*Agent, error) {
 	if opts.RetryMax < opts.RetryMin {
 		opts.RetryMax = max(DefaultRetryMax, opts.RetryMin)
 	}
+	if opts.DriftInterval == 0 {
+		opts.DriftInterval = DefaultDriftInterval
+	}
 	log := opts.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -215,7 +240,9 @@ func (a *Agent) paths() []string {
 func (a *Agent) Stats() Stats {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.stats
+	s := a.stats
+	s.Heals = maps.Clone(a.stats.Heals)
+	return s
 }
 
 // Run runs the reconcile loop, and serves Mux on ln when ln is not nil, until ctx is done. It
@@ -267,6 +294,7 @@ const (
 	triggerResync  trigger = "resync"
 	triggerRetry   trigger = "retry"
 	triggerEvent   trigger = "datapath-event"
+	triggerDrift   trigger = "drift"
 )
 
 // loopState is owned by the loop goroutine.
@@ -284,6 +312,12 @@ type loopState struct {
 	resync time.Duration
 	// displaced counts the Options.Displace entries already removed (they are removed in order).
 	displaced int
+	// drift holds the kinds of drift found and not repaired yet, with when each was found.
+	drift map[string]time.Time
+	// persisting is the drift an apply did not repair, as last logged; checkFailing is set
+	// while drift checks fail. Both keep the log to one line per change.
+	persisting   string
+	checkFailing bool
 }
 
 func (a *Agent) loop(ctx context.Context) error {
@@ -307,12 +341,22 @@ func (a *Agent) loop(ctx context.Context) error {
 	defer retry.Stop()
 	defer settle.Stop()
 
+	var driftTick <-chan time.Time
+	if _, ok := a.opts.Backend.(datapath.DriftChecker); ok && a.opts.DriftInterval > 0 {
+		t := time.NewTicker(a.opts.DriftInterval)
+		defer t.Stop()
+		driftTick = t.C
+	}
+
 	changes := a.opts.Changes
 	next := triggerStartup
 	for {
 		if next != "" {
 			interval := st.resync
-			if again := a.reconcile(ctx, st, next, w); again > 0 {
+			if next == triggerDrift {
+				// The file is not read again: the last good policy is what must be in place.
+				_ = a.apply(ctx, st, log.With("trigger", string(next)))
+			} else if again := a.reconcile(ctx, st, next, w); again > 0 {
 				settle.Reset(again)
 			} else {
 				settle.Stop()
@@ -349,7 +393,12 @@ func (a *Agent) loop(ctx context.Context) error {
 			next = triggerChange
 		case <-resync.C:
 			w.ensure()
+			a.checkDrift(ctx, st, log) // so that what the resync repairs counts as healed
 			next = triggerResync
+		case <-driftTick:
+			if a.checkDrift(ctx, st, log) {
+				next = triggerDrift
+			}
 		case <-retry.C:
 			next = triggerRetry
 		case why, ok := <-changes:
@@ -504,8 +553,92 @@ func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger) erro
 	}
 	log.Log(ctx, level, "policy applied", "ipv4Rules", len(p.IPv4), "ipv6Rules", len(p.IPv6),
 		"ipv6", p.EnableIPv6, "took", took)
+	if len(st.drift) > 0 {
+		a.settleDrift(ctx, st, log)
+	}
 	a.displace(ctx, st, log)
 	return nil
+}
+
+// checkDrift asks the backend whether what it installed is still in place and records what
+// drifted, for the apply that repairs it to count. It tells whether an apply is needed. Nothing
+// is checked before the first successful apply, nor while a failed one awaits its retry.
+func (a *Agent) checkDrift(ctx context.Context, st *loopState, log *slog.Logger) bool {
+	checker, ok := a.opts.Backend.(datapath.DriftChecker)
+	if !ok || st.applied == nil || st.failed {
+		return false
+	}
+	cctx, cancel := context.WithTimeout(ctx, driftCheckTimeout)
+	kinds, err := checker.CheckDrift(cctx)
+	cancel()
+	if err != nil {
+		if ctx.Err() == nil && !st.checkFailing {
+			log.Warn("drift check failed; trying again at the next one", "error", err)
+		}
+		st.checkFailing = true
+		return false
+	}
+	if st.checkFailing {
+		log.Info("drift check works again")
+		st.checkFailing = false
+	}
+	if len(kinds) == 0 {
+		a.healed(st, nil, log) // repaired by an earlier apply whose own check failed
+		return false
+	}
+	now := time.Now()
+	if st.drift == nil {
+		st.drift = map[string]time.Time{}
+	}
+	for _, k := range kinds {
+		if _, ok := st.drift[k]; !ok {
+			st.drift[k] = now
+		}
+	}
+	return true
+}
+
+// settleDrift runs after an apply while drift was pending: it checks again and counts as healed
+// every kind that is in place now. A kind still drifted is logged (once while it persists) and
+// left for the next check to try again.
+func (a *Agent) settleDrift(ctx context.Context, st *loopState, log *slog.Logger) {
+	checker, ok := a.opts.Backend.(datapath.DriftChecker)
+	if !ok {
+		return
+	}
+	cctx, cancel := context.WithTimeout(ctx, driftCheckTimeout)
+	left, err := checker.CheckDrift(cctx)
+	cancel()
+	if err != nil {
+		return // the next check tells
+	}
+	a.healed(st, left, log)
+	if len(left) == 0 {
+		st.persisting = ""
+		return
+	}
+	if s := strings.Join(left, ","); s != st.persisting {
+		log.Warn("drift persists after re-applying; trying again at the next check", "what", left)
+		st.persisting = s
+	}
+}
+
+// healed counts and logs, once each, the pending kinds of drift that are not in left.
+func (a *Agent) healed(st *loopState, left []string, log *slog.Logger) {
+	for _, k := range slices.Sorted(maps.Keys(st.drift)) {
+		if slices.Contains(left, k) {
+			continue
+		}
+		a.mu.Lock()
+		if a.stats.Heals == nil {
+			a.stats.Heals = map[string]uint64{}
+		}
+		a.stats.Heals[k]++
+		a.mu.Unlock()
+		log.Warn("drift healed: restored what was changed behind the agent's back", "what", k,
+			"took", time.Since(st.drift[k]).Round(time.Millisecond))
+		delete(st.drift, k)
+	}
 }
 
 // displace removes the other backends' state, once (see Options.Displace).

@@ -159,6 +159,8 @@ type Datapath struct {
 	// synced is the last policy written, with each rule's slot.
 	synced     *policy.Policy
 	syncedSlot map[*policy.Rule]uint32
+	// check is what CheckPolicy compares the maps with.
+	check checkState
 }
 
 // Load creates (or, with PinPath, reuses) the maps and loads both programs.

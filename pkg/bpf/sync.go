@@ -112,7 +112,19 @@ func trieName(fam policy.Family, action policy.Action) string {
 
 var trieNames = []string{masqMapMasqV4, masqMapNomasqV4, masqMapMasqV6, masqMapNomasqV6}
 
-func (d *Datapath) trieMap(name string) *ebpf.Map { return d.Maps()[name] }
+func (d *Datapath) trieMap(name string) *ebpf.Map {
+	switch name {
+	case masqMapMasqV4:
+		return d.objs.MasqV4
+	case masqMapNomasqV4:
+		return d.objs.NomasqV4
+	case masqMapMasqV6:
+		return d.objs.MasqV6
+	case masqMapNomasqV6:
+		return d.objs.NomasqV6
+	}
+	panic("bpf: no trie " + name) // trieNames are the only callers' names
+}
 
 func lpmKey(p netip.Prefix) any {
 	if p.Addr().Is4() {
@@ -321,6 +333,7 @@ func (d *Datapath) SyncPolicy(p *policy.Policy) error {
 	for i, r := range pl.rules {
 		d.syncedSlot[r] = slots[i]
 	}
+	d.snapshotChecks(cfg)
 	return nil
 }
 

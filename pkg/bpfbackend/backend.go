@@ -97,6 +97,9 @@ type Backend struct {
 
 	// missing are the --interfaces devices the last Apply did not find (only Apply uses it).
 	missing []string
+	// installed is, by ifindex, the SNAT addresses the last successful Apply wrote for each
+	// uplink it attached to: what CheckDrift compares with (only the agent's loop uses it).
+	installed map[int]bpf.Uplink
 }
 
 var (
@@ -104,6 +107,7 @@ var (
 	_ datapath.InfoReporter = (*Backend)(nil)
 	_ datapath.NATReporter  = (*Backend)(nil)
 	_ datapath.Reader       = (*Backend)(nil)
+	_ datapath.DriftChecker = (*Backend)(nil)
 )
 
 // New checks that the node can run the BPF datapath (a writable BPF filesystem, programs the
@@ -258,6 +262,12 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	if err != nil {
 		return err
 	}
+	b.installed = nil // until this apply succeeds
+	if repinned, err := dp.Repin(); err != nil {
+		return err
+	} else if len(repinned) > 0 {
+		b.log.Warn("map pins were missing; pinned again", "maps", repinned)
+	}
 	if err := dp.Refresh(); err != nil {
 		return fmt.Errorf("read the maps: %w", err)
 	}
@@ -283,6 +293,7 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	b.mu.Unlock()
 	progs := tc.Programs{Egress: dp.Egress(), Ingress: dp.Ingress()}
 	keep := map[int]bool{}
+	installed := map[int]bpf.Uplink{}
 	for _, u := range set.Uplinks {
 		addrs := bpf.Uplink{IPv4: u.IPv4}
 		if p.EnableIPv6 {
@@ -308,10 +319,12 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 			return fmt.Errorf("attach to %s: %w", u.Name, err)
 		}
 		keep[u.Index] = true
+		installed[u.Index] = addrs
 	}
 	if err := b.dropStale(ctx, dp, keep); err != nil {
 		return err
 	}
+	b.installed = installed
 	b.mu.Lock()
 	b.uplinks = set.Uplinks
 	b.mu.Unlock()

@@ -7,10 +7,14 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
+	"slices"
 	"strings"
+	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
@@ -28,6 +32,9 @@ type agentFlags struct {
 	bpffs          string
 	attachMode     string
 	verbosity      int
+	driftInterval  time.Duration
+	sweepInterval  time.Duration
+	natTimeouts    string
 }
 
 func (f *agentFlags) register(fs *flag.FlagSet) {
@@ -37,6 +44,9 @@ func (f *agentFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.metricsAddress, "metrics-address", ":9808", "HOST:PORT serving /metrics, /healthz and /readyz; empty disables")
 	fs.StringVar(&f.bpffs, "bpffs", "/sys/fs/bpf", "BPF filesystem where maps and links are pinned")
 	fs.StringVar(&f.attachMode, "attach-mode", "auto", "how the BPF backend attaches its programs: auto (tcx where the kernel has it, else tc), tcx, or tc (clsact and cls_bpf)")
+	fs.DurationVar(&f.driftInterval, "drift-check-interval", agent.DefaultDriftInterval, "how often to check that the installed datapath is intact and repair it when not; 0 leaves the repair to the resync")
+	fs.DurationVar(&f.sweepInterval, "nat-sweep-interval", bpfbackend.DefaultSweepInterval, "how often the BPF backend removes idle NAT entries")
+	fs.StringVar(&f.natTimeouts, "nat-timeouts", "", `idle timeouts of BPF NAT entries, overriding the defaults, e.g. "udp=30s,tcp-closing=10s" (keys: `+strings.Join(timeoutKeys(), ", ")+")")
 	// Accepted so that upstream manifests keep working: klog verbosity (4 and above log debug).
 	fs.IntVar(&f.verbosity, "v", 0, "log verbosity; 4 or more logs debug messages")
 	fs.Bool("logtostderr", true, "ignored: logs always go to stderr (accepted for upstream manifests)")
@@ -50,6 +60,41 @@ func (f *agentFlags) interfaceList() []string {
 		}
 	}
 	return out
+}
+
+// timeoutFields are the keys of --nat-timeouts and the timeout each sets.
+func timeoutFields(t *bpf.Timeouts) map[string]*time.Duration {
+	return map[string]*time.Duration{
+		"tcp-established": &t.TCPEstablished, "tcp-opening": &t.TCPOpening, "tcp-closing": &t.TCPClosing,
+		"udp": &t.UDP, "icmp": &t.ICMP, "other": &t.Other,
+	}
+}
+
+func timeoutKeys() []string {
+	return slices.Sorted(maps.Keys(timeoutFields(&bpf.Timeouts{})))
+}
+
+// parseTimeouts reads --nat-timeouts: KEY=DURATION pairs, separated by commas, over the
+// defaults.
+func parseTimeouts(s string) (bpf.Timeouts, error) {
+	t := bpf.DefaultTimeouts
+	fields := timeoutFields(&t)
+	for _, kv := range strings.Split(s, ",") {
+		if kv = strings.TrimSpace(kv); kv == "" {
+			continue
+		}
+		k, v, ok := strings.Cut(kv, "=")
+		field, known := fields[strings.TrimSpace(k)]
+		if !ok || !known {
+			return t, fmt.Errorf("nat-timeouts: %q: want KEY=DURATION with KEY one of %s", kv, strings.Join(timeoutKeys(), ", "))
+		}
+		d, err := time.ParseDuration(strings.TrimSpace(v))
+		if err != nil || d <= 0 {
+			return t, fmt.Errorf("nat-timeouts: %q: want a positive duration such as 30s", kv)
+		}
+		*field = d
+	}
+	return t, nil
 }
 
 func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -72,9 +117,19 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	default:
 		return usageError{fmt.Errorf("attach mode %q: must be auto, %s or %s", af.attachMode, tc.ModeTCX, tc.ModeTC)}
 	}
+	if af.sweepInterval <= 0 {
+		return usageError{fmt.Errorf("nat-sweep-interval %v: must be positive", af.sweepInterval)}
+	}
+	if af.driftInterval < 0 {
+		return usageError{fmt.Errorf("drift-check-interval %v: must be positive, or 0 to turn the checks off", af.driftInterval)}
+	}
+	timeouts, err := parseTimeouts(af.natTimeouts)
+	if err != nil {
+		return usageError{err}
+	}
 	log := newLogger(stderr, af.verbosity)
 	log.Info("starting", "component", "cli", "version", version.String(), "config", af.configPath, "backend", af.backend)
-	dp, err := newBackend(ctx, af.backend, &af, log)
+	dp, err := newBackend(ctx, af.backend, &af, timeouts, log)
 	if err != nil {
 		return err
 	}
@@ -83,8 +138,12 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			log.Warn("release the datapath", "component", "cli", "error", err)
 		}
 	}()
+	drift := af.driftInterval
+	if drift == 0 {
+		drift = -1 // off (the agent's zero is its default)
+	}
 	a, err := agent.New(agent.Options{ConfigPath: af.configPath, ConfigOptions: copts, PolicyOptions: popts,
-		Backend: dp.backend, Logger: log, Changes: dp.changes, Displace: dp.displace})
+		Backend: dp.backend, Logger: log, Changes: dp.changes, Displace: dp.displace, DriftInterval: drift})
 	if err != nil {
 		return err
 	}
@@ -117,11 +176,12 @@ type chosenBackend struct {
 // newBackend returns the datapath backend that --backend names. auto takes BPF when the node can
 // run it (probed: a BPF filesystem at --bpffs, programs the kernel loads), else iptables, and
 // logs why.
-func newBackend(ctx context.Context, name string, af *agentFlags, log *slog.Logger) (*chosenBackend, error) {
+func newBackend(ctx context.Context, name string, af *agentFlags, timeouts bpf.Timeouts, log *slog.Logger) (*chosenBackend, error) {
 	switch name {
 	case "auto", bpfbackend.Name:
 		b, err := bpfbackend.New(ctx, bpfbackend.Options{BPFFS: af.bpffs, Interfaces: af.interfaceList(),
-			EnableIPv6: af.enableIPv6, AttachMode: af.attachMode, Logger: log})
+			EnableIPv6: af.enableIPv6, AttachMode: af.attachMode, SweepInterval: af.sweepInterval, Timeouts: timeouts,
+			Logger: log})
 		if err == nil {
 			log.Info("datapath chosen", "component", "cli", "backend", bpfbackend.Name, "attachMode", b.Mode())
 			return &chosenBackend{backend: b, displace: iptablesToDisplace(ctx, af, log), changes: b.Changes(), close: b.Close}, nil

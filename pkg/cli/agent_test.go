@@ -4,6 +4,9 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 )
 
 // These cases fail before the agent touches anything; none of them may reach a datapath, since
@@ -21,6 +24,10 @@ func TestAgentCommandLineErrors(t *testing.T) {
 		{[]string{"--backend=bpf", "extra"}, 2, "the agent takes no arguments"},
 		{[]string{"--masq-chain=POSTROUTING"}, 2, "is a built-in chain"},
 		{[]string{"--to-ports=9-1"}, 2, "starts after it ends"},
+		{[]string{"--nat-timeouts=udp=0s"}, 2, `"udp=0s": want a positive duration`},
+		{[]string{"--nat-timeouts=tcp=1m"}, 2, `"tcp=1m": want KEY=DURATION with KEY one of icmp, other, tcp-closing`},
+		{[]string{"--nat-sweep-interval=0s"}, 2, "nat-sweep-interval 0s: must be positive"},
+		{[]string{"--drift-check-interval=-1s"}, 2, "drift-check-interval -1s: must be positive, or 0"},
 		{[]string{"cleanup", "now"}, 2, "cleanup takes no arguments"},
 		{[]string{"cleanup", "--masq-chain=bad name"}, 2, "only letters, digits"},
 		{[]string{"cleanup", "--no-such-flag"}, 2, "flag provided but not defined"},
@@ -48,5 +55,20 @@ func TestCleanupAcceptsAgentFlags(t *testing.T) {
 		if !strings.Contains(stderr, flag) {
 			t.Errorf("cleanup --help does not list %s:\n%s", flag, stderr)
 		}
+	}
+}
+
+func TestParseTimeouts(t *testing.T) {
+	got, err := parseTimeouts(" udp=30s, tcp-closing=1.5s,")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := bpf.DefaultTimeouts
+	want.UDP, want.TCPClosing = 30*time.Second, 1500*time.Millisecond
+	if got != want {
+		t.Errorf("got %+v, want %+v", got, want)
+	}
+	if got, err := parseTimeouts(""); err != nil || got != bpf.DefaultTimeouts {
+		t.Errorf("empty: %+v %v, want the defaults", got, err)
 	}
 }

@@ -1,7 +1,7 @@
 // Package datapath defines what the agent needs from a datapath backend (iptables, BPF): install
 // a compiled policy, report how often each rule matched, and remove everything again; and, as
 // optional interfaces, what a backend may add for metrics and `dump` (its NAT table, how it is
-// attached).
+// attached) and for drift healing (a cheap check that what it installed is still there).
 //
 // The agent drives Apply and Cleanup from one goroutine. The reading methods (Counters and the
 // optional reporters) are also called by metric scrapes, from other goroutines, at any time:
@@ -65,6 +65,47 @@ type Backend interface {
 	//   - Traffic in flight keeps flowing; it simply stops being masqueraded by this agent.
 	Cleanup(ctx context.Context) error
 }
+
+// DriftChecker is implemented by backends that can tell, cheaply enough to ask every second,
+// whether what their last successful Apply installed is still in place. Drift is a change
+// behind the agent's back: a rule, program, map entry or pin removed or altered by hand or by
+// another program. The agent asks on a ticker and, when something drifted, applies again (Apply
+// repairs every kind); each kind it then finds repaired counts as one heal.
+//
+//   - CheckDrift compares the node with what this process last applied, not with what a new
+//     Apply would install: a change that calls for a new Apply anyway (an uplink's new
+//     address, a device that appeared or went away) is no drift; it reaches the agent as an
+//     event of its own.
+//   - It returns the kinds that drifted (DriftChain, ...), each at most once, in DriftKinds'
+//     order; none when everything is in place, and none before the first successful Apply.
+//   - An error means the check could not be made, not that something drifted.
+//   - It is called from the agent's loop only, never concurrently with Apply, and must stay
+//     cheap on a busy node: no full dump of the node's rules, no walk of a large table.
+type DriftChecker interface {
+	CheckDrift(ctx context.Context) ([]string, error)
+	// DriftKinds lists every kind CheckDrift can report, so that metrics show each at zero
+	// before its first heal.
+	DriftKinds() []string
+}
+
+// Kinds of drift (the what label of the heals metric).
+const (
+	// DriftChain: the iptables chain is missing or its rules differ from the policy.
+	DriftChain = "chain"
+	// DriftJump: the POSTROUTING jump to the chain is missing or there is more than one.
+	DriftJump = "jump"
+	// DriftProgram: an uplink does not run our program at a hook (detached, or replaced).
+	DriftProgram = "program"
+	// DriftPin: a pin of a map or of a tcx link is missing or is another object; without it
+	// the next agent would start over with empty maps, or lose the link when it exits.
+	DriftPin = "pin"
+	// DriftTrie: a rule trie's entries differ from the policy.
+	DriftTrie = "trie"
+	// DriftNATConfig: the outbound rule or the NAT settings (nat_config) changed.
+	DriftNATConfig = "nat_config"
+	// DriftUplinkAddr: an uplink's SNAT addresses (uplink_snat) changed or were removed.
+	DriftUplinkAddr = "uplink_addr"
+)
 
 // RuleCounter is the hit count of one policy rule.
 type RuleCounter struct {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 	"github.com/ip-masq-agent/ip-masq-agent/test/e2e"
@@ -89,6 +90,19 @@ func TestBackendInKernel(t *testing.T) {
 				if want := []string{iptables.JumpRule(iptables.DefaultChain)}; !slices.Equal(jumps, want) {
 					t.Errorf("%s jumps %q, want exactly %q", fam, jumps, want)
 				}
+			}
+			// The drift check's `iptables -S` listing reads as the rendered lines do.
+			if drift, err := b.CheckDrift(ctx); err != nil || len(drift) != 0 {
+				t.Errorf("drift check right after the apply: %q %v", drift, err)
+			}
+			if _, err := e2e.NSExec(ctx, env.Node, "", "ip6tables-"+string(mode), "-t", "nat", "-F", iptables.DefaultChain); err != nil {
+				t.Fatal(err)
+			}
+			if drift, err := b.CheckDrift(ctx); err != nil || !slices.Equal(drift, []string{datapath.DriftChain}) {
+				t.Errorf("drift check after the IPv6 chain was flushed: %q %v", drift, err)
+			}
+			if err := b.Apply(ctx, p); err != nil {
+				t.Fatal(err)
 			}
 
 			// Real traffic: each new flow passes the nat chain once, at its first packet.

@@ -75,6 +75,7 @@ func newFakeIptables() *fakeIptables {
 		for _, v := range []string{"-nft", "-legacy", ""} {
 			f.installed[p+v+"-save"] = true
 			f.installed[p+v+"-restore"] = true
+			f.installed[p+v] = true
 		}
 	}
 	return f
@@ -136,6 +137,8 @@ func (f *fakeIptables) Run(_ context.Context, stdin []byte, name string, args ..
 		return []byte(fmt.Sprintf("%s-%s %s%s\n", prefix(fam), verb, f.version, suffix)), nil
 	}
 	switch verb {
+	case "nft", "legacy", "iptables", "ip6tables":
+		return f.list(mode, fam, name, args)
 	case "save":
 		return f.save(mode, fam, args), nil
 	case "restore":
@@ -191,6 +194,29 @@ func (f *fakeIptables) save(mode Mode, fam policy.Family, args []string) []byte 
 		b.WriteString("COMMIT\n")
 	}
 	return []byte(b.String())
+}
+
+// list answers `iptables [--wait] -t nat -S CHAIN` as iptables does.
+func (f *fakeIptables) list(mode Mode, fam policy.Family, name string, args []string) ([]byte, error) {
+	args = slices.DeleteFunc(slices.Clone(args), func(a string) bool { return a == "--wait" || a == "-w" })
+	if len(args) != 4 || args[0] != "-t" || args[1] != "nat" || args[2] != "-S" {
+		return nil, fmt.Errorf("fake: %s %q not supported", name, args)
+	}
+	t, chain := f.nat(mode, fam), args[3]
+	if !t.has(chain) {
+		return nil, &ExecError{Command: name + " " + strings.Join(args, " "),
+			Stderr: "iptables: No chain/target/match by that name.\n", Err: fmt.Errorf("exit status 1")}
+	}
+	var b strings.Builder
+	if slices.Contains(natBuiltins, chain) {
+		fmt.Fprintf(&b, "-P %s ACCEPT\n", chain)
+	} else {
+		fmt.Fprintf(&b, "-N %s\n", chain)
+	}
+	for _, r := range t.rules[chain] {
+		b.WriteString(r.text + "\n")
+	}
+	return []byte(b.String()), nil
 }
 
 var fakeTargets = []string{"RETURN", "MASQUERADE", "ACCEPT", "DROP"}

@@ -26,6 +26,9 @@ const debianPackage = "iptables"
 // tools are the resolved commands of one mode and family.
 type tools struct {
 	save, restore string
+	// list is the iptables command itself (iptables-nft, ip6tables, ...), for listing one chain
+	// cheaply; empty when it is not installed, and then the save tool is used instead.
+	list string
 	// version is the restore tool's version, e.g. {1, 8, 9}.
 	version [3]int
 }
@@ -88,7 +91,11 @@ func resolveTools(ctx context.Context, r Runner, mode Mode, fam policy.Family) (
 		if nft != (mode == ModeNFT) {
 			continue
 		}
-		return &tools{save: save, restore: restore, version: v}, nil
+		t := &tools{save: save, restore: restore, version: v}
+		if r.LookPath(variant) == nil {
+			t.list = variant
+		}
+		return t, nil
 	}
 	return nil, &MissingToolsError{Mode: mode, Family: fam}
 }

@@ -9,8 +9,10 @@ package metrics
 import (
 	"context"
 	"log/slog"
+	"maps"
 	"net/http"
 	"runtime"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -47,6 +49,7 @@ const (
 	DatapathInfo         = Namespace + "_datapath_info"
 	BuildInfo            = Namespace + "_build_info"
 	ScrapeErrors         = Namespace + "_scrape_errors_total"
+	Heals                = Namespace + "_heals_total"
 )
 
 // Label values of ConfigReloads' result.
@@ -92,6 +95,7 @@ func Definitions() []Definition {
 		{DatapathInfo, "gauge", []string{"backend", "attach_mode"}, "Always 1; the datapath backend and how its programs are attached (none for iptables)."},
 		{BuildInfo, "gauge", []string{"version", "revision", "goversion"}, "Always 1; the agent's version, VCS revision and Go version."},
 		{ScrapeErrors, "counter", []string{"source"}, "Scrapes whose read of the datapath failed, by source (rules, nat); the scrape then leaves those metrics out."},
+		{Heals, "counter", []string{"what"}, "Repairs of what was changed behind the agent's back, by kind: chain, jump (iptables); program, pin, trie, nat_config, uplink_addr (BPF)."},
 	}
 }
 
@@ -194,6 +198,19 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstHistogram(c.descs[DatapathSyncDuration], h.Count, h.Sum.Seconds(), buckets)
 		counter(DatapathSyncErrors, s.ApplyErrors)
+		// Every kind the backend can heal is a series from the start, zero or not.
+		heals := maps.Clone(s.Heals)
+		if heals == nil {
+			heals = map[string]uint64{}
+		}
+		if dc, ok := c.opts.Backend.(datapath.DriftChecker); ok {
+			for _, k := range dc.DriftKinds() {
+				heals[k] += 0
+			}
+		}
+		for _, k := range slices.Sorted(maps.Keys(heals)) {
+			counter(Heals, heals[k], k)
+		}
 	}
 
 	ctx, cancel := context.WithTimeout(context.Background(), c.opts.ReadTimeout)

@@ -3,6 +3,7 @@ package metrics
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
@@ -369,7 +370,7 @@ func TestScrapeTimeReads(t *testing.T) {
 
 // Every metric follows Prometheus' naming conventions, and Names is exactly what is exported.
 func TestNamesAndLint(t *testing.T) {
-	s := agent.Stats{ConfigSHA256: strings.Repeat("0", 64)}
+	s := agent.Stats{ConfigSHA256: strings.Repeat("0", 64), Heals: map[string]uint64{datapath.DriftTrie: 1}}
 	b := &fakeNATBackend{
 		fakeBackend: fakeBackend{counters: []datapath.RuleCounter{rc(policy.IPv4, 1, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 1, 60)}},
 		stats: datapath.NATStats{Entries: []datapath.NATEntries{{Family: policy.IPv4, Protocol: "tcp", Entries: 1}},
@@ -457,5 +458,36 @@ func TestREADMEListsEveryMetric(t *testing.T) {
 	}
 	for name := range rows {
 		t.Errorf("README lists %s, which the agent does not export", name)
+	}
+}
+
+// fakeDriftBackend heals the kinds of a BPF-like datapath.
+type fakeDriftBackend struct{ fakeBackend }
+
+func (f *fakeDriftBackend) DriftKinds() []string {
+	return []string{datapath.DriftProgram, datapath.DriftPin, datapath.DriftTrie}
+}
+
+func (f *fakeDriftBackend) CheckDrift(context.Context) ([]string, error) { return nil, nil }
+
+// Heals are exported by kind: every kind the backend can heal from the start (zero), and every
+// kind the agent counted.
+func TestHeals(t *testing.T) {
+	read := func(b datapath.Backend, heals map[string]uint64) map[string]float64 {
+		t.Helper()
+		fams := scrape(t, newRegistry(t, Options{Backend: b, Agent: fakeStats{agent.Stats{Heals: heals}}}))
+		out := map[string]float64{}
+		for _, m := range fams[Heals].GetMetric() {
+			out[m.GetLabel()[0].GetValue()] = m.GetCounter().GetValue()
+		}
+		return out
+	}
+	got := read(&fakeDriftBackend{}, map[string]uint64{datapath.DriftTrie: 2, datapath.DriftChain: 1})
+	want := map[string]float64{"program": 0, "pin": 0, "trie": 2, "chain": 1}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("heals %v, want %v", got, want)
+	}
+	if got := read(&fakeBackend{}, nil); len(got) != 0 {
+		t.Errorf("a backend without drift checks, nothing healed: %v", got)
 	}
 }

@@ -137,6 +137,33 @@ func (c *clsact) Attach(ctx context.Context, ifindex int, dir Direction, prog *e
 	return nil
 }
 
+// Runs implements Hook: our filter at dir carries prog.
+func (c *clsact) Runs(ctx context.Context, ifindex int, dir Direction, prog *ebpf.Program) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	want, err := progID(prog)
+	if err != nil {
+		return false, err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	fs, err := c.filters(ifindex, dir)
+	var nf netlink.LinkNotFoundError
+	if errors.As(err, &nf) || errors.Is(err, unix.ENODEV) {
+		return false, fmt.Errorf("ifindex %d: %w (%v)", ifindex, ErrNoDevice, err)
+	}
+	if err != nil {
+		return false, fmt.Errorf("list tc filters of ifindex %d %s: %w", ifindex, dir, err)
+	}
+	for _, f := range fs {
+		if bf, ok := c.ours(f); ok && ebpf.ProgramID(bf.Id) == want {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
 func (c *clsact) Detach(ctx context.Context, ifindex int, dir Direction) error {
 	if err := ctx.Err(); err != nil {
 		return err

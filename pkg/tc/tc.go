@@ -82,6 +82,10 @@ type Hook interface {
 	// Detach removes ours from the device at dir; nothing of ours there is not an error, and
 	// neither is a device that is gone.
 	Detach(ctx context.Context, ifindex int, dir Direction) error
+	// Runs tells whether the device runs prog at dir through an attachment of ours, cheaply
+	// (a drift check asks every second): one query of the attachment, no scan of devices. A
+	// device that is gone fails with an error wrapping ErrNoDevice.
+	Runs(ctx context.Context, ifindex int, dir Direction, prog *ebpf.Program) (bool, error)
 	// List returns ours on every device of the network namespace.
 	List(ctx context.Context) ([]Attachment, error)
 	// Close releases what the hook holds; attachments stay.
@@ -111,6 +115,10 @@ func (o Options) logger() *slog.Logger {
 	}
 	return o.Logger.With("component", "tc")
 }
+
+// ErrNoDevice is the error of Runs and Manager.Check for a device that does not exist (any
+// more).
+var ErrNoDevice = errors.New("no such device")
 
 // Probe tells which attach mode the kernel supports: tcx when it has tcx links, else tc. It
 // asks the kernel (it creates a tcx link on no device), rather than guessing from the version;
@@ -191,6 +199,33 @@ func (m *Manager) Attach(ctx context.Context, ifindex int, progs Programs) error
 		}
 	}
 	return nil
+}
+
+// Status is what Manager.Check finds on a device.
+type Status struct {
+	// Runs: both hooks run the programs through our attachments of the manager's mode.
+	Runs bool
+	// Pinned: every attachment that needs a pin to outlive the process (tcx links) has it.
+	// Attach pins a link again whose pin went missing.
+	Pinned bool
+}
+
+// Check tells whether the device runs both programs through attachments of the manager's mode
+// and whether their pins are in place, at the cost of a query per hook. A device that is gone
+// fails with an error wrapping ErrNoDevice.
+func (m *Manager) Check(ctx context.Context, ifindex int, progs Programs) (Status, error) {
+	st := Status{Runs: true, Pinned: true}
+	for _, d := range Directions() {
+		ok, err := m.attach.Runs(ctx, ifindex, d, progs.get(d))
+		if err != nil {
+			return Status{}, err
+		}
+		st.Runs = st.Runs && ok
+		if t, isTCX := m.attach.(*tcx); isTCX && !t.hasPin(slot{ifindex, d}) {
+			st.Pinned = false
+		}
+	}
+	return st, nil
 }
 
 // Detach removes ours, of both modes, from the device.

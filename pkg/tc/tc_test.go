@@ -449,3 +449,96 @@ func TestManagerSwitchesModes(t *testing.T) {
 		}
 	})
 }
+
+// TestManagerCheck: Check sees a program detached by hand and a tcx link pin removed; Attach
+// repairs both, and the link pinned again outlives the manager; a device that is gone is
+// ErrNoDevice.
+func TestManagerCheck(t *testing.T) {
+	for _, mode := range []string{ModeTCX, ModeTC} {
+		t.Run(mode, func(t *testing.T) {
+			sb := newSandbox(t)
+			if m, _, err := Probe(); mode == ModeTCX && (err != nil || m != ModeTCX) {
+				t.Skipf("no tcx on this kernel (%s, %v)", m, err)
+			}
+			ctx := context.Background()
+			inNetns(t, sb.ns, func() {
+				m, err := NewManager(mode, sb.opts)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer func() { m.Close() }()
+				check := func(want Status) {
+					t.Helper()
+					got, err := m.Check(ctx, sb.a, sb.progs)
+					if err != nil || got != want {
+						t.Fatalf("check: %+v %v, want %+v", got, err, want)
+					}
+				}
+				if err := m.Attach(ctx, sb.a, sb.progs); err != nil {
+					t.Fatal(err)
+				}
+				check(Status{Runs: true, Pinned: true})
+				if got, err := m.Check(ctx, sb.a, sb.progs2); err != nil || got.Runs {
+					t.Fatalf("check with other programs: %+v %v", got, err)
+				}
+
+				// The egress program detached by hand.
+				if mode == ModeTCX {
+					res, err := link.QueryPrograms(link.QueryOptions{Target: sb.a, Attach: ebpf.AttachTCXEgress})
+					if err != nil || len(res.Programs) != 1 {
+						t.Fatalf("query: %+v %v", res, err)
+					}
+					lid, _ := res.Programs[0].LinkID()
+					if err := detachID(lid); err != nil {
+						t.Fatal(err)
+					}
+				} else {
+					l, err := netlink.LinkByIndex(sb.a)
+					if err != nil {
+						t.Fatal(err)
+					}
+					fs, err := netlink.FilterList(l, parent(Egress))
+					if err != nil || len(fs) != 1 {
+						t.Fatalf("filters: %v %v", fs, err)
+					}
+					if err := netlink.FilterDel(fs[0]); err != nil {
+						t.Fatal(err)
+					}
+				}
+				check(Status{Runs: false, Pinned: true})
+				if err := m.Attach(ctx, sb.a, sb.progs); err != nil {
+					t.Fatal(err)
+				}
+				check(Status{Runs: true, Pinned: true})
+
+				if mode == ModeTCX {
+					// A link pin removed by hand: the link would go with the process.
+					pin := filepath.Join(sb.opts.LinkDir, fmt.Sprintf("%d-ingress", sb.a))
+					if err := os.Remove(pin); err != nil {
+						t.Fatal(err)
+					}
+					check(Status{Runs: true, Pinned: false})
+					if err := m.Attach(ctx, sb.a, sb.progs); err != nil {
+						t.Fatal(err)
+					}
+					check(Status{Runs: true, Pinned: true})
+					m.Close()
+					if got := tcxProgs(t, sb.a, Ingress); !slices.Equal(got, []ebpf.ProgramID{id(t, sb.progs.Ingress)}) {
+						t.Fatalf("after the manager closed, ingress runs %v: the pin did not keep the link", got)
+					}
+					if m, err = NewManager(mode, sb.opts); err != nil {
+						t.Fatal(err)
+					}
+					check(Status{Runs: true, Pinned: true})
+				}
+
+				if out, err := exec.Command("ip", "-n", sb.ns, "link", "del", "va").CombinedOutput(); err != nil {
+					t.Fatalf("ip link del: %v: %s", err, out)
+				}
+				if _, err := m.Check(ctx, sb.a, sb.progs); !errors.Is(err, ErrNoDevice) {
+					t.Fatalf("check of a deleted device: %v, want ErrNoDevice", err)
+				}
+			})
+		})
+	}
+}

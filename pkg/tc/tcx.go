@@ -143,6 +143,15 @@ func (t *tcx) Attach(ctx context.Context, ifindex int, dir Direction, prog *ebpf
 			t.log.Info("pinned tcx link is no longer attached; attaching anew", "ifindex", ifindex, "direction", dir.String())
 			t.forget(s, l)
 			l = nil
+		} else if !t.hasPin(s) {
+			// Without its pin the link would go with this process: pin it again.
+			if err := l.Unpin(); err != nil {
+				return fmt.Errorf("tcx link of ifindex %d %s: forget the lost pin: %w", ifindex, dir, err)
+			}
+			if err := l.Pin(t.pinPath(s)); err != nil {
+				return fmt.Errorf("pin tcx link of ifindex %d %s again: %w", ifindex, dir, err)
+			}
+			t.log.Info("tcx link pin was missing; pinned again", "ifindex", ifindex, "direction", dir.String())
 		}
 	}
 	if l == nil {
@@ -168,6 +177,56 @@ func (t *tcx) Attach(ctx context.Context, ifindex int, dir Direction, prog *ebpf
 		return fmt.Errorf("tcx link of ifindex %d %s: %w", ifindex, dir, err)
 	}
 	return t.detachOthers(ifindex, dir, info.ID)
+}
+
+// hasPin tells whether the slot's link pin exists.
+func (t *tcx) hasPin(s slot) bool {
+	_, err := os.Lstat(t.pinPath(s))
+	return err == nil
+}
+
+// Runs implements Hook: the link this process holds (or the pinned one) is attached to the
+// device at dir and runs prog.
+func (t *tcx) Runs(ctx context.Context, ifindex int, dir Direction, prog *ebpf.Program) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	want, err := progID(prog)
+	if err != nil {
+		return false, err
+	}
+	s := slot{ifindex, dir}
+	l, err := t.held(s)
+	if err != nil || l == nil {
+		return false, err
+	}
+	cur, ok, err := attachedTo(l, s)
+	if err != nil {
+		return false, fmt.Errorf("tcx link of ifindex %d %s: %w", ifindex, dir, err)
+	}
+	if !ok && !deviceExists(ifindex) {
+		// The kernel detaches a device's links when it goes.
+		return false, fmt.Errorf("ifindex %d: %w", ifindex, ErrNoDevice)
+	}
+	return ok && cur == want, nil
+}
+
+// deviceExists asks the kernel for the device's name: one ioctl, where net.InterfaceByIndex
+// would dump every device of the namespace.
+func deviceExists(ifindex int) bool {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return true // cannot tell: let the caller take it for present
+	}
+	defer unix.Close(fd)
+	ifr, err := unix.NewIfreq("")
+	if err != nil {
+		return true
+	}
+	ifr.SetUint32(uint32(ifindex))
+	return !errors.Is(unix.IoctlIfreq(fd, unix.SIOCGIFNAME, ifr), unix.ENODEV)
 }
 
 // forget drops a link: its pin, and this process's descriptor.

@@ -99,6 +99,26 @@ next:
 	return n
 }
 
+// LogTime is the time (slog's time= attribute) of the n-th log line (from 1) that contains
+// every one of subs.
+func (a *Agent) LogTime(n int, subs ...string) (time.Time, error) {
+	seen := 0
+next:
+	for _, l := range strings.Split(a.Logs(), "\n") {
+		for _, s := range subs {
+			if !strings.Contains(l, s) {
+				continue next
+			}
+		}
+		if seen++; seen < n {
+			continue
+		}
+		v, _, _ := strings.Cut(strings.TrimPrefix(l, "time="), " ")
+		return time.Parse(time.RFC3339Nano, v)
+	}
+	return time.Time{}, fmt.Errorf("no log line %d with %q", n, subs)
+}
+
 // WaitLog waits until at least n log lines contain every one of subs.
 func (a *Agent) WaitLog(ctx context.Context, n int, subs ...string) error {
 	return a.poll(ctx, fmt.Sprintf("%d log lines with %q", n, subs), func() (bool, error) {

@@ -57,6 +57,8 @@ func BPFBackend(mode string) Backend {
 			t.Helper()
 			driftBPF(t, env, mode)
 		},
+		DriftWhat: []string{datapath.DriftProgram, datapath.DriftTrie},
+		Damages:   bpfDamages(mode),
 	}
 }
 
@@ -352,7 +354,17 @@ func bpfLeft(t testing.TB, env *Env) string {
 // uplink, and 10.0.0.0/8 is deleted from the non-masquerade trie.
 func driftBPF(t testing.TB, env *Env, mode string) {
 	t.Helper()
-	err := Do(env.Node, func() error {
+	if err := detachEgress(env, mode); err != nil {
+		t.Fatalf("drift: %v", err)
+	}
+	if err := deleteTrieEntry(env, "nomasq_v4", netip.MustParsePrefix("10.0.0.0/8")); err != nil {
+		t.Fatalf("drift: %v", err)
+	}
+}
+
+// detachEgress removes the uplink's egress program: its tc filters, or its tcx links.
+func detachEgress(env *Env, mode string) error {
+	return Do(env.Node, func() error {
 		ifc, err := net.InterfaceByName(Uplink)
 		if err != nil {
 			return err
@@ -394,18 +406,145 @@ func driftBPF(t testing.TB, env *Env, mode string) {
 		}
 		return nil
 	})
+}
+
+// trieKey is a pinned LPM trie's key: prefix length, then the address in network order.
+func trieKey(p netip.Prefix) []byte {
+	key := make([]byte, 4+p.Addr().BitLen()/8)
+	binary.NativeEndian.PutUint32(key, uint32(p.Bits()))
+	copy(key[4:], p.Addr().AsSlice())
+	return key
+}
+
+// deleteTrieEntry deletes a prefix from a pinned trie.
+func deleteTrieEntry(env *Env, trie string, p netip.Prefix) error {
+	m, err := ebpf.LoadPinnedMap(filepath.Join(env.PinDir(), trie), nil)
 	if err != nil {
-		t.Fatalf("drift: %v", err)
-	}
-	m, err := ebpf.LoadPinnedMap(filepath.Join(env.PinDir(), "nomasq_v4"), nil)
-	if err != nil {
-		t.Fatalf("drift: %v", err)
+		return err
 	}
 	defer m.Close()
-	key := make([]byte, 8)
-	binary.NativeEndian.PutUint32(key, 8)
-	copy(key[4:], []byte{10, 0, 0, 0})
-	if err := m.Delete(key); err != nil {
-		t.Fatalf("drift: delete 10.0.0.0/8 from nomasq_v4: %v", err)
+	if err := m.Delete(trieKey(p)); err != nil {
+		return fmt.Errorf("delete %s from %s: %w", p, trie, err)
 	}
+	return nil
+}
+
+// pinnedID is the id of the map or link pinned at path, or 0 when nothing is.
+func pinnedID(t testing.TB, path string, isLink bool) uint32 {
+	t.Helper()
+	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
+		return 0
+	}
+	if isLink {
+		l, err := link.LoadPinnedLink(path, nil)
+		if err != nil {
+			t.Fatalf("open %s: %v", path, err)
+		}
+		defer l.Close()
+		info, err := l.Info()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return uint32(info.ID)
+	}
+	m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		t.Fatalf("open %s: %v", path, err)
+	}
+	defer m.Close()
+	info, err := m.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := info.ID()
+	return uint32(id)
+}
+
+// bpfDamages change the BPF datapath the ways its drift check must notice: a program detached,
+// a trie entry deleted, a map pin and a tcx link pin removed, an uplink's SNAT address deleted.
+// A pin must come back pinning the very object it pinned before (the maps keep their flows).
+func bpfDamages(mode string) []Damage {
+	programs := func(ctx context.Context, t testing.TB, env *Env) bool {
+		t.Helper()
+		got, _ := env.UplinkPrograms(t)
+		return slices.Equal(got, []Attached{{mode, "egress", "tc_egress"}, {mode, "ingress", "tc_ingress"}})
+	}
+	tenSlash8 := netip.MustParsePrefix("10.0.0.0/8")
+	var natID, linkID uint32 // the pinned objects before their pins were removed
+	natPin := func(env *Env) string { return filepath.Join(env.PinDir(), "nat_v4") }
+	linkPin := func(t testing.TB, env *Env) string {
+		return filepath.Join(env.PinDir(), bpfbackend.LinkDir, fmt.Sprintf("%d-ingress", env.UplinkIndex(t)))
+	}
+	ds := []Damage{
+		{Name: "program detached", What: []string{datapath.DriftProgram}, Repaired: programs,
+			Do: func(ctx context.Context, t testing.TB, env *Env) {
+				if err := detachEgress(env, mode); err != nil {
+					t.Fatalf("damage: %v", err)
+				}
+			}},
+		{Name: "trie entry deleted", What: []string{datapath.DriftTrie},
+			Do: func(ctx context.Context, t testing.TB, env *Env) {
+				if err := deleteTrieEntry(env, "nomasq_v4", tenSlash8); err != nil {
+					t.Fatalf("damage: %v", err)
+				}
+			},
+			Repaired: func(ctx context.Context, t testing.TB, env *Env) bool {
+				return slices.Contains(TriePrefixes(t, filepath.Join(env.PinDir(), "nomasq_v4")), tenSlash8)
+			}},
+		{Name: "map pin removed", What: []string{datapath.DriftPin},
+			Do: func(ctx context.Context, t testing.TB, env *Env) {
+				natID = pinnedID(t, natPin(env), false)
+				if err := os.Remove(natPin(env)); err != nil {
+					t.Fatalf("damage: %v", err)
+				}
+			},
+			Repaired: func(ctx context.Context, t testing.TB, env *Env) bool {
+				id := pinnedID(t, natPin(env), false)
+				if id != 0 && id != natID {
+					t.Fatalf("nat_v4 pinned again as map %d, was map %d: a new, empty table", id, natID)
+				}
+				return id == natID
+			}},
+		{Name: "uplink address deleted", What: []string{datapath.DriftUplinkAddr},
+			Do: func(ctx context.Context, t testing.TB, env *Env) {
+				m, err := ebpf.LoadPinnedMap(filepath.Join(env.PinDir(), "uplink_snat"), nil)
+				if err != nil {
+					t.Fatalf("damage: %v", err)
+				}
+				defer m.Close()
+				if err := m.Delete(uint32(env.UplinkIndex(t))); err != nil {
+					t.Fatalf("damage: %v", err)
+				}
+			},
+			Repaired: func(ctx context.Context, t testing.TB, env *Env) bool {
+				t.Helper()
+				r, err := bpf.OpenPinnedReadOnly(env.PinDir())
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer r.Close()
+				u, ok, err := r.Uplink(env.UplinkIndex(t))
+				if err != nil {
+					t.Fatal(err)
+				}
+				return ok && u.IPv4 == NodeAddr4
+			}},
+	}
+	if mode == tc.ModeTCX {
+		ds = append(ds, Damage{Name: "link pin removed", What: []string{datapath.DriftPin},
+			Do: func(ctx context.Context, t testing.TB, env *Env) {
+				linkID = pinnedID(t, linkPin(t, env), true)
+				if err := os.Remove(linkPin(t, env)); err != nil {
+					t.Fatalf("damage: %v", err)
+				}
+			},
+			Repaired: func(ctx context.Context, t testing.TB, env *Env) bool {
+				id := pinnedID(t, linkPin(t, env), true)
+				if id != 0 && id != linkID {
+					t.Fatalf("the ingress link pinned again as link %d, was link %d", id, linkID)
+				}
+				return id == linkID && programs(ctx, t, env)
+			}})
+	}
+	return ds
 }

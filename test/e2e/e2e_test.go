@@ -212,8 +212,8 @@ func TestBadConfigAtStartup(t *testing.T) {
 	}
 }
 
-// TestResyncHealsDrift: the datapath is damaged behind the agent's back; the periodic resync
-// re-applies the policy.
+// TestResyncHealsDrift: with the drift checks off, the datapath is damaged behind the agent's
+// back; the periodic resync re-applies the policy, and the check before it counts the heals.
 func TestResyncHealsDrift(t *testing.T) {
 	const cfg = "resyncInterval: 1s\n"
 	for _, b := range backends() {
@@ -230,6 +230,7 @@ func TestResyncHealsDrift(t *testing.T) {
 				t.Fatal(err)
 			}
 			env.SetGood(cfg, false)
+			env.AgentFlags = append(env.AgentFlags, "--drift-check-interval=0")
 			ag := env.StartAgent(ctx, t, b)
 			if err := ag.WaitReady(ctx); err != nil {
 				t.Fatal(err)
@@ -250,6 +251,16 @@ func TestResyncHealsDrift(t *testing.T) {
 			}
 			env.Check(ctx, t, join(expect(Masq, "8.8.8.8"), expect(Keep, "10.1.2.3")), nil)
 			b.Verify(ctx, t, env)
+			got := heals(ctx, t, ag)
+			for _, k := range b.DriftWhat {
+				if got[k] != 1 || ag.Count("drift healed", "trigger=resync", "what="+k+" ") != 1 {
+					t.Errorf("heal of %s: counted %v, logged %d times by the resync; want once", k, got[k],
+						ag.Count("drift healed", "trigger=resync", "what="+k+" "))
+				}
+			}
+			if n := ag.Count("trigger=drift"); n != 0 {
+				t.Errorf("%d log lines of drift checks although they are off", n)
+			}
 		})
 	}
 }

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -33,6 +34,8 @@ func IptablesBackend(mode iptables.Mode) Backend {
 				}
 			}
 		},
+		DriftWhat: []string{datapath.DriftChain, datapath.DriftJump},
+		Damages:   iptablesDamages(mode),
 		Drift: func(ctx context.Context, t testing.TB, env *Env) {
 			t.Helper()
 			chain := env.FlagValue("masq-chain", iptables.DefaultChain)
@@ -51,6 +54,35 @@ func IptablesBackend(mode iptables.Mode) Backend {
 		prepareNode(ctx, t, env, mode)
 	}
 	return b
+}
+
+// iptablesDamages change the IPv4 chain or jump, each in one iptables-restore transaction (so
+// that the agent never sees half a damage).
+func iptablesDamages(mode iptables.Mode) []Damage {
+	restore := func(ctx context.Context, t testing.TB, env *Env, payload string) {
+		t.Helper()
+		if _, err := NSExec(ctx, env.Node, "*nat\n"+payload+"COMMIT\n", "iptables-"+string(mode)+"-restore", "--noflush"); err != nil {
+			t.Fatalf("damage: %v", err)
+		}
+	}
+	chain := func(env *Env) string { return env.FlagValue("masq-chain", iptables.DefaultChain) }
+	deleteJump := func(env *Env) string { return "-D" + strings.TrimPrefix(iptables.JumpRule(chain(env)), "-A") + "\n" }
+	repaired := func(ctx context.Context, t testing.TB, env *Env) bool {
+		t.Helper()
+		return installed(ctx, t, env, mode, policy.IPv4) == env.Render(ctx, t)
+	}
+	return []Damage{
+		{Name: "jump deleted", What: []string{datapath.DriftJump}, Repaired: repaired,
+			Do: func(ctx context.Context, t testing.TB, env *Env) { restore(ctx, t, env, deleteJump(env)) }},
+		{Name: "chain flushed", What: []string{datapath.DriftChain}, Repaired: repaired,
+			Do: func(ctx context.Context, t testing.TB, env *Env) {
+				restore(ctx, t, env, fmt.Sprintf(":%s - [0:0]\n", chain(env)))
+			}},
+		{Name: "chain and jump deleted", What: []string{datapath.DriftChain, datapath.DriftJump}, Repaired: repaired,
+			Do: func(ctx context.Context, t testing.TB, env *Env) {
+				restore(ctx, t, env, deleteJump(env)+fmt.Sprintf(":%s - [0:0]\n-X %s\n", chain(env), chain(env)))
+			}},
+	}
 }
 
 // prepareNode adds, in mode and for both families, the conntrack rule every kube-proxy node has

@@ -38,13 +38,29 @@ type Backend struct {
 	// Gone checks that nothing of the backend is left in the node.
 	Gone func(ctx context.Context, t testing.TB, env *Env)
 	// Drift damages the installed datapath behind the agent's back, as an admin or another
-	// agent might; the periodic resync must repair it.
-	Drift func(ctx context.Context, t testing.TB, env *Env)
+	// agent might; the periodic resync must repair it. DriftWhat are the kinds of drift (the
+	// heals metric's what) it causes.
+	Drift     func(ctx context.Context, t testing.TB, env *Env)
+	DriftWhat []string
+	// Damages are the ways, one at a time, of changing what the backend installed that its drift
+	// check must find and the agent repair.
+	Damages []Damage
 	// Info is what the backend's ip_masq_agent_datapath_info says (its backend and attach_mode
 	// labels).
 	Info datapath.Info
 	// NAT says whether the backend has a NAT table of its own and exports its metrics.
 	NAT bool
+}
+
+// Damage is one change to the installed datapath behind the agent's back.
+type Damage struct {
+	Name string
+	// What are the kinds of drift (the heals metric's what) the damage is, in DriftKinds order.
+	What []string
+	// Do damages the datapath; Repaired reports whether what Do damaged is back as the agent
+	// installed it (it may fail the test on errors, not on a damage still in place).
+	Do       func(ctx context.Context, t testing.TB, env *Env)
+	Repaired func(ctx context.Context, t testing.TB, env *Env) bool
 }
 
 // Env is one scenario's world.

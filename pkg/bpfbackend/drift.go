@@ -1,0 +1,68 @@
+package bpfbackend
+
+import (
+	"context"
+	"errors"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
+)
+
+// DriftKinds implements datapath.DriftChecker.
+func (b *Backend) DriftKinds() []string {
+	return []string{datapath.DriftProgram, datapath.DriftPin, datapath.DriftTrie, datapath.DriftNATConfig,
+		datapath.DriftUplinkAddr}
+}
+
+// CheckDrift implements datapath.DriftChecker, against what the last successful Apply
+// installed: the map pins (a stat each), both programs on every uplink (a query per hook) and
+// their tcx link pins, each uplink's uplink_snat entry (a lookup), and the tries and nat_config
+// (bpf.Datapath.CheckPolicy: entry counts and a bounded number of lookups). An uplink that is
+// gone is skipped: the uplink watcher reports it, and the next Apply forgets it.
+func (b *Backend) CheckDrift(ctx context.Context) ([]string, error) {
+	dp := b.dp.Load()
+	if dp == nil || b.installed == nil {
+		return nil, nil
+	}
+	found := map[string]bool{}
+	missing, err := dp.MissingPins()
+	if err != nil {
+		return nil, err
+	}
+	found[datapath.DriftPin] = len(missing) > 0
+	progs := tc.Programs{Egress: dp.Egress(), Ingress: dp.Ingress()}
+	for idx, want := range b.installed {
+		st, err := b.attach.Check(ctx, idx, progs)
+		if errors.Is(err, tc.ErrNoDevice) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		found[datapath.DriftProgram] = found[datapath.DriftProgram] || !st.Runs
+		found[datapath.DriftPin] = found[datapath.DriftPin] || !st.Pinned
+		got, ok, err := dp.Uplink(idx)
+		if err != nil {
+			return nil, err
+		}
+		found[datapath.DriftUplinkAddr] = found[datapath.DriftUplinkAddr] || !ok || got != want
+	}
+	maps, err := dp.CheckPolicy()
+	if err != nil {
+		return nil, err
+	}
+	for _, m := range maps {
+		if m == "nat_config" {
+			found[datapath.DriftNATConfig] = true
+		} else {
+			found[datapath.DriftTrie] = true
+		}
+	}
+	var out []string
+	for _, k := range b.DriftKinds() {
+		if found[k] {
+			out = append(out, k)
+		}
+	}
+	return out, nil
+}
