@@ -58,7 +58,23 @@ func BPFBackend(mode string) Backend {
 			driftBPF(t, env, mode)
 		},
 		DriftWhat: []string{datapath.DriftProgram, datapath.DriftTrie},
-		Damages:   bpfDamages(mode),
+		Refusals: func(ctx context.Context, t testing.TB, env *Env) float64 {
+			t.Helper()
+			m, err := env.Agent.Scrape(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			drops, _ := m.Value("ip_masq_agent_drops_total", Labels{"reason": datapath.DropNoPort})
+			failures, _ := m.Value("ip_masq_agent_nat_port_allocation_failures_total", Labels{})
+			if drops != failures {
+				t.Errorf("no_port drops %v and port allocation failures %v differ", drops, failures)
+			}
+			return drops
+		},
+		FastExpiry: func(ctx context.Context, t testing.TB, env *Env) {
+			env.AgentFlags = append(env.AgentFlags, "--nat-sweep-interval=200ms", "--nat-timeouts=tcp-closing=1s")
+		},
+		Damages: bpfDamages(mode),
 	}
 }
 

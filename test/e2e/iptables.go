@@ -3,6 +3,8 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"os"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -35,7 +37,21 @@ func IptablesBackend(mode iptables.Mode) Backend {
 			}
 		},
 		DriftWhat: []string{datapath.DriftChain, datapath.DriftJump},
-		Damages:   iptablesDamages(mode),
+		Refusals: func(ctx context.Context, t testing.TB, env *Env) float64 {
+			t.Helper()
+			// A SYN that finds no free port clashes when its conntrack entry is confirmed: counted
+			// under insert_failed (and drop), then dropped.
+			return float64(ConntrackStats(t, env.Node)["insert_failed"])
+		},
+		FastExpiry: func(ctx context.Context, t testing.TB, env *Env) {
+			t.Helper()
+			for _, state := range []string{"fin_wait", "close_wait", "last_ack", "time_wait", "close"} {
+				if err := WriteSysctl(env.Node, "net.netfilter.nf_conntrack_tcp_timeout_"+state, "1"); err != nil {
+					t.Fatal(err)
+				}
+			}
+		},
+		Damages: iptablesDamages(mode),
 		Drift: func(ctx context.Context, t testing.TB, env *Env) {
 			t.Helper()
 			chain := env.FlagValue("masq-chain", iptables.DefaultChain)
@@ -83,6 +99,34 @@ func iptablesDamages(mode iptables.Mode) []Damage {
 				restore(ctx, t, env, deleteJump(env)+fmt.Sprintf(":%s - [0:0]\n-X %s\n", chain(env), chain(env)))
 			}},
 	}
+}
+
+// ConntrackStats sums, over the CPUs, the conntrack statistics of namespace ns
+// (/proc/net/stat/nf_conntrack: insert_failed, drop, ...).
+func ConntrackStats(t testing.TB, ns string) map[string]uint64 {
+	t.Helper()
+	var data []byte
+	if err := Do(ns, func() error {
+		var err error
+		// thread-self: /proc/self/net would be the namespace of the process' first thread.
+		data, err = os.ReadFile("/proc/thread-self/net/stat/nf_conntrack")
+		return err
+	}); err != nil {
+		t.Fatalf("conntrack statistics of %s: %v", ns, err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(data)), "\n")
+	names := strings.Fields(lines[0])
+	out := map[string]uint64{}
+	for _, l := range lines[1:] {
+		for i, v := range strings.Fields(l) {
+			n, err := strconv.ParseUint(v, 16, 64)
+			if err != nil || i >= len(names) {
+				t.Fatalf("conntrack statistics line %q", l)
+			}
+			out[names[i]] += n
+		}
+	}
+	return out
 }
 
 // prepareNode adds, in mode and for both families, the conntrack rule every kube-proxy node has

@@ -45,6 +45,13 @@ type Backend struct {
 	// Damages are the ways, one at a time, of changing what the backend installed that its drift
 	// check must find and the agent repair.
 	Damages []Damage
+	// Refusals reads how many new flows the node refused for want of a source port so far (the
+	// agent's no_port drops on BPF; conntrack's failed insertions on iptables, where NAT is
+	// conntrack's).
+	Refusals func(ctx context.Context, t testing.TB, env *Env) float64
+	// FastExpiry makes closed flows give their ports back within about a second (the BPF
+	// sweep's flags; conntrack's timeouts in the node).
+	FastExpiry func(ctx context.Context, t testing.TB, env *Env)
 	// Info is what the backend's ip_masq_agent_datapath_info says (its backend and attach_mode
 	// labels).
 	Info datapath.Info
