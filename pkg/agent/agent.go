@@ -35,7 +35,7 @@ import (
 const (
 	// DefaultDebounce lets a burst of directory events (a ConfigMap swap is several) settle into
 	// one reload, while keeping a change well under a second from file to datapath.
-	DefaultDebounce = 50 * time.Millisecond
+	DefaultDebounce = 20 * time.Millisecond
 	// DefaultQuiet is how long a file must be unmodified before it is read as whole: a writer
 	// that writes in several chunks pauses between them (see Options.Quiet).
 	DefaultQuiet = 100 * time.Millisecond
@@ -506,6 +506,9 @@ func (a *Agent) unsettled(f config.File, writing bool, lastWrite, now time.Time)
 	}
 	if f.Torn {
 		return a.opts.Quiet, "it changed while it was read"
+	}
+	if f.Published {
+		return 0, "" // a ConfigMap's files are complete before they appear
 	}
 	// An mtime in the future (a clock step, a copied timestamp) says nothing about writers.
 	if age := now.Sub(f.ModTime); age >= 0 && age < a.opts.Quiet {

@@ -282,6 +282,9 @@ func TestUnsettled(t *testing.T) {
 		{"open writer", old, true, now.Add(-200 * time.Millisecond), 800 * time.Millisecond},
 		{"stalled writer", old, true, now.Add(-2 * time.Second), 0},
 		{"stalled writer, just modified", config.File{ModTime: now.Add(-10 * time.Millisecond)}, true, now.Add(-2 * time.Second), 90 * time.Millisecond},
+		// A ConfigMap's file was written whole before the "..data" swap made it visible.
+		{"published just now", config.File{ModTime: now.Add(-time.Millisecond), Published: true}, false, time.Time{}, 0},
+		{"published but torn", config.File{ModTime: now.Add(-time.Millisecond), Published: true, Torn: true}, false, time.Time{}, 100 * time.Millisecond},
 	} {
 		got, why := a.unsettled(c.f, c.writing, c.lastWrite, now)
 		if got != c.want || (got > 0) != (why != "") {

@@ -12,6 +12,8 @@ import (
 	"io"
 	"net/netip"
 	"os"
+	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"time"
@@ -124,7 +126,15 @@ type File struct {
 	// Torn is true when the file changed while it was read (its size or modification time
 	// differ before and after), so Data may mix two versions.
 	Torn bool
+	// Published is true when the path leads, through symlinks, into a directory the way the
+	// kubelet publishes a ConfigMap: its files are written whole into a new "..<timestamp>"
+	// directory before the "..data" link is swapped to it, and never modified there, so the
+	// file cannot be half-written.
+	Published bool
 }
+
+// publishedDir matches the kubelet's ConfigMap payload directories ("..2026_01_01_00_00_00.123").
+var publishedDir = regexp.MustCompile(`^\.\.\d{4}_\d{2}_\d{2}_\d{2}_\d{2}_\d{2}\.\d+$`)
 
 // ReadFile reads the file at path, following symlinks (a ConfigMap mount is symlinks through
 // "..data"). Only a regular file of at most MaxFileSize bytes is read: a FIFO would block the
@@ -164,6 +174,9 @@ func ReadFile(path string) (File, error) {
 		return out, fmt.Errorf("stat config %s: %w", path, err)
 	}
 	out.Data, out.ModTime = data, after.ModTime()
+	if real, err := filepath.EvalSymlinks(path); err == nil && real != filepath.Clean(path) {
+		out.Published = publishedDir.MatchString(filepath.Base(filepath.Dir(real)))
+	}
 	out.Torn = before.Size() != after.Size() || !before.ModTime().Equal(after.ModTime()) ||
 		int64(len(data)) != after.Size()
 	return out, nil

@@ -297,6 +297,29 @@ func TestReadFile(t *testing.T) {
 	if err != nil || f.Missing || f.Torn || string(f.Data) != "masqOutBound: false\n" || f.ModTime.IsZero() {
 		t.Fatalf("ReadFile through symlinks = %+v, %v", f, err)
 	}
+	if f.Published {
+		t.Error("a file under ..2026_01_01 (not the kubelet's payload directory name) is reported published")
+	}
+	// The kubelet's layout: the payload directory is "..<timestamp>.<random digits>".
+	kubelet := filepath.Join(dir, "..2026_01_01_12_30_45.123456789")
+	if err := os.Mkdir(kubelet, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(kubelet, "ip-masq-agent"), []byte("masqOutBound: true\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(dir, "..data")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(filepath.Base(kubelet), filepath.Join(dir, "..data")); err != nil {
+		t.Fatal(err)
+	}
+	if f, err := ReadFile(path); err != nil || !f.Published || string(f.Data) != "masqOutBound: true\n" {
+		t.Errorf("ReadFile of a ConfigMap payload = %+v, %v; want it published", f, err)
+	}
+	if f, err := ReadFile(filepath.Join(kubelet, "ip-masq-agent")); err != nil || f.Published {
+		t.Errorf("ReadFile of the payload file itself (no symlink) = %+v, %v; want it not published", f, err)
+	}
 
 	dangling := filepath.Join(dir, "dangling")
 	if err := os.Symlink(filepath.Join(dir, "nothing"), dangling); err != nil {
