@@ -21,12 +21,12 @@ func (d *Datapath) RuleCapacity() int { return int(d.opts.MaxRules) }
 // SlotsNeeded returns how many counter slots a SyncPolicy of p holds at its peak: the rules that
 // stay and the rules it adds, while the rules it removes still hold theirs.
 func (d *Datapath) SlotsNeeded(p *policy.Policy) (int, error) {
-	pl, err := makePlan(p)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	pl, err := d.planFor(p)
 	if err != nil {
 		return 0, err
 	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
 	n := len(d.slots.byKey)
 	for _, k := range pl.keys {
 		if _, ok := d.slots.byKey[k]; !ok {

@@ -159,6 +159,10 @@ type Datapath struct {
 	// synced is the last policy written, with each rule's slot.
 	synced     *policy.Policy
 	syncedSlot map[*policy.Rule]uint32
+	// planned is the policy plan was made for (see planFor); policies are not modified after
+	// they are compiled, so the pointer identifies the plan.
+	planned *policy.Policy
+	plan    *plan
 	// check is what CheckPolicy compares the maps with.
 	check checkState
 }
