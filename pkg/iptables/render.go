@@ -133,16 +133,18 @@ func RenderKeepingCounters(p *policy.Policy, fam policy.Family, chain string, wi
 // pairLines pairs each rendered line with the first unused live line of the same text: match[i]
 // is the index into live of line i's partner, or -1.
 func pairLines(lines []Line, live []SavedRule) []int {
-	used := make([]bool, len(live))
+	// The live lines of each text, in chain order: pairing takes them from the front. A map
+	// keeps this linear; a chain of 100k rules replaced by 100k others would otherwise compare
+	// every line with every other.
+	byText := make(map[string][]int, len(live))
+	for j, r := range live {
+		byText[r.Text] = append(byText[r.Text], j)
+	}
 	match := make([]int, len(lines))
 	for i, l := range lines {
 		match[i] = -1
-		for j, r := range live {
-			if !used[j] && r.Text == l.Text {
-				used[j] = true
-				match[i] = j
-				break
-			}
+		if js := byText[l.Text]; len(js) > 0 {
+			match[i], byText[l.Text] = js[0], js[1:]
 		}
 	}
 	return match
