@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -80,6 +81,47 @@ func StartAgent(ctx context.Context, t testing.TB, ns, bin string, args ...strin
 
 // Pid is the agent's process id (ip netns exec execs the agent in place).
 func (a *Agent) Pid() int { return a.cmd.Process.Pid }
+
+// RSS is the agent's resident memory (VmRSS), in bytes.
+func (a *Agent) RSS() (int64, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", a.Pid()))
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			if err != nil {
+				return 0, fmt.Errorf("VmRSS %q: %w", v, err)
+			}
+			return kb * 1024, nil
+		}
+	}
+	return 0, errors.New("no VmRSS in /proc/PID/status")
+}
+
+// CPUTime is the CPU time (user and system) the agent used so far.
+func (a *Agent) CPUTime() (time.Duration, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", a.Pid()))
+	if err != nil {
+		return 0, err
+	}
+	// The fields after the command name, which is in parentheses and may hold spaces.
+	_, rest, ok := strings.Cut(string(data), ") ")
+	f := strings.Fields(rest)
+	if !ok || len(f) < 13 {
+		return 0, fmt.Errorf("/proc/%d/stat: %q", a.Pid(), data)
+	}
+	var ticks int64
+	for _, v := range f[11:13] { // utime, stime
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("/proc/%d/stat: %w", a.Pid(), err)
+		}
+		ticks += n
+	}
+	return time.Duration(ticks) * time.Second / 100, nil // USER_HZ is 100 on Linux
+}
 
 // Logs returns what the agent wrote so far.
 func (a *Agent) Logs() string { return a.logs.String() }

@@ -260,3 +260,41 @@ func BigDatagram(ctx context.Context, ns string, dst netip.Addr, size int) (neti
 	}
 	return src, nil
 }
+
+// UDPFlows opens flows masqueraded UDP flows from ns toward dst, one datagram each, as fast as
+// the veths take them: from sockets pod sockets (ports 5000 and up) to consecutive ports of dst
+// from 10000 (flows/sockets ports each, at most 55000). Nobody listens at dst on those ports;
+// dst's ICMP errors (rate-limited by its kernel) are the only answer. Sending again refreshes
+// the same flows.
+func UDPFlows(ctx context.Context, ns string, dst netip.Addr, sockets, flows int) error {
+	perSocket := (flows + sockets - 1) / sockets
+	if perSocket > 55000 {
+		return fmt.Errorf("%d flows from %d sockets: at most 55000 ports each", flows, sockets)
+	}
+	return Do(ns, func() error {
+		payload := []byte("x")
+		sent := 0
+		for i := range sockets {
+			conn, err := net.ListenUDP("udp", &net.UDPAddr{Port: 5000 + i})
+			if err != nil {
+				return err
+			}
+			for p := 0; p < perSocket && sent < flows; p++ {
+				if err := ctx.Err(); err != nil {
+					conn.Close()
+					return err
+				}
+				if _, err := conn.WriteToUDPAddrPort(payload, netip.AddrPortFrom(dst, uint16(10000+p))); err != nil {
+					conn.Close()
+					return err
+				}
+				sent++
+				if sent%500 == 0 {
+					time.Sleep(time.Millisecond) // let the backlog drain: the veths drop beyond it
+				}
+			}
+			conn.Close()
+		}
+		return nil
+	})
+}
