@@ -256,19 +256,27 @@ func (d *Datapath) SyncPolicy(p *policy.Policy) error {
 	// 1. Slots for every rule, zeroed when new.
 	slots := make([]uint32, len(pl.keys))
 	used := map[uint32]bool{}
+	var fresh []uint32
+	var freshKeys []slotKey
 	for i, k := range pl.keys {
 		s, ok := d.slots.byKey[k]
 		if !ok {
 			if s, err = d.slots.alloc(k); err != nil {
+				for _, f := range fresh {
+					d.slots.release(f)
+				}
 				return fmt.Errorf("sync policy: %w", err)
 			}
-			if err := d.resetSlot(s, k); err != nil {
-				d.slots.release(s)
-				return fmt.Errorf("sync policy: %w", err)
-			}
+			fresh, freshKeys = append(fresh, s), append(freshKeys, k)
 		}
 		slots[i] = s
 		used[s] = true
+	}
+	if err := d.resetSlots(fresh, freshKeys); err != nil {
+		for _, f := range fresh {
+			d.slots.release(f)
+		}
+		return fmt.Errorf("sync policy: %w", err)
 	}
 
 	// 2. New and changed trie entries.
@@ -319,13 +327,16 @@ func (d *Datapath) SyncPolicy(p *policy.Policy) error {
 	}
 
 	// 5. Slots of rules that are gone.
+	var gone []uint32
 	for s := range d.slots.bySlt {
-		if used[s] {
-			continue
+		if !used[s] {
+			gone = append(gone, s)
 		}
-		if err := d.objs.RuleSlots.Put(s, &masqRuleSlot{}); err != nil {
-			return fmt.Errorf("sync policy: free slot %d: %w", s, err)
-		}
+	}
+	if err := putArray(d.objs.RuleSlots, gone, make([]masqRuleSlot, len(gone))); err != nil {
+		return fmt.Errorf("sync policy: free slots: %w", err)
+	}
+	for _, s := range gone {
 		d.slots.release(s)
 	}
 
@@ -382,15 +393,42 @@ func (d *Datapath) writePorts(ranges policy.PortRanges) error {
 	return nil
 }
 
-// resetSlot zeroes a slot's counters on every CPU and records which rule owns it.
-func (d *Datapath) resetSlot(s uint32, k slotKey) error {
-	zero := make([]masqRuleStats, ebpf.MustPossibleCPU())
-	if err := d.objs.RuleStats.Put(s, zero); err != nil {
-		return fmt.Errorf("zero rule_stats[%d]: %w", s, err)
+// resetSlots zeroes the slots' counters on every CPU and records which rule owns each.
+func (d *Datapath) resetSlots(slots []uint32, keys []slotKey) error {
+	zero := make([]masqRuleStats, len(slots)*ebpf.MustPossibleCPU())
+	if err := putArray(d.objs.RuleStats, slots, zero); err != nil {
+		return fmt.Errorf("zero rule_stats: %w", err)
 	}
-	v := k.value()
-	if err := d.objs.RuleSlots.Put(s, &v); err != nil {
-		return fmt.Errorf("write rule_slots[%d]: %w", s, err)
+	values := make([]masqRuleSlot, len(keys))
+	for i, k := range keys {
+		values[i] = k.value()
+	}
+	if err := putArray(d.objs.RuleSlots, slots, values); err != nil {
+		return fmt.Errorf("write rule_slots: %w", err)
+	}
+	return nil
+}
+
+// putArray writes values (for a per-CPU map: one per CPU for each key, key after key) at keys of
+// an array map in one batch, a syscall for thousands of slots, or key by key on a kernel without
+// batch operations (before 5.6).
+func putArray[V any](m *ebpf.Map, keys []uint32, values []V) error {
+	if len(keys) == 0 {
+		return nil
+	}
+	_, err := m.BatchUpdate(keys, values, nil)
+	if !errors.Is(err, ebpf.ErrNotSupported) {
+		return err
+	}
+	per := len(values) / len(keys)
+	for i, k := range keys {
+		var v any = &values[i]
+		if per > 1 {
+			v = values[i*per : (i+1)*per]
+		}
+		if err := m.Put(k, v); err != nil {
+			return err
+		}
 	}
 	return nil
 }
