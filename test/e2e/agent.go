@@ -24,31 +24,29 @@ import (
 // namespace's own loopback.
 const MetricsAddress = "127.0.0.1:9808"
 
-// Agent is the agent binary running inside the node namespace.
-type Agent struct {
-	ns   string
+// Process is a command running inside a network namespace (ip netns exec), its output
+// collected. It is killed with its process group when the test ends, and by the kernel if the
+// test binary dies first.
+type Process struct {
 	cmd  *exec.Cmd
 	logs *logBuffer
 	done chan struct{}
 	err  error // exit status, valid once done is closed
 }
 
-// StartAgent runs bin inside ns with args (plus --metrics-address and debug logging). The
-// process is killed with its process group when the test ends, and by the kernel if the test
-// binary dies first.
-func StartAgent(ctx context.Context, t testing.TB, ns, bin string, args ...string) *Agent {
+// StartProcess runs name with args inside ns; what names it in the test's log.
+func StartProcess(ctx context.Context, t testing.TB, what, ns, name string, args ...string) *Process {
 	t.Helper()
-	a := &Agent{ns: ns, logs: &logBuffer{}, done: make(chan struct{})}
-	argv := append([]string{"netns", "exec", ns, bin, "--metrics-address=" + MetricsAddress, "--v=4"}, args...)
+	p := &Process{logs: &logBuffer{}, done: make(chan struct{})}
 	// The process outlives this call; it is bound to the test through the cleanup below, so it
 	// gets a context of its own rather than one that a caller might cancel early.
-	cmd := exec.CommandContext(context.WithoutCancel(ctx), "ip", argv...)
-	cmd.Stdout, cmd.Stderr = a.logs, a.logs
+	cmd := exec.CommandContext(context.WithoutCancel(ctx), "ip", append([]string{"netns", "exec", ns, name}, args...)...)
+	cmd.Stdout, cmd.Stderr = p.logs, p.logs
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	cmd.WaitDelay = 2 * time.Second
 	// The kernel sends Pdeathsig when the forking *thread* exits, and Go ends threads whose
 	// goroutine exits while locked (as Do's do). So fork from a thread of our own, locked until
-	// the agent is gone.
+	// the process is gone.
 	started := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread()
@@ -58,29 +56,80 @@ func StartAgent(ctx context.Context, t testing.TB, ns, bin string, args ...strin
 			return
 		}
 		started <- nil
-		a.err = cmd.Wait()
-		close(a.done)
+		p.err = cmd.Wait()
+		close(p.done)
 	}()
 	if err := <-started; err != nil {
-		t.Fatalf("start agent: %v", err)
+		t.Fatalf("start %s: %v", what, err)
 	}
-	a.cmd = cmd
+	p.cmd = cmd
 	t.Cleanup(func() {
 		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 		select {
-		case <-a.done:
+		case <-p.done:
 		case <-time.After(10 * time.Second):
-			t.Errorf("agent pid %d did not die", cmd.Process.Pid)
+			t.Errorf("%s (pid %d) did not die", what, cmd.Process.Pid)
 		}
 		if t.Failed() {
-			t.Logf("agent log (%s):\n%s", strings.Join(args, " "), a.Logs())
+			t.Logf("%s log (%s):\n%s", what, strings.Join(args, " "), p.Logs())
 		}
 	})
-	return a
+	return p
 }
 
-// Pid is the agent's process id (ip netns exec execs the agent in place).
-func (a *Agent) Pid() int { return a.cmd.Process.Pid }
+// Wait waits for the process to exit and returns its exit status.
+func (p *Process) Wait(ctx context.Context) error {
+	select {
+	case <-p.done:
+		return p.err
+	case <-ctx.Done():
+		return fmt.Errorf("waiting for pid %d: %w", p.cmd.Process.Pid, ctx.Err())
+	}
+}
+
+// Pid is the process id (ip netns exec execs the command in place).
+func (p *Process) Pid() int { return p.cmd.Process.Pid }
+
+// Logs returns what the process wrote so far, standard output and error together.
+func (p *Process) Logs() string { return p.logs.String() }
+
+// Stop sends SIGTERM and waits for the exit; the error is the exit status.
+func (p *Process) Stop(ctx context.Context) error {
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		return fmt.Errorf("signal pid %d: %w", p.Pid(), err)
+	}
+	select {
+	case <-p.done:
+		return p.err
+	case <-ctx.Done():
+		return fmt.Errorf("pid %d did not exit after SIGTERM: %w", p.Pid(), ctx.Err())
+	}
+}
+
+// Kill sends SIGKILL and waits for the exit.
+func (p *Process) Kill(ctx context.Context) error {
+	if err := p.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		return fmt.Errorf("kill pid %d: %w", p.Pid(), err)
+	}
+	if err := p.Wait(ctx); ctx.Err() != nil {
+		return err
+	}
+	return nil
+}
+
+// Agent is the agent binary running inside the node namespace.
+type Agent struct {
+	*Process
+	ns string
+}
+
+// StartAgent runs bin inside ns with args (plus --metrics-address and debug logging), as a
+// Process.
+func StartAgent(ctx context.Context, t testing.TB, ns, bin string, args ...string) *Agent {
+	t.Helper()
+	argv := append([]string{"--metrics-address=" + MetricsAddress, "--v=4"}, args...)
+	return &Agent{Process: StartProcess(ctx, t, "agent", ns, bin, argv...), ns: ns}
+}
 
 // RSS is the agent's resident memory (VmRSS), in bytes.
 func (a *Agent) RSS() (int64, error) {
@@ -122,9 +171,6 @@ func (a *Agent) CPUTime() (time.Duration, error) {
 	}
 	return time.Duration(ticks) * time.Second / 100, nil // USER_HZ is 100 on Linux
 }
-
-// Logs returns what the agent wrote so far.
-func (a *Agent) Logs() string { return a.logs.String() }
 
 // Count is how many log lines contain every one of subs.
 func (a *Agent) Count(subs ...string) int {
@@ -175,19 +221,6 @@ func (a *Agent) Exited() (bool, error) {
 		return true, a.err
 	default:
 		return false, nil
-	}
-}
-
-// Stop sends SIGTERM and waits for the exit; the error is the exit status.
-func (a *Agent) Stop(ctx context.Context) error {
-	if err := a.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		return fmt.Errorf("signal agent: %w", err)
-	}
-	select {
-	case <-a.done:
-		return a.err
-	case <-ctx.Done():
-		return fmt.Errorf("agent did not exit after SIGTERM: %w", ctx.Err())
 	}
 }
 

@@ -19,8 +19,9 @@ import (
 )
 
 // agentBin is the agent binary under test, built once by TestMain (or given as
-// $IP_MASQ_AGENT_BIN); empty when the privileged tests cannot run.
-var agentBin string
+// $IP_MASQ_AGENT_BIN); empty when the privileged tests cannot run. connrateBin is the
+// short-connection load tool of test/bench/connrate, built alongside.
+var agentBin, connrateBin string
 
 func TestMain(m *testing.M) {
 	os.Exit(runMain(m))
@@ -31,6 +32,27 @@ func runMain(m *testing.M) int {
 	// Build only where the privileged tests will run; elsewhere they skip (or fail in CI) on
 	// their own, without a binary.
 	if os.Geteuid() == 0 && (!testing.Short() || testutil.InCI()) {
+		dir, err := os.MkdirTemp("", "ip-masq-agent-e2e-")
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "e2e:", err)
+			return 1
+		}
+		defer os.RemoveAll(dir)
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+		defer cancel()
+		build := func(out, pkg string) bool {
+			cmd := exec.CommandContext(ctx, "go", "build", "-o", out, pkg)
+			cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+			if b, err := cmd.CombinedOutput(); err != nil {
+				fmt.Fprintf(os.Stderr, "e2e: build %s: %v\n%s", pkg, err, b)
+				return false
+			}
+			return true
+		}
+		connrateBin = filepath.Join(dir, "connrate")
+		if !build(connrateBin, "github.com/ip-masq-agent/ip-masq-agent/test/bench/connrate") {
+			return 1
+		}
 		if bin := os.Getenv("IP_MASQ_AGENT_BIN"); bin != "" {
 			// go test runs in the package directory, so a relative path would be misread.
 			if !filepath.IsAbs(bin) {
@@ -43,19 +65,8 @@ func runMain(m *testing.M) int {
 			}
 			agentBin = bin
 		} else {
-			dir, err := os.MkdirTemp("", "ip-masq-agent-e2e-")
-			if err != nil {
-				fmt.Fprintln(os.Stderr, "e2e:", err)
-				return 1
-			}
-			defer os.RemoveAll(dir)
 			agentBin = filepath.Join(dir, "ip-masq-agent")
-			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-			defer cancel()
-			build := exec.CommandContext(ctx, "go", "build", "-o", agentBin, "github.com/ip-masq-agent/ip-masq-agent/cmd/ip-masq-agent")
-			build.Env = append(os.Environ(), "CGO_ENABLED=0")
-			if out, err := build.CombinedOutput(); err != nil {
-				fmt.Fprintf(os.Stderr, "e2e: build the agent: %v\n%s", err, out)
+			if !build(agentBin, "github.com/ip-masq-agent/ip-masq-agent/cmd/ip-masq-agent") {
 				return 1
 			}
 		}
