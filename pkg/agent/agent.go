@@ -472,7 +472,11 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, w *di
 		a.mu.Unlock()
 		return 0
 	}
-	if st.desired != nil && !reflect.DeepEqual(p, st.desired) {
+	if st.desired != nil && reflect.DeepEqual(p, st.desired) {
+		// The same policy: hand the backend the object it already knows, so that it can tell a
+		// re-apply (which also repairs drift) from a new policy without comparing them again.
+		p = st.desired
+	} else if st.desired != nil {
 		log.Info("config changed", "path", a.opts.ConfigPath)
 	}
 	st.desired, st.desiredHash = p, hash

@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -97,6 +98,8 @@ type Backend struct {
 
 	// missing are the --interfaces devices the last Apply did not find (only Apply uses it).
 	missing []string
+	// lastApplied is the policy of the last successful Apply (only the agent's loop uses it).
+	lastApplied *policy.Policy
 	// installed is, by ifindex, the SNAT addresses the last successful Apply wrote for each
 	// uplink it attached to: what CheckDrift compares with (only the agent's loop uses it).
 	installed map[int]bpf.Uplink
@@ -268,8 +271,14 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	} else if len(repinned) > 0 {
 		b.log.Warn("map pins were missing; pinned again", "maps", repinned)
 	}
-	if err := dp.Refresh(); err != nil {
-		return fmt.Errorf("read the maps: %w", err)
+	// Re-applying the policy in force (a resync, a retry, a drift repair) first re-reads the
+	// tries, so that entries changed behind the agent's back are written again. A new policy
+	// (a config change) skips the re-read, which costs a syscall per entry: drift in between is
+	// the drift check's to find, and its repair re-applies this policy.
+	if p == b.lastApplied || (b.lastApplied != nil && reflect.DeepEqual(p, b.lastApplied)) {
+		if err := dp.Refresh(); err != nil {
+			return fmt.Errorf("read the maps: %w", err)
+		}
 	}
 	if err := dp.SyncPolicy(p); err != nil {
 		return err
@@ -324,7 +333,7 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	if err := b.dropStale(ctx, dp, keep); err != nil {
 		return err
 	}
-	b.installed = installed
+	b.installed, b.lastApplied = installed, p
 	b.mu.Lock()
 	b.uplinks = set.Uplinks
 	b.mu.Unlock()
