@@ -101,8 +101,10 @@ type LoadResult struct {
 
 // ApplyResult is the time from writing a config to the datapath holding it.
 type ApplyResult struct {
-	Mode    string  `json:"mode"`
-	CIDRs   int     `json:"cidrs"`
+	Mode  string `json:"mode"`
+	CIDRs int    `json:"cidrs"`
+	// Kind is "first" (from the defaults to n CIDRs) or "replace" (n CIDRs by n others).
+	Kind    string  `json:"kind"`
 	Seconds float64 `json:"seconds"`
 }
 
@@ -131,7 +133,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 			}
 			for _, n := range []int{10000, 100000} {
 				b.Run(fmt.Sprintf("apply/%s/cidrs=%d", m.Name, n), func(b *testing.B) {
-					res.Apply = append(res.Apply, measureApply(b, bins, m, n))
+					res.Apply = append(res.Apply, measureApply(b, bins, m, n)...)
 				})
 			}
 			b.Run("memory/"+m.Name, func(b *testing.B) {
@@ -202,13 +204,16 @@ func utsString(b []int8) string {
 
 // cidrConfig is a config with n non-masquerade /24s in 11.0.0.0/8 and beyond: none contains
 // the target, so each new flow is masqueraded after every one of them was considered.
-func cidrConfig(n int) string {
+func cidrConfig(n int) string { return cidrConfigFrom(n, 0) }
+
+// cidrConfigFrom is cidrConfig with the /24s numbered from first on.
+func cidrConfigFrom(n, first int) string {
 	if n == 0 {
 		return ""
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "cidrLimit: %d\nnonMasqueradeCIDRs:\n", n)
-	for i := range n {
+	for i := first; i < first+n; i++ {
 		// 11.0.0.0/24 onwards, skipping nothing the topology uses (10/8 holds the node's uplink).
 		fmt.Fprintf(&b, "  - %d.%d.%d.0/24\n", 11+i/65536, (i/256)%256, i%256)
 	}
@@ -373,25 +378,35 @@ func bulk(ctx context.Context, b *testing.B, e *e2e.Env) float64 {
 
 // measureApply starts the agent with the defaults, writes a config with n CIDRs and times how
 // long until the agent reports the datapath holds it (it logs after the backend's Apply
-// returned). The time includes the agent's debounce of directory events.
-func measureApply(b *testing.B, bins binaries, m Mode, n int) ApplyResult {
+// returned); then it replaces them with n other CIDRs and times that too. The first includes
+// whatever the backend does once for a larger policy (the BPF backend grows its rule maps); the
+// second is a change of that size on a datapath sized for it. Both include the agent's debounce
+// of directory events.
+func measureApply(b *testing.B, bins binaries, m Mode, n int) []ApplyResult {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	e := newEnv(ctx, b, bins, 0)
 	startMode(ctx, b, e, m, map[string]bool{})
-	want := []string{"policy applied", fmt.Sprintf("ipv4Rules=%d ", n+2)}
-	before := e.Agent.Count(want...)
-	start := time.Now()
-	if err := e.Config.Write(cidrConfig(n)); err != nil {
-		b.Fatal(err)
+	var out []ApplyResult
+	for _, step := range []struct {
+		kind  string
+		first int
+	}{{"first", 0}, {"replace", n}} {
+		want := []string{"policy applied", fmt.Sprintf("ipv4Rules=%d ", n+2)}
+		before := e.Agent.Count(want...)
+		start := time.Now()
+		if err := e.Config.Write(cidrConfigFrom(n, step.first)); err != nil {
+			b.Fatal(err)
+		}
+		if err := e.Agent.WaitLog(ctx, before+1, want...); err != nil {
+			b.Fatalf("apply of %d CIDRs: %v\n%s", n, err, e.Agent.Logs())
+		}
+		took := time.Since(start)
+		b.Logf("%s: %d CIDRs (%s) live after %v", m.Name, n, step.kind, took)
+		b.ReportMetric(took.Seconds()*1000, step.kind+"-ms")
+		out = append(out, ApplyResult{Mode: m.Name, CIDRs: n, Kind: step.kind, Seconds: took.Seconds()})
 	}
-	if err := e.Agent.WaitLog(ctx, before+1, want...); err != nil {
-		b.Fatalf("apply of %d CIDRs: %v\n%s", n, err, e.Agent.Logs())
-	}
-	took := time.Since(start)
-	b.Logf("%s: %d CIDRs live after %v", m.Name, n, took)
-	b.ReportMetric(took.Seconds()*1000, "ms")
-	return ApplyResult{Mode: m.Name, CIDRs: n, Seconds: took.Seconds()}
+	return out
 }
 
 // measureMemory reads the agent's resident memory idle, and with many NAT entries where the

@@ -53,6 +53,7 @@ type results struct {
 	Apply []struct {
 		Mode    string  `json:"mode"`
 		CIDRs   int     `json:"cidrs"`
+		Kind    string  `json:"kind"`
 		Seconds float64 `json:"seconds"`
 	} `json:"apply"`
 	Memory []struct {
@@ -215,10 +216,13 @@ func writeReport(w *bytes.Buffer, m micro, r *results) {
 	}
 	fmt.Fprintf(w, "\n![rate and throughput vs the limit](bench-vs-limit.png)\n\n")
 
-	fmt.Fprintf(w, "## Config apply latency\n\nFrom writing the file (a ConfigMap-style `..data` swap) to the agent reporting the datapath holds it;\nincludes the agent's 50 ms debounce of directory events.\n\n")
-	fmt.Fprintf(w, "| backend | CIDRs | seconds |\n|---|---|---|\n")
+	fmt.Fprintf(w, "## Config apply latency\n\nFrom writing the file (a ConfigMap-style `..data` swap) to the agent reporting the datapath holds it;\n")
+	fmt.Fprintf(w, "includes the agent's 20 ms debounce of directory events. *first*: from the defaults to N CIDRs, which on BPF\n")
+	fmt.Fprintf(w, "includes growing the rule maps once (new maps, the programs loaded again and swapped in place); *replace*:\n")
+	fmt.Fprintf(w, "N CIDRs replaced by N others, on a datapath already sized for them.\n\n")
+	fmt.Fprintf(w, "| backend | CIDRs | change | seconds |\n|---|---|---|---|\n")
 	for _, a := range r.Apply {
-		fmt.Fprintf(w, "| %s | %d | %.3f |\n", a.Mode, a.CIDRs, a.Seconds)
+		fmt.Fprintf(w, "| %s | %d | %s | %.3f |\n", a.Mode, a.CIDRs, a.Kind, a.Seconds)
 	}
 	fmt.Fprintf(w, "\n## Agent resident memory\n\n| backend | state | RSS MiB |\n|---|---|---|\n")
 	for _, mem := range r.Memory {
@@ -251,7 +255,7 @@ func writeReport(w *bytes.Buffer, m micro, r *results) {
 	}
 	for _, a := range r.Apply {
 		if a.Mode == "bpf" && a.CIDRs == 10000 {
-			goal("10k-CIDR config live in < 100 ms on BPF", fmt.Sprintf("%.0f ms", a.Seconds*1000), a.Seconds < 0.1)
+			goal(fmt.Sprintf("10k-CIDR config live in < 100 ms on BPF (%s)", a.Kind), fmt.Sprintf("%.0f ms", a.Seconds*1000), a.Seconds < 0.1)
 		}
 	}
 	for _, mem := range r.Memory {
