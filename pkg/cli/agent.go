@@ -41,7 +41,7 @@ func (f *agentFlags) register(fs *flag.FlagSet) {
 	f.policyFlags.register(fs)
 	fs.StringVar(&f.backend, "backend", "auto", "datapath: auto (BPF when the kernel supports it, else iptables), bpf or iptables")
 	fs.StringVar(&f.interfaces, "interfaces", "", "comma-separated uplinks to masquerade on (default: the devices of the default routes)")
-	fs.StringVar(&f.metricsAddress, "metrics-address", ":9808", "HOST:PORT serving /metrics, /healthz and /readyz; empty disables")
+	fs.StringVar(&f.metricsAddress, "metrics-address", ":9743", "HOST:PORT serving /metrics, /healthz and /readyz; empty disables")
 	fs.StringVar(&f.bpffs, "bpffs", "/sys/fs/bpf", "BPF filesystem where maps and links are pinned")
 	fs.StringVar(&f.attachMode, "attach-mode", "auto", "how the BPF backend attaches its programs: auto (tcx where the kernel has it, else tc), tcx, or tc (clsact and cls_bpf)")
 	fs.DurationVar(&f.driftInterval, "drift-check-interval", agent.DefaultDriftInterval, "how often to check that the installed datapath is intact and repair it when not; 0 leaves the repair to the resync")
