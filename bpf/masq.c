@@ -194,6 +194,16 @@ static __always_inline int ingress_new(struct __sk_buff *skb, const struct pkt *
 	if (skb->pkt_type != PACKET_HOST)
 		return TC_ACT_OK; /* multicast, broadcast, or another host's: opens no flow */
 
+	/* Only a remote whose traffic the policy masquerades needs its replies protected: replies to
+	 * any other remote leave untouched anyway. Recording every flow toward pods would fill the
+	 * LRU table with traffic that needs no NAT (pod to pod, replies of RETURN flows), evict
+	 * real mappings, and take RETURN flows off the per-packet rule counters. */
+	{
+		__u32 slot;
+
+		if (classify(v6, p->saddr, family_cfg(cfg, v6), &slot) != ACTION_MASQUERADE)
+			return TC_ACT_OK;
+	}
 	addr_copy(v6, e.addr, p->daddr);
 	nat_key(v6, &ek, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_EGRESS);
 	if (nat_update(v6, &ek, &e, BPF_NOEXIST) != 0)

@@ -519,3 +519,47 @@ func withIHL(frame []byte, ihl int) []byte {
 	f[14] = 0x40 | byte(ihl)
 	return f
 }
+
+// TestReturnFlowsStayOutOfTheNATTable: the replies of a flow the policy keeps (RETURN), and a
+// connection opened toward a pod from a remote the policy keeps, record nothing: their packets
+// need no NAT in either direction. So they neither fill the NAT table (evicting real mappings)
+// nor stop counting: every egress packet of a RETURN flow counts on its rule.
+func TestReturnFlowsStayOutOfTheNATTable(t *testing.T) {
+	h := newHarness(t, defaultPolicy(true), LoadOptions{})
+	kept := netip.MustParseAddr("10.1.2.3") // nonMasqueradeCIDRs[0]
+	if v := h.p.Decide(kept); v.Action != policy.Return {
+		t.Fatalf("test needs a kept remote, got %v", v)
+	}
+	podEnd, remoteEnd := ap(pod4(7), 41000), ap(kept, 443)
+	frames := []struct {
+		ingress bool
+		frame   []byte
+	}{
+		{false, tcpPacket(podEnd, remoteEnd, tcpSYN, nil)},          // the pod connects
+		{true, tcpPacket(remoteEnd, podEnd, tcpSYN|tcpACK, nil)},    // the reply
+		{false, tcpPacket(podEnd, remoteEnd, tcpACK, payload)},      // the pod goes on
+		{true, udpPacket(ap(kept, 5353), ap(pod4(8), 53), payload)}, // opened from a kept remote
+		{false, udpPacket(ap(pod4(8), 53), ap(kept, 5353), payload)},
+	}
+	var egressBytes uint64
+	for i, f := range frames {
+		prog := h.dp.Egress()
+		if f.ingress {
+			prog = h.dp.Ingress()
+		} else {
+			egressBytes += uint64(len(f.frame) - 14) // the IP packet, as the rule counts it
+		}
+		if out := h.mustPass(prog, f.frame); !bytes.Equal(out, f.frame) {
+			t.Fatalf("frame %d rewritten: %s", i, tupleOf(t, out))
+		}
+	}
+	if flows := h.flowsOf(policy.IPv4); len(flows) != 0 {
+		t.Errorf("NAT table holds %v, want nothing", flows)
+	}
+	if n := h.events()[EventInboundFlow]; n != 0 {
+		t.Errorf("%d inbound flows recorded", n)
+	}
+	if s := h.statsByPrefix()["10.0.0.0/8 RETURN"]; s.Packets != 3 || s.Bytes != egressBytes {
+		t.Errorf("10.0.0.0/8 counted %d packets, %d bytes; want every egress packet: 3, %d", s.Packets, s.Bytes, egressBytes)
+	}
+}
