@@ -4,9 +4,14 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"fmt"
+	"os"
 	"os/exec"
+	"runtime"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // NewNetns creates a named network namespace for the test (`ip netns add`) and deletes it when
@@ -32,4 +37,33 @@ func NewNetns(t testing.TB) string {
 		}
 	})
 	return name
+}
+
+// InNetns runs fn on the calling goroutine's thread moved into the named namespace, and moves
+// the thread back afterwards. Sockets and links fn creates stay in that namespace.
+func InNetns(t testing.TB, name string, fn func()) {
+	t.Helper()
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	orig, err := os.Open(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer orig.Close()
+	target, err := os.Open("/run/netns/" + name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer target.Close()
+	if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
+		t.Fatalf("enter netns %s: %v", name, err)
+	}
+	defer func() {
+		if err := unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET); err != nil {
+			// The thread cannot be trusted any more: keep it locked, so it dies with the goroutine.
+			runtime.LockOSThread()
+			t.Errorf("return from netns %s: %v", name, err)
+		}
+	}()
+	fn()
 }

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
@@ -114,7 +115,7 @@ func TestCheckPolicyInTurns(t *testing.T) {
 // TestRepin: a map pin removed is reported and pinned again; a datapath loaded over the pins
 // afterwards finds the same maps (the flows survive).
 func TestRepin(t *testing.T) {
-	dir := filepath.Join(mountBPFFS(t), "ip-masq-agent")
+	dir := filepath.Join(testutil.MountBPFFS(t), "ip-masq-agent")
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}

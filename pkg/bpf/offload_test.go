@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/rand"
 	"errors"
-	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -47,7 +46,7 @@ func TestOffloadedTraffic(t *testing.T) {
 	}
 	sysctl := func(ns string, kv map[string]string) {
 		t.Helper()
-		inNetns(t, ns, func() {
+		testutil.InNetns(t, ns, func() {
 			for k, v := range kv {
 				if err := os.WriteFile("/proc/sys/net/"+k, []byte(v), 0o644); err != nil {
 					t.Fatalf("sysctl net/%s in %s: %v", k, ns, err)
@@ -86,12 +85,12 @@ func TestOffloadedTraffic(t *testing.T) {
 	ip("-n", nsA, "-6", "route", "add", "default", "via", "2001:db8:a::2")
 	ip("-n", nsC, "route", "add", "default", "via", "198.51.100.1")
 	ip("-n", nsC, "-6", "route", "add", "default", "via", "2001:db8:c::1")
-	inNetns(t, nsA, func() { setTxChecksum(t, "host0", false) })
-	inNetns(t, nsB, func() { setTxChecksum(t, "b0", false) })
+	testutil.InNetns(t, nsA, func() { setTxChecksum(t, "host0", false) })
+	testutil.InNetns(t, nsB, func() { setTxChecksum(t, "b0", false) })
 
 	h := newHarness(t, defaultPolicy(true), LoadOptions{})
 	var up0 *net.Interface
-	inNetns(t, nsA, func() {
+	testutil.InNetns(t, nsA, func() {
 		var err error
 		if up0, err = net.InterfaceByName("up0"); err != nil {
 			t.Fatal(err)
@@ -125,7 +124,7 @@ func TestOffloadedTraffic(t *testing.T) {
 	} {
 		t.Run(c.name+"/tcp", func(t *testing.T) {
 			var ln net.Listener
-			inNetns(t, nsC, func() {
+			testutil.InNetns(t, nsC, func() {
 				var err error
 				if ln, err = net.Listen("tcp", net.JoinHostPort(c.server, "5001")); err != nil {
 					t.Fatal(err)
@@ -145,7 +144,7 @@ func TestOffloadedTraffic(t *testing.T) {
 				io.Copy(conn, conn) // echo
 			}()
 			var conn net.Conn
-			inNetns(t, nsP, func() {
+			testutil.InNetns(t, nsP, func() {
 				var err error
 				d := net.Dialer{Timeout: 10 * time.Second}
 				if conn, err = d.Dial("tcp", net.JoinHostPort(c.server, "5001")); err != nil {
@@ -170,7 +169,7 @@ func TestOffloadedTraffic(t *testing.T) {
 		})
 		t.Run(c.name+"/udp", func(t *testing.T) {
 			var srv net.PacketConn
-			inNetns(t, nsC, func() {
+			testutil.InNetns(t, nsC, func() {
 				var err error
 				if srv, err = net.ListenPacket("udp", net.JoinHostPort(c.server, "5353")); err != nil {
 					t.Fatal(err)
@@ -190,7 +189,7 @@ func TestOffloadedTraffic(t *testing.T) {
 				}
 			}()
 			var conn net.Conn
-			inNetns(t, nsP, func() {
+			testutil.InNetns(t, nsP, func() {
 				var err error
 				if conn, err = net.Dial("udp", net.JoinHostPort(c.server, "5353")); err != nil {
 					t.Fatal(err)
@@ -229,35 +228,6 @@ func TestOffloadedTraffic(t *testing.T) {
 			t.Errorf("%s: %d drops", e, ev[e])
 		}
 	}
-}
-
-// inNetns runs fn on a thread switched into the named namespace. Sockets and links created in
-// fn stay in that namespace; the thread returns to the test's namespace afterwards.
-func inNetns(t *testing.T, name string, fn func()) {
-	t.Helper()
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	orig, err := os.Open(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer orig.Close()
-	target, err := os.Open("/run/netns/" + name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer target.Close()
-	if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
-		t.Fatalf("enter netns %s: %v", name, err)
-	}
-	defer func() {
-		if err := unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET); err != nil {
-			// The thread cannot be trusted any more: keep it locked so it dies with the goroutine.
-			runtime.LockOSThread()
-			t.Errorf("return from netns %s: %v", name, err)
-		}
-	}()
-	fn()
 }
 
 // setTxChecksum switches a device's transmit checksum offload (ethtool -K dev tx on|off),

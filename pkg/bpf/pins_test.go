@@ -16,27 +16,11 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
-// mountBPFFS mounts a private bpffs for the test and unmounts it after.
-func mountBPFFS(t *testing.T) string {
-	t.Helper()
-	testutil.RequirePrivileged(t)
-	dir := t.TempDir()
-	if err := unix.Mount("bpffs", dir, "bpf", 0, ""); err != nil {
-		t.Fatalf("mount bpffs on %s: %v", dir, err)
-	}
-	t.Cleanup(func() {
-		if err := unix.Unmount(dir, 0); err != nil {
-			t.Errorf("unmount %s: %v", dir, err)
-		}
-	})
-	return dir
-}
-
 // TestReplaceMismatchedPins: CheckPins names exactly the pinned maps whose size changed; with
 // their pins removed, Load replaces those maps and keeps the flows of the others.
 func TestReplaceMismatchedPins(t *testing.T) {
 	// A directory of its own, as the agent uses: the bpffs root holds files of the kernel's.
-	dir := filepath.Join(mountBPFFS(t), "ip-masq-agent")
+	dir := filepath.Join(testutil.MountBPFFS(t), "ip-masq-agent")
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
@@ -117,7 +101,7 @@ func TestReplaceMismatchedPins(t *testing.T) {
 
 // TestOpenPinnedReadOnly: a read-only reader reads rules and flows and cannot write.
 func TestOpenPinnedReadOnly(t *testing.T) {
-	dir := mountBPFFS(t)
+	dir := testutil.MountBPFFS(t)
 	dp, err := Load(LoadOptions{PinPath: dir, NATEntries: 1 << 10})
 	if err != nil {
 		t.Fatal(err)

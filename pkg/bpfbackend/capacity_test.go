@@ -9,6 +9,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -46,7 +47,7 @@ func counterOf(t *testing.T, b *Backend, prefix string) datapath.RuleCounter {
 // loaded over the same pins, rules that stay keep their counters, the new rules decide, and a
 // restarted agent reuses the larger maps.
 func TestRuleMapsGrow(t *testing.T) {
-	bpffs := mountBPFFS(t)
+	bpffs := testutil.MountBPFFS(t)
 	inNetns(t, func() {
 		link := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "uplink0"}, PeerName: "peer0"}
 		if err := netlink.LinkAdd(link); err != nil {

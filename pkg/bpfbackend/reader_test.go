@@ -8,7 +8,6 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -28,21 +27,6 @@ import (
 // These tests load the datapath over a private bpffs and drive it with BPF_PROG_TEST_RUN; they
 // attach nothing and send no packet. The one that lists devices runs inside a namespace of its
 // own.
-
-func mountBPFFS(t *testing.T) string {
-	t.Helper()
-	testutil.RequirePrivileged(t)
-	dir := t.TempDir()
-	if err := unix.Mount("bpffs", dir, "bpf", 0, ""); err != nil {
-		t.Fatalf("mount bpffs on %s: %v", dir, err)
-	}
-	t.Cleanup(func() {
-		if err := unix.Unmount(dir, 0); err != nil {
-			t.Errorf("unmount %s: %v", dir, err)
-		}
-	})
-	return dir
-}
 
 func compile(t *testing.T, doc string, ipv6 bool) *policy.Policy {
 	t.Helper()
@@ -72,7 +56,7 @@ func loadPinned(t *testing.T, bpffs string, p *policy.Policy) *bpf.Datapath {
 }
 
 func TestCheckBPFFS(t *testing.T) {
-	bpffs := mountBPFFS(t)
+	bpffs := testutil.MountBPFFS(t)
 	if err := CheckBPFFS(bpffs); err != nil {
 		t.Errorf("a bpffs: %v", err)
 	}
@@ -105,7 +89,7 @@ func rows(cs []datapath.RuleCounter) []row {
 // the configuration lacks follow their family's with rule 0, and without a configuration every
 // rule is such a rule.
 func TestReaderCounters(t *testing.T) {
-	bpffs := mountBPFFS(t)
+	bpffs := testutil.MountBPFFS(t)
 	if r, err := OpenReader(bpffs, nil); r != nil || err != nil {
 		t.Fatalf("nothing pinned: %v %v", r, err)
 	}
@@ -190,7 +174,7 @@ func run(t *testing.T, prog *ebpf.Program, frame []byte) []byte {
 // TestNATReports: the NAT metrics and the dump summary of a datapath with two flows, one of them
 // answered, read through a Reader; sweep totals and drops come from their maps.
 func TestNATReports(t *testing.T) {
-	bpffs := mountBPFFS(t)
+	bpffs := testutil.MountBPFFS(t)
 	dp := loadPinned(t, bpffs, compile(t, "", false))
 	// BPF_PROG_TEST_RUN runs on the loopback device: it is the uplink here.
 	node := netip.MustParseAddr("192.0.2.1")
@@ -245,35 +229,13 @@ func TestNATReports(t *testing.T) {
 // inNetns runs fn on the test goroutine's thread moved into a new namespace, and moves it back.
 func inNetns(t *testing.T, fn func()) {
 	t.Helper()
-	ns := testutil.NewNetns(t)
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	orig, err := os.Open(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer orig.Close()
-	target, err := os.Open("/run/netns/" + ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer target.Close()
-	if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		if err := unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET); err != nil {
-			runtime.LockOSThread() // the thread cannot be trusted any more: let it die
-			t.Errorf("return from netns %s: %v", ns, err)
-		}
-	}()
-	fn()
+	testutil.InNetns(t, testutil.NewNetns(t), fn)
 }
 
 // TestCleanup: the pins go, twice is fine, and a directory that is not on a BPF filesystem is
 // left alone.
 func TestCleanup(t *testing.T) {
-	bpffs := mountBPFFS(t)
+	bpffs := testutil.MountBPFFS(t)
 	loadPinned(t, bpffs, compile(t, "", false))
 	plain := t.TempDir()
 	if err := os.Mkdir(filepath.Join(plain, PinDir), 0o700); err != nil {

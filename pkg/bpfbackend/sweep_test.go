@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 )
 
@@ -14,7 +15,7 @@ import (
 // them by protocol. The backend is assembled by hand (New would follow the host's uplinks); the
 // flows are made with BPF_PROG_TEST_RUN, which sends nothing.
 func TestSweepLoop(t *testing.T) {
-	bpffs := mountBPFFS(t)
+	bpffs := testutil.MountBPFFS(t)
 	dp := loadPinned(t, bpffs, compile(t, "", false))
 	node := netip.MustParseAddr("192.0.2.1")
 	if _, err := dp.SetUplink(1, bpf.Uplink{IPv4: node}); err != nil {

@@ -8,7 +8,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"testing"
 	"time"
@@ -24,33 +23,6 @@ import (
 
 // Every test works in a network namespace of its own, on a veth pair it creates there, and pins
 // in a bpffs it mounts in a temporary directory.
-
-// inNetns runs fn on the test goroutine's thread moved into the namespace, and moves it back.
-func inNetns(t *testing.T, name string, fn func()) {
-	t.Helper()
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	orig, err := os.Open(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer orig.Close()
-	target, err := os.Open("/run/netns/" + name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer target.Close()
-	if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
-		t.Fatalf("enter netns %s: %v", name, err)
-	}
-	defer func() {
-		if err := unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET); err != nil {
-			runtime.LockOSThread() // the thread cannot be trusted any more: let it die
-			t.Errorf("return from netns %s: %v", name, err)
-		}
-	}()
-	fn()
-}
 
 type sandbox struct {
 	ns     string
@@ -69,7 +41,7 @@ func newSandbox(t *testing.T) *sandbox {
 	if out, err := exec.CommandContext(ctx, "ip", "-n", sb.ns, "link", "add", "va", "type", "veth", "peer", "name", "vb").CombinedOutput(); err != nil {
 		t.Fatalf("ip link add: %v: %s", err, out)
 	}
-	inNetns(t, sb.ns, func() {
+	testutil.InNetns(t, sb.ns, func() {
 		for name, idx := range map[string]*int{"va": &sb.a, "vb": &sb.b} {
 			ifc, err := net.InterfaceByName(name)
 			if err != nil {
@@ -197,7 +169,7 @@ func TestTCX(t *testing.T) {
 		t.Skipf("no tcx on this kernel (%s, %v)", mode, err)
 	}
 	ctx := context.Background()
-	inNetns(t, sb.ns, func() {
+	testutil.InNetns(t, sb.ns, func() {
 		foreign := newProg(t, "foreign", 7)
 		fl, err := link.AttachTCX(link.TCXOptions{Interface: sb.a, Program: foreign, Attach: ebpf.AttachTCXEgress})
 		if err != nil {
@@ -314,7 +286,7 @@ func TestTCX(t *testing.T) {
 func TestClsact(t *testing.T) {
 	sb := newSandbox(t)
 	ctx := context.Background()
-	inNetns(t, sb.ns, func() {
+	testutil.InNetns(t, sb.ns, func() {
 		h, err := newClsact(sb.opts)
 		if err != nil {
 			t.Fatal(err)
@@ -404,7 +376,7 @@ func TestManagerSwitchesModes(t *testing.T) {
 		t.Skipf("no tcx on this kernel (%s, %v)", mode, err)
 	}
 	ctx := context.Background()
-	inNetns(t, sb.ns, func() {
+	testutil.InNetns(t, sb.ns, func() {
 		tcm, err := NewManager(ModeTC, sb.opts)
 		if err != nil {
 			t.Fatal(err)
@@ -461,7 +433,7 @@ func TestManagerCheck(t *testing.T) {
 				t.Skipf("no tcx on this kernel (%s, %v)", m, err)
 			}
 			ctx := context.Background()
-			inNetns(t, sb.ns, func() {
+			testutil.InNetns(t, sb.ns, func() {
 				m, err := NewManager(mode, sb.opts)
 				if err != nil {
 					t.Fatal(err)

@@ -18,6 +18,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
@@ -82,16 +83,7 @@ func BPFBackend(mode string) Backend {
 // (after the agent is gone: cleanups run in reverse order).
 func MountBPFFS(t testing.TB) string {
 	t.Helper()
-	dir := t.TempDir()
-	if err := unix.Mount("bpffs", dir, "bpf", 0, "mode=0700"); err != nil {
-		t.Fatalf("mount bpffs at %s: %v", dir, err)
-	}
-	t.Cleanup(func() {
-		if err := unix.Unmount(dir, 0); err != nil {
-			t.Errorf("unmount bpffs at %s: %v", dir, err)
-		}
-	})
-	return dir
+	return testutil.MountBPFFS(t)
 }
 
 // BPFFS is the --bpffs the env's Prepare set, or "".
