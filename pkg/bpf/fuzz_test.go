@@ -22,10 +22,11 @@ import (
 // dirs bit 0 sends a through ingress instead of egress, bit 1 does the same for b. With bit 2
 // (bit 3) b is not taken from the input but made from what a became: its reply (an ICMP error
 // about it from its receiver), sent back the other way, so that every mutated flow meets its
-// return traffic too. A third packet c, when given, follows (through ingress with bit 4). The corpus
-// (f.Add below and testdata/fuzz/FuzzPrograms) starts from valid TCP, UDP, ICMP and ICMPv6
-// flows, their replies and ICMP errors, fragments, other protocols and truncated packets;
-// `go test` replays it, `go test -fuzz FuzzPrograms` mutates it.
+// return traffic too. A third packet c, when given, follows (through ingress with bit 4). The
+// corpus (f.Add below and testdata/fuzz/FuzzPrograms) starts from valid TCP, UDP, ICMP and
+// ICMPv6 flows, their replies and ICMP errors, fragments, other protocols and truncated
+// packets; `go test` replays it, `go test -fuzz FuzzPrograms` mutates it. The fuzzer's coverage
+// guidance sees the Go side only, so the model below mirrors the programs' branches.
 //
 // A small model of what the programs parse (fuzzPacket) and of the NAT table as it was before
 // each packet predicts the outcome; every packet is checked for:

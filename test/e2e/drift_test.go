@@ -49,18 +49,8 @@ func TestDriftHealed(t *testing.T) {
 			requireBackend(t, b)
 			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 			defer cancel()
-			env := NewEnv(ctx, t, agentBin, nil)
-			if b.Prepare != nil {
-				b.Prepare(ctx, t, env)
-			}
-			if err := env.Config.Write(cfg); err != nil {
-				t.Fatal(err)
-			}
-			env.SetGood(cfg, false)
-			ag := env.StartAgent(ctx, t, b)
-			if err := ag.WaitReady(ctx); err != nil {
-				t.Fatal(err)
-			}
+			env := NewBackendEnv(ctx, t, b, nil)
+			ag := env.StartReady(ctx, t, b, cfg)
 			want := join(expect(Masq, "8.8.8.8"), expect(Keep, "10.1.2.3"))
 			env.Check(ctx, t, want, nil)
 			counted := heals(ctx, t, ag)

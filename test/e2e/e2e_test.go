@@ -117,10 +117,7 @@ func TestLifecycle(t *testing.T) {
 			requireBackend(t, b)
 			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 			defer cancel()
-			env := NewEnv(ctx, t, agentBin, []string{"--enable-ipv6"})
-			if b.Prepare != nil {
-				b.Prepare(ctx, t, env)
-			}
+			env := NewBackendEnv(ctx, t, b, []string{"--enable-ipv6"})
 			if err := env.Config.Write(seedNodeIdentity); err != nil {
 				t.Fatal(err)
 			}
@@ -189,10 +186,7 @@ func TestBadConfigAtStartup(t *testing.T) {
 			requireBackend(t, b)
 			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 			defer cancel()
-			env := NewEnv(ctx, t, agentBin, nil)
-			if b.Prepare != nil {
-				b.Prepare(ctx, t, env)
-			}
+			env := NewBackendEnv(ctx, t, b, nil)
 			if err := env.Config.Write("masqOutBound: yes please\n"); err != nil {
 				t.Fatal(err)
 			}
@@ -233,10 +227,7 @@ func TestResyncHealsDrift(t *testing.T) {
 			requireBackend(t, b)
 			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 			defer cancel()
-			env := NewEnv(ctx, t, agentBin, nil)
-			if b.Prepare != nil {
-				b.Prepare(ctx, t, env)
-			}
+			env := NewBackendEnv(ctx, t, b, nil)
 			if err := env.Config.Write(cfg); err != nil {
 				t.Fatal(err)
 			}
@@ -274,4 +265,15 @@ func TestResyncHealsDrift(t *testing.T) {
 			}
 		})
 	}
+}
+
+// NewBackendEnv builds a topology for one test of backend b, with the scenario's policy flags,
+// and readies the node for b (its Prepare).
+func NewBackendEnv(ctx context.Context, t testing.TB, b Backend, flags []string) *Env {
+	t.Helper()
+	env := NewEnv(ctx, t, agentBin, flags)
+	if b.Prepare != nil {
+		b.Prepare(ctx, t, env)
+	}
+	return env
 }

@@ -26,10 +26,7 @@ func TestPortExhaustion(t *testing.T) {
 			requireBackend(t, b)
 			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 			defer cancel()
-			env := NewEnv(ctx, t, agentBin, []string{"--to-ports=" + portRange.String()})
-			if b.Prepare != nil {
-				b.Prepare(ctx, t, env)
-			}
+			env := NewBackendEnv(ctx, t, b, []string{"--to-ports=" + portRange.String()})
 			b.FastExpiry(ctx, t, env)
 			env.SetGood("", true)
 			ag := env.StartAgent(ctx, t, b)

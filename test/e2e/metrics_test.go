@@ -191,18 +191,8 @@ func TestMetrics(t *testing.T) {
 			requireBackend(t, b)
 			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 			defer cancel()
-			env := NewEnv(ctx, t, agentBin, []string{"--enable-ipv6"})
-			if b.Prepare != nil {
-				b.Prepare(ctx, t, env)
-			}
-			if err := env.Config.Write(metricsConfigA); err != nil {
-				t.Fatal(err)
-			}
-			env.SetGood(metricsConfigA, false)
-			ag := env.StartAgent(ctx, t, b)
-			if err := ag.WaitReady(ctx); err != nil {
-				t.Fatal(err)
-			}
+			env := NewBackendEnv(ctx, t, b, []string{"--enable-ipv6"})
+			ag := env.StartReady(ctx, t, b, metricsConfigA)
 
 			// What runs, and the configuration in force.
 			m, err := ag.Scrape(ctx)

@@ -31,10 +31,7 @@ func TestRestartUnderTraffic(t *testing.T) {
 			requireBackend(t, b)
 			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 			defer cancel()
-			env := NewEnv(ctx, t, agentBin, nil)
-			if b.Prepare != nil {
-				b.Prepare(ctx, t, env)
-			}
+			env := NewBackendEnv(ctx, t, b, nil)
 			env.SetGood("", true)
 			ag := env.StartAgent(ctx, t, b)
 			if err := ag.WaitReady(ctx); err != nil {
@@ -43,6 +40,7 @@ func TestRestartUnderTraffic(t *testing.T) {
 			StartLineEcho(t, env.Ext, []netip.Addr{public4})
 			server := netip.AddrPortFrom(public4, connratePort)
 			StartProcess(ctx, t, "connrate server", env.Ext, connrateBin, "serve", "-listen", server.String())
+			WaitListening(ctx, t, env.Ext, server)
 			env.CutReturnRoutes(ctx, t)
 
 			// The long connections, each exchanging until stop.

@@ -93,6 +93,21 @@ func NewEnv(ctx context.Context, t testing.TB, bin string, flags []string) *Env 
 	return &Env{Topology: NewTopology(ctx, t), Bin: bin, Flags: flags, Config: NewConfigDir(t)}
 }
 
+// StartReady writes cfg as the config file, records it as the good configuration, starts the
+// agent for backend b and waits until it is ready.
+func (e *Env) StartReady(ctx context.Context, t testing.TB, b Backend, cfg string) *Agent {
+	t.Helper()
+	if err := e.Config.Write(cfg); err != nil {
+		t.Fatal(err)
+	}
+	e.SetGood(cfg, false)
+	a := e.StartAgent(ctx, t, b)
+	if err := a.WaitReady(ctx); err != nil {
+		t.Fatalf("agent not ready: %v", err)
+	}
+	return a
+}
+
 // StartAgent runs the agent for backend b in the node with the env's flags and config.
 func (e *Env) StartAgent(ctx context.Context, t testing.TB, b Backend) *Agent {
 	t.Helper()

@@ -298,3 +298,26 @@ func UDPFlows(ctx context.Context, ns string, dst netip.Addr, sockets, flows int
 		return nil
 	})
 }
+
+// WaitListening waits until a TCP server in ns accepts connections at addr: a process started
+// in the background listens a moment later, and connections before that are refused.
+func WaitListening(ctx context.Context, t testing.TB, ns string, addr netip.AddrPort) {
+	t.Helper()
+	for {
+		err := Do(ns, func() error {
+			c, err := net.DialTimeout("tcp", addr.String(), time.Second)
+			if err == nil {
+				c.Close()
+			}
+			return err
+		})
+		if err == nil {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("%s does not listen in %s: %v", addr, ns, err)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
