@@ -381,7 +381,12 @@ func (a *Agent) loop(ctx context.Context) error {
 		case ev := <-w.events():
 			if w.handle(ev) {
 				log.Debug("config directory changed", "event", ev.String())
-				debounce.Reset(a.opts.Debounce)
+				if w.swapped(ev) {
+					debounce.Stop()
+					next = triggerChange
+				} else {
+					debounce.Reset(a.opts.Debounce)
+				}
 			}
 		case err := <-w.errors():
 			// Events may have been lost (a queue overflow): re-read to be sure.

@@ -276,6 +276,25 @@ func TestConfigMapSwapTakesEffect(t *testing.T) {
 	}
 }
 
+// A ConfigMap's "..data" swap is applied at once, not after the debounce: the kubelet writes
+// the new content whole before the rename, so there is nothing to wait for.
+func TestConfigMapSwapSkipsDebounce(t *testing.T) {
+	cm := newConfigMap(t)
+	cm.write("nonMasqueradeCIDRs: [10.0.0.0/8]\n")
+	b := newFakeBackend()
+	startAgent(t, cm.path(), b, func(o *Options) { o.Debounce = time.Minute })
+	b.waitApply(t)
+	cm.write("nonMasqueradeCIDRs: [192.168.0.0/16]\n")
+	select {
+	case p := <-b.applied:
+		if got := nonMasq(p); fmt.Sprint(got) != "[192.168.0.0/16]" {
+			t.Fatalf("after the swap applied %v", got)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the swap waited for the debounce (a minute)")
+	}
+}
+
 func TestEditorRenameAndLateFile(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "config.yaml")

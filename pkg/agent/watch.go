@@ -168,7 +168,26 @@ func (d *dirWatcher) handle(ev inotifyEvent) bool {
 	case ev.mask&(unix.IN_CLOSE_WRITE|unix.IN_DELETE|unix.IN_MOVED_FROM) != 0:
 		delete(d.writing, p)
 	}
+	// The kubelet's own entries around a ConfigMap update (the "..<timestamp>" data
+	// directories, "..data_tmp") change nothing the file reads until "..data" is swapped; the
+	// old data directory's removal after the swap would otherwise read the file a second time.
+	if ev.wd == d.configWD && strings.HasPrefix(ev.name, "..") && ev.name != "..data" && ev.name != filepath.Base(d.path) {
+		return false
+	}
 	return true
+}
+
+// swapped reports whether ev completed a ConfigMap update: "..data" renamed into the config
+// directory (the kubelet's atomic swap, after the new content is written whole) while the
+// config file exists. Such a change needs no debounce. Without the file (the first projection
+// of a key, whose symlink the kubelet creates after the swap) the debounce waits for it, rather
+// than reading a missing file as the defaults.
+func (d *dirWatcher) swapped(ev inotifyEvent) bool {
+	if ev.wd != d.configWD || ev.mask&unix.IN_MOVED_TO == 0 || ev.name != "..data" {
+		return false
+	}
+	_, err := os.Stat(d.path)
+	return err == nil
 }
 
 // writer reports whether the config file (symlinks resolved) is being written, and when it was

@@ -138,3 +138,20 @@ func BenchmarkSyncPolicy(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkSyncPolicyReplace: every CIDR replaced by another (the config apply benchmark's
+// "replace" step, without the agent around it).
+func BenchmarkSyncPolicyReplace(b *testing.B) {
+	for _, n := range benchSizes[1:] {
+		b.Run(fmt.Sprintf("cidrs=%d", n), func(b *testing.B) {
+			h := benchHarness(b, n)
+			p := [2]*policy.Policy{benchPolicy(n), benchPolicy(n + 1)}
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if err := h.dp.SyncPolicy(p[(i+1)%2]); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

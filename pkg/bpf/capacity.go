@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"unsafe"
 
 	"github.com/cilium/ebpf"
 
@@ -14,6 +15,27 @@ import (
 // The rule maps (the four tries, rule_stats and rule_slots) are sized by LoadOptions.MaxRules.
 // A policy larger than they allow is served by loading maps with more room and adopting the old
 // ones' slots and counters (AdoptRuleSlots); these helpers tell when and how large.
+
+// The rule maps start with as many slots as ruleMapBudget of kernel memory holds on this
+// machine (rule_stats has a copy per CPU), a power of two between minRules and maxStartRules:
+// 32768 on 2 CPUs, 4096 from 16 CPUs on. A larger policy grows them, once, which costs a
+// program reload (a few hundred milliseconds); a start size that holds the common configs
+// avoids it. The tries allocate per entry and cost nothing until used.
+const (
+	ruleMapBudget = 2 << 20
+	minRules      = 4096
+	maxStartRules = 32768
+)
+
+// DefaultMaxRules is the MaxRules the rule maps are loaded with when nothing asks for more.
+func DefaultMaxRules() uint32 {
+	perSlot := uint32(unsafe.Sizeof(masqRuleStats{}))*uint32(ebpf.MustPossibleCPU()) + uint32(unsafe.Sizeof(masqRuleSlot{}))
+	n := uint32(maxStartRules)
+	for n > minRules && n*perSlot > ruleMapBudget {
+		n /= 2
+	}
+	return n
+}
 
 // RuleCapacity is the number of rule counter slots of the loaded maps.
 func (d *Datapath) RuleCapacity() int { return int(d.opts.MaxRules) }
@@ -40,7 +62,7 @@ func (d *Datapath) SlotsNeeded(p *policy.Policy) (int, error) {
 // of two, so that a policy can be replaced by one of the same size (both hold slots during the
 // sync) and growth is rare.
 func CapacityFor(n int) uint32 {
-	c := uint32(DefaultMaxRules)
+	c := DefaultMaxRules()
 	for int(c) < 2*n {
 		c *= 2
 	}

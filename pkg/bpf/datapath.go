@@ -24,7 +24,6 @@ import (
 
 // Defaults of LoadOptions.
 const (
-	DefaultMaxRules    = 4096
 	DefaultNATEntries  = 1 << 18
 	DefaultFragEntries = 8192
 )
@@ -51,7 +50,7 @@ type LoadOptions struct {
 
 func (o LoadOptions) withDefaults() LoadOptions {
 	if o.MaxRules == 0 {
-		o.MaxRules = DefaultMaxRules
+		o.MaxRules = DefaultMaxRules()
 	}
 	if o.NATEntries == 0 {
 		o.NATEntries = DefaultNATEntries

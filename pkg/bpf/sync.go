@@ -219,20 +219,40 @@ func makePlan(p *policy.Policy) (*plan, error) {
 // matches the addresses whose longest match is this prefix". Those addresses are matched by the
 // prefix and by every shorter prefix of the trie that contains it, and by nothing else of the
 // trie; the chain counts the first of these rules, so that is the slot the entry must carry.
+//
+// Sorted by address, then length, every prefix comes after the prefixes that contain it, and
+// those form a chain: a stack walk visits each prefix once (n log n for the sort, rather than a
+// lookup per prefix length for every entry).
 func firstMatch(trie map[trieKey]int) {
-	own := make(map[trieKey]int, len(trie))
-	for p, idx := range trie {
-		own[p] = idx
-	}
+	prefixes := make([]trieKey, 0, len(trie))
 	for p := range trie {
-		best := own[p]
-		for bits := p.Bits() - 1; bits >= 0; bits-- {
-			q, _ := p.Addr().Prefix(bits)
-			if idx, ok := own[q]; ok && idx < best {
-				best = idx
+		prefixes = append(prefixes, p)
+	}
+	slices.SortFunc(prefixes, func(a, b trieKey) int {
+		if c := a.Addr().Compare(b.Addr()); c != 0 {
+			return c
+		}
+		return a.Bits() - b.Bits()
+	})
+	type enclosing struct {
+		prefix trieKey
+		best   int // the first rule among it and the prefixes containing it
+	}
+	var stack []enclosing
+	for _, p := range prefixes {
+		for len(stack) > 0 {
+			top := stack[len(stack)-1].prefix
+			if top.Bits() <= p.Bits() && top.Contains(p.Addr()) {
+				break
 			}
+			stack = stack[:len(stack)-1]
+		}
+		best := trie[p]
+		if len(stack) > 0 {
+			best = min(best, stack[len(stack)-1].best)
 		}
 		trie[p] = best
+		stack = append(stack, enclosing{p, best})
 	}
 }
 

@@ -73,35 +73,38 @@ func TestRuleMapsGrow(t *testing.T) {
 			t.Fatal(err)
 		}
 		small := b.dp.Load()
-		if small.RuleCapacity() != bpf.DefaultMaxRules {
-			t.Fatalf("capacity %d for the defaults, want %d", small.RuleCapacity(), bpf.DefaultMaxRules)
+		if small.RuleCapacity() != int(bpf.DefaultMaxRules()) {
+			t.Fatalf("capacity %d for the defaults, want %d", small.RuleCapacity(), bpf.DefaultMaxRules())
 		}
 		pod, kept := netip.MustParseAddrPort("10.244.0.5:1000"), netip.MustParseAddrPort("10.1.2.3:53")
 		for range 3 {
 			run(t, small.Egress(), udp(t, pod, kept))
 		}
 
-		big := bigPolicy(t, 5000) // 5005 slots during the sync: more than 4096
+		// n+5 slots during the sync (the defaults' 5 rules still hold theirs): more than the maps have.
+		n := small.RuleCapacity() + 904
+		big := bigPolicy(t, n)
+		last := fmt.Sprintf("11.%d.%d.0/24", (n-1)/256, (n-1)%256)
 		if err := b.Apply(ctx, big); err != nil {
 			t.Fatal(err)
 		}
 		grown := b.dp.Load()
-		if grown == small || grown.RuleCapacity() != int(bpf.CapacityFor(5005)) {
-			t.Fatalf("capacity %d after a 5002-rule policy, want %d", grown.RuleCapacity(), bpf.CapacityFor(5005))
+		if grown == small || grown.RuleCapacity() != int(bpf.CapacityFor(n+5)) {
+			t.Fatalf("capacity %d after a %d-rule policy, want %d", grown.RuleCapacity(), n+2, bpf.CapacityFor(n+5))
 		}
 		if c := counterOf(t, b, "10.0.0.0/8"); c.Packets != 3 {
 			t.Errorf("10.0.0.0/8 counted %d packets across the growth, want 3", c.Packets)
 		}
 		run(t, grown.Egress(), udp(t, pod, kept))
-		run(t, grown.Egress(), udp(t, pod, netip.MustParseAddrPort("11.19.135.7:53"))) // the 5000th /24
+		run(t, grown.Egress(), udp(t, pod, netip.AddrPortFrom(netip.MustParsePrefix(last).Addr().Next(), 53))) // the last /24
 		if c := counterOf(t, b, "10.0.0.0/8"); c.Packets != 4 {
 			t.Errorf("10.0.0.0/8 counted %d packets, want 4", c.Packets)
 		}
-		if c := counterOf(t, b, "11.19.135.0/24"); c.Packets != 1 || c.Action != policy.Return {
+		if c := counterOf(t, b, last); c.Packets != 1 || c.Action != policy.Return {
 			t.Errorf("the last new rule: %+v, want 1 packet, RETURN", c)
 		}
-		if pinned, err := bpf.PinnedRuleCapacity(b.pinDir); err != nil || pinned != bpf.CapacityFor(5005) {
-			t.Errorf("pinned capacity %d (%v), want %d", pinned, err, bpf.CapacityFor(5005))
+		if pinned, err := bpf.PinnedRuleCapacity(b.pinDir); err != nil || pinned != bpf.CapacityFor(n+5) {
+			t.Errorf("pinned capacity %d (%v), want %d", pinned, err, bpf.CapacityFor(n+5))
 		}
 		// The programs on the uplink are the grown datapath's: they see its counters.
 		if err := b.Apply(ctx, big); err != nil || b.dp.Load() != grown {

@@ -329,17 +329,29 @@ func quote(s string) string {
 }
 
 func decodeCIDRs(key string, raw json.RawMessage, opts Options) ([]netip.Prefix, error) {
-	var items []json.RawMessage
-	if err := json.Unmarshal(raw, &items); err != nil {
-		return nil, &FieldError{Key: key, Index: -1, Value: display(raw), Problem: "must be a list of CIDR strings, not " + describeJSON(raw),
-			Hint: `for example ["10.0.0.0/8"]`}
-	}
-	prefixes := make([]netip.Prefix, 0, len(items))
 	var errs []error
-	for i, item := range items {
-		var s string
-		if err := json.Unmarshal(item, &s); err != nil {
-			errs = append(errs, &FieldError{Key: key, Index: i, Value: display(item), Problem: "must be a CIDR string, not " + describeJSON(item)})
+	// A list of strings, the normal case, decodes in one pass; anything else item by item, so
+	// that each wrong item is named.
+	var strs []string
+	valid := []bool(nil) // nil: every item is a string
+	if json.Unmarshal(raw, &strs) != nil {
+		var items []json.RawMessage
+		if err := json.Unmarshal(raw, &items); err != nil {
+			return nil, &FieldError{Key: key, Index: -1, Value: display(raw), Problem: "must be a list of CIDR strings, not " + describeJSON(raw),
+				Hint: `for example ["10.0.0.0/8"]`}
+		}
+		strs, valid = make([]string, len(items)), make([]bool, len(items))
+		for i, item := range items {
+			if err := json.Unmarshal(item, &strs[i]); err != nil {
+				errs = append(errs, &FieldError{Key: key, Index: i, Value: display(item), Problem: "must be a CIDR string, not " + describeJSON(item)})
+				continue
+			}
+			valid[i] = true
+		}
+	}
+	prefixes := make([]netip.Prefix, 0, len(strs))
+	for i, s := range strs {
+		if valid != nil && !valid[i] {
 			continue
 		}
 		p, err := ParseCIDR(s, opts.EnableIPv6)
@@ -353,7 +365,17 @@ func decodeCIDRs(key string, raw json.RawMessage, opts Options) ([]netip.Prefix,
 		}
 		prefixes = append(prefixes, p)
 	}
+	// In list order, whichever way each item failed.
+	slices.SortStableFunc(errs, func(a, b error) int { return indexOf(a) - indexOf(b) })
 	return prefixes, errors.Join(errs...)
+}
+
+func indexOf(err error) int {
+	var fe *FieldError
+	if errors.As(err, &fe) {
+		return fe.Index
+	}
+	return -1
 }
 
 // ParseCIDR parses one CIDR as the file and the command line accept it: canonical network

@@ -217,7 +217,7 @@ func writeReport(w *bytes.Buffer, m micro, r *results) {
 	fmt.Fprintf(w, "\n![rate and throughput vs the limit](bench-vs-limit.png)\n\n")
 
 	fmt.Fprintf(w, "## Config apply latency\n\nFrom writing the file (a ConfigMap-style `..data` swap) to the agent reporting the datapath holds it;\n")
-	fmt.Fprintf(w, "includes the agent's 20 ms debounce of directory events. *first*: from the defaults to N CIDRs, which on BPF\n")
+	fmt.Fprintf(w, "read at once (a ConfigMap swap skips the debounce of other directory events), parsed, compiled and applied. *first*: from the defaults to N CIDRs, which on BPF\n")
 	fmt.Fprintf(w, "includes growing the rule maps once (new maps, the programs loaded again and swapped in place); *replace*:\n")
 	fmt.Fprintf(w, "N CIDRs replaced by N others, on a datapath already sized for them.\n\n")
 	fmt.Fprintf(w, "| backend | CIDRs | change | seconds |\n|---|---|---|---|\n")
