@@ -144,7 +144,8 @@ func BenchmarkSyncPolicy(b *testing.B) {
 func BenchmarkSyncPolicyReplace(b *testing.B) {
 	for _, n := range benchSizes[1:] {
 		b.Run(fmt.Sprintf("cidrs=%d", n), func(b *testing.B) {
-			h := benchHarness(b, n)
+			// Room for both policies at once, as the backend sizes the maps (CapacityFor).
+			h := newHarness(b, benchPolicy(n), LoadOptions{MaxRules: CapacityFor(n + 2), NATEntries: 1 << 10})
 			p := [2]*policy.Policy{benchPolicy(n), benchPolicy(n + 1)}
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {

@@ -29,7 +29,7 @@ import (
 
 var (
 	outDir   = flag.String("out", "", "directory for the JSON results (default: a temp dir, printed)")
-	runs     = flag.Int("runs", 3, "runs per measurement; the report uses the median")
+	runs     = flag.Int("runs", 5, "runs per measurement; the report uses the median")
 	duration = flag.Duration("duration", 5*time.Second, "length of one load run")
 	workers  = flag.Int("workers", 32, "concurrent connections of the short-connection load")
 	only     = flag.String("modes", "", "comma-separated subset of modes to run (none,iptables,bpf)")
@@ -314,7 +314,11 @@ func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) []LoadResult {
 	bulk(ctx, b, e)
 	prepared := map[string]bool{}
 	for run := range *runs {
-		for i, m := range ms {
+		// Each run starts with another mode, so that none always follows the same one (the
+		// iptables runs leave SYN retransmits and conntrack entries behind).
+		for j := range ms {
+			i := (j + run) % len(ms)
+			m := ms[i]
 			startMode(ctx, b, e, m, prepared)
 			rate, slow, errs := connRate(ctx, b, bins, e)
 			tput := bulk(ctx, b, e)
