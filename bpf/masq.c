@@ -74,13 +74,10 @@ static __always_inline const __be32 *uplink_addr(const struct uplink *u, const i
 static __always_inline int host_flow(struct __sk_buff *skb, const struct pkt *p, const int v6,
 				     const struct nat_config *cfg, const union nat_key *k, __u64 now)
 {
-	struct nat_entry e = {.port = p->sport, .kind = NAT_HOST, .slot = NO_SLOT,
-			      .ifindex = skb->ifindex, .last_seen = now};
+	struct nat_entry e = {.port = p->sport, .kind = NAT_HOST, .slot = NO_SLOT, .last_seen = now};
 	struct nat_entry *re;
 	union nat_key rk;
 
-	if (p->l4 == L4_ECHO && !p->echo_request)
-		return TC_ACT_OK;
 	addr_copy(v6, e.addr, p->saddr);
 	nat_key(v6, &rk, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_INGRESS);
 	if (nat_update(v6, &rk, &e, BPF_NOEXIST) == 0) {
@@ -90,13 +87,13 @@ static __always_inline int host_flow(struct __sk_buff *skb, const struct pkt *p,
 		return TC_ACT_OK;
 	}
 	re = nat_lookup(v6, &rk);
-	if (re && re->kind == NAT_HOST && addr_eq(v6, re->addr, p->saddr) && re->port == p->sport) {
+	if (re && re->kind == NAT_HOST && points_back(v6, k, re)) {
 		/* Our own reservation whose egress half was evicted. */
 		e.flags = NAT_F_SEEN;
 		nat_update(v6, k, &e, BPF_NOEXIST);
 		return TC_ACT_OK;
 	}
-	if (nat_alloc(v6, p, cfg, k, p->saddr, NAT_HOST, NO_SLOT, skb->ifindex, now, &e) < 0)
+	if (nat_alloc(v6, p, cfg, k, p->saddr, NAT_HOST, NO_SLOT, now, &e) < 0)
 		return TC_ACT_SHOT;
 	event_add(EV_HOST_REMAP, 1);
 	return xlate(skb, p, v6, 1, e.addr, e.port);
@@ -118,10 +115,10 @@ static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, cons
 	fc = family_cfg(cfg, v6);
 	if (!fc->enabled)
 		return TC_ACT_OK;
-	if (snat && addr_eq(v6, p->saddr, snat))
-		return host_flow(skb, p, v6, cfg, k, now);
 	if (p->l4 == L4_ECHO && !p->echo_request)
 		return TC_ACT_OK; /* an echo reply opens nothing */
+	if (snat && addr_eq(v6, p->saddr, snat))
+		return host_flow(skb, p, v6, cfg, k, now);
 
 	if (classify(v6, p->daddr, fc, &slot) == ACTION_RETURN) {
 		count_rule(slot, p->len);
@@ -133,7 +130,7 @@ static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, cons
 		return TC_ACT_SHOT;
 	}
 	addr_copy(v6, to, snat);
-	if (nat_alloc(v6, p, cfg, k, to, NAT_MASQ, slot, ifindex, now, &e) < 0)
+	if (nat_alloc(v6, p, cfg, k, to, NAT_MASQ, slot, now, &e) < 0)
 		return TC_ACT_SHOT;
 	if (e.kind == NAT_MASQ)
 		event_add(EV_NEW_MASQ, 1);
@@ -178,21 +175,24 @@ static __always_inline int ingress_new(struct __sk_buff *skb, const struct pkt *
 				       const union nat_key *k, __u64 now)
 {
 	__u32 zero = 0, ifindex = skb->ifindex;
-	const struct nat_config *cfg = bpf_map_lookup_elem(&nat_config, &zero);
-	const struct uplink *u = bpf_map_lookup_elem(&uplink_snat, &ifindex);
-	const __be32 *snat = uplink_addr(u, v6);
-	struct nat_entry e = {.port = p->dport, .kind = NAT_INBOUND, .slot = NO_SLOT,
-			      .ifindex = ifindex, .last_seen = now};
+	const struct nat_config *cfg;
+	const struct uplink *u;
+	const __be32 *snat;
+	struct nat_entry e = {.port = p->dport, .kind = NAT_INBOUND, .slot = NO_SLOT, .last_seen = now};
 	union nat_key ek;
 
-	if (!cfg || !family_cfg(cfg, v6)->enabled)
-		return TC_ACT_OK;
+	/* The checks that need no map first: most packets of this path stop here. */
 	if (p->l4 == L4_ECHO && !p->echo_request)
 		return TC_ACT_OK;
-	if (snat && addr_eq(v6, p->daddr, snat))
-		return TC_ACT_OK; /* to the host itself: its replies are host flows */
 	if (skb->pkt_type != PACKET_HOST)
 		return TC_ACT_OK; /* multicast, broadcast, or another host's: opens no flow */
+	cfg = bpf_map_lookup_elem(&nat_config, &zero);
+	if (!cfg || !family_cfg(cfg, v6)->enabled)
+		return TC_ACT_OK;
+	u = bpf_map_lookup_elem(&uplink_snat, &ifindex);
+	snat = uplink_addr(u, v6);
+	if (snat && addr_eq(v6, p->daddr, snat))
+		return TC_ACT_OK; /* to the host itself: its replies are host flows */
 
 	/* Only a remote whose traffic the policy masquerades needs its replies protected: replies to
 	 * any other remote leave untouched anyway. Recording every flow toward pods would fill the

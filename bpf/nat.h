@@ -181,7 +181,7 @@ static __always_inline int check_partner(const int v6, const union nat_key *k, c
 	union nat_key pk;
 	struct nat_entry *pe;
 	struct nat_entry ne = {.port = p->sport, .kind = e->kind, .slot = NO_SLOT,
-			       .ifindex = e->ifindex, .last_seen = now};
+			       .last_seen = now};
 
 	partner_key(v6, &pk, k, e);
 	pe = nat_lookup(v6, &pk);
@@ -214,10 +214,9 @@ static __always_inline int port_in_ranges(const struct nat_config *cfg, __u16 po
  * egress entry. */
 static __always_inline int nat_alloc(const int v6, const struct pkt *p, const struct nat_config *cfg,
 				     const union nat_key *k, const __be32 *to_addr, __u8 kind, __u32 slot,
-				     __u32 ifindex, __u64 now, struct nat_entry *out)
+				     __u64 now, struct nat_entry *out)
 {
-	struct nat_entry rev = {.port = p->sport, .kind = kind, .slot = NO_SLOT, .ifindex = ifindex,
-				.last_seen = now};
+	struct nat_entry rev = {.port = p->sport, .kind = kind, .slot = NO_SLOT, .last_seen = now};
 	union nat_key rk;
 	__u32 n = cfg->nports, start, tries, i;
 	__u16 orig = bpf_ntohs(p->sport), port = 0;
@@ -257,7 +256,7 @@ static __always_inline int nat_alloc(const int v6, const struct pkt *p, const st
 	}
 
 	*out = (struct nat_entry){.port = bpf_htons(port), .kind = kind, .flags = NAT_F_SEEN,
-				  .slot = slot, .ifindex = ifindex, .last_seen = now};
+				  .slot = slot, .last_seen = now};
 	addr_copy(v6, out->addr, to_addr);
 	if (nat_update(v6, k, out, BPF_NOEXIST) != 0) {
 		/* Another CPU created this flow's mapping meanwhile: release our port, use theirs. */

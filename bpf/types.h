@@ -146,8 +146,6 @@ struct nat_entry {
 	enum nat_kind kind;
 	enum nat_flags flags;
 	__u32 slot; /* counter slot of the deciding rule (NAT_MASQ egress entries), else NO_SLOT */
-	__u32 ifindex;
-	__u32 pad;
 	__u64 last_seen; /* bpf_ktime_get_ns (CLOCK_MONOTONIC), refreshed at most once a second */
 };
 

@@ -31,3 +31,14 @@ func RequirePrivileged(t testing.TB, tools ...string) {
 		}
 	}
 }
+
+// Unavailable stops a test whose environment lacks something it needs (a kernel feature, a
+// report the kernel does not make), by the same rule as RequirePrivileged: a skip outside CI,
+// a failure in CI.
+func Unavailable(t testing.TB, format string, args ...any) {
+	t.Helper()
+	if InCI() {
+		t.Fatalf(format, args...)
+	}
+	t.Skipf(format, args...)
+}

@@ -20,7 +20,6 @@ import (
 	"net/http"
 	"net/url"
 	"path/filepath"
-	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -464,8 +463,14 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, w *di
 	}
 	st.resync = cfg.ResyncInterval
 	p := policy.Compile(cfg, a.opts.PolicyOptions)
+	changed := st.desired != nil && !p.Equal(st.desired)
+	if !changed && st.desired != nil {
+		// The same policy: hand the backend the object it already knows, so that it can tell a
+		// re-apply (which also repairs drift) from a new policy without comparing them again.
+		p = st.desired
+	}
 	hash := ConfigHash(cfg)
-	if why == triggerChange && !st.failed && reflect.DeepEqual(p, st.applied) {
+	if why == triggerChange && !st.failed && p.Equal(st.applied) {
 		log.Debug("config unchanged; nothing to apply")
 		// The datapath implements this configuration too (it may differ in settings that do
 		// not reach the datapath, such as resyncInterval): it is the one in force now.
@@ -477,11 +482,7 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, w *di
 		a.mu.Unlock()
 		return 0
 	}
-	if st.desired != nil && reflect.DeepEqual(p, st.desired) {
-		// The same policy: hand the backend the object it already knows, so that it can tell a
-		// re-apply (which also repairs drift) from a new policy without comparing them again.
-		p = st.desired
-	} else if st.desired != nil {
+	if changed {
 		log.Info("config changed", "path", a.opts.ConfigPath)
 	}
 	st.desired, st.desiredHash = p, hash
@@ -549,7 +550,7 @@ func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger) erro
 		log.Error("apply failed; retrying", "error", err, "retryIn", st.backoff)
 		return err
 	}
-	changed := !reflect.DeepEqual(p, st.applied)
+	changed := !p.Equal(st.applied)
 	st.applied, st.failed, st.backoff = p, false, 0
 	a.mu.Lock()
 	a.stats.Applies++

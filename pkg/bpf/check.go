@@ -1,8 +1,6 @@
 package bpf
 
 import (
-	"bufio"
-	"bytes"
 	"cmp"
 	"encoding/binary"
 	"errors"
@@ -12,8 +10,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
-	"strings"
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
@@ -188,23 +184,14 @@ func probeTrieElemSize(keySize, valueSize uint32) uint64 {
 	return used[1]
 }
 
-// memlock reads the memory use the kernel reports for a map.
+// memlock reads the memory use the kernel reports for a map (0 when it reports none).
 func memlock(m *ebpf.Map) (uint64, error) {
-	data, err := os.ReadFile("/proc/self/fdinfo/" + strconv.Itoa(m.FD()))
+	info, err := m.Info()
 	if err != nil {
-		return 0, fmt.Errorf("read map fdinfo: %w", err)
+		return 0, fmt.Errorf("map info: %w", err)
 	}
-	sc := bufio.NewScanner(bytes.NewReader(data))
-	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "memlock:"); ok {
-			n, err := strconv.ParseUint(strings.TrimSpace(v), 10, 64)
-			if err != nil {
-				return 0, fmt.Errorf("map fdinfo memlock %q: %w", v, err)
-			}
-			return n, nil
-		}
-	}
-	return 0, errors.New("map fdinfo has no memlock")
+	n, _ := info.Memlock()
+	return n, nil
 }
 
 // MissingPins returns the names of the maps whose pin under LoadOptions.PinPath is gone (nil

@@ -41,9 +41,7 @@ func TestCheckPolicy(t *testing.T) {
 	check()
 	if size, ok, err := h.dp.trieEntryCount(h.dp.objs.NomasqV4); err != nil {
 		t.Fatal(err)
-	} else if !ok {
-		t.Log("this kernel does not report trie sizes: only the rotating lookups check the tries")
-	} else if int(size) != len(h.dp.tries[masqMapNomasqV4]) {
+	} else if ok && int(size) != len(h.dp.tries[masqMapNomasqV4]) {
 		t.Fatalf("nomasq_v4 counts %d entries, the sync wrote %d", size, len(h.dp.tries[masqMapNomasqV4]))
 	}
 
@@ -55,7 +53,11 @@ func TestCheckPolicy(t *testing.T) {
 	repair()
 
 	// An entry added: only the count sees it.
-	if _, ok, _ := h.dp.trieEntryCount(h.dp.objs.MasqV6); ok {
+	_, counted, err := h.dp.trieEntryCount(h.dp.objs.MasqV6)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if counted {
 		if err := h.dp.objs.MasqV6.Put(lpmKey(netip.MustParsePrefix("2001:db8::/32")), &masqLpmVal{Slot: 1}); err != nil {
 			t.Fatal(err)
 		}
@@ -77,6 +79,9 @@ func TestCheckPolicy(t *testing.T) {
 	}
 	check(masqMapNomasqV4, masqMapNatConfig)
 	repair()
+	if !counted {
+		testutil.Unavailable(t, "this kernel does not report trie sizes: an added entry is not detected")
+	}
 }
 
 // TestCheckPolicyInTurns: in a trie larger than one call's lookups, a deleted entry is still

@@ -59,7 +59,7 @@ func newHarness(t testing.TB, p *policy.Policy, opts LoadOptions) *harness {
 	testutil.RequirePrivileged(t)
 	dp, err := Load(opts)
 	if errors.Is(err, ebpf.ErrNotSupported) {
-		t.Skipf("kernel lacks a BPF feature the datapath needs: %v", err)
+		testutil.Unavailable(t, "kernel lacks a BPF feature the datapath needs: %v", err)
 	}
 	if err != nil {
 		t.Fatal(err)
@@ -81,7 +81,7 @@ func runProg(t testing.TB, prog *ebpf.Program, frame []byte) (uint32, []byte) {
 	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+512), Repeat: 1}
 	ret, err := prog.Run(&opts)
 	if errors.Is(err, ebpf.ErrNotSupported) {
-		t.Skipf("kernel cannot test-run tc programs: %v", err)
+		testutil.Unavailable(t, "kernel cannot test-run tc programs: %v", err)
 	}
 	if err != nil {
 		t.Fatalf("run %s: %v", prog, err)

@@ -145,8 +145,6 @@ type masqNatEntry struct {
 	Kind     masqNatKind
 	Flags    masqNatFlags
 	Slot     uint32
-	Ifindex  uint32
-	Pad      uint32
 	LastSeen uint64
 }
 

@@ -73,11 +73,10 @@ type NATEntry struct {
 	Src, Dst netip.AddrPort
 	// To is the translation: the new source of egress packets, the new destination of ingress
 	// packets. It equals the key's side for untranslated (host, inbound) flows.
-	To      netip.AddrPort
-	Kind    Kind
-	Flags   Flags
-	Slot    uint32 // counter slot of the deciding rule (masqueraded egress entries)
-	Ifindex int
+	To    netip.AddrPort
+	Kind  Kind
+	Flags Flags
+	Slot  uint32 // counter slot of the deciding rule (masqueraded egress entries)
 	// LastSeen is CLOCK_MONOTONIC time (see MonotonicNow), refreshed at most once a second.
 	LastSeen time.Duration
 }
@@ -120,7 +119,7 @@ func decodeEntry(v6 bool, dir Direction, proto uint8, s, d [4]uint32, sp, dp uin
 		Src:  netip.AddrPortFrom(wordsAddr(v6, s), ntohs(sp)),
 		Dst:  netip.AddrPortFrom(wordsAddr(v6, d), ntohs(dp)),
 		To:   netip.AddrPortFrom(wordsAddr(v6, v.Addr), ntohs(v.Port)),
-		Kind: Kind(v.Kind), Flags: Flags(v.Flags), Slot: v.Slot, Ifindex: int(v.Ifindex),
+		Kind: Kind(v.Kind), Flags: Flags(v.Flags), Slot: v.Slot,
 		LastSeen: time.Duration(v.LastSeen),
 	}
 }
@@ -526,15 +525,10 @@ func sweepTable[K rawNATKey[K]](m *ebpf.Map, now time.Duration, t Timeouts, res 
 				continue
 			}
 			// A packet may have refreshed the entry since its batch was read.
-			var cur masqNatEntry
-			if err := m.Lookup(&keys[i], &cur); err != nil {
-				if errors.Is(err, ebpf.ErrKeyNotExist) {
-					continue
-				}
-				inner = fmt.Errorf("lookup nat entry: %w", err)
+			if touched, err := touchedSince(m, &keys[i], v.LastSeen); err != nil {
+				inner = err
 				return false
-			}
-			if cur.LastSeen != v.LastSeen {
+			} else if touched {
 				continue
 			}
 			doomed = append(doomed, k)
@@ -639,29 +633,17 @@ func (d *Datapath) SweptEntries() (map[uint8]uint64, error) {
 	return out, nil
 }
 
-// deleteIdle deletes the entries of one flow unless a packet refreshed one of them since they
-// were read, and returns how many it deleted (entries already gone do not count).
-func (d *Datapath) deleteIdle(fam policy.Family, entries ...NATEntry) (int, error) {
-	m := d.natMap(fam)
-	present := make([]NATEntry, 0, len(entries))
-	for _, e := range entries {
-		var v masqNatEntry
-		err := m.Lookup(natKey(e.Dir, e.Proto, e.Src, e.Dst), &v)
+// touchedSince reports whether the entry at key changed since it was read with lastSeen: a
+// packet refreshed it, or it is gone. The sweep asks before deleting an idle flow.
+func touchedSince(m *ebpf.Map, key any, lastSeen uint64) (bool, error) {
+	var cur masqNatEntry
+	if err := m.Lookup(key, &cur); err != nil {
 		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			continue
+			return true, nil
 		}
-		if err != nil {
-			return 0, fmt.Errorf("lookup %s nat entry: %w", fam, err)
-		}
-		if time.Duration(v.LastSeen) != e.LastSeen {
-			return 0, nil // active again
-		}
-		present = append(present, e)
+		return false, fmt.Errorf("lookup nat entry: %w", err)
 	}
-	if err := d.deleteEntries(fam, present); err != nil {
-		return 0, err
-	}
-	return len(present), nil
+	return cur.LastSeen != lastSeen, nil
 }
 
 // pointsBack tells whether partner is the other half of e's flow rather than of a flow that

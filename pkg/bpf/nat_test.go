@@ -118,9 +118,13 @@ func TestSweep(t *testing.T) {
 			if err != nil || !ok {
 				t.Fatalf("established flow: %v %v", ok, err)
 			}
+			key := natKey(read.Dir, read.Proto, read.Src, read.Dst)
+			if touched, err := touchedSince(h.dp.natMap(fam), key, uint64(read.LastSeen)); err != nil || touched {
+				t.Fatalf("an untouched flow reads as touched (%v)", err)
+			}
 			h.age(Egress, 6, established, dst, 0)
-			if n, err := h.dp.deleteIdle(fam, read); err != nil || n != 0 {
-				t.Fatalf("refreshed flow deleted (%d, %v)", n, err)
+			if touched, err := touchedSince(h.dp.natMap(fam), key, uint64(read.LastSeen)); err != nil || !touched {
+				t.Fatalf("a refreshed flow reads as untouched: the sweep would delete it (%v)", err)
 			}
 			if res := sweep(2 * time.Hour); res.Flows != 1 || len(h.flowsOf(fam)) != 0 {
 				t.Fatalf("after 2h: %+v, flows left %v", res, h.flowsOf(fam))

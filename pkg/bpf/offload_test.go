@@ -101,7 +101,7 @@ func TestOffloadedTraffic(t *testing.T) {
 		}{{h.dp.Egress(), ebpf.AttachTCXEgress}, {h.dp.Ingress(), ebpf.AttachTCXIngress}} {
 			l, err := link.AttachTCX(link.TCXOptions{Interface: up0.Index, Program: a.prog, Attach: a.typ})
 			if errors.Is(err, ebpf.ErrNotSupported) {
-				t.Skipf("tcx links: %v", err)
+				testutil.Unavailable(t, "tcx links: %v", err)
 			}
 			if err != nil {
 				t.Fatalf("attach tcx to up0: %v", err)

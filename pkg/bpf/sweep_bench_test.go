@@ -34,9 +34,9 @@ func fillFlows(tb testing.TB, d *Datapath, from, n int, lastSeen time.Duration) 
 			masqNat4Key{Saddr: remote, Daddr: snat, Sport: htons(53), Dport: natPort, Proto: unix.IPPROTO_UDP, Dir: masqNatDir(Ingress)})
 		vals = append(vals,
 			masqNatEntry{Addr: [4]uint32{snat}, Port: natPort, Kind: masqNatKind(KindMasq), Flags: masqNatFlags(FlagSeen),
-				Ifindex: testIfindex, LastSeen: uint64(lastSeen)},
+				LastSeen: uint64(lastSeen)},
 			masqNatEntry{Addr: [4]uint32{podAddr}, Port: sport, Kind: masqNatKind(KindMasq), Slot: noSlot,
-				Ifindex: testIfindex, LastSeen: uint64(lastSeen)})
+				LastSeen: uint64(lastSeen)})
 		if len(keys) == cap(keys) {
 			flush()
 		}

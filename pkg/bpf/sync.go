@@ -153,6 +153,7 @@ func makePlan(p *policy.Policy) (*plan, error) {
 			continue
 		}
 		rules := p.Rules(fam)
+		_, outbound := p.OutboundAction(fam) // always MASQUERADE when there is one
 		seen := map[slotKey]uint16{}
 		returned := false
 		for i := range rules {
@@ -166,7 +167,7 @@ func makePlan(p *policy.Policy) (*plan, error) {
 			idx := len(pl.keys)
 			pl.keys, pl.rules = append(pl.keys, k), append(pl.rules, r)
 
-			if r.Origin == policy.OriginOutbound && r.Prefix.Bits() == 0 && i == len(rules)-1 {
+			if r == outbound {
 				// The fallback: rule 4 of the chain.
 				pl.out[fam] = idx
 				continue
@@ -397,16 +398,7 @@ func (d *Datapath) writePorts(ranges policy.PortRanges) error {
 			ports = append(ports, uint16(p))
 		}
 	}
-	_, err := d.objs.NatPorts.BatchUpdate(keys, ports, nil)
-	if errors.Is(err, ebpf.ErrNotSupported) {
-		err = nil
-		for i := range keys {
-			if err = d.objs.NatPorts.Put(keys[i], ports[i]); err != nil {
-				break
-			}
-		}
-	}
-	if err != nil {
+	if err := putArray(d.objs.NatPorts, keys, ports); err != nil {
 		return fmt.Errorf("write nat_ports: %w", err)
 	}
 	d.ports = slices.Clone(ranges)

@@ -5,12 +5,13 @@ import (
 	"errors"
 	"net/netip"
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/cilium/ebpf"
-	"golang.org/x/sys/unix"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
@@ -177,10 +178,12 @@ func TestSyncNoGap(t *testing.T) {
 		var stop atomic.Bool
 		var wg sync.WaitGroup
 		var bad atomic.Value
+		var probed atomic.Int64
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for n := 0; !stop.Load(); n++ {
+				probed.Add(1)
 				// Each probe is a new flow; a destination port of its own keeps the masqueraded
 				// ones from filling one remote endpoint's port range, whose exhaustion (a drop)
 				// would look like a flipped verdict on a slow machine.
@@ -197,15 +200,27 @@ func TestSyncNoGap(t *testing.T) {
 				}
 			}
 		}()
-		for n := 0; n < 300 && bad.Load() == nil; n++ {
+		for probed.Load() == 0 && bad.Load() == nil {
+			runtime.Gosched() // the probes must run while the syncs do
+		}
+		// At least 300 syncs, and as many probes while they run (on a busy machine the probes
+		// may lag: the syncs go on until they caught up, for at most 20 s).
+		before := probed.Load()
+		deadline := time.Now().Add(20 * time.Second)
+		n := 0
+		for ; (n < 300 || probed.Load()-before < 300) && bad.Load() == nil && time.Now().Before(deadline); n++ {
 			if err := h.dp.SyncPolicy(pair[(n+1)%2]); err != nil {
 				t.Fatal(err)
 			}
 		}
+		during := probed.Load() - before
 		stop.Store(true)
 		wg.Wait()
 		if msg := bad.Load(); msg != nil {
 			t.Fatal(msg)
+		}
+		if during < 300 {
+			t.Fatalf("only %d probes ran during %d syncs", during, n)
 		}
 	}
 }
@@ -213,17 +228,8 @@ func TestSyncNoGap(t *testing.T) {
 // TestPinnedReuse: a datapath loaded over pinned maps continues with the previous one's flows,
 // rules and counters.
 func TestPinnedReuse(t *testing.T) {
-	testutil.RequirePrivileged(t)
 	h := &harness{t: t}
-	dir := t.TempDir()
-	if err := unix.Mount("bpffs", dir, "bpf", 0, ""); err != nil {
-		t.Fatalf("mount bpffs on %s: %v", dir, err)
-	}
-	t.Cleanup(func() {
-		if err := unix.Unmount(dir, 0); err != nil {
-			t.Errorf("unmount %s: %v", dir, err)
-		}
-	})
+	dir := testutil.MountBPFFS(t)
 	p := defaultPolicy(true)
 	load := func(opts LoadOptions) *Datapath {
 		opts.PinPath = dir
@@ -359,7 +365,7 @@ func TestVerifierComplexity(t *testing.T) {
 		}
 		n, ok := info.VerifiedInstructions()
 		if !ok {
-			t.Skipf("kernel does not report verified instructions")
+			testutil.Unavailable(t, "kernel does not report verified instructions")
 		}
 		t.Logf("%s: %d instructions processed by the verifier", name, n)
 		if n > 300_000 {

@@ -12,7 +12,6 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -134,18 +133,18 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 		return nil, err
 	}
 	mode := opts.AttachMode
-	switch mode {
-	case "", "auto":
+	if err := tc.CheckMode(mode); err != nil {
+		return nil, err
+	}
+	if mode == "" || mode == tc.ModeAuto {
 		m, reason, err := tc.Probe()
 		if err != nil {
 			return nil, err
 		}
 		mode = m
 		log.Info("attach mode chosen", "mode", mode, "reason", reason)
-	case tc.ModeTCX, tc.ModeTC:
+	} else {
 		log.Info("attach mode chosen", "mode", mode, "reason", "--attach-mode")
-	default:
-		return nil, fmt.Errorf("attach mode %q: must be auto, %s or %s", mode, tc.ModeTCX, tc.ModeTC)
 	}
 	pinDir := filepath.Join(opts.BPFFS, PinDir)
 	attach, err := tc.NewManager(mode, tcOptions(pinDir, opts.Logger))
@@ -275,7 +274,7 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	// tries, so that entries changed behind the agent's back are written again. A new policy
 	// (a config change) skips the re-read, which costs a syscall per entry: drift in between is
 	// the drift check's to find, and its repair re-applies this policy.
-	if p == b.lastApplied || (b.lastApplied != nil && reflect.DeepEqual(p, b.lastApplied)) {
+	if p.Equal(b.lastApplied) {
 		if err := dp.Refresh(); err != nil {
 			return fmt.Errorf("read the maps: %w", err)
 		}

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/cilium/ebpf"
+	ciliumlink "github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
@@ -107,6 +109,23 @@ func TestRuleMapsGrow(t *testing.T) {
 			t.Errorf("pinned capacity %d (%v), want %d", pinned, err, bpf.CapacityFor(n+5))
 		}
 		// The programs on the uplink are the grown datapath's: they see its counters.
+		for _, a := range []struct {
+			typ  ebpf.AttachType
+			prog *ebpf.Program
+		}{{ebpf.AttachTCXEgress, grown.Egress()}, {ebpf.AttachTCXIngress, grown.Ingress()}} {
+			res, err := ciliumlink.QueryPrograms(ciliumlink.QueryOptions{Target: link.Attrs().Index, Attach: a.typ})
+			if err != nil {
+				t.Fatal(err)
+			}
+			info, err := a.prog.Info()
+			if err != nil {
+				t.Fatal(err)
+			}
+			id, _ := info.ID()
+			if len(res.Programs) != 1 || res.Programs[0].ID != id {
+				t.Errorf("%s programs on uplink0: %+v, want the grown datapath's %d", a.typ, res.Programs, id)
+			}
+		}
 		if err := b.Apply(ctx, big); err != nil || b.dp.Load() != grown {
 			t.Errorf("a second apply of the same policy reloaded the maps (%v)", err)
 		}

@@ -112,10 +112,8 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
-	switch af.attachMode {
-	case "auto", tc.ModeTCX, tc.ModeTC:
-	default:
-		return usageError{fmt.Errorf("attach mode %q: must be auto, %s or %s", af.attachMode, tc.ModeTCX, tc.ModeTC)}
+	if err := tc.CheckMode(af.attachMode); err != nil {
+		return usageError{err}
 	}
 	if af.sweepInterval <= 0 {
 		return usageError{fmt.Errorf("nat-sweep-interval %v: must be positive", af.sweepInterval)}

@@ -5,9 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"runtime"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
@@ -697,6 +700,7 @@ func TestCountersDuringApply(t *testing.T) {
 	}
 	done := make(chan struct{})
 	errs := make(chan error, 1)
+	var reads atomic.Int64
 	go func() {
 		defer close(errs)
 		for {
@@ -710,22 +714,42 @@ func TestCountersDuringApply(t *testing.T) {
 				errs <- err
 				return
 			}
+			tenSlash8 := 0
 			for _, c := range cs {
-				if c.Prefix == netip.MustParsePrefix("10.0.0.0/8") && c.Origin != policy.OriginNonMasqueradeCIDRs {
-					errs <- fmt.Errorf("counter %+v", c)
-					return
+				if c.Prefix == netip.MustParsePrefix("10.0.0.0/8") {
+					tenSlash8++
+					if c.Origin != policy.OriginNonMasqueradeCIDRs {
+						errs <- fmt.Errorf("counter %+v", c)
+						return
+					}
 				}
 			}
+			if tenSlash8 != 1 {
+				errs <- fmt.Errorf("a read with %d counters of 10.0.0.0/8, both policies have one: %+v", tenSlash8, cs)
+				return
+			}
+			reads.Add(1)
 			_ = b.Info()
 		}
 	}()
-	for i := range 50 {
+	for reads.Load() == 0 && len(errs) == 0 {
+		runtime.Gosched() // reads must run while the applies do
+	}
+	// At least 50 applies, and as many reads while they run (for at most 20 s).
+	before := reads.Load()
+	deadline := time.Now().Add(20 * time.Second)
+	i := 0
+	for ; (i < 50 || reads.Load()-before < 50) && len(errs) == 0 && time.Now().Before(deadline); i++ {
 		if err := b.Apply(ctx, policies[i%2]); err != nil {
 			t.Fatal(err)
 		}
 	}
+	during := reads.Load() - before
 	close(done)
 	if err := <-errs; err != nil {
 		t.Fatal(err)
+	}
+	if during < 50 {
+		t.Fatalf("%d counter reads during %d applies", during, i)
 	}
 }

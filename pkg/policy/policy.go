@@ -14,6 +14,7 @@ package policy
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 )
@@ -130,6 +131,16 @@ type Policy struct {
 	EnableIPv6  bool
 	RandomFully bool
 	ToPorts     PortRanges
+}
+
+// Equal reports whether p and q decide and render alike: the same rules, in order, and the same
+// settings. A nil policy equals only nil.
+func (p *Policy) Equal(q *Policy) bool {
+	if p == nil || q == nil {
+		return p == q
+	}
+	return p == q || (p.EnableIPv6 == q.EnableIPv6 && p.RandomFully == q.RandomFully &&
+		slices.Equal(p.IPv4, q.IPv4) && slices.Equal(p.IPv6, q.IPv6) && slices.Equal(p.ToPorts, q.ToPorts))
 }
 
 // Compile builds the rule lists from a validated configuration.

@@ -66,6 +66,9 @@ func TestCompileOrder(t *testing.T) {
 func TestCompileComments(t *testing.T) {
 	p := Compile(config.Config{MasqueradeCIDRs: mustPrefixes("1.2.3.4/32"), NonMasqueradeCIDRs: mustPrefixes("10.0.0.0/8"), MasqOutBound: true}, Options{})
 	want := []string{CommentSpecificMasquerade, CommentNonMasquerade, CommentNonMasquerade, CommentOutbound}
+	if len(p.IPv4) != len(want) {
+		t.Fatalf("%d rules, want %d: %+v", len(p.IPv4), len(want), p.IPv4)
+	}
 	for i, r := range p.IPv4 {
 		if r.Comment != want[i] {
 			t.Errorf("rule %d comment %q, want %q", i+1, r.Comment, want[i])
@@ -163,6 +166,26 @@ func TestParsePortRanges(t *testing.T) {
 	for _, bad := range []string{"0-10", "10-5", "1-65536", "a-b", "1024-", "-5", "1,,2", "100-200,150-160", " 5", "1-2-3"} {
 		if _, err := ParsePortRanges(bad); err == nil {
 			t.Errorf("ParsePortRanges(%q) accepted", bad)
+		}
+	}
+}
+
+func TestEqual(t *testing.T) {
+	a := Compile(config.Config{NonMasqueradeCIDRs: mustPrefixes("10.0.0.0/8"), MasqOutBound: true}, Options{RandomFully: true})
+	same := Compile(config.Config{NonMasqueradeCIDRs: mustPrefixes("10.0.0.0/8"), MasqOutBound: true}, Options{RandomFully: true})
+	if !a.Equal(same) || !a.Equal(a) || !(*Policy)(nil).Equal(nil) {
+		t.Error("equal policies compare unequal")
+	}
+	for name, q := range map[string]*Policy{
+		"nil":          nil,
+		"other CIDR":   Compile(config.Config{NonMasqueradeCIDRs: mustPrefixes("10.0.0.0/9"), MasqOutBound: true}, Options{RandomFully: true}),
+		"no outbound":  Compile(config.Config{NonMasqueradeCIDRs: mustPrefixes("10.0.0.0/8")}, Options{RandomFully: true}),
+		"random-fully": Compile(config.Config{NonMasqueradeCIDRs: mustPrefixes("10.0.0.0/8"), MasqOutBound: true}, Options{}),
+		"IPv6":         Compile(config.Config{NonMasqueradeCIDRs: mustPrefixes("10.0.0.0/8"), MasqOutBound: true}, Options{RandomFully: true, EnableIPv6: true}),
+		"to-ports":     Compile(config.Config{NonMasqueradeCIDRs: mustPrefixes("10.0.0.0/8"), MasqOutBound: true}, Options{RandomFully: true, ToPorts: PortRanges{{First: 1024, Last: 2047}}}),
+	} {
+		if a.Equal(q) || (q != nil && q.Equal(a)) {
+			t.Errorf("%s: unequal policies compare equal", name)
 		}
 	}
 }

@@ -178,6 +178,7 @@ func (c *clsact) Detach(ctx context.Context, ifindex int, dir Direction) error {
 	if err != nil {
 		return fmt.Errorf("list tc filters of ifindex %d %s: %w", ifindex, dir, err)
 	}
+	removed := false
 	for _, f := range fs {
 		if _, ok := c.ours(f); !ok {
 			continue
@@ -185,13 +186,18 @@ func (c *clsact) Detach(ctx context.Context, ifindex int, dir Direction) error {
 		if err := c.nl.FilterDel(f); err != nil && !errors.Is(err, unix.ENOENT) {
 			return fmt.Errorf("delete tc filter of ifindex %d %s: %w", ifindex, dir, err)
 		}
+		removed = true
 		c.log.Info("detached", "mode", ModeTC, "ifindex", ifindex, "direction", dir.String())
+	}
+	if !removed {
+		return nil // an empty clsact qdisc we did not just empty may be another component's
 	}
 	return c.dropEmptyQdisc(ifindex)
 }
 
-// dropEmptyQdisc removes a clsact qdisc without filters: it does nothing then, and leaving it
-// would be the one trace of the agent on the device. A qdisc with others' filters stays.
+// dropEmptyQdisc removes a clsact qdisc left without filters by our detach: it does nothing
+// then, and leaving it would be the one trace of the agent on the device. A qdisc with others'
+// filters stays.
 func (c *clsact) dropEmptyQdisc(ifindex int) error {
 	for _, d := range Directions() {
 		fs, err := c.filters(ifindex, d)

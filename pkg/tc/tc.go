@@ -21,11 +21,22 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Attach modes: the names the datapath_info metric and the logs use.
+// Attach modes: the names the datapath_info metric and the logs use. ModeAuto (or "") asks
+// Probe.
 const (
-	ModeTCX = "tcx"
-	ModeTC  = "tc"
+	ModeTCX  = "tcx"
+	ModeTC   = "tc"
+	ModeAuto = "auto"
 )
+
+// CheckMode accepts the modes a user may ask for: auto (or empty), tcx or tc.
+func CheckMode(mode string) error {
+	switch mode {
+	case "", ModeAuto, ModeTCX, ModeTC:
+		return nil
+	}
+	return fmt.Errorf("attach mode %q: must be %s, %s or %s", mode, ModeAuto, ModeTCX, ModeTC)
+}
 
 // netlinkTimeout bounds every netlink request (the netlink library takes no context).
 const netlinkTimeout = 5 * time.Second

@@ -50,15 +50,7 @@ func newSandbox(t *testing.T) *sandbox {
 			*idx = ifc.Index
 		}
 	})
-	bpffs := t.TempDir()
-	if err := unix.Mount("bpffs", bpffs, "bpf", 0, ""); err != nil {
-		t.Fatalf("mount bpffs: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := unix.Unmount(bpffs, 0); err != nil {
-			t.Errorf("unmount %s: %v", bpffs, err)
-		}
-	})
+	bpffs := testutil.MountBPFFS(t)
 	sb.opts = Options{
 		LinkDir: filepath.Join(bpffs, "links"), FilterName: "tc-test", FilterPriority: 20000, FilterHandle: 1,
 		Owns: func(info *ebpf.ProgramInfo) bool { return info.Name == "t_egress" || info.Name == "t_ingress" },
@@ -165,9 +157,7 @@ func TestProbe(t *testing.T) {
 // programs stay; detach removes ours and the pins.
 func TestTCX(t *testing.T) {
 	sb := newSandbox(t)
-	if mode, _, err := Probe(); err != nil || mode != ModeTCX {
-		t.Skipf("no tcx on this kernel (%s, %v)", mode, err)
-	}
+	requireTCX(t)
 	ctx := context.Background()
 	testutil.InNetns(t, sb.ns, func() {
 		foreign := newProg(t, "foreign", 7)
@@ -372,9 +362,7 @@ func TestClsact(t *testing.T) {
 // TestManagerSwitchesModes: attaching in one mode removes what the other left on the device.
 func TestManagerSwitchesModes(t *testing.T) {
 	sb := newSandbox(t)
-	if mode, _, err := Probe(); err != nil || mode != ModeTCX {
-		t.Skipf("no tcx on this kernel (%s, %v)", mode, err)
-	}
+	requireTCX(t)
 	ctx := context.Background()
 	testutil.InNetns(t, sb.ns, func() {
 		tcm, err := NewManager(ModeTC, sb.opts)
@@ -429,8 +417,8 @@ func TestManagerCheck(t *testing.T) {
 	for _, mode := range []string{ModeTCX, ModeTC} {
 		t.Run(mode, func(t *testing.T) {
 			sb := newSandbox(t)
-			if m, _, err := Probe(); mode == ModeTCX && (err != nil || m != ModeTCX) {
-				t.Skipf("no tcx on this kernel (%s, %v)", m, err)
+			if mode == ModeTCX {
+				requireTCX(t)
 			}
 			ctx := context.Background()
 			testutil.InNetns(t, sb.ns, func() {
@@ -513,4 +501,51 @@ func TestManagerCheck(t *testing.T) {
 			})
 		})
 	}
+}
+
+// requireTCX stops a test that needs tcx on a kernel without it (before 6.6): a skip outside CI,
+// a failure in CI. A failing probe is always a failure.
+func requireTCX(t *testing.T) {
+	t.Helper()
+	mode, _, err := Probe()
+	if err != nil {
+		t.Fatalf("probe: %v", err)
+	}
+	if mode != ModeTCX {
+		testutil.Unavailable(t, "no tcx on this kernel (probe chose %s)", mode)
+	}
+}
+
+// An empty clsact qdisc that our detach did not empty belongs to someone else: it stays.
+func TestClsactDetachLeavesForeignQdisc(t *testing.T) {
+	sb := newSandbox(t)
+	ctx := context.Background()
+	testutil.InNetns(t, sb.ns, func() {
+		q := &netlink.GenericQdisc{QdiscAttrs: netlink.QdiscAttrs{LinkIndex: sb.b, Handle: netlink.MakeHandle(0xffff, 0),
+			Parent: netlink.HANDLE_CLSACT}, QdiscType: "clsact"}
+		if err := netlink.QdiscAdd(q); err != nil {
+			t.Fatal(err)
+		}
+		h, err := newClsact(sb.opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer h.Close()
+		for _, d := range Directions() {
+			if err := h.Detach(ctx, sb.b, d); err != nil {
+				t.Fatal(err)
+			}
+		}
+		lnk, err := netlink.LinkByIndex(sb.b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		qs, err := netlink.QdiscList(lnk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.ContainsFunc(qs, func(q netlink.Qdisc) bool { return q.Type() == "clsact" }) {
+			t.Errorf("the foreign clsact qdisc was deleted: %v", qs)
+		}
+	})
 }

@@ -85,6 +85,20 @@ func (r *Resolver) Close() { r.nl.Close() }
 // addresses that are tentative, failed duplicate address detection, deprecated or temporary
 // (privacy addresses).
 func (r *Resolver) Resolve(ctx context.Context) (Set, error) {
+	// A dump that the kernel interrupted (the namespace changed meanwhile: pods come and go) may
+	// be inconsistent; it is asked again rather than failed or trusted.
+	for attempt := 1; ; attempt++ {
+		set, err := r.resolve(ctx)
+		if !errors.Is(err, netlink.ErrDumpInterrupted) || attempt == dumpAttempts {
+			return set, err
+		}
+	}
+}
+
+// dumpAttempts bounds the retries of interrupted netlink dumps.
+const dumpAttempts = 5
+
+func (r *Resolver) resolve(ctx context.Context) (Set, error) {
 	if err := ctx.Err(); err != nil {
 		return Set{}, err
 	}

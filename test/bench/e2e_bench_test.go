@@ -5,7 +5,6 @@
 package bench
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"flag"
@@ -14,7 +13,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -266,45 +264,16 @@ func stopMode(ctx context.Context, b *testing.B, env *e2e.Env, m Mode) {
 	}
 }
 
-// background starts a long-running command inside ns and stops it when the benchmark ends.
-// Pdeathsig fires when the forking *thread* exits, and the harness ends threads it moved into a
-// namespace; so the command is forked from a thread of its own, locked until the command is gone.
-func background(b *testing.B, ns string, name string, args ...string) {
-	b.Helper()
-	cmd := exec.Command("ip", append([]string{"netns", "exec", ns, name}, args...)...)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	started, done := make(chan error, 1), make(chan struct{})
-	go func() {
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		if err := cmd.Start(); err != nil {
-			started <- err
-			return
-		}
-		started <- nil
-		_ = cmd.Wait()
-		close(done)
-	}()
-	if err := <-started; err != nil {
-		b.Fatalf("start %s: %v", name, err)
-	}
-	b.Cleanup(func() {
-		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-		<-done
-	})
-	time.Sleep(200 * time.Millisecond) // let it listen
-}
-
 // measureLoad measures every mode on one topology, interleaved run by run, so that whatever
 // else the machine does in the meantime weighs on every mode alike.
 func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) []LoadResult {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
 	e := newEnv(ctx, b, bins, n)
-	background(b, e.Ext, bins.connrate, "serve", "-listen", netip.AddrPortFrom(target, connratePort).String())
-	background(b, e.Ext, "iperf3", "-s", "-B", target.String(), "-p", strconv.Itoa(iperfPort))
+	e2e.StartProcess(ctx, b, "connrate server", e.Ext, bins.connrate, "serve", "-listen", netip.AddrPortFrom(target, connratePort).String())
+	e2e.StartProcess(ctx, b, "iperf3 server", e.Ext, "iperf3", "-s", "-B", target.String(), "-p", strconv.Itoa(iperfPort))
+	e2e.WaitListening(ctx, b, e.Ext, netip.AddrPortFrom(target, connratePort))
+	e2e.WaitListening(ctx, b, e.Ext, netip.AddrPortFrom(target, iperfPort))
 	results := make([]LoadResult, len(ms))
 	for i, m := range ms {
 		results[i] = LoadResult{Mode: m.Name, CIDRs: n}
@@ -421,32 +390,24 @@ func measureMemory(b *testing.B, bins binaries, m Mode) []MemResult {
 	e := newEnv(ctx, b, bins, 0)
 	startMode(ctx, b, e, m, map[string]bool{})
 	time.Sleep(2 * time.Second) // past start-up allocations
-	out := []MemResult{{Mode: m.Name, State: "idle", RSSBytes: rss(b, e.Agent.Pid())}}
+	out := []MemResult{{Mode: m.Name, State: "idle", RSSBytes: rss(b, e.Agent)}}
 	b.Logf("%s idle: %d KiB", m.Name, out[0].RSSBytes/1024)
 	if fill := natFiller(m); fill != nil {
 		entries := fill(ctx, b, e)
-		out = append(out, MemResult{Mode: m.Name, State: "nat", RSSBytes: rss(b, e.Agent.Pid()), NATEntries: entries})
+		out = append(out, MemResult{Mode: m.Name, State: "nat", RSSBytes: rss(b, e.Agent), NATEntries: entries})
 		b.Logf("%s with %d NAT entries: %d KiB", m.Name, entries, out[1].RSSBytes/1024)
 	}
 	return out
 }
 
-func rss(b *testing.B, pid int) int64 {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+// rss is the agent's resident memory, in bytes.
+func rss(b *testing.B, a *e2e.Agent) int64 {
+	b.Helper()
+	n, err := a.RSS()
 	if err != nil {
 		b.Fatal(err)
 	}
-	for _, line := range strings.Split(string(data), "\n") {
-		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
-			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
-			if err != nil {
-				b.Fatal(err)
-			}
-			return kb * 1024
-		}
-	}
-	b.Fatal("no VmRSS")
-	return 0
+	return n
 }
 
 func median(xs []float64) float64 {

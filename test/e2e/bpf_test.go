@@ -488,8 +488,8 @@ func TestBPFFollowsUplinks(t *testing.T) {
 			if !slices.Equal(pins, wantPins) {
 				t.Errorf("link pins after late0 went: %v, want %v", pins, wantPins)
 			}
-			if got, _ := env.UplinkPrograms(t); len(got) != 2 {
-				t.Errorf("programs on %s after late0 went: %v", Uplink, got)
+			if got, _ := env.UplinkPrograms(t); !slices.Equal(got, want) {
+				t.Errorf("programs on %s after late0 went: %v, want %v", Uplink, got, want)
 			}
 			if src, err := env.Probe(ctx, "udp", public4); err != nil || src.Addr() != newAddr {
 				t.Errorf("after late0 went: seen from %s (%v), want %s", src, err, newAddr)

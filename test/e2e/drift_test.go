@@ -47,6 +47,9 @@ func TestDriftHealed(t *testing.T) {
 		t.Run(b.Name, func(t *testing.T) {
 			t.Parallel()
 			requireBackend(t, b)
+			if len(b.Damages) == 0 || slices.ContainsFunc(b.Damages, func(d Damage) bool { return len(d.What) == 0 }) {
+				t.Fatalf("backend %s: no damages, or a damage without kinds", b.Name)
+			}
 			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 			defer cancel()
 			env := NewBackendEnv(ctx, t, b, nil)
@@ -116,9 +119,6 @@ func TestDriftHealed(t *testing.T) {
 			}
 			if n := ag.Count("drift persists"); n != 0 {
 				t.Errorf("%d lines about drift that persisted", n)
-			}
-			if slices.ContainsFunc(b.Damages, func(d Damage) bool { return len(d.What) == 0 }) {
-				t.Error("a damage without kinds")
 			}
 			env.Check(ctx, t, want, nil)
 		})

@@ -116,11 +116,12 @@ func TestPortExhaustion(t *testing.T) {
 			}
 			endedAt := time.Now()
 			var fresh []*Conn
-			for len(fresh) < len(freed) {
+			want := len(freed)
+			for len(fresh) < want {
 				c, err := DialLine(ctx, env.Pod, netip.AddrPort{}, public4)
 				if err != nil {
 					if time.Since(endedAt) > 20*time.Second {
-						t.Fatalf("%d of %d new connections after %v: %v", len(fresh), len(freed), time.Since(endedAt), err)
+						t.Fatalf("%d of %d new connections after %v: %v", len(fresh), want, time.Since(endedAt), err)
 					}
 					continue
 				}
@@ -134,6 +135,9 @@ func TestPortExhaustion(t *testing.T) {
 				if len(fresh) == 1 {
 					t.Logf("the first new connection got a port %v after the old ones ended", time.Since(endedAt).Round(time.Millisecond))
 				}
+			}
+			if len(freed) != 0 {
+				t.Errorf("freed ports never handed out again: %v", freed)
 			}
 			if b.NAT {
 				m, err := ag.Scrape(ctx)

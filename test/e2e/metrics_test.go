@@ -245,7 +245,11 @@ func TestMetrics(t *testing.T) {
 			checkGrowth(t, before, counted, want)
 
 			// dump, a second process, reads the same counters from the kernel.
-			for k, d := range dumpRules(ctx, t, env, b) {
+			dumped := dumpRules(ctx, t, env, b)
+			if len(dumped) != len(counted) {
+				t.Errorf("dump shows %d rules, /metrics %d", len(dumped), len(counted))
+			}
+			for k, d := range dumped {
 				if c, ok := counted[k]; !ok || (c != d && k != ruleLinkLocal6) {
 					t.Errorf("dump shows %s %v, /metrics %v", k, d, c)
 				}
@@ -306,7 +310,11 @@ func TestMetrics(t *testing.T) {
 			if err := ag.Stop(ctx); err != nil {
 				t.Fatalf("agent exit after SIGTERM: %v", err)
 			}
-			for k, d := range dumpRules(ctx, t, env, b) {
+			dumped = dumpRules(ctx, t, env, b)
+			if len(dumped) != len(counted) {
+				t.Errorf("dump after the agent stopped shows %d rules, the last scrape %d", len(dumped), len(counted))
+			}
+			for k, d := range dumped {
 				if c, ok := counted[k]; !ok || (c != d && k != ruleLinkLocal6) {
 					t.Errorf("dump after the agent stopped shows %s %v, the last scrape %v", k, d, c)
 				}
