@@ -190,4 +190,26 @@ func TestWatch(t *testing.T) {
 	// The device goes away.
 	ip(t, ns, "link del lan0\n")
 	next("uplink lan0 is gone")
+
+	// Other devices churning (pods coming and going) do not hold a change back: their events
+	// do not count, and those that do cannot postpone the re-read beyond maxSettle.
+	churnCtx, stopChurn := context.WithCancel(ctx)
+	churned := make(chan struct{})
+	go func() {
+		defer close(churned)
+		for i := 0; churnCtx.Err() == nil; i++ {
+			batch := fmt.Sprintf("link add churn%d type veth peer name churnp%d\nlink set churn%d up\nlink del churn%d\n", i, i, i, i)
+			cmd := exec.CommandContext(churnCtx, "ip", "-n", ns, "-batch", "-")
+			cmd.Stdin = strings.NewReader(batch)
+			_ = cmd.Run()
+		}
+	}()
+	defer func() { stopChurn(); <-churned }()
+	time.Sleep(300 * time.Millisecond)
+	start := time.Now()
+	ip(t, ns, "addr del 192.0.2.20/24 dev up0\naddr add 192.0.2.30/24 dev up0\n")
+	next("up0 IPv4 address 192.0.2.20 -> 192.0.2.")
+	if took := time.Since(start); took > maxSettle+time.Second {
+		t.Errorf("the change was reported %v after it, during churn", took)
+	}
 }

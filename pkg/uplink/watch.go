@@ -3,10 +3,12 @@ package uplink
 import (
 	"context"
 	"log/slog"
+	"slices"
 	"strings"
 	"time"
 
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 )
 
 // Watch timing.
@@ -14,6 +16,9 @@ const (
 	// settle lets a burst of netlink events (a device coming up brings links, addresses and
 	// routes) end before the uplinks are read again.
 	settle = 100 * time.Millisecond
+	// maxSettle bounds how long events that keep coming (pods churning on a busy node) can
+	// postpone the re-read.
+	maxSettle = time.Second
 	// resubscribeDelay paces new subscriptions after one failed.
 	resubscribeDelay = time.Second
 )
@@ -29,6 +34,7 @@ func Watch(ctx context.Context, r *Resolver, changes chan<- string, log *slog.Lo
 	}
 	log = log.With("component", "uplink")
 	last, err := r.Resolve(ctx)
+	resolved := err == nil
 	if err != nil {
 		log.Warn("cannot read the uplinks", "error", err)
 	}
@@ -42,11 +48,11 @@ func Watch(ctx context.Context, r *Resolver, changes chan<- string, log *slog.Lo
 				continue
 			}
 		}
-		last = follow(ctx, r, s, last, changes, log)
+		last, resolved = follow(ctx, r, s, last, resolved, changes, log)
 		s.close()
 		if ctx.Err() == nil {
 			// Events were lost: look again before resubscribing.
-			last = check(ctx, r, last, changes, log)
+			last, resolved = check(ctx, r, last, changes, log)
 			select {
 			case <-ctx.Done():
 			case <-time.After(resubscribeDelay):
@@ -117,49 +123,85 @@ func (s *subscription) close() {
 }
 
 // follow reads events until ctx is done or a subscription ends, and returns the last resolution.
-func follow(ctx context.Context, r *Resolver, s *subscription, last Set, changes chan<- string, log *slog.Logger) Set {
+// Only events that can change the uplinks count: a device, or an address of a device, that is
+// an uplink or named by --interfaces, and default routes. A node's pods bring a stream of
+// others (their veths and routes). While the last resolution failed, every event counts.
+func follow(ctx context.Context, r *Resolver, s *subscription, last Set, resolved bool, changes chan<- string, log *slog.Logger) (Set, bool) {
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	defer timer.Stop()
+	var first time.Time // of the events the armed timer waits on; zero when it is not armed
+	arm := func() {
+		now := time.Now()
+		if first.IsZero() {
+			first = now
+		}
+		timer.Reset(min(settle, maxSettle-now.Sub(first)))
+	}
 	// The state may have changed between the resolution before and the subscription.
-	timer.Reset(settle)
+	arm()
 	for {
 		select {
 		case <-ctx.Done():
-			return last
-		case _, ok := <-s.links:
+			return last, resolved
+		case u, ok := <-s.links:
 			if !ok {
-				return last
+				return last, resolved
 			}
-			timer.Reset(settle)
-		case _, ok := <-s.addrs:
+			if !resolved || last.has(u.Attrs().Index) || slices.Contains(r.names, u.Attrs().Name) {
+				arm()
+			}
+		case u, ok := <-s.addrs:
 			if !ok {
-				return last
+				return last, resolved
 			}
-			timer.Reset(settle)
-		case _, ok := <-s.routes:
+			if !resolved || last.has(u.LinkIndex) {
+				arm()
+			}
+		case u, ok := <-s.routes:
 			if !ok {
-				return last
+				return last, resolved
 			}
-			timer.Reset(settle)
+			if !resolved || isDefault(u.Route) {
+				arm()
+			}
 		case <-timer.C:
-			last = check(ctx, r, last, changes, log)
+			first = time.Time{}
+			last, resolved = check(ctx, r, last, changes, log)
 		}
 	}
 }
 
-// check resolves the uplinks and reports a difference from last.
-func check(ctx context.Context, r *Resolver, last Set, changes chan<- string, log *slog.Logger) Set {
+// has reports whether the device with ifindex is one of the set's uplinks.
+func (s Set) has(ifindex int) bool {
+	return slices.ContainsFunc(s.Uplinks, func(u Uplink) bool { return u.Index == ifindex })
+}
+
+// isDefault reports whether rt is a default route of the main table, which decide the uplinks.
+func isDefault(rt netlink.Route) bool {
+	if rt.Table != 0 && rt.Table != unix.RT_TABLE_MAIN {
+		return false
+	}
+	if rt.Dst == nil {
+		return true
+	}
+	ones, _ := rt.Dst.Mask.Size()
+	return ones == 0
+}
+
+// check resolves the uplinks and reports a difference from last; false when it could not
+// resolve them (last is kept then).
+func check(ctx context.Context, r *Resolver, last Set, changes chan<- string, log *slog.Logger) (Set, bool) {
 	cur, err := r.Resolve(ctx)
 	if err != nil {
 		if ctx.Err() == nil {
 			log.Warn("cannot read the uplinks", "error", err)
 		}
-		return last
+		return last, false
 	}
 	diff := Diff(last, cur)
 	if len(diff) == 0 {
-		return cur
+		return cur, true
 	}
 	reason := strings.Join(diff, "; ")
 	log.Debug("uplinks changed", "change", reason)
@@ -167,5 +209,5 @@ func check(ctx context.Context, r *Resolver, last Set, changes chan<- string, lo
 	case changes <- reason:
 	default:
 	}
-	return cur
+	return cur, true
 }
