@@ -171,6 +171,9 @@ func TestConfigMapSwapsFollowed(t *testing.T) {
 		slowest = max(slowest, time.Since(start))
 	}
 	t.Logf("slowest ConfigMap update to apply: %v (debounce %v, quiet %v)", slowest, DefaultDebounce, DefaultQuiet)
+	if slowest > 2*time.Second {
+		t.Errorf("a ConfigMap update took %v to apply", slowest)
+	}
 	b.noApply(t, 200*time.Millisecond)
 	if s := r.agent.Stats(); s.Applies != 6 || s.ConfigErrors != 0 {
 		t.Errorf("stats %+v, want 6 applies and no errors", s)

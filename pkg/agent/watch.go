@@ -79,10 +79,14 @@ func (d *dirWatcher) ensure() {
 // directory itself, and stops watching the one they led to before. Called after every read,
 // since a ConfigMap update points "..data" at a new directory.
 func (d *dirWatcher) follow() {
-	var dir string
-	if real, err := filepath.EvalSymlinks(d.path); err == nil {
-		dir = filepath.Dir(real)
+	real, err := filepath.EvalSymlinks(d.path)
+	if err != nil {
+		// A missing file, or a link whose target is gone (maybe a moment ago, its removal's
+		// event still queued): keep watching where it led, so that the event is not dropped
+		// with the watch and the target's return is seen too.
+		return
 	}
+	dir := filepath.Dir(real)
 	if d.targetWD >= 0 && d.dirs[d.targetWD] == dir {
 		return
 	}
@@ -90,7 +94,7 @@ func (d *dirWatcher) follow() {
 		d.forget(d.targetWD)
 		d.targetWD = -1
 	}
-	if dir == "" || (d.configWD >= 0 && d.dirs[d.configWD] == dir) {
+	if d.configWD >= 0 && d.dirs[d.configWD] == dir {
 		return
 	}
 	wd, _, err := d.add(dir)

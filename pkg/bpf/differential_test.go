@@ -75,6 +75,11 @@ func TestDifferentialDecide(t *testing.T) {
 				}
 			}
 			after := h.slotPackets()
+			for s := range want {
+				if _, ok := after[s]; !ok {
+					t.Fatalf("round %d %s: slot %d counted %d packets but holds no rule", round, fam, s, want[s])
+				}
+			}
 			for s, n := range after {
 				if d := n - before[s]; d != want[s] {
 					k := h.dp.slots.bySlt[s]

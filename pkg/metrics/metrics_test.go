@@ -328,7 +328,7 @@ func TestScrapeReadTimeout(t *testing.T) {
 	reg := newRegistry(t, Options{Backend: b, ReadTimeout: 50 * time.Millisecond})
 	start := time.Now()
 	fams := scrape(t, reg)
-	if took := time.Since(start); took > 5*time.Second {
+	if took := time.Since(start); took > time.Second { // DefaultReadTimeout is 5 s
 		t.Errorf("scrape took %v", took)
 	}
 	if fams[ScrapeErrors].GetMetric()[0].GetCounter().GetValue() != 1 {

@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"context"
+	"errors"
+	"net"
 	"net/http"
 	"net/netip"
 	"sync"
@@ -74,7 +76,11 @@ func TestPortExhaustion(t *testing.T) {
 					defer wg.Done()
 					c, err := DialLine(ctx, env.Pod, netip.AddrPort{}, public4)
 					if err != nil {
-						return // refused: no SYN got through within the dial's 2 s
+						// Refused means dropped: no SYN got through within the dial's 2 s.
+						if ne := net.Error(nil); !errors.As(err, &ne) || !ne.Timeout() {
+							t.Errorf("a connection beyond the ports failed otherwise than by a timeout: %v", err)
+						}
+						return
 					}
 					defer c.Close()
 					answered <- c.Local()

@@ -122,8 +122,14 @@ func TestRestartUnderTraffic(t *testing.T) {
 			if res.Errors != 0 {
 				t.Errorf("%d short connections failed, the first: %s", res.Errors, res.FirstError)
 			}
-			if res.Connections < 100 {
+			if res.Connections < 1000 {
 				t.Errorf("only %d short connections ran", res.Connections)
+			}
+			// A SYN retransmitted means a packet went untranslated or was dropped during a
+			// restart. iptables' --random-fully has some anyway (a random port meeting the
+			// server's TIME_WAIT), so only the BPF datapath is held to none.
+			if b.NAT && res.Slow != 0 {
+				t.Errorf("%d short connections needed a SYN retransmit", res.Slow)
 			}
 			for _, f := range failures {
 				t.Error(f)
