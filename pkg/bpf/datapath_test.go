@@ -508,7 +508,7 @@ func TestRuleCounters(t *testing.T) {
 			}
 		}
 		if s.Packets != w.packets || s.Bytes != w.bytes {
-			t.Errorf("%s rule %d (%s %s): %d packets %d bytes, want %d and %d", s.Rule.Family, s.Rule.Number,
+			t.Errorf("%s rule %d (%s %s): %d packets %d bytes, want %d and %d", s.Rule.Family, s.Number,
 				s.Rule.Prefix, s.Rule.Action, s.Packets, s.Bytes, w.packets, w.bytes)
 		}
 	}

@@ -56,14 +56,14 @@ func TestDifferentialDecide(t *testing.T) {
 				got := tupleOf(t, out)
 				masqueraded := got.src.Addr() == snatFor(dst)
 				wantMasq := v.Action == policy.Masquerade
-				if fam == policy.IPv6 && !p.EnableIPv6 {
+				if !p.Enabled(fam) {
 					wantMasq = false
 				}
 				if masqueraded != wantMasq || (!masqueraded && !bytes.Equal(in, out)) {
 					t.Fatalf("round %d %s: %s: program masqueraded=%v (packet %s), Decide says %s (%v)",
 						round, fam, dst, masqueraded, got, v.Action, ruleName(v.Rule))
 				}
-				if v.Rule != nil && (fam == policy.IPv4 || p.EnableIPv6) {
+				if v.Rule != nil && p.Enabled(fam) {
 					s := h.dp.syncedSlot[v.Rule]
 					want[s]++
 					if i%97 == 0 {
@@ -227,7 +227,7 @@ func randomAddrIn(rng *rand.Rand, p netip.Prefix) netip.Addr {
 // randomDestination aims at the rules: inside a random rule's prefix, at its edges, or anywhere.
 func randomDestination(rng *rand.Rand, p *policy.Policy, fam policy.Family) netip.Addr {
 	rules := p.Rules(fam)
-	if fam == policy.IPv6 && !p.EnableIPv6 {
+	if !p.Enabled(fam) {
 		rules = policy.Compile(config.Default(config.Options{EnableIPv6: true}), policy.Options{EnableIPv6: true}).IPv6
 	}
 	if len(rules) > 0 && rng.IntN(10) < 7 {

@@ -202,7 +202,7 @@ func (fp fuzzPolicy) verdict(v6 bool, dst netip.Addr) (policy.Action, *policy.Ru
 	return policy.Return, nil
 }
 
-func (fp fuzzPolicy) enabled(v6 bool) bool { return !v6 || fp.p.EnableIPv6 }
+func (fp fuzzPolicy) enabled(v6 bool) bool { return !v6 || fp.p.Enabled(policy.IPv6) }
 
 // snat is the uplink's address of the family, if it has one.
 func (fp fuzzPolicy) snat(v6 bool) (netip.Addr, bool) {

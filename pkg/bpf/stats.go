@@ -16,7 +16,9 @@ import (
 // masqueraded flow every later packet leaving through the uplink too (iptables counts only a
 // connection's first packet in the nat table). Bytes are IP packet lengths.
 type RuleStats struct {
-	Rule    policy.Rule
+	Rule policy.Rule
+	// Number is the rule's 1-based position in its family's list.
+	Number  int
 	Slot    uint32
 	Packets uint64
 	Bytes   uint64
@@ -33,7 +35,7 @@ func (d *Datapath) RuleStats() ([]RuleStats, error) {
 	var out []RuleStats
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 		rules := d.synced.Rules(fam)
-		if fam == policy.IPv6 && !d.synced.EnableIPv6 {
+		if !d.synced.Enabled(fam) {
 			continue
 		}
 		for i := range rules {
@@ -45,7 +47,7 @@ func (d *Datapath) RuleStats() ([]RuleStats, error) {
 			if err != nil {
 				return nil, err
 			}
-			out = append(out, RuleStats{Rule: rules[i], Slot: s, Packets: packets, Bytes: bytes})
+			out = append(out, RuleStats{Rule: rules[i], Number: i + 1, Slot: s, Packets: packets, Bytes: bytes})
 		}
 	}
 	return out, nil

@@ -149,7 +149,7 @@ func makePlan(p *policy.Policy) (*plan, error) {
 		pl.tries[name] = map[trieKey]int{}
 	}
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		if fam == policy.IPv6 && !p.EnableIPv6 {
+		if !p.Enabled(fam) {
 			continue
 		}
 		rules := p.Rules(fam)
@@ -159,7 +159,7 @@ func makePlan(p *policy.Policy) (*plan, error) {
 		for i := range rules {
 			r := &rules[i]
 			if policy.FamilyOf(r.Prefix.Addr()) != fam || r.Prefix != r.Prefix.Masked() {
-				return nil, fmt.Errorf("%s rule %d: prefix %s is not a %s network", fam, r.Number, r.Prefix, fam)
+				return nil, fmt.Errorf("%s rule %d: prefix %s is not a %s network", fam, i+1, r.Prefix, fam)
 			}
 			k := slotKey{family: fam, prefix: r.Prefix, action: r.Action, origin: r.Origin}
 			k.dup = seen[k]
@@ -177,7 +177,7 @@ func makePlan(p *policy.Policy) (*plan, error) {
 			if r.Action == policy.Return {
 				returned = true
 			} else if returned {
-				return nil, fmt.Errorf("%s rule %d: a MASQUERADE rule after a RETURN rule cannot be expressed by the tries", fam, r.Number)
+				return nil, fmt.Errorf("%s rule %d: a MASQUERADE rule after a RETURN rule cannot be expressed by the tries", fam, i+1)
 			}
 			trie := pl.tries[trieName(fam, r.Action)]
 			if _, ok := trie[r.Prefix]; !ok {
@@ -198,7 +198,7 @@ func makePlan(p *policy.Policy) (*plan, error) {
 	}
 	c := &pl.config
 	c.V4.Enabled = 1
-	if p.EnableIPv6 {
+	if p.Enabled(policy.IPv6) {
 		c.V6.Enabled = 1
 	}
 	if p.RandomFully {

@@ -304,7 +304,7 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	installed := map[int]bpf.Uplink{}
 	for _, u := range set.Uplinks {
 		addrs := bpf.Uplink{IPv4: u.IPv4}
-		if p.EnableIPv6 {
+		if p.Enabled(policy.IPv6) {
 			addrs.IPv6 = u.IPv6
 		}
 		// A device named by --interfaces may carry either family; one found by its default
@@ -313,7 +313,7 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 		if changed && (named || u.DefaultV4) && !u.IPv4.IsValid() {
 			b.log.Warn("uplink has no IPv4 address: its masqueraded IPv4 traffic is dropped", "uplink", u.Name)
 		}
-		if changed && p.EnableIPv6 && (named || u.DefaultV6) && !u.IPv6.IsValid() {
+		if changed && p.Enabled(policy.IPv6) && (named || u.DefaultV6) && !u.IPv6.IsValid() {
 			b.log.Warn("uplink has no global IPv6 address: its masqueraded IPv6 traffic is dropped", "uplink", u.Name)
 		}
 		flushed, err := dp.SetUplink(u.Index, addrs)
@@ -406,7 +406,7 @@ func (b *Backend) load(p *policy.Policy, maxRules uint32) (*bpf.Datapath, error)
 	if maxRules != 0 {
 		lopts.MaxRules = maxRules
 	}
-	if !p.EnableIPv6 && lopts.NATEntriesV6 == 0 {
+	if !p.Enabled(policy.IPv6) && lopts.NATEntriesV6 == 0 {
 		lopts.NATEntriesV6 = natEntriesNoIPv6
 	}
 	mismatched, err := bpf.CheckPins(lopts)
@@ -454,7 +454,7 @@ func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) 
 	}
 	out := make([]datapath.RuleCounter, len(stats))
 	for i, s := range stats {
-		out[i] = datapath.RuleCounter{Family: s.Rule.Family, Rule: s.Rule.Number, Prefix: s.Rule.Prefix,
+		out[i] = datapath.RuleCounter{Family: s.Rule.Family, Rule: s.Number, Prefix: s.Rule.Prefix,
 			Action: s.Rule.Action, Origin: s.Rule.Origin, Entry: s.Rule.Entry, Packets: s.Packets, Bytes: s.Bytes}
 	}
 	return out, nil

@@ -118,9 +118,9 @@ func (r *Reader) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
 	}
 	var out []datapath.RuleCounter
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		if r.p != nil && (fam == policy.IPv4 || r.p.EnableIPv6) {
+		if r.p != nil && r.p.Enabled(fam) {
 			seen := map[key]int{}
-			for _, rule := range r.p.Rules(fam) {
+			for i, rule := range r.p.Rules(fam) {
 				k := key{fam, rule.Prefix, rule.Action, rule.Origin, 0}
 				k.dup = seen[k]
 				seen[k]++
@@ -129,7 +129,7 @@ func (r *Reader) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
 					continue // not installed (yet): left out rather than shown as zero
 				}
 				delete(byKey, k)
-				out = append(out, datapath.RuleCounter{Family: fam, Rule: rule.Number, Prefix: rule.Prefix,
+				out = append(out, datapath.RuleCounter{Family: fam, Rule: i + 1, Prefix: rule.Prefix,
 					Action: rule.Action, Origin: rule.Origin, Entry: rule.Entry, Packets: ir.Packets, Bytes: ir.Bytes})
 			}
 		}

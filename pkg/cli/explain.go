@@ -39,7 +39,7 @@ func runExplain(_ context.Context, args []string, stdout, stderr io.Writer) erro
 			fmt.Fprintf(tw, "%s\t%s\t-\t-\t%s\n", a, v.Action, v.Reason)
 			continue
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s #%d\t%s\t%s\n", a, v.Action, v.Rule.Family, v.Rule.Number, v.Rule.Prefix, v.Rule.Source())
+		fmt.Fprintf(tw, "%s\t%s\t%s #%d\t%s\t%s\n", a, v.Action, v.Rule.Family, v.Number, v.Rule.Prefix, v.Rule.Source())
 	}
 	return tw.Flush()
 }

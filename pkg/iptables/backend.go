@@ -138,7 +138,7 @@ func (b *Backend) toolsFor(ctx context.Context, fam policy.Family) (*tools, erro
 // stays in force unmanaged.
 func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	families := []policy.Family{policy.IPv4}
-	if p.EnableIPv6 {
+	if p.Enabled(policy.IPv6) {
 		families = append(families, policy.IPv6)
 	} else if !b.staleIPv6Checked {
 		if err := b.removeStale(ctx, policy.IPv6); err != nil {
@@ -339,20 +339,25 @@ func matchCounters(p *policy.Policy, fam policy.Family, chain string, live []Sav
 func mapLines(p *policy.Policy, fam policy.Family, chain string, live []SavedRule) (counters []datapath.RuleCounter, rest []int) {
 	lines := ChainLines(p, fam, chain)
 	match := pairLines(lines, live)
+	rules := p.Rules(fam)
+	number := make(map[*policy.Rule]int, len(rules))
+	for i := range rules {
+		number[&rules[i]] = i + 1
+	}
 	index := map[int]int{} // rule number -> position in counters
 	missing := map[int]bool{}
 	for i, l := range lines {
 		j := match[i]
 		if j < 0 {
-			missing[l.Rule.Number] = true
+			missing[number[l.Rule]] = true
 			continue
 		}
-		k, ok := index[l.Rule.Number]
+		k, ok := index[number[l.Rule]]
 		if !ok {
 			k = len(counters)
-			index[l.Rule.Number] = k
+			index[number[l.Rule]] = k
 			r := l.Rule
-			counters = append(counters, datapath.RuleCounter{Family: fam, Rule: r.Number, Prefix: r.Prefix,
+			counters = append(counters, datapath.RuleCounter{Family: fam, Rule: number[r], Prefix: r.Prefix,
 				Action: r.Action, Origin: r.Origin, Entry: r.Entry})
 		}
 		counters[k].Packets += live[j].Packets
@@ -366,7 +371,7 @@ func mapLines(p *policy.Policy, fam policy.Family, chain string, live []SavedRul
 	}
 	taken := make([]bool, len(live))
 	for i, l := range lines {
-		if j := match[i]; j >= 0 && !missing[l.Rule.Number] {
+		if j := match[i]; j >= 0 && !missing[number[l.Rule]] {
 			taken[j] = true
 		}
 	}

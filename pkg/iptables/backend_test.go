@@ -362,8 +362,8 @@ func TestCounters(t *testing.T) {
 	var want []datapath.RuleCounter
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 		line := 0
-		for _, r := range p.Rules(fam) {
-			c := datapath.RuleCounter{Family: fam, Rule: r.Number, Prefix: r.Prefix, Action: r.Action, Origin: r.Origin, Entry: r.Entry}
+		for i, r := range p.Rules(fam) {
+			c := datapath.RuleCounter{Family: fam, Rule: i + 1, Prefix: r.Prefix, Action: r.Action, Origin: r.Origin, Entry: r.Entry}
 			n := 1
 			if r.Action == policy.Masquerade {
 				n = 3*2 + 1 // tcp, udp, sctp per port range, plus the portless line

@@ -176,7 +176,7 @@ func RenderAll(p *policy.Policy, chain string) string {
 	var b strings.Builder
 	b.WriteString("# iptables-restore --noflush\n")
 	b.Write(Render(p, policy.IPv4, chain, true))
-	if p.EnableIPv6 {
+	if p.Enabled(policy.IPv6) {
 		b.WriteString("# ip6tables-restore --noflush\n")
 		b.Write(Render(p, policy.IPv6, chain, true))
 	}

@@ -190,7 +190,7 @@ COMMIT
 		strings.Count(all, "-j MY-CHAIN") != 2 || strings.Count(all, "COMMIT") != 2 {
 		t.Errorf("RenderAll:\n%s", all)
 	}
-	p.EnableIPv6 = false
+	p.IPv6 = nil
 	if all := RenderAll(p, DefaultChain); strings.Contains(all, "ip6tables") {
 		t.Errorf("RenderAll without IPv6 has an IPv6 part:\n%s", all)
 	}
@@ -233,8 +233,8 @@ func TestRenderToPorts(t *testing.T) {
 		if lines[i].Text != w {
 			t.Errorf("line %d:\n got  %s\n want %s", i, lines[i].Text, w)
 		}
-		if lines[i].Rule.Number != 1 {
-			t.Errorf("line %d maps to rule %d, want 1", i, lines[i].Rule.Number)
+		if lines[i].Rule != &p.IPv4[0] {
+			t.Errorf("line %d maps to rule %+v, want rule 1", i, lines[i].Rule)
 		}
 	}
 	// 28976 of 61744 ports are in the first range.

@@ -82,10 +82,9 @@ var (
 	LinkLocalIPv6 = netip.MustParsePrefix("fe80::/10")
 )
 
-// Rule is one entry of the chain.
+// Rule is one entry of the chain. Its number, as `iptables -L --line-numbers` shows it, is its
+// 1-based position in its family's list.
 type Rule struct {
-	// Number is the rule's 1-based position in its family's list, as `iptables -L --line-numbers`.
-	Number int
 	Family Family
 	// Prefix is the destination; 0.0.0.0/0 or ::/0 for the outbound rule.
 	Prefix netip.Prefix
@@ -126,12 +125,16 @@ type Options struct {
 // Policy is the compiled rule list of each family plus the NAT settings.
 type Policy struct {
 	IPv4 []Rule
-	// IPv6 is nil when IPv6 is not enabled: the agent then leaves IPv6 traffic alone.
+	// IPv6 is nil when IPv6 is not enabled (the agent then leaves IPv6 traffic alone), and a
+	// list, maybe empty, when it is (see Enabled).
 	IPv6        []Rule
-	EnableIPv6  bool
 	RandomFully bool
 	ToPorts     PortRanges
 }
+
+// Enabled reports whether the policy manages a family's traffic: IPv4 always, IPv6 with
+// --enable-ipv6.
+func (p *Policy) Enabled(fam Family) bool { return fam == IPv4 || p.IPv6 != nil }
 
 // Equal reports whether p and q decide and render alike: the same rules, in order, and the same
 // settings. A nil policy equals only nil.
@@ -139,13 +142,13 @@ func (p *Policy) Equal(q *Policy) bool {
 	if p == nil || q == nil {
 		return p == q
 	}
-	return p == q || (p.EnableIPv6 == q.EnableIPv6 && p.RandomFully == q.RandomFully &&
+	return p == q || (p.Enabled(IPv6) == q.Enabled(IPv6) && p.RandomFully == q.RandomFully &&
 		slices.Equal(p.IPv4, q.IPv4) && slices.Equal(p.IPv6, q.IPv6) && slices.Equal(p.ToPorts, q.ToPorts))
 }
 
 // Compile builds the rule lists from a validated configuration.
 func Compile(cfg config.Config, opts Options) *Policy {
-	p := &Policy{EnableIPv6: opts.EnableIPv6, RandomFully: opts.RandomFully, ToPorts: opts.ToPorts}
+	p := &Policy{RandomFully: opts.RandomFully, ToPorts: opts.ToPorts}
 	p.IPv4 = compileFamily(cfg, IPv4)
 	if opts.EnableIPv6 {
 		p.IPv6 = compileFamily(cfg, IPv6)
@@ -153,11 +156,13 @@ func Compile(cfg config.Config, opts Options) *Policy {
 	return p
 }
 
+// compileFamily returns a list that is never nil, so that an enabled family without rules is
+// told from a disabled one.
 func compileFamily(cfg config.Config, fam Family) []Rule {
-	var rules []Rule
+	rules := []Rule{}
 	add := func(prefix netip.Prefix, action Action, origin Origin, entry int, comment string) {
-		rules = append(rules, Rule{Number: len(rules) + 1, Family: fam, Prefix: prefix, Action: action,
-			Origin: origin, Entry: entry, Comment: comment})
+		rules = append(rules, Rule{Family: fam, Prefix: prefix, Action: action, Origin: origin, Entry: entry,
+			Comment: comment})
 	}
 	for i, c := range cfg.MasqueradeCIDRs {
 		if FamilyOf(c.Addr()) == fam {
@@ -199,8 +204,10 @@ func (p *Policy) Rules(fam Family) []Rule {
 // Verdict is the outcome of Decide.
 type Verdict struct {
 	Action Action
-	// Rule is the rule that decided, or nil when no rule matched (the end of the chain).
-	Rule *Rule
+	// Rule is the rule that decided, or nil when no rule matched (the end of the chain); Number
+	// is its 1-based position in its family's list, 0 without a rule.
+	Rule   *Rule
+	Number int
 	// Reason explains a verdict that no rule gave.
 	Reason string
 }
@@ -209,13 +216,13 @@ type Verdict struct {
 func (p *Policy) Decide(addr netip.Addr) Verdict {
 	addr = addr.Unmap()
 	fam := FamilyOf(addr)
-	if fam == IPv6 && !p.EnableIPv6 {
+	if !p.Enabled(fam) {
 		return Verdict{Action: Return, Reason: "IPv6 is not enabled (--enable-ipv6): IPv6 traffic is left alone"}
 	}
 	rules := p.Rules(fam)
 	for i := range rules {
 		if rules[i].Prefix.Contains(addr) {
-			return Verdict{Action: rules[i].Action, Rule: &rules[i]}
+			return Verdict{Action: rules[i].Action, Rule: &rules[i], Number: i + 1}
 		}
 	}
 	key := config.KeyMasqOutBound

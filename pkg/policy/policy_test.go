@@ -38,8 +38,8 @@ func TestCompileOrder(t *testing.T) {
 		}
 		for i, w := range want {
 			r := rules[i]
-			if r.Prefix.String() != w.prefix || r.Action != w.action || r.Source() != w.source || r.Number != i+1 || r.Family != fam {
-				t.Errorf("%v rule %d = %s %v %q #%d, want %s %v %q", fam, i+1, r.Prefix, r.Action, r.Source(), r.Number, w.prefix, w.action, w.source)
+			if r.Prefix.String() != w.prefix || r.Action != w.action || r.Source() != w.source || r.Family != fam {
+				t.Errorf("%v rule %d = %s %v %q, want %s %v %q", fam, i+1, r.Prefix, r.Action, r.Source(), w.prefix, w.action, w.source)
 			}
 		}
 	}
@@ -55,7 +55,7 @@ func TestCompileOrder(t *testing.T) {
 		{"fe80::/10", Return, "link-local (masqLinkLocalIPv6: false)"},
 		{"fc00::/7", Return, "nonMasqueradeCIDRs[1]"},
 	})
-	if a, r := p.OutboundAction(IPv4); a != Masquerade || r == nil || r.Number != 5 {
+	if a, r := p.OutboundAction(IPv4); a != Masquerade || r != &p.IPv4[4] {
 		t.Errorf("OutboundAction(IPv4) = %v, %+v", a, r)
 	}
 	if a, r := p.OutboundAction(IPv6); a != Return || r != nil {
@@ -86,6 +86,21 @@ func TestMasqLinkLocalDropsTheRule(t *testing.T) {
 	}
 }
 
+// An enabled family without rules is still managed: told apart from a disabled one.
+func TestEnabledFamilyWithoutRules(t *testing.T) {
+	cfg := config.Config{MasqLinkLocal: true, MasqLinkLocalIPv6: true}
+	on, off := Compile(cfg, Options{EnableIPv6: true}), Compile(cfg, Options{})
+	if !on.Enabled(IPv6) || off.Enabled(IPv6) || !off.Enabled(IPv4) {
+		t.Errorf("Enabled(IPv6) = %v with --enable-ipv6, %v without", on.Enabled(IPv6), off.Enabled(IPv6))
+	}
+	if on.Equal(off) || off.Equal(on) {
+		t.Error("a policy with IPv6 enabled equals one without")
+	}
+	if v := on.Decide(netip.MustParseAddr("2001:db8::1")); strings.Contains(v.Reason, "--enable-ipv6") {
+		t.Errorf("Decide(IPv6) with IPv6 enabled = %+v", v)
+	}
+}
+
 func TestDecide(t *testing.T) {
 	cfg := config.Default(config.Options{})
 	cfg.MasqueradeCIDRs = mustPrefixes("10.10.10.10/32", "169.254.169.254/32")
@@ -112,7 +127,10 @@ func TestDecide(t *testing.T) {
 		v := p.Decide(netip.MustParseAddr(tt.addr))
 		num := 0
 		if v.Rule != nil {
-			num = v.Rule.Number
+			num = v.Number
+			if rules := p.Rules(FamilyOf(netip.MustParseAddr(tt.addr))); v.Rule != &rules[num-1] {
+				t.Errorf("Decide(%s): rule %+v is not rule %d", tt.addr, v.Rule, num)
+			}
 		}
 		if v.Action != tt.action || num != tt.number {
 			t.Errorf("Decide(%s) = %v rule %d, want %v rule %d", tt.addr, v.Action, num, tt.action, tt.number)
@@ -141,7 +159,7 @@ func TestDecideWithoutIPv6OrOutbound(t *testing.T) {
 func TestDuplicateEntriesFirstWins(t *testing.T) {
 	cfg := config.Config{NonMasqueradeCIDRs: mustPrefixes("10.0.0.0/8", "10.0.0.0/8"), MasqueradeCIDRs: mustPrefixes("10.0.0.0/8")}
 	p := Compile(cfg, Options{})
-	if v := p.Decide(netip.MustParseAddr("10.1.1.1")); v.Action != Masquerade || v.Rule.Number != 1 {
+	if v := p.Decide(netip.MustParseAddr("10.1.1.1")); v.Action != Masquerade || v.Rule != &p.IPv4[0] || v.Number != 1 {
 		t.Errorf("Decide = %+v", v)
 	}
 }

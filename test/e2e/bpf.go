@@ -259,7 +259,7 @@ func verifyBPF(ctx context.Context, t testing.TB, env *Env, mode string) {
 			masq, nomasq = "masq_v6", "nomasq_v6"
 		}
 		want[masq], want[nomasq] = []netip.Prefix{}, []netip.Prefix{}
-		if fam == policy.IPv6 && !p.EnableIPv6 {
+		if !p.Enabled(fam) {
 			continue
 		}
 		rules := p.Rules(fam)
@@ -311,7 +311,7 @@ func verifyBPF(ctx context.Context, t testing.TB, env *Env, mode string) {
 
 	u, ok, err := r.Uplink(env.UplinkIndex(t))
 	wantUplink := bpf.Uplink{IPv4: NodeAddr4}
-	if p.EnableIPv6 {
+	if p.Enabled(policy.IPv6) {
 		wantUplink.IPv6 = NodeAddr6
 	}
 	if err != nil || !ok || u != wantUplink {
