@@ -3,10 +3,8 @@ package cli
 import (
 	"bytes"
 	"context"
-	"fmt"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -15,46 +13,44 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables/iptablestest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
-// savedRunner answers like a node with only iptables-nft whose iptables-save prints save. It
-// never runs a tool: these tests run in the host's namespace.
-type savedRunner struct {
-	save map[string]string // tool -> output
-}
-
-func (r savedRunner) LookPath(name string) error {
-	if strings.HasPrefix(name, "iptables-nft-") || strings.HasPrefix(name, "ip6tables-nft-") {
-		return nil
+// nftNode is a node with only iptables-nft whose IPv4 nat table holds p's chain, line i with
+// i*10 packets and i*600 bytes, plus extra lines. It never runs a tool: these tests run in the
+// host's namespace.
+func nftNode(p *policy.Policy, extra ...string) *iptablestest.Fake {
+	f := iptablestest.New()
+	f.Uninstall("-legacy")
+	for _, plain := range []string{"iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore"} {
+		delete(f.Installed, plain)
 	}
-	return &exec.Error{Name: name, Err: exec.ErrNotFound}
-}
-
-func (r savedRunner) Run(_ context.Context, _ []byte, name string, args ...string) ([]byte, error) {
-	if slices.Contains(args, "--version") {
-		return []byte(name + " v1.8.9 (nf_tables)\n"), nil
+	if p == nil {
+		f.NAT(iptables.ModeNFT, policy.IPv4)
+		return f
 	}
-	if !strings.HasSuffix(name, "-save") || !slices.Equal(args, []string{"-c"}) {
-		return nil, fmt.Errorf("unexpected command %s %q", name, args)
-	}
-	return []byte(r.save[name]), nil
-}
-
-// savedChain renders p's IPv4 chain as iptables-save -c prints it, line i with i*10 packets and
-// i*600 bytes, plus extra lines.
-func savedChain(p *policy.Policy, extra ...string) string {
-	var b strings.Builder
-	b.WriteString("*nat\n:PREROUTING ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n:IP-MASQ-AGENT - [0:0]\n")
-	b.WriteString("[0:0] " + iptables.JumpRule(iptables.DefaultChain) + "\n")
+	nat := f.NAT(iptables.ModeNFT, policy.IPv4)
+	nat.Chains = append(nat.Chains, iptables.DefaultChain)
+	nat.Rules["POSTROUTING"] = []iptablestest.Rule{{Text: iptables.JumpRule(iptables.DefaultChain).String()}}
 	for i, l := range iptables.ChainLines(p, policy.IPv4, iptables.DefaultChain) {
-		fmt.Fprintf(&b, "[%d:%d] %s\n", (i+1)*10, (i+1)*600, l.Text)
+		nat.Rules[iptables.DefaultChain] = append(nat.Rules[iptables.DefaultChain],
+			iptablestest.Rule{Text: l.Rule.String(), Packets: uint64(i+1) * 10, Bytes: uint64(i+1) * 600})
 	}
 	for _, e := range extra {
-		b.WriteString("[1:60] " + e + "\n")
+		nat.Rules[iptables.DefaultChain] = append(nat.Rules[iptables.DefaultChain], iptablestest.Rule{Text: e, Packets: 1, Bytes: 60})
 	}
-	b.WriteString("COMMIT\n")
-	return b.String()
+	return f
+}
+
+// onlyRead fails the test unless every tool dump ran only read: --version and iptables-save -c.
+func onlyRead(t *testing.T, f *iptablestest.Fake) {
+	t.Helper()
+	for _, c := range f.Calls {
+		if !slices.Contains(c.Args, "--version") && (!strings.HasSuffix(c.Name, "-save") || !slices.Equal(c.Args, []string{"-c"})) {
+			t.Errorf("dump ran %s %q", c.Name, c.Args)
+		}
+	}
 }
 
 func dumpFlags(t *testing.T, args ...string) *agentFlags {
@@ -93,7 +89,8 @@ func TestDumpIptables(t *testing.T) {
 	// The agent runs with --random-fully (the default) and the kernel took it.
 	p := policy.Compile(cfg, policy.Options{RandomFully: true})
 	stray := "-A IP-MASQ-AGENT -d 192.0.2.0/24 -j MASQUERADE"
-	r := savedRunner{save: map[string]string{"iptables-nft-save": savedChain(p, stray), "ip6tables-nft-save": "*filter\nCOMMIT\n"}}
+	r := nftNode(p, stray)
+	defer onlyRead(t, r)
 	bpffs := t.TempDir()
 
 	out, stderr, err := runDumpWith(t, r, "--config="+path, "--bpffs="+bpffs)
@@ -153,7 +150,8 @@ func TestDumpIptables(t *testing.T) {
 }
 
 func TestDumpNothingInstalled(t *testing.T) {
-	r := savedRunner{save: map[string]string{"iptables-nft-save": "*nat\n:POSTROUTING ACCEPT [0:0]\nCOMMIT\n", "ip6tables-nft-save": ""}}
+	r := nftNode(nil)
+	defer onlyRead(t, r)
 	bpffs := t.TempDir()
 	// An empty pin directory holds nothing.
 	if err := os.Mkdir(filepath.Join(bpffs, BPFPinDir), 0o755); err != nil {

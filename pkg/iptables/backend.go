@@ -1,7 +1,6 @@
 package iptables
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -17,6 +16,9 @@ import (
 
 // Name is the backend's name on the command line.
 const Name = "iptables"
+
+// families are the address families, in the order the backend handles them.
+var families = []policy.Family{policy.IPv4, policy.IPv6}
 
 // probeChain is a throwaway chain used once to ask the kernel whether it accepts
 // MASQUERADE --random-fully. It is removed right after.
@@ -137,38 +139,20 @@ func (b *Backend) toolsFor(ctx context.Context, fam policy.Family) (*tools, erro
 // IPv6 chain and jump left by an earlier run with --enable-ipv6, so that no stale IPv6 policy
 // stays in force unmanaged.
 func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
-	families := []policy.Family{policy.IPv4}
+	managed := []policy.Family{policy.IPv4}
 	if p.Enabled(policy.IPv6) {
-		families = append(families, policy.IPv6)
-	} else if !b.staleIPv6Checked {
-		if err := b.removeStale(ctx, policy.IPv6); err != nil {
-			// Not fatal: IPv6 is not managed, and the kernel may lack it altogether.
-			b.log.Warn("could not remove a stale IPv6 chain", "error", err)
-		}
-		b.staleIPv6Checked = true
-	}
-	// Counters must match what is installed, also when a later family fails, and a scrape
-	// during Apply must see each family's current policy: each family's policy is published as
-	// soon as its transaction succeeded. A family not managed any more is dropped at once.
-	applied := map[policy.Family]*policy.Policy{}
-	publish := func() {
-		next := make(map[policy.Family]*policy.Policy, len(applied))
-		for f, ap := range applied {
-			next[f] = ap
-		}
-		b.mu.Lock()
-		b.applied = next
-		b.mu.Unlock()
-	}
-	b.mu.Lock()
-	for _, fam := range families {
-		if prev, ok := b.applied[fam]; ok {
-			applied[fam] = prev // until this family's transaction succeeds
+		managed = append(managed, policy.IPv6)
+	} else {
+		b.publish(policy.IPv6, nil)
+		if !b.staleIPv6Checked {
+			if err := b.removeStale(ctx, policy.IPv6); err != nil {
+				// Not fatal: IPv6 is not managed, and the kernel may lack it altogether.
+				b.log.Warn("could not remove a stale IPv6 chain", "error", err)
+			}
+			b.staleIPv6Checked = true
 		}
 	}
-	b.mu.Unlock()
-	publish()
-	for _, fam := range families {
+	for _, fam := range managed {
 		fp := *p
 		if fp.RandomFully && !b.supportsRandomFully(ctx, fam) {
 			fp.RandomFully = false
@@ -176,8 +160,48 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 		if err := b.applyFamily(ctx, &fp, fam); err != nil {
 			return err
 		}
-		applied[fam] = &fp
-		publish()
+		b.publish(fam, &fp)
+	}
+	return nil
+}
+
+// publish records the policy a family now holds (nil: none), for Counters and CheckDrift.
+// Counters must match what is installed, also when a later family fails, and a scrape during
+// Apply must see each family's current policy: so each family is published as soon as its
+// transaction succeeded. The map is replaced, never modified, so a reader's copy stays valid.
+func (b *Backend) publish(fam policy.Family, p *policy.Policy) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	next := make(map[policy.Family]*policy.Policy, len(families))
+	for f, ap := range b.applied {
+		if f != fam {
+			next[f] = ap
+		}
+	}
+	if p != nil {
+		next[fam] = p
+	}
+	b.applied = next
+}
+
+// eachApplied calls fn for each family the last Apply installed, in family order, with its
+// policy and tools.
+func (b *Backend) eachApplied(ctx context.Context, fn func(fam policy.Family, p *policy.Policy, t *tools) error) error {
+	b.mu.Lock()
+	applied := b.applied
+	b.mu.Unlock()
+	for _, fam := range families {
+		p, ok := applied[fam]
+		if !ok {
+			continue
+		}
+		t, err := b.toolsFor(ctx, fam)
+		if err != nil {
+			return err
+		}
+		if err := fn(fam, p, t); err != nil {
+			return err
+		}
 	}
 	return nil
 }
@@ -191,30 +215,35 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 	if err != nil {
 		return err
 	}
-	jump := JumpRule(b.chain)
-	jumps := 0
-	for _, r := range nat.ChainRules("POSTROUTING") {
-		if r.Text == jump {
-			jumps++
-		}
-	}
+	jumps := countJumps(nat.ChainRules("POSTROUTING"), b.chain)
 	live := nat.ChainRules(b.chain)
-	if jumps == 1 && nat.HasChain(b.chain) && sameLines(ChainLines(p, fam, b.chain), live) {
+	lines := ChainLines(p, fam, b.chain)
+	if jumps == 1 && nat.HasChain(b.chain) && sameLines(lines, live) {
 		b.log.Debug("chain unchanged; nothing to restore", "family", fam, "rules", len(p.Rules(fam)))
 		return nil
 	}
-	withJump := jumps == 0
-	payload, kept := RenderKeepingCounters(p, fam, b.chain, withJump, live)
-	if jumps > 1 {
-		// Two agents overlapping in a rolling update may each have added the jump; keep one.
-		dedup := strings.Repeat("-D"+strings.TrimPrefix(jump, "-A")+"\n", jumps-1)
-		payload = append(bytes.TrimSuffix(payload, []byte("COMMIT\n")), dedup+"COMMIT\n"...)
+	tx, kept := chainTransaction(lines, b.chain, jumps == 0, live)
+	// Two agents overlapping in a rolling update may each have added the jump; keep one.
+	for i := 1; i < jumps; i++ {
+		tx.Delete(JumpRule(b.chain))
 	}
-	if err := b.restore(ctx, t, payload, "--counters"); err != nil {
+	if err := b.restore(ctx, t, tx.Bytes(), "--counters"); err != nil {
 		return fmt.Errorf("apply %s chain %s: %w", fam, b.chain, err)
 	}
-	b.log.Debug("chain applied", "family", fam, "rules", len(p.Rules(fam)), "linesKeepingCounters", kept, "jumpAdded", withJump)
+	b.log.Debug("chain applied", "family", fam, "rules", len(p.Rules(fam)), "linesKeepingCounters", kept, "jumpAdded", jumps == 0)
 	return nil
+}
+
+// countJumps counts the rules of POSTROUTING that are the chain's jump.
+func countJumps(postrouting []SavedRule, chain string) int {
+	jump := JumpRule(chain).Spec()
+	n := 0
+	for _, r := range postrouting {
+		if r.Spec == jump {
+			n++
+		}
+	}
+	return n
 }
 
 // sameLines reports whether the live chain is exactly the rendered one.
@@ -223,7 +252,7 @@ func sameLines(lines []Line, live []SavedRule) bool {
 		return false
 	}
 	for i := range lines {
-		if lines[i].Text != live[i].Text {
+		if lines[i].Rule.Spec() != live[i].Spec {
 			return false
 		}
 	}
@@ -282,11 +311,16 @@ func (b *Backend) supportsRandomFully(ctx context.Context, fam policy.Family) bo
 		b.randomFully[fam] = false
 		return false
 	}
-	probe := fmt.Sprintf("*nat\n:%s - [0:0]\n-A %s -j MASQUERADE --random-fully\nCOMMIT\n", probeChain, probeChain)
-	perr := b.restore(ctx, t, []byte(probe))
+	probe := NewTransaction()
+	probe.Declare(probeChain)
+	probe.Append(Rule{Chain: probeChain, Jump: TargetMasquerade, RandomFully: true})
+	perr := b.restore(ctx, t, probe.Bytes())
 	// Remove the probe chain whatever happened; declaring it first makes the removal valid
 	// even when the probe never created it.
-	if err := b.restore(ctx, t, []byte(fmt.Sprintf("*nat\n:%s - [0:0]\n-X %s\nCOMMIT\n", probeChain, probeChain))); err != nil {
+	remove := NewTransaction()
+	remove.Declare(probeChain)
+	remove.DeleteChain(probeChain)
+	if err := b.restore(ctx, t, remove.Bytes()); err != nil {
 		b.log.Warn("could not remove the --random-fully probe chain", "family", fam, "chain", probeChain, "error", err)
 	}
 	if perr != nil {
@@ -304,60 +338,46 @@ func (b *Backend) supportsRandomFully(ctx context.Context, fam policy.Family) bo
 // Counters implements datapath.Backend: the rule counters of iptables-save -c, mapped back to
 // the policy rules through the lines Render produced for them.
 func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
-	b.mu.Lock()
-	applied := b.applied
-	b.mu.Unlock()
 	var out []datapath.RuleCounter
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		p, ok := applied[fam]
-		if !ok {
-			continue
-		}
-		t, err := b.toolsFor(ctx, fam)
-		if err != nil {
-			return nil, err
-		}
+	err := b.eachApplied(ctx, func(fam policy.Family, p *policy.Policy, t *tools) error {
 		nat, err := b.save(ctx, t, "-c", "-t", "nat")
 		if err != nil {
-			return nil, err
+			return err
 		}
-		out = append(out, matchCounters(p, fam, b.chain, nat.ChainRules(b.chain))...)
+		counters, _ := mapLines(p, fam, b.chain, nat.ChainRules(b.chain))
+		out = append(out, counters...)
+		return nil
+	})
+	if err != nil {
+		return nil, err
 	}
 	return out, nil
 }
 
-// matchCounters sums the live lines' counters per policy rule. Each expected line takes the first
-// unused live line with the same text, so duplicate rules each find their own line.
-func matchCounters(p *policy.Policy, fam policy.Family, chain string, live []SavedRule) []datapath.RuleCounter {
-	out, _ := mapLines(p, fam, chain, live)
-	return out
-}
-
 // mapLines pairs the lines rendered for p with the live ones and sums the live counters per
-// rule. A rule with any of its lines missing is not (fully) installed and is left out; rest are
-// the indexes of the live lines no reported rule took, in chain order.
+// rule. Each rendered line takes the first unused live line with the same text, so duplicate
+// rules each find their own line. A rule with any of its lines missing is not (fully)
+// installed and is left out; rest are the indexes of the live lines no reported rule took, in
+// chain order.
 func mapLines(p *policy.Policy, fam policy.Family, chain string, live []SavedRule) (counters []datapath.RuleCounter, rest []int) {
 	lines := ChainLines(p, fam, chain)
-	match := pairLines(lines, live)
-	rules := p.Rules(fam)
-	number := make(map[*policy.Rule]int, len(rules))
-	for i := range rules {
-		number[&rules[i]] = i + 1
-	}
+	pair := newPairing(live)
+	match := make([]int, len(lines))
 	index := map[int]int{} // rule number -> position in counters
 	missing := map[int]bool{}
 	for i, l := range lines {
-		j := match[i]
+		r := l.Policy
+		j := pair.take(l.Rule.Spec())
+		match[i] = j
 		if j < 0 {
-			missing[number[l.Rule]] = true
+			missing[l.Number] = true
 			continue
 		}
-		k, ok := index[number[l.Rule]]
+		k, ok := index[l.Number]
 		if !ok {
 			k = len(counters)
-			index[number[l.Rule]] = k
-			r := l.Rule
-			counters = append(counters, datapath.RuleCounter{Family: fam, Rule: number[r], Prefix: r.Prefix,
+			index[l.Number] = k
+			counters = append(counters, datapath.RuleCounter{Family: fam, Rule: l.Number, Prefix: r.Prefix,
 				Action: r.Action, Origin: r.Origin, Entry: r.Entry})
 		}
 		counters[k].Packets += live[j].Packets
@@ -371,7 +391,7 @@ func mapLines(p *policy.Policy, fam policy.Family, chain string, live []SavedRul
 	}
 	taken := make([]bool, len(live))
 	for i, l := range lines {
-		if j := match[i]; j >= 0 && !missing[number[l.Rule]] {
+		if j := match[i]; j >= 0 && !missing[l.Number] {
 			taken[j] = true
 		}
 	}
@@ -389,7 +409,7 @@ func mapLines(p *policy.Policy, fam policy.Family, chain string, live []SavedRul
 func (b *Backend) Cleanup(ctx context.Context) error {
 	var errs []error
 	for _, mode := range []Mode{b.mode, otherMode(b.mode)} {
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range families {
 			t, err := resolveTools(ctx, b.runner, mode, fam)
 			if err != nil {
 				b.log.Debug("no tools, nothing to clean up", "mode", mode, "family", fam)
@@ -432,7 +452,7 @@ func (b *Backend) removeChains(ctx context.Context, t *tools) error {
 	if err != nil {
 		return err
 	}
-	var payload strings.Builder
+	tx := NewTransaction()
 	var removed []string
 	jumps := 0
 	for _, chain := range []string{b.chain, probeChain} {
@@ -441,17 +461,18 @@ func (b *Backend) removeChains(ctx context.Context, t *tools) error {
 			continue
 		}
 		for _, r := range refs {
-			payload.WriteString("-D" + strings.TrimPrefix(r.Text, "-A") + "\n")
+			tx.DeleteSaved(r)
 		}
 		// Declaring the chain flushes it (or creates it, so that -X is valid either way).
-		fmt.Fprintf(&payload, ":%s - [0:0]\n-X %s\n", chain, chain)
+		tx.Declare(chain)
+		tx.DeleteChain(chain)
 		removed = append(removed, chain)
 		jumps += len(refs)
 	}
 	if len(removed) == 0 {
 		return nil
 	}
-	if err := b.restore(ctx, t, []byte("*nat\n"+payload.String()+"COMMIT\n")); err != nil {
+	if err := b.restore(ctx, t, tx.Bytes()); err != nil {
 		return fmt.Errorf("remove chain %s: %w", strings.Join(removed, ", "), err)
 	}
 	b.log.Info("removed chain", "tool", t.restore, "chains", removed, "jumps", jumps)

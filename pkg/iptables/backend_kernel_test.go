@@ -36,10 +36,10 @@ func readChain(ctx context.Context, t *testing.T, ns string, mode iptables.Mode,
 		t.Fatal(err)
 	}
 	for _, r := range nat.ChainRules(iptables.DefaultChain) {
-		chain = append(chain, r.Text)
+		chain = append(chain, r.Text())
 	}
 	for _, r := range nat.RulesTargeting(iptables.DefaultChain) {
-		jumps = append(jumps, r.Text)
+		jumps = append(jumps, r.Text())
 	}
 	return chain, jumps
 }
@@ -47,7 +47,7 @@ func readChain(ctx context.Context, t *testing.T, ns string, mode iptables.Mode,
 func wantLines(p *policy.Policy, fam policy.Family) []string {
 	var out []string
 	for _, l := range iptables.ChainLines(p, fam, iptables.DefaultChain) {
-		out = append(out, l.Text)
+		out = append(out, l.Rule.String())
 	}
 	return out
 }
@@ -87,7 +87,7 @@ func TestBackendInKernel(t *testing.T) {
 				if want := wantLines(p, fam); !slices.Equal(chain, want) {
 					t.Errorf("%s chain read back:\n %q\nwant\n %q", fam, chain, want)
 				}
-				if want := []string{iptables.JumpRule(iptables.DefaultChain)}; !slices.Equal(jumps, want) {
+				if want := []string{iptables.JumpRule(iptables.DefaultChain).String()}; !slices.Equal(jumps, want) {
 					t.Errorf("%s jumps %q, want exactly %q", fam, jumps, want)
 				}
 			}

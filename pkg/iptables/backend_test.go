@@ -1,4 +1,4 @@
-package iptables
+package iptables_test
 
 import (
 	"context"
@@ -14,8 +14,13 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables/iptablestest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
+
+// defaultJump is the POSTROUTING jump to the default chain, as iptables-save prints it.
+var defaultJump = iptables.JumpRule(iptables.DefaultChain).String()
 
 func testPolicy(t *testing.T, doc string, opts policy.Options) *policy.Policy {
 	t.Helper()
@@ -26,9 +31,9 @@ func testPolicy(t *testing.T, doc string, opts policy.Options) *policy.Policy {
 	return policy.Compile(cfg, opts)
 }
 
-func newFakeBackend(t *testing.T, f *fakeIptables) *Backend {
+func newFakeBackend(t *testing.T, f *iptablestest.Fake) *iptables.Backend {
 	t.Helper()
-	b, err := New(context.Background(), Options{Runner: f})
+	b, err := iptables.New(context.Background(), iptables.Options{Runner: f})
 	if err != nil {
 		t.Fatalf("new backend: %v", err)
 	}
@@ -37,17 +42,17 @@ func newFakeBackend(t *testing.T, f *fakeIptables) *Backend {
 
 func lineTexts(p *policy.Policy, fam policy.Family) []string {
 	var out []string
-	for _, l := range ChainLines(p, fam, DefaultChain) {
-		out = append(out, l.Text)
+	for _, l := range iptables.ChainLines(p, fam, iptables.DefaultChain) {
+		out = append(out, l.Rule.String())
 	}
 	return out
 }
 
 func TestApplyInstallsChainAndJumpOnce(t *testing.T) {
 	ctx := context.Background()
-	f := newFakeIptables()
+	f := iptablestest.New()
 	b := newFakeBackend(t, f)
-	if b.Mode() != ModeNFT {
+	if b.Mode() != iptables.ModeNFT {
 		t.Fatalf("mode = %s, want nft on a node without rules", b.Mode())
 	}
 	p := testPolicy(t, "masqueradeCIDRs: [10.10.10.10/32]", policy.Options{RandomFully: true})
@@ -56,40 +61,40 @@ func TestApplyInstallsChainAndJumpOnce(t *testing.T) {
 			t.Fatalf("apply #%d: %v", i+1, err)
 		}
 	}
-	if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(p, policy.IPv4); !slices.Equal(got, want) {
+	if got, want := f.ChainTexts(iptables.ModeNFT, policy.IPv4, iptables.DefaultChain), lineTexts(p, policy.IPv4); !slices.Equal(got, want) {
 		t.Errorf("chain:\n got %q\nwant %q", got, want)
 	}
-	if got, want := f.chainTexts(ModeNFT, policy.IPv4, "POSTROUTING"), []string{JumpRule(DefaultChain)}; !slices.Equal(got, want) {
+	if got, want := f.ChainTexts(iptables.ModeNFT, policy.IPv4, "POSTROUTING"), []string{defaultJump}; !slices.Equal(got, want) {
 		t.Errorf("POSTROUTING = %q, want exactly one jump %q", got, want)
 	}
 	var withJump int
-	for _, payload := range f.restores() {
-		if strings.Contains(payload, JumpRule(DefaultChain)) {
+	for _, payload := range f.Restores() {
+		if strings.Contains(payload, defaultJump) {
 			withJump++
 		}
 	}
 	if withJump != 1 {
 		t.Errorf("%d payloads carried the jump, want only the first", withJump)
 	}
-	if len(f.stack(ModeLegacy, policy.IPv4).tables) != 0 {
+	if len(f.Stack(iptables.ModeLegacy, policy.IPv4).Tables) != 0 {
 		t.Errorf("apply in nft mode touched legacy tables")
 	}
 
 	// Duplicated jumps (two agents overlapping) are reduced to one; other rules stay.
-	nat := f.nat(ModeNFT, policy.IPv4)
-	other := fakeRule{text: "-A POSTROUTING -s 10.0.0.0/8 -j RETURN"}
-	nat.rules["POSTROUTING"] = append(nat.rules["POSTROUTING"], other, fakeRule{text: JumpRule(DefaultChain)}, fakeRule{text: JumpRule(DefaultChain)})
+	nat := f.NAT(iptables.ModeNFT, policy.IPv4)
+	other := iptablestest.Rule{Text: "-A POSTROUTING -s 10.0.0.0/8 -j RETURN"}
+	nat.Rules["POSTROUTING"] = append(nat.Rules["POSTROUTING"], other, iptablestest.Rule{Text: defaultJump}, iptablestest.Rule{Text: defaultJump})
 	if err := b.Apply(ctx, p); err != nil {
 		t.Fatal(err)
 	}
-	if got, want := f.chainTexts(ModeNFT, policy.IPv4, "POSTROUTING"), []string{other.text, JumpRule(DefaultChain)}; !slices.Equal(got, want) {
+	if got, want := f.ChainTexts(iptables.ModeNFT, policy.IPv4, "POSTROUTING"), []string{other.Text, defaultJump}; !slices.Equal(got, want) {
 		t.Errorf("POSTROUTING after dedup = %q, want %q", got, want)
 	}
 }
 
 func TestApplyReplacesAndHealsDrift(t *testing.T) {
 	ctx := context.Background()
-	f := newFakeIptables()
+	f := iptablestest.New()
 	b := newFakeBackend(t, f)
 	first := testPolicy(t, "nonMasqueradeCIDRs: [10.0.0.0/8, 100.64.0.0/10]", policy.Options{})
 	second := testPolicy(t, "nonMasqueradeCIDRs: [192.168.0.0/16]\nmasqLinkLocal: true", policy.Options{})
@@ -99,36 +104,36 @@ func TestApplyReplacesAndHealsDrift(t *testing.T) {
 	if err := b.Apply(ctx, second); err != nil {
 		t.Fatal(err)
 	}
-	if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(second, policy.IPv4); !slices.Equal(got, want) {
+	if got, want := f.ChainTexts(iptables.ModeNFT, policy.IPv4, iptables.DefaultChain), lineTexts(second, policy.IPv4); !slices.Equal(got, want) {
 		t.Fatalf("after a new policy the chain is\n %q\nwant\n %q", got, want)
 	}
 	// Someone flushes the chain and deletes the jump; the next apply (the resync) repairs both.
-	nat := f.nat(ModeNFT, policy.IPv4)
-	nat.rules[DefaultChain] = nil
-	nat.rules["POSTROUTING"] = nil
+	nat := f.NAT(iptables.ModeNFT, policy.IPv4)
+	nat.Rules[iptables.DefaultChain] = nil
+	nat.Rules["POSTROUTING"] = nil
 	if err := b.Apply(ctx, second); err != nil {
 		t.Fatal(err)
 	}
-	if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(second, policy.IPv4); !slices.Equal(got, want) {
+	if got, want := f.ChainTexts(iptables.ModeNFT, policy.IPv4, iptables.DefaultChain), lineTexts(second, policy.IPv4); !slices.Equal(got, want) {
 		t.Errorf("drift not healed: chain %q, want %q", got, want)
 	}
-	if got := f.chainTexts(ModeNFT, policy.IPv4, "POSTROUTING"); !slices.Equal(got, []string{JumpRule(DefaultChain)}) {
+	if got := f.ChainTexts(iptables.ModeNFT, policy.IPv4, "POSTROUTING"); !slices.Equal(got, []string{defaultJump}) {
 		t.Errorf("drift not healed: POSTROUTING %q", got)
 	}
 }
 
 func TestApplyIPv6(t *testing.T) {
 	ctx := context.Background()
-	f := newFakeIptables()
+	f := iptablestest.New()
 	b := newFakeBackend(t, f)
 	p := testPolicy(t, "nonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]", policy.Options{EnableIPv6: true})
 	if err := b.Apply(ctx, p); err != nil {
 		t.Fatal(err)
 	}
-	if got, want := f.chainTexts(ModeNFT, policy.IPv6, DefaultChain), lineTexts(p, policy.IPv6); !slices.Equal(got, want) {
+	if got, want := f.ChainTexts(iptables.ModeNFT, policy.IPv6, iptables.DefaultChain), lineTexts(p, policy.IPv6); !slices.Equal(got, want) {
 		t.Errorf("IPv6 chain %q, want %q", got, want)
 	}
-	if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(p, policy.IPv4); !slices.Equal(got, want) {
+	if got, want := f.ChainTexts(iptables.ModeNFT, policy.IPv4, iptables.DefaultChain), lineTexts(p, policy.IPv4); !slices.Equal(got, want) {
 		t.Errorf("IPv4 chain %q, want %q", got, want)
 	}
 
@@ -138,50 +143,50 @@ func TestApplyIPv6(t *testing.T) {
 	if err := b2.Apply(ctx, v4only); err != nil {
 		t.Fatal(err)
 	}
-	nat6 := f.nat(ModeNFT, policy.IPv6)
-	if nat6.has(DefaultChain) || len(nat6.rules["POSTROUTING"]) != 0 {
-		t.Errorf("stale IPv6 chain left: chains %q, POSTROUTING %+v", nat6.chains, nat6.rules["POSTROUTING"])
+	nat6 := f.NAT(iptables.ModeNFT, policy.IPv6)
+	if nat6.Has(iptables.DefaultChain) || len(nat6.Rules["POSTROUTING"]) != 0 {
+		t.Errorf("stale IPv6 chain left: chains %q, POSTROUTING %+v", nat6.Chains, nat6.Rules["POSTROUTING"])
 	}
 	// The check runs once per process, not on every resync.
-	before := len(f.calls)
+	before := len(f.Calls)
 	if err := b2.Apply(ctx, v4only); err != nil {
 		t.Fatal(err)
 	}
-	for _, c := range f.calls[before:] {
-		if strings.HasPrefix(c.name, "ip6tables") {
-			t.Errorf("second apply without IPv6 ran %s", c.name)
+	for _, c := range f.Calls[before:] {
+		if strings.HasPrefix(c.Name, "ip6tables") {
+			t.Errorf("second apply without IPv6 ran %s", c.Name)
 		}
 	}
 }
 
 func TestApplyIPv6MissingTools(t *testing.T) {
-	f := newFakeIptables()
+	f := iptablestest.New()
 	for _, n := range []string{"ip6tables-nft-save", "ip6tables-nft-restore", "ip6tables-save", "ip6tables-restore"} {
-		delete(f.installed, n)
+		delete(f.Installed, n)
 	}
 	b := newFakeBackend(t, f)
 	err := b.Apply(context.Background(), testPolicy(t, "", policy.Options{EnableIPv6: true}))
-	var missing *MissingToolsError
+	var missing *iptables.MissingToolsError
 	if !errors.As(err, &missing) || !strings.Contains(err.Error(), `install the "iptables" package`) || !strings.Contains(err.Error(), "ip6tables-nft-restore") {
 		t.Fatalf("err = %v, want a MissingToolsError naming ip6tables-nft-restore and the package", err)
 	}
 }
 
 func TestNewMissingTools(t *testing.T) {
-	f := newFakeIptables()
-	f.installed = map[string]bool{}
-	_, err := New(context.Background(), Options{Runner: f})
+	f := iptablestest.New()
+	f.Installed = map[string]bool{}
+	_, err := iptables.New(context.Background(), iptables.Options{Runner: f})
 	if err == nil || !strings.Contains(err.Error(), "apt-get install iptables") {
 		t.Fatalf("err = %v, want one naming the package to install", err)
 	}
 	// Only the plain tools, and they are legacy: a forced nft mode finds nothing.
-	f = newFakeIptables()
-	for n := range f.installed {
+	f = iptablestest.New()
+	for n := range f.Installed {
 		if strings.Contains(n, "-nft") {
-			delete(f.installed, n)
+			delete(f.Installed, n)
 		}
 	}
-	_, err = New(context.Background(), Options{Runner: f, Mode: ModeLegacy})
+	_, err = iptables.New(context.Background(), iptables.Options{Runner: f, Mode: iptables.ModeLegacy})
 	if err != nil {
 		t.Fatalf("legacy tools are installed: %v", err)
 	}
@@ -194,63 +199,63 @@ func TestRandomFullyFallback(t *testing.T) {
 	noRandom.RandomFully = false
 
 	t.Run("kernel rejects it", func(t *testing.T) {
-		f := newFakeIptables()
-		f.rejectRandomFully = true
+		f := iptablestest.New()
+		f.RejectRandomFully = true
 		b := newFakeBackend(t, f)
 		if err := b.Apply(ctx, p); err != nil {
 			t.Fatal(err)
 		}
-		if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(&noRandom, policy.IPv4); !slices.Equal(got, want) {
+		if got, want := f.ChainTexts(iptables.ModeNFT, policy.IPv4, iptables.DefaultChain), lineTexts(&noRandom, policy.IPv4); !slices.Equal(got, want) {
 			t.Errorf("chain %q, want %q", got, want)
 		}
-		if f.nat(ModeNFT, policy.IPv4).has(probeChain) {
+		if f.NAT(iptables.ModeNFT, policy.IPv4).Has(iptables.ProbeChain) {
 			t.Errorf("probe chain left behind")
 		}
 		// The probe runs once: after a drift the next apply restores the chain only.
-		f.nat(ModeNFT, policy.IPv4).rules[DefaultChain] = nil
-		n := len(f.restores())
+		f.NAT(iptables.ModeNFT, policy.IPv4).Rules[iptables.DefaultChain] = nil
+		n := len(f.Restores())
 		if err := b.Apply(ctx, p); err != nil {
 			t.Fatal(err)
 		}
-		if got := f.restores()[n:]; len(got) != 1 || strings.Contains(got[0], probeChain) {
+		if got := f.Restores()[n:]; len(got) != 1 || strings.Contains(got[0], iptables.ProbeChain) {
 			t.Errorf("second apply ran restores %q, want one without a new probe", got)
 		}
 	})
 	t.Run("iptables too old", func(t *testing.T) {
-		f := newFakeIptables()
-		f.version = "v1.6.1"
+		f := iptablestest.New()
+		f.Version = "v1.6.1"
 		b := newFakeBackend(t, f)
 		if err := b.Apply(ctx, p); err != nil {
 			t.Fatal(err)
 		}
-		if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(&noRandom, policy.IPv4); !slices.Equal(got, want) {
+		if got, want := f.ChainTexts(iptables.ModeNFT, policy.IPv4, iptables.DefaultChain), lineTexts(&noRandom, policy.IPv4); !slices.Equal(got, want) {
 			t.Errorf("chain %q, want %q", got, want)
 		}
-		for _, c := range f.calls {
-			if slices.Contains(c.args, "--wait") {
-				t.Errorf("%s got --wait, which 1.6.1 does not know", c.name)
+		for _, c := range f.Calls {
+			if slices.Contains(c.Args, "--wait") {
+				t.Errorf("%s got --wait, which 1.6.1 does not know", c.Name)
 			}
 		}
 	})
 	t.Run("supported", func(t *testing.T) {
-		f := newFakeIptables()
+		f := iptablestest.New()
 		b := newFakeBackend(t, f)
 		if err := b.Apply(ctx, p); err != nil {
 			t.Fatal(err)
 		}
-		if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(p, policy.IPv4); !slices.Equal(got, want) {
+		if got, want := f.ChainTexts(iptables.ModeNFT, policy.IPv4, iptables.DefaultChain), lineTexts(p, policy.IPv4); !slices.Equal(got, want) {
 			t.Errorf("chain %q, want %q", got, want)
 		}
-		if f.nat(ModeNFT, policy.IPv4).has(probeChain) {
+		if f.NAT(iptables.ModeNFT, policy.IPv4).Has(iptables.ProbeChain) {
 			t.Errorf("probe chain left behind")
 		}
 	})
 }
 
 func TestRestoreErrorCarriesIptablesMessage(t *testing.T) {
-	f := newFakeIptables()
+	f := iptablestest.New()
 	b := newFakeBackend(t, f)
-	f.failRestore = DefaultChain
+	f.FailRestore = iptables.DefaultChain
 	err := b.Apply(context.Background(), testPolicy(t, "", policy.Options{}))
 	if err == nil {
 		t.Fatal("apply succeeded although iptables-restore failed")
@@ -268,64 +273,64 @@ func TestRestoreErrorCarriesIptablesMessage(t *testing.T) {
 		t.Errorf("error keeps iptables' usage hint: %q", err)
 	}
 	// Nothing was half-applied.
-	if f.nat(ModeNFT, policy.IPv4).has(DefaultChain) {
+	if f.NAT(iptables.ModeNFT, policy.IPv4).Has(iptables.DefaultChain) {
 		t.Errorf("failed transaction left the chain behind")
 	}
 }
 
 func TestDetectMode(t *testing.T) {
 	ctx := context.Background()
-	addRules := func(f *fakeIptables, mode Mode, fam policy.Family, n int) {
-		nat := f.nat(mode, fam)
+	addRules := func(f *iptablestest.Fake, mode iptables.Mode, fam policy.Family, n int) {
+		nat := f.NAT(mode, fam)
 		for i := range n {
-			nat.rules["POSTROUTING"] = append(nat.rules["POSTROUTING"], fakeRule{text: "-A POSTROUTING -s 10.0.0." + string(rune('0'+i)) + "/32 -j RETURN"})
+			nat.Rules["POSTROUTING"] = append(nat.Rules["POSTROUTING"], iptablestest.Rule{Text: "-A POSTROUTING -s 10.0.0." + string(rune('0'+i)) + "/32 -j RETURN"})
 		}
 	}
 	tests := []struct {
 		name  string
-		setup func(f *fakeIptables)
-		want  Mode
+		setup func(f *iptablestest.Fake)
+		want  iptables.Mode
 	}{
-		{"nothing anywhere", func(*fakeIptables) {}, ModeNFT},
-		{"legacy holds more rules", func(f *fakeIptables) {
-			addRules(f, ModeLegacy, policy.IPv4, 2)
-			addRules(f, ModeLegacy, policy.IPv6, 2)
-			addRules(f, ModeNFT, policy.IPv4, 3)
-		}, ModeLegacy},
-		{"equal counts", func(f *fakeIptables) {
-			addRules(f, ModeLegacy, policy.IPv4, 2)
-			addRules(f, ModeNFT, policy.IPv6, 2)
-		}, ModeNFT},
-		{"kubelet hint beats counts", func(f *fakeIptables) {
-			addRules(f, ModeNFT, policy.IPv4, 5)
-			f.stack(ModeLegacy, policy.IPv4).tables["mangle"] = newFakeTable("PREROUTING", kubeletHintChain)
-		}, ModeLegacy},
-		{"only legacy tools", func(f *fakeIptables) {
-			for n := range f.installed {
+		{"nothing anywhere", func(*iptablestest.Fake) {}, iptables.ModeNFT},
+		{"legacy holds more rules", func(f *iptablestest.Fake) {
+			addRules(f, iptables.ModeLegacy, policy.IPv4, 2)
+			addRules(f, iptables.ModeLegacy, policy.IPv6, 2)
+			addRules(f, iptables.ModeNFT, policy.IPv4, 3)
+		}, iptables.ModeLegacy},
+		{"equal counts", func(f *iptablestest.Fake) {
+			addRules(f, iptables.ModeLegacy, policy.IPv4, 2)
+			addRules(f, iptables.ModeNFT, policy.IPv6, 2)
+		}, iptables.ModeNFT},
+		{"kubelet hint beats counts", func(f *iptablestest.Fake) {
+			addRules(f, iptables.ModeNFT, policy.IPv4, 5)
+			f.Stack(iptables.ModeLegacy, policy.IPv4).Tables["mangle"] = iptablestest.NewTable("PREROUTING", iptables.KubeletHintChain)
+		}, iptables.ModeLegacy},
+		{"only legacy tools", func(f *iptablestest.Fake) {
+			for n := range f.Installed {
 				if strings.Contains(n, "-nft") {
-					delete(f.installed, n)
+					delete(f.Installed, n)
 				}
 				// the plain names are nft in the fake; without nft they go too
 				if !strings.Contains(n, "-legacy") {
-					delete(f.installed, n)
+					delete(f.Installed, n)
 				}
 			}
-		}, ModeLegacy},
+		}, iptables.ModeLegacy},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			f := newFakeIptables()
+			f := iptablestest.New()
 			tc.setup(f)
-			got, err := DetectMode(ctx, f)
+			got, err := iptables.DetectMode(ctx, f)
 			if err != nil {
 				t.Fatal(err)
 			}
 			if got.Mode != tc.want {
 				t.Errorf("mode %s (%s), want %s", got.Mode, got.Reason, tc.want)
 			}
-			for _, c := range f.calls {
-				if slices.Contains(c.args, "-t") {
-					t.Errorf("detection ran %s %q: naming a table loads it", c.name, c.args)
+			for _, c := range f.Calls {
+				if slices.Contains(c.Args, "-t") {
+					t.Errorf("detection ran %s %q: naming a table loads it", c.Name, c.Args)
 				}
 			}
 		})
@@ -334,7 +339,7 @@ func TestDetectMode(t *testing.T) {
 
 func TestCounters(t *testing.T) {
 	ctx := context.Background()
-	f := newFakeIptables()
+	f := iptablestest.New()
 	b := newFakeBackend(t, f)
 	if c, err := b.Counters(ctx); err != nil || c != nil {
 		t.Fatalf("counters before apply = %v, %v; want none", c, err)
@@ -349,9 +354,9 @@ func TestCounters(t *testing.T) {
 	}
 	// Give every live line distinct counters: line i gets i+1 packets and 100*(i+1) bytes.
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		rules := f.nat(ModeNFT, fam).rules[DefaultChain]
+		rules := f.NAT(iptables.ModeNFT, fam).Rules[iptables.DefaultChain]
 		for i := range rules {
-			rules[i].packets, rules[i].bytes = uint64(i+1), uint64(100*(i+1))
+			rules[i].Packets, rules[i].Bytes = uint64(i+1), uint64(100*(i+1))
 		}
 	}
 	got, err := b.Counters(ctx)
@@ -385,8 +390,8 @@ func TestCounters(t *testing.T) {
 	}
 
 	// A rule deleted behind the agent's back is left out, not reported as zero.
-	nat := f.nat(ModeNFT, policy.IPv4)
-	nat.rules[DefaultChain] = nat.rules[DefaultChain][1:]
+	nat := f.NAT(iptables.ModeNFT, policy.IPv4)
+	nat.Rules[iptables.DefaultChain] = nat.Rules[iptables.DefaultChain][1:]
 	got, err = b.Counters(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -406,58 +411,58 @@ func TestCounters(t *testing.T) {
 
 func TestCleanup(t *testing.T) {
 	ctx := context.Background()
-	f := newFakeIptables()
+	f := iptablestest.New()
 	b := newFakeBackend(t, f)
 	if err := b.Apply(ctx, testPolicy(t, "", policy.Options{EnableIPv6: true, RandomFully: true})); err != nil {
 		t.Fatal(err)
 	}
 	// An earlier run in legacy mode left a chain there too, and someone duplicated the jump.
-	legacy := f.nat(ModeLegacy, policy.IPv4)
-	legacy.chains = append(legacy.chains, DefaultChain)
-	legacy.rules[DefaultChain] = []fakeRule{{text: "-A IP-MASQ-AGENT -j MASQUERADE"}}
-	legacy.rules["POSTROUTING"] = []fakeRule{{text: JumpRule(DefaultChain)}, {text: "-A POSTROUTING -j ACCEPT"}, {text: JumpRule(DefaultChain)}}
+	legacy := f.NAT(iptables.ModeLegacy, policy.IPv4)
+	legacy.Chains = append(legacy.Chains, iptables.DefaultChain)
+	legacy.Rules[iptables.DefaultChain] = []iptablestest.Rule{{Text: "-A IP-MASQ-AGENT -j MASQUERADE"}}
+	legacy.Rules["POSTROUTING"] = []iptablestest.Rule{{Text: defaultJump}, {Text: "-A POSTROUTING -j ACCEPT"}, {Text: defaultJump}}
 	// Something unrelated stays.
-	nft := f.nat(ModeNFT, policy.IPv4)
-	nft.rules["POSTROUTING"] = append(nft.rules["POSTROUTING"], fakeRule{text: "-A POSTROUTING -s 10.0.0.0/8 -j RETURN"})
+	nft := f.NAT(iptables.ModeNFT, policy.IPv4)
+	nft.Rules["POSTROUTING"] = append(nft.Rules["POSTROUTING"], iptablestest.Rule{Text: "-A POSTROUTING -s 10.0.0.0/8 -j RETURN"})
 
 	for i := range 2 {
 		if err := b.Cleanup(ctx); err != nil {
 			t.Fatalf("cleanup #%d: %v", i+1, err)
 		}
-		for key, s := range f.stacks {
-			nat := s.tables["nat"]
+		for key, s := range f.Stacks {
+			nat := s.Tables["nat"]
 			if nat == nil {
 				continue
 			}
-			if nat.has(DefaultChain) || nat.has(probeChain) {
-				t.Errorf("cleanup #%d: %s still has a chain: %q", i+1, key, nat.chains)
+			if nat.Has(iptables.DefaultChain) || nat.Has(iptables.ProbeChain) {
+				t.Errorf("cleanup #%d: %s still has a chain: %q", i+1, key, nat.Chains)
 			}
-			for _, r := range nat.rules["POSTROUTING"] {
-				if strings.Contains(r.text, "-j "+DefaultChain) {
-					t.Errorf("cleanup #%d: %s still jumps: %q", i+1, key, r.text)
+			for _, r := range nat.Rules["POSTROUTING"] {
+				if strings.Contains(r.Text, "-j "+iptables.DefaultChain) {
+					t.Errorf("cleanup #%d: %s still jumps: %q", i+1, key, r.Text)
 				}
 			}
 		}
 	}
-	if got := f.chainTexts(ModeNFT, policy.IPv4, "POSTROUTING"); !slices.Equal(got, []string{"-A POSTROUTING -s 10.0.0.0/8 -j RETURN"}) {
+	if got := f.ChainTexts(iptables.ModeNFT, policy.IPv4, "POSTROUTING"); !slices.Equal(got, []string{"-A POSTROUTING -s 10.0.0.0/8 -j RETURN"}) {
 		t.Errorf("cleanup touched other rules: %q", got)
 	}
-	if got := f.chainTexts(ModeLegacy, policy.IPv4, "POSTROUTING"); !slices.Equal(got, []string{"-A POSTROUTING -j ACCEPT"}) {
+	if got := f.ChainTexts(iptables.ModeLegacy, policy.IPv4, "POSTROUTING"); !slices.Equal(got, []string{"-A POSTROUTING -j ACCEPT"}) {
 		t.Errorf("cleanup touched other legacy rules: %q", got)
 	}
 	// The second cleanup found nothing and so restored nothing.
-	n := len(f.restores())
+	n := len(f.Restores())
 	if err := b.Cleanup(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if len(f.restores()) != n {
+	if len(f.Restores()) != n {
 		t.Errorf("cleanup with nothing installed ran iptables-restore")
 	}
 	if c, err := b.Counters(ctx); err != nil || c != nil {
 		t.Errorf("counters after cleanup = %v, %v; want none", c, err)
 	}
 	// Cleaning up never creates a legacy IPv6 table that nobody used.
-	if len(f.stack(ModeLegacy, policy.IPv6).tables) != 0 {
+	if len(f.Stack(iptables.ModeLegacy, policy.IPv6).Tables) != 0 {
 		t.Errorf("cleanup created legacy IPv6 tables")
 	}
 }
@@ -477,7 +482,7 @@ COMMIT
 [18446744073709551615:7] -A IP-MASQ-AGENT -m comment --comment o -j MASQUERADE --random-fully
 COMMIT
 `
-	nat, err := ParseSave([]byte(out), "nat")
+	nat, err := iptables.ParseSave([]byte(out), "nat")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -485,12 +490,25 @@ COMMIT
 		t.Errorf("chains %q", nat.Chains)
 	}
 	rules := nat.ChainRules("IP-MASQ-AGENT")
-	want := []SavedRule{
-		{Chain: "IP-MASQ-AGENT", Text: `-A IP-MASQ-AGENT -d 169.254.0.0/16 -m comment --comment "x y" -j RETURN`},
-		{Chain: "IP-MASQ-AGENT", Text: "-A IP-MASQ-AGENT -m comment --comment o -j MASQUERADE --random-fully", Packets: 1<<64 - 1, Bytes: 7},
+	want := []iptables.SavedRule{
+		{Chain: "IP-MASQ-AGENT", Spec: `-d 169.254.0.0/16 -m comment --comment "x y" -j RETURN`,
+			Target: "RETURN", Dst: netip.MustParsePrefix("169.254.0.0/16")},
+		{Chain: "IP-MASQ-AGENT", Spec: "-m comment --comment o -j MASQUERADE --random-fully",
+			Target: "MASQUERADE", RandomFully: true, Packets: 1<<64 - 1, Bytes: 7},
 	}
 	if !slices.Equal(rules, want) {
 		t.Errorf("rules\n got %+v\nwant %+v", rules, want)
+	}
+	if got, want := rules[0].Text(), `-A IP-MASQ-AGENT -d 169.254.0.0/16 -m comment --comment "x y" -j RETURN`; got != want {
+		t.Errorf("text %q, want the line as saved %q", got, want)
+	}
+	// Options inside a quoted comment are the comment's text, not options.
+	quoted, err := iptables.ParseSave([]byte("*nat\n-A X -d 10.0.0.1/32 -m comment --comment \"a \\\" -j SNAT -d 1.0.0.0/8 --random-fully\" -j RETURN\nCOMMIT\n"), "nat")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := quoted.Rules[0]; r.Target != "RETURN" || r.Dst != netip.MustParsePrefix("10.0.0.1/32") || r.RandomFully {
+		t.Errorf("quoted comment read as options: %+v", r)
 	}
 	if refs := nat.RulesTargeting("IP-MASQ-AGENT"); len(refs) != 1 || refs[0].Packets != 1 {
 		t.Errorf("targeting %+v", refs)
@@ -498,14 +516,14 @@ COMMIT
 	if len(nat.RulesTargeting("IP-MASQ")) != 0 {
 		t.Errorf("a chain name prefix matched")
 	}
-	if f, _ := ParseSave([]byte(out), "filter"); len(f.Rules) != 1 {
+	if f, _ := iptables.ParseSave([]byte(out), "filter"); len(f.Rules) != 1 {
 		t.Errorf("filter table %+v", f)
 	}
-	if m, _ := ParseSave([]byte(out), "mangle"); len(m.Chains)+len(m.Rules) != 0 {
+	if m, _ := iptables.ParseSave([]byte(out), "mangle"); len(m.Chains)+len(m.Rules) != 0 {
 		t.Errorf("absent table %+v", m)
 	}
-	for _, bad := range []string{"*nat\n[1:2 -A X\n", "*nat\n[x:2] -A X -j RETURN\n", "*nat\n-I X 1\n"} {
-		if _, err := ParseSave([]byte(bad), "nat"); err == nil {
+	for _, bad := range []string{"*nat\n[1:2 -A X\n", "*nat\n[x:2] -A X -j RETURN\n", "*nat\n-I X 1\n", "*nat\n-A X -m comment --comment \"open -j RETURN\n"} {
+		if _, err := iptables.ParseSave([]byte(bad), "nat"); err == nil {
 			t.Errorf("ParseSave(%q) succeeded", bad)
 		}
 	}
@@ -513,10 +531,10 @@ COMMIT
 
 // setCounters gives every live line of the chain distinct counters: line i gets base+i packets
 // and 100*(base+i) bytes.
-func setCounters(f *fakeIptables, fam policy.Family, base uint64) {
-	rules := f.nat(ModeNFT, fam).rules[DefaultChain]
+func setCounters(f *iptablestest.Fake, fam policy.Family, base uint64) {
+	rules := f.NAT(iptables.ModeNFT, fam).Rules[iptables.DefaultChain]
 	for i := range rules {
-		rules[i].packets, rules[i].bytes = base+uint64(i), 100*(base+uint64(i))
+		rules[i].Packets, rules[i].Bytes = base+uint64(i), 100*(base+uint64(i))
 	}
 }
 
@@ -535,7 +553,7 @@ func counterOf(t *testing.T, cs []datapath.RuleCounter, fam policy.Family, prefi
 // at zero; duplicates keep their own lines' counters, in order.
 func TestApplyKeepsCountersOfRulesThatStay(t *testing.T) {
 	ctx := context.Background()
-	f := newFakeIptables()
+	f := iptablestest.New()
 	b := newFakeBackend(t, f)
 	first := testPolicy(t, "masqueradeCIDRs: [10.10.10.10/32]\nnonMasqueradeCIDRs: [10.0.0.0/8, 10.0.0.0/8, 172.16.0.0/12, fc00::/7]", policy.Options{EnableIPv6: true})
 	if err := b.Apply(ctx, first); err != nil {
@@ -553,7 +571,7 @@ func TestApplyKeepsCountersOfRulesThatStay(t *testing.T) {
 	if err := b.Apply(ctx, second); err != nil {
 		t.Fatal(err)
 	}
-	if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(second, policy.IPv4); !slices.Equal(got, want) {
+	if got, want := f.ChainTexts(iptables.ModeNFT, policy.IPv4, iptables.DefaultChain), lineTexts(second, policy.IPv4); !slices.Equal(got, want) {
 		t.Fatalf("chain %q, want %q", got, want)
 	}
 	after, err := b.Counters(ctx)
@@ -601,14 +619,14 @@ func TestApplyKeepsCountersOfRulesThatStay(t *testing.T) {
 	}
 	// The IPv4 transaction asked iptables to take the counters; the IPv6 chain did not change
 	// and was not rewritten.
-	var restores []fakeCall
-	for _, c := range f.calls {
-		if strings.HasSuffix(c.name, "-restore") && strings.Contains(c.stdin, DefaultChain) {
+	var restores []iptablestest.Call
+	for _, c := range f.Calls {
+		if strings.HasSuffix(c.Name, "-restore") && strings.Contains(c.Stdin, iptables.DefaultChain) {
 			restores = append(restores, c)
 		}
 	}
-	if last := restores[len(restores)-1]; last.name != "iptables-nft-restore" || !slices.Contains(last.args, "--counters") {
-		t.Errorf("last restore %s %q, want iptables-nft-restore with --counters", last.name, last.args)
+	if last := restores[len(restores)-1]; last.Name != "iptables-nft-restore" || !slices.Contains(last.Args, "--counters") {
+		t.Errorf("last restore %s %q, want iptables-nft-restore with --counters", last.Name, last.Args)
 	}
 	if len(restores) != 3 {
 		t.Errorf("%d restores of the chain, want 3 (both families, then IPv4 only)", len(restores))
@@ -632,55 +650,65 @@ func TestApplyKeepsCountersOfRulesThatStay(t *testing.T) {
 // would lose the packets counted between reading the counters and writing them back.
 func TestApplyUnchangedChainRestoresNothing(t *testing.T) {
 	ctx := context.Background()
-	f := newFakeIptables()
+	f := iptablestest.New()
 	b := newFakeBackend(t, f)
 	p := testPolicy(t, "nonMasqueradeCIDRs: [10.0.0.0/8]", policy.Options{RandomFully: true})
 	if err := b.Apply(ctx, p); err != nil {
 		t.Fatal(err)
 	}
-	n := len(f.restores())
+	n := len(f.Restores())
 	for range 2 {
 		if err := b.Apply(ctx, p); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if got := f.restores()[n:]; len(got) != 0 {
+	if got := f.Restores()[n:]; len(got) != 0 {
 		t.Errorf("unchanged applies ran restores %q", got)
 	}
 	// A duplicated jump, or a missing chain line, is drift: repaired.
-	nat := f.nat(ModeNFT, policy.IPv4)
-	nat.rules["POSTROUTING"] = append(nat.rules["POSTROUTING"], fakeRule{text: JumpRule(DefaultChain)})
+	nat := f.NAT(iptables.ModeNFT, policy.IPv4)
+	nat.Rules["POSTROUTING"] = append(nat.Rules["POSTROUTING"], iptablestest.Rule{Text: defaultJump})
 	if err := b.Apply(ctx, p); err != nil {
 		t.Fatal(err)
 	}
-	if got := f.chainTexts(ModeNFT, policy.IPv4, "POSTROUTING"); len(got) != 1 {
+	if got := f.ChainTexts(iptables.ModeNFT, policy.IPv4, "POSTROUTING"); len(got) != 1 {
 		t.Errorf("POSTROUTING %q, want one jump", got)
 	}
-	nat.rules[DefaultChain] = nat.rules[DefaultChain][1:]
+	nat.Rules[iptables.DefaultChain] = nat.Rules[iptables.DefaultChain][1:]
 	if err := b.Apply(ctx, p); err != nil {
 		t.Fatal(err)
 	}
-	if got, want := f.chainTexts(ModeNFT, policy.IPv4, DefaultChain), lineTexts(p, policy.IPv4); !slices.Equal(got, want) {
+	if got, want := f.ChainTexts(iptables.ModeNFT, policy.IPv4, iptables.DefaultChain), lineTexts(p, policy.IPv4); !slices.Equal(got, want) {
 		t.Errorf("chain %q, want %q", got, want)
 	}
+}
+
+// savedRules reads rule lines as iptables-save -c prints them.
+func savedRules(t *testing.T, lines ...string) []iptables.SavedRule {
+	t.Helper()
+	nat, err := iptables.ParseSave([]byte("*nat\n"+strings.Join(lines, "\n")+"\nCOMMIT\n"), "nat")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return nat.Rules
 }
 
 func TestRenderKeepingCounters(t *testing.T) {
 	p := testPolicy(t, "nonMasqueradeCIDRs: [10.0.0.0/8, 10.0.0.0/8]", policy.Options{})
 	lines := lineTexts(p, policy.IPv4)
-	live := []SavedRule{
-		{Text: lines[2], Packets: 3, Bytes: 30}, // the second 10/8 line's text (same as the first)
-		{Text: "-A IP-MASQ-AGENT -d 192.0.2.0/24 -j RETURN", Packets: 9, Bytes: 90},
-		{Text: lines[1], Packets: 2, Bytes: 20},
-		{Text: lines[3], Packets: 4, Bytes: 40},
-	}
-	got, kept := RenderKeepingCounters(p, policy.IPv4, DefaultChain, false, live)
+	live := savedRules(t,
+		"[3:30] "+lines[2], // the second 10/8 line's text (same as the first)
+		"[9:90] -A IP-MASQ-AGENT -d 192.0.2.0/24 -j RETURN",
+		"[2:20] "+lines[1],
+		"[4:40] "+lines[3],
+	)
+	got, kept := iptables.RenderKeepingCounters(p, policy.IPv4, iptables.DefaultChain, false, live)
 	want := "*nat\n:IP-MASQ-AGENT - [0:0]\n" + lines[0] + "\n[3:30] " + lines[1] + "\n[2:20] " + lines[2] + "\n[4:40] " + lines[3] + "\nCOMMIT\n"
 	if string(got) != want || kept != 3 {
 		t.Errorf("payload (kept %d):\n%s\nwant (kept 3):\n%s", kept, got, want)
 	}
 	// Without live lines it is exactly Render.
-	if got, kept := RenderKeepingCounters(p, policy.IPv4, DefaultChain, true, nil); string(got) != string(Render(p, policy.IPv4, DefaultChain, true)) || kept != 0 {
+	if got, kept := iptables.RenderKeepingCounters(p, policy.IPv4, iptables.DefaultChain, true, nil); string(got) != string(iptables.Render(p, policy.IPv4, iptables.DefaultChain, true)) || kept != 0 {
 		t.Errorf("without live lines:\n%s", got)
 	}
 }
@@ -689,7 +717,7 @@ func TestRenderKeepingCounters(t *testing.T) {
 // rules of the old or the new policy with their counters.
 func TestCountersDuringApply(t *testing.T) {
 	ctx := context.Background()
-	f := newFakeIptables()
+	f := iptablestest.New()
 	b := newFakeBackend(t, f)
 	policies := []*policy.Policy{
 		testPolicy(t, "nonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]", policy.Options{EnableIPv6: true}),

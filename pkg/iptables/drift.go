@@ -26,37 +26,24 @@ func (b *Backend) DriftKinds() []string { return []string{datapath.DriftChain, d
 // about 10 ms per listing at that size. Where the iptables command itself is not installed (only
 // the save and restore tools), the save tool is used.
 func (b *Backend) CheckDrift(ctx context.Context) ([]string, error) {
-	b.mu.Lock()
-	applied := b.applied
-	b.mu.Unlock()
 	var chain, jump bool
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		p, ok := applied[fam]
-		if !ok {
-			continue
-		}
-		t, err := b.toolsFor(ctx, fam)
-		if err != nil {
-			return nil, err
-		}
+	err := b.eachApplied(ctx, func(fam policy.Family, p *policy.Policy, t *tools) error {
 		post, err := b.listChain(ctx, t, "POSTROUTING")
 		if err != nil {
-			return nil, fmt.Errorf("check %s: %w", fam, err)
+			return fmt.Errorf("check %s: %w", fam, err)
 		}
-		jumps := 0
-		for _, r := range post {
-			if r.Text == JumpRule(b.chain) {
-				jumps++
-			}
-		}
-		jump = jump || jumps != 1
+		jump = jump || countJumps(post, b.chain) != 1
 		// POSTROUTING could be listed, so the tool works: a chain it cannot list is missing (or
 		// holds what it cannot parse, which is drift just as well).
 		live, err := b.listChain(ctx, t, b.chain)
 		if ctx.Err() != nil {
-			return nil, ctx.Err()
+			return ctx.Err()
 		}
 		chain = chain || err != nil || !sameLines(ChainLines(p, fam, b.chain), live)
+		return nil
+	})
+	if err != nil {
+		return nil, err
 	}
 	var out []string
 	if chain {

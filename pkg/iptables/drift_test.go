@@ -1,4 +1,4 @@
-package iptables
+package iptables_test
 
 import (
 	"context"
@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables/iptablestest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
@@ -16,7 +18,7 @@ import (
 // missing, where it falls back to the save tool.
 func TestCheckDrift(t *testing.T) {
 	ctx := context.Background()
-	f := newFakeIptables()
+	f := iptablestest.New()
 	b := newFakeBackend(t, f)
 	p := testPolicy(t, "nonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]", policy.Options{EnableIPv6: true})
 	check := func(want ...string) {
@@ -38,50 +40,50 @@ func TestCheckDrift(t *testing.T) {
 	}
 	check()
 	heal()
-	before := len(f.calls)
+	before := len(f.Calls)
 	check()
-	for _, c := range f.calls[before:] {
-		if strings.HasSuffix(c.name, "-save") || strings.HasSuffix(c.name, "-restore") || !slices.Contains(c.args, "-S") {
-			t.Errorf("the check ran %s %q", c.name, c.args)
+	for _, c := range f.Calls[before:] {
+		if strings.HasSuffix(c.Name, "-save") || strings.HasSuffix(c.Name, "-restore") || !slices.Contains(c.Args, "-S") {
+			t.Errorf("the check ran %s %q", c.Name, c.Args)
 		}
 	}
-	if n := len(f.calls) - before; n != 4 {
+	if n := len(f.Calls) - before; n != 4 {
 		t.Errorf("the check ran %d commands, want 4 (two chains, two families)", n)
 	}
 
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 		// A restore replaces the table: look it up afresh each time.
-		nat := func() *fakeTable { return f.nat(ModeNFT, fam) }
-		nat().rules["POSTROUTING"] = nil
+		nat := func() *iptablestest.Table { return f.NAT(iptables.ModeNFT, fam) }
+		nat().Rules["POSTROUTING"] = nil
 		check(datapath.DriftJump)
 		heal()
-		nat().rules["POSTROUTING"] = append(nat().rules["POSTROUTING"], nat().rules["POSTROUTING"]...)
+		nat().Rules["POSTROUTING"] = append(nat().Rules["POSTROUTING"], nat().Rules["POSTROUTING"]...)
 		check(datapath.DriftJump)
 		heal()
-		nat().rules[DefaultChain] = nat().rules[DefaultChain][1:]
+		nat().Rules[iptables.DefaultChain] = nat().Rules[iptables.DefaultChain][1:]
 		check(datapath.DriftChain)
 		heal()
-		rules := nat().rules[DefaultChain]
-		rules[0].text = strings.Replace(rules[0].text, "RETURN", "ACCEPT", 1)
+		rules := nat().Rules[iptables.DefaultChain]
+		rules[0].Text = strings.Replace(rules[0].Text, "RETURN", "ACCEPT", 1)
 		check(datapath.DriftChain)
 		heal()
 		// The whole chain: its jump first, as iptables requires.
-		nat().rules["POSTROUTING"] = nil
-		delete(nat().rules, DefaultChain)
-		nat().chains = slices.DeleteFunc(nat().chains, func(c string) bool { return c == DefaultChain })
+		nat().Rules["POSTROUTING"] = nil
+		delete(nat().Rules, iptables.DefaultChain)
+		nat().Chains = slices.DeleteFunc(nat().Chains, func(c string) bool { return c == iptables.DefaultChain })
 		check(datapath.DriftChain, datapath.DriftJump)
 		heal()
 	}
 
 	// Without the iptables command, the save tool answers.
-	for name := range f.installed {
+	for name := range f.Installed {
 		if !strings.HasSuffix(name, "-save") && !strings.HasSuffix(name, "-restore") {
-			f.installed[name] = false
+			f.Installed[name] = false
 		}
 	}
 	b = newFakeBackend(t, f)
 	heal()
-	f.nat(ModeNFT, policy.IPv4).rules["POSTROUTING"] = nil
+	f.NAT(iptables.ModeNFT, policy.IPv4).Rules["POSTROUTING"] = nil
 	check(datapath.DriftJump)
 	heal()
 }

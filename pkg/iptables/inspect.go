@@ -37,7 +37,7 @@ func Inspect(ctx context.Context, r Runner, chain string, p *policy.Policy) ([]*
 	var errs []error
 	for _, mode := range []Mode{ModeNFT, ModeLegacy} {
 		in := &Installed{mode: mode, chain: chain, runner: r, policy: p, tools: map[policy.Family]*tools{}}
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range families {
 			t, err := resolveTools(ctx, r, mode, fam)
 			if err != nil {
 				var missing *MissingToolsError
@@ -80,7 +80,7 @@ func (in *Installed) Mode() Mode { return in.mode }
 // Info implements datapath.InfoReporter.
 func (in *Installed) Info() datapath.Info {
 	var fams []string
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range families {
 		if in.tools[fam] != nil {
 			fams = append(fams, fam.String())
 		}
@@ -91,11 +91,10 @@ func (in *Installed) Info() datapath.Info {
 
 // Counters implements datapath.Reader: the live counters of each family's chain, summed per rule
 // of the policy as the backend's Counters does, then the lines that implement no rule of it,
-// one each (Rule 0). The agent drops --random-fully where the node lacks it, so lines are
-// matched against the policy with and without it, whichever explains more of them.
+// one each (Rule 0).
 func (in *Installed) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
 	var out []datapath.RuleCounter
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range families {
 		t := in.tools[fam]
 		if t == nil {
 			continue
@@ -107,15 +106,13 @@ func (in *Installed) Counters(ctx context.Context) ([]datapath.RuleCounter, erro
 		live := nat.ChainRules(in.chain)
 		var counters []datapath.RuleCounter
 		var rest []int
-		if in.policy != nil {
-			counters, rest = mapLines(in.policy, fam, in.chain, live)
-			if in.policy.RandomFully {
-				plain := *in.policy
+		if p := in.policy; p != nil {
+			if p.RandomFully && !usesRandomFully(live) {
+				plain := *p
 				plain.RandomFully = false
-				if c, r := mapLines(&plain, fam, in.chain, live); len(r) < len(rest) {
-					counters, rest = c, r
-				}
+				p = &plain
 			}
+			counters, rest = mapLines(p, fam, in.chain, live)
 		} else {
 			for i := range live {
 				rest = append(rest, i)
@@ -129,28 +126,35 @@ func (in *Installed) Counters(ctx context.Context) ([]datapath.RuleCounter, erro
 	return out, nil
 }
 
+// usesRandomFully tells whether the agent that filled the chain used --random-fully: it drops
+// the option from every MASQUERADE line where the node lacks it (Backend.Apply), so the chain
+// shows what it did; a line someone added by hand is outvoted.
+func usesRandomFully(live []SavedRule) bool {
+	with, without := 0, 0
+	for _, r := range live {
+		switch {
+		case r.Target != TargetMasquerade:
+		case r.RandomFully:
+			with++
+		default:
+			without++
+		}
+	}
+	return with >= without
+}
+
 // unexplained describes a chain line that implements no rule of the policy: its destination
 // (every address when it has none) and whether it masquerades (MASQUERADE or SNAT) or not.
 func unexplained(fam policy.Family, r SavedRule) datapath.RuleCounter {
-	c := datapath.RuleCounter{Family: fam, Entry: -1, Action: policy.Return, Packets: r.Packets, Bytes: r.Bytes}
-	c.Prefix = netip.PrefixFrom(netip.IPv4Unspecified(), 0)
-	if fam == policy.IPv6 {
-		c.Prefix = netip.PrefixFrom(netip.IPv6Unspecified(), 0)
-	}
-	f := strings.Fields(r.Text)
-	for i := 0; i+1 < len(f); i++ {
-		switch f[i] {
-		case "-d":
-			if p, err := netip.ParsePrefix(f[i+1]); err == nil {
-				c.Prefix = p
-			} else if a, err := netip.ParseAddr(f[i+1]); err == nil {
-				c.Prefix = netip.PrefixFrom(a, a.BitLen())
-			}
-		case "-j":
-			if f[i+1] == "MASQUERADE" || f[i+1] == "SNAT" {
-				c.Action = policy.Masquerade
-			}
+	c := datapath.RuleCounter{Family: fam, Entry: -1, Action: policy.Return, Prefix: r.Dst, Packets: r.Packets, Bytes: r.Bytes}
+	if !c.Prefix.IsValid() {
+		c.Prefix = netip.PrefixFrom(netip.IPv4Unspecified(), 0)
+		if fam == policy.IPv6 {
+			c.Prefix = netip.PrefixFrom(netip.IPv6Unspecified(), 0)
 		}
+	}
+	if r.Target == TargetMasquerade || r.Target == "SNAT" {
+		c.Action = policy.Masquerade
 	}
 	return c
 }

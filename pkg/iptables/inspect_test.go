@@ -1,4 +1,4 @@
-package iptables
+package iptables_test
 
 import (
 	"context"
@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables/iptablestest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
@@ -15,12 +17,12 @@ func TestInspect(t *testing.T) {
 	const doc = "masqueradeCIDRs: [10.10.10.10/32]\nnonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]"
 	p := testPolicy(t, doc, policy.Options{EnableIPv6: true, RandomFully: true})
 
-	f := newFakeIptables()
-	if got, err := Inspect(ctx, f, DefaultChain, p); err != nil || len(got) != 0 {
+	f := iptablestest.New()
+	if got, err := iptables.Inspect(ctx, f, iptables.DefaultChain, p); err != nil || len(got) != 0 {
 		t.Fatalf("nothing installed: %v, %v", got, err)
 	}
 	// The agent ran where the kernel rejects --random-fully, so its lines lack it.
-	f.rejectRandomFully = true
+	f.RejectRandomFully = true
 	b := newFakeBackend(t, f)
 	if err := b.Apply(ctx, p); err != nil {
 		t.Fatal(err)
@@ -32,14 +34,14 @@ func TestInspect(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	got, err := Inspect(ctx, f, DefaultChain, p)
+	got, err := iptables.Inspect(ctx, f, iptables.DefaultChain, p)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(got) != 1 || got[0].Mode() != ModeNFT {
+	if len(got) != 1 || got[0].Mode() != iptables.ModeNFT {
 		t.Fatalf("found %d installations, want the nft one", len(got))
 	}
-	if info := got[0].Info(); info.Backend != Name || info.AttachMode != datapath.AttachNone ||
+	if info := got[0].Info(); info.Backend != iptables.Name || info.AttachMode != datapath.AttachNone ||
 		info.Details != "iptables-nft, chain IP-MASQ-AGENT (ipv4, ipv6)" {
 		t.Errorf("info %+v", info)
 	}
@@ -54,7 +56,7 @@ func TestInspect(t *testing.T) {
 	// A dump given another configuration: the rules it lacks show as lines of no rule, with
 	// their destination, action and counters.
 	other := testPolicy(t, "nonMasqueradeCIDRs: [10.0.0.0/8]", policy.Options{RandomFully: true})
-	got, err = Inspect(ctx, f, DefaultChain, other)
+	got, err = iptables.Inspect(ctx, f, iptables.DefaultChain, other)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -95,33 +97,33 @@ func TestInspect(t *testing.T) {
 	}
 
 	// Both modes hold the chain (agents of both modes ran): both are reported, nft first.
-	legacy, err := New(ctx, Options{Runner: f, Mode: ModeLegacy})
+	legacy, err := iptables.New(ctx, iptables.Options{Runner: f, Mode: iptables.ModeLegacy})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := legacy.Apply(ctx, p); err != nil {
 		t.Fatal(err)
 	}
-	got, err = Inspect(ctx, f, DefaultChain, p)
+	got, err = iptables.Inspect(ctx, f, iptables.DefaultChain, p)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(got) != 2 || got[0].Mode() != ModeNFT || got[1].Mode() != ModeLegacy {
+	if len(got) != 2 || got[0].Mode() != iptables.ModeNFT || got[1].Mode() != iptables.ModeLegacy {
 		t.Errorf("found %d installations, want nft and legacy", len(got))
 	}
 }
 
 func TestInspectNamesNoTable(t *testing.T) {
-	f := newFakeIptables()
-	if _, err := Inspect(context.Background(), f, DefaultChain, nil); err != nil {
+	f := iptablestest.New()
+	if _, err := iptables.Inspect(context.Background(), f, iptables.DefaultChain, nil); err != nil {
 		t.Fatal(err)
 	}
-	for _, c := range f.calls {
-		if slices.Contains(c.args, "-t") {
-			t.Errorf("inspect ran %s %q: naming a table loads it", c.name, c.args)
+	for _, c := range f.Calls {
+		if slices.Contains(c.Args, "-t") {
+			t.Errorf("inspect ran %s %q: naming a table loads it", c.Name, c.Args)
 		}
 	}
-	if _, err := Inspect(context.Background(), f, "bad chain", nil); err == nil {
+	if _, err := iptables.Inspect(context.Background(), f, "bad chain", nil); err == nil {
 		t.Error("inspect accepted an invalid chain name")
 	}
 }

@@ -55,7 +55,7 @@ func FuzzPayloadFromConfig(f *testing.F) {
 				known[r.Prefix.String()] = true
 			}
 			lines := strings.Split(string(Render(p, fam, DefaultChain, true)), "\n")
-			head, tail := []string{"*nat", ":IP-MASQ-AGENT - [0:0]"}, []string{JumpRule(DefaultChain), "COMMIT", ""}
+			head, tail := []string{"*nat", ":IP-MASQ-AGENT - [0:0]"}, []string{JumpRule(DefaultChain).String(), "COMMIT", ""}
 			if len(lines) < len(head)+len(tail) || !slices.Equal(lines[:2], head) || !slices.Equal(lines[len(lines)-3:], tail) {
 				t.Fatalf("%s payload is not framed as *nat, the chain, rules, the jump, COMMIT:\n%s", fam, strings.Join(lines, "\n"))
 			}

@@ -3,9 +3,7 @@
 package iptables
 
 import (
-	"bytes"
 	"fmt"
-	"math"
 	"regexp"
 	"strings"
 
@@ -41,73 +39,60 @@ func JumpComment(chain string) string {
 	return fmt.Sprintf("ip-masq-agent: ensure nat POSTROUTING directs all non-LOCAL destination traffic to our custom %s chain", chain)
 }
 
-// JumpRule is the POSTROUTING rule that sends non-local traffic to the chain, in iptables-save form.
-func JumpRule(chain string) string {
-	return fmt.Sprintf("-A POSTROUTING -m comment --comment %q -m addrtype ! --dst-type LOCAL -j %s", JumpComment(chain), chain)
+// JumpRule is the POSTROUTING rule that sends non-local traffic to the chain.
+func JumpRule(chain string) Rule {
+	return Rule{Chain: "POSTROUTING", Comment: JumpComment(chain), NotLocal: true, Jump: chain}
 }
 
 // Line is one iptables rule of the chain and the policy rule it implements. A MASQUERADE policy
 // rule becomes several lines when --to-ports splits it per protocol and port range.
 type Line struct {
-	Rule *policy.Rule
-	// Text is the rule exactly as iptables-save prints it, starting with "-A <chain>".
-	Text string
+	// Policy is the policy rule and Number its 1-based position in its family's list.
+	Policy *policy.Rule
+	Number int
+	Rule   Rule
 }
 
-// ChainLines renders the rule list of a family, in iptables-save's canonical form so that a
-// chain read back from the kernel compares equal line by line.
+// ChainLines lays out the rule list of a family as the chain's rules.
 func ChainLines(p *policy.Policy, fam policy.Family, chain string) []Line {
 	rules := p.Rules(fam)
-	var lines []Line
+	lines := make([]Line, 0, len(rules))
 	for i := range rules {
-		r := &rules[i]
-		dst := ""
-		if r.Prefix.Bits() > 0 {
-			dst = " -d " + r.Prefix.String()
-		}
-		comment := fmt.Sprintf(" -m comment --comment %q", r.Comment)
-		if r.Action == policy.Return {
-			lines = append(lines, Line{r, fmt.Sprintf("-A %s%s%s -j RETURN", chain, dst, comment)})
+		pr := &rules[i]
+		r := Rule{Chain: chain, Dst: pr.Prefix, Comment: pr.Comment, Jump: TargetReturn}
+		if pr.Action == policy.Return {
+			lines = append(lines, Line{pr, i + 1, r})
 			continue
 		}
-		masq := " -j MASQUERADE"
-		random := ""
-		if p.RandomFully {
-			random = " --random-fully"
-		}
+		r.Jump, r.RandomFully = TargetMasquerade, p.RandomFully
 		if len(p.ToPorts) > 0 {
 			for _, proto := range toPortsProtocols {
 				left := p.ToPorts.Size()
-				for j, pr := range p.ToPorts {
-					stat := ""
+				for j, ports := range p.ToPorts {
+					split := r
+					split.Protocol, split.ToPorts = proto, ports
 					if j < len(p.ToPorts)-1 {
-						stat = " -m statistic --mode random --probability " + probability(pr.Size(), left)
+						// Each range takes its share of the ports not in an earlier range, so
+						// every port is equally likely.
+						split.Probability = float64(ports.Size()) / float64(left)
 					}
-					lines = append(lines, Line{r, fmt.Sprintf("-A %s%s -p %s%s%s%s --to-ports %s%s",
-						chain, dst, proto, comment, stat, masq, pr, random)})
-					left -= pr.Size()
+					lines = append(lines, Line{pr, i + 1, split})
+					left -= ports.Size()
 				}
 			}
 		}
 		// Protocols without ports (and every protocol when --to-ports is unset).
-		lines = append(lines, Line{r, fmt.Sprintf("-A %s%s%s%s%s", chain, dst, comment, masq, random)})
+		lines = append(lines, Line{pr, i + 1, r})
 	}
 	return lines
-}
-
-// probability formats n/of the way iptables-save prints the statistic match: the kernel keeps it
-// as a 31-bit fraction, and iptables prints that fraction with 11 decimals.
-func probability(n, of int) string {
-	const scale = 1 << 31
-	stored := math.Round(float64(n) / float64(of) * scale)
-	return fmt.Sprintf("%.11f", stored/scale)
 }
 
 // Render returns the iptables-restore payload for one family: the chain declared (which flushes
 // it when applied with --noflush), its rules, and the POSTROUTING jump when withJump is set.
 // The whole payload is one transaction.
 func Render(p *policy.Policy, fam policy.Family, chain string, withJump bool) []byte {
-	return render(ChainLines(p, fam, chain), chain, withJump, nil)
+	tx, _ := chainTransaction(ChainLines(p, fam, chain), chain, withJump, nil)
+	return tx.Bytes()
 }
 
 // RenderKeepingCounters is Render for iptables-restore --counters: every rule line that is
@@ -117,57 +102,54 @@ func Render(p *policy.Policy, fam policy.Family, chain string, withJump bool) []
 // line with the same text, so identical lines pair up in order, as Counters pairs them. It
 // also returns how many lines kept their counters.
 func RenderKeepingCounters(p *policy.Policy, fam policy.Family, chain string, withJump bool, live []SavedRule) ([]byte, int) {
-	lines := ChainLines(p, fam, chain)
-	match := pairLines(lines, live)
-	prefixes := make([]string, len(lines))
+	tx, kept := chainTransaction(ChainLines(p, fam, chain), chain, withJump, live)
+	return tx.Bytes(), kept
+}
+
+// chainTransaction declares (and so flushes) the chain and refills it with lines, each with the
+// counters of the live line it pairs with; it also returns how many lines kept counters.
+func chainTransaction(lines []Line, chain string, withJump bool, live []SavedRule) (*Transaction, int) {
+	tx := NewTransaction()
+	tx.Declare(chain)
+	pair := newPairing(live)
 	kept := 0
-	for i, j := range match {
-		if j >= 0 {
-			prefixes[i] = fmt.Sprintf("[%d:%d] ", live[j].Packets, live[j].Bytes)
+	for _, l := range lines {
+		spec := l.Rule.Spec()
+		var counted *SavedRule
+		if j := pair.take(spec); j >= 0 {
+			counted = &live[j]
 			kept++
 		}
-	}
-	return render(lines, chain, withJump, prefixes), kept
-}
-
-// pairLines pairs each rendered line with the first unused live line of the same text: match[i]
-// is the index into live of line i's partner, or -1.
-func pairLines(lines []Line, live []SavedRule) []int {
-	// The live lines of each text, in chain order: pairing takes them from the front. A map
-	// keeps this linear; a chain of 100k rules replaced by 100k others would otherwise compare
-	// every line with every other.
-	byText := make(map[string][]int, len(live))
-	for j, r := range live {
-		byText[r.Text] = append(byText[r.Text], j)
-	}
-	match := make([]int, len(lines))
-	for i, l := range lines {
-		match[i] = -1
-		if js := byText[l.Text]; len(js) > 0 {
-			match[i], byText[l.Text] = js[0], js[1:]
-		}
-	}
-	return match
-}
-
-// render writes the payload; prefixes, when set, go before the rule lines they index.
-func render(lines []Line, chain string, withJump bool, prefixes []string) []byte {
-	var b bytes.Buffer
-	b.WriteString("*nat\n")
-	fmt.Fprintf(&b, ":%s - [0:0]\n", chain)
-	for i, l := range lines {
-		if prefixes != nil {
-			b.WriteString(prefixes[i])
-		}
-		b.WriteString(l.Text)
-		b.WriteByte('\n')
+		tx.appendSpec(chain, spec, counted)
 	}
 	if withJump {
-		b.WriteString(JumpRule(chain))
-		b.WriteByte('\n')
+		tx.Append(JumpRule(chain))
 	}
-	b.WriteString("COMMIT\n")
-	return b.Bytes()
+	return tx, kept
+}
+
+// pairing pairs rendered lines with live ones of the same text, each live line at most once,
+// in chain order.
+type pairing map[string][]int
+
+// newPairing indexes the live lines by text. A map keeps pairing linear; a chain of 100k rules
+// replaced by 100k others would otherwise compare every line with every other.
+func newPairing(live []SavedRule) pairing {
+	byText := make(pairing, len(live))
+	for j, r := range live {
+		byText[r.Spec] = append(byText[r.Spec], j)
+	}
+	return byText
+}
+
+// take returns the index of the first unused live line with the spec, or -1.
+func (p pairing) take(spec string) int {
+	js := p[spec]
+	if len(js) == 0 {
+		return -1
+	}
+	p[spec] = js[1:]
+	return js[0]
 }
 
 // RenderAll returns what `render` prints: the IPv4 payload and, when IPv6 is enabled, the IPv6

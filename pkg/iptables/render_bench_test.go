@@ -26,7 +26,7 @@ func BenchmarkRenderKeepingCounters(b *testing.B) {
 			p := policy.Compile(config.Config{NonMasqueradeCIDRs: cidrs(n), MasqOutBound: true}, policy.Options{})
 			var live []SavedRule
 			for _, l := range ChainLines(old, policy.IPv4, DefaultChain) {
-				live = append(live, SavedRule{Text: l.Text, Packets: 1, Bytes: 60})
+				live = append(live, SavedRule{Chain: l.Rule.Chain, Spec: l.Rule.Spec(), Packets: 1, Bytes: 60})
 			}
 			b.ResetTimer()
 			for range b.N {

@@ -63,18 +63,12 @@ func parseListing(t *testing.T, text string) []listedRule {
 func listed(lines []Line) []listedRule {
 	var rules []listedRule
 	for _, l := range lines {
-		r := listedRule{destination: "0.0.0.0/0", comment: l.Rule.Comment}
-		if l.Rule.Family == policy.IPv6 {
+		r := listedRule{target: l.Rule.Jump, destination: "0.0.0.0/0", comment: l.Policy.Comment}
+		if l.Policy.Family == policy.IPv6 {
 			r.destination = "::/0"
 		}
-		f := strings.Fields(l.Text)
-		for i := 0; i < len(f)-1; i++ {
-			switch f[i] {
-			case "-d":
-				r.destination = strings.TrimSuffix(strings.TrimSuffix(f[i+1], "/32"), "/128")
-			case "-j":
-				r.target = f[i+1]
-			}
+		if l.Rule.Dst.Bits() > 0 {
+			r.destination = strings.TrimSuffix(strings.TrimSuffix(l.Rule.Dst.String(), "/32"), "/128")
 		}
 		rules = append(rules, r)
 	}
@@ -154,8 +148,8 @@ func TestDefaultsRenderHandbookChain(t *testing.T) {
 		).Replace(want[i].comment)
 	}
 	diffRules(t, got, want)
-	if !strings.Contains(JumpRule(DefaultChain), "-m addrtype ! --dst-type LOCAL -j IP-MASQ-AGENT") {
-		t.Errorf("jump %q does not exclude LOCAL destinations", JumpRule(DefaultChain))
+	if !strings.Contains(JumpRule(DefaultChain).String(), "-m addrtype ! --dst-type LOCAL -j IP-MASQ-AGENT") {
+		t.Errorf("jump %q does not exclude LOCAL destinations", JumpRule(DefaultChain).String())
 	}
 }
 
@@ -230,15 +224,15 @@ func TestRenderToPorts(t *testing.T) {
 		`-A IP-MASQ-AGENT -d 10.10.10.10/32 ` + c + ` -j MASQUERADE --random-fully`,
 	}
 	for i, w := range want {
-		if lines[i].Text != w {
-			t.Errorf("line %d:\n got  %s\n want %s", i, lines[i].Text, w)
+		if got := lines[i].Rule.String(); got != w {
+			t.Errorf("line %d:\n got  %s\n want %s", i, got, w)
 		}
-		if lines[i].Rule != &p.IPv4[0] {
-			t.Errorf("line %d maps to rule %+v, want rule 1", i, lines[i].Rule)
+		if lines[i].Policy != &p.IPv4[0] || lines[i].Number != 1 {
+			t.Errorf("line %d maps to rule %d (%+v), want rule 1", i, lines[i].Number, lines[i].Policy)
 		}
 	}
 	// 28976 of 61744 ports are in the first range.
-	if got, want := probability(28976, 61744), "0.46929256292"; got != want {
+	if got, want := formatProbability(28976.0/61744), "0.46929256292"; got != want {
 		t.Errorf("probability = %s, want %s", got, want)
 	}
 }
@@ -249,7 +243,7 @@ func TestToPortsProbabilitiesAreUniform(t *testing.T) {
 	p := policy.Compile(config.Config{MasqOutBound: true, MasqLinkLocal: true}, policy.Options{ToPorts: ports})
 	var probs []string
 	for _, l := range ChainLines(p, policy.IPv4, DefaultChain)[:3] {
-		if m := regexp.MustCompile(`--probability (\S+)`).FindStringSubmatch(l.Text); m != nil {
+		if m := regexp.MustCompile(`--probability (\S+)`).FindStringSubmatch(l.Rule.String()); m != nil {
 			probs = append(probs, m[1])
 		} else {
 			probs = append(probs, "-")

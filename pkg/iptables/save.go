@@ -3,7 +3,9 @@ package iptables
 import (
 	"bufio"
 	"bytes"
+	"errors"
 	"fmt"
+	"net/netip"
 	"strconv"
 	"strings"
 )
@@ -16,13 +18,29 @@ type Table struct {
 	Rules []SavedRule
 }
 
-// SavedRule is one rule line of a dump.
+// SavedRule is one rule line of a dump, parsed once: the rule as text (to compare with a
+// rendered Rule and to delete it) and the few options the agent reads from rules it did not
+// render.
 type SavedRule struct {
 	Chain string
-	// Text is the rule as iptables-save prints it, starting with "-A <chain>", without counters.
-	Text string
+	// Spec is the rule after "-A CHAIN ", as iptables-save prints it, without counters.
+	Spec string
+	// Target is the chain or target the rule jumps or goes to (-j, -g); empty for none.
+	Target string
+	// Dst is the destination (-d); the zero prefix when the rule has none.
+	Dst netip.Prefix
+	// RandomFully is set when the target has the --random-fully option.
+	RandomFully bool
 	// Packets and Bytes are the rule's counters when the dump was made with -c, else zero.
 	Packets, Bytes uint64
+}
+
+// Text is the rule as iptables-save prints it: "-A CHAIN SPEC".
+func (r SavedRule) Text() string {
+	if r.Spec == "" {
+		return "-A " + r.Chain
+	}
+	return "-A " + r.Chain + " " + r.Spec
 }
 
 // HasChain reports whether the table declares the chain.
@@ -50,12 +68,8 @@ func (t *Table) ChainRules(chain string) []SavedRule {
 func (t *Table) RulesTargeting(chain string) []SavedRule {
 	var out []SavedRule
 	for _, r := range t.Rules {
-		f := strings.Fields(r.Text)
-		for i := 0; i+1 < len(f); i++ {
-			if (f[i] == "-j" || f[i] == "-g") && f[i+1] == chain {
-				out = append(out, r)
-				break
-			}
+		if r.Target == chain {
+			out = append(out, r)
 		}
 	}
 	return out
@@ -94,6 +108,7 @@ func ParseSave(out []byte, table string) (*Table, error) {
 	return t, nil
 }
 
+// parseRuleLine reads "[packets:bytes] -A CHAIN SPEC" (counters optional).
 func parseRuleLine(line string) (SavedRule, error) {
 	var r SavedRule
 	if line[0] == '[' {
@@ -114,10 +129,66 @@ func parseRuleLine(line string) (SavedRule, error) {
 		}
 		line = rest
 	}
-	f := strings.Fields(line)
-	if len(f) < 2 || f[0] != "-A" {
+	verb, rest, _ := strings.Cut(line, " ")
+	chain, spec, _ := strings.Cut(rest, " ")
+	if verb != "-A" || chain == "" {
 		return r, fmt.Errorf("not a rule: %q", line)
 	}
-	r.Chain, r.Text = f[1], line
+	r.Chain, r.Spec = chain, spec
+	args, err := splitArgs(spec)
+	if err != nil {
+		return r, fmt.Errorf("rule %q: %w", line, err)
+	}
+	for i, a := range args {
+		switch a {
+		case "--random-fully":
+			r.RandomFully = true
+		case "-j", "-g", "-d":
+			if i+1 == len(args) {
+				return r, fmt.Errorf("rule %q: %s without a value", line, a)
+			}
+			v := args[i+1]
+			if a != "-d" {
+				r.Target = v
+			} else if pr, err := netip.ParsePrefix(v); err == nil {
+				r.Dst = pr
+			} else if addr, err := netip.ParseAddr(v); err == nil {
+				r.Dst = netip.PrefixFrom(addr, addr.BitLen())
+			}
+		}
+	}
 	return r, nil
+}
+
+// splitArgs splits a rule's options as iptables-save writes them: separated by spaces, a value
+// with spaces in double quotes, in which a backslash escapes the next character.
+func splitArgs(spec string) ([]string, error) {
+	var args []string
+	for i := 0; i < len(spec); {
+		switch spec[i] {
+		case ' ':
+			i++
+		case '"':
+			var b strings.Builder
+			for i++; i < len(spec) && spec[i] != '"'; i++ {
+				if spec[i] == '\\' && i+1 < len(spec) {
+					i++
+				}
+				b.WriteByte(spec[i])
+			}
+			if i == len(spec) {
+				return nil, errors.New("unterminated quote")
+			}
+			i++
+			args = append(args, b.String())
+		default:
+			n := strings.IndexByte(spec[i:], ' ')
+			if n < 0 {
+				n = len(spec) - i
+			}
+			args = append(args, spec[i:i+n])
+			i += n
+		}
+	}
+	return args, nil
 }

@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"strconv"
 	"strings"
@@ -55,10 +54,9 @@ func IptablesBackend(mode iptables.Mode) Backend {
 		Drift: func(ctx context.Context, t testing.TB, env *Env) {
 			t.Helper()
 			chain := env.FlagValue("masq-chain", iptables.DefaultChain)
-			jump := strings.Fields(iptables.JumpRule(chain))
-			jump[0] = "-D"
-			jump = unquote(jump)
-			for _, args := range [][]string{{"-t", "nat", "-F", chain}, append([]string{"-t", "nat"}, jump...)} {
+			jump := iptables.JumpRule(chain)
+			deleteJump := append([]string{"-t", "nat", "-D", jump.Chain}, jump.Args()...)
+			for _, args := range [][]string{{"-t", "nat", "-F", chain}, deleteJump} {
 				if _, err := NSExec(ctx, env.Node, "", "iptables-"+string(mode), args...); err != nil {
 					t.Fatalf("drift: %v", err)
 				}
@@ -75,28 +73,37 @@ func IptablesBackend(mode iptables.Mode) Backend {
 // iptablesDamages change the IPv4 chain or jump, each in one iptables-restore transaction (so
 // that the agent never sees half a damage).
 func iptablesDamages(mode iptables.Mode) []Damage {
-	restore := func(ctx context.Context, t testing.TB, env *Env, payload string) {
+	restore := func(ctx context.Context, t testing.TB, env *Env, tx *iptables.Transaction) {
 		t.Helper()
-		if _, err := NSExec(ctx, env.Node, "*nat\n"+payload+"COMMIT\n", "iptables-"+string(mode)+"-restore", "--noflush"); err != nil {
+		if _, err := NSExec(ctx, env.Node, string(tx.Bytes()), "iptables-"+string(mode)+"-restore", "--noflush"); err != nil {
 			t.Fatalf("damage: %v", err)
 		}
 	}
 	chain := func(env *Env) string { return env.FlagValue("masq-chain", iptables.DefaultChain) }
-	deleteJump := func(env *Env) string { return "-D" + strings.TrimPrefix(iptables.JumpRule(chain(env)), "-A") + "\n" }
 	repaired := func(ctx context.Context, t testing.TB, env *Env) bool {
 		t.Helper()
 		return installed(ctx, t, env, mode, policy.IPv4) == env.Render(ctx, t)
 	}
 	return []Damage{
 		{Name: "jump deleted", What: []string{datapath.DriftJump}, Repaired: repaired,
-			Do: func(ctx context.Context, t testing.TB, env *Env) { restore(ctx, t, env, deleteJump(env)) }},
+			Do: func(ctx context.Context, t testing.TB, env *Env) {
+				tx := iptables.NewTransaction()
+				tx.Delete(iptables.JumpRule(chain(env)))
+				restore(ctx, t, env, tx)
+			}},
 		{Name: "chain flushed", What: []string{datapath.DriftChain}, Repaired: repaired,
 			Do: func(ctx context.Context, t testing.TB, env *Env) {
-				restore(ctx, t, env, fmt.Sprintf(":%s - [0:0]\n", chain(env)))
+				tx := iptables.NewTransaction()
+				tx.Declare(chain(env))
+				restore(ctx, t, env, tx)
 			}},
 		{Name: "chain and jump deleted", What: []string{datapath.DriftChain, datapath.DriftJump}, Repaired: repaired,
 			Do: func(ctx context.Context, t testing.TB, env *Env) {
-				restore(ctx, t, env, deleteJump(env)+fmt.Sprintf(":%s - [0:0]\n-X %s\n", chain(env), chain(env)))
+				tx := iptables.NewTransaction()
+				tx.Delete(iptables.JumpRule(chain(env)))
+				tx.Declare(chain(env))
+				tx.DeleteChain(chain(env))
+				restore(ctx, t, env, tx)
 			}},
 	}
 }
@@ -145,24 +152,6 @@ func prepareNode(ctx context.Context, t testing.TB, env *Env, mode iptables.Mode
 	}
 }
 
-// unquote joins the quoted comment of a rule split by strings.Fields back into one argument.
-func unquote(f []string) []string {
-	var out []string
-	for i := 0; i < len(f); i++ {
-		if !strings.HasPrefix(f[i], `"`) {
-			out = append(out, f[i])
-			continue
-		}
-		j := i
-		for !strings.HasSuffix(f[j], `"`) {
-			j++
-		}
-		out = append(out, strings.Trim(strings.Join(f[i:j+1], " "), `"`))
-		i = j
-	}
-	return out
-}
-
 // installed returns the chain and jumps of the env's chain in one mode and family, in render's
 // layout (a comment line naming the restore tool, then the payload), or "" when there are none.
 func installed(ctx context.Context, t testing.TB, env *Env, mode iptables.Mode, fam policy.Family) string {
@@ -190,10 +179,10 @@ func installed(ctx context.Context, t testing.TB, env *Env, mode iptables.Mode, 
 		b.WriteString(":" + chain + " - [0:0]\n")
 	}
 	for _, r := range nat.ChainRules(chain) {
-		b.WriteString(r.Text + "\n")
+		b.WriteString(r.Text() + "\n")
 	}
 	for _, r := range jumps {
-		b.WriteString(r.Text + "\n")
+		b.WriteString(r.Text() + "\n")
 	}
 	b.WriteString("COMMIT\n")
 	return b.String()
