@@ -23,6 +23,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/sandbox"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/uplink"
 )
@@ -212,6 +213,10 @@ func owns(info *ebpf.ProgramInfo) bool {
 func probeLoad() error {
 	dp, err := bpf.Load(bpf.LoadOptions{MaxRules: 8, NATEntries: 64, NATEntriesV6: 64, FragEntries: 64})
 	if err != nil {
+		err = sandbox.ExplainBPF(err)
+		if _, denied := errors.AsType[*sandbox.DeniedError](err); denied {
+			return err // the kernel never saw the programs
+		}
 		return fmt.Errorf("the kernel does not load the BPF programs: %w", err)
 	}
 	return dp.Close()

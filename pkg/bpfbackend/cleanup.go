@@ -11,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/sandbox"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
 
@@ -38,6 +39,13 @@ type Removed struct {
 	Attachments []tc.Attachment
 	// PinDir is the pin directory it removed, empty when there was none.
 	PinDir string
+	// BPFDenied says why bpf(2) was refused (a seccomp filter, see sandbox.BPFDenied); nil
+	// when it worked. Without it tcx links can be neither listed nor detached, and only
+	// their pins are removed.
+	BPFDenied error
+	// UnpinnedLinks counts the tcx link pins removed while bpf(2) was refused: the kernel
+	// detaches each such link with its last reference, unless a process still holds it.
+	UnpinnedLinks int
 }
 
 // Cleanup removes everything the BPF backend installs, whatever process installed it and with
@@ -52,6 +60,15 @@ func Cleanup(ctx context.Context, bpffs string, log *slog.Logger) (Removed, erro
 	}
 	var res Removed
 	pinDir := filepath.Join(bpffs, PinDir)
+	// Refused bpf(2) looks like a kernel without tcx to the library, so the links would go
+	// uncounted: count their pins, which is all that can be removed then.
+	if res.BPFDenied = sandbox.BPFDenied(); res.BPFDenied != nil {
+		pins, err := os.ReadDir(filepath.Join(pinDir, LinkDir))
+		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return res, fmt.Errorf("read link pins: %w", err)
+		}
+		res.UnpinnedLinks = len(pins)
+	}
 	removed, err := tc.RemoveAll(ctx, tcOptions(pinDir, log))
 	log = log.With("component", "bpf")
 	res.Attachments = removed
@@ -68,7 +85,10 @@ func Cleanup(ctx context.Context, bpffs string, log *slog.Logger) (Removed, erro
 		return res, fmt.Errorf("remove BPF pins: %w", err)
 	}
 	res.PinDir = pinDir
-	log.Info("BPF datapath removed", "attachments", len(removed), "pins", pinDir)
+	if res.BPFDenied != nil {
+		log.Warn("bpf(2) is refused: tcx links were removed only through their pins, unchecked", "linkPins", res.UnpinnedLinks, "reason", res.BPFDenied)
+	}
+	log.Info("BPF datapath removed", "attachments", len(removed), "linkPins", res.UnpinnedLinks, "pins", pinDir)
 	return res, nil
 }
 

@@ -50,6 +50,10 @@ func runCleanup(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		errs = append(errs, err)
 	} else {
 		fmt.Fprintf(stdout, "bpf: %d program attachments removed (tcx links and tc filters on every device)", len(removed.Attachments))
+		if removed.BPFDenied != nil {
+			fmt.Fprintf(stdout, ", %d tcx link pins removed, which detaches each link that no process holds open, unchecked: %v;",
+				removed.UnpinnedLinks, removed.BPFDenied)
+		}
 		if removed.PinDir != "" {
 			fmt.Fprintf(stdout, ", pins under %s removed", removed.PinDir)
 		} else {

@@ -1,0 +1,81 @@
+package e2e
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
+)
+
+// Under a seccomp filter that refuses bpf(2), as podman's and CRI-O's default profile does for a
+// container without CAP_SYS_ADMIN: --backend=auto falls back to iptables and says that seccomp
+// is the cause and what to do (not "MEMLOCK may be too low"); cleanup removes the tcx links of an
+// earlier agent through their pins and says so (not "0 program attachments removed"). The
+// container suite (test/container) runs the same under podman itself.
+func TestWithoutBPFSyscall(t *testing.T) {
+	b := BPFBackend(tc.ModeTCX)
+	requireBackend(t, b)
+	testutil.RequirePrivileged(t, "iptables-nft-restore")
+	nobpf := testutil.WithoutBPFExecutable(t, agentBin)
+
+	t.Run("agent", func(t *testing.T) {
+		t.Parallel()
+		ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+		defer cancel()
+		env := NewEnv(ctx, t, nobpf, nil)
+		b.Prepare(ctx, t, env)
+		auto := b
+		auto.Flags = []string{"--backend=auto"}
+		a := env.StartAgent(ctx, t, auto)
+		if err := a.WaitReady(ctx); err != nil {
+			t.Fatal(err)
+		}
+		_, metrics, err := a.Get(ctx, "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info := grepLines(metrics, "ip_masq_agent_datapath_info{"); !strings.Contains(info, `backend="iptables"`) {
+			t.Errorf("datapath without bpf(2): %s", info)
+		}
+		fallback := grepLines(a.Logs(), "the BPF datapath cannot run here")
+		for _, want := range []string{"seccomp blocked bpf(2)", "EPERM", "MEMLOCK is not the cause", "deploy/seccomp/ip-masq-agent.json"} {
+			if !strings.Contains(fallback, want) {
+				t.Errorf("the fallback does not say %q:\n%s", want, a.Logs())
+			}
+		}
+	})
+
+	t.Run("cleanup", func(t *testing.T) {
+		t.Parallel()
+		ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+		defer cancel()
+		env := NewEnv(ctx, t, agentBin, nil)
+		b.Prepare(ctx, t, env)
+		a := env.StartAgent(ctx, t, b)
+		if err := a.WaitReady(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := a.Stop(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if progs, _ := env.UplinkPrograms(t); len(progs) != 2 {
+			t.Fatalf("the agent left %v on the uplink, want its two tcx programs", progs)
+		}
+		out, err := NSExec(ctx, env.Node, "", nobpf, env.DatapathArgs("cleanup", b)...)
+		if err != nil {
+			t.Fatalf("cleanup without bpf(2): %v\n%s", err, out)
+		}
+		for _, want := range []string{"2 tcx link pins removed", "seccomp blocked bpf(2)", "pins under " + env.PinDir() + " removed"} {
+			if !strings.Contains(string(out), want) {
+				t.Errorf("cleanup does not say %q:\n%s", want, out)
+			}
+		}
+		// Nothing held the links but their pins, so the programs went with them.
+		if s := bpfLeft(t, env); s != "" {
+			t.Errorf("left after cleanup: %s", s)
+		}
+		t.Logf("cleanup: %s", strings.TrimSpace(string(out)))
+	})
+}
