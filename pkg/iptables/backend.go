@@ -154,8 +154,12 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	}
 	for _, fam := range managed {
 		fp := *p
-		if fp.RandomFully && !b.supportsRandomFully(ctx, fam) {
-			fp.RandomFully = false
+		if fp.RandomFully {
+			ok, err := b.supportsRandomFully(ctx, fam)
+			if err != nil {
+				return fmt.Errorf("apply %s chain %s: %w", fam, b.chain, err)
+			}
+			fp.RandomFully = ok
 		}
 		if err := b.applyFamily(ctx, &fp, fam); err != nil {
 			return err
@@ -296,43 +300,56 @@ func (b *Backend) restore(ctx context.Context, t *tools, payload []byte, extra .
 }
 
 // supportsRandomFully reports whether --random-fully can be used: iptables 1.6.2 or newer, and a
-// kernel that accepts it, probed once per family with a throwaway chain.
-func (b *Backend) supportsRandomFully(ctx context.Context, fam policy.Family) bool {
+// kernel that accepts it, probed once per family with a throwaway chain. A probe that fails only
+// says that the kernel rejects the option when the same rule without it goes through: otherwise
+// iptables itself fails (a read-only xtables lock, say), which is returned, and the next call
+// probes again.
+func (b *Backend) supportsRandomFully(ctx context.Context, fam policy.Family) (bool, error) {
 	if ok, done := b.randomFully[fam]; done {
-		return ok
+		return ok, nil
 	}
 	t, err := b.toolsFor(ctx, fam)
 	if err != nil {
-		return false // Apply reports the missing tools
+		return false, nil // applyFamily reports the missing tools
 	}
 	if !t.atLeast(1, 6, 2) {
 		b.log.Warn("iptables is older than 1.6.2 and has no --random-fully; masquerading without it",
 			"family", fam, "tool", t.restore, "version", fmt.Sprintf("%d.%d.%d", t.version[0], t.version[1], t.version[2]))
 		b.randomFully[fam] = false
-		return false
+		return false, nil
 	}
+	perr := b.probe(ctx, t, fam, true)
+	if perr == nil {
+		b.randomFully[fam] = true
+		return true, nil
+	}
+	if ctx.Err() != nil {
+		return false, ctx.Err() // cancelled: decide on a later call
+	}
+	if err := b.probe(ctx, t, fam, false); err != nil {
+		return false, fmt.Errorf("probe MASQUERADE --random-fully: iptables fails without the option too: %w", err)
+	}
+	b.log.Warn("the kernel rejects MASQUERADE --random-fully; masquerading without it", "family", fam, "error", perr)
+	b.randomFully[fam] = false
+	return false, nil
+}
+
+// probe restores a throwaway chain holding one MASQUERADE rule, with --random-fully or
+// without, and removes it.
+func (b *Backend) probe(ctx context.Context, t *tools, fam policy.Family, randomFully bool) error {
 	probe := NewTransaction()
 	probe.Declare(probeChain)
-	probe.Append(Rule{Chain: probeChain, Jump: TargetMasquerade, RandomFully: true})
-	perr := b.restore(ctx, t, probe.Bytes())
+	probe.Append(Rule{Chain: probeChain, Jump: TargetMasquerade, RandomFully: randomFully})
+	err := b.restore(ctx, t, probe.Bytes())
 	// Remove the probe chain whatever happened; declaring it first makes the removal valid
 	// even when the probe never created it.
 	remove := NewTransaction()
 	remove.Declare(probeChain)
 	remove.DeleteChain(probeChain)
-	if err := b.restore(ctx, t, remove.Bytes()); err != nil {
-		b.log.Warn("could not remove the --random-fully probe chain", "family", fam, "chain", probeChain, "error", err)
+	if rerr := b.restore(ctx, t, remove.Bytes()); rerr != nil && err == nil {
+		b.log.Warn("could not remove the --random-fully probe chain", "family", fam, "chain", probeChain, "error", rerr)
 	}
-	if perr != nil {
-		if ctx.Err() != nil {
-			return false // cancelled: decide on a later call
-		}
-		b.log.Warn("the kernel rejects MASQUERADE --random-fully; masquerading without it", "family", fam, "error", perr)
-		b.randomFully[fam] = false
-		return false
-	}
-	b.randomFully[fam] = true
-	return true
+	return err
 }
 
 // Counters implements datapath.Backend: the rule counters of iptables-save -c, mapped back to

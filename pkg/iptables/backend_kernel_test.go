@@ -2,8 +2,11 @@ package iptables_test
 
 import (
 	"context"
+	"log/slog"
 	"net/netip"
+	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -180,5 +183,39 @@ func TestBackendInKernel(t *testing.T) {
 				t.Errorf("counters after cleanup: %v %v", c, err)
 			}
 		})
+	}
+}
+
+// The real iptables-legacy without a lock file it can open (XTABLES_LOCKFILE names one in a
+// directory that does not exist, as /run/xtables.lock is in a read-only container without the
+// node's lock mounted): the apply fails naming the lock and the fix, and nothing is taken for a
+// kernel that rejects --random-fully.
+func TestBackendWithoutXtablesLock(t *testing.T) {
+	testutil.RequirePrivileged(t, "ip", "env", "iptables-legacy-restore")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	ns := testutil.NewNetns(t)
+	lock := filepath.Join(t.TempDir(), "missing", "xtables.lock")
+	runner := iptables.ExecRunner{Prefix: []string{"env", "XTABLES_LOCKFILE=" + lock, "ip", "netns", "exec", ns}}
+	var logs strings.Builder
+	b, err := iptables.New(ctx, iptables.Options{Runner: runner, Mode: iptables.ModeLegacy, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := config.Parse([]byte("nonMasqueradeCIDRs: [10.0.0.0/8]\n"), config.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = b.Apply(ctx, policy.Compile(cfg, policy.Options{RandomFully: true}))
+	if err == nil {
+		t.Fatal("apply succeeded without a lock file")
+	}
+	for _, want := range []string{"can't open lock file " + lock, "mount the node's /run/xtables.lock"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+	if strings.Contains(logs.String(), "rejects") {
+		t.Errorf("the lock failure was taken for a rejection of --random-fully:\n%s", logs.String())
 	}
 }

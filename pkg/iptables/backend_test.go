@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"runtime"
 	"slices"
@@ -235,6 +236,37 @@ func TestRandomFullyFallback(t *testing.T) {
 			if slices.Contains(c.Args, "--wait") {
 				t.Errorf("%s got --wait, which 1.6.1 does not know", c.Name)
 			}
+		}
+	})
+	// iptables-legacy without a writable lock file fails on every restore: the probe says
+	// nothing about --random-fully then, the apply fails with iptables' own reason, and once
+	// the lock works the option is used.
+	t.Run("xtables lock not writable", func(t *testing.T) {
+		f := iptablestest.New()
+		f.LockFile = "/run/xtables.lock"
+		var logs strings.Builder
+		b, err := iptables.New(ctx, iptables.Options{Runner: f, Mode: iptables.ModeLegacy, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = b.Apply(ctx, p)
+		if err == nil {
+			t.Fatal("apply succeeded without the xtables lock")
+		}
+		for _, want := range []string{"can't open lock file /run/xtables.lock: Read-only file system", "mount the node's /run/xtables.lock", "fails without the option too"} {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("error %q does not say %q", err, want)
+			}
+		}
+		if strings.Contains(logs.String(), "rejects") {
+			t.Errorf("the lock failure was taken for a rejection of --random-fully:\n%s", logs.String())
+		}
+		f.LockFile = ""
+		if err := b.Apply(ctx, p); err != nil {
+			t.Fatal(err)
+		}
+		if got, want := f.ChainTexts(iptables.ModeLegacy, policy.IPv4, iptables.DefaultChain), lineTexts(p, policy.IPv4); !slices.Equal(got, want) {
+			t.Errorf("chain once the lock works %q, want %q (with --random-fully)", got, want)
 		}
 	})
 	t.Run("supported", func(t *testing.T) {

@@ -75,10 +75,21 @@ type ExecError struct {
 
 func (e *ExecError) Error() string {
 	if msg := toolMessage(e.Stderr); msg != "" {
+		if strings.Contains(msg, lockFailure) {
+			msg += lockHint
+		}
 		return fmt.Sprintf("%s: %s", e.Command, msg)
 	}
 	return fmt.Sprintf("%s: %v", e.Command, e.Err)
 }
+
+// lockFailure is how iptables-legacy says that it cannot take the xtables lock at all (not
+// that another process holds it): "Fatal: can't open lock file /run/xtables.lock: Read-only
+// file system", in a container without the node's lock file mounted.
+const (
+	lockFailure = "can't open lock file"
+	lockHint    = " (iptables-legacy needs the node's xtables lock file, writable: mount the node's /run/xtables.lock, as the DaemonSet's xtables-lock volume does)"
+)
 
 func (e *ExecError) Unwrap() error { return e.Err }
 

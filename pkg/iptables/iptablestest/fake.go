@@ -70,6 +70,9 @@ type Fake struct {
 	RejectRandomFully bool
 	// FailRestore, when set, fails every restore whose payload contains it.
 	FailRestore string
+	// LockFile, when set, is an xtables lock file that cannot be opened: every restore of the
+	// legacy tools fails as iptables-legacy does then, before reading its input.
+	LockFile string
 	// Stacks are the tables of each mode and family, by Key.
 	Stacks map[string]*Stack
 	// Calls are the tool runs so far.
@@ -186,6 +189,10 @@ func (f *Fake) Run(_ context.Context, stdin []byte, name string, args ...string)
 	case "restore":
 		if !slices.Contains(args, "--noflush") {
 			return nil, fmt.Errorf("fake: restore without --noflush would flush the table")
+		}
+		if f.LockFile != "" && mode == iptables.ModeLegacy {
+			return nil, &iptables.ExecError{Command: name + " " + strings.Join(args, " "),
+				Stderr: "Fatal: can't open lock file " + f.LockFile + ": Read-only file system\n", Err: fmt.Errorf("exit status 4")}
 		}
 		if err := f.restore(mode, fam, string(stdin), slices.Contains(args, "--counters")); err != nil {
 			return nil, &iptables.ExecError{Command: name + " " + strings.Join(args, " "), Stderr: err.Error() + "\n", Err: fmt.Errorf("exit status 1")}
