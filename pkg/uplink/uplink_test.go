@@ -3,11 +3,13 @@ package uplink
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"os"
 	"os/exec"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -212,4 +214,68 @@ func TestWatch(t *testing.T) {
 	if took := time.Since(start); took > maxSettle+time.Second {
 		t.Errorf("the change was reported %v after it, during churn", took)
 	}
+}
+
+// Stopping Watch is no error: the library reports the end of the subscriptions that Watch itself
+// closed (EAGAIN on each socket), which must not reach the log as warnings on every SIGTERM.
+func TestWatchStopsQuietly(t *testing.T) {
+	ns := newNode(t)
+	var logs syncBuffer
+	log := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	changes := make(chan string, 1)
+	stopped := make(chan struct{})
+	inNetns(t, ns, func() {
+		defer close(stopped)
+		r, err := NewResolver(nil)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer r.Close()
+		Watch(ctx, r, changes, log)
+	})
+	// A change reported proves the subscriptions run (Watch subscribes before its first check);
+	// the SNAT address moves back and forth until one is, since the first move may come
+	// before Watch's first look.
+	moves := [2]string{"addr del 192.0.2.10/24 dev up0\naddr add 192.0.2.20/24 dev up0\n", "addr del 192.0.2.20/24 dev up0\naddr add 192.0.2.10/24 dev up0\n"}
+	for i := 0; ; i++ {
+		ip(t, ns, moves[i%2])
+		select {
+		case <-changes:
+		case <-time.After(time.Second):
+			if i < 5 {
+				continue
+			}
+			t.Fatal("no change reported")
+		}
+		break
+	}
+	cancel()
+	select {
+	case <-stopped:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Watch did not return after the context ended")
+	}
+	if strings.Contains(logs.String(), "level=WARN") {
+		t.Errorf("stopping logged warnings:\n%s", logs.String())
+	}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

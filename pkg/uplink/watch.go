@@ -71,7 +71,15 @@ type subscription struct {
 
 func subscribe(log *slog.Logger) *subscription {
 	s := &subscription{done: make(chan struct{})}
-	onErr := func(err error) { log.Warn("netlink subscription error", "error", err) }
+	onErr := func(err error) {
+		select {
+		case <-s.done:
+			// close ended it: the library reports its own socket's shutdown (EAGAIN).
+			log.Debug("netlink subscription closed", "error", err)
+		default:
+			log.Warn("netlink subscription error", "error", err)
+		}
+	}
 	fail := func(what string, err error) *subscription {
 		log.Warn("cannot subscribe to netlink "+what+" events; retrying", "error", err)
 		s.close()
