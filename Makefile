@@ -7,8 +7,14 @@
 
 GO       ?= go
 BIN      := bin/ip-masq-agent
-VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
-LDFLAGS  := -s -w -X github.com/ip-masq-agent/ip-masq-agent/pkg/version.Version=$(VERSION)
+# The release version: the VERSION file is its one source (the manifests' image tags and the
+# chart's appVersion are checked against it by deploy's tests).
+VERSION  ?= $(shell cat VERSION)
+# The commit, recorded here rather than left to Go's VCS stamping, which a git worktree or a
+# GOFLAGS=-buildvcs=false defeats.
+COMMIT   ?= $(shell git rev-parse HEAD 2>/dev/null)$(shell test -z "$$(git status --porcelain 2>/dev/null)" || echo -dirty)
+LDFLAGS  := -s -w -X github.com/ip-masq-agent/ip-masq-agent/pkg/version.Version=$(VERSION) \
+	-X github.com/ip-masq-agent/ip-masq-agent/pkg/version.Commit=$(COMMIT)
 # Packages whose tests need nothing but Go; the rest need root and the tools `make deps` installs.
 TESTFLAGS ?= -count=1 -timeout 25m
 
