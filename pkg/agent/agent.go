@@ -354,7 +354,7 @@ func (a *Agent) loop(ctx context.Context) error {
 			interval := st.resync
 			if next == triggerDrift {
 				// The file is not read again: the last good policy is what must be in place.
-				_ = a.apply(ctx, st, log.With("trigger", string(next)))
+				_ = a.apply(ctx, st, log.With("trigger", string(next)), false)
 			} else if again := a.reconcile(ctx, st, next, w); again > 0 {
 				settle.Reset(again)
 			} else {
@@ -429,7 +429,7 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, w *di
 			log.Debug("the config file is being written; reading it again shortly", "path", a.opts.ConfigPath,
 				"reason", reason, "in", again)
 			if st.desired != nil && (why == triggerResync || why == triggerRetry || why == triggerEvent) {
-				_ = a.apply(ctx, st, log) // the drift repair does not wait for the file
+				_ = a.apply(ctx, st, log, false) // the drift repair does not wait for the file
 			}
 			return again
 		}
@@ -457,7 +457,7 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, w *di
 		log.Error("config rejected; the last good configuration stays in force",
 			"path", a.opts.ConfigPath, "error", err)
 		if why == triggerResync || why == triggerRetry || why == triggerEvent {
-			_ = a.apply(ctx, st, log) // counted as an apply, not as a reload of this file
+			_ = a.apply(ctx, st, log, false) // counted as an apply, not as a reload of this file
 		}
 		return 0
 	}
@@ -486,18 +486,7 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, w *di
 		log.Info("config changed", "path", a.opts.ConfigPath)
 	}
 	st.desired, st.desiredHash = p, hash
-	err = a.apply(ctx, st, log)
-	if ctx.Err() != nil {
-		return 0
-	}
-	a.mu.Lock()
-	if err == nil {
-		a.stats.Reloads++
-		a.stats.LastReload = time.Now()
-	} else {
-		a.stats.ReloadApplyErrors++
-	}
-	a.mu.Unlock()
+	_ = a.apply(ctx, st, log, true)
 	return 0
 }
 
@@ -527,9 +516,11 @@ func (a *Agent) unsettled(f config.File, writing bool, lastWrite, now time.Time)
 	return 0, ""
 }
 
-// apply applies the desired policy and records the outcome. It returns the backend's error; a
+// apply applies the desired policy and records the outcome, as a reload of the file too when
+// reload is set: in the same update as the configuration hash, so that a scrape never sees the
+// new configuration in force without its reload counted. It returns the backend's error; a
 // cancelled context (shutdown) records nothing.
-func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger) error {
+func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger, reload bool) error {
 	p := st.desired
 	start := time.Now()
 	err := a.opts.Backend.Apply(ctx, p)
@@ -542,6 +533,9 @@ func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger) erro
 		st.backoff = min(max(2*st.backoff, a.opts.RetryMin), a.opts.RetryMax)
 		a.mu.Lock()
 		a.stats.ApplyErrors++
+		if reload {
+			a.stats.ReloadApplyErrors++
+		}
 		a.stats.SyncDurations.observe(took)
 		if !a.stats.Ready {
 			a.notReady = "apply failed: " + err.Error()
@@ -557,6 +551,10 @@ func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger) erro
 	a.stats.LastApply = time.Now()
 	a.stats.SyncDurations.observe(took)
 	a.stats.ConfigSHA256 = st.desiredHash
+	if reload {
+		a.stats.Reloads++
+		a.stats.LastReload = a.stats.LastApply
+	}
 	first := !a.stats.Ready
 	a.stats.Ready, a.notReady = true, ""
 	a.mu.Unlock()
