@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"reflect"
 	"regexp"
 	"slices"
 	"strings"
@@ -79,6 +80,9 @@ func manifests(t *testing.T) map[string][]any {
 	t.Helper()
 	out := map[string][]any{}
 	err := filepath.WalkDir(".", func(path string, d os.DirEntry, err error) error {
+		if err == nil && d.IsDir() && path == "helm" {
+			return filepath.SkipDir // templates, not manifests: helm_test.go renders them
+		}
 		if err != nil || d.IsDir() || filepath.Ext(path) != ".yaml" {
 			return err
 		}
@@ -87,26 +91,8 @@ func manifests(t *testing.T) map[string][]any {
 			return err
 		}
 		for i, doc := range bytes.Split(data, []byte("\n---\n")) {
-			var tm typeMeta
-			if err := yaml.Unmarshal(doc, &tm); err != nil {
-				return fmt.Errorf("%s doc %d: %w", path, i, err)
-			}
-			var obj any
-			switch tm.APIVersion + "/" + tm.Kind {
-			case "apps/v1/DaemonSet":
-				obj = &appsv1.DaemonSet{}
-			case "v1/ConfigMap":
-				obj = &corev1.ConfigMap{}
-			case "v1/Service":
-				obj = &corev1.Service{}
-			case "kustomize.config.k8s.io/v1beta1/Kustomization":
-				obj = &kustomization{}
-			case "monitoring.coreos.com/v1/PodMonitor":
-				obj = &podMonitor{}
-			default:
-				return fmt.Errorf("%s doc %d: unexpected kind %s %s", path, i, tm.APIVersion, tm.Kind)
-			}
-			if err := yaml.UnmarshalStrict(doc, obj); err != nil {
+			obj, err := decode(doc)
+			if err != nil {
 				return fmt.Errorf("%s doc %d: %w", path, i, err)
 			}
 			out[path] = append(out[path], obj)
@@ -117,6 +103,33 @@ func manifests(t *testing.T) map[string][]any {
 		t.Fatal(err)
 	}
 	return out
+}
+
+// decode decodes one manifest strictly into its type; unknown fields and kinds are errors.
+func decode(doc []byte) (any, error) {
+	var tm typeMeta
+	if err := yaml.Unmarshal(doc, &tm); err != nil {
+		return nil, err
+	}
+	var obj any
+	switch tm.APIVersion + "/" + tm.Kind {
+	case "apps/v1/DaemonSet":
+		obj = &appsv1.DaemonSet{}
+	case "v1/ConfigMap":
+		obj = &corev1.ConfigMap{}
+	case "v1/Service":
+		obj = &corev1.Service{}
+	case "kustomize.config.k8s.io/v1beta1/Kustomization":
+		obj = &kustomization{}
+	case "monitoring.coreos.com/v1/PodMonitor":
+		obj = &podMonitor{}
+	default:
+		return nil, fmt.Errorf("unexpected kind %s %s", tm.APIVersion, tm.Kind)
+	}
+	if err := yaml.UnmarshalStrict(doc, obj); err != nil {
+		return nil, err
+	}
+	return obj, nil
 }
 
 func one[T any](t *testing.T, all map[string][]any, path string) T {
@@ -190,6 +203,16 @@ func TestDaemonSetInvariants(t *testing.T) {
 	for _, c := range append(slices.Clone(spec.InitContainers), spec.Containers...) {
 		if sc := c.SecurityContext; sc == nil || (sc.Privileged != nil && *sc.Privileged) {
 			t.Errorf("container %s is privileged (or has no securityContext)", c.Name)
+		}
+	}
+	// seccomp: chosen here, not left to each kubelet's --seccomp-default; one profile for the
+	// pod (docs/deploy.md, Seccomp, says which runtimes allow BPF under it).
+	if psc := spec.SecurityContext; psc == nil || psc.SeccompProfile == nil || psc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		t.Errorf("pod securityContext %+v: want seccompProfile RuntimeDefault, explicitly", spec.SecurityContext)
+	}
+	for _, c := range spec.Containers {
+		if c.SecurityContext.SeccompProfile != nil {
+			t.Errorf("container %s overrides the pod's seccomp profile", c.Name)
 		}
 	}
 	c := spec.Containers[0]
@@ -488,9 +511,18 @@ func TestDashboardQueriesExportedMetrics(t *testing.T) {
 // capabilities, so it can remove whatever the agent installed.
 func TestCleanupDaemonSet(t *testing.T) {
 	all := manifests(t)
-	agent := one[*appsv1.DaemonSet](t, all, "base/daemonset.yaml").Spec.Template.Spec.Containers[0]
+	agentPod := one[*appsv1.DaemonSet](t, all, "base/daemonset.yaml").Spec.Template.Spec
+	agent := agentPod.Containers[0]
 	ds := one[*appsv1.DaemonSet](t, all, "cleanup/daemonset.yaml")
 	spec := ds.Spec.Template.Spec
+	if !reflect.DeepEqual(spec.SecurityContext, agentPod.SecurityContext) {
+		t.Errorf("pod securityContext %+v, the agent's is %+v: cleanup needs bpf(2) as the agent does", spec.SecurityContext, agentPod.SecurityContext)
+	}
+	for _, c := range append(slices.Clone(spec.InitContainers), spec.Containers...) {
+		if c.SecurityContext.SeccompProfile != nil {
+			t.Errorf("container %s overrides the pod's seccomp profile", c.Name)
+		}
+	}
 	if !spec.HostNetwork || len(spec.InitContainers) != 1 {
 		t.Fatalf("cleanup DaemonSet: hostNetwork %v, %d init containers", spec.HostNetwork, len(spec.InitContainers))
 	}

@@ -13,6 +13,13 @@ have capsh      || need+=(libcap2-bin)
 have ping       || need+=(iputils-ping)
 have iperf3     || need+=(iperf3)
 have make       || need+=(make)
+# The image (make image) and its container tests (test/container): a Debian rootfs from the
+# archive, podman with runc (crun refuses some hybrid cgroup layouts), and containers-common's
+# seccomp profile, which deploy/seccomp/ip-masq-agent.json derives from.
+have mmdebstrap || need+=(mmdebstrap)
+have podman     || need+=(podman)
+have runc       || need+=(runc)
+[ -f /usr/share/containers/seccomp.json ] || need+=(golang-github-containers-common)
 # `deps.sh bench`: what make bench needs beyond the tests.
 if [ "${1:-}" = bench ]; then
 	have gnuplot || need+=(gnuplot-nox)
