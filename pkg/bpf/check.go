@@ -1,197 +1,117 @@
 package bpf
 
 import (
-	"cmp"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io/fs"
-	"net/netip"
 	"os"
 	"path/filepath"
-	"slices"
-
-	"github.com/cilium/ebpf"
-	"golang.org/x/sys/unix"
 )
 
-// checkBudget bounds the trie entries CheckPolicy looks up in one call: a policy of the usual
-// size (tens of rules) is looked at whole every time, a huge one in turns (100k entries in
-// about 7 minutes at one call a second), at well under a millisecond per call.
+// checkBudget bounds the trie entries CheckPolicy reads in one call: a policy of the usual size
+// (tens of rules) is looked at whole every time, a huge one in turns (100k entries in about 7
+// minutes at one call a second), at well under a millisecond per call.
 const checkBudget = 256
 
-// trieEntry is one entry the last sync wrote into a trie.
-type trieEntry struct {
-	trie   string
-	prefix netip.Prefix
-	slot   uint32
-}
-
-// checkState is what CheckPolicy keeps between calls (guarded by Datapath.mu).
+// checkState is where CheckPolicy's walk of the tries stands (guarded by Datapath.mu); a sync
+// starts it over.
 type checkState struct {
-	// entries are the tries' entries as the last sync left them, in a fixed order; next is where
-	// the following call continues.
-	entries []trieEntry
-	next    int
 	// config is the nat_config the last sync wrote.
 	config masqNatConfig
-	// elemSize is, by trie key size, how many bytes of memlock one entry adds (0: the kernel
-	// does not report a trie's size, see trieEntryCount).
-	elemSize map[uint32]uint64
+	// trie is the index in Datapath.tries of the trie being walked, walk the walk (nil: not
+	// started), walked how many entries it read, first the first of them, and matched how many
+	// held the slot of the last sync.
+	trie    int
+	walk    trieWalk
+	walked  int
+	first   trieKey
+	matched int
 }
 
-// snapshotChecks records what CheckPolicy compares with, after a sync.
-func (d *Datapath) snapshotChecks(cfg masqNatConfig) {
-	d.check.config = cfg
-	d.check.entries = d.check.entries[:0]
-	for _, name := range trieNames {
-		start := len(d.check.entries)
-		for p, s := range d.tries[name] {
-			d.check.entries = append(d.check.entries, trieEntry{name, p, s})
-		}
-		slices.SortFunc(d.check.entries[start:], func(a, b trieEntry) int {
-			return cmp.Or(a.prefix.Addr().Compare(b.prefix.Addr()), cmp.Compare(a.prefix.Bits(), b.prefix.Bits()))
-		})
-	}
-	d.check.next = 0
+// PolicyDrift says which of the maps that decide verdicts no longer hold what the last
+// SyncPolicy wrote.
+type PolicyDrift struct {
+	// Tries names the tries (masq_v4, nomasq_v4, masq_v6, nomasq_v6) found changed.
+	Tries []string
+	// NATConfig tells that nat_config changed.
+	NATConfig bool
 }
 
 // CheckPolicy tells, cheaply enough to ask every second, whether the maps that decide verdicts
-// still hold what the last SyncPolicy wrote, and returns the names of those that do not: a trie
-// name (masq_v4, nomasq_v4, masq_v6, nomasq_v6) or nat_config. Nothing before the first sync.
+// still hold what the last SyncPolicy wrote. Nothing before the first sync.
 //
-//   - Each trie's entry count is compared with the synced one: on kernels that report a map's
-//     memory use (Linux 6.4+, where an LPM trie's is its entry count times a fixed size), an
-//     entry deleted or added behind the agent's back is caught at the next call.
-//   - Up to checkBudget synced entries are looked up in turns, exactly: an entry whose slot
-//     changed, or that is gone (also on kernels without the count), is caught within
-//     len(entries)/checkBudget calls.
+//   - The tries are walked in turns, up to checkBudget entries a call (one batch lookup) and
+//     once around at most: an entry added behind the agent's back, or whose slot changed, is
+//     caught when the walk reaches it; one deleted, at the end of the walk of its trie, which
+//     finds fewer entries than the sync wrote. Either is caught within
+//     len(entries)/checkBudget + 1 calls (twice that when entries of one trie are deleted
+//     while its walk is under way).
 //   - nat_config is compared whole.
 //
 // The port table (nat_ports) is not checked.
-func (d *Datapath) CheckPolicy() ([]string, error) {
+func (d *Datapath) CheckPolicy() (PolicyDrift, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	var drift PolicyDrift
 	if d.synced == nil {
-		return nil, nil
+		return drift, nil
 	}
-	var drifted []string
-	mark := func(name string) {
-		if !slices.Contains(drifted, name) {
-			drifted = append(drifted, name)
-		}
+	changed, err := d.walkTries(checkBudget)
+	if err != nil {
+		return drift, err
 	}
-	for _, name := range trieNames {
-		n, ok, err := d.trieEntryCount(d.trieMap(name))
-		if err != nil {
-			return nil, fmt.Errorf("check %s: %w", name, err)
+	for _, t := range d.tries {
+		if changed[t] {
+			drift.Tries = append(drift.Tries, t.name)
 		}
-		if ok && n != uint64(len(d.tries[name])) {
-			mark(name)
-		}
-	}
-	entries := d.check.entries
-	for i := range min(checkBudget, len(entries)) {
-		e := entries[(d.check.next+i)%len(entries)]
-		var v masqLpmVal
-		var err error
-		// Keys by pointer: the library copies those without reflection.
-		if e.prefix.Addr().Is4() {
-			k := masqLpm4Key{Prefixlen: uint32(e.prefix.Bits()), Addr: addr4Word(e.prefix.Addr())}
-			err = d.trieMap(e.trie).Lookup(&k, &v)
-		} else {
-			k := masqLpm6Key{Prefixlen: uint32(e.prefix.Bits()), Addr: addr6Words(e.prefix.Addr())}
-			err = d.trieMap(e.trie).Lookup(&k, &v)
-		}
-		switch {
-		case errors.Is(err, ebpf.ErrKeyNotExist):
-			mark(e.trie)
-		case err != nil:
-			return nil, fmt.Errorf("check %s: %w", e.trie, err)
-		case v.Slot != e.slot:
-			// An exact-length lookup finds the entry itself while it exists; another slot means
-			// it changed, or is gone and a shorter prefix with another rule answered.
-			mark(e.trie)
-		}
-	}
-	if len(entries) > 0 {
-		d.check.next = (d.check.next + checkBudget) % len(entries)
 	}
 	var cfg masqNatConfig
 	if err := d.objs.NatConfig.Lookup(uint32(0), &cfg); err != nil {
-		return nil, fmt.Errorf("check nat_config: %w", err)
+		return drift, fmt.Errorf("check nat_config: %w", err)
 	}
-	if cfg != d.check.config {
-		mark(masqMapNatConfig)
-	}
-	slices.SortFunc(drifted, func(a, b string) int { return slices.Index(checkOrder, a) - slices.Index(checkOrder, b) })
-	return drifted, nil
+	drift.NATConfig = cfg != d.check.config
+	return drift, nil
 }
 
-var checkOrder = append(slices.Clone(trieNames), masqMapNatConfig)
-
-// trieEntryCount returns how many entries an LPM trie holds, read from the memory use the
-// kernel reports for the map (/proc/self/fdinfo: one read, whatever the size; a walk of 100k
-// entries takes tens of milliseconds). ok is false where the kernel does not report it.
-func (d *Datapath) trieEntryCount(m *ebpf.Map) (n uint64, ok bool, err error) {
-	if d.check.elemSize == nil {
-		d.check.elemSize = map[uint32]uint64{}
-	}
-	size, probed := d.check.elemSize[m.KeySize()]
-	if !probed {
-		size = probeTrieElemSize(m.KeySize(), m.ValueSize())
-		d.check.elemSize[m.KeySize()] = size
-	}
-	if size == 0 {
-		return 0, false, nil
-	}
-	used, err := memlock(m)
-	if err != nil {
-		return 0, false, err
-	}
-	if used%size != 0 {
-		return 0, false, nil
-	}
-	return used / size, true, nil
-}
-
-// probeTrieElemSize finds what one entry adds to the memory a trie with these key and value
-// sizes reports, with a throwaway trie: since Linux 6.4 a trie reports its entries times a fixed
-// size, before that a constant. It returns 0 when the report does not count entries.
-func probeTrieElemSize(keySize, valueSize uint32) uint64 {
-	m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.LPMTrie, KeySize: keySize, ValueSize: valueSize,
-		MaxEntries: 2, Flags: unix.BPF_F_NO_PREALLOC})
-	if err != nil {
-		return 0
-	}
-	defer m.Close()
-	var used [3]uint64
-	for i := range used {
-		if i > 0 {
-			key := make([]byte, keySize)
-			binary.NativeEndian.PutUint32(key, uint32(8*i)) // 0/8, then 0/16: two entries
-			if err := m.Put(key, make([]byte, valueSize)); err != nil {
-				return 0
+// walkTries moves the walk of CheckPolicy on by up to budget entries, or once around the tries,
+// and returns the tries it found changed.
+func (d *Datapath) walkTries(budget int) (map[*trie]bool, error) {
+	c := &d.check
+	changed := map[*trie]bool{}
+	for ends := 0; budget > 0 && ends < len(d.tries); {
+		t := d.tries[c.trie]
+		if c.walk == nil {
+			c.walk, c.walked, c.matched = t.ops.walk(t.m), 0, 0
+		}
+		entries, done, err := c.walk.next(budget)
+		if err != nil {
+			return nil, fmt.Errorf("check %s: %w", t.name, err)
+		}
+		// A walk meets its first entry again only when the entry it stopped at is gone.
+		restarted := c.walked > 0 && len(entries) > 0 && entries[0].prefix == c.first
+		if !restarted {
+			for _, e := range entries {
+				if c.walked == 0 {
+					c.first = e.prefix
+				}
+				c.walked++
+				if want, ok := t.held[e.prefix]; ok && e.slot == want {
+					c.matched++
+				} else {
+					changed[t] = true // added, or its slot changed
+				}
 			}
+			budget -= len(entries)
 		}
-		if used[i], err = memlock(m); err != nil {
-			return 0
+		if done || restarted {
+			if restarted || c.matched != len(t.held) {
+				changed[t] = true // deleted
+			}
+			c.trie, c.walk = (c.trie+1)%len(d.tries), nil
+			ends++
 		}
 	}
-	if used[0] != 0 || used[1] == 0 || used[2] != 2*used[1] {
-		return 0
-	}
-	return used[1]
-}
-
-// memlock reads the memory use the kernel reports for a map (0 when it reports none).
-func memlock(m *ebpf.Map) (uint64, error) {
-	info, err := m.Info()
-	if err != nil {
-		return 0, fmt.Errorf("map info: %w", err)
-	}
-	n, _ := info.Memlock()
-	return n, nil
+	return changed, nil
 }
 
 // MissingPins returns the names of the maps whose pin under LoadOptions.PinPath is gone (nil

@@ -13,6 +13,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -70,16 +71,15 @@ func (o LoadOptions) spec() (*ebpf.CollectionSpec, error) {
 	if err != nil {
 		return nil, fmt.Errorf("load bpf spec: %w", err)
 	}
-	sizes := map[string]uint32{
-		masqMapMasqV4: o.MaxRules, masqMapNomasqV4: o.MaxRules,
-		masqMapMasqV6: o.MaxRules, masqMapNomasqV6: o.MaxRules,
-		masqMapRuleStats: o.MaxRules, masqMapRuleSlots: o.MaxRules,
-		masqMapNatV4: o.NATEntries, masqMapNatV6: o.NATEntriesV6,
-		masqMapFragV4: o.FragEntries, masqMapFragV6: o.FragEntries,
+	var m masqMapSpecs
+	if err := spec.Assign(&m); err != nil {
+		return nil, fmt.Errorf("load bpf spec: %w", err)
 	}
-	for name, n := range sizes {
-		spec.Maps[name].MaxEntries = n
+	for _, rules := range []*ebpf.MapSpec{m.MasqV4, m.NomasqV4, m.MasqV6, m.NomasqV6, m.RuleStats, m.RuleSlots} {
+		rules.MaxEntries = o.MaxRules
 	}
+	m.NatV4.MaxEntries, m.NatV6.MaxEntries = o.NATEntries, o.NATEntriesV6
+	m.FragV4.MaxEntries, m.FragV6.MaxEntries = o.FragEntries, o.FragEntries
 	return spec, nil
 }
 
@@ -105,22 +105,20 @@ func CheckPins(opts LoadOptions) ([]PinMismatch, error) {
 		return nil, err
 	}
 	var out []PinMismatch
-	for _, name := range slices.Sorted(maps.Keys(spec.Maps)) {
-		if !strings.HasPrefix(name, ".") { // .rodata and friends are never pinned
-			m, err := ebpf.LoadPinnedMap(filepath.Join(opts.PinPath, name), nil)
-			if errors.Is(err, fs.ErrNotExist) {
-				continue
-			}
-			if err != nil {
-				return nil, fmt.Errorf("open pinned map %s: %w", name, err)
-			}
-			cerr := spec.Maps[name].Compatible(m)
-			m.Close()
-			if errors.Is(cerr, ebpf.ErrMapIncompatible) {
-				out = append(out, PinMismatch{Map: name, Reason: strings.TrimSuffix(cerr.Error(), ": "+ebpf.ErrMapIncompatible.Error())})
-			} else if cerr != nil {
-				return nil, fmt.Errorf("compare pinned map %s: %w", name, cerr)
-			}
+	for _, name := range MapNames() {
+		m, err := ebpf.LoadPinnedMap(filepath.Join(opts.PinPath, name), nil)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("open pinned map %s: %w", name, err)
+		}
+		cerr := spec.Maps[name].Compatible(m)
+		m.Close()
+		if errors.Is(cerr, ebpf.ErrMapIncompatible) {
+			out = append(out, PinMismatch{Map: name, Reason: strings.TrimSuffix(cerr.Error(), ": "+ebpf.ErrMapIncompatible.Error())})
+		} else if cerr != nil {
+			return nil, fmt.Errorf("compare pinned map %s: %w", name, cerr)
 		}
 	}
 	return out, nil
@@ -137,10 +135,35 @@ func RemovePins(dir string, names ...string) error {
 	return nil
 }
 
-// MapNames lists the names of every map of the datapath (its pins' file names).
+// MapNames lists the names of every map of the datapath (its pins' file names), sorted.
 func MapNames() []string {
 	var d Datapath
 	return slices.Sorted(maps.Keys(d.mapFields()))
+}
+
+// Owns tells whether a loaded program is one of the engine's entry points (tc_egress,
+// tc_ingress) using the engine's maps: how attaching and cleaning up recognise our programs,
+// whichever process loaded them.
+func Owns(info *ebpf.ProgramInfo) bool {
+	if info.Name != masqProgTcEgress && info.Name != masqProgTcIngress {
+		return false
+	}
+	ids, ok := info.MapIDs()
+	if !ok {
+		return false
+	}
+	for _, id := range ids {
+		m, err := ebpf.NewMapFromID(id)
+		if err != nil {
+			continue
+		}
+		mi, err := m.Info()
+		m.Close()
+		if err == nil && mi.Name == masqMapUplinkSnat {
+			return true
+		}
+	}
+	return false
 }
 
 // Datapath is the loaded programs and maps.
@@ -149,10 +172,10 @@ type Datapath struct {
 	opts LoadOptions
 
 	mu sync.Mutex // serialises the writers below
-	// slots assigns counter slots to rules; tries mirrors the tries' content, so a sync writes
-	// only the difference.
+	// slots assigns counter slots to rules; tries are the four tries, each with the mirror of
+	// its content that lets a sync write only the difference.
 	slots *slotTable
-	tries map[string]map[trieKey]uint32
+	tries []*trie
 	// ports are the ranges nat_ports holds.
 	ports policy.PortRanges
 	// synced is the last policy written, with each rule's slot.
@@ -229,16 +252,29 @@ func (d *Datapath) Maps() map[string]*ebpf.Map {
 	return out
 }
 
-// mapFields names the map fields of the generated objects.
+// mapFields names the map fields of the generated objects by their ebpf tags (the maps'
+// names): the one list of the datapath's maps, as bpf2go wrote it from bpf/masq.c.
 func (d *Datapath) mapFields() map[string]**ebpf.Map {
-	m := &d.objs.masqMaps
-	return map[string]**ebpf.Map{
-		masqMapMasqV4: &m.MasqV4, masqMapNomasqV4: &m.NomasqV4, masqMapMasqV6: &m.MasqV6,
-		masqMapNomasqV6: &m.NomasqV6, masqMapNatConfig: &m.NatConfig, masqMapNatPorts: &m.NatPorts,
-		masqMapUplinkSnat: &m.UplinkSnat, masqMapRuleStats: &m.RuleStats, masqMapRuleSlots: &m.RuleSlots,
-		masqMapNatV4: &m.NatV4, masqMapNatV6: &m.NatV6, masqMapFragV4: &m.FragV4, masqMapFragV6: &m.FragV6,
-		masqMapEventStats: &m.EventStats, masqMapSweepStats: &m.SweepStats,
+	v := reflect.ValueOf(&d.objs.masqMaps).Elem()
+	out := make(map[string]**ebpf.Map, v.NumField())
+	for i := range v.NumField() {
+		out[v.Type().Field(i).Tag.Get("ebpf")] = v.Field(i).Addr().Interface().(**ebpf.Map)
 	}
+	return out
+}
+
+// eachEntry calls fn with every entry of a map, a syscall per entry: for the small maps (the NAT
+// tables are read in batches, see walkNAT).
+func eachEntry[K, V any](m *ebpf.Map, fn func(K, *V)) error {
+	var (
+		k K
+		v V
+	)
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		fn(k, &v)
+	}
+	return it.Err()
 }
 
 // OpenPinned opens the maps a datapath pinned in dir (LoadOptions.PinPath), without loading

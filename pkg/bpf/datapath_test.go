@@ -101,7 +101,7 @@ func TestRoundTrip(t *testing.T) {
 					if e.Kind != KindMasq || e.To != got.src || e.Flags&FlagSeen == 0 {
 						t.Fatalf("egress entry %+v", e)
 					}
-					s, d := e.PartnerKey()
+					s, d := partnerKey(e)
 					r, ok, err := h.dp.LookupNAT(Ingress, b.proto, s, d)
 					if err != nil || !ok || r.To != podEnd || r.Flags&FlagSeen == 0 {
 						t.Fatalf("ingress entry %+v (found %v, err %v)", r, ok, err)
@@ -165,7 +165,7 @@ func TestReopenKeepsMapping(t *testing.T) {
 				t.Fatalf("reopen events %d, want %d", n, before+1)
 			}
 			e, _, _ = h.dp.LookupNAT(Egress, 6, podEnd, dst)
-			s, d := e.PartnerKey()
+			s, d := partnerKey(e)
 			r, _, _ := h.dp.LookupNAT(Ingress, 6, s, d)
 			if e.Flags&(FlagFIN|FlagRST) != 0 || r.Flags != 0 {
 				t.Fatalf("state not reset on reopen: egress %v ingress %v", e.Flags, r.Flags)

@@ -812,7 +812,7 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) []byte
 // checkPairs: every NAT entry's partner exists and points back at it.
 func checkPairs(s fuzzState, fail func(string, ...any)) {
 	for k, e := range s.nat {
-		ps, pd := e.PartnerKey()
+		ps, pd := partnerKey(e)
 		pdir := Ingress
 		if k.dir == Ingress {
 			pdir = Egress

@@ -429,3 +429,20 @@ func remote(v6 bool) netip.Addr {
 }
 
 func ap(a netip.Addr, port uint16) netip.AddrPort { return netip.AddrPortFrom(a, port) }
+
+// partnerKey is the key (src, dst) of the other half of e's flow, and pointsBack tells whether
+// p, found there, is that half: the datapath's own natTuple.partner and pointedBy, on decoded
+// entries (only To of the value matters to either).
+func partnerKey(e NATEntry) (src, dst netip.AddrPort) {
+	p := keyTuple(e.Dir, e.Proto, e.Src, e.Dst).partner(translation(e))
+	pe := p.decode(&masqNatEntry{})
+	return pe.Src, pe.Dst
+}
+
+func pointsBack(e, p NATEntry) bool {
+	return keyTuple(e.Dir, e.Proto, e.Src, e.Dst).pointedBy(translation(p))
+}
+
+func translation(e NATEntry) *masqNatEntry {
+	return &masqNatEntry{Addr: addrWords(e.To.Addr()), Port: htons(e.To.Port())}
+}

@@ -28,7 +28,7 @@ func (h *harness) flowsOf(fam policy.Family) map[string]bool {
 		if k.dir != Egress {
 			continue
 		}
-		s, d := e.PartnerKey()
+		s, d := partnerKey(e)
 		if p, ok := all[key{Ingress, s, d}]; !ok || !pointsBack(e, p) {
 			h.t.Fatalf("flow %s -> %s has no ingress half", e.Src, e.Dst)
 		}

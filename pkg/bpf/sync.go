@@ -94,60 +94,18 @@ func (t *slotTable) release(s uint32) {
 	t.free = append(t.free, s)
 }
 
-// trieKey is a prefix in one of the four tries.
-type trieKey = netip.Prefix
-
-func trieName(fam policy.Family, action policy.Action) string {
-	switch {
-	case fam == policy.IPv4 && action == policy.Masquerade:
-		return masqMapMasqV4
-	case fam == policy.IPv4:
-		return masqMapNomasqV4
-	case action == policy.Masquerade:
-		return masqMapMasqV6
-	default:
-		return masqMapNomasqV6
-	}
-}
-
-var trieNames = []string{masqMapMasqV4, masqMapNomasqV4, masqMapMasqV6, masqMapNomasqV6}
-
-func (d *Datapath) trieMap(name string) *ebpf.Map {
-	switch name {
-	case masqMapMasqV4:
-		return d.objs.MasqV4
-	case masqMapNomasqV4:
-		return d.objs.NomasqV4
-	case masqMapMasqV6:
-		return d.objs.MasqV6
-	case masqMapNomasqV6:
-		return d.objs.NomasqV6
-	}
-	panic("bpf: no trie " + name) // trieNames are the only callers' names
-}
-
-func lpmKey(p netip.Prefix) any {
-	if p.Addr().Is4() {
-		return masqLpm4Key{Prefixlen: uint32(p.Bits()), Addr: addr4Word(p.Addr())}
-	}
-	return masqLpm6Key{Prefixlen: uint32(p.Bits()), Addr: addr6Words(p.Addr())}
-}
-
 // plan is what a policy asks of the maps.
 type plan struct {
-	keys   []slotKey                  // per rule, in policy order (v4 then v6)
-	rules  []*policy.Rule             // same order
-	tries  map[string]map[trieKey]int // prefix -> index into keys of the first rule with it
-	out    map[policy.Family]int      // index into keys of the outbound rule, or -1
-	config masqNatConfig              // without slots
+	keys   []slotKey                    // per rule, in policy order (v4 then v6)
+	rules  []*policy.Rule               // same order
+	tries  map[trieKind]map[trieKey]int // prefix -> index into keys of the first rule with it
+	out    map[policy.Family]int        // index into keys of the outbound rule, or -1
+	config masqNatConfig                // without slots
 	ranges policy.PortRanges
 }
 
 func makePlan(p *policy.Policy) (*plan, error) {
-	pl := &plan{tries: map[string]map[trieKey]int{}, out: map[policy.Family]int{policy.IPv4: -1, policy.IPv6: -1}}
-	for _, name := range trieNames {
-		pl.tries[name] = map[trieKey]int{}
-	}
+	pl := &plan{tries: map[trieKind]map[trieKey]int{}, out: map[policy.Family]int{policy.IPv4: -1, policy.IPv6: -1}}
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 		if !p.Enabled(fam) {
 			continue
@@ -179,14 +137,17 @@ func makePlan(p *policy.Policy) (*plan, error) {
 			} else if returned {
 				return nil, fmt.Errorf("%s rule %d: a MASQUERADE rule after a RETURN rule cannot be expressed by the tries", fam, i+1)
 			}
-			trie := pl.tries[trieName(fam, r.Action)]
-			if _, ok := trie[r.Prefix]; !ok {
-				trie[r.Prefix] = idx
+			kind := trieKind{fam, r.Action}
+			if pl.tries[kind] == nil {
+				pl.tries[kind] = map[trieKey]int{}
+			}
+			if _, ok := pl.tries[kind][r.Prefix]; !ok {
+				pl.tries[kind][r.Prefix] = idx
 			}
 		}
 	}
-	for _, trie := range pl.tries {
-		firstMatch(trie)
+	for _, prefixes := range pl.tries {
+		firstMatch(prefixes)
 	}
 
 	ranges := p.ToPorts
@@ -269,58 +230,125 @@ func firstMatch(trie map[trieKey]int) {
 func (d *Datapath) SyncPolicy(p *policy.Policy) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	pl, err := d.planFor(p)
-	if err != nil {
+	if err := d.syncPolicy(p); err != nil {
 		return fmt.Errorf("sync policy: %w", err)
 	}
+	return nil
+}
 
-	// 1. Slots for every rule, zeroed when new.
+func (d *Datapath) syncPolicy(p *policy.Policy) error {
+	pl, err := d.planFor(p)
+	if err != nil {
+		return err
+	}
+	slots, err := d.claimSlots(pl)
+	if err != nil {
+		return err
+	}
+	want := pl.trieSlots(slots)
+	if err := d.putTries(want); err != nil {
+		return err
+	}
+	cfg, err := d.writeSettings(pl, slots)
+	if err != nil {
+		return err
+	}
+	if err := d.deleteStale(want); err != nil {
+		return err
+	}
+	if err := d.freeSlots(slots); err != nil {
+		return err
+	}
+	d.synced = p
+	d.syncedSlot = make(map[*policy.Rule]uint32, len(pl.rules))
+	for i, r := range pl.rules {
+		d.syncedSlot[r] = slots[i]
+	}
+	d.check = checkState{config: cfg}
+	return nil
+}
+
+// claimSlots returns the counter slot of each rule of pl (in the order of pl.keys): the one the
+// rule holds already, or a new one with zeroed counters. It claims nothing when it fails.
+func (d *Datapath) claimSlots(pl *plan) ([]uint32, error) {
 	slots := make([]uint32, len(pl.keys))
-	used := map[uint32]bool{}
-	var fresh []uint32
-	var freshKeys []slotKey
+	var (
+		fresh     []uint32
+		freshKeys []slotKey
+	)
+	release := func() {
+		for _, f := range fresh {
+			d.slots.release(f)
+		}
+	}
 	for i, k := range pl.keys {
 		s, ok := d.slots.byKey[k]
 		if !ok {
+			var err error
 			if s, err = d.slots.alloc(k); err != nil {
-				for _, f := range fresh {
-					d.slots.release(f)
-				}
-				return fmt.Errorf("sync policy: %w", err)
+				release()
+				return nil, err
 			}
 			fresh, freshKeys = append(fresh, s), append(freshKeys, k)
 		}
 		slots[i] = s
-		used[s] = true
 	}
 	if err := d.resetSlots(fresh, freshKeys); err != nil {
-		for _, f := range fresh {
-			d.slots.release(f)
-		}
-		return fmt.Errorf("sync policy: %w", err)
+		release()
+		return nil, err
 	}
+	return slots, nil
+}
 
-	// 2. New and changed trie entries.
-	want := map[string]map[trieKey]uint32{}
-	for _, name := range trieNames {
-		want[name] = map[trieKey]uint32{}
-		for prefix, idx := range pl.tries[name] {
-			want[name][prefix] = slots[idx]
+// trieSlots is what each trie must hold once the rules have their slots: prefix -> slot.
+func (pl *plan) trieSlots(slots []uint32) map[trieKind]map[trieKey]uint32 {
+	want := make(map[trieKind]map[trieKey]uint32, len(pl.tries))
+	for kind, prefixes := range pl.tries {
+		want[kind] = make(map[trieKey]uint32, len(prefixes))
+		for prefix, idx := range prefixes {
+			want[kind][prefix] = slots[idx]
 		}
+	}
+	return want
+}
+
+// putTries writes the entries of want that the tries lack or hold with another slot.
+func (d *Datapath) putTries(want map[trieKind]map[trieKey]uint32) error {
+	for _, t := range d.tries {
 		var put []trieKey
-		for prefix, s := range want[name] {
-			if cur, ok := d.tries[name][prefix]; !ok || cur != s {
+		for prefix, s := range want[t.trieKind] {
+			if cur, ok := t.held[prefix]; !ok || cur != s {
 				put = append(put, prefix)
 			}
 		}
-		if err := d.putTrie(name, put, want[name]); err != nil {
-			return fmt.Errorf("sync policy: %w", err)
+		if err := t.put(put, want[t.trieKind]); err != nil {
+			return err
 		}
 	}
+	return nil
+}
 
-	// 3. The port table, then the outbound rule and NAT settings that say how much of it counts.
+// deleteStale deletes the entries of the tries that want lacks.
+func (d *Datapath) deleteStale(want map[trieKind]map[trieKey]uint32) error {
+	for _, t := range d.tries {
+		var del []trieKey
+		for prefix := range t.held {
+			if _, ok := want[t.trieKind][prefix]; !ok {
+				del = append(del, prefix)
+			}
+		}
+		if err := t.delete(del); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// writeSettings writes the port table, then the outbound rules and NAT settings that say how
+// much of it counts, and returns the nat_config written.
+func (d *Datapath) writeSettings(pl *plan, slots []uint32) (masqNatConfig, error) {
 	if err := d.writePorts(pl.ranges); err != nil {
-		return fmt.Errorf("sync policy: %w", err)
+		return masqNatConfig{}, err
 	}
 	cfg := pl.config
 	cfg.V4.OutSlot, cfg.V6.OutSlot = noSlot, noSlot
@@ -331,23 +359,18 @@ func (d *Datapath) SyncPolicy(p *policy.Policy) error {
 		cfg.V6.Outbound, cfg.V6.OutSlot = masqActionACTION_MASQUERADE, slots[i]
 	}
 	if err := d.objs.NatConfig.Put(uint32(0), &cfg); err != nil {
-		return fmt.Errorf("sync policy: write nat_config: %w", err)
+		return masqNatConfig{}, fmt.Errorf("write nat_config: %w", err)
 	}
+	return cfg, nil
+}
 
-	// 4. Stale trie entries.
-	for _, name := range trieNames {
-		var del []trieKey
-		for prefix := range d.tries[name] {
-			if _, ok := want[name][prefix]; !ok {
-				del = append(del, prefix)
-			}
-		}
-		if err := d.deleteTrie(name, del); err != nil {
-			return fmt.Errorf("sync policy: %w", err)
-		}
+// freeSlots releases the slots that no rule of the sync holds, and clears what rule_slots says
+// of them.
+func (d *Datapath) freeSlots(slots []uint32) error {
+	used := make(map[uint32]bool, len(slots))
+	for _, s := range slots {
+		used[s] = true
 	}
-
-	// 5. Slots of rules that are gone.
 	var gone []uint32
 	for s := range d.slots.bySlt {
 		if !used[s] {
@@ -355,18 +378,11 @@ func (d *Datapath) SyncPolicy(p *policy.Policy) error {
 		}
 	}
 	if err := putArray(d.objs.RuleSlots, gone, make([]masqRuleSlot, len(gone))); err != nil {
-		return fmt.Errorf("sync policy: free slots: %w", err)
+		return fmt.Errorf("free slots: %w", err)
 	}
 	for _, s := range gone {
 		d.slots.release(s)
 	}
-
-	d.synced = p
-	d.syncedSlot = make(map[*policy.Rule]uint32, len(pl.rules))
-	for i, r := range pl.rules {
-		d.syncedSlot[r] = slots[i]
-	}
-	d.snapshotChecks(cfg)
 	return nil
 }
 
@@ -445,73 +461,6 @@ func putArray[V any](m *ebpf.Map, keys []uint32, values []V) error {
 	return nil
 }
 
-func (d *Datapath) putTrie(name string, prefixes []trieKey, slots map[trieKey]uint32) error {
-	if len(prefixes) == 0 {
-		return nil
-	}
-	m := d.trieMap(name)
-	keys, vals := trieKeys(name, prefixes), make([]masqLpmVal, len(prefixes))
-	for i, p := range prefixes {
-		vals[i].Slot = slots[p]
-	}
-	_, err := m.BatchUpdate(keys, vals, nil)
-	if errors.Is(err, ebpf.ErrNotSupported) {
-		err = nil
-		for i, p := range prefixes {
-			if err = m.Put(lpmKey(p), &vals[i]); err != nil {
-				break
-			}
-		}
-	}
-	if err != nil {
-		return fmt.Errorf("write %s: %w", name, err)
-	}
-	for _, p := range prefixes {
-		d.tries[name][p] = slots[p]
-	}
-	return nil
-}
-
-func (d *Datapath) deleteTrie(name string, prefixes []trieKey) error {
-	if len(prefixes) == 0 {
-		return nil
-	}
-	m := d.trieMap(name)
-	_, err := m.BatchDelete(trieKeys(name, prefixes), nil)
-	if errors.Is(err, ebpf.ErrNotSupported) {
-		err = nil
-		for _, p := range prefixes {
-			if err = m.Delete(lpmKey(p)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-				break
-			}
-			err = nil
-		}
-	}
-	if err != nil {
-		return fmt.Errorf("delete from %s: %w", name, err)
-	}
-	for _, p := range prefixes {
-		delete(d.tries[name], p)
-	}
-	return nil
-}
-
-// trieKeys builds the key slice of a batch operation on trie name.
-func trieKeys(name string, prefixes []trieKey) any {
-	if name == masqMapMasqV4 || name == masqMapNomasqV4 {
-		keys := make([]masqLpm4Key, len(prefixes))
-		for i, p := range prefixes {
-			keys[i] = lpmKey(p).(masqLpm4Key)
-		}
-		return keys
-	}
-	keys := make([]masqLpm6Key, len(prefixes))
-	for i, p := range prefixes {
-		keys[i] = lpmKey(p).(masqLpm6Key)
-	}
-	return keys
-}
-
 // Refresh re-reads what decides verdicts (the tries and the port table) instead of trusting
 // what this process last wrote, so that the next SyncPolicy also repairs entries changed or
 // removed behind its back (drift). The counter slots stay as this process assigned them: their
@@ -526,21 +475,15 @@ func (d *Datapath) Refresh() error {
 // maps continues where the previous agent left off.
 func (d *Datapath) recover() error {
 	d.slots = newSlotTable(d.opts.MaxRules)
-	var (
-		slot  uint32
-		value masqRuleSlot
-		last  = -1
-	)
+	last := -1
 	inUse := map[uint32]bool{}
-	it := d.objs.RuleSlots.Iterate()
-	for it.Next(&slot, &value) {
-		if k, ok := slotKeyOf(value); ok {
+	if err := eachEntry(d.objs.RuleSlots, func(slot uint32, value *masqRuleSlot) {
+		if k, ok := slotKeyOf(*value); ok {
 			d.slots.bySlt[slot], d.slots.byKey[k] = k, slot
 			inUse[slot] = true
 			last = max(last, int(slot))
 		}
-	}
-	if err := it.Err(); err != nil {
+	}); err != nil {
 		return fmt.Errorf("read rule_slots: %w", err)
 	}
 	d.slots.next = uint32(last + 1)
@@ -564,28 +507,10 @@ func (d *Datapath) recoverTries() error {
 		d.ports = append(d.ports, policy.PortRange{First: r.First, Last: r.Last})
 	}
 
-	d.tries = map[string]map[trieKey]uint32{}
-	for _, name := range trieNames {
-		d.tries[name] = map[trieKey]uint32{}
-		var v masqLpmVal
-		if name == masqMapMasqV4 || name == masqMapNomasqV4 {
-			var k masqLpm4Key
-			it := d.trieMap(name).Iterate()
-			for it.Next(&k, &v) {
-				d.tries[name][netip.PrefixFrom(word4Addr(k.Addr), int(k.Prefixlen))] = v.Slot
-			}
-			if err := it.Err(); err != nil {
-				return fmt.Errorf("read %s: %w", name, err)
-			}
-			continue
-		}
-		var k masqLpm6Key
-		it := d.trieMap(name).Iterate()
-		for it.Next(&k, &v) {
-			d.tries[name][netip.PrefixFrom(words6Addr(k.Addr), int(k.Prefixlen))] = v.Slot
-		}
-		if err := it.Err(); err != nil {
-			return fmt.Errorf("read %s: %w", name, err)
+	d.tries = d.newTries()
+	for _, t := range d.tries {
+		if err := t.read(); err != nil {
+			return err
 		}
 	}
 	return nil

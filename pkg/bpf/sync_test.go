@@ -126,29 +126,16 @@ func TestSyncTries(t *testing.T) {
 			t.Fatal(err)
 		}
 		pl, _ := makePlan(p)
-		for _, name := range trieNames {
+		for _, tr := range h.dp.tries {
+			name := tr.name
 			got := map[netip.Prefix]uint32{}
-			it := h.dp.trieMap(name).Iterate()
-			if name == masqMapMasqV4 || name == masqMapNomasqV4 {
-				var k masqLpm4Key
-				var v masqLpmVal
-				for it.Next(&k, &v) {
-					got[netip.PrefixFrom(word4Addr(k.Addr), int(k.Prefixlen))] = v.Slot
-				}
-			} else {
-				var k masqLpm6Key
-				var v masqLpmVal
-				for it.Next(&k, &v) {
-					got[netip.PrefixFrom(words6Addr(k.Addr), int(k.Prefixlen))] = v.Slot
-				}
-			}
-			if err := it.Err(); err != nil {
+			if err := tr.ops.read(tr.m, got); err != nil { // the map itself, not the mirror
 				t.Fatal(err)
 			}
-			if len(got) != len(pl.tries[name]) {
-				t.Fatalf("policy %d: %s holds %d entries, want %d: %v", i, name, len(got), len(pl.tries[name]), got)
+			if len(got) != len(pl.tries[tr.trieKind]) {
+				t.Fatalf("policy %d: %s holds %d entries, want %d: %v", i, name, len(got), len(pl.tries[tr.trieKind]), got)
 			}
-			for prefix, idx := range pl.tries[name] {
+			for prefix, idx := range pl.tries[tr.trieKind] {
 				want := h.dp.syncedSlot[pl.rules[idx]]
 				if s, ok := got[prefix]; !ok || s != want {
 					t.Fatalf("policy %d: %s[%s] = %d (present %v), want slot %d", i, name, prefix, s, ok, want)

@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -17,8 +18,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/cilium/ebpf"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
@@ -183,30 +182,7 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 // tcOptions identify our attachments, for the backend and for cleanup.
 func tcOptions(pinDir string, log *slog.Logger) tc.Options {
 	return tc.Options{LinkDir: filepath.Join(pinDir, LinkDir), FilterName: filterName,
-		FilterPriority: filterPriority, FilterHandle: filterHandle, Owns: owns, Logger: log}
-}
-
-// owns tells our programs: the engine's entry points, using the engine's maps.
-func owns(info *ebpf.ProgramInfo) bool {
-	if info.Name != "tc_egress" && info.Name != "tc_ingress" {
-		return false
-	}
-	ids, ok := info.MapIDs()
-	if !ok {
-		return false
-	}
-	for _, id := range ids {
-		m, err := ebpf.NewMapFromID(id)
-		if err != nil {
-			continue
-		}
-		mi, err := m.Info()
-		m.Close()
-		if err == nil && mi.Name == "uplink_snat" {
-			return true
-		}
-	}
-	return false
+		FilterPriority: filterPriority, FilterHandle: filterHandle, Owns: bpf.Owns, Logger: log}
 }
 
 // probeLoad loads the programs once with tiny maps, pinning nothing: the kernel must accept them.
@@ -356,21 +332,15 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 // and those with a tcx link pin. Other devices are not looked at, so an apply costs the same on
 // a node with thousands of pod devices; cleanup looks at them all.
 func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, keep map[int]bool) error {
-	var idx uint32
-	var val []byte
-	var snat []int
-	it := dp.Maps()["uplink_snat"].Iterate()
-	for it.Next(&idx, &val) {
-		snat = append(snat, int(idx))
-	}
-	if err := it.Err(); err != nil {
-		return fmt.Errorf("read uplink_snat: %w", err)
+	snat, err := dp.Uplinks()
+	if err != nil {
+		return err
 	}
 	pinned, err := b.attach.Pinned()
 	if err != nil {
 		return err
 	}
-	for _, i := range slices.Compact(slices.Sorted(slices.Values(append(snat, pinned...)))) {
+	for _, i := range slices.Compact(slices.Sorted(slices.Values(append(slices.Collect(maps.Keys(snat)), pinned...)))) {
 		if keep[i] {
 			continue
 		}

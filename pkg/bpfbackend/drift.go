@@ -17,7 +17,7 @@ func (b *Backend) DriftKinds() []string {
 // CheckDrift implements datapath.DriftChecker, against what the last successful Apply
 // installed: the map pins (a stat each), both programs on every uplink (a query per hook) and
 // their tcx link pins, each uplink's uplink_snat entry (a lookup), and the tries and nat_config
-// (bpf.Datapath.CheckPolicy: entry counts and a bounded number of lookups). An uplink that is
+// (bpf.Datapath.CheckPolicy: a bounded walk of the tries). An uplink that is
 // gone is skipped: the uplink watcher reports it, and the next Apply forgets it.
 func (b *Backend) CheckDrift(ctx context.Context) ([]string, error) {
 	dp := b.dp.Load()
@@ -47,17 +47,12 @@ func (b *Backend) CheckDrift(ctx context.Context) ([]string, error) {
 		}
 		found[datapath.DriftUplinkAddr] = found[datapath.DriftUplinkAddr] || !ok || got != want
 	}
-	maps, err := dp.CheckPolicy()
+	policyDrift, err := dp.CheckPolicy()
 	if err != nil {
 		return nil, err
 	}
-	for _, m := range maps {
-		if m == "nat_config" {
-			found[datapath.DriftNATConfig] = true
-		} else {
-			found[datapath.DriftTrie] = true
-		}
-	}
+	found[datapath.DriftTrie] = len(policyDrift.Tries) > 0
+	found[datapath.DriftNATConfig] = policyDrift.NATConfig
 	var out []string
 	for _, k := range b.DriftKinds() {
 		if found[k] {

@@ -73,16 +73,10 @@ func (r *Reader) Info() datapath.Info { return r.info }
 func readInfo(dp *bpf.Datapath, pinDir, mode string) datapath.Info {
 	s := "maps pinned under " + pinDir
 	var ups []string
-	var idx uint32
-	var val []byte
-	it := dp.Maps()["uplink_snat"].Iterate()
-	for it.Next(&idx, &val) {
-		u, ok, err := dp.Uplink(int(idx))
-		if err != nil || !ok {
-			continue
-		}
-		ul := uplink.Uplink{Name: "?", Index: int(idx), IPv4: u.IPv4, IPv6: u.IPv6}
-		if ifc, err := net.InterfaceByIndex(int(idx)); err == nil {
+	snat, _ := dp.Uplinks() // a report: what cannot be read is left out
+	for idx, u := range snat {
+		ul := uplink.Uplink{Name: "?", Index: idx, IPv4: u.IPv4, IPv6: u.IPv6}
+		if ifc, err := net.InterfaceByIndex(idx); err == nil {
 			ul.Name = ifc.Name
 		}
 		ups = append(ups, ul.String())
@@ -260,12 +254,8 @@ func natSummary(ctx context.Context, dp *bpf.Datapath, top int) (datapath.NATSum
 			if e.Dir != bpf.Ingress || paired[halfKey{e.Proto, e.Src, e.Dst}] {
 				return ctx.Err() == nil
 			}
-			state := bpf.StateUnreplied
-			if e.Flags&(bpf.FlagFIN|bpf.FlagRST) != 0 {
-				state = bpf.StateClosing
-			}
 			proto := datapath.ProtocolName(e.Proto)
-			states[stateKey{fam, proto, state.String()}]++
+			states[stateKey{fam, proto, bpf.StateOf(e.Flags, 0).String()}]++
 			remotes[remoteKey{proto, e.Src}]++
 			return ctx.Err() == nil
 		}); err != nil {

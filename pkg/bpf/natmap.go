@@ -1,0 +1,209 @@
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// The NAT tables as the maps hold them: keys of two layouts (masqNat4Key, masqNat6Key) over one
+// value (masqNatEntry), and the walk that reads them in batches. Everything that reads the
+// tables goes through natTuple, so that a key's fields, a flow's partner and what the datapath
+// calls "points back" are written once for both families (bpf/nat.h has the C side), and a
+// NATEntry is only what decode makes of them.
+
+// natTuple is a NAT key's fields, for either family (IPv4 in src[0] and dst[0]); addresses and
+// ports in network byte order, as the key holds them.
+type natTuple struct {
+	v6           bool
+	dir          Direction
+	proto        uint8
+	src, dst     [4]uint32
+	sport, dport uint16
+}
+
+// rawNATKey is a NAT table key as the map holds it (masqNat4Key, masqNat6Key).
+type rawNATKey[K any] interface {
+	comparable
+	tuple() natTuple
+	// withTuple is the key of this layout holding t (the receiver's fields are not used).
+	withTuple(t natTuple) K
+}
+
+func (k masqNat4Key) tuple() natTuple {
+	return natTuple{dir: Direction(k.Dir), proto: k.Proto, src: [4]uint32{k.Saddr}, dst: [4]uint32{k.Daddr},
+		sport: k.Sport, dport: k.Dport}
+}
+
+func (k masqNat6Key) tuple() natTuple {
+	return natTuple{v6: true, dir: Direction(k.Dir), proto: k.Proto, src: k.Saddr, dst: k.Daddr,
+		sport: k.Sport, dport: k.Dport}
+}
+
+func (masqNat4Key) withTuple(t natTuple) masqNat4Key {
+	return masqNat4Key{Saddr: t.src[0], Daddr: t.dst[0], Sport: t.sport, Dport: t.dport, Proto: t.proto, Dir: masqNatDir(t.dir)}
+}
+
+func (masqNat6Key) withTuple(t natTuple) masqNat6Key {
+	return masqNat6Key{Saddr: t.src, Daddr: t.dst, Sport: t.sport, Dport: t.dport, Proto: t.proto, Dir: masqNatDir(t.dir)}
+}
+
+// keyTuple is the tuple of an entry's key (dir, proto, src, dst).
+func keyTuple(dir Direction, proto uint8, src, dst netip.AddrPort) natTuple {
+	return natTuple{v6: !src.Addr().Is4(), dir: dir, proto: proto, src: addrWords(src.Addr()), dst: addrWords(dst.Addr()),
+		sport: htons(src.Port()), dport: htons(dst.Port())}
+}
+
+// key is the map key holding t, of its family's layout.
+func (t natTuple) key() any {
+	if t.v6 {
+		return masqNat6Key{}.withTuple(t)
+	}
+	return masqNat4Key{}.withTuple(t)
+}
+
+// natKey is the map key of an entry's (dir, proto, src, dst).
+func natKey(dir Direction, proto uint8, src, dst netip.AddrPort) any {
+	return keyTuple(dir, proto, src, dst).key()
+}
+
+// decode is the entry v found under t.
+func (t natTuple) decode(v *masqNatEntry) NATEntry {
+	return NATEntry{
+		Dir: t.dir, Proto: t.proto,
+		Src:  netip.AddrPortFrom(wordsAddr(t.v6, t.src), ntohs(t.sport)),
+		Dst:  netip.AddrPortFrom(wordsAddr(t.v6, t.dst), ntohs(t.dport)),
+		To:   netip.AddrPortFrom(wordsAddr(t.v6, v.Addr), ntohs(v.Port)),
+		Kind: Kind(v.Kind), Flags: Flags(v.Flags), Slot: v.Slot,
+		LastSeen: time.Duration(v.LastSeen),
+	}
+}
+
+// partner is the key of the other half of the flow whose entry v sits at t (C: partner_key):
+//
+//	egress  {s, d, sp, dp} -> {A, P}  partner: ingress {d, A, dp, P}
+//	ingress {s, d, sp, dp} -> {A, P}  partner: egress  {A, s, P, sp}
+func (t natTuple) partner(v *masqNatEntry) natTuple {
+	p := natTuple{v6: t.v6, proto: t.proto}
+	if t.dir == Egress {
+		p.dir, p.src, p.dst, p.sport, p.dport = Ingress, t.dst, v.Addr, t.dport, v.Port
+	} else {
+		p.dir, p.src, p.dst, p.sport, p.dport = Egress, v.Addr, t.src, v.Port, t.sport
+	}
+	return p
+}
+
+// pointedBy tells whether pv, found at t's partner key, is the other half of t's flow rather
+// than of a flow that took the key over after an eviction (C: points_back): its translation
+// leads back to t's own side.
+func (t natTuple) pointedBy(pv *masqNatEntry) bool {
+	addr, port := t.src, t.sport
+	if t.dir == Ingress {
+		addr, port = t.dst, t.dport
+	}
+	if !t.v6 {
+		return pv.Addr[0] == addr[0] && pv.Port == port
+	}
+	return pv.Addr == addr && pv.Port == port
+}
+
+// lookupPartner reads the other half of the flow whose entry v sits at k. ok is false when that
+// half is gone or belongs to another flow.
+func lookupPartner[K rawNATKey[K]](m *ebpf.Map, k K, v *masqNatEntry) (pk K, pv masqNatEntry, ok bool, err error) {
+	t := k.tuple()
+	pk = k.withTuple(t.partner(v))
+	err = m.Lookup(&pk, &pv)
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return pk, pv, false, nil
+	}
+	if err != nil {
+		return pk, pv, false, fmt.Errorf("lookup nat entry: %w", err)
+	}
+	return pk, pv, t.pointedBy(&pv), nil
+}
+
+// natTable is one family's NAT table, wrapped with the operations of its key layout.
+type natTable interface {
+	entries(fn func(NATEntry) bool) error
+	protocols(byProto *[256]uint64) error
+	flows(fn func(Flow) bool) error
+	sweep(now time.Duration, t Timeouts, res *SweepResult, swept map[uint8]uint64) error
+}
+
+// natTableOf implements natTable for the key layout K.
+type natTableOf[K rawNATKey[K]] struct{ m *ebpf.Map }
+
+func (d *Datapath) natTable(fam policy.Family) natTable {
+	if fam == policy.IPv6 {
+		return natTableOf[masqNat6Key]{d.objs.NatV6}
+	}
+	return natTableOf[masqNat4Key]{d.objs.NatV4}
+}
+
+// natBatch is how many entries one batch lookup reads: a full default table (262144 entries)
+// is then 64 syscalls, and the buffers stay a few hundred KiB.
+const natBatch = 4096
+
+// walkNAT calls fn with the entries of a NAT table a batch at a time, until fn returns false:
+// keys[:n] and vals[:n] hold the batch, valid only during the call. It reads with
+// BPF_MAP_LOOKUP_BATCH, bucket by bucket, so that a table the programs change meanwhile is
+// still walked once (an entry added or removed during the walk may be missed); kernels without
+// batch operations are walked key by key.
+func walkNAT[K any](m *ebpf.Map, fn func(keys []K, vals []masqNatEntry, n int) bool) error {
+	keys, vals := make([]K, natBatch), make([]masqNatEntry, natBatch)
+	var cursor ebpf.MapBatchCursor
+	for {
+		n, err := m.BatchLookup(&cursor, keys, vals, nil)
+		if errors.Is(err, ebpf.ErrNotSupported) {
+			return walkNATByKey(m, keys, vals, fn)
+		}
+		done := errors.Is(err, ebpf.ErrKeyNotExist)
+		if err != nil && !done {
+			return err
+		}
+		if n > 0 && !fn(keys, vals, n) {
+			return nil
+		}
+		if done {
+			return nil
+		}
+	}
+}
+
+// walkNATByKey is walkNAT with one syscall per key, for kernels before 5.6.
+func walkNATByKey[K any](m *ebpf.Map, keys []K, vals []masqNatEntry, fn func(keys []K, vals []masqNatEntry, n int) bool) error {
+	it := m.Iterate()
+	n := 0
+	for it.Next(&keys[n], &vals[n]) {
+		if n++; n == len(keys) {
+			if !fn(keys, vals, n) {
+				return nil
+			}
+			n = 0
+		}
+	}
+	if err := it.Err(); err != nil {
+		return err
+	}
+	if n > 0 {
+		fn(keys, vals, n)
+	}
+	return nil
+}
+
+// each is walkNAT one entry at a time.
+func (t natTableOf[K]) each(fn func(K, *masqNatEntry) bool) error {
+	return walkNAT(t.m, func(keys []K, vals []masqNatEntry, n int) bool {
+		for i := range n {
+			if !fn(keys[i], &vals[i]) {
+				return false
+			}
+		}
+		return true
+	})
+}

@@ -1,0 +1,244 @@
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// trieKey is a prefix in one of the four tries.
+type trieKey = netip.Prefix
+
+// trieKind is what a trie holds: the rules of one family and action.
+type trieKind struct {
+	family policy.Family
+	action policy.Action
+}
+
+// trie is one of the four LPM tries, wrapped once: what it holds, its map with the operations of
+// its family's key layout, and what this process last wrote into it.
+type trie struct {
+	trieKind
+	name string
+	m    *ebpf.Map
+	ops  trieOps
+	// held mirrors the map (prefix -> slot), so that a sync writes only the difference.
+	held map[trieKey]uint32
+}
+
+// newTries lists the tries of the loaded maps, in the order CheckPolicy reports them, with
+// empty mirrors.
+func (d *Datapath) newTries() []*trie {
+	o := &d.objs
+	v4, v6 := lpmOps[masqLpm4Key]{}, lpmOps[masqLpm6Key]{}
+	return []*trie{
+		{trieKind{policy.IPv4, policy.Masquerade}, masqMapMasqV4, o.MasqV4, v4, map[trieKey]uint32{}},
+		{trieKind{policy.IPv4, policy.Return}, masqMapNomasqV4, o.NomasqV4, v4, map[trieKey]uint32{}},
+		{trieKind{policy.IPv6, policy.Masquerade}, masqMapMasqV6, o.MasqV6, v6, map[trieKey]uint32{}},
+		{trieKind{policy.IPv6, policy.Return}, masqMapNomasqV6, o.NomasqV6, v6, map[trieKey]uint32{}},
+	}
+}
+
+// read replaces the mirror with what the map holds.
+func (t *trie) read() error {
+	t.held = map[trieKey]uint32{}
+	if err := t.ops.read(t.m, t.held); err != nil {
+		return fmt.Errorf("read %s: %w", t.name, err)
+	}
+	return nil
+}
+
+// put writes prefixes with their slots, a batch at a time where the kernel can.
+func (t *trie) put(prefixes []trieKey, slots map[trieKey]uint32) error {
+	if len(prefixes) == 0 {
+		return nil
+	}
+	vals := make([]masqLpmVal, len(prefixes))
+	for i, p := range prefixes {
+		vals[i].Slot = slots[p]
+	}
+	if err := t.ops.put(t.m, prefixes, vals); err != nil {
+		return fmt.Errorf("write %s: %w", t.name, err)
+	}
+	for _, p := range prefixes {
+		t.held[p] = slots[p]
+	}
+	return nil
+}
+
+// delete deletes prefixes, a batch at a time where the kernel can; prefixes already gone are
+// fine where it cannot.
+func (t *trie) delete(prefixes []trieKey) error {
+	if len(prefixes) == 0 {
+		return nil
+	}
+	if err := t.ops.delete(t.m, prefixes); err != nil {
+		return fmt.Errorf("delete from %s: %w", t.name, err)
+	}
+	for _, p := range prefixes {
+		delete(t.held, p)
+	}
+	return nil
+}
+
+// trieOps are the map operations of one key layout (masqLpm4Key, masqLpm6Key).
+type trieOps interface {
+	read(m *ebpf.Map, into map[trieKey]uint32) error
+	put(m *ebpf.Map, prefixes []trieKey, vals []masqLpmVal) error
+	delete(m *ebpf.Map, prefixes []trieKey) error
+	// walk starts a walk of the map's entries in key order (see trieWalk).
+	walk(m *ebpf.Map) trieWalk
+}
+
+// trieEntry is an entry as a trie holds it.
+type trieEntry struct {
+	prefix trieKey
+	slot   uint32
+}
+
+// trieWalk reads a trie's entries in key order, some at a time, across calls: next returns up
+// to max entries and whether the walk is done. When the entry it stopped at is gone, the map
+// starts it over from the first entry.
+type trieWalk interface {
+	next(max int) (entries []trieEntry, done bool, err error)
+}
+
+// rawLPMKey is an LPM trie key as the map holds it.
+type rawLPMKey[K any] interface {
+	prefix() trieKey
+	// withPrefix is the key of this layout holding p (the receiver's fields are not used).
+	withPrefix(p trieKey) K
+}
+
+func (k masqLpm4Key) prefix() trieKey {
+	return netip.PrefixFrom(word4Addr(k.Addr), int(k.Prefixlen))
+}
+
+func (k masqLpm6Key) prefix() trieKey {
+	return netip.PrefixFrom(words6Addr(k.Addr), int(k.Prefixlen))
+}
+
+func (masqLpm4Key) withPrefix(p trieKey) masqLpm4Key {
+	return masqLpm4Key{Prefixlen: uint32(p.Bits()), Addr: addr4Word(p.Addr())}
+}
+
+func (masqLpm6Key) withPrefix(p trieKey) masqLpm6Key {
+	return masqLpm6Key{Prefixlen: uint32(p.Bits()), Addr: addr6Words(p.Addr())}
+}
+
+// lpmKey is the map key of a prefix, of its family's layout.
+func lpmKey(p trieKey) any {
+	if p.Addr().Is4() {
+		return masqLpm4Key{}.withPrefix(p)
+	}
+	return masqLpm6Key{}.withPrefix(p)
+}
+
+// lpmOps implements trieOps for the key layout K.
+type lpmOps[K rawLPMKey[K]] struct{}
+
+func (lpmOps[K]) keys(prefixes []trieKey) []K {
+	var zero K
+	keys := make([]K, len(prefixes))
+	for i, p := range prefixes {
+		keys[i] = zero.withPrefix(p)
+	}
+	return keys
+}
+
+func (lpmOps[K]) read(m *ebpf.Map, into map[trieKey]uint32) error {
+	return eachEntry(m, func(k K, v *masqLpmVal) { into[k.prefix()] = v.Slot })
+}
+
+func (o lpmOps[K]) put(m *ebpf.Map, prefixes []trieKey, vals []masqLpmVal) error {
+	keys := o.keys(prefixes)
+	_, err := m.BatchUpdate(keys, vals, nil)
+	if !errors.Is(err, ebpf.ErrNotSupported) {
+		return err
+	}
+	for i := range keys {
+		if err := m.Put(&keys[i], &vals[i]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (o lpmOps[K]) delete(m *ebpf.Map, prefixes []trieKey) error {
+	keys := o.keys(prefixes)
+	_, err := m.BatchDelete(keys, nil)
+	if !errors.Is(err, ebpf.ErrNotSupported) {
+		return err
+	}
+	for i := range keys {
+		if err := m.Delete(&keys[i]); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return err
+		}
+	}
+	return nil
+}
+
+func (lpmOps[K]) walk(m *ebpf.Map) trieWalk { return &lpmWalk[K]{m: m} }
+
+// lpmWalk implements trieWalk with batch lookups (a syscall per call), or on kernels without
+// them, a key and a lookup per entry.
+type lpmWalk[K rawLPMKey[K]] struct {
+	m      *ebpf.Map
+	cursor ebpf.MapBatchCursor
+	byKey  bool
+	last   *K // the key read last, when walking by key
+	keys   []K
+	vals   []masqLpmVal
+}
+
+func (w *lpmWalk[K]) next(max int) ([]trieEntry, bool, error) {
+	if len(w.keys) < max {
+		w.keys, w.vals = make([]K, max), make([]masqLpmVal, max)
+	}
+	keys, vals := w.keys[:max], w.vals[:max]
+	n, done := 0, false
+	if !w.byKey {
+		var err error
+		n, err = w.m.BatchLookup(&w.cursor, keys, vals, nil)
+		switch {
+		case errors.Is(err, ebpf.ErrNotSupported):
+			w.byKey = true
+		case errors.Is(err, ebpf.ErrKeyNotExist):
+			done = true
+		case err != nil:
+			return nil, false, err
+		}
+	}
+	for w.byKey && !done && n < max {
+		var after any // nil: the first key
+		if w.last != nil {
+			after = w.last
+		}
+		var k K
+		err := w.m.NextKey(after, &k)
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			done = true
+			break
+		}
+		if err != nil {
+			return nil, false, err
+		}
+		w.last = &k
+		// The exact entry while it exists: a lookup matches no longer prefix than its key.
+		if err := w.m.Lookup(&k, &vals[n]); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return nil, false, err
+		} else if err == nil {
+			keys[n] = k
+			n++
+		}
+	}
+	entries := make([]trieEntry, n)
+	for i := range n {
+		entries[i] = trieEntry{keys[i].prefix(), vals[i].Slot}
+	}
+	return entries, done || n == 0, nil
+}

@@ -1,0 +1,132 @@
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// Uplink is the SNAT addresses of an uplink device; an invalid (zero) address means none of
+// that family, and masquerading packets of that family on the device are dropped.
+type Uplink struct {
+	IPv4, IPv6 netip.Addr
+}
+
+func uplinkValue(u Uplink) masqUplink {
+	var v masqUplink
+	if u.IPv4.IsValid() {
+		v.V4, v.HasV4 = addr4Word(u.IPv4.Unmap()), 1
+	}
+	if u.IPv6.IsValid() {
+		v.V6, v.HasV6 = addr6Words(u.IPv6), 1
+	}
+	return v
+}
+
+func uplinkOf(v *masqUplink) Uplink {
+	var u Uplink
+	if v.HasV4 != 0 {
+		u.IPv4 = word4Addr(v.V4)
+	}
+	if v.HasV6 != 0 {
+		u.IPv6 = words6Addr(v.V6)
+	}
+	return u
+}
+
+// SetUplink sets the SNAT addresses of the device with ifindex. When an address changes, the
+// flows translated to the old one are flushed (they could not get replies any more); the
+// number of entries removed is returned.
+func (d *Datapath) SetUplink(ifindex int, u Uplink) (int, error) {
+	if u.IPv4.IsValid() && !u.IPv4.Unmap().Is4() {
+		return 0, fmt.Errorf("set uplink %d: %s is not an IPv4 address", ifindex, u.IPv4)
+	}
+	if u.IPv6.IsValid() && (!u.IPv6.Is6() || u.IPv6.Is4In6()) {
+		return 0, fmt.Errorf("set uplink %d: %s is not an IPv6 address", ifindex, u.IPv6)
+	}
+	old, _, err := d.Uplink(ifindex)
+	if err != nil {
+		return 0, err
+	}
+	v := uplinkValue(u)
+	if err := d.objs.UplinkSnat.Put(uint32(ifindex), &v); err != nil {
+		return 0, fmt.Errorf("set uplink %d: write uplink_snat: %w", ifindex, err)
+	}
+	return d.flushChanged(old, u)
+}
+
+// RemoveUplink forgets a device and flushes the flows translated to its addresses.
+func (d *Datapath) RemoveUplink(ifindex int) (int, error) {
+	old, ok, err := d.Uplink(ifindex)
+	if err != nil || !ok {
+		return 0, err
+	}
+	if err := d.objs.UplinkSnat.Delete(uint32(ifindex)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return 0, fmt.Errorf("remove uplink %d: %w", ifindex, err)
+	}
+	return d.flushChanged(old, Uplink{})
+}
+
+func (d *Datapath) flushChanged(old, cur Uplink) (int, error) {
+	n := 0
+	for _, pair := range [][2]netip.Addr{{old.IPv4, cur.IPv4}, {old.IPv6, cur.IPv6}} {
+		if pair[0].IsValid() && pair[0] != pair[1] {
+			m, err := d.FlushAddr(pair[0])
+			n += m
+			if err != nil {
+				return n, err
+			}
+		}
+	}
+	return n, nil
+}
+
+// Uplink reads the SNAT addresses of a device.
+func (d *Datapath) Uplink(ifindex int) (Uplink, bool, error) {
+	var v masqUplink
+	if err := d.objs.UplinkSnat.Lookup(uint32(ifindex), &v); err != nil {
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return Uplink{}, false, nil
+		}
+		return Uplink{}, false, fmt.Errorf("read uplink %d: %w", ifindex, err)
+	}
+	return uplinkOf(&v), true, nil
+}
+
+// Uplinks reads the SNAT addresses of every device the maps hold, by ifindex: every device the
+// programs were attached to has an entry until RemoveUplink.
+func (d *Datapath) Uplinks() (map[int]Uplink, error) {
+	out := map[int]Uplink{}
+	if err := eachEntry(d.objs.UplinkSnat, func(idx uint32, v *masqUplink) { out[int(idx)] = uplinkOf(v) }); err != nil {
+		return nil, fmt.Errorf("read uplink_snat: %w", err)
+	}
+	return out, nil
+}
+
+// FlushAddr removes every flow translated to or from addr (an uplink's previous SNAT address):
+// masqueraded and host flows whose translated source is addr, with both halves.
+func (d *Datapath) FlushAddr(addr netip.Addr) (int, error) {
+	addr = addr.Unmap()
+	fam := policy.FamilyOf(addr)
+	var doomed []NATEntry
+	if err := d.NATEntries(fam, func(e NATEntry) bool {
+		switch {
+		case e.Kind == KindInbound:
+		case e.Dir == Egress && e.To.Addr() == addr:
+			doomed = append(doomed, e)
+		case e.Dir == Ingress && e.Dst.Addr() == addr:
+			doomed = append(doomed, e)
+		}
+		return true
+	}); err != nil {
+		return 0, fmt.Errorf("flush %s: %w", addr, err)
+	}
+	if err := d.deleteEntries(fam, doomed); err != nil {
+		return 0, fmt.Errorf("flush %s: %w", addr, err)
+	}
+	return len(doomed), nil
+}
