@@ -95,13 +95,19 @@ type Backend struct {
 	mu      sync.Mutex // guards what Apply publishes for Info
 	uplinks []uplink.Uplink
 
-	// missing are the --interfaces devices the last Apply did not find (only Apply uses it).
+	// watched is what the uplink watcher read when it last saw the uplinks change, until an
+	// Apply uses it instead of reading them again.
+	watched atomic.Pointer[uplink.Set]
+
+	// Only the agent's loop uses these.
+	//
+	// missing are the --interfaces devices the last Apply did not find.
 	missing []string
-	// lastApplied is the policy of the last successful Apply (only the agent's loop uses it).
+	// lastApplied is the policy of the last successful Apply (uplinks are the uplinks it
+	// attached to); applied tells that the last Apply succeeded, so that the node holds both:
+	// what CheckDrift compares with.
 	lastApplied *policy.Policy
-	// installed is, by ifindex, the SNAT addresses the last successful Apply wrote for each
-	// uplink it attached to: what CheckDrift compares with (only the agent's loop uses it).
-	installed map[int]bpf.Uplink
+	applied     bool
 }
 
 var (
@@ -170,7 +176,7 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 	go func() {
 		defer b.wg.Done()
 		defer watchRes.Close()
-		uplink.Watch(ctx, watchRes, b.changes, opts.Logger)
+		uplink.Watch(ctx, watchRes, b.uplinksChanged, opts.Logger)
 	}()
 	go func() {
 		defer b.wg.Done()
@@ -202,8 +208,20 @@ func probeLoad() error {
 func (b *Backend) Name() string { return Name }
 
 // Changes carries uplink changes (an uplink appeared or went away, an address changed); each one
-// should lead to an Apply, which reads the uplinks afresh (agent.Options.Changes).
+// should lead to an Apply, which installs the uplinks as the watcher last read them
+// (agent.Options.Changes).
 func (b *Backend) Changes() <-chan string { return b.changes }
+
+// uplinksChanged is what the watcher calls with each change: the next Apply uses cur, and is
+// asked for through Changes. While a reason waits there, later ones are dropped: the Apply it
+// leads to uses the newest resolution anyway.
+func (b *Backend) uplinksChanged(reason string, cur uplink.Set) {
+	b.watched.Store(&cur)
+	select {
+	case b.changes <- reason:
+	default:
+	}
+}
 
 // Mode is the attach mode, tc.ModeTCX or tc.ModeTC.
 func (b *Backend) Mode() string { return b.mode }
@@ -218,13 +236,17 @@ func (b *Backend) Info() datapath.Info {
 func details(pinDir string, ups []uplink.Uplink) string {
 	s := "maps pinned under " + pinDir
 	if len(ups) > 0 {
-		names := make([]string, len(ups))
-		for i, u := range ups {
-			names[i] = u.String()
-		}
-		s += "; uplinks " + strings.Join(names, ", ")
+		s += "; uplinks " + strings.Join(uplinkNames(ups), ", ")
 	}
 	return s
+}
+
+func uplinkNames(ups []uplink.Uplink) []string {
+	names := make([]string, len(ups))
+	for i, u := range ups {
+		names[i] = u.String()
+	}
+	return names
 }
 
 // Apply implements datapath.Backend: the policy into the maps (as a difference, new entries
@@ -233,19 +255,52 @@ func details(pinDir string, ups []uplink.Uplink) string {
 // longer uplinks is removed. Each step repairs drift: entries changed behind the agent's back are
 // rewritten, programs detached behind its back are attached again.
 func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
+	dp, err := b.datapathFor(p)
+	if err != nil {
+		return err
+	}
+	b.applied = false // until this apply succeeds
+	if err := b.syncPolicy(dp, p); err != nil {
+		return err
+	}
+	ups, err := b.resolveUplinks(ctx)
+	if err != nil {
+		return err
+	}
+	b.mu.Lock()
+	changed := !slices.Equal(b.uplinks, ups)
+	b.mu.Unlock()
+	if err := b.install(ctx, dp, p, ups, changed); err != nil {
+		return err
+	}
+	if err := b.dropStale(ctx, dp, ups); err != nil {
+		return err
+	}
+	b.lastApplied, b.applied = p, true
+	b.mu.Lock()
+	b.uplinks = ups
+	b.mu.Unlock()
+	if changed {
+		b.log.Info("programs attached", "mode", b.mode, "uplinks", uplinkNames(ups))
+	}
+	return nil
+}
+
+// datapathFor returns the datapath, loaded by the first Apply, with rule maps that can hold p.
+func (b *Backend) datapathFor(p *policy.Policy) (*bpf.Datapath, error) {
 	dp := b.dp.Load()
 	if dp == nil {
 		var err error
 		if dp, err = b.load(p, 0); err != nil {
-			return err
+			return nil, err
 		}
 		b.dp.Store(dp)
 	}
-	dp, err := b.ensureCapacity(dp, p)
-	if err != nil {
-		return err
-	}
-	b.installed = nil // until this apply succeeds
+	return b.ensureCapacity(dp, p)
+}
+
+// syncPolicy pins again the maps whose pins are gone, and writes p into the maps.
+func (b *Backend) syncPolicy(dp *bpf.Datapath, p *policy.Policy) error {
 	if repinned, err := dp.Repin(); err != nil {
 		return err
 	} else if len(repinned) > 0 {
@@ -260,12 +315,19 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 			return fmt.Errorf("read the maps: %w", err)
 		}
 	}
-	if err := dp.SyncPolicy(p); err != nil {
-		return err
-	}
-	set, err := b.resolve.Resolve(ctx)
-	if err != nil {
-		return err
+	return dp.SyncPolicy(p)
+}
+
+// resolveUplinks returns the uplinks: as the watcher read them when it last saw them change,
+// if no Apply used that yet, else read now. Having none is an error.
+func (b *Backend) resolveUplinks(ctx context.Context) ([]uplink.Uplink, error) {
+	set := b.watched.Swap(nil)
+	if set == nil {
+		cur, err := b.resolve.Resolve(ctx)
+		if err != nil {
+			return nil, err
+		}
+		set = &cur
 	}
 	if len(set.Missing) > 0 && !slices.Equal(set.Missing, b.missing) {
 		b.log.Warn("uplinks named by --interfaces do not exist (yet); they are attached when they appear", "missing", set.Missing)
@@ -273,31 +335,32 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	b.missing = set.Missing
 	if len(set.Uplinks) == 0 {
 		if len(b.opts.Interfaces) > 0 {
-			return fmt.Errorf("no uplink: none of --interfaces %s exists", strings.Join(b.opts.Interfaces, ","))
+			return nil, fmt.Errorf("no uplink: none of --interfaces %s exists", strings.Join(b.opts.Interfaces, ","))
 		}
-		return errors.New("no uplink: no default route")
+		return nil, errors.New("no uplink: no default route")
 	}
-	b.mu.Lock()
-	changed := !slices.Equal(b.uplinks, set.Uplinks)
-	b.mu.Unlock()
+	return set.Uplinks, nil
+}
+
+// snatAddrs is what uplink_snat holds for u under p: its IPv6 address only where p masquerades
+// IPv6.
+func snatAddrs(u uplink.Uplink, p *policy.Policy) bpf.Uplink {
+	addrs := bpf.Uplink{IPv4: u.IPv4}
+	if p.Enabled(policy.IPv6) {
+		addrs.IPv6 = u.IPv6
+	}
+	return addrs
+}
+
+// install writes each uplink's SNAT addresses and attaches the programs to it. changed tells
+// that the uplinks differ from the last Apply's: a missing address is then warned about.
+func (b *Backend) install(ctx context.Context, dp *bpf.Datapath, p *policy.Policy, ups []uplink.Uplink, changed bool) error {
 	progs := tc.Programs{Egress: dp.Egress(), Ingress: dp.Ingress()}
-	keep := map[int]bool{}
-	installed := map[int]bpf.Uplink{}
-	for _, u := range set.Uplinks {
-		addrs := bpf.Uplink{IPv4: u.IPv4}
-		if p.Enabled(policy.IPv6) {
-			addrs.IPv6 = u.IPv6
+	for _, u := range ups {
+		if changed {
+			b.warnNoAddress(u, p)
 		}
-		// A device named by --interfaces may carry either family; one found by its default
-		// route, the families of its routes.
-		named := len(b.opts.Interfaces) > 0
-		if changed && (named || u.DefaultV4) && !u.IPv4.IsValid() {
-			b.log.Warn("uplink has no IPv4 address: its masqueraded IPv4 traffic is dropped", "uplink", u.Name)
-		}
-		if changed && p.Enabled(policy.IPv6) && (named || u.DefaultV6) && !u.IPv6.IsValid() {
-			b.log.Warn("uplink has no global IPv6 address: its masqueraded IPv6 traffic is dropped", "uplink", u.Name)
-		}
-		flushed, err := dp.SetUplink(u.Index, addrs)
+		flushed, err := dp.SetUplink(u.Index, snatAddrs(u, p))
 		if err != nil {
 			return err
 		}
@@ -307,31 +370,28 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 		if err := b.attach.Attach(ctx, u.Index, progs); err != nil {
 			return fmt.Errorf("attach to %s: %w", u.Name, err)
 		}
-		keep[u.Index] = true
-		installed[u.Index] = addrs
-	}
-	if err := b.dropStale(ctx, dp, keep); err != nil {
-		return err
-	}
-	b.installed, b.lastApplied = installed, p
-	b.mu.Lock()
-	b.uplinks = set.Uplinks
-	b.mu.Unlock()
-	if changed {
-		names := make([]string, len(set.Uplinks))
-		for i, u := range set.Uplinks {
-			names[i] = u.String()
-		}
-		b.log.Info("programs attached", "mode", b.mode, "uplinks", names)
 	}
 	return nil
+}
+
+// warnNoAddress warns when an uplink lacks the address of a family it is expected to carry: a
+// device named by --interfaces either family, one found by its default route the families of
+// its routes.
+func (b *Backend) warnNoAddress(u uplink.Uplink, p *policy.Policy) {
+	named := len(b.opts.Interfaces) > 0
+	if (named || u.DefaultV4) && !u.IPv4.IsValid() {
+		b.log.Warn("uplink has no IPv4 address: its masqueraded IPv4 traffic is dropped", "uplink", u.Name)
+	}
+	if p.Enabled(policy.IPv6) && (named || u.DefaultV6) && !u.IPv6.IsValid() {
+		b.log.Warn("uplink has no global IPv6 address: its masqueraded IPv6 traffic is dropped", "uplink", u.Name)
+	}
 }
 
 // dropStale removes our programs and SNAT addresses from devices that are not uplinks any more:
 // the devices uplink_snat holds (every device the programs were attached to got an entry there)
 // and those with a tcx link pin. Other devices are not looked at, so an apply costs the same on
 // a node with thousands of pod devices; cleanup looks at them all.
-func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, keep map[int]bool) error {
+func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, ups []uplink.Uplink) error {
 	snat, err := dp.Uplinks()
 	if err != nil {
 		return err
@@ -341,7 +401,7 @@ func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, keep map[int]
 		return err
 	}
 	for _, i := range slices.Compact(slices.Sorted(slices.Values(append(slices.Collect(maps.Keys(snat)), pinned...)))) {
-		if keep[i] {
+		if slices.ContainsFunc(ups, func(u uplink.Uplink) bool { return u.Index == i }) {
 			continue
 		}
 		if err := b.attach.Detach(ctx, i); err != nil {

@@ -21,7 +21,7 @@ func (b *Backend) DriftKinds() []string {
 // gone is skipped: the uplink watcher reports it, and the next Apply forgets it.
 func (b *Backend) CheckDrift(ctx context.Context) ([]string, error) {
 	dp := b.dp.Load()
-	if dp == nil || b.installed == nil {
+	if dp == nil || !b.applied {
 		return nil, nil
 	}
 	found := map[string]bool{}
@@ -31,7 +31,11 @@ func (b *Backend) CheckDrift(ctx context.Context) ([]string, error) {
 	}
 	found[datapath.DriftPin] = len(missing) > 0
 	progs := tc.Programs{Egress: dp.Egress(), Ingress: dp.Ingress()}
-	for idx, want := range b.installed {
+	b.mu.Lock()
+	ups := b.uplinks
+	b.mu.Unlock()
+	for _, u := range ups {
+		idx, want := u.Index, snatAddrs(u, b.lastApplied)
 		st, err := b.attach.Check(ctx, idx, progs)
 		if errors.Is(err, tc.ErrNoDevice) {
 			continue

@@ -131,6 +131,16 @@ func TestResolve(t *testing.T) {
 	}
 }
 
+// sendTo is a Watch callback that sends the reason to changes, unless one waits there already.
+func sendTo(changes chan<- string) func(string, Set) {
+	return func(reason string, _ Set) {
+		select {
+		case changes <- reason:
+		default:
+		}
+	}
+}
+
 func TestWatch(t *testing.T) {
 	ns := newNode(t)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -144,7 +154,7 @@ func TestWatch(t *testing.T) {
 			return
 		}
 		defer r.Close()
-		Watch(ctx, r, changes, nil)
+		Watch(ctx, r, sendTo(changes), nil)
 	})
 	defer func() {
 		cancel()
@@ -234,7 +244,7 @@ func TestWatchStopsQuietly(t *testing.T) {
 			return
 		}
 		defer r.Close()
-		Watch(ctx, r, changes, log)
+		Watch(ctx, r, sendTo(changes), log)
 	})
 	// A change reported proves the subscriptions run (Watch subscribes before its first check);
 	// the SNAT address moves back and forth until one is, since the first move may come

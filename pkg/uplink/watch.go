@@ -23,12 +23,11 @@ const (
 	resubscribeDelay = time.Second
 )
 
-// Watch follows link, address and route events until ctx is done, and sends a short reason to
-// changes each time the resolved uplinks differ from the previous resolution (the first one is
-// made when Watch starts). A send never blocks: while a reason waits in changes, later ones are
-// dropped, since whoever reads it resolves the uplinks afresh anyway. A failed subscription is
-// renewed, and since events may have been missed, the uplinks are read again then.
-func Watch(ctx context.Context, r *Resolver, changes chan<- string, log *slog.Logger) {
+// Watch follows link, address and route events until ctx is done, and calls changed with a
+// short reason and the new resolution each time the resolved uplinks differ from the previous
+// one (the first one is made when Watch starts); changed must not block. A failed subscription
+// is renewed, and since events may have been missed, the uplinks are read again then.
+func Watch(ctx context.Context, r *Resolver, changed func(reason string, cur Set), log *slog.Logger) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -48,11 +47,11 @@ func Watch(ctx context.Context, r *Resolver, changes chan<- string, log *slog.Lo
 				continue
 			}
 		}
-		last, resolved = follow(ctx, r, s, last, resolved, changes, log)
+		last, resolved = follow(ctx, r, s, last, resolved, changed, log)
 		s.close()
 		if ctx.Err() == nil {
 			// Events were lost: look again before resubscribing.
-			last, resolved = check(ctx, r, last, changes, log)
+			last, resolved = check(ctx, r, last, changed, log)
 			select {
 			case <-ctx.Done():
 			case <-time.After(resubscribeDelay):
@@ -134,7 +133,7 @@ func (s *subscription) close() {
 // Only events that can change the uplinks count: a device, or an address of a device, that is
 // an uplink or named by --interfaces, and default routes. A node's pods bring a stream of
 // others (their veths and routes). While the last resolution failed, every event counts.
-func follow(ctx context.Context, r *Resolver, s *subscription, last Set, resolved bool, changes chan<- string, log *slog.Logger) (Set, bool) {
+func follow(ctx context.Context, r *Resolver, s *subscription, last Set, resolved bool, changed func(string, Set), log *slog.Logger) (Set, bool) {
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	defer timer.Stop()
@@ -175,7 +174,7 @@ func follow(ctx context.Context, r *Resolver, s *subscription, last Set, resolve
 			}
 		case <-timer.C:
 			first = time.Time{}
-			last, resolved = check(ctx, r, last, changes, log)
+			last, resolved = check(ctx, r, last, changed, log)
 		}
 	}
 }
@@ -199,7 +198,7 @@ func isDefault(rt netlink.Route) bool {
 
 // check resolves the uplinks and reports a difference from last; false when it could not
 // resolve them (last is kept then).
-func check(ctx context.Context, r *Resolver, last Set, changes chan<- string, log *slog.Logger) (Set, bool) {
+func check(ctx context.Context, r *Resolver, last Set, changed func(string, Set), log *slog.Logger) (Set, bool) {
 	cur, err := r.Resolve(ctx)
 	if err != nil {
 		if ctx.Err() == nil {
@@ -213,9 +212,6 @@ func check(ctx context.Context, r *Resolver, last Set, changes chan<- string, lo
 	}
 	reason := strings.Join(diff, "; ")
 	log.Debug("uplinks changed", "change", reason)
-	select {
-	case changes <- reason:
-	default:
-	}
+	changed(reason, cur)
 	return cur, true
 }
