@@ -2,7 +2,6 @@ package cli
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -14,10 +13,10 @@ import (
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
@@ -39,7 +38,7 @@ type agentFlags struct {
 
 func (f *agentFlags) register(fs *flag.FlagSet) {
 	f.policyFlags.register(fs)
-	fs.StringVar(&f.backend, "backend", "auto", "datapath: auto (BPF when the kernel supports it, else iptables), bpf or iptables")
+	fs.StringVar(&f.backend, "backend", backends.Auto, backends.Usage())
 	fs.StringVar(&f.interfaces, "interfaces", "", "comma-separated uplinks to masquerade on (default: the devices of the default routes)")
 	fs.StringVar(&f.metricsAddress, "metrics-address", ":9743", "HOST:PORT serving /metrics, /healthz and /readyz; empty disables")
 	fs.StringVar(&f.bpffs, "bpffs", "/sys/fs/bpf", "BPF filesystem where maps and links are pinned")
@@ -106,33 +105,25 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	if len(pos) > 0 {
-		return usageError{errors.New("the agent takes no arguments; subcommands: explain, render, dump, cleanup, version")}
+		return usageError{fmt.Errorf("the agent takes no arguments; subcommands: %s", commandNames())}
 	}
 	copts, popts, err := af.options()
 	if err != nil {
 		return err
 	}
-	if err := tc.CheckMode(af.attachMode); err != nil {
-		return usageError{err}
-	}
-	if af.sweepInterval <= 0 {
-		return usageError{fmt.Errorf("nat-sweep-interval %v: must be positive", af.sweepInterval)}
-	}
-	if af.driftInterval < 0 {
-		return usageError{fmt.Errorf("drift-check-interval %v: must be positive, or 0 to turn the checks off", af.driftInterval)}
-	}
-	timeouts, err := parseTimeouts(af.natTimeouts)
+	bo, err := af.agentBackendOptions()
 	if err != nil {
-		return usageError{err}
+		return err
 	}
 	log := newLogger(stderr, af.verbosity)
+	bo.Logger = log
 	log.Info("starting", "component", "cli", "version", version.String(), "config", af.configPath, "backend", af.backend)
-	dp, err := newBackend(ctx, af.backend, &af, timeouts, log)
+	dp, err := backends.Choose(ctx, af.backend, bo)
 	if err != nil {
 		return err
 	}
 	defer func() {
-		if err := dp.close(); err != nil {
+		if err := dp.Close(); err != nil {
 			log.Warn("release the datapath", "component", "cli", "error", err)
 		}
 	}()
@@ -141,84 +132,63 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		drift = -1 // off (the agent's zero is its default)
 	}
 	a, err := agent.New(agent.Options{ConfigPath: af.configPath, ConfigOptions: copts, PolicyOptions: popts,
-		Backend: dp.backend, Logger: log, Changes: dp.changes, Displace: dp.displace, DriftInterval: drift})
+		Backend: dp.Backend, Logger: log, Changes: dp.Changes, Displace: dp.Displace, DriftInterval: drift})
 	if err != nil {
 		return err
 	}
-	reg, err := metrics.NewRegistry(metrics.Options{Backend: dp.backend, Agent: a, Logger: log})
+	ln, err := serveMetrics(ctx, a, dp.Backend, af.metricsAddress, log)
 	if err != nil {
-		return fmt.Errorf("metrics: %w", err)
-	}
-	a.Mux().Handle("GET /metrics", metrics.Handler(reg, log))
-	var ln net.Listener
-	if af.metricsAddress != "" {
-		// Listening before the loop starts makes a taken port an immediate, clear error.
-		ln, err = (&net.ListenConfig{}).Listen(ctx, "tcp", af.metricsAddress)
-		if err != nil {
-			return fmt.Errorf("metrics-address: %w", err)
-		}
+		return err
 	}
 	return a.Run(ctx, ln)
 }
 
-// chosenBackend is the datapath the agent runs, and what goes with it.
-type chosenBackend struct {
-	backend datapath.Backend
-	// displace are the other backends, removed once this one holds a policy.
-	displace []agent.Displaced
-	// changes are the backend's events (uplink changes), nil when it has none.
-	changes <-chan string
-	close   func() error
-}
-
-// newBackend returns the datapath backend that --backend names. auto takes BPF when the node can
-// run it (probed: a BPF filesystem at --bpffs, programs the kernel loads), else iptables, and
-// logs why.
-func newBackend(ctx context.Context, name string, af *agentFlags, timeouts bpf.Timeouts, log *slog.Logger) (*chosenBackend, error) {
-	switch name {
-	case "auto", bpfbackend.Name:
-		b, err := bpfbackend.New(ctx, bpfbackend.Options{BPFFS: af.bpffs, Interfaces: af.interfaceList(),
-			EnableIPv6: af.enableIPv6, AttachMode: af.attachMode, SweepInterval: af.sweepInterval, Timeouts: timeouts,
-			Logger: log})
-		if err == nil {
-			log.Info("datapath chosen", "component", "cli", "backend", bpfbackend.Name, "attachMode", b.Mode())
-			return &chosenBackend{backend: b, displace: iptablesToDisplace(ctx, af, log), changes: b.Changes(), close: b.Close}, nil
-		}
-		if name == bpfbackend.Name {
-			return nil, fmt.Errorf("backend bpf: %w", err)
-		}
-		log.Warn("the BPF datapath cannot run here; using iptables", "component", "cli", "reason", err)
-	case iptables.Name:
-	default:
-		return nil, usageError{fmt.Errorf("backend %q: must be auto, bpf or iptables", name)}
+// agentBackendOptions checks the flags only the agent uses (the datapath's and the loop's) and
+// returns the backends' options (without a logger).
+func (f *agentFlags) agentBackendOptions() (backends.Options, error) {
+	if err := backends.CheckName(f.backend); err != nil {
+		return backends.Options{}, usageError{err}
 	}
-	if len(af.interfaceList()) > 0 {
-		// MASQUERADE takes the address of whichever device a packet leaves by.
-		log.Info("the iptables backend masquerades on every uplink; --interfaces is ignored", "component", "cli")
+	if err := tc.CheckMode(f.attachMode); err != nil {
+		return backends.Options{}, usageError{err}
 	}
-	b, err := iptables.New(ctx, iptables.Options{Chain: af.masqChain, Logger: log})
+	if f.sweepInterval <= 0 {
+		return backends.Options{}, usageError{fmt.Errorf("nat-sweep-interval %v: must be positive", f.sweepInterval)}
+	}
+	if f.driftInterval < 0 {
+		return backends.Options{}, usageError{fmt.Errorf("drift-check-interval %v: must be positive, or 0 to turn the checks off", f.driftInterval)}
+	}
+	timeouts, err := parseTimeouts(f.natTimeouts)
 	if err != nil {
-		return nil, err
+		return backends.Options{}, usageError{err}
 	}
-	log.Info("datapath chosen", "component", "cli", "backend", iptables.Name)
-	return &chosenBackend{backend: b, displace: []agent.Displaced{bpfbackend.Cleaner{BPFFS: af.bpffs, Logger: log}},
-		close: func() error { return nil }}, nil
+	o := f.backendOptions(nil)
+	o.Timeouts = timeouts
+	return o, nil
 }
 
-// iptablesToDisplace returns the iptables backend for the BPF backend to remove, or none when
-// the node has no iptables tools (then nothing can have installed a chain through them).
-func iptablesToDisplace(ctx context.Context, af *agentFlags, log *slog.Logger) []agent.Displaced {
-	// A fixed mode skips detection: its Cleanup covers both modes anyway.
-	var errs []error
-	for _, mode := range []iptables.Mode{iptables.ModeNFT, iptables.ModeLegacy} {
-		b, err := iptables.New(ctx, iptables.Options{Chain: af.masqChain, Mode: mode, Logger: log})
-		if err == nil {
-			return []agent.Displaced{b}
-		}
-		errs = append(errs, err)
+// serveMetrics adds /metrics to the agent's endpoint and listens on addr (none when empty).
+// Listening before the loop starts makes a taken port an immediate, clear error.
+func serveMetrics(ctx context.Context, a *agent.Agent, dp datapath.Backend, addr string, log *slog.Logger) (net.Listener, error) {
+	reg, err := metrics.NewRegistry(metrics.Options{Backend: dp, Agent: a, Logger: log})
+	if err != nil {
+		return nil, fmt.Errorf("metrics: %w", err)
 	}
-	log.Debug("no iptables tools: no chain to remove", "component", "cli", "error", errors.Join(errs...))
-	return nil
+	a.Mux().Handle("GET /metrics", metrics.Handler(reg, log))
+	if addr == "" {
+		return nil, nil
+	}
+	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("metrics-address: %w", err)
+	}
+	return ln, nil
+}
+
+// backendOptions are the flags the backends take, but --nat-timeouts (parsed by the agent).
+func (f *agentFlags) backendOptions(log *slog.Logger) backends.Options {
+	return backends.Options{BPFFS: f.bpffs, Interfaces: f.interfaceList(), EnableIPv6: f.enableIPv6,
+		AttachMode: f.attachMode, SweepInterval: f.sweepInterval, Chain: f.masqChain, Logger: log}
 }
 
 // newLogger logs text to stderr; --v 4 or more adds debug messages, as klog's verbosity did.

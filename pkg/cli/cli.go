@@ -47,6 +47,15 @@ func commands() []command {
 	}
 }
 
+// commandNames lists the subcommands: "explain, render, ...".
+func commandNames() string {
+	var names []string
+	for _, c := range commands() {
+		names = append(names, c.name)
+	}
+	return strings.Join(names, ", ")
+}
+
 // Run executes the command line args (without the program name).
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
@@ -141,6 +150,15 @@ func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
 	}
 }
 
+// parseNoArgs parses the flags of a command that takes no positional arguments.
+func parseNoArgs(fs *flag.FlagSet, args []string) error {
+	pos, err := parseInterspersed(fs, args)
+	if err == nil && len(pos) > 0 {
+		err = usageError{fmt.Errorf("%s takes no arguments, got %q", fs.Name(), pos)}
+	}
+	return err
+}
+
 func newFlagSet(name, usage string, stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -164,12 +182,8 @@ func runRender(_ context.Context, args []string, stdout, stderr io.Writer) error
 	var pf policyFlags
 	fs := newFlagSet("render", "ip-masq-agent render [flags]", stderr)
 	pf.register(fs)
-	pos, err := parseInterspersed(fs, args)
-	if err != nil {
+	if err := parseNoArgs(fs, args); err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return usageError{fmt.Errorf("render takes no arguments, got %q", pos)}
 	}
 	p, err := pf.load()
 	if err != nil {

@@ -5,17 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"path/filepath"
+	"strings"
 	"text/tabwriter"
 
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
-
-// BPFPinDir is the directory under --bpffs where the BPF backend pins its maps and links.
-const BPFPinDir = bpfbackend.PinDir
 
 // defaultTop is how many of the busiest remote endpoints dump shows.
 const defaultTop = 10
@@ -30,19 +26,16 @@ func runDump(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs := newFlagSet("dump", "ip-masq-agent dump [flags]", stderr)
 	af.register(fs)
 	top := fs.Int("top", defaultTop, "how many of the busiest remote endpoints of the NAT table to show")
-	pos, err := parseInterspersed(fs, args)
-	if err != nil {
+	if err := parseNoArgs(fs, args); err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return usageError{fmt.Errorf("dump takes no arguments, got %q", pos)}
 	}
 	if _, _, err := af.options(); err != nil {
 		return err
 	}
-	return dump(ctx, &af, *top, iptables.ExecRunner{}, stdout, stderr)
+	return dump(ctx, &af, *top, nil, stdout, stderr)
 }
 
+// dump prints what is installed; runner runs the iptables tools (nil: on the node).
 func dump(ctx context.Context, af *agentFlags, top int, runner iptables.Runner, stdout, stderr io.Writer) error {
 	p, err := af.load()
 	if err != nil {
@@ -51,13 +44,14 @@ func dump(ctx context.Context, af *agentFlags, top int, runner iptables.Runner, 
 		fmt.Fprintf(stderr, "warning: %v\nwarning: rules are shown without their origin\n", err)
 		p = nil
 	}
-	readers, findErr := findInstalled(ctx, af, p, runner)
+	o := af.backendOptions(nil)
+	o.Runner = runner
+	readers, absent, findErr := backends.Installed(ctx, o, p)
 	if len(readers) == 0 {
 		if findErr != nil {
 			return findErr
 		}
-		return fmt.Errorf("no datapath installed: no %s chain in iptables-nft or iptables-legacy, nothing pinned under %s",
-			af.masqChain, filepath.Join(af.bpffs, BPFPinDir))
+		return fmt.Errorf("no datapath installed: %s", strings.Join(absent, ", "))
 	}
 	var errs []error
 	for i, r := range readers {
@@ -72,42 +66,6 @@ func dump(ctx context.Context, af *agentFlags, top int, runner iptables.Runner, 
 		}
 	}
 	return errors.Join(append(errs, findErr)...)
-}
-
-// findInstalled returns a Reader of every datapath installed on the node: the BPF datapath,
-// then the chain in each iptables mode that holds it. What one of them fails to find is
-// returned as an error next to the others.
-func findInstalled(ctx context.Context, af *agentFlags, p *policy.Policy, runner iptables.Runner) ([]datapath.Reader, error) {
-	var out []datapath.Reader
-	var errs []error
-	if r, err := openBPF(ctx, af.bpffs, p); err != nil {
-		errs = append(errs, err)
-	} else if r != nil {
-		out = append(out, r)
-	}
-	installed, err := iptables.Inspect(ctx, runner, af.masqChain, p)
-	if err != nil {
-		errs = append(errs, fmt.Errorf("read iptables: %w", err))
-	}
-	for _, in := range installed {
-		out = append(out, in)
-	}
-	return out, errors.Join(errs...)
-}
-
-// openBPF returns a Reader of what the BPF backend pinned under <bpffs>/ip-masq-agent/, or nil
-// when nothing is pinned there. It opens the pinned maps read-only (loading no program, creating
-// no map) and maps the counter slots to the rules of p (nil when the configuration could not be
-// read).
-func openBPF(_ context.Context, bpffs string, p *policy.Policy) (datapath.Reader, error) {
-	r, err := bpfbackend.OpenReader(bpffs, p)
-	if err != nil {
-		return nil, err
-	}
-	if r == nil {
-		return nil, nil // not a nil *Reader inside the interface
-	}
-	return r, nil
 }
 
 // writeReader prints one datapath: a title, its rules as `iptables -L -v` shows them (with the
@@ -146,8 +104,8 @@ func writeReader(ctx context.Context, w io.Writer, r datapath.Reader, top int) e
 	if unknown > 0 {
 		fmt.Fprintln(w, "rule -: installed, but not a rule of the configuration given to dump (give dump the agent's --config and policy flags)")
 	}
-	if info.Backend == iptables.Name {
-		fmt.Fprintln(w, "iptables counts connections: the first packet of each")
+	if b, ok := backends.Lookup(info.Backend); ok && b.CountNote != "" {
+		fmt.Fprintln(w, b.CountNote)
 	}
 	nat, ok := r.(datapath.NATReporter)
 	if !ok {

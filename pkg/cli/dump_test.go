@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
@@ -133,14 +134,14 @@ func TestDumpIptables(t *testing.T) {
 	}
 
 	// Pins present, but not on a BPF filesystem: an error, after the iptables table.
-	if err := os.MkdirAll(filepath.Join(bpffs, BPFPinDir), 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Join(bpffs, bpfbackend.PinDir), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(bpffs, BPFPinDir, "rule_stats"), nil, 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(bpffs, bpfbackend.PinDir, "rule_stats"), nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
 	out, _, err = runDumpWith(t, r, "--config="+path, "--bpffs="+bpffs)
-	if err == nil || !strings.Contains(err.Error(), "read the BPF datapath pinned under "+filepath.Join(bpffs, BPFPinDir)) ||
+	if err == nil || !strings.Contains(err.Error(), "read the BPF datapath pinned under "+filepath.Join(bpffs, bpfbackend.PinDir)) ||
 		!strings.Contains(err.Error(), "is not a BPF filesystem") {
 		t.Errorf("err = %v, want one about the BPF pins", err)
 	}
@@ -154,11 +155,13 @@ func TestDumpNothingInstalled(t *testing.T) {
 	defer onlyRead(t, r)
 	bpffs := t.TempDir()
 	// An empty pin directory holds nothing.
-	if err := os.Mkdir(filepath.Join(bpffs, BPFPinDir), 0o755); err != nil {
+	if err := os.Mkdir(filepath.Join(bpffs, bpfbackend.PinDir), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	_, _, err := runDumpWith(t, r, "--config="+filepath.Join(t.TempDir(), "none"), "--bpffs="+bpffs, "--masq-chain=MY-CHAIN")
-	if err == nil || !strings.Contains(err.Error(), "no datapath installed: no MY-CHAIN chain") || ExitCode(err) != 1 {
+	if err == nil || !strings.Contains(err.Error(), "no datapath installed: ") || ExitCode(err) != 1 ||
+		!strings.Contains(err.Error(), "no MY-CHAIN chain in iptables-nft or iptables-legacy") ||
+		!strings.Contains(err.Error(), "nothing pinned under "+filepath.Join(bpffs, bpfbackend.PinDir)) {
 		t.Errorf("err = %v", err)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -44,31 +45,23 @@ func (r SavedRule) Text() string {
 }
 
 // HasChain reports whether the table declares the chain.
-func (t *Table) HasChain(name string) bool {
-	for _, c := range t.Chains {
-		if c == name {
-			return true
-		}
-	}
-	return false
-}
+func (t *Table) HasChain(name string) bool { return slices.Contains(t.Chains, name) }
 
 // ChainRules returns the rules of one chain, in order.
 func (t *Table) ChainRules(chain string) []SavedRule {
-	var out []SavedRule
-	for _, r := range t.Rules {
-		if r.Chain == chain {
-			out = append(out, r)
-		}
-	}
-	return out
+	return t.rules(func(r SavedRule) bool { return r.Chain == chain })
 }
 
 // RulesTargeting returns the rules of any chain that jump or go to the chain.
 func (t *Table) RulesTargeting(chain string) []SavedRule {
+	return t.rules(func(r SavedRule) bool { return r.Target == chain })
+}
+
+// rules returns the rules that keep selects, in dump order.
+func (t *Table) rules(keep func(SavedRule) bool) []SavedRule {
 	var out []SavedRule
 	for _, r := range t.Rules {
-		if r.Target == chain {
+		if keep(r) {
 			out = append(out, r)
 		}
 	}

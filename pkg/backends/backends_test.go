@@ -1,0 +1,186 @@
+package backends
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"os"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables/iptablestest"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// None of these tests may reach a real datapath: they run in the host's namespace. The BPF
+// backend is given a --bpffs that is not a BPF filesystem (so it stops at its first check), the
+// iptables backend a fake.
+
+func TestEveryBackendIsComplete(t *testing.T) {
+	seen := map[string]bool{Auto: true}
+	for i, b := range All {
+		if b.Name == "" || b.Title == "" || b.New == nil || b.Cleanup == nil || b.Read == nil || b.Absent == nil {
+			t.Errorf("backend %d (%q) lacks a field: %+v", i, b.Name, b)
+		}
+		if i < len(All)-1 && b.AutoWhen == "" {
+			t.Errorf("backend %s: auto tries it before others, but AutoWhen does not say when auto takes it", b.Name)
+		}
+		if seen[b.Name] {
+			t.Errorf("backend name %q twice", b.Name)
+		}
+		seen[b.Name] = true
+	}
+}
+
+func TestNamesAndUsage(t *testing.T) {
+	if got, want := Usage(), "datapath: auto (BPF when the kernel supports it, else iptables), bpf or iptables"; got != want {
+		t.Errorf("usage %q, want %q", got, want)
+	}
+	for _, ok := range []string{"auto", "bpf", "iptables"} {
+		if err := CheckName(ok); err != nil {
+			t.Errorf("CheckName(%q) = %v", ok, err)
+		}
+	}
+	if err := CheckName("ebpf"); err == nil || err.Error() != `backend "ebpf": must be auto, bpf or iptables` {
+		t.Errorf("CheckName(ebpf) = %v", err)
+	}
+}
+
+// The README's --backend row names every backend.
+func TestREADMEListsEveryBackend(t *testing.T) {
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var row string
+	for _, l := range strings.Split(string(readme), "\n") {
+		if strings.HasPrefix(l, "| `--backend` |") {
+			row = l
+		}
+	}
+	if row == "" {
+		t.Fatal("README has no --backend row")
+	}
+	for _, b := range All {
+		if !strings.Contains(row, "`"+b.Name+"`") {
+			t.Errorf("README's --backend row does not name %s: %s", b.Name, row)
+		}
+	}
+}
+
+func notBPFFS(t *testing.T) string { return t.TempDir() }
+
+func TestChooseAutoFallsBack(t *testing.T) {
+	var logs bytes.Buffer
+	f := iptablestest.New()
+	o := Options{BPFFS: notBPFFS(t), Runner: f, Logger: slog.New(slog.NewTextHandler(&logs, nil))}
+	c, err := Choose(context.Background(), Auto, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if c.Backend.Name() != iptables.Name || c.Changes != nil {
+		t.Errorf("chose %s (changes %v), want iptables without events", c.Backend.Name(), c.Changes)
+	}
+	var displaced []string
+	for _, d := range c.Displace {
+		displaced = append(displaced, d.Name())
+	}
+	if !slices.Equal(displaced, []string{"bpf"}) {
+		t.Errorf("displaces %q, want bpf", displaced)
+	}
+	for _, want := range []string{"the BPF datapath cannot run here; using iptables", "is not a BPF filesystem", "datapath chosen", "backend=iptables"} {
+		if !strings.Contains(logs.String(), want) {
+			t.Errorf("logs lack %q:\n%s", want, logs.String())
+		}
+	}
+	// Building a backend installs nothing.
+	if r := f.Restores(); len(r) != 0 {
+		t.Errorf("choosing ran restores %q", r)
+	}
+}
+
+func TestChooseNamedBackendThatCannotRun(t *testing.T) {
+	dir := notBPFFS(t)
+	_, err := Choose(context.Background(), "bpf", Options{BPFFS: dir, Runner: iptablestest.New()})
+	if err == nil || !strings.HasPrefix(err.Error(), "backend bpf: --bpffs "+dir+" is not a BPF filesystem") {
+		t.Errorf("err = %v", err)
+	}
+	f := iptablestest.New()
+	f.Installed = map[string]bool{}
+	_, err = Choose(context.Background(), Auto, Options{BPFFS: dir, Runner: f})
+	if err == nil || !strings.Contains(err.Error(), "backend iptables: no iptables tools found") {
+		t.Errorf("auto where nothing can run: err = %v", err)
+	}
+	if _, err := Choose(context.Background(), "ebpf", Options{}); err == nil || !strings.Contains(err.Error(), "must be auto, bpf or iptables") {
+		t.Errorf("unknown backend: err = %v", err)
+	}
+}
+
+func installedPolicy(t *testing.T) *policy.Policy {
+	t.Helper()
+	return policy.Compile(config.Default(config.Options{}), policy.Options{RandomFully: true})
+}
+
+// The iptables backend, displaced (by the BPF one) or cleaned up, removes its chain in every
+// mode; a node without any iptables tools has nothing to remove, which is no error.
+func TestIptablesCleanup(t *testing.T) {
+	ctx := context.Background()
+	f := iptablestest.New()
+	b, err := iptables.New(ctx, iptables.Options{Runner: f, Chain: "MY-CHAIN"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Apply(ctx, installedPolicy(t)); err != nil {
+		t.Fatal(err)
+	}
+	o := Options{BPFFS: notBPFFS(t), Runner: f, Chain: "MY-CHAIN"}
+	for _, d := range others("bpf", o) {
+		if d.Name() != iptables.Name {
+			continue // only the iptables backend has a fake here
+		}
+		if err := d.Cleanup(ctx); err != nil {
+			t.Fatalf("displace %s: %v", d.Name(), err)
+		}
+	}
+	if f.NAT(iptables.ModeNFT, policy.IPv4).Has("MY-CHAIN") {
+		t.Error("the displaced iptables backend left its chain")
+	}
+	removed, err := iptablesBackend.Cleanup(ctx, o)
+	if err != nil || removed != "chain MY-CHAIN and its jumps are gone (IPv4 and IPv6, iptables-nft and iptables-legacy)" {
+		t.Errorf("cleanup: %q, %v", removed, err)
+	}
+
+	f.Installed = map[string]bool{}
+	removed, err = iptablesBackend.Cleanup(ctx, o)
+	if err != nil || !strings.HasPrefix(removed, "no tools, so no chain to remove (") || strings.Contains(removed, "\n") {
+		t.Errorf("cleanup without tools: %q, %v", removed, err)
+	}
+}
+
+func TestInstalled(t *testing.T) {
+	ctx := context.Background()
+	f := iptablestest.New()
+	o := Options{BPFFS: t.TempDir(), Runner: f}
+	readers, absent, err := Installed(ctx, o, nil)
+	if err != nil || len(readers) != 0 {
+		t.Fatalf("nothing installed: %v, %v", readers, err)
+	}
+	if want := []string{"nothing pinned under " + o.BPFFS + "/ip-masq-agent", "no IP-MASQ-AGENT chain in iptables-nft or iptables-legacy"}; !slices.Equal(absent, want) {
+		t.Errorf("absent %q, want %q", absent, want)
+	}
+	b, err := iptables.New(ctx, iptables.Options{Runner: f})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Apply(ctx, installedPolicy(t)); err != nil {
+		t.Fatal(err)
+	}
+	readers, absent, err = Installed(ctx, o, nil)
+	if err != nil || len(readers) != 1 || readers[0].Info().Backend != iptables.Name || absent != nil {
+		t.Errorf("one chain installed: %v, %q, %v", readers, absent, err)
+	}
+}
