@@ -49,9 +49,9 @@ demo: deps build
 generate:
 	$(GO) generate ./...
 
-## check-generate: regenerate the BPF objects and bindings and fail when they differ from the commit
+## check-generate: regenerate the BPF objects, bindings and event names and fail when they differ from the commit
 check-generate: generate
-	@git diff --exit-code --stat -- '*.o' '*_bpfel.go' || { echo "generated BPF files are stale: run make generate and commit"; exit 1; }
+	@git diff --exit-code --stat -- '*.o' '*_bpfel.go' '*_string.go' || { echo "generated BPF files are stale: run make generate and commit"; exit 1; }
 
 ## bench: BPF_PROG_TEST_RUN microbenchmarks and end-to-end benchmarks (no agent, iptables, BPF);
 ## writes docs/benchmarks.md and the plots in docs/. Raw results stay in $(BENCH_OUT).

@@ -156,12 +156,12 @@ func TestReopenKeepsMapping(t *testing.T) {
 			if e.Flags&FlagFIN == 0 {
 				t.Fatalf("FIN not recorded: %+v", e)
 			}
-			before := h.events()[EventReopen]
+			before := h.events()[Event(masqEventEV_REOPEN)]
 			again := tupleOf(t, h.mustPass(h.dp.Egress(), tcpPacket(podEnd, dst, tcpSYN, nil)))
 			if again.src != first.src {
 				t.Fatalf("reopened flow got %s, first time %s", again.src, first.src)
 			}
-			if n := h.events()[EventReopen]; n != before+1 {
+			if n := h.events()[Event(masqEventEV_REOPEN)]; n != before+1 {
 				t.Fatalf("reopen events %d, want %d", n, before+1)
 			}
 			e, _, _ = h.dp.LookupNAT(Egress, 6, podEnd, dst)
@@ -209,12 +209,12 @@ func TestHostFlows(t *testing.T) {
 			if pm.src.Port() != 40002 {
 				t.Fatalf("pod port not preserved: %s", pm)
 			}
-			remaps := h.events()[EventHostRemap]
+			remaps := h.events()[Event(masqEventEV_HOST_REMAP)]
 			hm := tupleOf(t, h.mustPass(h.dp.Egress(), tcpPacket(ap(host, 40002), dst, tcpSYN, nil)))
 			if hm.src.Addr() != host || hm.src.Port() == 40002 {
 				t.Fatalf("host flow %s not remapped away from the pod's port", hm.src)
 			}
-			if h.events()[EventHostRemap] != remaps+1 {
+			if h.events()[Event(masqEventEV_HOST_REMAP)] != remaps+1 {
 				t.Fatalf("host remap not counted")
 			}
 			back := tupleOf(t, h.mustPass(h.dp.Ingress(), tcpPacket(dst, hm.src, tcpSYN|tcpACK, nil)))
@@ -281,7 +281,7 @@ func TestInboundOnlyForThisHost(t *testing.T) {
 			t.Fatalf("%s: rewritten", name)
 		}
 	}
-	if n := h.events()[EventInboundFlow]; n != 0 {
+	if n := h.events()[Event(masqEventEV_INBOUND_FLOW)]; n != 0 {
 		t.Fatalf("%d inbound flows recorded", n)
 	}
 }
@@ -556,7 +556,7 @@ func TestReturnFlowsStayOutOfTheNATTable(t *testing.T) {
 	if flows := h.flowsOf(policy.IPv4); len(flows) != 0 {
 		t.Errorf("NAT table holds %v, want nothing", flows)
 	}
-	if n := h.events()[EventInboundFlow]; n != 0 {
+	if n := h.events()[Event(masqEventEV_INBOUND_FLOW)]; n != 0 {
 		t.Errorf("%d inbound flows recorded", n)
 	}
 	if s := h.statsByPrefix()["10.0.0.0/8 RETURN"]; s.Packets != 3 || s.Bytes != egressBytes {

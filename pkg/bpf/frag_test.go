@@ -143,7 +143,7 @@ func TestFragments(t *testing.T) {
 				}
 
 				// A later fragment of a datagram whose first fragment was never seen passes as is.
-				misses := h.events()[EventFragMiss]
+				misses := h.events()[Event(masqEventEV_FRAG_MISS)]
 				stray := fragment(withPayload(b, dst, nat, big, false), 1448)[1]
 				if fam.v6 {
 					stray[14+40+4] ^= 0xff // another datagram id
@@ -155,7 +155,7 @@ func TestFragments(t *testing.T) {
 				if out := h.mustPass(h.dp.Ingress(), stray); !bytes.Equal(out, stray) {
 					t.Fatalf("stray fragment rewritten")
 				}
-				if h.events()[EventFragMiss] != misses+1 {
+				if h.events()[Event(masqEventEV_FRAG_MISS)] != misses+1 {
 					t.Fatalf("stray fragment not counted")
 				}
 			})

@@ -696,7 +696,7 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) []byte
 		if e.IsDrop() {
 			d := post.events[e] - pre.events[e]
 			drops += int(d)
-			if d > 0 && !(e == EventDropNoPort && x.newMapping) && !(e == EventDropNoAddr && x.noAddr) {
+			if d > 0 && !(e == EventDropNoPort && x.newMapping) && !(e == Event(masqEventEV_DROP_NO_ADDR) && x.noAddr) {
 				fail("dropped for %s (verdict %d)", e, ret)
 			}
 		}
@@ -729,7 +729,7 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) []byte
 			newMasq++
 		}
 	}
-	if d := post.events[EventNewMasq] - pre.events[EventNewMasq]; d != uint64(newMasq) {
+	if d := post.events[Event(masqEventEV_NEW_MASQ)] - pre.events[Event(masqEventEV_NEW_MASQ)]; d != uint64(newMasq) {
 		fail("new_masq counted %d, %d masquerade mappings created", d, newMasq)
 	}
 	if p.kind == pktPass || !fz.pol.enabled(p.v6) {

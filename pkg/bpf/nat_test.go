@@ -191,11 +191,11 @@ func TestEvictedHalf(t *testing.T) {
 
 			drop()
 			h.age(Egress, 6, one, dst, 2*time.Second)
-			repairs := h.events()[EventRepair]
+			repairs := h.events()[Event(masqEventEV_REPAIR)]
 			if got := tupleOf(t, h.mustPass(h.dp.Egress(), tcpPacket(one, dst, tcpACK, nil))).src; got != nat {
 				t.Fatalf("flow moved from %s to %s although its port was free", nat, got)
 			}
-			if h.events()[EventRepair] != repairs+1 {
+			if h.events()[Event(masqEventEV_REPAIR)] != repairs+1 {
 				t.Fatalf("repair not counted")
 			}
 			if back := tupleOf(t, h.mustPass(h.dp.Ingress(), tcpPacket(dst, nat, tcpACK, nil))); back.dst != one {
@@ -209,12 +209,12 @@ func TestEvictedHalf(t *testing.T) {
 				t.Fatalf("second pod got %s, want the free port %s", got, nat)
 			}
 			h.age(Egress, 6, one, dst, 2*time.Second)
-			reallocs := h.events()[EventRealloc]
+			reallocs := h.events()[Event(masqEventEV_REALLOC)]
 			moved := tupleOf(t, h.mustPass(h.dp.Egress(), tcpPacket(one, dst, tcpACK, nil))).src
 			if moved == nat || moved.Addr() != nat.Addr() {
 				t.Fatalf("first flow kept %s, now the second flow's port", moved)
 			}
-			if h.events()[EventRealloc] != reallocs+1 {
+			if h.events()[Event(masqEventEV_REALLOC)] != reallocs+1 {
 				t.Fatalf("reallocation not counted")
 			}
 			if back := tupleOf(t, h.mustPass(h.dp.Ingress(), tcpPacket(dst, moved, tcpACK, nil))); back.dst != one {
@@ -264,11 +264,11 @@ func TestUplinkAddressChange(t *testing.T) {
 	if _, err := h.dp.SetUplink(testIfindex, Uplink{IPv4: next}); err != nil {
 		t.Fatal(err)
 	}
-	drops := h.events()[EventDropNoAddr]
+	drops := h.events()[Event(masqEventEV_DROP_NO_ADDR)]
 	if ret, _ := h.egress(tcpPacket(ap(pod6(2), 1000), dst6, tcpSYN, nil)); ret != tcActShot {
 		t.Fatalf("IPv6 masquerade without an address: verdict %d", ret)
 	}
-	if h.events()[EventDropNoAddr] != drops+1 {
+	if h.events()[Event(masqEventEV_DROP_NO_ADDR)] != drops+1 {
 		t.Fatalf("drop not counted")
 	}
 	if _, err := h.dp.RemoveUplink(testIfindex); err != nil {

@@ -2,12 +2,9 @@ package bpf
 
 import (
 	"cmp"
-	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
-
-	"github.com/cilium/ebpf"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
@@ -104,76 +101,4 @@ func (d *Datapath) slotStats(s uint32) (packets, bytes uint64, err error) {
 		bytes += c.Bytes
 	}
 	return packets, bytes, nil
-}
-
-// Event is a reason the datapath counts (drops among them), summed over CPUs by Events.
-type Event uint32
-
-const (
-	EventNewMasq     = Event(masqEventEV_NEW_MASQ)     // masquerade mappings created
-	EventPortRetry   = Event(masqEventEV_PORT_RETRY)   // port claims that found the port taken
-	EventDropNoPort  = Event(masqEventEV_DROP_NO_PORT) // dropped: no free port within the retries
-	EventDropNoAddr  = Event(masqEventEV_DROP_NO_ADDR) // dropped: the uplink has no SNAT address of the family
-	EventDropRewrite = Event(masqEventEV_DROP_REWRITE) // dropped: a rewrite failed midway
-	EventHostFlow    = Event(masqEventEV_HOST_FLOW)    // host flows recorded
-	EventHostRemap   = Event(masqEventEV_HOST_REMAP)   // host flows remapped: a pod mapping held the port
-	EventInboundFlow = Event(masqEventEV_INBOUND_FLOW) // flows from outside toward pods recorded
-	EventNATRace     = Event(masqEventEV_NAT_RACE)     // another CPU created the same mapping first
-	EventRepair      = Event(masqEventEV_REPAIR)       // an evicted ingress entry re-created
-	EventRealloc     = Event(masqEventEV_REALLOC)      // a flow lost its port to eviction: new port
-	EventICMPError   = Event(masqEventEV_ICMP_ERROR)   // ICMP errors translated
-	EventFragMiss    = Event(masqEventEV_FRAG_MISS)    // later fragments of no known datagram (passed)
-	EventReopen      = Event(masqEventEV_REOPEN)       // closed TCP mappings reused by a new SYN
-
-	numEvents = int(masqEventEV_MAX)
-)
-
-var eventNames = [...]string{
-	EventNewMasq: "new_masq", EventPortRetry: "port_retry", EventDropNoPort: "drop_no_port",
-	EventDropNoAddr: "drop_no_addr", EventDropRewrite: "drop_rewrite", EventHostFlow: "host_flow",
-	EventHostRemap: "host_remap", EventInboundFlow: "inbound_flow", EventNATRace: "nat_race",
-	EventRepair: "repair", EventRealloc: "realloc", EventICMPError: "icmp_error",
-	EventFragMiss: "frag_miss", EventReopen: "reopen",
-}
-
-// Events lists every event, in counter order.
-func Events() []Event {
-	evs := make([]Event, numEvents)
-	for i := range evs {
-		evs[i] = Event(i)
-	}
-	return evs
-}
-
-// String is the event's metric label.
-func (e Event) String() string {
-	if int(e) < len(eventNames) {
-		return eventNames[e]
-	}
-	return fmt.Sprintf("event_%d", uint32(e))
-}
-
-// IsDrop tells whether the event counts dropped packets.
-func (e Event) IsDrop() bool {
-	return e == EventDropNoPort || e == EventDropNoAddr || e == EventDropRewrite
-}
-
-// EventCounts reads every event counter, summed over CPUs.
-func (d *Datapath) EventCounts() (map[Event]uint64, error) {
-	out := make(map[Event]uint64, numEvents)
-	for _, e := range Events() {
-		var per []uint64
-		if err := d.objs.EventStats.Lookup(uint32(e), &per); err != nil {
-			if errors.Is(err, ebpf.ErrKeyNotExist) {
-				continue
-			}
-			return nil, fmt.Errorf("read event_stats[%s]: %w", e, err)
-		}
-		var n uint64
-		for _, c := range per {
-			n += c
-		}
-		out[e] = n
-	}
-	return out, nil
 }

@@ -149,25 +149,27 @@ func (r *Reader) NATSummary(ctx context.Context, top int) (datapath.NATSummary, 
 	return natSummary(ctx, r.dp, top)
 }
 
-// dropEvents maps the datapath's drop events to the reasons of NATStats.Drops.
-var dropEvents = map[string]bpf.Event{
-	datapath.DropNoPort: bpf.EventDropNoPort, datapath.DropNoAddr: bpf.EventDropNoAddr,
-	datapath.DropRewrite: bpf.EventDropRewrite,
-}
-
 // sweptProtocols are the protocols the sweep reports from the start, zero or not, so that their
 // series exist before the first removal.
 var sweptProtocols = []uint8{unix.IPPROTO_TCP, unix.IPPROTO_UDP, unix.IPPROTO_ICMP, unix.IPPROTO_ICMPV6}
 
 func emptyStats() datapath.NATStats {
-	st := datapath.NATStats{Drops: map[string]uint64{}, Swept: map[string]uint64{}}
-	for reason := range dropEvents {
-		st.Drops[reason] = 0
+	st := datapath.NATStats{Events: map[string]uint64{}, Drops: map[string]uint64{}, Swept: map[string]uint64{}}
+	for _, e := range bpf.Events() {
+		setEvent(&st, e, 0)
 	}
 	for _, p := range sweptProtocols {
 		st.Swept[datapath.ProtocolName(p)] = 0
 	}
 	return st
+}
+
+// setEvent records an event's count in st, by name, and a drop's by reason too.
+func setEvent(st *datapath.NATStats, e bpf.Event, n uint64) {
+	st.Events[e.String()] = n
+	if reason, ok := e.DropReason(); ok {
+		st.Drops[reason] = n
+	}
 }
 
 func natStats(ctx context.Context, dp *bpf.Datapath) (datapath.NATStats, error) {
@@ -192,11 +194,11 @@ func natStats(ctx context.Context, dp *bpf.Datapath) (datapath.NATStats, error) 
 	if err != nil {
 		return datapath.NATStats{}, err
 	}
+	for _, e := range bpf.Events() {
+		setEvent(&st, e, ev[e])
+	}
 	st.PortAllocationRetries = ev[bpf.EventPortRetry]
 	st.PortAllocationFailures = ev[bpf.EventDropNoPort]
-	for reason, e := range dropEvents {
-		st.Drops[reason] = ev[e]
-	}
 	swept, err := dp.SweptEntries()
 	if err != nil {
 		return datapath.NATStats{}, err

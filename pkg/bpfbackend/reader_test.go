@@ -209,6 +209,10 @@ func TestNATReports(t *testing.T) {
 	if fmt.Sprint(st.Drops) != "map[no_addr:0 no_port:0 rewrite:0]" || st.PortAllocationFailures != 0 {
 		t.Errorf("drops %v, failures %d", st.Drops, st.PortAllocationFailures)
 	}
+	// Every event is reported, zero or not: the two flows are two new mappings.
+	if len(st.Events) != len(bpf.Events()) || st.Events["new_masq"] != 2 || st.Events["drop_no_port"] != 0 {
+		t.Errorf("events %v, want all %d of them with new_masq 2", st.Events, len(bpf.Events()))
+	}
 
 	sum, err := r.NATSummary(context.Background(), 1)
 	if err != nil {

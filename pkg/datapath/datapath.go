@@ -212,8 +212,12 @@ type NATStats struct {
 	PortAllocationRetries uint64
 	// PortAllocationFailures counts new flows that found no free port within the retries.
 	PortAllocationFailures uint64
-	// Drops counts dropped packets by reason (DropNoPort, ...); every reason the datapath
-	// knows should be present, zero or not, so the series exist before the first drop.
+	// Events counts the datapath's events by name (BPF: enum event of bpf/types.h, see
+	// bpf.Event), drops among them; every event the datapath knows should be present, zero or
+	// not, so the series exist before the first one.
+	Events map[string]uint64
+	// Drops counts dropped packets by reason (BPF: the drop events' names without "drop_",
+	// such as "no_port"), with every reason present, zero or not, as in Events.
 	Drops map[string]uint64
 	// Swept counts the entries the periodic sweep removed as idle, by protocol (ProtocolName).
 	Swept map[string]uint64
@@ -245,16 +249,6 @@ type NATSummary struct {
 	// Busiest are the remote endpoints with the most entries, most first.
 	Busiest []RemoteEndpoint
 }
-
-// Drop reasons of NATStats.Drops.
-const (
-	// DropNoPort: a new flow found no free source port.
-	DropNoPort = "no_port"
-	// DropNoAddr: the uplink has no SNAT address of the packet's family.
-	DropNoAddr = "no_addr"
-	// DropRewrite: rewriting the packet failed midway.
-	DropRewrite = "rewrite"
-)
 
 // ProtocolName is the label value of an IP protocol number: "tcp", "udp", "icmp", "icmpv6",
 // else "other".

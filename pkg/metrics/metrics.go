@@ -40,6 +40,7 @@ const (
 	NATPortRetries       = Namespace + "_nat_port_allocation_retries_total"
 	NATPortFailures      = Namespace + "_nat_port_allocation_failures_total"
 	Drops                = Namespace + "_drops_total"
+	DatapathEvents       = Namespace + "_datapath_events_total"
 	NATSwept             = Namespace + "_nat_swept_entries_total"
 	ConfigReloads        = Namespace + "_config_reloads_total"
 	ConfigLastReload     = Namespace + "_config_last_reload_success_timestamp_seconds"
@@ -86,6 +87,7 @@ func Definitions() []Definition {
 		{NATPortRetries, "counter", nil, "Source port claims that found the port taken and tried another."},
 		{NATPortFailures, "counter", nil, "New flows that found no free source port within the retries (each one a dropped packet)."},
 		{Drops, "counter", []string{"reason"}, "Packets the BPF datapath dropped, by reason: no_port, no_addr (the uplink has no address of the family), rewrite (a rewrite failed)."},
+		{DatapathEvents, "counter", []string{"event"}, "Events the BPF datapath counted, by event (the README lists them): new mappings, port retries, repairs, drops (drop_*, by reason also in " + Drops + ") and more."},
 		{NATSwept, "counter", []string{"protocol"}, "NAT table entries the periodic sweep removed as idle."},
 		{ConfigReloads, "counter", []string{"result"}, "Reads of the config file by result: success (its policy is in the datapath), invalid (parse or validation failed; the last good configuration stays), apply_error."},
 		{ConfigLastReload, "gauge", nil, "Unix time of the last successful reload; 0 before the first."},
@@ -279,6 +281,9 @@ func (c *Collector) collectNAT(ctx context.Context, nat datapath.NATReporter, ga
 	counter(NATPortFailures, st.PortAllocationFailures)
 	for reason, n := range st.Drops {
 		counter(Drops, n, reason)
+	}
+	for event, n := range st.Events {
+		counter(DatapathEvents, n, event)
 	}
 	for proto, n := range st.Swept {
 		counter(NATSwept, n, proto)

@@ -158,7 +158,7 @@ ip_masq_agent_datapath_info{attach_mode="none",backend="fake"} 1
 		t.Error(err)
 	}
 	// Without the optional NAT interface there are no NAT series at all.
-	if n := testutil.CollectAndCount(c, NATEntries, NATPortRetries, NATPortFailures, Drops, NATSwept); n != 0 {
+	if n := testutil.CollectAndCount(c, NATEntries, NATPortRetries, NATPortFailures, Drops, DatapathEvents, NATSwept); n != 0 {
 		t.Errorf("%d NAT series from a backend without a NAT table", n)
 	}
 }
@@ -174,7 +174,8 @@ func TestNATMetrics(t *testing.T) {
 		},
 		PortAllocationRetries:  17,
 		PortAllocationFailures: 3,
-		Drops:                  map[string]uint64{datapath.DropNoPort: 3, datapath.DropNoAddr: 0, datapath.DropRewrite: 1},
+		Drops:                  map[string]uint64{"no_port": 3, "no_addr": 0, "rewrite": 1},
+		Events:                 map[string]uint64{"new_masq": 40, "port_retry": 17, "drop_no_port": 3, "drop_no_addr": 0, "drop_rewrite": 1},
 		Swept:                  map[string]uint64{"tcp": 40, "udp": 12},
 	}}
 	c := NewCollector(Options{Backend: b})
@@ -210,6 +211,28 @@ ip_masq_agent_scrape_errors_total{source="rules"} 0
 	if err := testutil.CollectAndCompare(c, strings.NewReader(want), NATEntries, NATPortRetries, NATPortFailures, Drops, NATSwept, DatapathInfo, ScrapeErrors); err != nil {
 		t.Error(err)
 	}
+	// Every event the backend counts is a series of its own, zero or not.
+	events := `
+# HELP ip_masq_agent_datapath_events_total ` + helpOf(DatapathEvents) + `
+# TYPE ip_masq_agent_datapath_events_total counter
+ip_masq_agent_datapath_events_total{event="drop_no_addr"} 0
+ip_masq_agent_datapath_events_total{event="drop_no_port"} 3
+ip_masq_agent_datapath_events_total{event="drop_rewrite"} 1
+ip_masq_agent_datapath_events_total{event="new_masq"} 40
+ip_masq_agent_datapath_events_total{event="port_retry"} 17
+`
+	if err := testutil.CollectAndCompare(c, strings.NewReader(events), DatapathEvents); err != nil {
+		t.Error(err)
+	}
+}
+
+func helpOf(name string) string {
+	for _, d := range Definitions() {
+		if d.Name == name {
+			return d.Help
+		}
+	}
+	return ""
 }
 
 func TestAgentMetrics(t *testing.T) {
@@ -374,7 +397,7 @@ func TestNamesAndLint(t *testing.T) {
 	b := &fakeNATBackend{
 		fakeBackend: fakeBackend{counters: []datapath.RuleCounter{rc(policy.IPv4, 1, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 1, 60)}},
 		stats: datapath.NATStats{Entries: []datapath.NATEntries{{Family: policy.IPv4, Protocol: "tcp", Entries: 1}},
-			Drops: map[string]uint64{datapath.DropNoPort: 0}, Swept: map[string]uint64{"tcp": 0}},
+			Events: map[string]uint64{"drop_no_port": 0}, Drops: map[string]uint64{"no_port": 0}, Swept: map[string]uint64{"tcp": 0}},
 	}
 	c := NewCollector(Options{Backend: b, Agent: fakeStats{s}})
 	problems, err := testutil.CollectAndLint(c)

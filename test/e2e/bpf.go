@@ -65,7 +65,8 @@ func BPFBackend(mode string) Backend {
 			if err != nil {
 				t.Fatal(err)
 			}
-			drops, _ := m.Value("ip_masq_agent_drops_total", Labels{"reason": datapath.DropNoPort})
+			noPort, _ := bpf.EventDropNoPort.DropReason()
+			drops, _ := m.Value("ip_masq_agent_drops_total", Labels{"reason": noPort})
 			failures, _ := m.Value("ip_masq_agent_nat_port_allocation_failures_total", Labels{})
 			if drops != failures {
 				t.Errorf("no_port drops %v and port allocation failures %v differ", drops, failures)

@@ -1,0 +1,75 @@
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/cilium/ebpf"
+)
+
+// Event is a reason the datapath counts (drops among them), summed over CPUs by EventCounts.
+// The one list of events is enum event in bpf/types.h; an event's name is its enumerator's,
+// without EV_ and in lower case (stringer over the constants bpf2go writes, see gen.go), and
+// the events that count dropped packets are the EV_DROP_* ones.
+type Event uint32
+
+// The events userspace tells apart; Events lists every one.
+const (
+	EventPortRetry  = Event(masqEventEV_PORT_RETRY)   // port claims that found the port taken
+	EventDropNoPort = Event(masqEventEV_DROP_NO_PORT) // dropped: no free port within the retries
+
+	numEvents = int(masqEventEV_MAX)
+)
+
+// Events lists every event, in counter order.
+func Events() []Event {
+	evs := make([]Event, numEvents)
+	for i := range evs {
+		evs[i] = Event(i)
+	}
+	return evs
+}
+
+// String is the event's name, its metric label: "new_masq" for EV_NEW_MASQ.
+func (e Event) String() string {
+	if int(e) >= numEvents {
+		return fmt.Sprintf("event_%d", uint32(e))
+	}
+	return strings.ToLower(masqEvent(e).String())
+}
+
+// dropPrefix starts the names of the events that count dropped packets (EV_DROP_*).
+const dropPrefix = "drop_"
+
+// DropReason is the reason of a drop event, its name without "drop_" ("no_port" for
+// drop_no_port); ok is false for an event that is not a drop.
+func (e Event) DropReason() (reason string, ok bool) {
+	return strings.CutPrefix(e.String(), dropPrefix)
+}
+
+// IsDrop tells whether the event counts dropped packets.
+func (e Event) IsDrop() bool {
+	_, ok := e.DropReason()
+	return ok
+}
+
+// EventCounts reads every event counter, summed over CPUs.
+func (d *Datapath) EventCounts() (map[Event]uint64, error) {
+	out := make(map[Event]uint64, numEvents)
+	for _, e := range Events() {
+		var per []uint64
+		if err := d.objs.EventStats.Lookup(uint32(e), &per); err != nil {
+			if errors.Is(err, ebpf.ErrKeyNotExist) {
+				continue
+			}
+			return nil, fmt.Errorf("read event_stats[%s]: %w", e, err)
+		}
+		var n uint64
+		for _, c := range per {
+			n += c
+		}
+		out[e] = n
+	}
+	return out, nil
+}
