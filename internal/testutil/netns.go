@@ -8,15 +8,34 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 )
 
-// NewNetns creates a named network namespace for the test (`ip netns add`) and deletes it when
-// the test ends, failed or not. The name is unique, so tests can run in parallel and a leftover
-// from a crashed run never collides.
+// netnsTimeout bounds each `ip netns` command.
+const netnsTimeout = 10 * time.Second
+
+// CreateNetns creates a named network namespace (`ip netns add`).
+func CreateNetns(ctx context.Context, name string) error { return ipNetns(ctx, "add", name) }
+
+// DeleteNetns deletes a named network namespace (`ip netns del`).
+func DeleteNetns(ctx context.Context, name string) error { return ipNetns(ctx, "del", name) }
+
+func ipNetns(ctx context.Context, verb, name string) error {
+	ctx, cancel := context.WithTimeout(ctx, netnsTimeout)
+	defer cancel()
+	if out, err := exec.CommandContext(ctx, "ip", "netns", verb, name).CombinedOutput(); err != nil {
+		return fmt.Errorf("ip netns %s %s: %w: %s", verb, name, err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}
+
+// NewNetns creates a named network namespace for the test and deletes it when the test ends,
+// failed or not. The name is unique, so tests can run in parallel and a leftover from a crashed
+// run never collides.
 func NewNetns(t testing.TB) string {
 	t.Helper()
 	var b [4]byte
@@ -24,23 +43,51 @@ func NewNetns(t testing.TB) string {
 		t.Fatal(err)
 	}
 	name := "ipmasq-t-" + hex.EncodeToString(b[:])
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if out, err := exec.CommandContext(ctx, "ip", "netns", "add", name).CombinedOutput(); err != nil {
-		t.Fatalf("ip netns add %s: %v: %s", name, err, out)
+	if err := CreateNetns(context.Background(), name); err != nil {
+		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if out, err := exec.CommandContext(ctx, "ip", "netns", "del", name).CombinedOutput(); err != nil {
-			t.Errorf("ip netns del %s: %v: %s", name, err, out)
+		if err := DeleteNetns(context.Background(), name); err != nil {
+			t.Error(err)
 		}
 	})
 	return name
 }
 
+// enter moves the calling thread, which the caller has locked, into the named namespace.
+func enter(name string) error {
+	f, err := os.Open("/run/netns/" + name)
+	if err != nil {
+		return fmt.Errorf("open netns %s: %w", name, err)
+	}
+	defer f.Close()
+	if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
+		return fmt.Errorf("setns %s: %w", name, err)
+	}
+	return nil
+}
+
+// Do runs fn on an OS thread that has entered the named namespace. Sockets fn creates belong to
+// that namespace for their whole life and may be used from any goroutine afterwards. fn runs on
+// a goroutine of its own, so it must not stop the test (t.Fatal); InNetns is for that.
+func Do(ns string, fn func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		// The thread stays locked so that it ends with this goroutine: a thread moved to another
+		// namespace must never run other goroutines.
+		runtime.LockOSThread()
+		if err := enter(ns); err != nil {
+			errc <- err
+			return
+		}
+		errc <- fn()
+	}()
+	return <-errc
+}
+
 // InNetns runs fn on the calling goroutine's thread moved into the named namespace, and moves
-// the thread back afterwards. Sockets and links fn creates stay in that namespace.
+// the thread back afterwards, so that fn may fail the test. Sockets and links fn creates stay in
+// that namespace.
 func InNetns(t testing.TB, name string, fn func()) {
 	t.Helper()
 	runtime.LockOSThread()
@@ -50,12 +97,7 @@ func InNetns(t testing.TB, name string, fn func()) {
 		t.Fatal(err)
 	}
 	defer orig.Close()
-	target, err := os.Open("/run/netns/" + name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer target.Close()
-	if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
+	if err := enter(name); err != nil {
 		t.Fatalf("enter netns %s: %v", name, err)
 	}
 	defer func() {

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 	"github.com/ip-masq-agent/ip-masq-agent/test/e2e"
 )
@@ -38,7 +39,7 @@ var natEntriesRE = regexp.MustCompile(`(?m)^ip_masq_agent_nat_entries\{[^}]*\} (
 // metrics report once they are all in.
 func fillNAT(ctx context.Context, b *testing.B, e *e2e.Env) int {
 	b.Helper()
-	err := e2e.Do(e.Pod, func() error {
+	err := testutil.Do(e.Pod, func() error {
 		conn, err := net.ListenUDP("udp", nil)
 		if err != nil {
 			return err

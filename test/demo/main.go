@@ -17,24 +17,22 @@ import (
 	"flag"
 	"fmt"
 	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
 	"os/signal"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"syscall"
 	"text/tabwriter"
 	"time"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/test/e2e"
 )
 
 const (
-	echoPort    = 7777
-	metricsAddr = "127.0.0.1:9743"
+	echoPort = 7777
 	// sharedPort is the source port both pods use toward the same destination, to show that the
 	// masquerade gives them distinct ports on the node's address.
 	sharedPort = 40000
@@ -86,9 +84,7 @@ type sandbox struct {
 	bpffsMounted     bool
 	namespaces       []string
 	stopEcho         func()
-	agent            *exec.Cmd
-	agentLog         *os.File
-	agentExited      chan error
+	agent            *e2e.Agent
 	bin, backend     string
 	agentArgs        []string
 	configPath       string
@@ -126,7 +122,7 @@ func run(ctx context.Context, bin, backend string) (err error) {
 	if err != nil {
 		return err
 	}
-	fmt.Printf("agent: %s %s\n", filepath.Base(bin), strings.Join(sb.agentArgs, " "))
+	fmt.Printf("agent: %s %s\n", filepath.Base(bin), strings.Join(e2e.AgentArgs(sb.agentArgs...), " "))
 	fmt.Printf("       no config file: the built-in defaults; ready after %v\n\n", took.Round(time.Millisecond))
 
 	if err := sb.showDecisions(ctx); err != nil {
@@ -156,7 +152,7 @@ func joinAddrs(as []netip.Addr) string {
 
 func (sb *sandbox) newNetns(ctx context.Context, role string) (string, error) {
 	name := sb.prefix + "-" + role
-	if _, err := execCmd(ctx, "ip", "netns", "add", name); err != nil {
+	if err := testutil.CreateNetns(ctx, name); err != nil {
 		return "", err
 	}
 	sb.namespaces = append(sb.namespaces, name)
@@ -244,55 +240,25 @@ func (sb *sandbox) policyAndDatapathFlags(cmd string) []string {
 }
 
 func (sb *sandbox) startAgent(ctx context.Context) (time.Duration, error) {
-	sb.agentArgs = append(sb.policyAndDatapathFlags(""), "--interfaces=uplink", "--metrics-address="+metricsAddr)
-	logPath := filepath.Join(sb.dir, "agent.log")
-	f, err := os.Create(logPath)
-	if err != nil {
-		return 0, err
-	}
-	sb.agentLog = f
+	sb.agentArgs = append(sb.policyAndDatapathFlags(""), "--interfaces=uplink")
 	start := time.Now()
-	cmd := exec.Command("ip", append([]string{"netns", "exec", sb.node, sb.bin}, sb.agentArgs...)...)
-	cmd.Stdout, cmd.Stderr = f, f
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	// Pdeathsig fires when the forking *thread* exits, and e2e.Do ends the threads it moves into
-	// a namespace; so fork from a thread of our own that stays until the agent is gone.
-	started, exited := make(chan error, 1), make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		if err := cmd.Start(); err != nil {
-			started <- err
-			return
-		}
-		started <- nil
-		exited <- cmd.Wait()
-	}()
-	if err := <-started; err != nil {
+	a, err := e2e.SpawnAgent(ctx, sb.node, sb.bin, sb.agentArgs...)
+	if err != nil {
 		return 0, fmt.Errorf("start agent: %w", err)
 	}
-	sb.agent = cmd
-	sb.agentExited = exited
-	deadline := time.Now().Add(20 * time.Second)
-	for time.Now().Before(deadline) {
-		select {
-		case err := <-exited:
-			return 0, fmt.Errorf("the agent exited (%v); its log:\n%s", err, readFile(logPath))
-		case <-ctx.Done():
-			return 0, ctx.Err()
-		case <-time.After(50 * time.Millisecond):
-		}
-		if code, _, _ := e2e.HTTPGet(ctx, sb.node, "http://"+metricsAddr+"/readyz"); code == http.StatusOK {
-			return time.Since(start), nil
-		}
+	sb.agent = a
+	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	if err := a.WaitReady(wctx); err != nil {
+		return 0, fmt.Errorf("the agent is not ready (%v); its log:\n%s", err, a.Logs())
 	}
-	return 0, fmt.Errorf("the agent did not become ready; its log:\n%s", readFile(logPath))
+	return time.Since(start), nil
 }
 
 // probe connects from a pod to dst's echo server and returns the source the external host saw.
 func (sb *sandbox) probe(ctx context.Context, p pod, proto string, dst netip.Addr, srcPort int) (string, error) {
 	var reply string
-	err := e2e.Do(sb.pods[p.name], func() error {
+	err := testutil.Do(sb.pods[p.name], func() error {
 		ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 		defer cancel()
 		d := net.Dialer{}
@@ -402,25 +368,22 @@ func (sb *sandbox) teardown() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	var errs []error
-	if sb.agent != nil && sb.agent.Process != nil {
-		_ = syscall.Kill(-sb.agent.Process.Pid, syscall.SIGTERM)
-		select {
-		case <-sb.agentExited:
-		case <-time.After(5 * time.Second):
-			_ = syscall.Kill(-sb.agent.Process.Pid, syscall.SIGKILL)
+	if sb.agent != nil {
+		stopCtx, stopCancel := context.WithTimeout(ctx, 5*time.Second)
+		_ = sb.agent.Stop(stopCtx) // SIGTERM leaves the datapath in place; cleanup removes it
+		stopCancel()
+		if err := sb.agent.KillGroup(5 * time.Second); err != nil {
+			errs = append(errs, fmt.Errorf("agent: %w", err))
 		}
 		if _, err := e2e.NSExec(ctx, sb.node, "", sb.bin, sb.policyAndDatapathFlags("cleanup")...); err != nil {
 			errs = append(errs, fmt.Errorf("cleanup: %w", err))
 		}
 	}
-	if sb.agentLog != nil {
-		sb.agentLog.Close()
-	}
 	if sb.stopEcho != nil {
 		sb.stopEcho()
 	}
 	for _, ns := range sb.namespaces {
-		if _, err := execCmd(ctx, "ip", "netns", "del", ns); err != nil {
+		if err := testutil.DeleteNetns(ctx, ns); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -438,21 +401,6 @@ func (sb *sandbox) teardown() error {
 		fmt.Printf("sandbox %s removed: namespaces, pins and the agent's state are gone\n", sb.prefix)
 	}
 	return errors.Join(errs...)
-}
-
-func execCmd(ctx context.Context, name string, args ...string) ([]byte, error) {
-	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, name, args...).CombinedOutput()
-	if err != nil {
-		return out, fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, strings.TrimSpace(string(out)))
-	}
-	return out, nil
-}
-
-func readFile(path string) string {
-	b, _ := os.ReadFile(path)
-	return string(b)
 }
 
 func indent(s string) string {

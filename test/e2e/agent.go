@@ -18,6 +18,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
 // MetricsAddress is where the agent under test serves /healthz and /readyz, on the node
@@ -34,19 +36,38 @@ type Process struct {
 	err  error // exit status, valid once done is closed
 }
 
-// StartProcess runs name with args inside ns; what names it in the test's log.
+// StartProcess runs name with args inside ns, bound to the test: killed with its process group
+// when the test ends, its output logged if the test failed. what names it in the test's log.
 func StartProcess(ctx context.Context, t testing.TB, what, ns, name string, args ...string) *Process {
 	t.Helper()
+	p, err := Spawn(ctx, ns, name, args...)
+	if err != nil {
+		t.Fatalf("start %s: %v", what, err)
+	}
+	t.Cleanup(func() {
+		if err := p.KillGroup(10 * time.Second); err != nil {
+			t.Errorf("%s: %v", what, err)
+		}
+		if t.Failed() {
+			t.Logf("%s log (%s):\n%s", what, strings.Join(args, " "), p.Logs())
+		}
+	})
+	return p
+}
+
+// Spawn runs name with args inside ns, bound to no test: the caller ends it (Stop, Kill,
+// KillGroup). The kernel kills it if this process dies first.
+func Spawn(ctx context.Context, ns, name string, args ...string) (*Process, error) {
 	p := &Process{logs: &logBuffer{}, done: make(chan struct{})}
-	// The process outlives this call; it is bound to the test through the cleanup below, so it
-	// gets a context of its own rather than one that a caller might cancel early.
+	// The process outlives this call, so it gets a context of its own rather than one that a
+	// caller might cancel early.
 	cmd := exec.CommandContext(context.WithoutCancel(ctx), "ip", append([]string{"netns", "exec", ns, name}, args...)...)
 	cmd.Stdout, cmd.Stderr = p.logs, p.logs
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	cmd.WaitDelay = 2 * time.Second
 	// The kernel sends Pdeathsig when the forking *thread* exits, and Go ends threads whose
-	// goroutine exits while locked (as Do's do). So fork from a thread of our own, locked until
-	// the process is gone.
+	// goroutine exits while locked (as testutil.Do's do). So fork from a thread of our own,
+	// locked until the process is gone.
 	started := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread()
@@ -60,21 +81,21 @@ func StartProcess(ctx context.Context, t testing.TB, what, ns, name string, args
 		close(p.done)
 	}()
 	if err := <-started; err != nil {
-		t.Fatalf("start %s: %v", what, err)
+		return nil, err
 	}
 	p.cmd = cmd
-	t.Cleanup(func() {
-		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-		select {
-		case <-p.done:
-		case <-time.After(10 * time.Second):
-			t.Errorf("%s (pid %d) did not die", what, cmd.Process.Pid)
-		}
-		if t.Failed() {
-			t.Logf("%s log (%s):\n%s", what, strings.Join(args, " "), p.Logs())
-		}
-	})
-	return p
+	return p, nil
+}
+
+// KillGroup kills the process with its process group and waits, at most timeout, for its exit.
+func (p *Process) KillGroup(timeout time.Duration) error {
+	_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
+	select {
+	case <-p.done:
+		return nil
+	case <-time.After(timeout):
+		return fmt.Errorf("pid %d did not die", p.cmd.Process.Pid)
+	}
 }
 
 // Wait waits for the process to exit and returns its exit status.
@@ -123,12 +144,25 @@ type Agent struct {
 	ns string
 }
 
-// StartAgent runs bin inside ns with args (plus --metrics-address and debug logging), as a
-// Process.
+// AgentArgs are the arguments the harness runs the agent with: args, after --metrics-address
+// (MetricsAddress) and debug logging.
+func AgentArgs(args ...string) []string {
+	return append([]string{"--metrics-address=" + MetricsAddress, "--v=4"}, args...)
+}
+
+// StartAgent runs bin inside ns with AgentArgs(args), as a Process bound to the test.
 func StartAgent(ctx context.Context, t testing.TB, ns, bin string, args ...string) *Agent {
 	t.Helper()
-	argv := append([]string{"--metrics-address=" + MetricsAddress, "--v=4"}, args...)
-	return &Agent{Process: StartProcess(ctx, t, "agent", ns, bin, argv...), ns: ns}
+	return &Agent{Process: StartProcess(ctx, t, "agent", ns, bin, AgentArgs(args...)...), ns: ns}
+}
+
+// SpawnAgent runs bin inside ns with AgentArgs(args), as a Process bound to no test.
+func SpawnAgent(ctx context.Context, ns, bin string, args ...string) (*Agent, error) {
+	p, err := Spawn(ctx, ns, bin, AgentArgs(args...)...)
+	if err != nil {
+		return nil, err
+	}
+	return &Agent{Process: p, ns: ns}, nil
 }
 
 // RSS is the agent's resident memory (VmRSS), in bytes.
@@ -237,7 +271,7 @@ func HTTPGet(ctx context.Context, ns, url string) (int, string, error) {
 		// its own, so the dial itself is moved there.
 		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
 			var c net.Conn
-			err := Do(ns, func() error {
+			err := testutil.Do(ns, func() error {
 				var err error
 				c, err = (&net.Dialer{}).DialContext(ctx, network, addr)
 				return err

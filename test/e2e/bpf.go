@@ -101,7 +101,7 @@ func (e *Env) BPFFS() string {
 func (e *Env) UplinkIndex(t testing.TB) int {
 	t.Helper()
 	var idx int
-	if err := Do(e.Node, func() error {
+	if err := testutil.Do(e.Node, func() error {
 		ifc, err := net.InterfaceByName(Uplink)
 		if err == nil {
 			idx = ifc.Index
@@ -152,7 +152,7 @@ func (e *Env) DevicePrograms(t testing.TB, dev string) ([]Attached, bool) {
 	t.Helper()
 	var out []Attached
 	clsact := false
-	err := Do(e.Node, func() error {
+	err := testutil.Do(e.Node, func() error {
 		ifc, err := net.InterfaceByName(dev)
 		if err != nil {
 			return err
@@ -373,7 +373,7 @@ func driftBPF(t testing.TB, env *Env, mode string) {
 
 // detachEgress removes the uplink's egress program: its tc filters, or its tcx links.
 func detachEgress(env *Env, mode string) error {
-	return Do(env.Node, func() error {
+	return testutil.Do(env.Node, func() error {
 		ifc, err := net.InterfaceByName(Uplink)
 		if err != nil {
 			return err

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -113,7 +114,7 @@ func iptablesDamages(mode iptables.Mode) []Damage {
 func ConntrackStats(t testing.TB, ns string) map[string]uint64 {
 	t.Helper()
 	var data []byte
-	if err := Do(ns, func() error {
+	if err := testutil.Do(ns, func() error {
 		var err error
 		// thread-self: /proc/self/net would be the namespace of the process' first thread.
 		data, err = os.ReadFile("/proc/thread-self/net/stat/nf_conntrack")

@@ -14,37 +14,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"time"
 
-	"golang.org/x/sys/unix"
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
 // cmdTimeout bounds every command the harness runs.
 const cmdTimeout = 20 * time.Second
-
-// Do runs fn on an OS thread that has entered the named network namespace. Sockets fn creates
-// belong to that namespace for their whole life and may be used from any goroutine afterwards.
-func Do(ns string, fn func() error) error {
-	f, err := os.Open(filepath.Join("/run/netns", ns))
-	if err != nil {
-		return fmt.Errorf("open netns %s: %w", ns, err)
-	}
-	defer f.Close()
-	errc := make(chan error, 1)
-	go func() {
-		// The thread stays locked so that it ends with this goroutine: a thread moved to another
-		// namespace must never run other goroutines.
-		runtime.LockOSThread()
-		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
-			errc <- fmt.Errorf("setns %s: %w", ns, err)
-			return
-		}
-		errc <- fn()
-	}()
-	return <-errc
-}
 
 // run runs a command with the payload on stdin and returns its output; the error carries stderr.
 func run(ctx context.Context, stdin string, name string, args ...string) ([]byte, error) {
@@ -77,7 +54,7 @@ func NSExec(ctx context.Context, ns string, stdin string, name string, args ...s
 // WriteSysctl sets a per-namespace sysctl: /proc/sys/net resolves to the namespace of the thread
 // that opens it.
 func WriteSysctl(ns, key, value string) error {
-	return Do(ns, func() error {
+	return testutil.Do(ns, func() error {
 		path := filepath.Join("/proc/sys", strings.ReplaceAll(key, ".", "/"))
 		if err := os.WriteFile(path, []byte(value), 0o644); err != nil {
 			return fmt.Errorf("sysctl %s in %s: %w", key, ns, err)

@@ -181,7 +181,7 @@ func (tp *Topology) Probe(ctx context.Context, proto string, dst netip.Addr) (ne
 	ctx, cancel := context.WithTimeout(ctx, probeWindow)
 	defer cancel()
 	var reply string
-	err := Do(tp.Pod, func() error {
+	err := testutil.Do(tp.Pod, func() error {
 		var laddr net.Addr = net.TCPAddrFromAddrPort(local)
 		if proto == "udp" {
 			laddr = net.UDPAddrFromAddrPort(local)
@@ -252,7 +252,7 @@ func (tp *Topology) Datagram(ctx context.Context, dst netip.Addr, payload []byte
 	ctx, cancel := context.WithTimeout(ctx, probeWindow)
 	defer cancel()
 	var reply string
-	err := Do(tp.Pod, func() error {
+	err := testutil.Do(tp.Pod, func() error {
 		d := net.Dialer{LocalAddr: net.UDPAddrFromAddrPort(local)}
 		conn, err := d.DialContext(ctx, "udp", remote.String())
 		if err != nil {
@@ -297,7 +297,7 @@ func StartEcho(ns string, addrs []netip.Addr, port uint16) (stop func(), err err
 		}
 		wg.Wait()
 	}
-	err = Do(ns, func() error {
+	err = testutil.Do(ns, func() error {
 		ln, err := net.Listen("tcp", fmt.Sprintf(":%d", port)) // dual-stack, every address
 		if err != nil {
 			return err

@@ -86,7 +86,7 @@ func StartLineEcho(t testing.TB, ns string, addrs []netip.Addr) {
 		}
 		wg.Wait()
 	})
-	err := Do(ns, func() error {
+	err := testutil.Do(ns, func() error {
 		ln, err := net.Listen("tcp", fmt.Sprintf(":%d", LinePort))
 		if err != nil {
 			return err
@@ -162,7 +162,7 @@ type Conn struct {
 // at dst.
 func DialLine(ctx context.Context, ns string, local netip.AddrPort, dst netip.Addr) (*Conn, error) {
 	var c net.Conn
-	err := Do(ns, func() error {
+	err := testutil.Do(ns, func() error {
 		d := net.Dialer{Timeout: probeWindow}
 		if local.IsValid() {
 			d.LocalAddr = net.TCPAddrFromAddrPort(local)
@@ -214,7 +214,7 @@ func BigDatagram(ctx context.Context, ns string, dst netip.Addr, size int) (neti
 		payload[i] = byte('a' + i%26)
 	}
 	var src netip.AddrPort
-	err := Do(ns, func() error {
+	err := testutil.Do(ns, func() error {
 		ctx, cancel := context.WithTimeout(ctx, probeWindow)
 		defer cancel()
 		c, err := (&net.Dialer{}).DialContext(ctx, "udp", netip.AddrPortFrom(dst, LinePort).String())
@@ -271,7 +271,7 @@ func UDPFlows(ctx context.Context, ns string, dst netip.Addr, sockets, flows int
 	if perSocket > 55000 {
 		return fmt.Errorf("%d flows from %d sockets: at most 55000 ports each", flows, sockets)
 	}
-	return Do(ns, func() error {
+	return testutil.Do(ns, func() error {
 		payload := []byte("x")
 		sent := 0
 		for i := range sockets {
@@ -304,7 +304,7 @@ func UDPFlows(ctx context.Context, ns string, dst netip.Addr, sockets, flows int
 func WaitListening(ctx context.Context, t testing.TB, ns string, addr netip.AddrPort) {
 	t.Helper()
 	for {
-		err := Do(ns, func() error {
+		err := testutil.Do(ns, func() error {
 			c, err := net.DialTimeout("tcp", addr.String(), time.Second)
 			if err == nil {
 				c.Close()
