@@ -92,9 +92,11 @@ func Lookup(name string) (Backend, bool) {
 }
 
 // Names are the backends' names, for messages: "bpf or iptables".
-func Names() string {
-	names := make([]string, len(All))
-	for i, b := range All {
+func Names() string { return names(All) }
+
+func names(list []Backend) string {
+	names := make([]string, len(list))
+	for i, b := range list {
 		names[i] = b.Name
 	}
 	if len(names) == 1 {
@@ -104,16 +106,18 @@ func Names() string {
 }
 
 // Usage is the help of --backend.
-func Usage() string {
+func Usage() string { return usage(All) }
+
+func usage(list []Backend) string {
 	var auto []string
-	for i, b := range All {
-		if i == len(All)-1 {
+	for i, b := range list {
+		if i == len(list)-1 {
 			auto = append(auto, "else "+b.Name)
 		} else {
 			auto = append(auto, b.Title+" "+b.AutoWhen)
 		}
 	}
-	return fmt.Sprintf("datapath: %s (%s), %s", Auto, strings.Join(auto, ", "), Names())
+	return fmt.Sprintf("datapath: %s (%s), %s", Auto, strings.Join(auto, ", "), names(list))
 }
 
 // CheckName checks a --backend value.
