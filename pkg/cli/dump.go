@@ -72,18 +72,42 @@ func dump(ctx context.Context, af *agentFlags, top int, runner iptables.Runner, 
 // rule each one is), and the NAT table when it has one.
 func writeReader(ctx context.Context, w io.Writer, r datapath.Reader, top int) error {
 	info := r.Info()
-	title := info.Backend
-	if info.AttachMode != datapath.AttachNone && info.AttachMode != "" {
-		title += " (" + info.AttachMode + ")"
-	}
-	if info.Details != "" {
-		title += ": " + info.Details
-	}
-	fmt.Fprintln(w, title)
+	fmt.Fprintln(w, title(info))
 	counters, err := r.Counters(ctx)
 	if err != nil {
 		return fmt.Errorf("read %s counters: %w", info.Backend, err)
 	}
+	if err := writeCounters(w, counters); err != nil {
+		return err
+	}
+	if b, ok := backends.Lookup(info.Backend); ok && b.CountNote != "" {
+		fmt.Fprintln(w, b.CountNote)
+	}
+	nat, ok := r.(datapath.NATReporter)
+	if !ok {
+		return nil
+	}
+	sum, err := nat.NATSummary(ctx, top)
+	if err != nil {
+		return fmt.Errorf("read %s NAT table: %w", info.Backend, err)
+	}
+	return writeNAT(w, sum)
+}
+
+// title names a datapath: its backend, how it is attached, and its details.
+func title(info datapath.Info) string {
+	s := info.Backend
+	if info.AttachMode != datapath.AttachNone && info.AttachMode != "" {
+		s += " (" + info.AttachMode + ")"
+	}
+	if info.Details != "" {
+		s += ": " + info.Details
+	}
+	return s
+}
+
+// writeCounters prints the rules as `iptables -L -v` shows them, with the rule each one is.
+func writeCounters(w io.Writer, counters []datapath.RuleCounter) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "FAMILY\tRULE\tACTION\tCIDR\tORIGIN\tPACKETS\tBYTES")
 	unknown := 0
@@ -104,18 +128,7 @@ func writeReader(ctx context.Context, w io.Writer, r datapath.Reader, top int) e
 	if unknown > 0 {
 		fmt.Fprintln(w, "rule -: installed, but not a rule of the configuration given to dump (give dump the agent's --config and policy flags)")
 	}
-	if b, ok := backends.Lookup(info.Backend); ok && b.CountNote != "" {
-		fmt.Fprintln(w, b.CountNote)
-	}
-	nat, ok := r.(datapath.NATReporter)
-	if !ok {
-		return nil
-	}
-	sum, err := nat.NATSummary(ctx, top)
-	if err != nil {
-		return fmt.Errorf("read %s NAT table: %w", info.Backend, err)
-	}
-	return writeNAT(w, sum)
+	return nil
 }
 
 func writeNAT(w io.Writer, sum datapath.NATSummary) error {

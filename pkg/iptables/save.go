@@ -104,23 +104,9 @@ func ParseSave(out []byte, table string) (*Table, error) {
 // parseRuleLine reads "[packets:bytes] -A CHAIN SPEC" (counters optional).
 func parseRuleLine(line string) (SavedRule, error) {
 	var r SavedRule
-	if line[0] == '[' {
-		counters, rest, ok := strings.Cut(line[1:], "] ")
-		if !ok {
-			return r, fmt.Errorf("unterminated counters in %q", line)
-		}
-		p, b, ok := strings.Cut(counters, ":")
-		if !ok {
-			return r, fmt.Errorf("malformed counters in %q", line)
-		}
-		var err error
-		if r.Packets, err = strconv.ParseUint(p, 10, 64); err != nil {
-			return r, fmt.Errorf("packet counter in %q: %w", line, err)
-		}
-		if r.Bytes, err = strconv.ParseUint(b, 10, 64); err != nil {
-			return r, fmt.Errorf("byte counter in %q: %w", line, err)
-		}
-		line = rest
+	line, err := r.parseCounters(line)
+	if err != nil {
+		return r, err
 	}
 	verb, rest, _ := strings.Cut(line, " ")
 	chain, spec, _ := strings.Cut(rest, " ")
@@ -140,17 +126,48 @@ func parseRuleLine(line string) (SavedRule, error) {
 			if i+1 == len(args) {
 				return r, fmt.Errorf("rule %q: %s without a value", line, a)
 			}
-			v := args[i+1]
-			if a != "-d" {
-				r.Target = v
-			} else if pr, err := netip.ParsePrefix(v); err == nil {
-				r.Dst = pr
-			} else if addr, err := netip.ParseAddr(v); err == nil {
-				r.Dst = netip.PrefixFrom(addr, addr.BitLen())
+			if a == "-d" {
+				r.Dst = parseDst(args[i+1])
+			} else {
+				r.Target = args[i+1]
 			}
 		}
 	}
 	return r, nil
+}
+
+// parseCounters reads a leading "[packets:bytes] " into r and returns the rest of the line.
+func (r *SavedRule) parseCounters(line string) (string, error) {
+	if line[0] != '[' {
+		return line, nil
+	}
+	counters, rest, ok := strings.Cut(line[1:], "] ")
+	if !ok {
+		return "", fmt.Errorf("unterminated counters in %q", line)
+	}
+	p, b, ok := strings.Cut(counters, ":")
+	if !ok {
+		return "", fmt.Errorf("malformed counters in %q", line)
+	}
+	var err error
+	if r.Packets, err = strconv.ParseUint(p, 10, 64); err != nil {
+		return "", fmt.Errorf("packet counter in %q: %w", line, err)
+	}
+	if r.Bytes, err = strconv.ParseUint(b, 10, 64); err != nil {
+		return "", fmt.Errorf("byte counter in %q: %w", line, err)
+	}
+	return rest, nil
+}
+
+// parseDst reads a -d value: a prefix, or an address (a host); the zero prefix when neither.
+func parseDst(v string) netip.Prefix {
+	if pr, err := netip.ParsePrefix(v); err == nil {
+		return pr
+	}
+	if addr, err := netip.ParseAddr(v); err == nil {
+		return netip.PrefixFrom(addr, addr.BitLen())
+	}
+	return netip.Prefix{}
 }
 
 // splitArgs splits a rule's options as iptables-save writes them: separated by spaces, a value
