@@ -18,6 +18,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodelock"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
 )
@@ -127,6 +128,17 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			log.Warn("release the datapath", "component", "cli", "error", err)
 		}
 	}()
+	// Choosing the backend installed nothing; from here on this process may change the
+	// datapath, so it first becomes the node's only agent.
+	lock, err := acquireNodeLock(ctx, log)
+	if err != nil && ctx.Err() != nil {
+		log.Info("stopped while waiting for the node lock; nothing was changed", "component", "cli")
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer lock.Release()
 	drift := af.driftInterval
 	if drift == 0 {
 		drift = -1 // off (the agent's zero is its default)
@@ -141,6 +153,24 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	return a.Run(ctx, ln)
+}
+
+// acquireNodeLock makes this process the node's agent: it takes the node lock, waiting as long
+// as another agent (or a cleanup) holds it, so that two agents never program one node at once.
+// A rollout whose new pod starts before the old one has gone (maxSurge), or an operator's
+// agent beside the DaemonSet's, thus takes over within nodelock.PollInterval of the holder's
+// exit, where refusing would leave a crash-looping pod that takes over only after its backoff.
+// A waiting agent serves nothing: its health endpoints would take the holder's address.
+func acquireNodeLock(ctx context.Context, log *slog.Logger) (*nodelock.Lock, error) {
+	log = log.With("component", "cli", "lock", "@"+nodelock.Name)
+	lock, err := nodelock.Acquire(ctx, nodelock.Name, nodelock.Me("agent", version.Version), func(h nodelock.Holder) {
+		log.Warn("another process holds the node lock; waiting to take over when it exits", "holder", h.String())
+	})
+	if err != nil {
+		return nil, err
+	}
+	log.Info("node lock acquired: this agent programs the node's datapath")
+	return lock, nil
 }
 
 // agentBackendOptions checks the flags only the agent uses (the datapath's and the loop's) and

@@ -152,10 +152,12 @@ func StartLineEcho(t testing.TB, ns string, addrs []netip.Addr) {
 	}
 }
 
-// Conn is a TCP connection to a StartLineEcho server, held open across steps of a test.
+// Conn is a TCP connection, or a UDP flow (a connected socket), to a StartLineEcho server,
+// held open across steps of a test.
 type Conn struct {
-	c  net.Conn
-	rd *bufio.Reader
+	c   net.Conn
+	rd  *bufio.Reader
+	udp bool
 }
 
 // DialLine connects from local (an address of ns; port 0 picks one) to the line echo server
@@ -177,8 +179,31 @@ func DialLine(ctx context.Context, ns string, local netip.AddrPort, dst netip.Ad
 	return &Conn{c: c, rd: bufio.NewReader(c)}, nil
 }
 
-// Exchange sends a line and returns the source the server saw.
+// DialLineUDP opens a UDP flow from local (an address of ns; port 0 picks one) to the line echo
+// server at dst: a connected socket, so that every exchange is the same flow.
+func DialLineUDP(ctx context.Context, ns string, local netip.AddrPort, dst netip.Addr) (*Conn, error) {
+	var c net.Conn
+	err := testutil.Do(ns, func() error {
+		d := net.Dialer{}
+		if local.IsValid() {
+			d.LocalAddr = net.UDPAddrFromAddrPort(local)
+		}
+		var err error
+		c, err = d.DialContext(ctx, "udp", netip.AddrPortFrom(dst, LinePort).String())
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("udp %s -> %s:%d: %w", local, dst, LinePort, err)
+	}
+	return &Conn{c: c, udp: true}, nil
+}
+
+// Exchange sends a line and returns the source the server saw. Over UDP the line is sent again
+// every 300 ms until an answer to it comes (within the probe window), as a UDP client would.
 func (c *Conn) Exchange(line string) (netip.AddrPort, error) {
+	if c.udp {
+		return c.exchangeUDP(line)
+	}
 	if err := c.c.SetDeadline(time.Now().Add(probeWindow)); err != nil {
 		return netip.AddrPort{}, err
 	}
@@ -189,6 +214,41 @@ func (c *Conn) Exchange(line string) (netip.AddrPort, error) {
 	if err != nil {
 		return netip.AddrPort{}, fmt.Errorf("answer to %q: %w", line, err)
 	}
+	return parseAnswer(line, reply)
+}
+
+func (c *Conn) exchangeUDP(line string) (netip.AddrPort, error) {
+	deadline := time.Now().Add(probeWindow)
+	buf := make([]byte, 512)
+	for {
+		if _, err := fmt.Fprintln(c.c, line); err != nil {
+			return netip.AddrPort{}, fmt.Errorf("send %q: %w", line, err)
+		}
+		next := time.Now().Add(300 * time.Millisecond)
+		if next.After(deadline) {
+			next = deadline
+		}
+		if err := c.c.SetReadDeadline(next); err != nil {
+			return netip.AddrPort{}, err
+		}
+		n, err := c.c.Read(buf)
+		if ne, ok := err.(net.Error); ok && ne.Timeout() && time.Now().Before(deadline) {
+			continue
+		}
+		if err != nil {
+			return netip.AddrPort{}, fmt.Errorf("answer to %q: %w", line, err)
+		}
+		// "from SRC\n" and the datagram, which is the line and its newline.
+		head, body, _ := strings.Cut(string(buf[:n]), "\n")
+		if body != line+"\n" {
+			continue // the answer to an earlier send of an earlier line
+		}
+		return parseAnswer(line, head+" "+line)
+	}
+}
+
+// parseAnswer reads the source out of the server's "from SRC LINE" answer to line.
+func parseAnswer(line, reply string) (netip.AddrPort, error) {
 	f := strings.Fields(reply)
 	if len(f) != 3 || f[0] != "from" || f[2] != line {
 		return netip.AddrPort{}, fmt.Errorf("answer to %q: %q", line, reply)
@@ -201,7 +261,12 @@ func (c *Conn) Exchange(line string) (netip.AddrPort, error) {
 }
 
 // Local is the connection's own address and port.
-func (c *Conn) Local() netip.AddrPort { return c.c.LocalAddr().(*net.TCPAddr).AddrPort() }
+func (c *Conn) Local() netip.AddrPort {
+	if c.udp {
+		return c.c.LocalAddr().(*net.UDPAddr).AddrPort()
+	}
+	return c.c.LocalAddr().(*net.TCPAddr).AddrPort()
+}
 
 // Close closes the connection.
 func (c *Conn) Close() error { return c.c.Close() }
