@@ -48,12 +48,6 @@ func (e Event) DropReason() (reason string, ok bool) {
 	return strings.CutPrefix(e.String(), dropPrefix)
 }
 
-// IsDrop tells whether the event counts dropped packets.
-func (e Event) IsDrop() bool {
-	_, ok := e.DropReason()
-	return ok
-}
-
 // EventCounts reads every event counter, summed over CPUs.
 func (d *Datapath) EventCounts() (map[Event]uint64, error) {
 	out := make(map[Event]uint64, numEvents)

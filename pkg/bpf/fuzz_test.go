@@ -693,7 +693,7 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) []byte
 		if post.events[e] < pre.events[e] {
 			fail("event counter %s went down from %d to %d", e, pre.events[e], post.events[e])
 		}
-		if e.IsDrop() {
+		if isDrop(e) {
 			d := post.events[e] - pre.events[e]
 			drops += int(d)
 			if d > 0 && !(e == EventDropNoPort && x.newMapping) && !(e == Event(masqEventEV_DROP_NO_ADDR) && x.noAddr) {

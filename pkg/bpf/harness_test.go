@@ -446,3 +446,17 @@ func pointsBack(e, p NATEntry) bool {
 func translation(e NATEntry) *masqNatEntry {
 	return &masqNatEntry{Addr: addrWords(e.To.Addr()), Port: htons(e.To.Port())}
 }
+
+// lpmKey is the trie key of a prefix, of its family's layout.
+func lpmKey(p netip.Prefix) any {
+	if p.Addr().Is4() {
+		return masqLpm4Key{}.withPrefix(p)
+	}
+	return masqLpm6Key{}.withPrefix(p)
+}
+
+// isDrop tells whether an event counts dropped packets.
+func isDrop(e Event) bool {
+	_, ok := e.DropReason()
+	return ok
+}

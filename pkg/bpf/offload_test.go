@@ -224,7 +224,7 @@ func TestOffloadedTraffic(t *testing.T) {
 	}
 	ev := h.events()
 	for _, e := range Events() {
-		if e.IsDrop() && ev[e] != 0 {
+		if isDrop(e) && ev[e] != 0 {
 			t.Errorf("%s: %d drops", e, ev[e])
 		}
 	}

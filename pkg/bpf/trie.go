@@ -130,14 +130,6 @@ func (masqLpm6Key) withPrefix(p trieKey) masqLpm6Key {
 	return masqLpm6Key{Prefixlen: uint32(p.Bits()), Addr: addr6Words(p.Addr())}
 }
 
-// lpmKey is the map key of a prefix, of its family's layout.
-func lpmKey(p trieKey) any {
-	if p.Addr().Is4() {
-		return masqLpm4Key{}.withPrefix(p)
-	}
-	return masqLpm6Key{}.withPrefix(p)
-}
-
 // lpmOps implements trieOps for the key layout K.
 type lpmOps[K rawLPMKey[K]] struct{}
 
