@@ -1,7 +1,12 @@
 # syntax=docker/dockerfile:1
 #
+# For users with a registry. `make image` builds the same image here without pulling anything
+# (internal/image: mmdebstrap from the Debian archive); internal/image's tests keep this file
+# and that build in step (suite, packages, removals, binary, user, entrypoint).
+#
 # Builder: regenerates the BPF objects with the pinned clang (Debian bookworm's clang 14, the
-# same as `make generate` uses in CI) and builds a static binary stamped with VERSION.
+# same as `make generate` uses in CI) and builds the static binary as make build does (release
+# version from VERSION, commit from git).
 FROM golang:1.26-bookworm AS build
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends clang-14 llvm-14 \
@@ -12,15 +17,16 @@ WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
-ARG VERSION=dev
 RUN make generate \
- && make build VERSION="${VERSION}"
+ && make build
 
 # Final: the binary plus iptables for the fallback backend. Debian's iptables package carries both
 # modes (iptables-nft and iptables-legacy, and the ip6tables variants); nothing else is added.
 FROM debian:bookworm-slim
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends iptables \
- && rm -rf /var/lib/apt/lists/* /var/cache/debconf/*-old /usr/share/doc /usr/share/man
+ && rm -rf /var/lib/apt/lists/* /usr/share/doc /usr/share/man /var/cache/debconf/*-old
 COPY --from=build /src/bin/ip-masq-agent /usr/local/bin/ip-masq-agent
+# Root: the agent needs its capabilities (the DaemonSet runs it as uid 0 and drops all others).
+USER 0:0
 ENTRYPOINT ["/usr/local/bin/ip-masq-agent"]

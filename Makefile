@@ -2,6 +2,7 @@
 #
 #   make demo      run the agent in a throwaway namespace sandbox (root)
 #   make test      all tests: unit, BPF datapath and end to end (root)
+#   make image     the runtime image, built here from the Debian archive, loaded into podman (root)
 #   make bench     benchmarks (root)
 #   make generate  rebuild the BPF objects and Go bindings (clang)
 
@@ -21,12 +22,23 @@ TESTFLAGS ?= -count=1 -timeout 25m
 # Pinned clang flags for the BPF objects (read by the go:generate lines through the environment).
 export BPF_CFLAGS := -O2 -g -Wall -Werror -mcpu=v3
 
-.PHONY: all build test unit e2e demo generate check-generate bench lint deps clean
+.PHONY: all build image test unit e2e demo generate check-generate bench lint deps clean
 
 all: build
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/ip-masq-agent
+
+## image: the runtime image without pulling anything: mmdebstrap makes a Debian root filesystem
+## (internal/image.Runtime: the essential set and iptables) with bin/ip-masq-agent in it, written
+## as an OCI archive ($(IMAGE_OUT), for `ctr images import` or a registry) and loaded into podman
+## as ghcr.io/ip-masq-agent/ip-masq-agent:$(VERSION), the reference the manifests run.
+## Reproducible: every timestamp is SOURCE_DATE_EPOCH, by default the last commit's time.
+IMAGE_OUT ?= bin/ip-masq-agent-image.tar
+SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null)
+image: deps build
+	SOURCE_DATE_EPOCH=$(SOURCE_DATE_EPOCH) $(GO) run ./internal/image/mkimage -bin $(BIN) -out $(IMAGE_OUT) -version $(VERSION)
+	podman load --input $(IMAGE_OUT)
 
 ## test: every test, privileged ones included (run as root; CI=true makes a test that cannot run fail)
 test: deps build
