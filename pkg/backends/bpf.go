@@ -27,7 +27,7 @@ var bpfBackend = Backend{
 		}
 		report := fmt.Sprintf("%d program attachments removed (tcx links and tc filters on every device)", len(removed.Attachments))
 		if removed.BPFDenied != nil {
-			report += fmt.Sprintf(", %d tcx link pins removed, which detaches each link that no process holds open, unchecked: %v;",
+			report += fmt.Sprintf(", %d tcx link pins removed, which detaches (shortly after) each link that no process holds open, unchecked: %v;",
 				removed.UnpinnedLinks, removed.BPFDenied)
 		}
 		if removed.PinDir != "" {

@@ -151,7 +151,7 @@ func TestImage(t *testing.T) {
 		t.Fatal(err)
 	}
 	f := strings.Fields(id)
-	if want := []string{img.Result.Config.Encoded(), img.Result.Manifest.String(), `["/usr/local/bin/ip-masq-agent"]`, image.Runtime.User}; !equal(f[:4], want) {
+	if want := []string{img.Result.Config.Encoded(), img.Result.Manifest.String(), `["` + image.Runtime.Binary + `"]`, image.Runtime.User}; !equal(f[:4], want) {
 		t.Errorf("loaded image: %q, want %q", f[:4], want)
 	}
 	t.Logf("image %s: id %s, manifest %s, %s bytes; make build + image build + load took %v", img.Ref, f[0][:12], f[1], f[4], img.Took.Round(time.Second))
@@ -427,6 +427,15 @@ func runDaemonSet(t *testing.T, img *builtImage, seccomp, cleanupSeccomp string,
 	if cleanupSeccomp == "" && backend.Info.Backend != iptables.Name {
 		if want := "2 tcx link pins removed"; !strings.Contains(out, want) || !strings.Contains(out, "seccomp blocked bpf(2)") {
 			t.Errorf("cleanup without bpf(2) does not say %q and why", want)
+		}
+		// The kernel frees a link whose last reference (its pin) went in a work item of its
+		// own: the programs leave the uplink shortly after.
+		for deadline := time.Now().Add(5 * time.Second); ; {
+			progs, _ := env.UplinkPrograms(t)
+			if len(progs) == 0 || time.Now().After(deadline) {
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
 		}
 	}
 	e2e.BPFBackend(tc.ModeTCX).Gone(ctx, t, env)
