@@ -35,11 +35,10 @@ type Spec struct {
 	Suite string
 	// Packages are installed over Debian's essential set.
 	Packages []string
-	// Binary is where the agent is installed.
+	// Binary is where the agent is installed: the image's entrypoint.
 	Binary string
-	// Entrypoint and User are the image's.
-	Entrypoint []string
-	User       string
+	// User is the image's.
+	User string
 	// Remove are the paths (shell globs) removed from the root filesystem after the install.
 	Remove []string
 }
@@ -48,12 +47,11 @@ type Spec struct {
 // Debian's essential set, run as root, since the agent needs its capabilities (the DaemonSet
 // drops every other).
 var Runtime = Spec{
-	Suite:      "bookworm",
-	Packages:   []string{"iptables"},
-	Binary:     "/usr/local/bin/ip-masq-agent",
-	Entrypoint: []string{"/usr/local/bin/ip-masq-agent"},
-	User:       "0:0",
-	Remove:     []string{"/usr/share/doc", "/usr/share/man", "/var/cache/debconf/*-old"},
+	Suite:    "bookworm",
+	Packages: []string{"iptables"},
+	Binary:   "/usr/local/bin/ip-masq-agent",
+	User:     "0:0",
+	Remove:   []string{"/usr/share/doc", "/usr/share/man", "/var/cache/debconf/*-old"},
 }
 
 // Repository is where the project publishes the image; a build is tagged Repository:VERSION,
@@ -208,7 +206,7 @@ func describe(opts Options, layer v1.Descriptor) ([]file, Result, error) {
 		Platform: platform,
 		Config: v1.ImageConfig{
 			User:       opts.Spec.User,
-			Entrypoint: opts.Spec.Entrypoint,
+			Entrypoint: []string{opts.Spec.Binary},
 			Env:        []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
 		},
 		RootFS: v1.RootFS{Type: "layers", DiffIDs: []digest.Digest{layer.Digest}},

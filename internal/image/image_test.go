@@ -101,7 +101,7 @@ func TestDockerfileDescribesTheImage(t *testing.T) {
 		{"removed", removed, want},
 		{"binary", []string{binary}, []string{Runtime.Binary}},
 		{"user", []string{user}, []string{Runtime.User}},
-		{"entrypoint", entrypoint, Runtime.Entrypoint},
+		{"entrypoint", entrypoint, []string{Runtime.Binary}},
 	} {
 		if !slices.Equal(c.got, c.want) {
 			t.Errorf("%s: the Dockerfile has %q, the image %q", c.what, c.got, c.want)

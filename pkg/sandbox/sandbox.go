@@ -20,12 +20,9 @@ const (
 	capBPF      = 39
 )
 
-// Seccomp modes, as in the Seccomp line of /proc/<pid>/status.
-const (
-	SeccompDisabled = 0
-	SeccompStrict   = 1
-	SeccompFilter   = 2
-)
+// SeccompFilter is the Seccomp line of /proc/<pid>/status for a process under a seccomp filter
+// (0 is none, 1 strict mode).
+const SeccompFilter = 2
 
 // statusPath is the calling thread's status: seccomp filters and capabilities are per thread
 // (a container runtime sets them before exec, so every thread has them; a test may set them on
@@ -34,7 +31,7 @@ const statusPath = "/proc/thread-self/status"
 
 // Status is what the kernel reports about the sandbox of the calling thread.
 type Status struct {
-	// Seccomp is the Seccomp line: SeccompDisabled, SeccompStrict or SeccompFilter.
+	// Seccomp is the Seccomp line: 0, 1 (strict) or SeccompFilter.
 	Seccomp int
 	// CapEff is the effective capability set.
 	CapEff uint64
@@ -84,11 +81,11 @@ func (s Status) Has(bit uint) bool { return s.CapEff&(1<<bit) != 0 }
 // EINVAL after the generic checks, so any other answer comes from something in front of it.
 const unknownCommand = 0xffff
 
-// BPFRefused calls bpf(2) with an unknown command and returns the errno when something in front
+// bpfRefused calls bpf(2) with an unknown command and returns the errno when something in front
 // of the kernel's BPF code refuses it (a seccomp filter, or a security module); nil when the
 // call reached that code. It needs no capability on Linux 5.8 and newer with CAP_BPF, nor on
 // 6.5 and newer at all.
-func BPFRefused() error {
+func bpfRefused() error {
 	_, _, errno := unix.Syscall(unix.SYS_BPF, unknownCommand, 0, 0)
 	if errno == unix.EINVAL {
 		return nil
@@ -144,7 +141,7 @@ func BPFDenied() error {
 
 func refusal(st Status, err error) error {
 	var errno unix.Errno
-	if !errors.As(BPFRefused(), &errno) {
+	if !errors.As(bpfRefused(), &errno) {
 		return nil
 	}
 	return &DeniedError{Errno: errno, Seccomp: st.Seccomp == SeccompFilter, Err: err}
