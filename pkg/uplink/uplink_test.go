@@ -9,7 +9,6 @@ import (
 	"os/exec"
 	"runtime"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -141,10 +140,12 @@ func sendTo(changes chan<- string) func(string, Set) {
 	}
 }
 
-func TestWatch(t *testing.T) {
-	ns := newNode(t)
+// startWatch runs Watch inside the namespace until the returned stop, which fails the test when
+// Watch does not return.
+func startWatch(t *testing.T, ns string, log *slog.Logger) (changes <-chan string, stop func()) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	changes := make(chan string, 1)
+	ch := make(chan string, 1)
 	stopped := make(chan struct{})
 	inNetns(t, ns, func() {
 		defer close(stopped)
@@ -154,16 +155,23 @@ func TestWatch(t *testing.T) {
 			return
 		}
 		defer r.Close()
-		Watch(ctx, r, sendTo(changes), nil)
+		Watch(ctx, r, sendTo(ch), log)
 	})
-	defer func() {
+	return ch, func() {
+		t.Helper()
 		cancel()
 		select {
 		case <-stopped:
 		case <-time.After(5 * time.Second):
 			t.Error("Watch did not return after the context ended")
 		}
-	}()
+	}
+}
+
+func TestWatch(t *testing.T) {
+	ns := newNode(t)
+	changes, stop := startWatch(t, ns, nil)
+	defer stop()
 	next := func(want ...string) {
 		t.Helper()
 		select {
@@ -205,7 +213,7 @@ func TestWatch(t *testing.T) {
 
 	// Other devices churning (pods coming and going) do not hold a change back: their events
 	// do not count, and those that do cannot postpone the re-read beyond maxSettle.
-	churnCtx, stopChurn := context.WithCancel(ctx)
+	churnCtx, stopChurn := context.WithCancel(context.Background())
 	churned := make(chan struct{})
 	go func() {
 		defer close(churned)
@@ -230,22 +238,8 @@ func TestWatch(t *testing.T) {
 // closed (EAGAIN on each socket), which must not reach the log as warnings on every SIGTERM.
 func TestWatchStopsQuietly(t *testing.T) {
 	ns := newNode(t)
-	var logs syncBuffer
-	log := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	changes := make(chan string, 1)
-	stopped := make(chan struct{})
-	inNetns(t, ns, func() {
-		defer close(stopped)
-		r, err := NewResolver(nil)
-		if err != nil {
-			t.Error(err)
-			return
-		}
-		defer r.Close()
-		Watch(ctx, r, sendTo(changes), log)
-	})
+	var logs testutil.Buffer
+	changes, stop := startWatch(t, ns, slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})))
 	// A change reported proves the subscriptions run (Watch subscribes before its first check);
 	// the SNAT address moves back and forth until one is, since the first move may come
 	// before Watch's first look.
@@ -262,30 +256,8 @@ func TestWatchStopsQuietly(t *testing.T) {
 		}
 		break
 	}
-	cancel()
-	select {
-	case <-stopped:
-	case <-time.After(5 * time.Second):
-		t.Fatal("Watch did not return after the context ended")
-	}
+	stop()
 	if strings.Contains(logs.String(), "level=WARN") {
 		t.Errorf("stopping logged warnings:\n%s", logs.String())
 	}
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -14,7 +13,6 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -31,7 +29,7 @@ const MetricsAddress = "127.0.0.1:9808"
 // test binary dies first.
 type Process struct {
 	cmd  *exec.Cmd
-	logs *logBuffer
+	logs *testutil.Buffer
 	done chan struct{}
 	err  error // exit status, valid once done is closed
 }
@@ -58,7 +56,7 @@ func StartProcess(ctx context.Context, t testing.TB, what, ns, name string, args
 // Spawn runs name with args inside ns, bound to no test: the caller ends it (Stop, Kill,
 // KillGroup). The kernel kills it if this process dies first.
 func Spawn(ctx context.Context, ns, name string, args ...string) (*Process, error) {
-	p := &Process{logs: &logBuffer{}, done: make(chan struct{})}
+	p := &Process{logs: &testutil.Buffer{}, done: make(chan struct{})}
 	// The process outlives this call, so it gets a context of its own rather than one that a
 	// caller might cancel early.
 	cmd := exec.CommandContext(context.WithoutCancel(ctx), "ip", append([]string{"netns", "exec", ns, name}, args...)...)
@@ -333,24 +331,6 @@ func (a *Agent) poll(ctx context.Context, what string, cond func() (bool, error)
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
-}
-
-// logBuffer collects the agent's output while tests read it.
-type logBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *logBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 // ConfigDir is a config directory that is updated the way the kubelet updates a ConfigMap
