@@ -40,9 +40,13 @@ image: deps build
 	SOURCE_DATE_EPOCH=$(SOURCE_DATE_EPOCH) $(GO) run ./internal/image/mkimage -bin $(BIN) -out $(IMAGE_OUT) -version $(VERSION)
 	podman load --input $(IMAGE_OUT)
 
-## test: every test, privileged ones included (run as root; CI=true makes a test that cannot run fail)
+## test: every test, privileged ones included (run as root; CI=true makes a test that cannot run fail).
+## The container suite runs after the rest: its image builds (mmdebstrap, dpkg) take the machine's
+## CPU and disk for a minute or more, which would slow the time-bound end-to-end tests beside it.
+CONTAINER_TESTS := ./test/container
 test: deps build
-	$(GO) test $(TESTFLAGS) ./...
+	$(GO) test $(TESTFLAGS) $$($(GO) list ./... | grep -v -x -F $$($(GO) list $(CONTAINER_TESTS)))
+	$(GO) test $(TESTFLAGS) $(CONTAINER_TESTS)
 
 ## e2e: the end-to-end suite only, against the binary in bin/ (root)
 e2e: deps build
