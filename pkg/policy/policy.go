@@ -95,23 +95,33 @@ type Rule struct {
 	Comment string
 }
 
-// Source describes where the rule came from, e.g. "nonMasqueradeCIDRs[2]" or "masqOutBound".
+// Source describes where the rule came from, e.g. "nonMasqueradeCIDRs[2]" or "masqOutBound: true".
 func (r Rule) Source() string {
 	switch r.Origin {
 	case OriginMasqueradeCIDRs, OriginNonMasqueradeCIDRs:
 		return fmt.Sprintf("%s[%d]", r.Origin, r.Entry)
 	case OriginLinkLocal:
-		if r.Family == IPv6 {
-			return "link-local (masqLinkLocalIPv6: false)"
-		}
-		return "link-local (masqLinkLocal: false)"
+		return fmt.Sprintf("link-local (%s: false)", linkLocalKey(r.Family))
 	case OriginOutbound:
-		if r.Family == IPv6 {
-			return "masqOutBoundIPv6: true"
-		}
-		return "masqOutBound: true"
+		return outboundKey(r.Family) + ": true"
 	}
 	return string(r.Origin)
+}
+
+// linkLocalKey and outboundKey are the config keys that decide a family's link-local and
+// outbound rules.
+func linkLocalKey(fam Family) string {
+	if fam == IPv6 {
+		return config.KeyMasqLinkLocalIPv6
+	}
+	return config.KeyMasqLinkLocal
+}
+
+func outboundKey(fam Family) string {
+	if fam == IPv6 {
+		return config.KeyMasqOutBoundIPv6
+	}
+	return config.KeyMasqOutBound
 }
 
 // Options are the flags that shape the policy beyond the config file.
@@ -225,11 +235,7 @@ func (p *Policy) Decide(addr netip.Addr) Verdict {
 			return Verdict{Action: rules[i].Action, Rule: &rules[i], Number: i + 1}
 		}
 	}
-	key := config.KeyMasqOutBound
-	if fam == IPv6 {
-		key = config.KeyMasqOutBoundIPv6
-	}
-	return Verdict{Action: Return, Reason: fmt.Sprintf("no rule matched and %s is false: end of chain", key)}
+	return Verdict{Action: Return, Reason: fmt.Sprintf("no rule matched and %s is false: end of chain", outboundKey(fam))}
 }
 
 // OutboundAction is what happens to a packet that no CIDR rule matched.
