@@ -1,8 +1,8 @@
 // Package agent is the ip-masq-agent daemon: one reconcile loop that turns the configuration
-// file into one Apply on the datapath backend, and the health endpoints.
+// into one Apply on the datapath backend, and the health endpoints.
 //
-// Everything that can change the datapath goes through the loop: a change in the config
-// directory (debounced), the periodic resync (which re-applies and so heals drift), the drift
+// Everything that can change the datapath goes through the loop: a change of the configuration
+// (as its config.Source reports it), the periodic resync (which re-applies and so heals drift), the drift
 // check (every second, for backends that can tell cheaply what was changed behind the agent's
 // back), datapath events, and the retry of a failed apply. Shutdown stops the loop and leaves
 // the datapath in place, so that pods keep working while the agent is restarted or upgraded.
@@ -19,7 +19,6 @@ import (
 	"net"
 	"net/http"
 	"net/url"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -32,19 +31,11 @@ import (
 
 // Defaults of Options.
 const (
-	// DefaultDebounce lets a burst of directory events (a ConfigMap swap is several) settle into
-	// one reload, while keeping a change well under a second from file to datapath.
-	DefaultDebounce = 20 * time.Millisecond
-	// DefaultQuiet is how long a file must be unmodified before it is read as whole: a writer
-	// that writes in several chunks pauses between them (see Options.Quiet).
-	DefaultQuiet = 100 * time.Millisecond
-	// DefaultWriterTimeout bounds the wait for a writer that keeps the file open.
-	DefaultWriterTimeout = 30 * time.Second
-	DefaultRetryMin      = 500 * time.Millisecond
-	DefaultRetryMax      = 30 * time.Second
-	// DefaultDriftInterval is how often the datapath is checked for drift: a repair follows
-	// within about a second of the damage, at a cost the backends keep small (see
-	// datapath.DriftChecker).
+	DefaultRetryMin = 500 * time.Millisecond
+	DefaultRetryMax = 30 * time.Second
+	// DefaultDriftInterval is the interval of the drift checks the command line asks for by
+	// default: a repair follows within about a second of the damage, at a cost the backends
+	// keep small (see datapath.DriftChecker).
 	DefaultDriftInterval = time.Second
 	// driftCheckTimeout bounds one drift check, which holds up the loop while it runs (an
 	// iptables listing may wait for the xtables lock); a check that times out is tried again at
@@ -56,39 +47,38 @@ const (
 
 // Options configure an Agent.
 type Options struct {
-	// ConfigPath is the configuration file; a missing file means the defaults.
-	ConfigPath    string
-	ConfigOptions config.Options
+	// Source is where the configuration comes from (configwatch.File for a file).
+	Source        config.Source
 	PolicyOptions policy.Options
 	Backend       datapath.Backend
 	// Logger receives the agent's logs; nil discards them.
 	Logger *slog.Logger
-	// Debounce is how long the config directory must stay quiet before the file is re-read.
-	Debounce time.Duration
-	// Quiet and WriterTimeout keep a file that is being written from being applied half-read.
-	// A file is read as whole only when no writer has it open (a modification seen and no
-	// close after it; for at most WriterTimeout since the last modification, after which the
-	// writer is taken for stalled), it did not change during the read, and it was last
-	// modified at least Quiet ago; otherwise it is read again shortly. A ConfigMap update
-	// replaces the file whole, so it only waits out Quiet from the kubelet's write.
-	Quiet, WriterTimeout time.Duration
+	// Observer, when set, is told of every apply as it happens (pkg/metrics records them).
+	Observer Observer
 	// RetryMin and RetryMax bound the exponential backoff of a failed apply.
 	RetryMin, RetryMax time.Duration
 	// DriftInterval is how often the loop asks a backend that implements
 	// datapath.DriftChecker whether what it installed is still in place, and applies again when
-	// not; zero means DefaultDriftInterval, a negative value turns the checks off (the resync
-	// still repairs drift). Every heal, found by a check or by the check before a resync, is
-	// counted by kind in Stats.Heals and logged once.
+	// not; zero or less turns the checks off (the resync still repairs drift). Every heal, found
+	// by a check or by the check before a resync, is counted by kind in Stats.Heals and logged
+	// once.
 	DriftInterval time.Duration
-	// Changes, when set, carries events from outside the file that the datapath must follow
-	// (such as an uplink address change, reported by a backend); each value, a short reason
-	// for the logs, makes the loop re-read the file and re-apply, as a resync does.
+	// Changes, when set, carries events from outside the configuration that the datapath must
+	// follow (such as an uplink address change, reported by a backend); each value, a short
+	// reason for the logs, makes the loop load the configuration and re-apply, as a resync does.
 	Changes <-chan string
 	// Displace are the other backends, whose state is removed once Backend holds a policy (after
 	// the first successful apply, so that the node is never without a datapath, and never while
 	// only a bad configuration is at hand). A failed removal is logged and retried after the
 	// next successful apply.
 	Displace []Displaced
+}
+
+// Observer is told of the loop's work as it happens (see Options.Observer).
+type Observer interface {
+	// ObserveApply follows every apply of the policy, except one cut short by a shutdown: how
+	// long it took, and its error (nil when it succeeded).
+	ObserveApply(took time.Duration, err error)
 }
 
 // Displaced is a backend whose state the agent removes (see Options.Displace).
@@ -100,9 +90,9 @@ type Displaced interface {
 
 // Stats are the agent's counters, for logs, tests and metrics (which read them at scrape time).
 //
-// A reload is one read of the config file: at startup, after a change in its directory, at each
-// resync and retry, and after a datapath event. Every reload counts once, in Reloads,
-// ReloadApplyErrors or ConfigErrors.
+// A reload is one load of the configuration: at startup, after a change, at each resync and
+// retry, and after a datapath event. Every reload of a configuration that could be read whole
+// counts once, in Reloads, ReloadApplyErrors or ConfigErrors.
 type Stats struct {
 	// Applies counts successful applies; ApplyErrors failed ones. A bad file at a resync still
 	// re-applies the last good policy, so applies and reloads differ.
@@ -110,7 +100,7 @@ type Stats struct {
 	// Reloads counts reloads whose valid configuration is now in the datapath (applied, or
 	// already in place); ReloadApplyErrors those whose valid configuration could not be applied.
 	Reloads, ReloadApplyErrors uint64
-	// ConfigErrors counts reloads that found a file that does not parse or validate.
+	// ConfigErrors counts reloads that found a configuration that does not parse or validate.
 	ConfigErrors uint64
 	// LastReload is when the last reload counted in Reloads finished.
 	LastReload time.Time
@@ -120,43 +110,12 @@ type Stats struct {
 	ConfigSHA256 string
 	// LastApply is when the last successful apply finished.
 	LastApply time.Time
-	// SyncDurations are the durations of every apply, failed ones included.
-	SyncDurations DurationHistogram
 	// Heals counts, by kind of drift (datapath.DriftChain, ...), the repairs of damage done
 	// behind the agent's back: each kind a drift check (or the check before a resync) found and
 	// the next apply repaired. Nil until the first heal.
 	Heals map[string]uint64
 	// Ready is true once a configuration is in the datapath.
 	Ready bool
-}
-
-// numSyncBuckets is the number of buckets of SyncBuckets.
-const numSyncBuckets = 14
-
-// SyncBuckets are the upper bounds, in seconds, of DurationHistogram's buckets: from a BPF map
-// update (a millisecond) to an iptables-restore of thousands of rules or one that waits for the
-// xtables lock (up to its 30 s timeout).
-func SyncBuckets() []float64 {
-	return []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}
-}
-
-// DurationHistogram counts durations as a Prometheus histogram does.
-type DurationHistogram struct {
-	// Buckets[i] counts the durations of at most SyncBuckets()[i] seconds: cumulative, so the
-	// last bucket holds every duration up to 30 s and Count those beyond too.
-	Buckets [numSyncBuckets]uint64
-	Count   uint64
-	Sum     time.Duration
-}
-
-func (h *DurationHistogram) observe(d time.Duration) {
-	for i, bound := range SyncBuckets() {
-		if d.Seconds() <= bound {
-			h.Buckets[i]++
-		}
-	}
-	h.Count++
-	h.Sum += d
 }
 
 // ConfigHash is what Stats.ConfigSHA256 holds for a configuration.
@@ -176,28 +135,14 @@ type Agent struct {
 	notReady string // why /readyz fails, while not ready
 }
 
-// New checks the options and returns an agent; it touches neither the file nor the datapath.
+// New checks the options and returns an agent; it touches neither the configuration nor the
+// datapath.
 func New(opts Options) (*Agent, error) {
 	if opts.Backend == nil {
 		return nil, errors.New("agent: no datapath backend")
 	}
-	if opts.ConfigPath == "" {
-		return nil, errors.New("agent: no config path")
-	}
-	// Absolute, so that watch events and the file's resolved path compare.
-	path, err := filepath.Abs(opts.ConfigPath)
-	if err != nil {
-		return nil, fmt.Errorf("agent: config path: %w", err)
-	}
-	opts.ConfigPath = path
-	if opts.Debounce <= 0 {
-		opts.Debounce = DefaultDebounce
-	}
-	if opts.Quiet <= 0 {
-		opts.Quiet = DefaultQuiet
-	}
-	if opts.WriterTimeout <= 0 {
-		opts.WriterTimeout = DefaultWriterTimeout
+	if opts.Source == nil {
+		return nil, errors.New("agent: no configuration source")
 	}
 	if opts.RetryMin <= 0 {
 		opts.RetryMin = DefaultRetryMin
@@ -205,8 +150,8 @@ func New(opts Options) (*Agent, error) {
 	if opts.RetryMax < opts.RetryMin {
 		opts.RetryMax = max(DefaultRetryMax, opts.RetryMin)
 	}
-	if opts.DriftInterval == 0 {
-		opts.DriftInterval = DefaultDriftInterval
+	if opts.Observer == nil {
+		opts.Observer = noObserver{}
 	}
 	log := opts.Logger
 	if log == nil {
@@ -218,6 +163,10 @@ func New(opts Options) (*Agent, error) {
 	a.mux.HandleFunc("GET /readyz", a.readyz)
 	return a, nil
 }
+
+type noObserver struct{}
+
+func (noObserver) ObserveApply(time.Duration, error) {}
 
 // Mux is the HTTP handler served on the metrics address; more handlers (such as /metrics) can
 // be added before Run.
@@ -296,6 +245,13 @@ const (
 	triggerDrift   trigger = "drift"
 )
 
+// reapplies tells whether the trigger applies the last good policy again whatever the
+// configuration holds, as drift repair: a configuration that cannot be read, or is bad, does
+// not hold it up.
+func (t trigger) reapplies() bool {
+	return t == triggerResync || t == triggerRetry || t == triggerEvent
+}
+
 // loopState is owned by the loop goroutine.
 type loopState struct {
 	// desired is the policy of the last good configuration, nil before there was one;
@@ -304,8 +260,7 @@ type loopState struct {
 	desiredHash string
 	// applied is the policy the backend last applied successfully.
 	applied *policy.Policy
-	// failed is set while desired could not be applied; backoff is the next retry delay.
-	failed  bool
+	// backoff is the delay before the retry of a failed apply, zero while none failed.
 	backoff time.Duration
 	// resync is the interval of the last good configuration.
 	resync time.Duration
@@ -317,150 +272,149 @@ type loopState struct {
 	// while drift checks fail. Both keep the log to one line per change.
 	persisting   string
 	checkFailing bool
+	// The timers of the resync and of the retry of a failed apply.
+	resyncTimer, retryTimer *time.Timer
 }
 
+// failing tells whether the desired policy could not be applied and awaits its retry.
+func (st *loopState) failing() bool { return st.backoff > 0 }
+
 func (a *Agent) loop(ctx context.Context) error {
-	log := a.log.With("config", a.opts.ConfigPath, "backend", a.opts.Backend.Name())
-	w, err := newDirWatcher(a.opts.ConfigPath, log)
+	log := a.log.With("config", a.opts.Source.String(), "backend", a.opts.Backend.Name())
+	watchCtx, stopWatching := context.WithCancel(ctx)
+	changes, err := a.opts.Source.Watch(watchCtx)
 	if err != nil {
-		return fmt.Errorf("watch config directory: %w", err)
+		stopWatching()
+		return err
 	}
-	defer w.close()
-
-	st := &loopState{resync: config.Default(a.opts.ConfigOptions).ResyncInterval}
-	resync := time.NewTimer(time.Hour)
-	debounce := time.NewTimer(time.Hour)
-	retry := time.NewTimer(time.Hour)
-	settle := time.NewTimer(time.Hour) // reads again a file that was being written
-	debounce.Stop()
-	retry.Stop()
-	settle.Stop()
-	defer resync.Stop()
-	defer debounce.Stop()
-	defer retry.Stop()
-	defer settle.Stop()
-
+	defer func() {
+		stopWatching()
+		for range changes { // closed once the source has stopped
+		}
+	}()
+	st := &loopState{resync: config.Default(config.Options{}).ResyncInterval,
+		resyncTimer: time.NewTimer(time.Hour), retryTimer: time.NewTimer(time.Hour)}
+	st.retryTimer.Stop()
+	defer st.resyncTimer.Stop()
+	defer st.retryTimer.Stop()
 	var driftTick <-chan time.Time
 	if _, ok := a.opts.Backend.(datapath.DriftChecker); ok && a.opts.DriftInterval > 0 {
 		t := time.NewTicker(a.opts.DriftInterval)
 		defer t.Stop()
 		driftTick = t.C
 	}
-
-	changes := a.opts.Changes
-	next := triggerStartup
-	for {
-		if next != "" {
-			interval := st.resync
-			if next == triggerDrift {
-				// The file is not read again: the last good policy is what must be in place.
-				_ = a.apply(ctx, st, log.With("trigger", string(next)), false)
-			} else if again := a.reconcile(ctx, st, next, w); again > 0 {
-				settle.Reset(again)
-			} else {
-				settle.Stop()
-			}
-			w.follow() // a ConfigMap update points the file at a new directory
-			if st.failed {
-				retry.Reset(st.backoff)
-			} else {
-				retry.Stop()
-			}
-			// Only a resync (or a new interval) restarts the resync clock: a directory that keeps
-			// changing must not postpone the drift repair forever.
-			if next == triggerStartup || next == triggerResync || st.resync != interval {
-				resync.Reset(st.resync)
-			}
-			next = ""
-		}
-		select {
-		case <-ctx.Done():
+	w := waiter{changes: changes, events: a.opts.Changes, driftTick: driftTick}
+	for why := triggerStartup; ; {
+		a.act(ctx, st, why, log.With("trigger", string(why)))
+		var ok bool
+		if why, ok = a.next(ctx, st, &w, log); !ok {
 			log.Info("shutting down; the datapath stays in place")
 			return nil
-		case ev := <-w.events():
-			if w.handle(ev) {
-				log.Debug("config directory changed", "event", ev.String())
-				if w.swapped(ev) {
-					debounce.Stop()
-					next = triggerChange
-				} else {
-					debounce.Reset(a.opts.Debounce)
-				}
-			}
-		case err := <-w.errors():
-			// Events may have been lost (a queue overflow): re-read to be sure.
-			log.Warn("config directory watch error; re-reading the file", "error", err)
-			debounce.Reset(a.opts.Debounce)
-		case <-debounce.C:
-			next = triggerChange
-		case <-settle.C:
-			next = triggerChange
-		case <-resync.C:
-			w.ensure()
-			a.checkDrift(ctx, st, log) // so that what the resync repairs counts as healed
-			next = triggerResync
-		case <-driftTick:
-			if a.checkDrift(ctx, st, log) {
-				next = triggerDrift
-			}
-		case <-retry.C:
-			next = triggerRetry
-		case why, ok := <-changes:
-			if !ok {
-				changes = nil // closed: no more events
-				continue
-			}
-			log.Info("datapath event; re-applying", "event", why)
-			next = triggerEvent
 		}
 	}
 }
 
-// reconcile reads the file and, when it is good, applies its policy. A change reload applies only
-// a policy that differs from the one in place; a resync or retry always applies, which heals
-// drift. A bad file changes nothing: the last good policy stays (and a resync re-applies it).
-// A file being written is not read yet: reconcile returns when to read it again.
-func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, w *dirWatcher) time.Duration {
-	log := a.log.With("trigger", string(why))
-	writing, lastWrite := w.writer()
-	f, err := config.ReadFile(a.opts.ConfigPath)
-	if err == nil {
-		if again, reason := a.unsettled(f, writing, lastWrite, time.Now()); again > 0 {
-			log.Debug("the config file is being written; reading it again shortly", "path", a.opts.ConfigPath,
-				"reason", reason, "in", again)
-			if st.desired != nil && (why == triggerResync || why == triggerRetry || why == triggerEvent) {
-				_ = a.apply(ctx, st, log, false) // the drift repair does not wait for the file
+// act does what the trigger calls for, then sets the retry and resync timers for what follows.
+func (a *Agent) act(ctx context.Context, st *loopState, why trigger, log *slog.Logger) {
+	interval := st.resync
+	if why == triggerDrift {
+		// The configuration is not loaded again: the last good policy is what must be in place.
+		_ = a.apply(ctx, st, log, false)
+	} else {
+		a.reconcile(ctx, st, why, log)
+	}
+	if st.failing() {
+		st.retryTimer.Reset(st.backoff)
+	} else {
+		st.retryTimer.Stop()
+	}
+	// Only a resync (or a new interval) restarts the resync clock: a configuration that keeps
+	// changing must not postpone the drift repair forever.
+	if why == triggerStartup || why == triggerResync || st.resync != interval {
+		st.resyncTimer.Reset(st.resync)
+	}
+}
+
+// waiter holds the channels the loop waits on besides its timers; a closed one is set to nil.
+type waiter struct {
+	changes   <-chan struct{}
+	events    <-chan string
+	driftTick <-chan time.Time
+}
+
+// next waits for the next trigger; it returns false once ctx is done.
+func (a *Agent) next(ctx context.Context, st *loopState, w *waiter, log *slog.Logger) (trigger, bool) {
+	for {
+		select {
+		case <-ctx.Done():
+			return "", false
+		case _, ok := <-w.changes:
+			if !ok {
+				w.changes = nil
+				continue
 			}
-			return again
-		}
-		if writing {
-			log.Warn("the config file is still open for writing but unmodified for a while; reading it as it is",
-				"path", a.opts.ConfigPath, "lastWrite", lastWrite)
+			return triggerChange, true
+		case <-st.resyncTimer.C:
+			a.checkDrift(ctx, st, log) // so that what the resync repairs counts as healed
+			return triggerResync, true
+		case <-w.driftTick:
+			if a.checkDrift(ctx, st, log) {
+				return triggerDrift, true
+			}
+		case <-st.retryTimer.C:
+			return triggerRetry, true
+		case why, ok := <-w.events:
+			if !ok {
+				w.events = nil // closed: no more events
+				continue
+			}
+			log.Info("datapath event; re-applying", "event", why)
+			return triggerEvent, true
 		}
 	}
-	var cfg config.Config
-	if err == nil {
-		cfg, err = f.Parse(a.opts.ConfigOptions)
+}
+
+// reconcile loads the configuration and, when it is good, applies its policy (see accept). A bad
+// configuration changes nothing: the last good policy stays (and a resync re-applies it). One
+// that cannot be read whole yet is loaded again when the source reports it settled.
+func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, log *slog.Logger) {
+	cfg, err := a.opts.Source.Load()
+	switch {
+	case errors.Is(err, config.ErrUnsettled):
+		if st.desired != nil && why.reapplies() {
+			_ = a.apply(ctx, st, log, false) // the drift repair does not wait for the configuration
+		}
+	case err != nil:
+		a.reject(ctx, st, why, err, log)
+	default:
+		a.accept(ctx, st, why, cfg, log)
 	}
-	if err != nil {
-		a.mu.Lock()
-		a.stats.ConfigErrors++
-		if !a.stats.Ready {
-			a.notReady = "no valid configuration yet: " + err.Error()
-		}
-		a.mu.Unlock()
-		if st.desired == nil {
-			log.Error("config rejected; nothing applied, not ready until a valid configuration arrives",
-				"path", a.opts.ConfigPath, "error", err)
-			return 0
-		}
-		log.Error("config rejected; the last good configuration stays in force",
-			"path", a.opts.ConfigPath, "error", err)
-		if why == triggerResync || why == triggerRetry || why == triggerEvent {
-			_ = a.apply(ctx, st, log, false) // counted as an apply, not as a reload of this file
-		}
-		return 0
+}
+
+// reject counts a configuration that does not parse or validate, and keeps the last good one.
+func (a *Agent) reject(ctx context.Context, st *loopState, why trigger, err error, log *slog.Logger) {
+	a.mu.Lock()
+	a.stats.ConfigErrors++
+	if !a.stats.Ready {
+		a.notReady = "no valid configuration yet: " + err.Error()
 	}
+	a.mu.Unlock()
+	if st.desired == nil {
+		log.Error("config rejected; nothing applied, not ready until a valid configuration arrives",
+			"path", a.opts.Source.String(), "error", err)
+		return
+	}
+	log.Error("config rejected; the last good configuration stays in force",
+		"path", a.opts.Source.String(), "error", err)
+	if why.reapplies() {
+		_ = a.apply(ctx, st, log, false) // counted as an apply, not as a reload of this configuration
+	}
+}
+
+// accept makes a good configuration the desired one and applies its policy. A change applies
+// only a policy that differs from the one in place; a resync or retry always applies, which
+// heals drift.
+func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg config.Config, log *slog.Logger) {
 	st.resync = cfg.ResyncInterval
 	p := policy.Compile(cfg, a.opts.PolicyOptions)
 	changed := st.desired != nil && !p.Equal(st.desired)
@@ -470,86 +424,52 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, w *di
 		p = st.desired
 	}
 	hash := ConfigHash(cfg)
-	if why == triggerChange && !st.failed && p.Equal(st.applied) {
+	if why == triggerChange && !st.failing() && p.Equal(st.applied) {
 		log.Debug("config unchanged; nothing to apply")
 		// The datapath implements this configuration too (it may differ in settings that do
 		// not reach the datapath, such as resyncInterval): it is the one in force now.
 		st.desiredHash = hash
-		a.mu.Lock()
-		a.stats.Reloads++
-		a.stats.LastReload = time.Now()
-		a.stats.ConfigSHA256 = hash
-		a.mu.Unlock()
-		return 0
+		a.reloaded(hash)
+		return
 	}
 	if changed {
-		log.Info("config changed", "path", a.opts.ConfigPath)
+		log.Info("config changed", "path", a.opts.Source.String())
 	}
 	st.desired, st.desiredHash = p, hash
 	_ = a.apply(ctx, st, log, true)
-	return 0
 }
 
-// unsettled tells whether a read of the config file may have caught it half-written, and if so
-// when to read it again. A missing file is settled: a ConfigMap update or an editor replaces
-// the file whole, by a rename.
-func (a *Agent) unsettled(f config.File, writing bool, lastWrite, now time.Time) (time.Duration, string) {
-	if f.Missing {
-		return 0, ""
-	}
-	if writing {
-		if left := a.opts.WriterTimeout - now.Sub(lastWrite); left > 0 {
-			// The close after the last write is an event that reads it sooner.
-			return left, "a writer has it open"
-		}
-	}
-	if f.Torn {
-		return a.opts.Quiet, "it changed while it was read"
-	}
-	if f.Published {
-		return 0, "" // a ConfigMap's files are complete before they appear
-	}
-	// An mtime in the future (a clock step, a copied timestamp) says nothing about writers.
-	if age := now.Sub(f.ModTime); age >= 0 && age < a.opts.Quiet {
-		return a.opts.Quiet - age, "it was modified " + age.Round(time.Millisecond).String() + " ago"
-	}
-	return 0, ""
+// reloaded counts a reload whose configuration, of the given hash, is in force already.
+func (a *Agent) reloaded(hash string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.stats.Reloads++
+	a.stats.LastReload = time.Now()
+	a.stats.ConfigSHA256 = hash
 }
 
-// apply applies the desired policy and records the outcome, as a reload of the file too when
-// reload is set: in the same update as the configuration hash, so that a scrape never sees the
-// new configuration in force without its reload counted. It returns the backend's error; a
-// cancelled context (shutdown) records nothing.
+// apply applies the desired policy and records the outcome, as a reload of the configuration
+// too when reload is set: in the same update as the configuration hash, so that a scrape never
+// sees the new configuration in force without its reload counted. It returns the backend's
+// error; a cancelled context (shutdown) records nothing.
 func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger, reload bool) error {
 	p := st.desired
 	start := time.Now()
 	err := a.opts.Backend.Apply(ctx, p)
 	took := time.Since(start)
+	if err != nil && ctx.Err() != nil {
+		return err // shutting down: the datapath stays as it is
+	}
+	a.opts.Observer.ObserveApply(took, err)
 	if err != nil {
-		if ctx.Err() != nil {
-			return err // shutting down: the datapath stays as it is
-		}
-		st.failed = true
-		st.backoff = min(max(2*st.backoff, a.opts.RetryMin), a.opts.RetryMax)
-		a.mu.Lock()
-		a.stats.ApplyErrors++
-		if reload {
-			a.stats.ReloadApplyErrors++
-		}
-		a.stats.SyncDurations.observe(took)
-		if !a.stats.Ready {
-			a.notReady = "apply failed: " + err.Error()
-		}
-		a.mu.Unlock()
-		log.Error("apply failed; retrying", "error", err, "retryIn", st.backoff)
+		a.applyFailed(st, err, log, reload)
 		return err
 	}
 	changed := !p.Equal(st.applied)
-	st.applied, st.failed, st.backoff = p, false, 0
+	st.applied, st.backoff = p, 0
 	a.mu.Lock()
 	a.stats.Applies++
 	a.stats.LastApply = time.Now()
-	a.stats.SyncDurations.observe(took)
 	a.stats.ConfigSHA256 = st.desiredHash
 	if reload {
 		a.stats.Reloads++
@@ -571,12 +491,27 @@ func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger, relo
 	return nil
 }
 
+// applyFailed records a failed apply (of a reload when reload is set) and backs off its retry.
+func (a *Agent) applyFailed(st *loopState, err error, log *slog.Logger, reload bool) {
+	st.backoff = min(max(2*st.backoff, a.opts.RetryMin), a.opts.RetryMax)
+	a.mu.Lock()
+	a.stats.ApplyErrors++
+	if reload {
+		a.stats.ReloadApplyErrors++
+	}
+	if !a.stats.Ready {
+		a.notReady = "apply failed: " + err.Error()
+	}
+	a.mu.Unlock()
+	log.Error("apply failed; retrying", "error", err, "retryIn", st.backoff)
+}
+
 // checkDrift asks the backend whether what it installed is still in place and records what
 // drifted, for the apply that repairs it to count. It tells whether an apply is needed. Nothing
 // is checked before the first successful apply, nor while a failed one awaits its retry.
 func (a *Agent) checkDrift(ctx context.Context, st *loopState, log *slog.Logger) bool {
 	checker, ok := a.opts.Backend.(datapath.DriftChecker)
-	if !ok || st.applied == nil || st.failed {
+	if !ok || st.applied == nil || st.failing() {
 		return false
 	}
 	cctx, cancel := context.WithTimeout(ctx, driftCheckTimeout)

@@ -13,85 +13,22 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/configwatch"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath/datapathtest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
 // waitFor bounds every wait of these tests; the loop reacts in milliseconds, so reaching it
 // means a lost event, not a slow machine.
-const waitFor = 10 * time.Second
-
-// fakeBackend records what the agent applies.
-type fakeBackend struct {
-	mu       sync.Mutex
-	failNext int           // fail this many applies
-	gate     chan struct{} // when set, Apply waits for it
-	cleanups int
-	applied  chan *policy.Policy
-}
-
-func newFakeBackend() *fakeBackend { return &fakeBackend{applied: make(chan *policy.Policy, 100)} }
-
-func (f *fakeBackend) Name() string { return "fake" }
-
-func (f *fakeBackend) Apply(ctx context.Context, p *policy.Policy) error {
-	f.mu.Lock()
-	gate := f.gate
-	fail := f.failNext > 0
-	if fail {
-		f.failNext--
-	}
-	f.mu.Unlock()
-	if gate != nil {
-		select {
-		case <-gate:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}
-	if fail {
-		return errors.New("fake: iptables-restore: line 3 failed")
-	}
-	f.applied <- p
-	return nil
-}
-
-func (f *fakeBackend) Counters(context.Context) ([]datapath.RuleCounter, error) { return nil, nil }
-
-func (f *fakeBackend) Cleanup(context.Context) error {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.cleanups++
-	return nil
-}
-
-// waitApply returns the next applied policy.
-func (f *fakeBackend) waitApply(t *testing.T) *policy.Policy {
-	t.Helper()
-	select {
-	case p := <-f.applied:
-		return p
-	case <-time.After(waitFor):
-		t.Fatal("no apply within", waitFor)
-		return nil
-	}
-}
-
-// noApply checks that nothing is applied for a while.
-func (f *fakeBackend) noApply(t *testing.T, d time.Duration) {
-	t.Helper()
-	select {
-	case p := <-f.applied:
-		t.Fatalf("unexpected apply of %+v", p)
-	case <-time.After(d):
-	}
-}
+const waitFor = datapathtest.Wait
 
 // syncBuffer is a log sink the test reads while the agent writes.
 type syncBuffer struct {
@@ -157,6 +94,15 @@ func (c *configMap) write(content string) {
 	c.prev = ts
 }
 
+func fileSource(t *testing.T, path string, opts configwatch.Options) *configwatch.File {
+	t.Helper()
+	src, err := configwatch.NewFile(path, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return src
+}
+
 type running struct {
 	agent *Agent
 	log   *syncBuffer
@@ -166,9 +112,16 @@ type running struct {
 
 func startAgent(t *testing.T, path string, b datapath.Backend, opts ...func(*Options)) *running {
 	t.Helper()
+	return startAgentWatching(t, path, configwatch.Options{}, b, opts...)
+}
+
+// startAgentWatching runs an agent on the file at path, watched with fopts.
+func startAgentWatching(t *testing.T, path string, fopts configwatch.Options, b datapath.Backend, opts ...func(*Options)) *running {
+	t.Helper()
 	logs := &syncBuffer{}
-	o := Options{ConfigPath: path, Backend: b, RetryMin: 20 * time.Millisecond, RetryMax: 80 * time.Millisecond,
-		Logger: slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))}
+	fopts.Logger = slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	o := Options{Source: fileSource(t, path, fopts), Backend: b, RetryMin: 20 * time.Millisecond,
+		RetryMax: 80 * time.Millisecond, Logger: fopts.Logger}
 	for _, f := range opts {
 		f(&o)
 	}
@@ -228,8 +181,8 @@ func nonMasq(p *policy.Policy) []netip.Prefix {
 }
 
 func TestMissingFileAppliesDefaultsAndBecomesReady(t *testing.T) {
-	b := newFakeBackend()
-	b.gate = make(chan struct{})
+	b := &datapathtest.Backend{}
+	b.Gate = make(chan struct{})
 	dir := t.TempDir()
 	r := startAgent(t, filepath.Join(dir, "ip-masq-agent"), b)
 
@@ -237,8 +190,8 @@ func TestMissingFileAppliesDefaultsAndBecomesReady(t *testing.T) {
 	if code, body := r.ready(t); code != http.StatusServiceUnavailable || !strings.Contains(body, "not applied yet") {
 		t.Errorf("readyz before apply = %d %q, want 503", code, body)
 	}
-	close(b.gate)
-	p := b.waitApply(t)
+	close(b.Gate)
+	p := b.WaitApply(t)
 	want := policy.Compile(config.Default(config.Options{}), policy.Options{})
 	if fmt.Sprint(p) != fmt.Sprint(want) {
 		t.Errorf("applied %+v, want the defaults %+v", p, want)
@@ -254,14 +207,14 @@ func TestMissingFileAppliesDefaultsAndBecomesReady(t *testing.T) {
 func TestConfigMapSwapTakesEffect(t *testing.T) {
 	cm := newConfigMap(t)
 	cm.write("nonMasqueradeCIDRs: [10.0.0.0/8]\n")
-	b := newFakeBackend()
+	b := &datapathtest.Backend{}
 	r := startAgent(t, cm.path(), b)
-	if got := nonMasq(b.waitApply(t)); fmt.Sprint(got) != "[10.0.0.0/8]" {
+	if got := nonMasq(b.WaitApply(t)); fmt.Sprint(got) != "[10.0.0.0/8]" {
 		t.Fatalf("first apply %v", got)
 	}
 	start := time.Now()
 	cm.write("nonMasqueradeCIDRs: [192.168.0.0/16]\n")
-	p := b.waitApply(t)
+	p := b.WaitApply(t)
 	t.Logf("config swap to apply: %v", time.Since(start))
 	if got := nonMasq(p); fmt.Sprint(got) != "[192.168.0.0/16]" {
 		t.Fatalf("after the swap applied %v", got)
@@ -270,7 +223,7 @@ func TestConfigMapSwapTakesEffect(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(cm.dir, "unrelated"), []byte("x"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	b.noApply(t, 300*time.Millisecond)
+	b.NoApply(t, 300*time.Millisecond)
 	if s := r.agent.Stats(); s.Applies != 2 || s.ConfigErrors != 0 || !s.Ready {
 		t.Errorf("stats %+v", s)
 	}
@@ -281,12 +234,12 @@ func TestConfigMapSwapTakesEffect(t *testing.T) {
 func TestConfigMapSwapSkipsDebounce(t *testing.T) {
 	cm := newConfigMap(t)
 	cm.write("nonMasqueradeCIDRs: [10.0.0.0/8]\n")
-	b := newFakeBackend()
-	startAgent(t, cm.path(), b, func(o *Options) { o.Debounce = time.Minute })
-	b.waitApply(t)
+	b := &datapathtest.Backend{}
+	startAgentWatching(t, cm.path(), configwatch.Options{Debounce: time.Minute}, b)
+	b.WaitApply(t)
 	cm.write("nonMasqueradeCIDRs: [192.168.0.0/16]\n")
 	select {
-	case p := <-b.applied:
+	case p := <-b.Applied():
 		if got := nonMasq(p); fmt.Sprint(got) != "[192.168.0.0/16]" {
 			t.Fatalf("after the swap applied %v", got)
 		}
@@ -298,9 +251,9 @@ func TestConfigMapSwapSkipsDebounce(t *testing.T) {
 func TestEditorRenameAndLateFile(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "config.yaml")
-	b := newFakeBackend()
+	b := &datapathtest.Backend{}
 	startAgent(t, path, b)
-	if got := nonMasq(b.waitApply(t)); len(got) != 3 {
+	if got := nonMasq(b.WaitApply(t)); len(got) != 3 {
 		t.Fatalf("defaults expected first, got %v", got)
 	}
 	// The file appears later, written to a temporary name and renamed into place.
@@ -311,14 +264,14 @@ func TestEditorRenameAndLateFile(t *testing.T) {
 	if err := os.Rename(tmp, path); err != nil {
 		t.Fatal(err)
 	}
-	if got := nonMasq(b.waitApply(t)); fmt.Sprint(got) != "[10.0.0.0/8]" {
+	if got := nonMasq(b.WaitApply(t)); fmt.Sprint(got) != "[10.0.0.0/8]" {
 		t.Fatalf("after the rename applied %v", got)
 	}
 	// Removing the file means the defaults again.
 	if err := os.Remove(path); err != nil {
 		t.Fatal(err)
 	}
-	if got := nonMasq(b.waitApply(t)); len(got) != 3 {
+	if got := nonMasq(b.WaitApply(t)); len(got) != 3 {
 		t.Fatalf("after removal applied %v, want the defaults", got)
 	}
 }
@@ -326,9 +279,9 @@ func TestEditorRenameAndLateFile(t *testing.T) {
 func TestBadConfigKeepsLastGood(t *testing.T) {
 	cm := newConfigMap(t)
 	cm.write("nonMasqueradeCIDRs: [10.0.0.0/8]\n")
-	b := newFakeBackend()
+	b := &datapathtest.Backend{}
 	r := startAgent(t, cm.path(), b)
-	b.waitApply(t)
+	b.WaitApply(t)
 
 	cm.write("nonMasqueradeCIDRs: [10.0.0.1/8]\n")
 	deadline := time.Now().Add(waitFor)
@@ -338,7 +291,7 @@ func TestBadConfigKeepsLastGood(t *testing.T) {
 		}
 		time.Sleep(time.Millisecond)
 	}
-	b.noApply(t, 200*time.Millisecond)
+	b.NoApply(t, 200*time.Millisecond)
 	logs := r.log.String()
 	for _, want := range []string{"config rejected; the last good configuration stays in force", `10.0.0.1/8`, "host bits are set"} {
 		if !strings.Contains(logs, want) {
@@ -350,7 +303,7 @@ func TestBadConfigKeepsLastGood(t *testing.T) {
 	}
 	// The next change is tried again.
 	cm.write("nonMasqueradeCIDRs: [172.16.0.0/12]\n")
-	if got := nonMasq(b.waitApply(t)); fmt.Sprint(got) != "[172.16.0.0/12]" {
+	if got := nonMasq(b.WaitApply(t)); fmt.Sprint(got) != "[172.16.0.0/12]" {
 		t.Fatalf("after the fix applied %v", got)
 	}
 }
@@ -358,7 +311,7 @@ func TestBadConfigKeepsLastGood(t *testing.T) {
 func TestBadConfigAtStartup(t *testing.T) {
 	cm := newConfigMap(t)
 	cm.write("masqOutBound: maybe\n")
-	b := newFakeBackend()
+	b := &datapathtest.Backend{}
 	r := startAgent(t, cm.path(), b)
 	deadline := time.Now().Add(waitFor)
 	for r.agent.Stats().ConfigErrors == 0 {
@@ -367,13 +320,13 @@ func TestBadConfigAtStartup(t *testing.T) {
 		}
 		time.Sleep(time.Millisecond)
 	}
-	b.noApply(t, 200*time.Millisecond)
+	b.NoApply(t, 200*time.Millisecond)
 	code, body := r.ready(t)
 	if code != http.StatusServiceUnavailable || !strings.Contains(body, `masqOutBound: "maybe"`) {
 		t.Errorf("readyz = %d %q, want 503 naming the bad value", code, body)
 	}
 	cm.write("masqOutBound: false\n")
-	p := b.waitApply(t)
+	p := b.WaitApply(t)
 	if act, _ := p.OutboundAction(policy.IPv4); act != policy.Return {
 		t.Errorf("applied %+v, want masqOutBound false", p)
 	}
@@ -383,12 +336,12 @@ func TestBadConfigAtStartup(t *testing.T) {
 func TestResyncReappliesEvenWithBadFile(t *testing.T) {
 	cm := newConfigMap(t)
 	cm.write("resyncInterval: 100ms\n")
-	b := newFakeBackend()
+	b := &datapathtest.Backend{}
 	r := startAgent(t, cm.path(), b)
-	first := b.waitApply(t)
+	first := b.WaitApply(t)
 	// Two resyncs re-apply the same policy.
 	for range 2 {
-		if p := b.waitApply(t); fmt.Sprint(p) != fmt.Sprint(first) {
+		if p := b.WaitApply(t); fmt.Sprint(p) != fmt.Sprint(first) {
 			t.Fatalf("resync applied %+v, want %+v", p, first)
 		}
 	}
@@ -397,7 +350,7 @@ func TestResyncReappliesEvenWithBadFile(t *testing.T) {
 	cm.write("resyncInterval: 100ms\nnonMasqueradeCIDRs: nope\n")
 	errs := r.agent.Stats().ConfigErrors
 	for range 2 {
-		if p := b.waitApply(t); fmt.Sprint(p) != fmt.Sprint(first) {
+		if p := b.WaitApply(t); fmt.Sprint(p) != fmt.Sprint(first) {
 			t.Fatalf("resync with a bad file applied %+v", p)
 		}
 	}
@@ -407,10 +360,10 @@ func TestResyncReappliesEvenWithBadFile(t *testing.T) {
 }
 
 func TestApplyFailureIsRetried(t *testing.T) {
-	b := newFakeBackend()
-	b.failNext = 3
+	b := &datapathtest.Backend{}
+	b.FailApplies(3)
 	r := startAgent(t, filepath.Join(t.TempDir(), "none"), b)
-	b.waitApply(t)
+	b.WaitApply(t)
 	r.waitReady(t)
 	s := r.agent.Stats()
 	if s.ApplyErrors != 3 || s.Applies != 1 || !s.Ready {
@@ -425,8 +378,8 @@ func TestApplyFailureIsRetried(t *testing.T) {
 }
 
 func TestApplyFailureNotReady(t *testing.T) {
-	b := newFakeBackend()
-	b.failNext = 1 << 30
+	b := &datapathtest.Backend{}
+	b.FailApplies(1 << 30)
 	r := startAgent(t, filepath.Join(t.TempDir(), "none"), b, func(o *Options) { o.RetryMin, o.RetryMax = time.Hour, time.Hour })
 	deadline := time.Now().Add(waitFor)
 	for r.agent.Stats().ApplyErrors == 0 {
@@ -441,19 +394,19 @@ func TestApplyFailureNotReady(t *testing.T) {
 }
 
 func TestShutdownLeavesDatapath(t *testing.T) {
-	b := newFakeBackend()
+	b := &datapathtest.Backend{}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, err := New(Options{ConfigPath: filepath.Join(t.TempDir(), "none"), Backend: b})
+	a, err := New(Options{Source: fileSource(t, filepath.Join(t.TempDir(), "none"), configwatch.Options{}), Backend: b})
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- a.Run(ctx, ln) }()
-	b.waitApply(t)
+	b.WaitApply(t)
 	// Ready follows the apply by a hair.
 	deadline := time.Now().Add(waitFor)
 	for {
@@ -480,7 +433,7 @@ func TestShutdownLeavesDatapath(t *testing.T) {
 	case <-time.After(waitFor):
 		t.Fatal("Run did not return")
 	}
-	if b.cleanups != 0 {
+	if b.Cleanups() != 0 {
 		t.Errorf("shutdown cleaned the datapath up")
 	}
 	if _, err := http.Get("http://" + ln.Addr().String() + "/healthz"); err == nil {
@@ -489,12 +442,12 @@ func TestShutdownLeavesDatapath(t *testing.T) {
 }
 
 func TestDatapathEventReapplies(t *testing.T) {
-	b := newFakeBackend()
+	b := &datapathtest.Backend{}
 	events := make(chan string)
 	r := startAgent(t, filepath.Join(t.TempDir(), "none"), b, func(o *Options) { o.Changes = events })
-	first := b.waitApply(t)
+	first := b.WaitApply(t)
 	events <- "uplink address changed"
-	if p := b.waitApply(t); fmt.Sprint(p) != fmt.Sprint(first) {
+	if p := b.WaitApply(t); fmt.Sprint(p) != fmt.Sprint(first) {
 		t.Errorf("re-applied %+v, want the same policy", p)
 	}
 	if !strings.Contains(r.log.String(), "uplink address changed") {
@@ -502,7 +455,7 @@ func TestDatapathEventReapplies(t *testing.T) {
 	}
 	// A closed channel ends the events, not the agent.
 	close(events)
-	b.noApply(t, 100*time.Millisecond)
+	b.NoApply(t, 100*time.Millisecond)
 	if r.agent.Stats().Applies != 2 {
 		t.Errorf("stats %+v", r.agent.Stats())
 	}
@@ -543,16 +496,17 @@ func TestReloadStats(t *testing.T) {
 	)
 	cm := newConfigMap(t)
 	cm.write(docA)
-	b := newFakeBackend()
+	b := &datapathtest.Backend{}
 	start := time.Now()
-	r := startAgent(t, cm.path(), b)
-	b.waitApply(t)
+	obs := &applyObserver{}
+	r := startAgent(t, cm.path(), b, func(o *Options) { o.Observer = obs })
+	b.WaitApply(t)
 	s := r.waitStats(t, "the first reload", func(s Stats) bool { return s.Reloads == 1 })
 	if s.ConfigSHA256 != hashOf(t, docA) || s.LastReload.Before(start) || s.ConfigErrors+s.ReloadApplyErrors != 0 {
 		t.Errorf("after the first reload: %+v", s)
 	}
-	if h := s.SyncDurations; h.Count != 1 || h.Buckets[numSyncBuckets-1] != 1 || h.Sum <= 0 {
-		t.Errorf("sync durations %+v, want one apply", h)
+	if took, errs := obs.applies(); len(took) != 1 || took[0] <= 0 || errs != 0 {
+		t.Errorf("applies observed: %v, %d failed; want one", took, errs)
 	}
 	if got := ConfigHash(config.Default(config.Options{})); got == s.ConfigSHA256 || len(got) != 64 {
 		t.Errorf("hash of the defaults %q vs %q", got, s.ConfigSHA256)
@@ -565,7 +519,7 @@ func TestReloadStats(t *testing.T) {
 	if s.ConfigSHA256 != hashOf(t, docASame) || !s.LastReload.After(last) || s.Applies != 1 {
 		t.Errorf("after a reload of the same policy: %+v", s)
 	}
-	b.noApply(t, 50*time.Millisecond)
+	b.NoApply(t, 50*time.Millisecond)
 
 	// A bad file: counted, the hash stays.
 	cm.write("nonMasqueradeCIDRs: [10.0.0.1/8]\n")
@@ -575,41 +529,36 @@ func TestReloadStats(t *testing.T) {
 	}
 
 	// A good file whose first apply fails: one apply error, then the retry's reload succeeds.
-	b.mu.Lock()
-	b.failNext = 1
-	b.mu.Unlock()
+	b.FailApplies(1)
 	cm.write(docB)
-	b.waitApply(t)
+	b.WaitApply(t)
 	s = r.waitStats(t, "the retried reload", func(s Stats) bool { return s.Reloads == 3 })
 	if s.ReloadApplyErrors != 1 || s.ApplyErrors != 1 || s.Applies != 2 || s.ConfigSHA256 != hashOf(t, docB) {
 		t.Errorf("after a failed then retried apply: %+v", s)
 	}
-	if h := s.SyncDurations; h.Count != 3 || h.Buckets[numSyncBuckets-1] != 3 {
-		t.Errorf("sync durations %+v, want three applies", h)
+	if took, errs := obs.applies(); len(took) != 3 || errs != 1 {
+		t.Errorf("applies observed: %v, %d failed; want three, one failed", took, errs)
 	}
 }
 
-func TestDurationHistogram(t *testing.T) {
-	var h DurationHistogram
-	for _, d := range []time.Duration{time.Millisecond, 3 * time.Millisecond, time.Second, time.Minute} {
-		h.observe(d)
+// applyObserver records what the agent tells its Observer.
+type applyObserver struct {
+	mu   sync.Mutex
+	took []time.Duration
+	errs int
+}
+
+func (o *applyObserver) ObserveApply(took time.Duration, err error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.took = append(o.took, took)
+	if err != nil {
+		o.errs++
 	}
-	bounds := SyncBuckets()
-	if len(bounds) != numSyncBuckets {
-		t.Fatalf("%d bounds, %d buckets", len(bounds), numSyncBuckets)
-	}
-	for i, bound := range bounds {
-		var want uint64
-		for _, d := range []float64{0.001, 0.003, 1} {
-			if d <= bound {
-				want++
-			}
-		}
-		if h.Buckets[i] != want {
-			t.Errorf("bucket le=%g holds %d, want %d", bound, h.Buckets[i], want)
-		}
-	}
-	if h.Count != 4 || h.Sum != time.Minute+time.Second+4*time.Millisecond {
-		t.Errorf("count %d sum %v", h.Count, h.Sum)
-	}
+}
+
+func (o *applyObserver) applies() ([]time.Duration, int) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return slices.Clone(o.took), o.errs
 }

@@ -1,78 +1,17 @@
 package agent
 
 import (
-	"context"
 	"errors"
 	"maps"
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath/datapathtest"
 )
-
-// driftBackend is a fakeBackend with a drift check: tests damage it, and an apply repairs
-// what drifted, except the kinds that are stuck.
-type driftBackend struct {
-	*fakeBackend
-	dmu     sync.Mutex
-	drifted []string
-	stuck   []string
-	checks  int
-	fail    error
-}
-
-func newDriftBackend() *driftBackend { return &driftBackend{fakeBackend: newFakeBackend()} }
-
-func (d *driftBackend) Apply(ctx context.Context, p *policy.Policy) error {
-	if err := d.fakeBackend.Apply(ctx, p); err != nil {
-		return err
-	}
-	d.set(func(d *driftBackend) {
-		d.drifted = slices.DeleteFunc(d.drifted, func(k string) bool { return !slices.Contains(d.stuck, k) })
-	})
-	return nil
-}
-
-func (d *driftBackend) DriftKinds() []string {
-	return []string{datapath.DriftProgram, datapath.DriftPin, datapath.DriftTrie}
-}
-
-func (d *driftBackend) CheckDrift(context.Context) ([]string, error) {
-	d.dmu.Lock()
-	defer d.dmu.Unlock()
-	d.checks++
-	if d.fail != nil {
-		return nil, d.fail
-	}
-	return slices.Clone(d.drifted), nil
-}
-
-func (d *driftBackend) set(f func(d *driftBackend)) {
-	d.dmu.Lock()
-	defer d.dmu.Unlock()
-	f(d)
-}
-
-func (d *driftBackend) checkCount() int {
-	d.dmu.Lock()
-	defer d.dmu.Unlock()
-	return d.checks
-}
-
-func drainApplies(b *fakeBackend) {
-	for {
-		select {
-		case <-b.applied:
-		default:
-			return
-		}
-	}
-}
 
 // countLines counts the lines that contain every one of subs.
 func countLines(logs string, subs ...string) int {
@@ -90,31 +29,31 @@ func withDrift(d time.Duration) func(*Options) { return func(o *Options) { o.Dri
 // TestDriftCheckHeals: no check before the first apply; damage found by a check is applied
 // away, each kind counted and logged once; an intact datapath is not applied again.
 func TestDriftCheckHeals(t *testing.T) {
-	b := newDriftBackend()
-	b.gate = make(chan struct{})
+	b := &datapathtest.DriftBackend{}
+	b.Gate = make(chan struct{})
 	r := startAgent(t, filepath.Join(t.TempDir(), "ip-masq-agent"), b, withDrift(10*time.Millisecond))
 	time.Sleep(50 * time.Millisecond)
-	if n := b.checkCount(); n != 0 {
+	if n := b.Checks(); n != 0 {
 		t.Fatalf("%d drift checks before the first apply", n)
 	}
-	close(b.gate)
-	b.waitApply(t)
+	close(b.Gate)
+	b.WaitApply(t)
 	r.waitReady(t)
-	b.noApply(t, 100*time.Millisecond)
-	if b.checkCount() == 0 {
+	b.NoApply(t, 100*time.Millisecond)
+	if b.Checks() == 0 {
 		t.Fatal("no drift checks")
 	}
 
-	b.set(func(d *driftBackend) { d.drifted = []string{datapath.DriftTrie, datapath.DriftPin} })
-	b.waitApply(t)
+	b.Damage(datapath.DriftTrie, datapath.DriftPin)
+	b.WaitApply(t)
 	r.waitStats(t, "two heals", func(s Stats) bool { return len(s.Heals) == 2 })
-	b.set(func(d *driftBackend) { d.drifted = []string{datapath.DriftTrie} })
+	b.Damage(datapath.DriftTrie)
 	st := r.waitStats(t, "a second trie heal", func(s Stats) bool { return s.Heals[datapath.DriftTrie] == 2 })
 	if want := map[string]uint64{datapath.DriftTrie: 2, datapath.DriftPin: 1}; !maps.Equal(st.Heals, want) {
 		t.Errorf("heals %v, want %v", st.Heals, want)
 	}
-	drainApplies(b.fakeBackend)
-	b.noApply(t, 100*time.Millisecond)
+	b.Drain()
+	b.NoApply(t, 100*time.Millisecond)
 	logs := r.log.String()
 	for kind, n := range map[string]int{"trie": 2, "pin": 1} {
 		if got := countLines(logs, "drift healed: restored", "what="+kind+" "); got != n {
@@ -134,23 +73,22 @@ func TestDriftCheckHeals(t *testing.T) {
 // TestDriftPersists: damage an apply does not repair is applied again at every check, logged
 // once while it persists and not counted; once repaired it counts as one heal.
 func TestDriftPersists(t *testing.T) {
-	b := newDriftBackend()
+	b := &datapathtest.DriftBackend{}
 	r := startAgent(t, filepath.Join(t.TempDir(), "ip-masq-agent"), b, withDrift(10*time.Millisecond))
-	b.waitApply(t)
+	b.WaitApply(t)
 	r.waitReady(t)
-	b.set(func(d *driftBackend) {
-		d.drifted, d.stuck = []string{datapath.DriftProgram}, []string{datapath.DriftProgram}
-	})
+	b.Stick(datapath.DriftProgram)
+	b.Damage(datapath.DriftProgram)
 	for range 3 {
-		b.waitApply(t)
+		b.WaitApply(t)
 	}
 	if h := r.agent.Stats().Heals; len(h) != 0 {
 		t.Errorf("drift that persists was counted as healed: %v", h)
 	}
-	b.set(func(d *driftBackend) { d.stuck = nil })
+	b.Stick()
 	r.waitStats(t, "the heal", func(s Stats) bool { return s.Heals[datapath.DriftProgram] == 1 })
-	drainApplies(b.fakeBackend)
-	b.noApply(t, 100*time.Millisecond)
+	b.Drain()
+	b.NoApply(t, 100*time.Millisecond)
 	logs := r.log.String()
 	if n := strings.Count(logs, "drift persists after re-applying"); n != 1 {
 		t.Errorf("%d lines about drift that persists, want 1", n)
@@ -163,20 +101,19 @@ func TestDriftPersists(t *testing.T) {
 // TestDriftCheckFails: a check that fails changes nothing and is logged once until it works
 // again.
 func TestDriftCheckFails(t *testing.T) {
-	b := newDriftBackend()
+	b := &datapathtest.DriftBackend{}
 	r := startAgent(t, filepath.Join(t.TempDir(), "ip-masq-agent"), b, withDrift(5*time.Millisecond))
-	b.waitApply(t)
-	b.set(func(d *driftBackend) {
-		d.fail, d.drifted = errors.New("iptables: resource busy"), []string{datapath.DriftChain}
-	})
-	from := b.checkCount()
-	for b.checkCount() < from+5 {
+	b.WaitApply(t)
+	b.FailChecks(errors.New("iptables: resource busy"))
+	b.Damage(datapath.DriftChain)
+	from := b.Checks()
+	for b.Checks() < from+5 {
 		time.Sleep(5 * time.Millisecond)
 	}
-	if n := len(b.applied); n != 0 {
+	if n := len(b.Applied()); n != 0 {
 		t.Fatalf("%d applies while the check failed", n)
 	}
-	b.set(func(d *driftBackend) { d.fail = nil })
+	b.FailChecks(nil)
 	r.waitStats(t, "the heal", func(s Stats) bool { return s.Heals[datapath.DriftChain] == 1 })
 	logs := r.log.String()
 	if n := strings.Count(logs, "drift check failed"); n != 1 || !strings.Contains(logs, "resource busy") {
@@ -192,14 +129,14 @@ func TestDriftCheckFails(t *testing.T) {
 func TestResyncCountsHeals(t *testing.T) {
 	cm := newConfigMap(t)
 	cm.write("resyncInterval: 100ms\n")
-	b := newDriftBackend()
+	b := &datapathtest.DriftBackend{}
 	r := startAgent(t, cm.path(), b, withDrift(-1))
-	b.waitApply(t)
+	b.WaitApply(t)
 	time.Sleep(50 * time.Millisecond)
-	if n := b.checkCount(); n > 1 {
+	if n := b.Checks(); n > 1 {
 		t.Fatalf("%d drift checks with the checks off and at most one resync", n)
 	}
-	b.set(func(d *driftBackend) { d.drifted = []string{datapath.DriftPin} })
+	b.Damage(datapath.DriftPin)
 	r.waitStats(t, "the heal", func(s Stats) bool { return s.Heals[datapath.DriftPin] == 1 })
 	if !strings.Contains(r.log.String(), "trigger=resync") {
 		t.Errorf("no resync apply logged")

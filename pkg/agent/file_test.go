@@ -12,6 +12,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/configwatch"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath/datapathtest"
 )
 
 // Config file hardening: what reaches the policy is a whole, regular file of bounded size, found
@@ -37,9 +39,9 @@ func writeFile(t *testing.T, path, content string) {
 	}
 }
 
-func wantNonMasq(t *testing.T, b *fakeBackend, want string) {
+func wantNonMasq(t *testing.T, b *datapathtest.Backend, want string) {
 	t.Helper()
-	if got := fmt.Sprint(nonMasq(b.waitApply(t))); got != want {
+	if got := fmt.Sprint(nonMasq(b.WaitApply(t))); got != want {
 		t.Fatalf("applied nonMasqueradeCIDRs %s, want %s", got, want)
 	}
 }
@@ -62,7 +64,7 @@ func (r *running) waitLog(t *testing.T, want string) {
 func TestConfigTooLarge(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "ip-masq-agent")
 	writeFile(t, path, "nonMasqueradeCIDRs: [10.0.0.0/8]\n")
-	b := newFakeBackend()
+	b := &datapathtest.Backend{}
 	r := startAgent(t, path, b)
 	wantNonMasq(t, b, "[10.0.0.0/8]")
 
@@ -76,7 +78,7 @@ func TestConfigTooLarge(t *testing.T) {
 		return f.Truncate(size)
 	})
 	r.waitStats(t, "the oversized file", func(s Stats) bool { return s.ConfigErrors == 1 })
-	b.noApply(t, 200*time.Millisecond)
+	b.NoApply(t, 200*time.Millisecond)
 	want := fmt.Sprintf("config %s is larger than the limit of %d bytes (16 MiB): %d bytes", path, config.MaxFileSize, size)
 	if !strings.Contains(r.log.String(), want) {
 		t.Errorf("log lacks %q:\n%s", want, r.log.String())
@@ -99,7 +101,7 @@ func TestConfigNotARegularFile(t *testing.T) {
 		t.Fatal(err)
 	}
 	writeFile(t, path, "nonMasqueradeCIDRs: [10.0.0.0/8]\n")
-	b := newFakeBackend()
+	b := &datapathtest.Backend{}
 	r := startAgent(t, path, b)
 	wantNonMasq(t, b, "[10.0.0.0/8]")
 	for i, c := range []struct{ target, kind string }{
@@ -107,7 +109,7 @@ func TestConfigNotARegularFile(t *testing.T) {
 	} {
 		replace(t, path, func(tmp string) error { return os.Symlink(c.target, tmp) })
 		r.waitLog(t, fmt.Sprintf("config %s is not a regular file but a %s", path, c.kind))
-		b.noApply(t, 100*time.Millisecond)
+		b.NoApply(t, 100*time.Millisecond)
 		good := fmt.Sprintf("nonMasqueradeCIDRs: [10.%d.0.0/16]\n", i+1)
 		replace(t, path, func(tmp string) error { return os.WriteFile(tmp, []byte(good), 0o644) })
 		wantNonMasq(t, b, fmt.Sprintf("[10.%d.0.0/16]", i+1))
@@ -130,7 +132,7 @@ func TestConfigFileIsSymlink(t *testing.T) {
 	if err := os.Symlink(a, path); err != nil {
 		t.Fatal(err)
 	}
-	b := newFakeBackend()
+	b := &datapathtest.Backend{}
 	startAgent(t, path, b)
 	wantNonMasq(t, b, "[10.0.0.0/8]")
 
@@ -142,14 +144,14 @@ func TestConfigFileIsSymlink(t *testing.T) {
 	wantNonMasq(t, b, "[172.16.0.0/12]")
 
 	writeFile(t, a, resync+"nonMasqueradeCIDRs: [10.1.0.0/16]\n")
-	b.noApply(t, 300*time.Millisecond)
+	b.NoApply(t, 300*time.Millisecond)
 	writeFile(t, b2, resync+"nonMasqueradeCIDRs: [10.2.0.0/16]\n")
 	wantNonMasq(t, b, "[10.2.0.0/16]")
 
 	if err := os.Remove(b2); err != nil {
 		t.Fatal(err)
 	}
-	if got := nonMasq(b.waitApply(t)); len(got) != 3 {
+	if got := nonMasq(b.WaitApply(t)); len(got) != 3 {
 		t.Fatalf("a dangling link applied %v, want the three default CIDRs", got)
 	}
 }
@@ -160,7 +162,7 @@ func TestConfigFileIsSymlink(t *testing.T) {
 func TestConfigMapSwapsFollowed(t *testing.T) {
 	cm := newConfigMap(t)
 	cm.write("resyncInterval: 1h\nnonMasqueradeCIDRs: [10.0.0.0/8]\n")
-	b := newFakeBackend()
+	b := &datapathtest.Backend{}
 	r := startAgent(t, cm.path(), b)
 	wantNonMasq(t, b, "[10.0.0.0/8]")
 	var slowest time.Duration
@@ -170,11 +172,11 @@ func TestConfigMapSwapsFollowed(t *testing.T) {
 		wantNonMasq(t, b, fmt.Sprintf("[10.%d.0.0/16]", i))
 		slowest = max(slowest, time.Since(start))
 	}
-	t.Logf("slowest ConfigMap update to apply: %v (debounce %v, quiet %v)", slowest, DefaultDebounce, DefaultQuiet)
+	t.Logf("slowest ConfigMap update to apply: %v (debounce %v, quiet %v)", slowest, configwatch.DefaultDebounce, configwatch.DefaultQuiet)
 	if slowest > 2*time.Second {
 		t.Errorf("a ConfigMap update took %v to apply", slowest)
 	}
-	b.noApply(t, 200*time.Millisecond)
+	b.NoApply(t, 200*time.Millisecond)
 	if s := r.agent.Stats(); s.Applies != 6 || s.ConfigErrors != 0 {
 		t.Errorf("stats %+v, want 6 applies and no errors", s)
 	}
@@ -196,7 +198,7 @@ func TestPartialWriteNotApplied(t *testing.T) {
 				}
 			}
 			writeFile(t, file, "nonMasqueradeCIDRs: [172.16.0.0/12]\n")
-			b := newFakeBackend()
+			b := &datapathtest.Backend{}
 			r := startAgent(t, path, b)
 			wantNonMasq(t, b, "[172.16.0.0/12]")
 
@@ -208,7 +210,7 @@ func TestPartialWriteNotApplied(t *testing.T) {
 			if _, err := f.WriteString("nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n"); err != nil {
 				t.Fatal(err)
 			}
-			b.noApply(t, 4*(DefaultDebounce+DefaultQuiet))
+			b.NoApply(t, 4*(configwatch.DefaultDebounce+configwatch.DefaultQuiet))
 			if _, err := f.WriteString("  - 192.168.0.0/16\n"); err != nil {
 				t.Fatal(err)
 			}
@@ -216,7 +218,7 @@ func TestPartialWriteNotApplied(t *testing.T) {
 				t.Fatal(err)
 			}
 			wantNonMasq(t, b, "[10.0.0.0/8 192.168.0.0/16]")
-			b.noApply(t, 200*time.Millisecond)
+			b.NoApply(t, 200*time.Millisecond)
 			if s := r.agent.Stats(); s.Applies != 2 || s.Reloads != 2 || s.ConfigErrors != 0 {
 				t.Errorf("stats %+v, want 2 applies and reloads, no errors", s)
 			}
@@ -230,9 +232,9 @@ func TestPartialWriteNotApplied(t *testing.T) {
 func TestStalledWriterTimesOut(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "ip-masq-agent")
 	writeFile(t, path, "nonMasqueradeCIDRs: [172.16.0.0/12]\n")
-	b := newFakeBackend()
+	b := &datapathtest.Backend{}
 	const timeout = 300 * time.Millisecond
-	r := startAgent(t, path, b, func(o *Options) { o.WriterTimeout = timeout })
+	r := startAgentWatching(t, path, configwatch.Options{WriterTimeout: timeout}, b)
 	wantNonMasq(t, b, "[172.16.0.0/12]")
 
 	f, err := os.OpenFile(path, os.O_WRONLY|os.O_TRUNC, 0)
@@ -255,43 +257,8 @@ func TestStalledWriterTimesOut(t *testing.T) {
 	if err := f.Close(); err != nil {
 		t.Fatal(err)
 	}
-	p := b.waitApply(t)
+	p := b.WaitApply(t)
 	if got := fmt.Sprint(nonMasq(p)); got != "[10.0.0.0/8]" || p.IPv4[0].Prefix.String() != "10.9.0.0/16" {
 		t.Fatalf("after the writer finished applied %+v", p)
-	}
-}
-
-// TestUnsettled: when a read may have caught a file half-written, and when to read again.
-func TestUnsettled(t *testing.T) {
-	a, err := New(Options{ConfigPath: "/etc/config/ip-masq-agent", Backend: newFakeBackend(),
-		Quiet: 100 * time.Millisecond, WriterTimeout: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	now := time.Now()
-	old := config.File{ModTime: now.Add(-time.Minute)}
-	for _, c := range []struct {
-		name      string
-		f         config.File
-		writing   bool
-		lastWrite time.Time
-		want      time.Duration
-	}{
-		{"whole", old, false, time.Time{}, 0},
-		{"missing", config.File{Missing: true}, true, now, 0},
-		{"just modified", config.File{ModTime: now.Add(-30 * time.Millisecond)}, false, time.Time{}, 70 * time.Millisecond},
-		{"modified in the future", config.File{ModTime: now.Add(time.Hour)}, false, time.Time{}, 0},
-		{"torn", config.File{ModTime: now.Add(-time.Minute), Torn: true}, false, time.Time{}, 100 * time.Millisecond},
-		{"open writer", old, true, now.Add(-200 * time.Millisecond), 800 * time.Millisecond},
-		{"stalled writer", old, true, now.Add(-2 * time.Second), 0},
-		{"stalled writer, just modified", config.File{ModTime: now.Add(-10 * time.Millisecond)}, true, now.Add(-2 * time.Second), 90 * time.Millisecond},
-		// A ConfigMap's file was written whole before the "..data" swap made it visible.
-		{"published just now", config.File{ModTime: now.Add(-time.Millisecond), Published: true}, false, time.Time{}, 0},
-		{"published but torn", config.File{ModTime: now.Add(-time.Millisecond), Published: true, Torn: true}, false, time.Time{}, 100 * time.Millisecond},
-	} {
-		got, why := a.unsettled(c.f, c.writing, c.lastWrite, now)
-		if got != c.want || (got > 0) != (why != "") {
-			t.Errorf("%s: read again in %v (%q), want %v", c.name, got, why, c.want)
-		}
 	}
 }

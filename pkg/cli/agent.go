@@ -16,6 +16,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/configwatch"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodelock"
@@ -139,16 +140,17 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	defer lock.Release()
-	drift := af.driftInterval
-	if drift == 0 {
-		drift = -1 // off (the agent's zero is its default)
-	}
-	a, err := agent.New(agent.Options{ConfigPath: af.configPath, ConfigOptions: copts, PolicyOptions: popts,
-		Backend: dp.Backend, Logger: log, Changes: dp.Changes, Displace: dp.Displace, DriftInterval: drift})
+	src, err := configwatch.NewFile(af.configPath, configwatch.Options{Config: copts, Logger: log})
 	if err != nil {
 		return err
 	}
-	ln, err := serveMetrics(ctx, a, dp.Backend, af.metricsAddress, log)
+	obs := metrics.NewObserver()
+	a, err := agent.New(agent.Options{Source: src, PolicyOptions: popts, Backend: dp.Backend, Logger: log,
+		Observer: obs, Changes: dp.Changes, Displace: dp.Displace, DriftInterval: af.driftInterval})
+	if err != nil {
+		return err
+	}
+	ln, err := serveMetrics(ctx, a, obs, dp.Backend, af.metricsAddress, log)
 	if err != nil {
 		return err
 	}
@@ -197,10 +199,11 @@ func (f *agentFlags) agentBackendOptions() (backends.Options, error) {
 	return o, nil
 }
 
-// serveMetrics adds /metrics to the agent's endpoint and listens on addr (none when empty).
-// Listening before the loop starts makes a taken port an immediate, clear error.
-func serveMetrics(ctx context.Context, a *agent.Agent, dp datapath.Backend, addr string, log *slog.Logger) (net.Listener, error) {
-	reg, err := metrics.NewRegistry(metrics.Options{Backend: dp, Agent: a, Logger: log})
+// serveMetrics adds /metrics to the agent's endpoint, with the applies obs records, and listens
+// on addr (none when empty). Listening before the loop starts makes a taken port an immediate,
+// clear error.
+func serveMetrics(ctx context.Context, a *agent.Agent, obs *metrics.Observer, dp datapath.Backend, addr string, log *slog.Logger) (net.Listener, error) {
+	reg, err := metrics.NewRegistry(metrics.Options{Backend: dp, Agent: a, Observer: obs, Logger: log})
 	if err != nil {
 		return nil, fmt.Errorf("metrics: %w", err)
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath/datapathtest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables/iptablestest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -190,38 +191,26 @@ func TestDumpCommandLine(t *testing.T) {
 }
 
 // natReader is a datapath with a NAT table, as the BPF backend's reader will be.
-type natReader struct{}
-
-func (natReader) Info() datapath.Info {
-	return datapath.Info{Backend: "bpf", AttachMode: "tcx", Details: "uplink eth0"}
-}
-
-func (natReader) Counters(context.Context) ([]datapath.RuleCounter, error) {
-	return []datapath.RuleCounter{{Family: policy.IPv6, Rule: 2, Prefix: netip.MustParsePrefix("::/0"),
-		Action: policy.Masquerade, Origin: policy.OriginOutbound, Entry: -1, Packets: 123, Bytes: 45678}}, nil
-}
-
-func (natReader) NATStats(context.Context) (datapath.NATStats, error) {
-	return datapath.NATStats{}, nil
-}
-
-func (natReader) NATSummary(_ context.Context, top int) (datapath.NATSummary, error) {
-	busiest := []datapath.RemoteEndpoint{
-		{Protocol: "tcp", Endpoint: netip.MustParseAddrPort("[2001:db8::1]:443"), Entries: 8},
-		{Protocol: "udp", Endpoint: netip.MustParseAddrPort("192.0.2.53:53"), Entries: 4},
-	}
-	return datapath.NATSummary{
+var natReader = &datapathtest.NATBackend{
+	Installed: datapath.Info{Backend: "bpf", AttachMode: "tcx", Details: "uplink eth0"},
+	Backend: datapathtest.Backend{RuleCounters: []datapath.RuleCounter{{Family: policy.IPv6, Rule: 2,
+		Prefix: netip.MustParsePrefix("::/0"), Action: policy.Masquerade, Origin: policy.OriginOutbound, Entry: -1,
+		Packets: 123, Bytes: 45678}}},
+	Summary: datapath.NATSummary{
 		Entries: []datapath.NATEntries{
 			{Family: policy.IPv4, Protocol: "udp", State: "unreplied", Entries: 4},
 			{Family: policy.IPv6, Protocol: "tcp", State: "established", Entries: 8},
 		},
-		Busiest: busiest[:min(top, len(busiest))],
-	}, nil
+		Busiest: []datapath.RemoteEndpoint{
+			{Protocol: "tcp", Endpoint: netip.MustParseAddrPort("[2001:db8::1]:443"), Entries: 8},
+			{Protocol: "udp", Endpoint: netip.MustParseAddrPort("192.0.2.53:53"), Entries: 4},
+		},
+	},
 }
 
 func TestDumpNATTable(t *testing.T) {
 	var out bytes.Buffer
-	if err := writeReader(context.Background(), &out, natReader{}, 1); err != nil {
+	if err := writeReader(context.Background(), &out, natReader, 1); err != nil {
 		t.Fatal(err)
 	}
 	want := [][]string{

@@ -110,8 +110,8 @@ const (
 // RuleCounter is the hit count of one policy rule.
 type RuleCounter struct {
 	Family policy.Family
-	// Rule is the rule's 1-based number in its family's list (policy.Rule.Number), or 0 when a
-	// Reader found an installed rule that the configuration it was given does not contain.
+	// Rule is the rule's 1-based position in its family's list (as policy.Verdict.Number), or 0
+	// when a Reader found an installed rule that the configuration it was given does not contain.
 	Rule   int
 	Prefix netip.Prefix
 	Action policy.Action

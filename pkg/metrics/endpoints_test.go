@@ -20,6 +20,8 @@ import (
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/configwatch"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath/datapathtest"
 )
 
 // TestEndpointsServeOnlyTheirPaths: the metrics address, wired as the agent command wires it
@@ -34,8 +36,12 @@ func TestEndpointsServeOnlyTheirPaths(t *testing.T) {
 		t.Fatalf("the test needs the debug handlers registered in this process: /debug/pprof/ = %d", rec.Code)
 	}
 
-	b := &fakeBackend{}
-	a, err := agent.New(agent.Options{ConfigPath: filepath.Join(t.TempDir(), "none"), Backend: b})
+	b := &datapathtest.Backend{}
+	src, err := configwatch.NewFile(filepath.Join(t.TempDir(), "none"), configwatch.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := agent.New(agent.Options{Source: src, Backend: b})
 	if err != nil {
 		t.Fatal(err)
 	}

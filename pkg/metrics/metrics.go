@@ -1,6 +1,7 @@
 // Package metrics exports the agent's Prometheus metrics: the datapath's per-rule hit counters
 // and NAT table, the reload loop's outcomes, and what runs. A Collector reads them when
-// Prometheus scrapes (no polling loop), from the backend and from the agent's Stats.
+// Prometheus scrapes (no polling loop), from the backend and from the agent's Stats; an
+// Observer records the agent's applies as they happen.
 //
 // Every metric name starts with Namespace. Definitions lists them all; the README's Metrics
 // section documents each, and a test keeps the two in step.
@@ -101,6 +102,11 @@ func Definitions() []Definition {
 	}
 }
 
+func definition(name string) Definition {
+	defs := Definitions()
+	return defs[slices.IndexFunc(defs, func(d Definition) bool { return d.Name == name })]
+}
+
 // Names returns the names of Definitions, in the same order.
 func Names() []string {
 	defs := Definitions()
@@ -116,10 +122,38 @@ type StatsSource interface {
 	Stats() agent.Stats
 }
 
+// Observer records the agent's applies as they happen (it is an agent.Observer): their
+// durations, failed applies included, in DatapathSyncDuration.
+type Observer struct {
+	syncDuration prometheus.Histogram
+}
+
+var _ agent.Observer = (*Observer)(nil)
+
+// syncBuckets are the upper bounds, in seconds, of DatapathSyncDuration's buckets: from a BPF
+// map update (a millisecond) to an iptables-restore of thousands of rules or one that waits for
+// the xtables lock (up to its 30 s timeout).
+var syncBuckets = []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}
+
+// NewObserver returns an Observer to give to the agent (agent.Options.Observer) and to the
+// collector (Options.Observer).
+func NewObserver() *Observer {
+	def := definition(DatapathSyncDuration)
+	return &Observer{syncDuration: prometheus.NewHistogram(prometheus.HistogramOpts{Name: def.Name, Help: def.Help,
+		Buckets: syncBuckets})}
+}
+
+// ObserveApply implements agent.Observer.
+func (o *Observer) ObserveApply(took time.Duration, _ error) {
+	o.syncDuration.Observe(took.Seconds())
+}
+
 // Options configure a Collector.
 type Options struct {
 	Backend datapath.Backend
 	Agent   StatsSource
+	// Observer, when set, is the one the agent reports to: its metrics are collected too.
+	Observer *Observer
 	// Logger receives a warning for each failed datapath read; nil discards them.
 	Logger *slog.Logger
 	// ReadTimeout bounds the datapath reads of one scrape; zero means DefaultReadTimeout.
@@ -151,7 +185,9 @@ func NewCollector(opts Options) *Collector {
 	c := &Collector{opts: opts, log: log.With("component", "metrics"), descs: map[string]*prometheus.Desc{},
 		build: [3]string{version.Version, version.Revision(), runtime.Version()}}
 	for _, d := range Definitions() {
-		c.descs[d.Name] = prometheus.NewDesc(d.Name, d.Help, d.Labels, nil)
+		if d.Name != DatapathSyncDuration { // the Observer's own
+			c.descs[d.Name] = prometheus.NewDesc(d.Name, d.Help, d.Labels, nil)
+		}
 	}
 	return c
 }
@@ -160,6 +196,9 @@ func NewCollector(opts Options) *Collector {
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range c.descs {
 		ch <- d
+	}
+	if c.opts.Observer != nil {
+		c.opts.Observer.syncDuration.Describe(ch)
 	}
 }
 
@@ -193,12 +232,6 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		if s.ConfigSHA256 != "" {
 			gauge(ConfigInfo, 1, s.ConfigSHA256)
 		}
-		h := s.SyncDurations
-		buckets := make(map[float64]uint64, len(h.Buckets))
-		for i, bound := range agent.SyncBuckets() {
-			buckets[bound] = h.Buckets[i]
-		}
-		ch <- prometheus.MustNewConstHistogram(c.descs[DatapathSyncDuration], h.Count, h.Sum.Seconds(), buckets)
 		counter(DatapathSyncErrors, s.ApplyErrors)
 		// Every kind the backend can heal is a series from the start, zero or not.
 		heals := maps.Clone(s.Heals)
@@ -213,6 +246,10 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		for _, k := range slices.Sorted(maps.Keys(heals)) {
 			counter(Heals, heals[k], k)
 		}
+	}
+
+	if c.opts.Observer != nil {
+		c.opts.Observer.syncDuration.Collect(ch)
 	}
 
 	ctx, cancel := context.WithTimeout(context.Background(), c.opts.ReadTimeout)

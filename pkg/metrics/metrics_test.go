@@ -1,7 +1,6 @@
 package metrics
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"net/http"
@@ -22,59 +21,13 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath/datapathtest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
 )
 
-// fakeBackend reports fixed counters, or an error.
-type fakeBackend struct {
-	mu       sync.Mutex
-	counters []datapath.RuleCounter
-	err      error
-	// block makes Counters wait for its context.
-	block bool
-	reads int
-}
-
-func (f *fakeBackend) Name() string                                { return "fake" }
-func (f *fakeBackend) Apply(context.Context, *policy.Policy) error { return nil }
-func (f *fakeBackend) Cleanup(context.Context) error               { return nil }
-
-func (f *fakeBackend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.reads++
-	if f.block {
-		<-ctx.Done()
-		return nil, ctx.Err()
-	}
-	return slices.Clone(f.counters), f.err
-}
-
-func (f *fakeBackend) readCount() int {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.reads
-}
-
-// fakeNATBackend adds the optional interfaces of a BPF-like datapath.
-type fakeNATBackend struct {
-	fakeBackend
-	stats  datapath.NATStats
-	natErr error
-}
-
-func (f *fakeNATBackend) Info() datapath.Info {
-	return datapath.Info{Backend: "bpf", AttachMode: "tcx"}
-}
-
-func (f *fakeNATBackend) NATStats(context.Context) (datapath.NATStats, error) {
-	return f.stats, f.natErr
-}
-
-func (f *fakeNATBackend) NATSummary(context.Context, int) (datapath.NATSummary, error) {
-	return datapath.NATSummary{}, errors.New("not used by metrics")
-}
+// natInfo is how the fakes of a BPF-like datapath say they are installed.
+var natInfo = datapath.Info{Backend: "bpf", AttachMode: "tcx"}
 
 type fakeStats struct{ s agent.Stats }
 
@@ -116,7 +69,7 @@ func newRegistry(t *testing.T, opts Options) *prometheus.Registry {
 }
 
 func TestRuleMetrics(t *testing.T) {
-	b := &fakeBackend{counters: []datapath.RuleCounter{
+	b := &datapathtest.Backend{RuleCounters: []datapath.RuleCounter{
 		rc(policy.IPv4, 1, "169.254.0.0/16", policy.Return, policy.OriginLinkLocal, -1, 1, 84),
 		// The same CIDR and action from another origin is another series.
 		rc(policy.IPv4, 2, "169.254.0.0/16", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 0, 0),
@@ -164,7 +117,7 @@ ip_masq_agent_datapath_info{attach_mode="none",backend="fake"} 1
 }
 
 func TestNATMetrics(t *testing.T) {
-	b := &fakeNATBackend{stats: datapath.NATStats{
+	b := &datapathtest.NATBackend{Installed: natInfo, Stats: datapath.NATStats{
 		Entries: []datapath.NATEntries{
 			{Family: policy.IPv4, Protocol: "tcp", Entries: 10},
 			{Family: policy.IPv4, Protocol: "udp", Entries: 4},
@@ -240,12 +193,12 @@ func TestAgentMetrics(t *testing.T) {
 	s.Reloads, s.ConfigErrors, s.ReloadApplyErrors, s.ApplyErrors = 5, 2, 1, 3
 	s.LastReload = time.Unix(1700000000, 500_000_000)
 	s.ConfigSHA256 = strings.Repeat("ab", 32)
-	s.SyncDurations.Count = 9
-	s.SyncDurations.Sum = 1500 * time.Millisecond
-	for i := range s.SyncDurations.Buckets {
-		s.SyncDurations.Buckets[i] = uint64(min(i, 9))
+	// One apply in each bucket from le=0.0025 to le=1, 1.5 s in all (exact in binary).
+	obs := NewObserver()
+	for _, ns := range []time.Duration{1953125, 3906250, 7812500, 15625000, 31250000, 62500000, 125000000, 375000000, 876953125} {
+		obs.ObserveApply(ns, nil)
 	}
-	c := NewCollector(Options{Backend: &fakeBackend{}, Agent: fakeStats{s}})
+	c := NewCollector(Options{Backend: &datapathtest.Backend{}, Agent: fakeStats{s}, Observer: obs})
 	want := `
 # HELP ip_masq_agent_config_reloads_total Reads of the config file by result: success (its policy is in the datapath), invalid (parse or validation failed; the last good configuration stays), apply_error.
 # TYPE ip_masq_agent_config_reloads_total counter
@@ -286,7 +239,7 @@ ip_masq_agent_datapath_sync_duration_seconds_count 9
 	}
 
 	// Before the first good reload: no config_info, a zero timestamp.
-	c = NewCollector(Options{Backend: &fakeBackend{}, Agent: fakeStats{}})
+	c = NewCollector(Options{Backend: &datapathtest.Backend{}, Agent: fakeStats{}})
 	if n := testutil.CollectAndCount(c, ConfigInfo); n != 0 {
 		t.Errorf("%d config_info series before any configuration", n)
 	}
@@ -301,7 +254,7 @@ ip_masq_agent_config_last_reload_success_timestamp_seconds 0
 }
 
 func TestBuildInfo(t *testing.T) {
-	fams := scrape(t, newRegistry(t, Options{Backend: &fakeBackend{}}))
+	fams := scrape(t, newRegistry(t, Options{Backend: &datapathtest.Backend{}}))
 	bi := fams[BuildInfo]
 	if bi == nil || len(bi.Metric) != 1 || bi.Metric[0].GetGauge().GetValue() != 1 {
 		t.Fatalf("build_info %v", bi)
@@ -323,8 +276,9 @@ func TestBuildInfo(t *testing.T) {
 
 // A failed datapath read costs its own metrics only, and is counted: the scrape still answers.
 func TestScrapeErrors(t *testing.T) {
-	b := &fakeNATBackend{fakeBackend: fakeBackend{err: errors.New("iptables-save: exit status 1")}, natErr: errors.New("map gone")}
-	reg := newRegistry(t, Options{Backend: b, Agent: fakeStats{agent.Stats{Reloads: 1}}})
+	b := &datapathtest.NATBackend{Backend: datapathtest.Backend{CountersErr: errors.New("iptables-save: exit status 1")},
+		Installed: natInfo, StatsErr: errors.New("map gone")}
+	reg := newRegistry(t, Options{Backend: b, Agent: fakeStats{agent.Stats{Reloads: 1}}, Observer: NewObserver()})
 	for i := 1; i <= 2; i++ {
 		fams := scrape(t, reg)
 		if fams[RulePackets] != nil || fams[NATEntries] != nil || fams[NATPortRetries] != nil {
@@ -347,7 +301,7 @@ func TestScrapeErrors(t *testing.T) {
 
 // A read that hangs is cut off by the read timeout, well within a scrape.
 func TestScrapeReadTimeout(t *testing.T) {
-	b := &fakeBackend{block: true}
+	b := &datapathtest.Backend{BlockCounters: true}
 	reg := newRegistry(t, Options{Backend: b, ReadTimeout: 50 * time.Millisecond})
 	start := time.Now()
 	fams := scrape(t, reg)
@@ -362,10 +316,10 @@ func TestScrapeReadTimeout(t *testing.T) {
 // Scrapes read at scrape time: a counter that moves shows the new value on the next scrape,
 // with no polling in between; concurrent scrapes are fine.
 func TestScrapeTimeReads(t *testing.T) {
-	b := &fakeBackend{counters: []datapath.RuleCounter{rc(policy.IPv4, 1, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 1, 60)}}
+	b := &datapathtest.Backend{RuleCounters: []datapath.RuleCounter{rc(policy.IPv4, 1, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 1, 60)}}
 	reg := newRegistry(t, Options{Backend: b})
 	time.Sleep(20 * time.Millisecond)
-	if n := b.readCount(); n != 0 {
+	if n := b.Reads(); n != 0 {
 		t.Fatalf("%d reads before any scrape", n)
 	}
 	var wg sync.WaitGroup
@@ -379,14 +333,14 @@ func TestScrapeTimeReads(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	b.mu.Lock()
-	b.counters[0].Packets = 42
-	b.mu.Unlock()
+	more := slices.Clone(b.RuleCounters)
+	more[0].Packets = 42
+	b.SetRuleCounters(more)
 	fams := scrape(t, reg)
 	if v := fams[RulePackets].GetMetric()[0].GetCounter().GetValue(); v != 42 {
 		t.Errorf("packets %v, want 42", v)
 	}
-	if n := b.readCount(); n != 5 {
+	if n := b.Reads(); n != 5 {
 		t.Errorf("%d reads for 5 scrapes", n)
 	}
 }
@@ -394,12 +348,12 @@ func TestScrapeTimeReads(t *testing.T) {
 // Every metric follows Prometheus' naming conventions, and Names is exactly what is exported.
 func TestNamesAndLint(t *testing.T) {
 	s := agent.Stats{ConfigSHA256: strings.Repeat("0", 64), Heals: map[string]uint64{datapath.DriftTrie: 1}}
-	b := &fakeNATBackend{
-		fakeBackend: fakeBackend{counters: []datapath.RuleCounter{rc(policy.IPv4, 1, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 1, 60)}},
-		stats: datapath.NATStats{Entries: []datapath.NATEntries{{Family: policy.IPv4, Protocol: "tcp", Entries: 1}},
+	b := &datapathtest.NATBackend{Installed: natInfo,
+		Backend: datapathtest.Backend{RuleCounters: []datapath.RuleCounter{rc(policy.IPv4, 1, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 1, 60)}},
+		Stats: datapath.NATStats{Entries: []datapath.NATEntries{{Family: policy.IPv4, Protocol: "tcp", Entries: 1}},
 			Events: map[string]uint64{"drop_no_port": 0}, Drops: map[string]uint64{"no_port": 0}, Swept: map[string]uint64{"tcp": 0}},
 	}
-	c := NewCollector(Options{Backend: b, Agent: fakeStats{s}})
+	c := NewCollector(Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver()})
 	problems, err := testutil.CollectAndLint(c)
 	if err != nil {
 		t.Fatal(err)
@@ -407,7 +361,7 @@ func TestNamesAndLint(t *testing.T) {
 	for _, p := range problems {
 		t.Errorf("lint: %s: %s", p.Metric, p.Text)
 	}
-	fams := scrape(t, newRegistry(t, Options{Backend: b, Agent: fakeStats{s}}))
+	fams := scrape(t, newRegistry(t, Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver()}))
 	var got []string
 	for name := range fams {
 		if strings.HasPrefix(name, Namespace+"_") {
@@ -433,6 +387,37 @@ func TestNamesAndLint(t *testing.T) {
 		if want := strings.ToLower(d.Type); strings.ToLower(fams[d.Name].GetType().String()) != want {
 			t.Errorf("%s is a %s, its definition says %s", d.Name, fams[d.Name].GetType(), d.Type)
 		}
+	}
+}
+
+// The Observer counts every apply into the buckets of its duration, cumulatively, as a
+// Prometheus histogram does; a duration beyond the last bucket counts only in the total.
+func TestObserverBuckets(t *testing.T) {
+	obs := NewObserver()
+	for _, d := range []time.Duration{time.Millisecond, 3 * time.Millisecond, time.Second, time.Minute} {
+		obs.ObserveApply(d, nil)
+	}
+	var m dto.Metric
+	if err := obs.syncDuration.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	h := m.GetHistogram()
+	if len(h.GetBucket()) != len(syncBuckets) {
+		t.Fatalf("%d buckets, want %d", len(h.GetBucket()), len(syncBuckets))
+	}
+	for i, b := range h.GetBucket() {
+		var want uint64
+		for _, d := range []float64{0.001, 0.003, 1} {
+			if d <= syncBuckets[i] {
+				want++
+			}
+		}
+		if b.GetUpperBound() != syncBuckets[i] || b.GetCumulativeCount() != want {
+			t.Errorf("bucket le=%g holds %d, want le=%g holding %d", b.GetUpperBound(), b.GetCumulativeCount(), syncBuckets[i], want)
+		}
+	}
+	if h.GetSampleCount() != 4 || h.GetSampleSum() != (time.Minute+time.Second+4*time.Millisecond).Seconds() {
+		t.Errorf("count %d sum %v", h.GetSampleCount(), h.GetSampleSum())
 	}
 }
 
@@ -484,15 +469,6 @@ func TestREADMEListsEveryMetric(t *testing.T) {
 	}
 }
 
-// fakeDriftBackend heals the kinds of a BPF-like datapath.
-type fakeDriftBackend struct{ fakeBackend }
-
-func (f *fakeDriftBackend) DriftKinds() []string {
-	return []string{datapath.DriftProgram, datapath.DriftPin, datapath.DriftTrie}
-}
-
-func (f *fakeDriftBackend) CheckDrift(context.Context) ([]string, error) { return nil, nil }
-
 // Heals are exported by kind: every kind the backend can heal from the start (zero), and every
 // kind the agent counted.
 func TestHeals(t *testing.T) {
@@ -505,12 +481,12 @@ func TestHeals(t *testing.T) {
 		}
 		return out
 	}
-	got := read(&fakeDriftBackend{}, map[string]uint64{datapath.DriftTrie: 2, datapath.DriftChain: 1})
+	got := read(&datapathtest.DriftBackend{}, map[string]uint64{datapath.DriftTrie: 2, datapath.DriftChain: 1})
 	want := map[string]float64{"program": 0, "pin": 0, "trie": 2, "chain": 1}
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Errorf("heals %v, want %v", got, want)
 	}
-	if got := read(&fakeBackend{}, nil); len(got) != 0 {
+	if got := read(&datapathtest.Backend{}, nil); len(got) != 0 {
 		t.Errorf("a backend without drift checks, nothing healed: %v", got)
 	}
 }

@@ -1,4 +1,4 @@
-package agent
+package configwatch
 
 import (
 	"encoding/binary"

@@ -1,0 +1,27 @@
+package config
+
+import (
+	"context"
+	"errors"
+)
+
+// Source is where the agent's configuration comes from: a file (configwatch.File) or any other
+// place that can tell when it changed. The agent's loop loads it at startup, after each change it
+// reports, and at every resync and retry.
+type Source interface {
+	// Watch starts watching. The channel receives a value whenever the configuration may have
+	// changed and is to be loaded again (bursts of changes already settled), and is closed once
+	// the source has stopped, after ctx is done. Watch is called once, before the first Load,
+	// so that no change between the two is missed.
+	Watch(ctx context.Context) (<-chan struct{}, error)
+	// Load reads and parses the configuration. A configuration that cannot be read whole yet (a
+	// file being written) is an error wrapping ErrUnsettled: the source reports a change when
+	// it is time to load again. Any other error is a configuration to reject, naming what is
+	// wrong.
+	Load() (Config, error)
+	// String names the source for logs, such as the file's path.
+	String() string
+}
+
+// ErrUnsettled is what Source.Load returns, wrapped, while the configuration is being written.
+var ErrUnsettled = errors.New("the configuration is being written")
