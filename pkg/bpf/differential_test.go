@@ -7,8 +7,8 @@ import (
 	"net/netip"
 	"testing"
 
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy/policytest"
 )
 
 // TestDifferentialDecide: for random configurations and random destinations, the verdict of
@@ -28,7 +28,7 @@ func TestDifferentialDecide(t *testing.T) {
 		if round == 7 {
 			nonMasq = 3000 // a large list, as users raise cidrLimit
 		}
-		cfg := randomConfig(rng, nonMasq)
+		cfg := policytest.Config(rng, nonMasq)
 		p := policy.Compile(cfg, policy.Options{EnableIPv6: round%4 != 3, RandomFully: rng.IntN(2) == 0})
 		if err := h.dp.SyncPolicy(p); err != nil {
 			t.Fatalf("round %d: %v", round, err)
@@ -43,7 +43,7 @@ func TestDifferentialDecide(t *testing.T) {
 			want := map[uint32]uint64{}
 			before := h.slotPackets()
 			for i := 0; i < perFamily; i++ {
-				dst := randomDestination(rng, p, fam)
+				dst := policytest.Destination(rng, p, fam)
 				probe++
 				// A fresh source per probe: the verdict must come from the tries, not the table.
 				src := ap(probeSource(fam, probe), uint16(1024+probe%60000))
@@ -135,130 +135,4 @@ func probeSource(fam policy.Family, n int) netip.Addr {
 	b := [16]byte{0xfd, 0x42}
 	binary.BigEndian.PutUint64(b[8:], uint64(n))
 	return netip.AddrFrom16(b)
-}
-
-// randomConfig draws nested, overlapping and duplicate prefixes, some present in both lists.
-func randomConfig(rng *rand.Rand, nonMasq int) config.Config {
-	cfg := config.Config{
-		MasqOutBound: rng.IntN(3) != 0, MasqOutBoundIPv6: rng.IntN(3) != 0,
-		MasqLinkLocal: rng.IntN(2) == 0, MasqLinkLocalIPv6: rng.IntN(2) == 0,
-	}
-	var pool []netip.Prefix
-	pick := func(v6 bool) netip.Prefix {
-		if len(pool) > 0 && rng.IntN(4) == 0 {
-			p := pool[rng.IntN(len(pool))]
-			if p.Addr().Is6() == v6 {
-				if rng.IntN(2) == 0 || p.Bits() == 0 {
-					return p // duplicate
-				}
-				// nested inside or around an existing prefix
-				bits := rng.IntN(p.Addr().BitLen() + 1)
-				q, _ := randomAddrIn(rng, p).Prefix(bits)
-				return q
-			}
-		}
-		p := randomPrefix(rng, v6)
-		pool = append(pool, p)
-		return p
-	}
-	for i, n := 0, rng.IntN(6); i < n; i++ {
-		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, pick(rng.IntN(2) == 0))
-	}
-	for i := 0; i < nonMasq; i++ {
-		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, pick(rng.IntN(2) == 0))
-	}
-	if rng.IntN(3) == 0 {
-		// The same prefix in both lists: the masquerade rule comes first and wins.
-		p := pick(rng.IntN(2) == 0)
-		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, p)
-		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, p)
-	}
-	if rng.IntN(8) == 0 {
-		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, netip.MustParsePrefix("0.0.0.0/0"))
-	}
-	if rng.IntN(8) == 0 {
-		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, netip.MustParsePrefix("::/0"))
-	}
-	return cfg
-}
-
-func randomPrefix(rng *rand.Rand, v6 bool) netip.Prefix {
-	var a netip.Addr
-	var bits int
-	if v6 {
-		var b [16]byte
-		for i := range b {
-			b[i] = byte(rng.UintN(256))
-		}
-		if rng.IntN(2) == 0 {
-			b[0], b[1] = 0x20, 0x01 // cluster the prefixes, so that they nest and overlap
-		}
-		a, bits = netip.AddrFrom16(b), 8+rng.IntN(121)
-	} else {
-		var b [4]byte
-		binary.BigEndian.PutUint32(b[:], rng.Uint32())
-		if rng.IntN(2) == 0 {
-			b[0] = 10
-		}
-		a, bits = netip.AddrFrom4(b), 4+rng.IntN(29)
-	}
-	p, _ := a.Prefix(bits)
-	return p
-}
-
-func randomAddrIn(rng *rand.Rand, p netip.Prefix) netip.Addr {
-	b := p.Addr().AsSlice()
-	for i := range b {
-		r := byte(rng.UintN(256))
-		keep := p.Bits() - 8*i // bits of this byte that belong to the prefix
-		switch {
-		case keep >= 8:
-		case keep <= 0:
-			b[i] = r
-		default:
-			mask := byte(0xff << (8 - keep))
-			b[i] = b[i]&mask | r&^mask
-		}
-	}
-	a, _ := netip.AddrFromSlice(b)
-	return a
-}
-
-// randomDestination aims at the rules: inside a random rule's prefix, at its edges, or anywhere.
-func randomDestination(rng *rand.Rand, p *policy.Policy, fam policy.Family) netip.Addr {
-	rules := p.Rules(fam)
-	if !p.Enabled(fam) {
-		rules = policy.Compile(config.Default(config.Options{EnableIPv6: true}), policy.Options{EnableIPv6: true}).IPv6
-	}
-	if len(rules) > 0 && rng.IntN(10) < 7 {
-		pr := rules[rng.IntN(len(rules))].Prefix
-		switch rng.IntN(6) {
-		case 0:
-			return pr.Addr() // first address
-		case 1:
-			return lastAddr(pr)
-		default:
-			return randomAddrIn(rng, pr)
-		}
-	}
-	if fam == policy.IPv4 {
-		return randomAddrIn(rng, netip.MustParsePrefix("0.0.0.0/0"))
-	}
-	return randomAddrIn(rng, netip.MustParsePrefix("::/0"))
-}
-
-// lastAddr is the highest address of a prefix.
-func lastAddr(p netip.Prefix) netip.Addr {
-	b := p.Addr().AsSlice()
-	for i := range b {
-		switch keep := p.Bits() - 8*i; {
-		case keep >= 8:
-		case keep <= 0:
-			b[i] = 0xff
-		default:
-			b[i] |= 0xff >> keep
-		}
-	}
-	a, _ := netip.AddrFromSlice(b)
-	return a
 }

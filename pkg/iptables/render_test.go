@@ -15,6 +15,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy/policytest"
 )
 
 // listedRule is one row of `iptables -L`: what the seeds show.
@@ -303,80 +304,12 @@ func decideFromPayload(t *testing.T, payload []byte, chain string, addr netip.Ad
 	return policy.Return // the end of the chain
 }
 
-func randomPrefix(r *rand.Rand, fam policy.Family, pool []netip.Prefix) netip.Prefix {
-	// Half the time, nest inside an existing prefix so masquerade and non-masquerade ranges overlap.
-	if len(pool) > 0 && r.IntN(2) == 0 {
-		base := pool[r.IntN(len(pool))]
-		if policy.FamilyOf(base.Addr()) == fam {
-			max := base.Addr().BitLen()
-			bits := base.Bits() + r.IntN(max-base.Bits()+1)
-			return netip.PrefixFrom(randomAddrIn(r, base), bits).Masked()
-		}
-	}
-	if fam == policy.IPv4 {
-		var b [4]byte
-		for i := range b {
-			b[i] = byte(r.UintN(256))
-		}
-		return netip.PrefixFrom(netip.AddrFrom4(b), r.IntN(33)).Masked()
-	}
-	var b [16]byte
-	for i := range b {
-		b[i] = byte(r.UintN(256))
-	}
-	return netip.PrefixFrom(netip.AddrFrom16(b), r.IntN(129)).Masked()
-}
-
-func randomAddrIn(r *rand.Rand, p netip.Prefix) netip.Addr {
-	b := p.Addr().AsSlice()
-	for i := range b {
-		b[i] = byte(r.UintN(256))
-	}
-	a, _ := netip.AddrFromSlice(b)
-	// Keep the prefix bits, randomise the rest.
-	pb, ab := p.Masked().Addr().AsSlice(), a.AsSlice()
-	for bit := 0; bit < p.Bits(); bit++ {
-		mask := byte(0x80 >> (bit % 8))
-		ab[bit/8] = ab[bit/8]&^mask | pb[bit/8]&mask
-	}
-	out, _ := netip.AddrFromSlice(ab)
-	return out
-}
-
-// RandomConfig builds a configuration with overlapping masquerade and non-masquerade prefixes
-// in both families.
-func randomConfig(r *rand.Rand) config.Config {
-	var pool []netip.Prefix
-	cfg := config.Config{
-		MasqOutBound: r.IntN(2) == 0, MasqOutBoundIPv6: r.IntN(2) == 0,
-		MasqLinkLocal: r.IntN(2) == 0, MasqLinkLocalIPv6: r.IntN(2) == 0,
-	}
-	for range r.IntN(20) {
-		fam := policy.Family([]policy.Family{policy.IPv4, policy.IPv6}[r.IntN(2)])
-		p := randomPrefix(r, fam, pool)
-		pool = append(pool, p)
-		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, p)
-	}
-	for range r.IntN(10) {
-		fam := policy.Family([]policy.Family{policy.IPv4, policy.IPv6}[r.IntN(2)])
-		p := randomPrefix(r, fam, pool)
-		pool = append(pool, p)
-		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, p)
-	}
-	if r.IntN(3) == 0 { // link-local overlaps too
-		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, netip.MustParsePrefix("169.254.169.254/32"))
-		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, netip.MustParsePrefix("fe80::/64"))
-	}
-	cfg.CIDRLimit = len(cfg.NonMasqueradeCIDRs)
-	return cfg
-}
-
 // Decide equals first match over the rendered rule list, for random configurations and
 // random addresses (most of them inside configured prefixes, where the order matters).
 func TestDecideEqualsFirstMatchOverRenderedChain(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
 	for iter := range 300 {
-		cfg := randomConfig(r)
+		cfg := policytest.Config(r, r.IntN(20))
 		toPorts := policy.PortRanges(nil)
 		if iter%3 == 0 {
 			toPorts = policy.PortRanges{{First: 1024, Last: 2047}, {First: 40000, Last: 50000}}
@@ -384,15 +317,8 @@ func TestDecideEqualsFirstMatchOverRenderedChain(t *testing.T) {
 		p := policy.Compile(cfg, policy.Options{EnableIPv6: true, RandomFully: iter%2 == 0, ToPorts: toPorts})
 		payload4 := Render(p, policy.IPv4, DefaultChain, true)
 		payload6 := Render(p, policy.IPv6, DefaultChain, true)
-		prefixes := append(append([]netip.Prefix{policy.LinkLocalIPv4, policy.LinkLocalIPv6},
-			cfg.NonMasqueradeCIDRs...), cfg.MasqueradeCIDRs...)
 		for range 200 {
-			var addr netip.Addr
-			if r.IntN(4) == 0 {
-				addr = randomAddrIn(r, randomPrefix(r, policy.Family([]policy.Family{4, 6}[r.IntN(2)]), nil))
-			} else {
-				addr = randomAddrIn(r, prefixes[r.IntN(len(prefixes))])
-			}
+			addr := policytest.Destination(r, p, []policy.Family{policy.IPv4, policy.IPv6}[r.IntN(2)])
 			payload := payload4
 			if addr.Is6() {
 				payload = payload6

@@ -1,0 +1,150 @@
+// Package policytest draws random configurations and the destinations to probe them with, for
+// the differential tests that hold every renderer of a policy to policy.Decide.
+package policytest
+
+import (
+	"encoding/binary"
+	"math/rand/v2"
+	"net/netip"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// Config draws a configuration of both families with nonMasq nonMasqueradeCIDRs and up to ten
+// masqueradeCIDRs (more where one of the cases below adds some): nested, overlapping and
+// duplicate prefixes, some in both lists, some over the link-local ranges, now and then the
+// whole address space. cidrLimit admits the list; resyncInterval is left zero.
+func Config(rng *rand.Rand, nonMasq int) config.Config {
+	cfg := config.Config{
+		MasqOutBound: rng.IntN(3) != 0, MasqOutBoundIPv6: rng.IntN(3) != 0,
+		MasqLinkLocal: rng.IntN(2) == 0, MasqLinkLocalIPv6: rng.IntN(2) == 0,
+	}
+	var pool []netip.Prefix
+	pick := func() netip.Prefix {
+		fam := []policy.Family{policy.IPv4, policy.IPv6}[rng.IntN(2)]
+		if len(pool) > 0 && rng.IntN(3) == 0 {
+			if p := pool[rng.IntN(len(pool))]; policy.FamilyOf(p.Addr()) == fam {
+				if rng.IntN(3) == 0 || p.Bits() == 0 {
+					return p // a duplicate
+				}
+				// Nested inside or around an existing prefix.
+				q, _ := AddrIn(rng, p).Prefix(rng.IntN(p.Addr().BitLen() + 1))
+				return q
+			}
+		}
+		p := Prefix(rng, fam)
+		pool = append(pool, p)
+		return p
+	}
+	for range rng.IntN(11) {
+		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, pick())
+	}
+	for range nonMasq {
+		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, pick())
+	}
+	if rng.IntN(3) == 0 {
+		// The same prefix in both lists: the masquerade rule comes first and wins.
+		p := pick()
+		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, p)
+		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, p)
+	}
+	if rng.IntN(3) == 0 {
+		// Over the link-local rules, which sit between the two lists.
+		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, netip.MustParsePrefix("169.254.169.254/32"))
+		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, netip.MustParsePrefix("fe80::/64"))
+	}
+	if rng.IntN(8) == 0 {
+		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, netip.MustParsePrefix("0.0.0.0/0"))
+	}
+	if rng.IntN(8) == 0 {
+		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, netip.MustParsePrefix("::/0"))
+	}
+	cfg.CIDRLimit = len(cfg.NonMasqueradeCIDRs)
+	return cfg
+}
+
+// Prefix draws a prefix of a family, half the time in a cluster (10.0.0.0/8, 2001::/16) so that
+// the prefixes drawn nest and overlap.
+func Prefix(rng *rand.Rand, fam policy.Family) netip.Prefix {
+	var a netip.Addr
+	var bits int
+	if fam == policy.IPv6 {
+		var b [16]byte
+		for i := range b {
+			b[i] = byte(rng.UintN(256))
+		}
+		if rng.IntN(2) == 0 {
+			b[0], b[1] = 0x20, 0x01
+		}
+		a, bits = netip.AddrFrom16(b), 8+rng.IntN(121)
+	} else {
+		var b [4]byte
+		binary.BigEndian.PutUint32(b[:], rng.Uint32())
+		if rng.IntN(2) == 0 {
+			b[0] = 10
+		}
+		a, bits = netip.AddrFrom4(b), 4+rng.IntN(29)
+	}
+	p, _ := a.Prefix(bits)
+	return p
+}
+
+// AddrIn draws an address inside p.
+func AddrIn(rng *rand.Rand, p netip.Prefix) netip.Addr {
+	b := p.Addr().AsSlice()
+	for i := range b {
+		r := byte(rng.UintN(256))
+		switch keep := p.Bits() - 8*i; { // bits of this byte that belong to the prefix
+		case keep >= 8:
+		case keep <= 0:
+			b[i] = r
+		default:
+			mask := byte(0xff << (8 - keep))
+			b[i] = b[i]&mask | r&^mask
+		}
+	}
+	a, _ := netip.AddrFromSlice(b)
+	return a
+}
+
+// LastAddr is the highest address of a prefix.
+func LastAddr(p netip.Prefix) netip.Addr {
+	b := p.Addr().AsSlice()
+	for i := range b {
+		switch keep := p.Bits() - 8*i; {
+		case keep >= 8:
+		case keep <= 0:
+			b[i] = 0xff
+		default:
+			b[i] |= 0xff >> keep
+		}
+	}
+	a, _ := netip.AddrFromSlice(b)
+	return a
+}
+
+// Destination draws an address of a family to probe p with, aimed at the rules: inside a
+// random rule's prefix, at its first or last address, or anywhere. For a family p does not
+// enable, it aims at the rules the defaults would have.
+func Destination(rng *rand.Rand, p *policy.Policy, fam policy.Family) netip.Addr {
+	rules := p.Rules(fam)
+	if !p.Enabled(fam) {
+		rules = policy.Compile(config.Default(config.Options{EnableIPv6: true}), policy.Options{EnableIPv6: true}).Rules(fam)
+	}
+	if len(rules) > 0 && rng.IntN(10) < 7 {
+		pr := rules[rng.IntN(len(rules))].Prefix
+		switch rng.IntN(6) {
+		case 0:
+			return pr.Addr()
+		case 1:
+			return LastAddr(pr)
+		default:
+			return AddrIn(rng, pr)
+		}
+	}
+	if fam == policy.IPv4 {
+		return AddrIn(rng, netip.PrefixFrom(netip.IPv4Unspecified(), 0))
+	}
+	return AddrIn(rng, netip.PrefixFrom(netip.IPv6Unspecified(), 0))
+}
