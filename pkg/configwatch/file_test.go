@@ -1,6 +1,10 @@
 package configwatch
 
 import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -38,5 +42,49 @@ func TestUnsettled(t *testing.T) {
 		if got != c.want || (got > 0) != (why != "") {
 			t.Errorf("%s: read again in %v (%q), want %v", c.name, got, why, c.want)
 		}
+	}
+}
+
+// TestOtherFilesOfTheTargetDirectory: a config file that links into another directory (/dev,
+// /etc) is reloaded for changes of the file it leads to, not for every other file written
+// there.
+func TestOtherFilesOfTheTargetDirectory(t *testing.T) {
+	dir, target := t.TempDir(), t.TempDir()
+	real := filepath.Join(target, "real.yaml")
+	writeFile(t, real, "masqOutBound: false\n")
+	path := filepath.Join(dir, "ip-masq-agent")
+	if err := os.Symlink(real, path); err != nil {
+		t.Fatal(err)
+	}
+	f, err := NewFile(path, Options{Quiet: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	changes, err := f.Watch(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 5 {
+		writeFile(t, filepath.Join(target, "other"), fmt.Sprint(i))
+	}
+	select {
+	case <-changes:
+		t.Fatal("another file of the directory the config file links into was taken for a change")
+	case <-time.After(10 * DefaultDebounce):
+	}
+	writeFile(t, real, "masqOutBound: true\n")
+	select {
+	case <-changes:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the change of the file was not reported")
+	}
+}
+
+func writeFile(t *testing.T, path, content string) {
+	t.Helper()
+	if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -38,6 +38,10 @@ type dirWatcher struct {
 	// file's symlinks lead to when it is another one (-1 when none).
 	dirs               map[int32]string
 	configWD, targetWD int32
+	// targetNames are the names in the target directory that the file's path passes through:
+	// the file's own, and those of symlinks on the way that live there. Only their events can
+	// change what the file reads; the directory may be /dev or /etc, busy with other files.
+	targetNames map[string]bool
 	// writing holds the files (symlinks resolved) modified and not closed since, with the time
 	// of their last modification.
 	writing map[string]time.Time
@@ -88,6 +92,7 @@ func (d *dirWatcher) follow() {
 	}
 	dir := filepath.Dir(real)
 	if d.targetWD >= 0 && d.dirs[d.targetWD] == dir {
+		d.targetNames = pathNames(d.path, dir) // a link may have been re-pointed within it
 		return
 	}
 	if d.targetWD >= 0 {
@@ -105,8 +110,28 @@ func (d *dirWatcher) follow() {
 	if wd == d.configWD {
 		return // the same directory under another name
 	}
-	d.targetWD = wd
+	d.targetWD, d.targetNames = wd, pathNames(d.path, dir)
 	d.log.Debug("watching the directory the config file links into", "dir", dir)
+}
+
+// pathNames returns the names in dir (symlinks resolved) that path passes through on its way to
+// the file: the file's own, and those of the symlinks on the way that live in dir.
+func pathNames(path, dir string) map[string]bool {
+	names := map[string]bool{}
+	for range 40 { // as many links as the kernel follows
+		if parent, err := filepath.EvalSymlinks(filepath.Dir(path)); err == nil && parent == dir {
+			names[filepath.Base(path)] = true
+		}
+		target, err := os.Readlink(path)
+		if err != nil {
+			break // the file itself (or gone)
+		}
+		if !filepath.IsAbs(target) {
+			target = filepath.Join(filepath.Dir(path), target)
+		}
+		path = target
+	}
+	return names
 }
 
 func (d *dirWatcher) add(dir string) (int32, string, error) {
@@ -171,6 +196,9 @@ func (d *dirWatcher) handle(ev inotifyEvent) bool {
 		d.writing[p] = time.Now()
 	case ev.mask&(unix.IN_CLOSE_WRITE|unix.IN_DELETE|unix.IN_MOVED_FROM) != 0:
 		delete(d.writing, p)
+	}
+	if ev.wd == d.targetWD && !d.targetNames[ev.name] {
+		return false // another file of the directory the config file links into
 	}
 	// The kubelet's own entries around a ConfigMap update (the "..<timestamp>" data
 	// directories, "..data_tmp") change nothing the file reads until "..data" is swapped; the
