@@ -49,18 +49,18 @@ static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p
 	__be16 to_port;
 
 	if (qoff + qlen > p->end || bpf_skb_load_bytes(skb, qoff, q, qlen) < 0)
-		return TC_ACT_OK; /* quote too short to say which flow */
+		return TC_NEXT; /* quote too short to say which flow */
 	if (v6) {
 		if ((q[0] >> 4) != 6)
-			return TC_ACT_OK;
+			return TC_NEXT;
 		qproto = q[6];
 		__builtin_memcpy(qsaddr, q + 8, 16);
 		__builtin_memcpy(qdaddr, q + 24, 16);
 	} else {
 		if (q[0] != 0x45) /* version 4 without options */
-			return TC_ACT_OK;
+			return TC_NEXT;
 		if (((q[6] << 8) | q[7]) & IP_OFFMASK)
-			return TC_ACT_OK; /* a later fragment quoted: no ports */
+			return TC_NEXT; /* a later fragment quoted: no ports */
 		qproto = q[9];
 		__builtin_memcpy(qsaddr, q + 12, 4);
 		__builtin_memcpy(qdaddr, q + 16, 4);
@@ -75,23 +75,23 @@ static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p
 	case IPPROTO_ICMP:
 	case IPPROTO_ICMPV6:
 		if ((qproto == IPPROTO_ICMPV6) != !!v6)
-			return TC_ACT_OK;
+			return TC_NEXT;
 		if (q[ihl] == (v6 ? ICMPV6_ECHO_REQUEST : ICMP_ECHO))
 			__builtin_memcpy(&qsport, q + ihl + 4, 2);
 		else if (q[ihl] == (v6 ? ICMPV6_ECHO_REPLY : ICMP_ECHOREPLY))
 			__builtin_memcpy(&qdport, q + ihl + 4, 2);
 		else
-			return TC_ACT_OK;
+			return TC_NEXT;
 		break;
 	default:
-		return TC_ACT_OK;
+		return TC_NEXT;
 	}
 
 	/* The flow's entry for the direction of the error is keyed by the quoted tuple reversed. */
 	nat_key(v6, &k, qdaddr, qsaddr, qdport, qsport, qproto, dir);
 	e = nat_lookup(v6, &k);
 	if (!e)
-		return TC_ACT_OK;
+		return TC_NEXT;
 	addr_copy(v6, to, e->addr);
 	to_port = e->port;
 
@@ -99,7 +99,7 @@ static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p
 	const __be16 from_port = src_side ? qsport : qdport;
 
 	if (addr_eq(v6, from, to) && from_port == to_port)
-		return TC_ACT_OK; /* host or inbound flow: nothing was translated */
+		return TC_NEXT; /* host or inbound flow: nothing was translated */
 
 	__builtin_memcpy(nq, q, sizeof(nq));
 	__s64 addr_d = bpf_csum_diff((__be32 *)from, v6 ? 16 : 4, to, v6 ? 16 : 4, 0);
@@ -162,7 +162,7 @@ static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p
 	if (addr_eq(v6, outer, from) && rewrite_addr(skb, p, v6, !src_side, outer, to) < 0)
 		goto drop;
 	event_add(EV_ICMP_ERROR, 1);
-	return TC_ACT_OK;
+	return TC_NEXT;
 drop:
 	event_add(EV_DROP_REWRITE, 1);
 	return TC_ACT_SHOT;

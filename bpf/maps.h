@@ -130,6 +130,26 @@ struct {
 	__type(value, __u64);
 } sweep_stats SEC(".maps");
 
+/* When our programs last ran on each hook: a bpf_ktime_get_ns stamp per device slot and
+ * direction (hook_slot), refreshed at most every HOOK_REFRESH_NS so that its cache line stays
+ * quiet. Userspace compares it with the device's own packet counters: a device that moves
+ * packets while the stamp stands still has a program ahead of ours that ends the chain. Devices
+ * whose ifindexes are equal modulo HOOK_SLOTS share a slot. */
+#define HOOK_SLOTS 256
+#define HOOK_REFRESH_NS 100000000ULL
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 2 * HOOK_SLOTS);
+	__type(key, __u32);
+	__type(value, __u64);
+} hook_seen SEC(".maps");
+
+static __always_inline __u32 hook_slot(__u32 ifindex, __u32 dir)
+{
+	return (ifindex & (HOOK_SLOTS - 1)) << 1 | dir;
+}
+
 static __always_inline void event_add(__u32 ev, __u64 n)
 {
 	__u64 *c = bpf_map_lookup_elem(&event_stats, &ev);

@@ -36,7 +36,7 @@ static __always_inline int xlate(struct __sk_buff *skb, const struct pkt *p, con
 		goto drop;
 	if (p->l4 != L4_NONE && from_port != to_port && rewrite_port(skb, p, source, from_port, to_port) < 0)
 		goto drop;
-	return TC_ACT_OK;
+	return TC_NEXT;
 drop:
 	event_add(EV_DROP_REWRITE, 1);
 	return TC_ACT_SHOT;
@@ -51,12 +51,12 @@ static __always_inline int frag_later(struct __sk_buff *skb, struct pkt *p, cons
 
 	if (!fp) {
 		event_add(EV_FRAG_MISS, 1);
-		return TC_ACT_OK;
+		return TC_NEXT;
 	}
 	nat_key(v6, &k, p->saddr, p->daddr, fp->sport, fp->dport, p->proto, dir);
 	e = nat_lookup(v6, &k);
 	if (!e)
-		return TC_ACT_OK;
+		return TC_NEXT;
 	if (dir == DIR_EGRESS && e->kind == NAT_MASQ)
 		count_rule(e->slot, p->len);
 	return xlate(skb, p, v6, dir == DIR_EGRESS, e->addr, e->port);
@@ -84,14 +84,14 @@ static __always_inline int host_flow(struct __sk_buff *skb, const struct pkt *p,
 		e.flags = NAT_F_SEEN;
 		nat_update(v6, k, &e, BPF_NOEXIST);
 		event_add(EV_HOST_FLOW, 1);
-		return TC_ACT_OK;
+		return TC_NEXT;
 	}
 	re = nat_lookup(v6, &rk);
 	if (re && re->kind == NAT_HOST && points_back(v6, k, re)) {
 		/* Our own reservation whose egress half was evicted. */
 		e.flags = NAT_F_SEEN;
 		nat_update(v6, k, &e, BPF_NOEXIST);
-		return TC_ACT_OK;
+		return TC_NEXT;
 	}
 	if (nat_alloc(v6, p, cfg, k, p->saddr, NAT_HOST, NO_SLOT, now, &e) < 0)
 		return TC_ACT_SHOT;
@@ -111,18 +111,18 @@ static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, cons
 	__be32 to[4] = {};
 
 	if (!cfg)
-		return TC_ACT_OK;
+		return TC_NEXT;
 	fc = family_cfg(cfg, v6);
 	if (!fc->enabled)
-		return TC_ACT_OK;
+		return TC_NEXT;
 	if (p->l4 == L4_ECHO && !p->echo_request)
-		return TC_ACT_OK; /* an echo reply opens nothing */
+		return TC_NEXT; /* an echo reply opens nothing */
 	if (snat && addr_eq(v6, p->saddr, snat))
 		return host_flow(skb, p, v6, cfg, k, now);
 
 	if (classify(v6, p->daddr, fc, &slot) == ACTION_RETURN) {
 		count_rule(slot, p->len);
-		return TC_ACT_OK;
+		return TC_NEXT;
 	}
 	count_rule(slot, p->len);
 	if (!snat) {
@@ -139,9 +139,8 @@ static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, cons
 	return xlate(skb, p, v6, 1, e.addr, e.port);
 }
 
-static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const int v6)
+static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const int v6, __u64 now)
 {
-	__u64 now = bpf_ktime_get_ns();
 	union nat_key k;
 	struct nat_entry *e;
 
@@ -183,16 +182,16 @@ static __always_inline int ingress_new(struct __sk_buff *skb, const struct pkt *
 
 	/* The checks that need no map first: most packets of this path stop here. */
 	if (p->l4 == L4_ECHO && !p->echo_request)
-		return TC_ACT_OK;
+		return TC_NEXT;
 	if (skb->pkt_type != PACKET_HOST)
-		return TC_ACT_OK; /* multicast, broadcast, or another host's: opens no flow */
+		return TC_NEXT; /* multicast, broadcast, or another host's: opens no flow */
 	cfg = bpf_map_lookup_elem(&nat_config, &zero);
 	if (!cfg || !family_cfg(cfg, v6)->enabled)
-		return TC_ACT_OK;
+		return TC_NEXT;
 	u = bpf_map_lookup_elem(&uplink_snat, &ifindex);
 	snat = uplink_addr(u, v6);
 	if (snat && addr_eq(v6, p->daddr, snat))
-		return TC_ACT_OK; /* to the host itself: its replies are host flows */
+		return TC_NEXT; /* to the host itself: its replies are host flows */
 
 	/* Only a remote whose traffic the policy masquerades needs its replies protected: replies to
 	 * any other remote leave untouched anyway. Recording every flow toward pods would fill the
@@ -202,23 +201,22 @@ static __always_inline int ingress_new(struct __sk_buff *skb, const struct pkt *
 		__u32 slot;
 
 		if (classify(v6, p->saddr, family_cfg(cfg, v6), &slot) != ACTION_MASQUERADE)
-			return TC_ACT_OK;
+			return TC_NEXT;
 	}
 	addr_copy(v6, e.addr, p->daddr);
 	nat_key(v6, &ek, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_EGRESS);
 	if (nat_update(v6, &ek, &e, BPF_NOEXIST) != 0)
-		return TC_ACT_OK; /* that tuple already has a flow */
+		return TC_NEXT; /* that tuple already has a flow */
 	e.flags = NAT_F_SEEN;
 	nat_update(v6, k, &e, BPF_NOEXIST);
 	event_add(EV_INBOUND_FLOW, 1);
 	if (p->frag == FRAG_FIRST)
 		frag_remember(v6, p, DIR_INGRESS);
-	return TC_ACT_OK;
+	return TC_NEXT;
 }
 
-static __always_inline int ingress(struct __sk_buff *skb, struct pkt *p, const int v6)
+static __always_inline int ingress(struct __sk_buff *skb, struct pkt *p, const int v6, __u64 now)
 {
-	__u64 now = bpf_ktime_get_ns();
 	union nat_key k;
 	struct nat_entry *e;
 
@@ -239,30 +237,44 @@ static __always_inline int ingress(struct __sk_buff *skb, struct pkt *p, const i
 	return xlate(skb, p, v6, 0, e->addr, e->port);
 }
 
+/* hook_seen_mark records that the program ran on this device's hook (see hook_seen). */
+static __always_inline void hook_seen_mark(const struct __sk_buff *skb, __u32 dir, __u64 now)
+{
+	__u32 k = hook_slot(skb->ifindex, dir);
+	__u64 *last = bpf_map_lookup_elem(&hook_seen, &k);
+
+	if (last && now - *last >= HOOK_REFRESH_NS)
+		*last = now;
+}
+
 SEC("tc")
 int tc_egress(struct __sk_buff *skb)
 {
+	__u64 now = bpf_ktime_get_ns();
 	struct pkt p = {};
 
+	hook_seen_mark(skb, DIR_EGRESS, now);
 	switch (parse(skb, &p)) {
 	case 4:
-		return egress(skb, &p, 0);
+		return egress(skb, &p, 0, now);
 	case 6:
-		return egress(skb, &p, 1);
+		return egress(skb, &p, 1, now);
 	}
-	return TC_ACT_OK;
+	return TC_NEXT;
 }
 
 SEC("tc")
 int tc_ingress(struct __sk_buff *skb)
 {
+	__u64 now = bpf_ktime_get_ns();
 	struct pkt p = {};
 
+	hook_seen_mark(skb, DIR_INGRESS, now);
 	switch (parse(skb, &p)) {
 	case 4:
-		return ingress(skb, &p, 0);
+		return ingress(skb, &p, 0, now);
 	case 6:
-		return ingress(skb, &p, 1);
+		return ingress(skb, &p, 1, now);
 	}
-	return TC_ACT_OK;
+	return TC_NEXT;
 }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <linux/bpf.h>
+#include <linux/pkt_cls.h>
 #include <linux/if_ether.h>
 #include <linux/in.h>
 #include <linux/ip.h>
@@ -16,6 +17,12 @@
 #include <linux/icmpv6.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+
+/* The verdict of every path that neither drops nor redirects: TC_ACT_UNSPEC, which tcx calls
+ * TCX_NEXT, runs the next program of the hook (a tcx link after ours, then the clsact filters)
+ * and passes the packet at the end of the chain. TC_ACT_OK would end the chain there and starve
+ * every neighbour after us. */
+#define TC_NEXT TC_ACT_UNSPEC
 
 /* ICMPv4 types (linux/icmp.h drags in socket headers the BPF target has no use for). */
 #define ICMP_ECHOREPLY 0

@@ -77,7 +77,7 @@ func BenchmarkEgressEstablished(b *testing.B) {
 			h := benchHarness(b, n)
 			frame := tcpPacket(ap(pod4(1), 40000), ap(remote4, 443), tcpACK, make([]byte, 64))
 			h.mustPass(h.dp.Egress(), frame)
-			measure(b, h.dp.Egress(), tcActOK, func(int) []byte { return frame })
+			measure(b, h.dp.Egress(), tcNext, func(int) []byte { return frame })
 		})
 	}
 }
@@ -88,7 +88,7 @@ func BenchmarkEgressNewFlow(b *testing.B) {
 	for _, n := range benchSizes {
 		b.Run(fmt.Sprintf("cidrs=%d", n), func(b *testing.B) {
 			h := benchHarness(b, n)
-			measure(b, h.dp.Egress(), tcActOK, func(i int) []byte {
+			measure(b, h.dp.Egress(), tcNext, func(i int) []byte {
 				return tcpPacket(ap(pod4(i>>14), uint16(1024+i&0x3fff)), ap(remoteN(i), 443), tcpSYN, nil)
 			})
 		})
@@ -102,7 +102,7 @@ func BenchmarkIngressReverse(b *testing.B) {
 			h := benchHarness(b, n)
 			sent := h.mustPass(h.dp.Egress(), tcpPacket(ap(pod4(1), 40000), ap(remote4, 443), tcpSYN, nil))
 			reply := tcpPacket(ap(remote4, 443), tupleOf(b, sent).src, tcpACK, make([]byte, 64))
-			measure(b, h.dp.Ingress(), tcActOK, func(int) []byte { return reply })
+			measure(b, h.dp.Ingress(), tcNext, func(int) []byte { return reply })
 		})
 	}
 }
@@ -114,7 +114,7 @@ func BenchmarkEgressReturn(b *testing.B) {
 		b.Run(fmt.Sprintf("cidrs=%d", n), func(b *testing.B) {
 			h := benchHarness(b, n)
 			frame := tcpPacket(ap(pod4(1), 40000), ap(netip.MustParseAddr("10.20.30.40"), 443), tcpACK, make([]byte, 64))
-			measure(b, h.dp.Egress(), tcActOK, func(int) []byte { return frame })
+			measure(b, h.dp.Egress(), tcNext, func(int) []byte { return frame })
 		})
 	}
 }

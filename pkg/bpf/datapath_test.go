@@ -385,7 +385,7 @@ func TestPassUnchanged(t *testing.T) {
 				run  func([]byte) (uint32, []byte)
 			}{{"egress", h.egress}, {"ingress", h.ingress}} {
 				ret, out := prog.run(frame)
-				if ret != tcActOK || !bytes.Equal(out, frame) {
+				if ret != tcNext || !bytes.Equal(out, frame) {
 					t.Fatalf("%s: verdict %d, changed %v", prog.name, ret, !bytes.Equal(out, frame))
 				}
 			}
@@ -421,7 +421,7 @@ func TestPortExhaustion(t *testing.T) {
 					in := udpPacket(ap(pod(fam.v6, 300+i), 7000), dst, payload)
 					ret, out := h.egress(in)
 					if i < 5 {
-						if ret != tcActOK {
+						if ret != tcNext {
 							t.Fatalf("%s flow %d of 5 ports: verdict %d", fam.name, i, ret)
 						}
 						got := tupleOf(t, out)

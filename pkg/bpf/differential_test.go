@@ -50,7 +50,7 @@ func TestDifferentialDecide(t *testing.T) {
 				in := udpPacket(src, ap(dst, 53), nil)
 				ret, out := h.egress(in)
 				v := p.Decide(dst)
-				if ret != tcActOK {
+				if ret != tcNext {
 					t.Fatalf("round %d %s: %s: verdict %d", round, fam, dst, ret)
 				}
 				got := tupleOf(t, out)

@@ -706,9 +706,9 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) []byte
 		fail("passed (verdict %d), want a drop for want of an uplink address", ret)
 	case ret == tcActShot && drops != 1:
 		fail("dropped with %d drop counts", drops)
-	case ret == tcActOK && drops != 0:
+	case ret == tcNext && drops != 0:
 		fail("passed with %d drop counts", drops)
-	case ret != tcActOK && ret != tcActShot:
+	case ret != tcNext && ret != tcActShot:
 		fail("verdict %d", ret)
 	}
 	for slot, after := range post.slots {

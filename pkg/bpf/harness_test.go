@@ -24,8 +24,10 @@ import (
 
 const (
 	testIfindex = 1
-	tcActOK     = 0
-	tcActShot   = 2
+	// tcNext is TC_ACT_UNSPEC (TCX_NEXT, -1): the verdict that lets the next program of the hook
+	// run. tcActOK (TCX_PASS) would end the chain; no path of ours returns it.
+	tcNext    = ^uint32(0)
+	tcActShot = 2
 )
 
 var (
@@ -99,12 +101,13 @@ func (h *harness) ingress(frame []byte) (uint32, []byte) {
 	return runProg(h.t, h.dp.Ingress(), frame)
 }
 
-// mustPass runs a program and requires TC_ACT_OK and valid checksums on the result.
+// mustPass runs a program and requires TC_ACT_UNSPEC (the chain goes on) and valid checksums on
+// the result.
 func (h *harness) mustPass(prog *ebpf.Program, frame []byte) []byte {
 	h.t.Helper()
 	ret, out := runProg(h.t, prog, frame)
-	if ret != tcActOK {
-		h.t.Fatalf("%s: verdict %d, want TC_ACT_OK", prog, ret)
+	if ret != tcNext {
+		h.t.Fatalf("%s: verdict %d, want TC_ACT_UNSPEC (TCX_NEXT)", prog, int32(ret))
 	}
 	if err := verifyChecksums(out); err != nil {
 		h.t.Fatalf("%s: output checksums: %v\n%s", prog, err, describe(out))

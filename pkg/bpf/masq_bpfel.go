@@ -206,6 +206,7 @@ const (
 	masqMapEventStats = "event_stats"
 	masqMapFragV4     = "frag_v4"
 	masqMapFragV6     = "frag_v6"
+	masqMapHookSeen   = "hook_seen"
 	masqMapMasqV4     = "masq_v4"
 	masqMapMasqV6     = "masq_v6"
 	masqMapNatConfig  = "nat_config"
@@ -275,6 +276,7 @@ type masqMapSpecs struct {
 	EventStats *ebpf.MapSpec `ebpf:"event_stats"`
 	FragV4     *ebpf.MapSpec `ebpf:"frag_v4"`
 	FragV6     *ebpf.MapSpec `ebpf:"frag_v6"`
+	HookSeen   *ebpf.MapSpec `ebpf:"hook_seen"`
 	MasqV4     *ebpf.MapSpec `ebpf:"masq_v4"`
 	MasqV6     *ebpf.MapSpec `ebpf:"masq_v6"`
 	NatConfig  *ebpf.MapSpec `ebpf:"nat_config"`
@@ -318,6 +320,7 @@ type masqMaps struct {
 	EventStats *ebpf.Map `ebpf:"event_stats"`
 	FragV4     *ebpf.Map `ebpf:"frag_v4"`
 	FragV6     *ebpf.Map `ebpf:"frag_v6"`
+	HookSeen   *ebpf.Map `ebpf:"hook_seen"`
 	MasqV4     *ebpf.Map `ebpf:"masq_v4"`
 	MasqV6     *ebpf.Map `ebpf:"masq_v6"`
 	NatConfig  *ebpf.Map `ebpf:"nat_config"`
@@ -337,6 +340,7 @@ func (m *masqMaps) Close() error {
 		m.EventStats,
 		m.FragV4,
 		m.FragV6,
+		m.HookSeen,
 		m.MasqV4,
 		m.MasqV6,
 		m.NatConfig,
