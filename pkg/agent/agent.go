@@ -116,6 +116,10 @@ type Stats struct {
 	Heals map[string]uint64
 	// Ready is true once a configuration is in the datapath.
 	Ready bool
+	// Unenforced are the kinds of drift no apply repairs (datapath.Repairable) that the last
+	// drift check found: while there are any, the policy is not enforced everywhere and
+	// /readyz fails. Nil when there are none.
+	Unenforced []string
 }
 
 // ConfigHash is what Stats.ConfigSHA256 holds for a configuration.
@@ -190,6 +194,7 @@ func (a *Agent) Stats() Stats {
 	defer a.mu.Unlock()
 	s := a.stats
 	s.Heals = maps.Clone(a.stats.Heals)
+	s.Unenforced = slices.Clone(a.stats.Unenforced)
 	return s
 }
 
@@ -528,6 +533,7 @@ func (a *Agent) checkDrift(ctx context.Context, st *loopState, log *slog.Logger)
 		log.Info("drift check works again")
 		st.checkFailing = false
 	}
+	kinds = a.unenforced(kinds, log)
 	if len(kinds) == 0 {
 		a.healed(st, nil, log) // repaired by an earlier apply whose own check failed
 		return false
@@ -558,6 +564,7 @@ func (a *Agent) settleDrift(ctx context.Context, st *loopState, log *slog.Logger
 	if err != nil {
 		return // the next check tells
 	}
+	left = a.unenforced(left, log)
 	a.healed(st, left, log)
 	if len(left) == 0 {
 		st.persisting = ""
@@ -567,6 +574,32 @@ func (a *Agent) settleDrift(ctx context.Context, st *loopState, log *slog.Logger
 		log.Warn("drift persists after re-applying; trying again at the next check", "what", left)
 		st.persisting = s
 	}
+}
+
+// unenforced records the kinds of drift no apply repairs (datapath.Repairable) among those a
+// check found, logs when they change, and returns the others, which an apply repairs.
+func (a *Agent) unenforced(kinds []string, log *slog.Logger) []string {
+	var repairable, left []string
+	for _, k := range kinds {
+		if datapath.Repairable(k) {
+			repairable = append(repairable, k)
+		} else {
+			left = append(left, k)
+		}
+	}
+	a.mu.Lock()
+	was := a.stats.Unenforced
+	a.stats.Unenforced = left
+	a.mu.Unlock()
+	switch {
+	case slices.Equal(was, left):
+	case len(left) > 0:
+		log.Warn("the policy is not enforced everywhere, and no apply can repair it (the backend's log says where); not ready while it lasts",
+			"what", left)
+	default:
+		log.Info("the policy is enforced everywhere again", "was", was)
+	}
+	return repairable
 }
 
 // healed counts and logs, once each, the pending kinds of drift that are not in left.
@@ -609,6 +642,10 @@ func (a *Agent) healthz(w http.ResponseWriter, _ *http.Request) {
 func (a *Agent) readyz(w http.ResponseWriter, _ *http.Request) {
 	a.mu.Lock()
 	ready, why := a.stats.Ready, a.notReady
+	if ready && len(a.stats.Unenforced) > 0 {
+		ready, why = false, "the policy is not enforced everywhere: "+strings.Join(a.stats.Unenforced, ", ")+
+			" (see the log)"
+	}
 	a.mu.Unlock()
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 	if !ready {

@@ -3,6 +3,7 @@ package agent
 import (
 	"errors"
 	"maps"
+	"net/http"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -140,5 +141,46 @@ func TestResyncCountsHeals(t *testing.T) {
 	r.waitStats(t, "the heal", func(s Stats) bool { return s.Heals[datapath.DriftPin] == 1 })
 	if !strings.Contains(r.log.String(), "trigger=resync") {
 		t.Errorf("no resync apply logged")
+	}
+}
+
+// TestDriftUnenforced: a kind no apply repairs (datapath.DriftBypassed) applies nothing, makes
+// /readyz fail naming it, is logged once when it starts and once when it ends, and is never
+// counted as a heal; a repairable kind found beside it is still repaired.
+func TestDriftUnenforced(t *testing.T) {
+	b := &datapathtest.DriftBackend{}
+	r := startAgent(t, filepath.Join(t.TempDir(), "ip-masq-agent"), b, withDrift(10*time.Millisecond))
+	b.WaitApply(t)
+	r.waitReady(t)
+	b.Damage(datapath.DriftBypassed)
+	r.waitStats(t, "the bypass", func(s Stats) bool { return slices.Equal(s.Unenforced, []string{datapath.DriftBypassed}) })
+	b.NoApply(t, 100*time.Millisecond)
+	if code, body := r.ready(t); code != http.StatusServiceUnavailable || !strings.Contains(body, "bypassed") {
+		t.Errorf("readyz = %d %q, want 503 naming the bypass", code, body)
+	}
+	// Beside it, a repairable kind is repaired and healed; the bypass stays.
+	b.Stick(datapath.DriftBypassed)
+	b.Damage(datapath.DriftTrie, datapath.DriftBypassed)
+	b.WaitApply(t)
+	r.waitStats(t, "the trie heal", func(s Stats) bool { return s.Heals[datapath.DriftTrie] == 1 })
+	if code, _ := r.ready(t); code != http.StatusServiceUnavailable {
+		t.Errorf("readyz = %d while still bypassed", code)
+	}
+	b.Stick()
+	b.Damage()
+	r.waitStats(t, "the end of the bypass", func(s Stats) bool { return len(s.Unenforced) == 0 })
+	r.waitReady(t)
+	logs := r.log.String()
+	if n := countLines(logs, "not enforced everywhere", "bypassed"); n != 1 {
+		t.Errorf("%d lines about the bypass, want 1", n)
+	}
+	if n := countLines(logs, "enforced everywhere again"); n != 1 {
+		t.Errorf("%d lines about its end, want 1", n)
+	}
+	if h := r.agent.Stats().Heals; h[datapath.DriftBypassed] != 0 || strings.Contains(logs, "what=bypassed") {
+		t.Errorf("the bypass was counted or logged as a heal: %v", h)
+	}
+	if n := countLines(logs, "drift persists"); n != 0 {
+		t.Errorf("%d drift persists lines for a kind no apply repairs", n)
 	}
 }

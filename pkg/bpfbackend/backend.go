@@ -108,6 +108,11 @@ type Backend struct {
 	// what CheckDrift compares with.
 	lastApplied *policy.Policy
 	applied     bool
+
+	// hooks is what the drift checks found on each uplink's hooks (see checkHooks); guarded by
+	// hookMu, as Hooks reads it for metric scrapes.
+	hookMu sync.Mutex
+	hooks  map[hookKey]*hookState
 }
 
 var (
@@ -116,6 +121,7 @@ var (
 	_ datapath.NATReporter  = (*Backend)(nil)
 	_ datapath.Reader       = (*Backend)(nil)
 	_ datapath.DriftChecker = (*Backend)(nil)
+	_ datapath.HookReporter = (*Backend)(nil)
 )
 
 // New checks that the node can run the BPF datapath (a writable BPF filesystem, programs the

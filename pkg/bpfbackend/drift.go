@@ -16,9 +16,11 @@ func (b *Backend) DriftKinds() []string {
 
 // CheckDrift implements datapath.DriftChecker, against what the last successful Apply
 // installed: the map pins (a stat each), both programs on every uplink (a query per hook) and
-// their tcx link pins, each uplink's uplink_snat entry (a lookup), and the tries and nat_config
-// (bpf.Datapath.CheckPolicy: a bounded walk of the tries). An uplink that is
-// gone is skipped: the uplink watcher reports it, and the next Apply forgets it.
+// their tcx link pins, each uplink's uplink_snat entry (a lookup), the tries and nat_config
+// (bpf.Datapath.CheckPolicy: a bounded walk of the tries), and the uplinks' hooks for a program
+// of another component ahead of ours that ends the chain (checkHooks: a query and a counter
+// read per device). An uplink that is gone is skipped: the uplink watcher reports it, and the
+// next Apply forgets it.
 func (b *Backend) CheckDrift(ctx context.Context) ([]string, error) {
 	dp := b.dp.Load()
 	if dp == nil || !b.applied {
@@ -57,8 +59,11 @@ func (b *Backend) CheckDrift(ctx context.Context) ([]string, error) {
 	}
 	found[datapath.DriftTrie] = len(policyDrift.Tries) > 0
 	found[datapath.DriftNATConfig] = policyDrift.NATConfig
+	if found[datapath.DriftBypassed], err = b.checkHooks(ctx, dp, ups); err != nil {
+		return nil, err
+	}
 	var out []string
-	for _, k := range b.DriftKinds() {
+	for _, k := range append(b.DriftKinds(), datapath.DriftBypassed) {
 		if found[k] {
 			out = append(out, k)
 		}

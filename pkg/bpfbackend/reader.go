@@ -25,14 +25,17 @@ import (
 // Reader reads a BPF datapath pinned under <bpffs>/ip-masq-agent/ from any process, through
 // read-only map descriptors: it never changes what it reads.
 type Reader struct {
-	dp   *bpf.Datapath
-	p    *policy.Policy
-	info datapath.Info
+	dp     *bpf.Datapath
+	p      *policy.Policy
+	info   datapath.Info
+	mode   string
+	pinDir string
 }
 
 var (
-	_ datapath.Reader      = (*Reader)(nil)
-	_ datapath.NATReporter = (*Reader)(nil)
+	_ datapath.Reader       = (*Reader)(nil)
+	_ datapath.NATReporter  = (*Reader)(nil)
+	_ datapath.HookReporter = (*Reader)(nil)
 )
 
 // OpenReader opens what is pinned under bpffs, or returns nil and no error when nothing is.
@@ -59,7 +62,7 @@ func OpenReader(bpffs string, p *policy.Policy) (*Reader, error) {
 	if links, err := os.ReadDir(filepath.Join(dir, LinkDir)); err == nil && len(links) > 0 {
 		mode = tc.ModeTCX
 	}
-	return &Reader{dp: dp, p: p, info: readInfo(dp, dir, mode)}, nil
+	return &Reader{dp: dp, p: p, info: readInfo(dp, dir, mode), mode: mode, pinDir: dir}, nil
 }
 
 // Close releases the descriptors.
@@ -73,19 +76,37 @@ func (r *Reader) Info() datapath.Info { return r.info }
 func readInfo(dp *bpf.Datapath, pinDir, mode string) datapath.Info {
 	s := "maps pinned under " + pinDir
 	var ups []string
-	snat, _ := dp.Uplinks() // a report: what cannot be read is left out
-	for idx, u := range snat {
-		ul := uplink.Uplink{Name: "?", Index: idx, IPv4: u.IPv4, IPv6: u.IPv6}
-		if ifc, err := net.InterfaceByIndex(idx); err == nil {
-			ul.Name = ifc.Name
-		}
-		ups = append(ups, ul.String())
+	for _, u := range installedUplinks(dp) {
+		ups = append(ups, u.String())
 	}
 	if len(ups) > 0 {
 		slices.Sort(ups)
 		s += "; uplinks " + strings.Join(ups, ", ")
 	}
 	return datapath.Info{Backend: Name, AttachMode: mode, Details: s}
+}
+
+// installedUplinks are the devices uplink_snat holds, with their names ("?" for a device that
+// is gone) and SNAT addresses. A report: what cannot be read is left out.
+func installedUplinks(dp *bpf.Datapath) []uplink.Uplink {
+	snat, _ := dp.Uplinks()
+	var out []uplink.Uplink
+	for idx, u := range snat {
+		ul := uplink.Uplink{Name: "?", Index: idx, IPv4: u.IPv4, IPv6: u.IPv6}
+		if ifc, err := net.InterfaceByIndex(idx); err == nil {
+			ul.Name = ifc.Name
+		}
+		out = append(out, ul)
+	}
+	slices.SortFunc(out, func(a, b uplink.Uplink) int { return a.Index - b.Index })
+	return out
+}
+
+// Hooks implements datapath.HookReporter: the programs of others on each uplink's hooks, and,
+// where one runs ahead of ours, whether ours is bypassed (which takes two samples of the hook,
+// a fraction of a second apart).
+func (r *Reader) Hooks(ctx context.Context) ([]datapath.Hook, error) {
+	return readHooks(ctx, r.dp, r.mode, r.pinDir, installedUplinks(r.dp))
 }
 
 // Counters implements datapath.Reader: the installed rules with their counters, mapped to the

@@ -83,15 +83,23 @@ func writeReader(ctx context.Context, w io.Writer, r datapath.Reader, top int) e
 	if b, ok := backends.Lookup(info.Backend); ok && b.CountNote != "" {
 		fmt.Fprintln(w, b.CountNote)
 	}
-	nat, ok := r.(datapath.NATReporter)
-	if !ok {
-		return nil
+	if nat, ok := r.(datapath.NATReporter); ok {
+		sum, err := nat.NATSummary(ctx, top)
+		if err != nil {
+			return fmt.Errorf("read %s NAT table: %w", info.Backend, err)
+		}
+		if err := writeNAT(w, sum); err != nil {
+			return err
+		}
 	}
-	sum, err := nat.NATSummary(ctx, top)
-	if err != nil {
-		return fmt.Errorf("read %s NAT table: %w", info.Backend, err)
+	if hr, ok := r.(datapath.HookReporter); ok {
+		hooks, err := hr.Hooks(ctx)
+		if err != nil {
+			return fmt.Errorf("read %s hooks: %w", info.Backend, err)
+		}
+		return writeHooks(w, hooks)
 	}
-	return writeNAT(w, sum)
+	return nil
 }
 
 // title names a datapath: its backend, how it is attached, and its details.
@@ -154,4 +162,36 @@ func writeNAT(w io.Writer, sum datapath.NATSummary) error {
 		fmt.Fprintf(tw, "%s\t%s\t%d\n", e.Protocol, e.Endpoint, e.Entries)
 	}
 	return tw.Flush()
+}
+
+// writeHooks prints each uplink's hooks: the programs of others there, ahead of ours and behind
+// it, and whether ours is bypassed.
+func writeHooks(w io.Writer, hooks []datapath.Hook) error {
+	fmt.Fprintln(w, "\nhooks")
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "DEVICE\tDIRECTION\tPOLICY\tAHEAD OF OURS\tBEHIND OURS")
+	list := func(ns []string) string {
+		if len(ns) == 0 {
+			return "-"
+		}
+		return strings.Join(ns, "; ")
+	}
+	bypassed := false
+	for _, h := range hooks {
+		state := "enforced"
+		if h.Bypassed {
+			state, bypassed = "BYPASSED", true
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", h.Device, h.Direction, state, list(h.Ahead), list(h.Behind))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if len(hooks) == 0 {
+		fmt.Fprintln(w, "(no uplinks)")
+	}
+	if bypassed {
+		fmt.Fprintln(w, "BYPASSED: a program ahead of ours ends the chain; ours saw none of the device's packets")
+	}
+	return nil
 }

@@ -77,14 +77,15 @@ type Backend interface {
 //     address, a device that appeared or went away) is no drift; it reaches the agent as an
 //     event of its own.
 //   - It returns the kinds that drifted (DriftChain, ...), each at most once, in DriftKinds'
-//     order; none when everything is in place, and none before the first successful Apply.
+//     order, then the kinds no apply repairs (see Repairable); none when everything is in place,
+//     and none before the first successful Apply.
 //   - An error means the check could not be made, not that something drifted.
 //   - It is called from the agent's loop only, never concurrently with Apply, and must stay
 //     cheap on a busy node: no full dump of the node's rules, no walk of a large table.
 type DriftChecker interface {
 	CheckDrift(ctx context.Context) ([]string, error)
-	// DriftKinds lists every kind CheckDrift can report, so that metrics show each at zero
-	// before its first heal.
+	// DriftKinds lists every kind CheckDrift can report that an apply repairs, so that metrics
+	// show each at zero before its first heal.
 	DriftKinds() []string
 }
 
@@ -105,7 +106,41 @@ const (
 	DriftNATConfig = "nat_config"
 	// DriftUplinkAddr: an uplink's SNAT addresses (uplink_snat) changed or were removed.
 	DriftUplinkAddr = "uplink_addr"
+	// DriftBypassed: a program of another component ahead of ours on an uplink's hook ends the
+	// chain, so ours saw none of the packets the device moved: the policy is not enforced on that
+	// hook. No apply repairs it (the agent never removes others' programs): the agent reports it
+	// (a warning when it starts and when it ends, /readyz) until the other program lets the
+	// packets through again, and applies nothing for it.
+	DriftBypassed = "bypassed"
 )
+
+// Repairable tells whether an apply repairs a kind of drift; DriftKinds lists only those.
+func Repairable(kind string) bool { return kind != DriftBypassed }
+
+// HookReporter is implemented by backends whose programs share the uplinks' hooks with other
+// components' programs (BPF). Safe to call concurrently with Apply.
+type HookReporter interface {
+	// Hooks reports each hook (uplink and direction) the policy is installed on, egress first,
+	// uplinks by name. The agent's backend reports what its last drift check found; a Reader
+	// looks for itself.
+	Hooks(ctx context.Context) ([]Hook, error)
+}
+
+// Hook is one hook (an uplink's egress or ingress) our programs run on.
+type Hook struct {
+	Device    string
+	Ifindex   int
+	Direction string // "egress" or "ingress"
+	// Ahead and Behind are the programs of other components on the hook, in the order they
+	// run, ahead of ours (their verdict decides whether ours runs) and behind it (ours lets
+	// the chain go on to them); each as "tcx program 42 \"name\"" or with a tc priority.
+	Ahead, Behind []string
+	// Bypassed: while a program ahead ran, ours saw none of the packets the device moved: the
+	// program ahead ends the chain, and the policy is not enforced on this hook.
+	Bypassed bool
+	// Bypasses counts the times Bypassed started, since the process started.
+	Bypasses uint64
+}
 
 // RuleCounter is the hit count of one policy rule.
 type RuleCounter struct {

@@ -52,6 +52,9 @@ const (
 	BuildInfo            = Namespace + "_build_info"
 	ScrapeErrors         = Namespace + "_scrape_errors_total"
 	Heals                = Namespace + "_heals_total"
+	HookNeighbours       = Namespace + "_hook_neighbours"
+	HookBypassed         = Namespace + "_hook_bypassed"
+	HookBypasses         = Namespace + "_hook_bypasses_total"
 )
 
 // Label values of ConfigReloads' result.
@@ -65,6 +68,7 @@ const (
 const (
 	SourceRules = "rules"
 	SourceNAT   = "nat"
+	SourceHooks = "hooks"
 )
 
 // Definition describes one metric family.
@@ -77,6 +81,9 @@ type Definition struct {
 }
 
 var ruleLabels = []string{"family", "action", "cidr", "origin"}
+
+// hookLabels are the labels of the hook metrics: the uplink and the direction, then extra.
+func hookLabels(extra ...string) []string { return append([]string{"device", "direction"}, extra...) }
 
 // Definitions returns every metric the agent exports, besides the go_* and process_* metrics
 // of client_golang's standard collectors.
@@ -97,8 +104,11 @@ func Definitions() []Definition {
 		{DatapathSyncErrors, "counter", nil, "Applies of the policy that failed (each is retried)."},
 		{DatapathInfo, "gauge", []string{"backend", "attach_mode"}, "Always 1; the datapath backend and how its programs are attached (none for iptables)."},
 		{BuildInfo, "gauge", []string{"version", "revision", "goversion"}, "Always 1; the agent's version, VCS revision and Go version."},
-		{ScrapeErrors, "counter", []string{"source"}, "Scrapes whose read of the datapath failed, by source (rules, nat); the scrape then leaves those metrics out."},
+		{ScrapeErrors, "counter", []string{"source"}, "Scrapes whose read of the datapath failed, by source (rules, nat, hooks); the scrape then leaves those metrics out."},
 		{Heals, "counter", []string{"what"}, "Repairs of what was changed behind the agent's back, by kind: chain, jump (iptables); program, pin, trie, nat_config, uplink_addr (BPF)."},
+		{HookNeighbours, "gauge", hookLabels("position"), "Programs of other components on an uplink's tc hook (BPF), by position: ahead of ours (their verdict decides whether ours runs) or behind it (ours lets every packet through to them)."},
+		{HookBypassed, "gauge", hookLabels(), "1 while a program ahead of ours on the hook ends the chain, so that ours sees none of the device's packets and the policy is not enforced there (BPF); else 0."},
+		{HookBypasses, "counter", hookLabels(), "Times a program ahead of ours was found ending the chain on the hook (BPF), each logged once."},
 	}
 }
 
@@ -168,7 +178,7 @@ type Collector struct {
 	descs map[string]*prometheus.Desc
 	build [3]string
 	// Scrape errors by source, since the collector was created.
-	rulesErrors, natErrors atomic.Uint64
+	rulesErrors, natErrors, hookErrors atomic.Uint64
 }
 
 var _ prometheus.Collector = (*Collector)(nil)
@@ -259,9 +269,35 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	if hasNAT {
 		c.collectNAT(ctx, nat, gauge, counter)
 	}
+	hooks, hasHooks := c.opts.Backend.(datapath.HookReporter)
+	if hasHooks {
+		c.collectHooks(ctx, hooks, gauge, counter)
+	}
 	counter(ScrapeErrors, c.rulesErrors.Load(), SourceRules)
 	if hasNAT {
 		counter(ScrapeErrors, c.natErrors.Load(), SourceNAT)
+	}
+	if hasHooks {
+		counter(ScrapeErrors, c.hookErrors.Load(), SourceHooks)
+	}
+}
+
+func (c *Collector) collectHooks(ctx context.Context, r datapath.HookReporter, gauge func(string, float64, ...string), counter func(string, uint64, ...string)) {
+	hooks, err := r.Hooks(ctx)
+	if err != nil {
+		c.hookErrors.Add(1)
+		c.log.Warn("scrape: cannot read the hooks; leaving their metrics out", "error", err)
+		return
+	}
+	for _, h := range hooks {
+		gauge(HookNeighbours, float64(len(h.Ahead)), h.Device, h.Direction, "ahead")
+		gauge(HookNeighbours, float64(len(h.Behind)), h.Device, h.Direction, "behind")
+		bypassed := 0.0
+		if h.Bypassed {
+			bypassed = 1
+		}
+		gauge(HookBypassed, bypassed, h.Device, h.Direction)
+		counter(HookBypasses, h.Bypasses, h.Device, h.Direction)
 	}
 }
 

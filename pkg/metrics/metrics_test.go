@@ -3,6 +3,7 @@ package metrics
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
@@ -100,7 +101,7 @@ ip_masq_agent_rule_bytes_total{action="RETURN",cidr="10.0.0.0/8",family="ipv4",o
 ip_masq_agent_rule_bytes_total{action="MASQUERADE",cidr="0.0.0.0/0",family="ipv4",origin="outbound"} 180
 ip_masq_agent_rule_bytes_total{action="RETURN",cidr="fe80::/10",family="ipv6",origin="link-local"} 0
 ip_masq_agent_rule_bytes_total{action="MASQUERADE",cidr="::/0",family="ipv6",origin="outbound"} 400
-# HELP ip_masq_agent_scrape_errors_total Scrapes whose read of the datapath failed, by source (rules, nat); the scrape then leaves those metrics out.
+# HELP ip_masq_agent_scrape_errors_total Scrapes whose read of the datapath failed, by source (rules, nat, hooks); the scrape then leaves those metrics out.
 # TYPE ip_masq_agent_scrape_errors_total counter
 ip_masq_agent_scrape_errors_total{source="rules"} 0
 # HELP ip_masq_agent_datapath_info Always 1; the datapath backend and how its programs are attached (none for iptables).
@@ -156,7 +157,7 @@ ip_masq_agent_nat_swept_entries_total{protocol="udp"} 12
 # HELP ip_masq_agent_datapath_info Always 1; the datapath backend and how its programs are attached (none for iptables).
 # TYPE ip_masq_agent_datapath_info gauge
 ip_masq_agent_datapath_info{attach_mode="tcx",backend="bpf"} 1
-# HELP ip_masq_agent_scrape_errors_total Scrapes whose read of the datapath failed, by source (rules, nat); the scrape then leaves those metrics out.
+# HELP ip_masq_agent_scrape_errors_total Scrapes whose read of the datapath failed, by source (rules, nat, hooks); the scrape then leaves those metrics out.
 # TYPE ip_masq_agent_scrape_errors_total counter
 ip_masq_agent_scrape_errors_total{source="nat"} 0
 ip_masq_agent_scrape_errors_total{source="rules"} 0
@@ -348,11 +349,11 @@ func TestScrapeTimeReads(t *testing.T) {
 // Every metric follows Prometheus' naming conventions, and Names is exactly what is exported.
 func TestNamesAndLint(t *testing.T) {
 	s := agent.Stats{ConfigSHA256: strings.Repeat("0", 64), Heals: map[string]uint64{datapath.DriftTrie: 1}}
-	b := &datapathtest.NATBackend{Installed: natInfo,
+	b := &datapathtest.HookBackend{NATBackend: datapathtest.NATBackend{Installed: natInfo,
 		Backend: datapathtest.Backend{RuleCounters: []datapath.RuleCounter{rc(policy.IPv4, 1, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 1, 60)}},
 		Stats: datapath.NATStats{Entries: []datapath.NATEntries{{Family: policy.IPv4, Protocol: "tcp", Entries: 1}},
 			Events: map[string]uint64{"drop_no_port": 0}, Drops: map[string]uint64{"no_port": 0}, Swept: map[string]uint64{"tcp": 0}},
-	}
+	}, Hook: []datapath.Hook{{Device: "eth0", Ifindex: 2, Direction: "egress"}}}
 	c := NewCollector(Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver()})
 	problems, err := testutil.CollectAndLint(c)
 	if err != nil {
@@ -488,5 +489,57 @@ func TestHeals(t *testing.T) {
 	}
 	if got := read(&datapathtest.Backend{}, nil); len(got) != 0 {
 		t.Errorf("a backend without drift checks, nothing healed: %v", got)
+	}
+}
+
+// The hook metrics: neighbours ahead and behind, the bypass state and its count, per uplink and
+// direction; a failed read leaves them out and counts a hooks scrape error.
+func TestHookMetrics(t *testing.T) {
+	b := &datapathtest.HookBackend{NATBackend: datapathtest.NATBackend{Installed: natInfo}, Hook: []datapath.Hook{
+		{Device: "eth0", Ifindex: 2, Direction: "egress", Behind: []string{`tcx program 9 "mon"`}},
+		{Device: "eth0", Ifindex: 2, Direction: "ingress", Ahead: []string{`tcx program 7 "cni"`, `tc program 8 "x" priority 1`},
+			Bypassed: true, Bypasses: 3},
+	}}
+	fams := scrape(t, newRegistry(t, Options{Backend: b}))
+	got := map[string]float64{}
+	for _, name := range []string{HookNeighbours, HookBypassed, HookBypasses} {
+		for _, m := range fams[name].GetMetric() {
+			var ls []string
+			for _, l := range m.Label {
+				ls = append(ls, l.GetValue())
+			}
+			got[name+"{"+strings.Join(ls, ",")+"}"] = m.GetGauge().GetValue() + m.GetCounter().GetValue()
+		}
+	}
+	want := map[string]float64{
+		HookNeighbours + "{eth0,egress,ahead}":   0,
+		HookNeighbours + "{eth0,egress,behind}":  1,
+		HookNeighbours + "{eth0,ingress,ahead}":  2,
+		HookNeighbours + "{eth0,ingress,behind}": 0,
+		HookBypassed + "{eth0,egress}":           0,
+		HookBypassed + "{eth0,ingress}":          1,
+		HookBypasses + "{eth0,egress}":           0,
+		HookBypasses + "{eth0,ingress}":          3,
+	}
+	if !maps.Equal(got, want) {
+		t.Errorf("hook metrics %v\nwant %v", got, want)
+	}
+
+	b.HooksErr = errors.New("netlink: no buffer space")
+	fams = scrape(t, newRegistry(t, Options{Backend: b}))
+	if _, ok := fams[HookBypassed]; ok {
+		t.Errorf("hook metrics reported although their read failed")
+	}
+	found := false
+	for _, m := range fams[ScrapeErrors].GetMetric() {
+		if m.Label[0].GetValue() == SourceHooks {
+			found = true
+			if v := m.GetCounter().GetValue(); v != 1 {
+				t.Errorf("hooks scrape errors %v, want 1", v)
+			}
+		}
+	}
+	if !found {
+		t.Errorf("no hooks scrape errors series")
 	}
 }

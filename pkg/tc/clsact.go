@@ -77,6 +77,12 @@ func (c *clsact) filters(ifindex int, dir Direction) ([]netlink.Filter, error) {
 	return fs, err
 }
 
+// isNoDevice tells an error of a device that does not exist (any more).
+func isNoDevice(err error) bool {
+	var nf netlink.LinkNotFoundError
+	return errors.As(err, &nf) || errors.Is(err, unix.ENODEV)
+}
+
 func (c *clsact) ensureQdisc(ifindex int) error {
 	q := &netlink.GenericQdisc{
 		QdiscAttrs: netlink.QdiscAttrs{LinkIndex: ifindex, Handle: netlink.MakeHandle(0xffff, 0), Parent: netlink.HANDLE_CLSACT},
@@ -149,8 +155,7 @@ func (c *clsact) Runs(ctx context.Context, ifindex int, dir Direction, prog *ebp
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	fs, err := c.filters(ifindex, dir)
-	var nf netlink.LinkNotFoundError
-	if errors.As(err, &nf) || errors.Is(err, unix.ENODEV) {
+	if isNoDevice(err) {
 		return false, fmt.Errorf("ifindex %d: %w (%v)", ifindex, ErrNoDevice, err)
 	}
 	if err != nil {
@@ -171,8 +176,7 @@ func (c *clsact) Detach(ctx context.Context, ifindex int, dir Direction) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	fs, err := c.filters(ifindex, dir)
-	var nf netlink.LinkNotFoundError
-	if errors.As(err, &nf) || errors.Is(err, unix.ENODEV) {
+	if isNoDevice(err) {
 		return nil
 	}
 	if err != nil {
@@ -237,8 +241,7 @@ func (c *clsact) List(ctx context.Context) ([]Attachment, error) {
 	for _, l := range links {
 		for _, d := range Directions() {
 			fs, err := c.filters(l.Attrs().Index, d)
-			var nf netlink.LinkNotFoundError
-			if errors.As(err, &nf) || errors.Is(err, unix.ENODEV) {
+			if isNoDevice(err) {
 				break // the device went away meanwhile (pods come and go)
 			}
 			if err != nil {

@@ -6,6 +6,22 @@
 //
 // A Hook is one attachment mechanism; a Manager attaches with one and removes what the other
 // left on the same devices, so that a device never runs the programs twice.
+//
+// Sharing the hooks. Other components attach programs to the same devices (a CNI, kube-proxy's
+// replacement, monitoring agents). Ours let the chain go on (TC_ACT_UNSPEC, which is TCX_NEXT)
+// on every path that neither drops nor redirects, and sit where netfilter's NAT sits relative to
+// tc: next to the IP stack. So every neighbour sees the addresses of the wire in both directions,
+// as it would beside iptables MASQUERADE (POSTROUTING runs before tc egress, PREROUTING after tc
+// ingress), and a CNI that tracks connections on both hooks sees one tuple per connection:
+//
+//   - egress: a new tcx link of ours goes at the head of the chain, so every program after it
+//     sees packets as masqueraded;
+//   - ingress: at the tail, so every program before it sees replies still addressed to the node.
+//
+// A tc filter of ours sits at Options.FilterPriority on both hooks: filters of a lower priority
+// run before it, and every tcx program runs before any filter. A program ahead of ours that
+// ends the chain (TCX_PASS, TC_ACT_OK) takes the packets it passes past ours: Neighbours lists
+// them, for the caller to report.
 package tc
 
 import (
@@ -172,26 +188,31 @@ func NewHook(mode string, opts Options) (Hook, error) {
 // Manager attaches with one hook and keeps the other's attachments off the same devices.
 type Manager struct {
 	attach, other Hook
-	log           *slog.Logger
+	// The two hooks by type, for what only one of them has (link pins, filters, netlink).
+	tcx  *tcx
+	cls  *clsact
+	opts Options
+	log  *slog.Logger
 }
 
 // NewManager returns a manager that attaches in mode.
 func NewManager(mode string, opts Options) (*Manager, error) {
-	otherMode := ModeTC
+	if mode != ModeTCX && mode != ModeTC {
+		return nil, fmt.Errorf("attach mode %q: must be %s or %s", mode, ModeTCX, ModeTC)
+	}
+	c, err := newClsact(opts)
+	if err != nil {
+		return nil, err
+	}
+	m := &Manager{tcx: newTCX(opts), cls: c, opts: opts, log: opts.logger()}
+	m.attach, m.other = m.tcx, m.cls
 	if mode == ModeTC {
-		otherMode = ModeTCX
+		m.attach, m.other = m.cls, m.tcx
 	}
-	a, err := NewHook(mode, opts)
-	if err != nil {
-		return nil, err
-	}
-	o, err := NewHook(otherMode, opts)
-	if err != nil {
-		a.Close()
-		return nil, err
-	}
-	return &Manager{attach: a, other: o, log: opts.logger()}, nil
+	return m, nil
 }
+
+func (m *Manager) owns(info *ebpf.ProgramInfo) bool { return m.opts.Owns != nil && m.opts.Owns(info) }
 
 // Mode is the mode the manager attaches in.
 func (m *Manager) Mode() string { return m.attach.Mode() }
@@ -232,7 +253,7 @@ func (m *Manager) Check(ctx context.Context, ifindex int, progs Programs) (Statu
 			return Status{}, err
 		}
 		st.Runs = st.Runs && ok
-		if t, isTCX := m.attach.(*tcx); isTCX && !t.hasPin(slot{ifindex, d}) {
+		if m.attach == m.tcx && !m.tcx.hasPin(slot{ifindex, d}) {
 			st.Pinned = false
 		}
 	}
@@ -265,13 +286,29 @@ func (m *Manager) List(ctx context.Context) ([]Attachment, error) {
 
 // Pinned returns the devices that have a tcx link pin (attached or not any more), without
 // looking at any device: cheap enough for every apply, unlike List.
-func (m *Manager) Pinned() ([]int, error) {
-	for _, h := range []Hook{m.attach, m.other} {
-		if t, ok := h.(*tcx); ok {
-			return t.pinned()
-		}
+func (m *Manager) Pinned() ([]int, error) { return m.tcx.pinned() }
+
+// DevicePackets returns how many packets the device has received and sent, as its counters
+// say: what its ingress and egress hooks must have seen (give or take what XDP or an AF_PACKET
+// socket bypassing the qdisc moved).
+func (m *Manager) DevicePackets(ctx context.Context, ifindex int) (in, out uint64, err error) {
+	if err := ctx.Err(); err != nil {
+		return 0, 0, err
 	}
-	return nil, nil
+	m.cls.mu.Lock()
+	l, err := m.cls.nl.LinkByIndex(ifindex)
+	m.cls.mu.Unlock()
+	if isNoDevice(err) {
+		return 0, 0, fmt.Errorf("ifindex %d: %w", ifindex, ErrNoDevice)
+	}
+	if err != nil {
+		return 0, 0, fmt.Errorf("read counters of ifindex %d: %w", ifindex, err)
+	}
+	st := l.Attrs().Statistics
+	if st == nil {
+		return 0, 0, fmt.Errorf("ifindex %d reports no counters", ifindex)
+	}
+	return st.RxPackets, st.TxPackets, nil
 }
 
 // Close releases both hooks; attachments stay.

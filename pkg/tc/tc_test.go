@@ -173,8 +173,9 @@ func TestTCX(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if got := tcxProgs(t, sb.a, Egress); !slices.Equal(got, []ebpf.ProgramID{id(t, foreign), id(t, sb.progs.Egress)}) {
-			t.Fatalf("egress programs %v", got)
+		// Egress: ours goes at the head, ahead of the program that was there first.
+		if got := tcxProgs(t, sb.a, Egress); !slices.Equal(got, []ebpf.ProgramID{id(t, sb.progs.Egress), id(t, foreign)}) {
+			t.Fatalf("egress programs %v, want ours first", got)
 		}
 		lnk, err := link.LoadPinnedLink(filepath.Join(sb.opts.LinkDir, fmt.Sprintf("%d-egress", sb.a)), nil)
 		if err != nil {
@@ -204,10 +205,10 @@ func TestTCX(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if len(res.Programs) != 2 || res.Programs[1].ID != id(t, sb.progs2.Egress) {
+		if len(res.Programs) != 2 || res.Programs[0].ID != id(t, sb.progs2.Egress) {
 			t.Fatalf("after the restart: %+v", res.Programs)
 		}
-		if lid, _ := res.Programs[1].LinkID(); lid != linkID {
+		if lid, _ := res.Programs[0].LinkID(); lid != linkID {
 			t.Fatalf("the restart made link %d, want the pinned link %d updated", lid, linkID)
 		}
 		got, err := h2.List(ctx)
@@ -228,7 +229,7 @@ func TestTCX(t *testing.T) {
 		if err := h2.Attach(ctx, sb.a, Egress, sb.progs2.Egress); err != nil {
 			t.Fatal(err)
 		}
-		if got := tcxProgs(t, sb.a, Egress); !slices.Equal(got, []ebpf.ProgramID{id(t, foreign), id(t, sb.progs2.Egress)}) {
+		if got := tcxProgs(t, sb.a, Egress); !slices.Equal(got, []ebpf.ProgramID{id(t, sb.progs2.Egress), id(t, foreign)}) {
 			t.Fatalf("after the repair: %v", got)
 		}
 

@@ -48,6 +48,17 @@ func attachType(d Direction) ebpf.AttachType {
 	return ebpf.AttachTCXEgress
 }
 
+// position is where a new link of ours goes in the device's chain: egress at the head, ingress
+// at the tail (see the package comment). A link that exists keeps its place: replacing its
+// program (a restart, an upgrade) never moves it, as moving would mean a moment with two links
+// of ours, the second translating again what the first already did.
+func position(d Direction) link.Anchor {
+	if d == Ingress {
+		return link.Tail()
+	}
+	return link.Head()
+}
+
 func (t *tcx) pinPath(s slot) string {
 	return filepath.Join(t.opts.LinkDir, fmt.Sprintf("%d-%s", s.ifindex, s.dir))
 }
@@ -158,7 +169,7 @@ func (t *tcx) Attach(ctx context.Context, ifindex int, dir Direction, prog *ebpf
 		if err := os.MkdirAll(t.opts.LinkDir, 0o700); err != nil {
 			return fmt.Errorf("create link pin directory: %w", err)
 		}
-		nl, err := link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: prog, Attach: attachType(dir)})
+		nl, err := link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: prog, Attach: attachType(dir), Anchor: position(dir)})
 		if err != nil {
 			return fmt.Errorf("attach tcx to ifindex %d %s: %w", ifindex, dir, err)
 		}

@@ -341,10 +341,15 @@ func bpfLeft(t testing.TB, env *Env) string {
 	t.Helper()
 	var left []string
 	progs, clsact := env.UplinkPrograms(t)
+	others := false // programs of other components (neighbours) stay, and their clsact qdisc
 	for _, p := range progs {
+		if !ourProgram(p.Name) {
+			others = others || p.Mode == tc.ModeTC
+			continue
+		}
 		left = append(left, fmt.Sprintf("%s %s program %s on %s", p.Mode, p.Dir, p.Name, Uplink))
 	}
-	if clsact {
+	if clsact && !others {
 		left = append(left, "a clsact qdisc on "+Uplink)
 	}
 	if env.BPFFS() != "" {
@@ -358,6 +363,9 @@ func bpfLeft(t testing.TB, env *Env) string {
 	}
 	return strings.Join(left, "; ")
 }
+
+// ourProgram tells the agent's programs by name (bpf/masq.c's entry points).
+func ourProgram(name string) bool { return name == "tc_egress" || name == "tc_ingress" }
 
 // driftBPF damages the datapath as an admin might: the egress program is detached from the
 // uplink, and 10.0.0.0/8 is deleted from the non-masquerade trie.

@@ -212,6 +212,18 @@ func (n *NATBackend) NATSummary(_ context.Context, top int) (datapath.NATSummary
 	return s, nil
 }
 
+// HookBackend is a NATBackend that reports hooks (datapath.HookReporter), as the BPF backend
+// does: Hooks and HooksErr are what Hooks returns.
+type HookBackend struct {
+	NATBackend
+	Hook     []datapath.Hook
+	HooksErr error
+}
+
+var _ datapath.HookReporter = (*HookBackend)(nil)
+
+func (h *HookBackend) Hooks(context.Context) ([]datapath.Hook, error) { return h.Hook, h.HooksErr }
+
 // DriftBackend is a Backend with drift checks (datapath.DriftChecker): Damage drifts it, and an
 // Apply repairs what drifted except the kinds Stick keeps.
 type DriftBackend struct {
