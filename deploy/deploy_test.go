@@ -443,7 +443,7 @@ func TestDashboardQueriesExportedMetrics(t *testing.T) {
 	targetLabels := []string{"node", "job", "instance", "pod", "namespace"}
 	labelValues := map[string][]string{
 		"result": {metrics.ReloadSuccess, metrics.ReloadInvalid, metrics.ReloadApplyError},
-		"source": {metrics.SourceRules, metrics.SourceNAT},
+		"source": {metrics.SourceRules, metrics.SourceNAT, metrics.SourceHooks},
 	}
 	nameRE := regexp.MustCompile(`ip_masq_agent_[a-z0-9_]+`)
 	byRE := regexp.MustCompile(`by \(([^)]*)\)`)
