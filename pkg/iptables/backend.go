@@ -215,7 +215,7 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 	if err != nil {
 		return err
 	}
-	nat, err := b.save(ctx, t, "-c", "-t", "nat")
+	nat, err := readChains(ctx, b.runner, t, true, "POSTROUTING", b.chain)
 	if err != nil {
 		return err
 	}
@@ -352,12 +352,12 @@ func (b *Backend) probe(ctx context.Context, t *tools, fam policy.Family, random
 	return err
 }
 
-// Counters implements datapath.Backend: the rule counters of iptables-save -c, mapped back to
-// the policy rules through the lines Render produced for them.
+// Counters implements datapath.Backend: the live counters of the chain (readChains), mapped back
+// to the policy rules through the lines Render produced for them.
 func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
 	var out []datapath.RuleCounter
 	err := b.eachApplied(ctx, func(fam policy.Family, p *policy.Policy, t *tools) error {
-		nat, err := b.save(ctx, t, "-c", "-t", "nat")
+		nat, err := readChains(ctx, b.runner, t, true, b.chain)
 		if err != nil {
 			return err
 		}

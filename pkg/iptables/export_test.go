@@ -5,3 +5,11 @@ const (
 	ProbeChain       = probeChain
 	KubeletHintChain = kubeletHintChain
 )
+
+// The chain reading, for the tests against the real tools.
+var (
+	ReadChains      = readChains
+	ListChain       = listChain
+	ResolveTools    = resolveTools
+	ParseListedRule = parseListedRule
+)

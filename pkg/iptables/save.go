@@ -70,7 +70,15 @@ func (t *Table) rules(keep func(SavedRule) bool) []SavedRule {
 
 // ParseSave extracts one table from iptables-save output (with or without -c). A table missing
 // from the dump is returned empty: iptables-save leaves out tables nothing has used.
-func ParseSave(out []byte, table string) (*Table, error) {
+func ParseSave(out []byte, table string) (*Table, error) { return parseSave(out, table, nil) }
+
+// parseSave is ParseSave restricted to the named chains (all when chains is nil): the lines of
+// other chains are skipped unparsed, which on a node with kube-proxy's rules is nearly all.
+func parseSave(out []byte, table string, chains []string) (*Table, error) {
+	wanted := func(string) bool { return true }
+	if chains != nil {
+		wanted = func(c string) bool { return slices.Contains(chains, c) }
+	}
 	t := &Table{}
 	in := false
 	sc := bufio.NewScanner(bytes.NewReader(out))
@@ -85,8 +93,10 @@ func ParseSave(out []byte, table string) (*Table, error) {
 		case line == "COMMIT":
 			in = false
 		case line[0] == ':':
-			name, _, _ := strings.Cut(line[1:], " ")
-			t.Chains = append(t.Chains, name)
+			if name, _, _ := strings.Cut(line[1:], " "); wanted(name) {
+				t.Chains = append(t.Chains, name)
+			}
+		case !wanted(ruleChain(line)):
 		default:
 			r, err := parseRuleLine(line)
 			if err != nil {
@@ -99,6 +109,20 @@ func ParseSave(out []byte, table string) (*Table, error) {
 		return nil, fmt.Errorf("read iptables-save output: %w", err)
 	}
 	return t, nil
+}
+
+// ruleChain is the chain of a rule line ("[packets:bytes] -A CHAIN ..."), read without parsing
+// the rule; "" when the line is not one.
+func ruleChain(line string) string {
+	if line[0] == '[' {
+		_, line, _ = strings.Cut(line, "] ")
+	}
+	rest, ok := strings.CutPrefix(line, "-A ")
+	if !ok {
+		return ""
+	}
+	chain, _, _ := strings.Cut(rest, " ")
+	return chain
 }
 
 // parseRuleLine reads "[packets:bytes] -A CHAIN SPEC" (counters optional).
@@ -173,12 +197,33 @@ func parseDst(v string) netip.Prefix {
 // splitArgs splits a rule's options as iptables-save writes them: separated by spaces, a value
 // with spaces in double quotes, in which a backslash escapes the next character.
 func splitArgs(spec string) ([]string, error) {
-	var args []string
+	spans, err := scanArgs(spec)
+	if err != nil {
+		return nil, err
+	}
+	args := make([]string, len(spans))
+	for i, a := range spans {
+		args[i] = a.text
+	}
+	return args, nil
+}
+
+// arg is one option of a rule line and where it stands in the line: text is its value (quotes
+// and escapes removed), line[start:end] what the line spells.
+type arg struct {
+	text       string
+	start, end int
+}
+
+// scanArgs splits a rule line as splitArgs does, keeping where each option stands.
+func scanArgs(spec string) ([]arg, error) {
+	var args []arg
 	for i := 0; i < len(spec); {
 		switch spec[i] {
 		case ' ':
 			i++
 		case '"':
+			start := i
 			var b strings.Builder
 			for i++; i < len(spec) && spec[i] != '"'; i++ {
 				if spec[i] == '\\' && i+1 < len(spec) {
@@ -190,13 +235,13 @@ func splitArgs(spec string) ([]string, error) {
 				return nil, errors.New("unterminated quote")
 			}
 			i++
-			args = append(args, b.String())
+			args = append(args, arg{b.String(), start, i})
 		default:
 			n := strings.IndexByte(spec[i:], ' ')
 			if n < 0 {
 				n = len(spec) - i
 			}
-			args = append(args, spec[i:i+n])
+			args = append(args, arg{spec[i : i+n], i, i + n})
 			i += n
 		}
 	}

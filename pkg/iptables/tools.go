@@ -25,6 +25,7 @@ const debianPackage = "iptables"
 
 // tools are the resolved commands of one mode and family.
 type tools struct {
+	mode          Mode
 	save, restore string
 	// list is the iptables command itself (iptables-nft, ip6tables, ...), for listing one chain
 	// cheaply; empty when it is not installed, and then the save tool is used instead.
@@ -91,7 +92,7 @@ func resolveTools(ctx context.Context, r Runner, mode Mode, fam policy.Family) (
 		if nft != (mode == ModeNFT) {
 			continue
 		}
-		t := &tools{save: save, restore: restore, version: v}
+		t := &tools{mode: mode, save: save, restore: restore, version: v}
 		if r.LookPath(variant) == nil {
 			t.list = variant
 		}

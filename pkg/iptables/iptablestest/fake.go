@@ -192,10 +192,10 @@ func (f *Fake) Run(_ context.Context, stdin []byte, name string, args ...string)
 		}
 		if f.LockFile != "" && mode == iptables.ModeLegacy {
 			return nil, &iptables.ExecError{Command: name + " " + strings.Join(args, " "),
-				Stderr: "Fatal: can't open lock file " + f.LockFile + ": Read-only file system\n", Err: fmt.Errorf("exit status 4")}
+				Stderr: "Fatal: can't open lock file " + f.LockFile + ": Read-only file system\n", Err: ExitStatus(4)}
 		}
 		if err := f.restore(mode, fam, string(stdin), slices.Contains(args, "--counters")); err != nil {
-			return nil, &iptables.ExecError{Command: name + " " + strings.Join(args, " "), Stderr: err.Error() + "\n", Err: fmt.Errorf("exit status 1")}
+			return nil, &iptables.ExecError{Command: name + " " + strings.Join(args, " "), Stderr: err.Error() + "\n", Err: ExitStatus(1)}
 		}
 		return nil, nil
 	}
@@ -245,28 +245,56 @@ func (f *Fake) save(mode iptables.Mode, fam policy.Family, args []string) []byte
 	return []byte(b.String())
 }
 
-// list answers `iptables [--wait] -t nat -S CHAIN` as iptables does.
+// list answers `iptables [--wait] -t nat -S CHAIN [-v]` as iptables does: with -v, each rule's
+// counters as "-c PACKETS BYTES" before its target.
 func (f *Fake) list(mode iptables.Mode, fam policy.Family, name string, args []string) ([]byte, error) {
 	args = slices.DeleteFunc(slices.Clone(args), func(a string) bool { return a == "--wait" || a == "-w" })
+	verbose := len(args) == 5 && args[4] == "-v"
+	if verbose {
+		args = args[:4]
+	}
 	if len(args) != 4 || args[0] != "-t" || args[1] != "nat" || args[2] != "-S" {
 		return nil, fmt.Errorf("fake: %s %q not supported", name, args)
 	}
 	t, chain := f.NAT(mode, fam), args[3]
 	if !t.Has(chain) {
 		return nil, &iptables.ExecError{Command: name + " " + strings.Join(args, " "),
-			Stderr: "iptables: No chain/target/match by that name.\n", Err: fmt.Errorf("exit status 1")}
+			Stderr: "iptables: No chain/target/match by that name.\n", Err: ExitStatus(1)}
 	}
 	var b strings.Builder
+	counters := func(r Rule) string {
+		if !verbose {
+			return ""
+		}
+		return fmt.Sprintf(" -c %d %d", r.Packets, r.Bytes)
+	}
 	if slices.Contains(natBuiltins, chain) {
-		fmt.Fprintf(&b, "-P %s ACCEPT\n", chain)
+		fmt.Fprintf(&b, "-P %s ACCEPT%s\n", chain, counters(Rule{}))
 	} else {
 		fmt.Fprintf(&b, "-N %s\n", chain)
 	}
 	for _, r := range t.Rules[chain] {
-		b.WriteString(r.Text + "\n")
+		text := r.Text
+		at := strings.LastIndex(text, " -j ")
+		if at < 0 {
+			at = strings.LastIndex(text, " -g ")
+		}
+		if at < 0 {
+			at = len(text)
+		}
+		b.WriteString(text[:at] + counters(r) + text[at:] + "\n")
 	}
 	return []byte(b.String()), nil
 }
+
+// ExitStatus is the exit status of a tool of the fake that failed, as an *exec.ExitError
+// reports it.
+type ExitStatus int
+
+func (e ExitStatus) Error() string { return fmt.Sprintf("exit status %d", int(e)) }
+
+// ExitCode is the status, as exec.ExitError.ExitCode.
+func (e ExitStatus) ExitCode() int { return int(e) }
 
 var builtinTargets = []string{"RETURN", "MASQUERADE", "ACCEPT", "DROP"}
 
