@@ -134,16 +134,29 @@ func (r *Resolver) resolve(ctx context.Context) (Set, error) {
 			links = append(links, l)
 		}
 	}
+	// One dump per family for all the uplinks: the library lists every address of the namespace
+	// for any device's (and filters them itself), so asking per uplink repeated the dump.
+	addrs := map[int]map[int][]netlink.Addr{}
+	if len(links) > 0 {
+		for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
+			all, err := r.nl.AddrList(nil, fam)
+			if err != nil {
+				return Set{}, fmt.Errorf("list addresses: %w", err)
+			}
+			for _, a := range all {
+				if addrs[a.LinkIndex] == nil {
+					addrs[a.LinkIndex] = map[int][]netlink.Addr{}
+				}
+				addrs[a.LinkIndex][fam] = append(addrs[a.LinkIndex][fam], a)
+			}
+		}
+	}
 	for _, l := range links {
 		u := Uplink{Name: l.Attrs().Name, Index: l.Attrs().Index}
 		_, u.DefaultV4 = defaults[u.Index][unix.AF_INET]
 		_, u.DefaultV6 = defaults[u.Index][unix.AF_INET6]
 		for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
-			addrs, err := r.nl.AddrList(l, fam)
-			if err != nil {
-				return Set{}, fmt.Errorf("list addresses of %s: %w", u.Name, err)
-			}
-			a := primary(fam, addrs, defaults[u.Index][fam])
+			a := primary(fam, addrs[u.Index][fam], defaults[u.Index][fam])
 			if fam == unix.AF_INET {
 				u.IPv4 = a
 			} else {
