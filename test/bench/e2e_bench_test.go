@@ -30,7 +30,7 @@ var (
 	runs     = flag.Int("runs", 5, "runs per measurement; the report uses the median")
 	duration = flag.Duration("duration", 5*time.Second, "length of one load run")
 	workers  = flag.Int("workers", 32, "concurrent connections of the short-connection load")
-	only     = flag.String("modes", "", "comma-separated subset of modes to run (none,iptables,bpf)")
+	only     = flag.String("modes", "", "comma-separated subset of modes to run (none,bpf,bpf-norandom,iptables,iptables-norandom)")
 )
 
 // target is the external host's address the load goes to: public, so the default policy
@@ -46,12 +46,19 @@ const (
 type Mode struct {
 	Name    string
 	Backend *e2e.Backend // nil: no agent (the limit)
+	// Flags are given to the agent beyond the backend's own.
+	Flags []string
+}
+
+// agentBackend is the mode's backend with its flags.
+func (m Mode) agentBackend() e2e.Backend {
+	b := *m.Backend
+	b.Flags = append(slices.Clone(b.Flags), m.Flags...)
+	return b
 }
 
 func modes() []Mode {
-	ipt := e2e.IptablesBackend(iptables.ModeNFT)
-	all := []Mode{{Name: "none"}, {Name: "iptables", Backend: &ipt}}
-	all = append(all, extraModes()...)
+	all := allModes()
 	if *only == "" {
 		return all
 	}
@@ -93,6 +100,11 @@ type LoadResult struct {
 	ConnRates []float64 `json:"conn_rates"`
 	Slow      []int64   `json:"slow"`
 	Errors    []int64   `json:"errors"`
+	// Connections are those each run completed, and CPUSeconds the system and softirq time the
+	// machine spent meanwhile (/proc/stat, every CPU): the pod's and the external host's
+	// sockets, the node's forwarding and NAT, and the agent.
+	Connections []int64   `json:"connections"`
+	CPUSeconds  []float64 `json:"cpu_seconds"`
 	// Throughputs are bulk TCP bits per second of each run.
 	Throughputs []float64 `json:"throughputs"`
 }
@@ -126,7 +138,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 			})
 		}
 		for _, m := range modes() {
-			if m.Backend == nil {
+			if m.Backend == nil || len(m.Flags) > 0 {
 				continue
 			}
 			for _, n := range []int{10000, 100000} {
@@ -244,7 +256,7 @@ func startMode(ctx context.Context, b *testing.B, env *e2e.Env, m Mode, prepared
 		m.Backend.Prepare(ctx, b, env)
 		prepared[m.Backend.Name] = true
 	}
-	a := env.StartAgent(ctx, b, *m.Backend)
+	a := env.StartAgent(ctx, b, m.agentBackend())
 	if err := a.WaitReady(ctx); err != nil {
 		b.Fatalf("agent: %v\n%s", err, a.Logs())
 	}
@@ -259,7 +271,7 @@ func stopMode(ctx context.Context, b *testing.B, env *e2e.Env, m Mode) {
 	if err := env.Agent.Stop(ctx); err != nil {
 		b.Logf("agent exit: %v", err)
 	}
-	if _, err := e2e.NSExec(ctx, env.Node, "", env.Bin, env.DatapathArgs("cleanup", *m.Backend)...); err != nil {
+	if _, err := e2e.NSExec(ctx, env.Node, "", env.Bin, env.DatapathArgs("cleanup", m.agentBackend())...); err != nil {
 		b.Fatalf("cleanup: %v", err)
 	}
 }
@@ -289,43 +301,86 @@ func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) []LoadResult {
 			i := (j + run) % len(ms)
 			m := ms[i]
 			startMode(ctx, b, e, m, prepared)
-			rate, slow, errs := connRate(ctx, b, bins, e)
+			c := connRate(ctx, b, bins, e)
 			tput := bulk(ctx, b, e)
 			stopMode(ctx, b, e, m)
 			r := &results[i]
-			r.ConnRates, r.Slow, r.Errors = append(r.ConnRates, rate), append(r.Slow, slow), append(r.Errors, errs)
+			r.ConnRates, r.Slow, r.Errors = append(r.ConnRates, c.Rate), append(r.Slow, c.Slow), append(r.Errors, c.Errors)
+			r.Connections, r.CPUSeconds = append(r.Connections, c.Connections), append(r.CPUSeconds, c.CPUSeconds)
 			r.Throughputs = append(r.Throughputs, tput)
-			b.Logf("%s cidrs=%d run %d: %.0f conn/s (%d slow, %d errors), %.2f Gbit/s", m.Name, n, run+1, rate, slow, errs, tput/1e9)
+			b.Logf("%s cidrs=%d run %d: %.0f conn/s (%d slow, %d errors), %.2f CPU s per 100k connections, %.2f Gbit/s",
+				m.Name, n, run+1, c.Rate, c.Slow, c.Errors, c.CPUSeconds/float64(max(c.Connections, 1))*1e5, tput/1e9)
 		}
 	}
 	for _, r := range results {
 		b.ReportMetric(median(r.ConnRates), r.Mode+"-conn/s")
 		b.ReportMetric(median(r.Throughputs)/1e9, r.Mode+"-Gbit/s")
+		var cpu []float64
+		for i, c := range r.CPUSeconds {
+			cpu = append(cpu, c/float64(max(r.Connections[i], 1))*1e5)
+		}
+		b.ReportMetric(median(cpu), r.Mode+"-cpus/100kconn")
 	}
 	return results
 }
 
-// connRate runs the short-connection load from the pod for one run.
-func connRate(ctx context.Context, b *testing.B, bins binaries, e *e2e.Env) (rate float64, slow, errs int64) {
+// connRun is one run of the short-connection load.
+type connRun struct {
+	Rate        float64 `json:"rate"`
+	Connections int64   `json:"connections"`
+	Slow        int64   `json:"slow"`
+	Errors      int64   `json:"errors"`
+	FirstError  string  `json:"first_error"`
+	CPUSeconds  float64 `json:"-"`
+}
+
+// connRate runs the short-connection load from the pod for one run, and reads the system and
+// softirq time the machine spent meanwhile.
+func connRate(ctx context.Context, b *testing.B, bins binaries, e *e2e.Env) connRun {
 	b.Helper()
+	before := kernelCPU(b)
 	out, err := e2e.NSExec(ctx, e.Pod, "", bins.connrate, "run", "-target", netip.AddrPortFrom(target, connratePort).String(),
 		"-workers", strconv.Itoa(*workers), "-duration", duration.String())
 	if err != nil {
 		b.Fatalf("connrate: %v", err)
 	}
-	var r struct {
-		Rate       float64 `json:"rate"`
-		Slow       int64   `json:"slow"`
-		Errors     int64   `json:"errors"`
-		FirstError string  `json:"first_error"`
-	}
+	cpu := kernelCPU(b) - before
+	var r connRun
 	if err := json.Unmarshal(out, &r); err != nil {
 		b.Fatalf("connrate output %q: %v", out, err)
 	}
 	if r.FirstError != "" {
 		b.Logf("connrate: %d errors, the first: %s", r.Errors, r.FirstError)
 	}
-	return r.Rate, r.Slow, r.Errors
+	r.CPUSeconds = cpu
+	return r
+}
+
+// clockTicks is USER_HZ, the unit of /proc/stat: 100 on every Linux architecture Go supports.
+const clockTicks = 100
+
+// kernelCPU is the system and softirq time all CPUs have spent since boot, in seconds, from the
+// first line of /proc/stat ("cpu user nice system idle iowait irq softirq ...").
+func kernelCPU(b *testing.B) float64 {
+	b.Helper()
+	data, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		b.Fatal(err)
+	}
+	line, _, _ := strings.Cut(string(data), "\n")
+	f := strings.Fields(line)
+	if len(f) < 8 || f[0] != "cpu" {
+		b.Fatalf("/proc/stat: unexpected first line %q", line)
+	}
+	var ticks uint64
+	for _, i := range []int{3, 7} { // system, softirq
+		n, err := strconv.ParseUint(f[i], 10, 64)
+		if err != nil {
+			b.Fatalf("/proc/stat: %q: %v", line, err)
+		}
+		ticks += n
+	}
+	return float64(ticks) / clockTicks
 }
 
 // bulk runs one iperf3 TCP stream from the pod and returns bits per second.

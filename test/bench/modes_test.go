@@ -10,15 +10,31 @@ import (
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 	"github.com/ip-masq-agent/ip-masq-agent/test/e2e"
 )
 
-// extraModes are the modes beyond the limit and iptables: the BPF backend, attached with tcx.
-func extraModes() []Mode {
+// allModes are the ways of running the node that the benchmarks compare: the limit (no agent),
+// then each backend with its default flags and with --random-fully=false (the choice an informed
+// user of the upstream agent makes). Only the default-flag modes are measured for apply latency
+// and memory, which the flag does not change. A backend is one line here; the nftables backend
+// joins as {Name: "nftables", Backend: &nft} and its --random-fully=false variant once
+// test/e2e has its Backend.
+func allModes() []Mode {
 	bpf := e2e.BPFBackend(tc.ModeTCX)
-	return []Mode{{Name: "bpf", Backend: &bpf}}
+	ipt := e2e.IptablesBackend(iptables.ModeNFT)
+	return []Mode{
+		{Name: "none"},
+		{Name: "bpf", Backend: &bpf},
+		{Name: "bpf-norandom", Backend: &bpf, Flags: noRandomFully},
+		{Name: "iptables", Backend: &ipt},
+		{Name: "iptables-norandom", Backend: &ipt, Flags: noRandomFully},
+	}
 }
+
+// noRandomFully are the flags of a mode's --random-fully=false variant.
+var noRandomFully = []string{"--random-fully=false"}
 
 // natFiller returns, for a mode with a NAT table, a function that fills it with flows and
 // returns how many entries the agent reports; nil for modes without one.
