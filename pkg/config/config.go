@@ -41,6 +41,17 @@ type Options struct {
 	// NoMasqAllReservedRanges adds the RFC reserved ranges to the default nonMasqueradeCIDRs
 	// (upstream --nomasq-all-reserved-ranges). A file that sets nonMasqueradeCIDRs overrides them.
 	NoMasqAllReservedRanges bool
+	// Pattern selects the files of a config directory that are merged (--config-pattern);
+	// empty means DefaultPattern.
+	Pattern string
+}
+
+// FilePattern is the pattern of the files of a config directory.
+func (o Options) FilePattern() string {
+	if o.Pattern == "" {
+		return DefaultPattern
+	}
+	return o.Pattern
 }
 
 // Default returns the configuration in force when no file exists.
@@ -56,18 +67,32 @@ func Default(opts Options) Config {
 // does a key whose value is null (an empty YAML value). Every problem found is reported, each
 // naming the key, the value and what is wrong.
 func Parse(data []byte, opts Options) (Config, error) {
-	cfg := Default(opts)
-	doc, err := document(data)
+	cfg, _, err := parseDocument(data, opts)
 	if err != nil {
-		return Config{}, err
-	}
-	if err := cfg.decode(doc, opts); err != nil {
 		return Config{}, err
 	}
 	if err := cfg.validate(); err != nil {
 		return Config{}, err
 	}
 	return cfg, nil
+}
+
+// parseDocument reads a document's keys over the defaults, not yet validated together, and
+// tells which keys it set (present and not null).
+func parseDocument(data []byte, opts Options) (Config, map[string]bool, error) {
+	cfg := Default(opts)
+	doc, err := document(data)
+	if err != nil {
+		return Config{}, nil, err
+	}
+	if err := cfg.decode(doc, opts); err != nil {
+		return Config{}, nil, err
+	}
+	set := make(map[string]bool, len(doc))
+	for name, raw := range doc {
+		set[name] = string(raw) != "null"
+	}
+	return cfg, set, nil
 }
 
 // document reads a YAML or JSON mapping into its keys' raw JSON values; an empty document, or one

@@ -18,8 +18,17 @@ const DefaultPath = "/etc/config/ip-masq-agent"
 // MaxFileSize bounds how much of a config file is read. 100k CIDRs fit in well under this.
 const MaxFileSize = 16 << 20
 
-// Load reads the file at path. A missing file means the defaults; so does an empty one.
+// Load reads the configuration at path: a file, or a directory whose files matching
+// opts.Pattern are merged (see IsDir and Dir.Parse). A missing file means the defaults; so does
+// an empty one.
 func Load(path string, opts Options) (Config, error) {
+	if IsDir(path) {
+		d, err := ReadDir(path, opts.FilePattern())
+		if err != nil {
+			return Config{}, err
+		}
+		return d.Parse(opts)
+	}
 	f, err := ReadFile(path)
 	if err != nil {
 		return Config{}, err

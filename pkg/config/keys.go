@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strconv"
 	"time"
 )
 
@@ -58,7 +59,7 @@ func (k Key) Type() string { return k.typeName() }
 // value is a key's value: where it lives in Config, how a document writes it, its canonical
 // form and its default. Each kind of value (a list of CIDRs, a boolean, ...) is one
 // implementation with its own decoder, so a key whose entries take another form (a mapping as
-// well as a string) is a kind of its own; a rule that merges the values of several files
+// well as a string) is a kind of its own; the rule that merges the values of several files
 // belongs to the kind as well (lists concatenate, scalars must agree).
 type value interface {
 	typeName() string
@@ -68,6 +69,20 @@ type value interface {
 	// canonical returns the value in c as a JSON value that decode reads back.
 	canonical(c *Config) any
 	setDefault(c *Config, opts Options)
+	// copyFrom sets the value in c to the one in from.
+	copyFrom(c, from *Config)
+	// merge adds the value in from (a later file's) to the one in c (the earlier files'
+	// merged). A conflict leaves c as it was and tells what disagrees (see conflict).
+	merge(c, from *Config) *conflict
+}
+
+// conflict is a disagreement between two files over a key.
+type conflict struct {
+	// Index is the entry of the merged list (-1 for a scalar) that the later file's entry
+	// Entry disagrees with.
+	Index, Entry int
+	// Have and Got show the two values: the earlier file's and the later one's.
+	Have, Got string
 }
 
 // field is a value of Go type T held in a field of Config.
@@ -77,11 +92,22 @@ type field[T any] struct {
 	def    func(Options) T
 	parse  func(key string, raw json.RawMessage, opts Options) (T, error)
 	toJSON func(T) any
+	// join merges a later file's value into the earlier files' merged one (see value.merge).
+	join func(have, got T) (T, *conflict)
 }
 
 func (f field[T]) typeName() string                   { return f.typ }
 func (f field[T]) canonical(c *Config) any            { return f.toJSON(*f.get(c)) }
 func (f field[T]) setDefault(c *Config, opts Options) { *f.get(c) = f.def(opts) }
+func (f field[T]) copyFrom(c, from *Config)           { *f.get(c) = *f.get(from) }
+
+func (f field[T]) merge(c, from *Config) *conflict {
+	v, conf := f.join(*f.get(c), *f.get(from))
+	if conf == nil {
+		*f.get(c) = v
+	}
+	return conf
+}
 
 func (f field[T]) decode(key string, raw json.RawMessage, opts Options, c *Config) error {
 	v, err := f.parse(key, raw, opts)
@@ -121,18 +147,40 @@ func cidrs(get func(*Config) *[]netip.Prefix, def func(Options) []netip.Prefix) 
 				out[i] = p.String()
 			}
 			return out
-		}}
+		}, join: concat[netip.Prefix]}
+}
+
+// concat is the merge of lists: the later file's entries are appended, but those an earlier
+// file already lists. A file's own repeats stay, as they would in a single file.
+func concat[E comparable](have, got []E) ([]E, *conflict) {
+	out := slices.Clone(have)
+	for _, e := range got {
+		if !slices.Contains(have, e) {
+			out = append(out, e)
+		}
+	}
+	return out, nil
+}
+
+// same is the merge of a scalar: the files must agree.
+func same[T comparable](show func(T) string) func(have, got T) (T, *conflict) {
+	return func(have, got T) (T, *conflict) {
+		if have != got {
+			return have, &conflict{Index: -1, Entry: -1, Have: show(have), Got: show(got)}
+		}
+		return have, nil
+	}
 }
 
 func boolean(get func(*Config) *bool, def bool) value {
 	return field[bool]{typ: "bool", get: get, def: func(Options) bool { return def }, parse: decodeBool,
-		toJSON: func(b bool) any { return b }}
+		toJSON: func(b bool) any { return b }, join: same(strconv.FormatBool)}
 }
 
 // count is a whole number, not negative.
 func count(get func(*Config) *int, def int) value {
 	return field[int]{typ: "int", get: get, def: func(Options) int { return def }, parse: decodeCount,
-		toJSON: func(n int) any { return n }}
+		toJSON: func(n int) any { return n }, join: same(strconv.Itoa)}
 }
 
 // interval is a duration of at least least.
@@ -141,7 +189,7 @@ func interval(get func(*Config) *time.Duration, def, least time.Duration) value 
 		return decodeInterval(key, raw, least)
 	}
 	return field[time.Duration]{typ: "duration", get: get, def: func(Options) time.Duration { return def },
-		parse: parse, toJSON: func(d time.Duration) any { return d.String() }}
+		parse: parse, toJSON: func(d time.Duration) any { return d.String() }, join: same(time.Duration.String)}
 }
 
 // rfc1918 are the private ranges that are never masqueraded by default.
