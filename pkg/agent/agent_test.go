@@ -3,7 +3,6 @@ package agent
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -19,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/configwatch"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
@@ -48,55 +48,30 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-// configMap writes a config directory the way the kubelet updates a ConfigMap volume: the data
-// in a fresh timestamped directory, "..data" swapped to it by a rename, the file a symlink
-// through "..data", and the previous data directory removed.
+// configMap is a config directory the kubelet updates (testutil.Projection) holding the
+// one key ip-masq-agent.
 type configMap struct {
-	t    *testing.T
-	dir  string
-	n    int
-	prev string // the data directory before the last swap
+	t *testing.T
+	*testutil.Projection
 }
 
 func newConfigMap(t *testing.T) *configMap {
-	return &configMap{t: t, dir: t.TempDir()}
+	return &configMap{t: t, Projection: testutil.NewProjection(t.TempDir())}
 }
 
-func (c *configMap) path() string { return filepath.Join(c.dir, "ip-masq-agent") }
+func (c *configMap) path() string { return c.Path("ip-masq-agent") }
 
 func (c *configMap) write(content string) {
 	c.t.Helper()
-	c.n++
-	ts := fmt.Sprintf("..2026_01_01_00_00_%02d.%d", c.n, c.n)
-	if err := os.Mkdir(filepath.Join(c.dir, ts), 0o755); err != nil {
+	if err := c.Write(map[string]string{"ip-masq-agent": content}); err != nil {
 		c.t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(c.dir, ts, "ip-masq-agent"), []byte(content), 0o644); err != nil {
-		c.t.Fatal(err)
-	}
-	tmp := filepath.Join(c.dir, "..data_tmp")
-	if err := os.Symlink(ts, tmp); err != nil {
-		c.t.Fatal(err)
-	}
-	if err := os.Rename(tmp, filepath.Join(c.dir, "..data")); err != nil {
-		c.t.Fatal(err)
-	}
-	if _, err := os.Lstat(c.path()); errors.Is(err, os.ErrNotExist) {
-		if err := os.Symlink(filepath.Join("..data", "ip-masq-agent"), c.path()); err != nil {
-			c.t.Fatal(err)
-		}
-	}
-	if c.prev != "" {
-		if err := os.RemoveAll(filepath.Join(c.dir, c.prev)); err != nil {
-			c.t.Fatal(err)
-		}
-	}
-	c.prev = ts
 }
 
-func fileSource(t *testing.T, path string, opts configwatch.Options) *configwatch.File {
+// fileSource is the source of the configuration at path: a file, or a directory.
+func fileSource(t *testing.T, path string, opts configwatch.Options) config.Source {
 	t.Helper()
-	src, err := configwatch.NewFile(path, opts)
+	src, err := configwatch.New(path, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -220,7 +195,7 @@ func TestConfigMapSwapTakesEffect(t *testing.T) {
 		t.Fatalf("after the swap applied %v", got)
 	}
 	// A change in the directory that leaves the policy as it is applies nothing.
-	if err := os.WriteFile(filepath.Join(cm.dir, "unrelated"), []byte("x"), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(cm.Dir, "unrelated"), []byte("x"), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	b.NoApply(t, 300*time.Millisecond)

@@ -11,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/configwatch"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath/datapathtest"
@@ -260,5 +261,40 @@ func TestStalledWriterTimesOut(t *testing.T) {
 	p := b.WaitApply(t)
 	if got := fmt.Sprint(nonMasq(p)); got != "[10.0.0.0/8]" || p.IPv4[0].Prefix.String() != "10.9.0.0/16" {
 		t.Fatalf("after the writer finished applied %+v", p)
+	}
+}
+
+// TestConfigDirectory: a directory of several ConfigMaps' files, projected into one volume, is
+// merged; a bad file or a conflicting pair changes nothing (the last good merged configuration
+// stays in force, the agent stays ready), and the next good version is applied.
+func TestConfigDirectory(t *testing.T) {
+	p := testutil.NewProjection(t.TempDir())
+	platform := "resyncInterval: 1h\nnonMasqueradeCIDRs: [10.0.0.0/8]\n"
+	publish := func(files map[string]string) {
+		t.Helper()
+		if err := p.Write(files); err != nil {
+			t.Fatal(err)
+		}
+	}
+	publish(map[string]string{"ip-masq-platform": platform, "ip-masq-user": "nonMasqueradeCIDRs: [172.16.0.0/12, 10.0.0.0/8]\n"})
+	b := &datapathtest.Backend{}
+	r := startAgent(t, p.Dir, b)
+	wantNonMasq(t, b, "[10.0.0.0/8 172.16.0.0/12]")
+
+	publish(map[string]string{"ip-masq-platform": platform, "ip-masq-user": "nonMasqueradeCIDRs: [10.0.0.1/8]\n"})
+	r.waitStats(t, "the bad file", func(s Stats) bool { return s.ConfigErrors == 1 })
+	r.waitLog(t, "ip-masq-user: nonMasqueradeCIDRs[0]")
+	publish(map[string]string{"ip-masq-platform": platform, "ip-masq-user": "resyncInterval: 2h\n"})
+	r.waitStats(t, "the conflicting pair", func(s Stats) bool { return s.ConfigErrors == 2 })
+	r.waitLog(t, `resyncInterval: \"2h0m0s\" in ip-masq-user conflicts with \"1h0m0s\" in ip-masq-platform`)
+	b.NoApply(t, 100*time.Millisecond)
+	if code, _ := r.ready(t); code != http.StatusOK {
+		t.Errorf("after the rejections /readyz answers %d, want 200: the last good configuration is in force", code)
+	}
+
+	publish(map[string]string{"ip-masq-platform": platform})
+	wantNonMasq(t, b, "[10.0.0.0/8]")
+	if s := r.agent.Stats(); s.Applies != 2 || s.ConfigErrors != 2 {
+		t.Errorf("stats %+v, want 2 applies and 2 config errors", s)
 	}
 }

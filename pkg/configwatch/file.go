@@ -1,12 +1,15 @@
 // Package configwatch loads the agent's configuration from files and tells when it changes
-// (config.Source): the watch of the file's directory, ConfigMap swaps and files being written.
+// (config.Source): one file (File) or the files of a directory merged (Dir); the watch of the
+// config directory, ConfigMap swaps and files being written.
 package configwatch
 
 import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -27,7 +30,7 @@ const (
 	DefaultWriterTimeout = 30 * time.Second
 )
 
-// Options configure a File.
+// Options configure a File or a Dir.
 type Options struct {
 	// Config says how the file is read.
 	Config config.Options
@@ -44,9 +47,10 @@ type Options struct {
 	Quiet, WriterTimeout time.Duration
 }
 
-// File is a configuration file as a config.Source: a missing file means the defaults.
-type File struct {
-	path string // absolute, so that watch events and the file's resolved path compare
+// watched is what every source of this package shares: the watch of its config directory, the
+// reports of changes, and the re-read of files that were being written.
+type watched struct {
+	sel  selection
 	opts Options
 	log  *slog.Logger
 
@@ -58,17 +62,7 @@ type File struct {
 	settle *time.Timer
 }
 
-var _ config.Source = (*File)(nil)
-
-// NewFile returns the source of the file at path; it touches nothing until Watch or Load.
-func NewFile(path string, opts Options) (*File, error) {
-	if path == "" {
-		return nil, fmt.Errorf("no config path")
-	}
-	abs, err := filepath.Abs(path)
-	if err != nil {
-		return nil, fmt.Errorf("config path: %w", err)
-	}
+func newWatched(sel selection, opts Options) *watched {
 	if opts.Debounce <= 0 {
 		opts.Debounce = DefaultDebounce
 	}
@@ -82,39 +76,102 @@ func NewFile(path string, opts Options) (*File, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	f := &File{path: abs, opts: opts, log: log.With("component", "config"), changes: make(chan struct{}, 1)}
-	f.settle = time.AfterFunc(time.Hour, f.notify)
-	f.settle.Stop()
-	return f, nil
+	w := &watched{sel: sel, opts: opts, log: log.With("component", "config"), changes: make(chan struct{}, 1)}
+	w.settle = time.AfterFunc(time.Hour, w.notify)
+	w.settle.Stop()
+	return w
+}
+
+// New returns the source of the configuration at path: a Dir when path names a directory
+// (config.IsDir), else a File. It touches nothing until Watch or Load.
+func New(path string, opts Options) (config.Source, error) {
+	if path != "" && config.IsDir(path) {
+		return NewDir(path, opts)
+	}
+	return NewFile(path, opts)
+}
+
+// File is a configuration file as a config.Source: a missing file means the defaults.
+type File struct {
+	*watched
+	path string // absolute, so that watch events and the file's resolved path compare
+}
+
+var _ config.Source = (*File)(nil)
+
+// NewFile returns the source of the file at path; it touches nothing until Watch or Load.
+func NewFile(path string, opts Options) (*File, error) {
+	if path == "" {
+		return nil, fmt.Errorf("no config path")
+	}
+	abs, err := filepath.Abs(path)
+	if err != nil {
+		return nil, fmt.Errorf("config path: %w", err)
+	}
+	return &File{watched: newWatched(fileSelection(abs), opts), path: abs}, nil
 }
 
 func (f *File) String() string { return f.path }
 
+// Load implements config.Source: it reads the file, and parses it once it is whole.
+func (f *File) Load() (config.Config, error) {
+	var file config.File
+	ws, err := f.read(func() (err error) {
+		file, err = config.ReadFile(f.path)
+		return err
+	})
+	if err != nil {
+		f.settle.Stop()
+		return config.Config{}, err
+	}
+	if err := f.whole(ws, file); err != nil {
+		return config.Config{}, err
+	}
+	return file.Parse(f.opts.Config)
+}
+
+// fileSelection is one file.
+type fileSelection string
+
+func (s fileSelection) directory() string { return filepath.Dir(string(s)) }
+func (s fileSelection) paths() []string   { return []string{string(s)} }
+
+// counts: every entry but the kubelet's own ("..<timestamp>", "..data_tmp"); the file's
+// symlinks may pass through any of them.
+func (s fileSelection) counts(name string) bool {
+	return !strings.HasPrefix(name, "..") || name == filepath.Base(string(s))
+}
+
+func (s fileSelection) whole() bool {
+	_, err := os.Stat(string(s))
+	return err == nil
+}
+
 // Watch implements config.Source.
-func (f *File) Watch(ctx context.Context) (<-chan struct{}, error) {
-	w, err := newDirWatcher(f.path, f.log)
+func (s *watched) Watch(ctx context.Context) (<-chan struct{}, error) {
+	w, err := newDirWatcher(s.sel, s.log)
 	if err != nil {
 		return nil, fmt.Errorf("watch config directory: %w", err)
 	}
-	f.mu.Lock()
-	f.w = w
-	f.mu.Unlock()
-	go f.watch(ctx, w)
-	return f.changes, nil
+	s.mu.Lock()
+	s.w = w
+	s.mu.Unlock()
+	go s.watch(ctx, w)
+	return s.changes, nil
 }
 
 // watch turns the directory's events into changes: a ConfigMap swap at once, anything else once
 // the directory stayed quiet for Debounce.
-func (f *File) watch(ctx context.Context, w *dirWatcher) {
+func (s *watched) watch(ctx context.Context, w *dirWatcher) {
 	debounce := time.NewTimer(time.Hour)
 	debounce.Stop()
 	defer func() {
 		debounce.Stop()
-		f.mu.Lock()
-		f.stopped = true
-		f.settle.Stop()
-		close(f.changes)
-		f.mu.Unlock()
+		s.mu.Lock()
+		s.stopped = true
+		s.settle.Stop()
+		close(s.changes)
+		s.mu.Unlock()
 		w.close()
 	}()
 	for {
@@ -122,105 +179,112 @@ func (f *File) watch(ctx context.Context, w *dirWatcher) {
 		case <-ctx.Done():
 			return
 		case ev := <-w.events():
-			f.mu.Lock()
+			s.mu.Lock()
 			changed := w.handle(ev)
 			swapped := changed && w.swapped(ev)
 			if changed && ev.mask&(unix.IN_MODIFY|unix.IN_CLOSE_WRITE) == 0 {
-				// An entry changed, maybe a link on the way to the file (a ConfigMap swap):
-				// watch where it leads now, and no longer where it led, so that the removal
-				// of the old data directory that follows a swap reads nothing again.
+				// An entry changed, maybe a link on the way to a file (a ConfigMap swap), or
+				// a file of a directory source appeared: watch where the links lead now, and
+				// no longer where they led, so that the removal of the old data directory
+				// that follows a swap reads nothing again.
 				w.follow()
 			}
-			f.mu.Unlock()
+			s.mu.Unlock()
 			if !changed {
 				continue
 			}
-			f.log.Debug("config directory changed", "event", ev.String())
+			s.log.Debug("config directory changed", "event", ev.String())
 			if swapped {
 				debounce.Stop()
-				f.notify()
+				s.notify()
 			} else {
-				debounce.Reset(f.opts.Debounce)
+				debounce.Reset(s.opts.Debounce)
 			}
 		case err := <-w.errors():
 			// Events may have been lost (a queue overflow): read again to be sure.
-			f.log.Warn("config directory watch error; re-reading the file", "error", err)
-			debounce.Reset(f.opts.Debounce)
+			s.log.Warn("config directory watch error; re-reading the configuration", "error", err)
+			debounce.Reset(s.opts.Debounce)
 		case <-debounce.C:
-			f.notify()
+			s.notify()
 		}
 	}
 }
 
 // notify reports a change; one pending report stands for any number.
-func (f *File) notify() {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.stopped {
+func (s *watched) notify() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.stopped {
 		return
 	}
 	select {
-	case f.changes <- struct{}{}:
+	case s.changes <- struct{}{}:
 	default:
 	}
 }
 
-// Load implements config.Source: it reads the file, and parses it once it is whole.
-func (f *File) Load() (config.Config, error) {
-	f.mu.Lock()
-	var writing bool
-	var lastWrite time.Time
-	if f.w != nil {
-		f.w.ensure() // the directory may be back after it went away
-		writing, lastWrite = f.w.writer()
+// read runs read, the read of the source's files, between the watch's bookkeeping: the config
+// directory watched again if it went away, the files being written noted before (a writer that
+// finished during the read is one still), and the links followed to where they lead after it.
+func (s *watched) read(read func() error) (writers, error) {
+	var before writers
+	s.mu.Lock()
+	if s.w != nil {
+		s.w.ensure() // the directory may be back after it went away
+		before = s.w.writers()
 	}
-	f.mu.Unlock()
-	file, err := config.ReadFile(f.path)
-	f.mu.Lock()
-	if f.w != nil {
-		f.w.follow() // a ConfigMap update points the file at a new directory
+	s.mu.Unlock()
+	err := read()
+	s.mu.Lock()
+	if s.w != nil {
+		s.w.follow() // a ConfigMap update points the files at a new directory
 	}
-	f.mu.Unlock()
-	if err != nil {
-		f.settle.Stop()
-		return config.Config{}, err
-	}
-	if again, reason := f.unsettled(file, writing, lastWrite, time.Now()); again > 0 {
-		f.log.Debug("the config file is being written; reading it again shortly", "path", f.path,
-			"reason", reason, "in", again)
-		f.settle.Reset(again)
-		return config.Config{}, fmt.Errorf("config %s: %w: %s", f.path, config.ErrUnsettled, reason)
-	}
-	f.settle.Stop()
-	if writing {
-		f.log.Warn("the config file is still open for writing but unmodified for a while; reading it as it is",
-			"path", f.path, "lastWrite", lastWrite)
-	}
-	return file.Parse(f.opts.Config)
+	s.mu.Unlock()
+	return before, err
 }
 
-// unsettled tells whether a read of the config file may have caught it half-written, and if so
+// whole returns nil when every file was read whole, else an error wrapping config.ErrUnsettled,
+// with a read again set up for when they may be.
+func (s *watched) whole(ws writers, files ...config.File) error {
+	for _, file := range files {
+		writing, lastWrite := ws.of(file.Path)
+		if again, reason := s.unsettled(file, writing, lastWrite, time.Now()); again > 0 {
+			s.log.Debug("the config file is being written; reading it again shortly", "path", file.Path,
+				"reason", reason, "in", again)
+			s.settle.Reset(again)
+			return fmt.Errorf("config %s: %w: %s", file.Path, config.ErrUnsettled, reason)
+		}
+		if writing {
+			s.log.Warn("the config file is still open for writing but unmodified for a while; reading it as it is",
+				"path", file.Path, "lastWrite", lastWrite)
+		}
+	}
+	s.settle.Stop()
+	return nil
+}
+
+// unsettled tells whether a read of a config file may have caught it half-written, and if so
 // when to read it again. A missing file is settled: a ConfigMap update or an editor replaces
 // the file whole, by a rename.
-func (f *File) unsettled(file config.File, writing bool, lastWrite, now time.Time) (time.Duration, string) {
+func (s *watched) unsettled(file config.File, writing bool, lastWrite, now time.Time) (time.Duration, string) {
 	if file.Missing {
 		return 0, ""
 	}
 	if writing {
-		if left := f.opts.WriterTimeout - now.Sub(lastWrite); left > 0 {
+		if left := s.opts.WriterTimeout - now.Sub(lastWrite); left > 0 {
 			// The close after the last write is an event that reads it sooner.
 			return left, "a writer has it open"
 		}
 	}
 	if file.Torn {
-		return f.opts.Quiet, "it changed while it was read"
+		return s.opts.Quiet, "it changed while it was read"
 	}
 	if file.Published {
 		return 0, "" // a ConfigMap's files are complete before they appear
 	}
 	// An mtime in the future (a clock step, a copied timestamp) says nothing about writers.
-	if age := now.Sub(file.ModTime); age >= 0 && age < f.opts.Quiet {
-		return f.opts.Quiet - age, "it was modified " + age.Round(time.Millisecond).String() + " ago"
+	if age := now.Sub(file.ModTime); age >= 0 && age < s.opts.Quiet {
+		return s.opts.Quiet - age, "it was modified " + age.Round(time.Millisecond).String() + " ago"
 	}
 	return 0, ""
 }

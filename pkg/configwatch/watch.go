@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -15,10 +17,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// dirWatcher watches the directory of the config file, not the file: a ConfigMap update swaps
-// the "..data" symlink, an editor renames a new file into place, and a file created later has no
-// inode to watch yet. Every one of these is an event in the directory. When the file is a
+// dirWatcher watches the config directory, not the files: a ConfigMap update swaps the "..data"
+// symlink, an editor renames a new file into place, and a file created later has no inode to
+// watch yet. Every one of these is an event in the directory. When a file the source reads is a
 // symlink into another directory, that directory (where the content changes) is watched too.
+// Which files the source reads, and which entries of the directory matter, is its selection:
+// one file, or the files of a directory that match a pattern.
 //
 // It also tells which files are being written: modified and not closed since. A writer that
 // writes in several chunks (`cat > file` from a slow pipe, an editor writing in place) pauses
@@ -28,23 +32,49 @@ import (
 // A directory that does not exist yet (or disappears) is watched again on the next ensure; the
 // periodic resync calls it, so reloads work again at the latest one resync later.
 type dirWatcher struct {
-	path string // the config file
-	dir  string // its directory, as configured
-	log  *slog.Logger
-	in   *inotify
+	sel selection
+	dir string // the config directory, as configured
+	log *slog.Logger
+	in  *inotify
 
 	// dirs are the watched directories (symlinks resolved) by watch descriptor; configWD is
-	// the config directory's (-1 while not watched), targetWD that of the directory the
-	// file's symlinks lead to when it is another one (-1 when none).
-	dirs               map[int32]string
-	configWD, targetWD int32
-	// targetNames are the names in the target directory that the file's path passes through:
-	// the file's own, and those of symlinks on the way that live there. Only their events can
-	// change what the file reads; the directory may be /dev or /etc, busy with other files.
-	targetNames map[string]bool
+	// the config directory's (-1 while not watched).
+	dirs     map[int32]string
+	configWD int32
+	// leads are, by the path of each file read, the directory its symlinks lead to (resolved)
+	// and the names there that the path passes through: the file's own, and those of symlinks
+	// on the way that live there. Only their events can change what the file reads; the
+	// directory may be /dev or /etc, busy with other files. A path whose link leads nowhere
+	// keeps its last lead, so that the event of its target's return is seen.
+	leads map[string]lead
+	// targets are the watches of the directories the leads name, but the config directory;
+	// configNames are the names the leads name in the config directory itself.
+	targets     map[int32]map[string]bool
+	configNames map[string]bool
 	// writing holds the files (symlinks resolved) modified and not closed since, with the time
 	// of their last modification.
 	writing map[string]time.Time
+}
+
+type lead struct {
+	dir   string
+	names map[string]bool
+}
+
+// selection is what a source reads of its config directory.
+type selection interface {
+	// directory is the config directory.
+	directory() string
+	// paths are the files the source reads now (one file's path, present or not; the
+	// matching entries of a directory).
+	paths() []string
+	// counts tells whether an entry of the config directory with this name may change what
+	// the source reads (a file appearing or going away), besides the names its paths pass
+	// through and "..data".
+	counts(name string) bool
+	// whole tells whether, after a ConfigMap swap, every file of the new data is in place: the
+	// kubelet swaps "..data" first, then makes the links of keys new to the ConfigMap.
+	whole() bool
 }
 
 // dirMask: changes of entries, and content written or closed after writing. Not IN_ATTRIB:
@@ -52,13 +82,13 @@ type dirWatcher struct {
 const dirMask = unix.IN_CREATE | unix.IN_DELETE | unix.IN_MOVED_FROM | unix.IN_MOVED_TO | unix.IN_MODIFY |
 	unix.IN_CLOSE_WRITE | unix.IN_DELETE_SELF | unix.IN_MOVE_SELF | unix.IN_ONLYDIR | unix.IN_EXCL_UNLINK
 
-func newDirWatcher(path string, log *slog.Logger) (*dirWatcher, error) {
+func newDirWatcher(sel selection, log *slog.Logger) (*dirWatcher, error) {
 	in, err := newInotify()
 	if err != nil {
 		return nil, err
 	}
-	d := &dirWatcher{path: filepath.Clean(path), dir: filepath.Dir(filepath.Clean(path)), log: log, in: in,
-		dirs: map[int32]string{}, configWD: -1, targetWD: -1, writing: map[string]time.Time{}}
+	d := &dirWatcher{sel: sel, dir: filepath.Clean(sel.directory()), log: log, in: in, dirs: map[int32]string{},
+		configWD: -1, leads: map[string]lead{}, targets: map[int32]map[string]bool{}, writing: map[string]time.Time{}}
 	d.ensure()
 	d.follow()
 	return d, nil
@@ -77,41 +107,69 @@ func (d *dirWatcher) ensure() {
 	}
 	d.configWD = wd
 	d.log.Debug("watching the config directory", "dir", dir)
+	d.follow() // the leads into it count now
 }
 
-// follow watches the directory the config file's symlinks lead to, when it is not the config
-// directory itself, and stops watching the one they led to before. Called after every read,
-// since a ConfigMap update points "..data" at a new directory.
+// follow watches the directories the files' symlinks lead to, and stops watching those they led
+// to before. Called after every read and every change of an entry, since a ConfigMap update
+// points "..data" at a new directory and a directory source may read other files now.
 func (d *dirWatcher) follow() {
-	real, err := filepath.EvalSymlinks(d.path)
-	if err != nil {
-		// A missing file, or a link whose target is gone (maybe a moment ago, its removal's
-		// event still queued): keep watching where it led, so that the event is not dropped
-		// with the watch and the target's return is seen too.
-		return
+	paths := d.sel.paths()
+	for p := range d.leads {
+		if !slices.Contains(paths, p) {
+			delete(d.leads, p)
+		}
 	}
-	dir := filepath.Dir(real)
-	if d.targetWD >= 0 && d.dirs[d.targetWD] == dir {
-		d.targetNames = pathNames(d.path, dir) // a link may have been re-pointed within it
-		return
+	for _, p := range paths {
+		real, err := filepath.EvalSymlinks(p)
+		if err != nil {
+			// A missing file, or a link whose target is gone (maybe a moment ago, its removal's
+			// event still queued): keep watching where it led, so that the event is not dropped
+			// with the watch and the target's return is seen too.
+			continue
+		}
+		dir := filepath.Dir(real)
+		d.leads[p] = lead{dir: dir, names: pathNames(p, dir)} // a link may have been re-pointed
 	}
-	if d.targetWD >= 0 {
-		d.forget(d.targetWD)
-		d.targetWD = -1
+	configDir := ""
+	if d.configWD >= 0 {
+		configDir = d.dirs[d.configWD]
 	}
-	if d.configWD >= 0 && d.dirs[d.configWD] == dir {
-		return
+	want := map[string]map[string]bool{}
+	for _, l := range d.leads {
+		if want[l.dir] == nil {
+			want[l.dir] = map[string]bool{}
+		}
+		maps.Copy(want[l.dir], l.names)
 	}
-	wd, _, err := d.add(dir)
-	if err != nil {
-		d.log.Debug("cannot watch the directory the config file links into", "dir", dir, "error", err)
-		return
+	d.configNames = want[configDir]
+	delete(want, configDir)
+	for wd := range d.targets {
+		if names, ok := want[d.dirs[wd]]; ok {
+			d.targets[wd] = names
+			delete(want, d.dirs[wd])
+		} else {
+			d.forget(wd)
+		}
 	}
-	if wd == d.configWD {
-		return // the same directory under another name
+	for dir, names := range want {
+		wd, _, err := d.add(dir)
+		if err != nil {
+			d.log.Debug("cannot watch the directory a config file links into", "dir", dir, "error", err)
+			continue
+		}
+		if wd == d.configWD {
+			// The same directory under another name.
+			d.configNames = maps.Clone(d.configNames)
+			if d.configNames == nil {
+				d.configNames = map[string]bool{}
+			}
+			maps.Copy(d.configNames, names)
+			continue
+		}
+		d.targets[wd] = names
+		d.log.Debug("watching the directory a config file links into", "dir", dir)
 	}
-	d.targetWD, d.targetNames = wd, pathNames(d.path, dir)
-	d.log.Debug("watching the directory the config file links into", "dir", dir)
 }
 
 // pathNames returns the names in dir (symlinks resolved) that path passes through on its way to
@@ -156,6 +214,7 @@ func (d *dirWatcher) forget(wd int32) {
 func (d *dirWatcher) dropDir(wd int32) {
 	dir := d.dirs[wd]
 	delete(d.dirs, wd)
+	delete(d.targets, wd)
 	for p := range d.writing {
 		if filepath.Dir(p) == dir {
 			delete(d.writing, p)
@@ -164,7 +223,7 @@ func (d *dirWatcher) dropDir(wd int32) {
 }
 
 // handle records what an event says about writers and lost watches, and reports whether it may
-// have changed the config file.
+// have changed what the source reads.
 func (d *dirWatcher) handle(ev inotifyEvent) bool {
 	if ev.mask&unix.IN_Q_OVERFLOW != 0 {
 		// Events were lost, close events among them: start over.
@@ -181,13 +240,11 @@ func (d *dirWatcher) handle(ev inotifyEvent) bool {
 		} else {
 			d.forget(ev.wd)
 		}
-		switch ev.wd {
-		case d.configWD:
+		if ev.wd == d.configWD {
 			d.configWD = -1
 			d.log.Warn("the config directory went away; watching it again at the next resync", "dir", d.dir)
-		case d.targetWD:
-			d.targetWD = -1 // the old data of a ConfigMap update; follow finds the new one
 		}
+		// A target directory gone is the old data of a ConfigMap update; follow finds the new one.
 		return true
 	}
 	p := filepath.Join(dir, ev.name)
@@ -197,39 +254,43 @@ func (d *dirWatcher) handle(ev inotifyEvent) bool {
 	case ev.mask&(unix.IN_CLOSE_WRITE|unix.IN_DELETE|unix.IN_MOVED_FROM) != 0:
 		delete(d.writing, p)
 	}
-	if ev.wd == d.targetWD && !d.targetNames[ev.name] {
-		return false // another file of the directory the config file links into
+	if names, ok := d.targets[ev.wd]; ok {
+		return names[ev.name] // not another file of a directory a config file links into
 	}
-	// The kubelet's own entries around a ConfigMap update (the "..<timestamp>" data
-	// directories, "..data_tmp") change nothing the file reads until "..data" is swapped; the
-	// old data directory's removal after the swap would otherwise read the file a second time.
-	if ev.wd == d.configWD && strings.HasPrefix(ev.name, "..") && ev.name != "..data" && ev.name != filepath.Base(d.path) {
-		return false
-	}
-	return true
+	// In the config directory: the kubelet's own entries around a ConfigMap update (the
+	// "..<timestamp>" data directories, "..data_tmp") change nothing that is read until
+	// "..data" is swapped; the old data directory's removal after the swap would otherwise read
+	// the files a second time.
+	return ev.name == "..data" || d.configNames[ev.name] || d.sel.counts(ev.name)
 }
 
 // swapped reports whether ev completed a ConfigMap update: "..data" renamed into the config
-// directory (the kubelet's atomic swap, after the new content is written whole) while the
-// config file exists. Such a change needs no debounce. Without the file (the first projection
-// of a key, whose symlink the kubelet creates after the swap) the debounce waits for it, rather
-// than reading a missing file as the defaults.
+// directory (the kubelet's atomic swap, after the new content is written whole) while every
+// file of the new data is in place. Such a change needs no debounce. Without the files (the
+// first projection of a key, whose symlink the kubelet creates after the swap) the debounce
+// waits for them, rather than reading a missing file as the defaults.
 func (d *dirWatcher) swapped(ev inotifyEvent) bool {
 	if ev.wd != d.configWD || ev.mask&unix.IN_MOVED_TO == 0 || ev.name != "..data" {
 		return false
 	}
-	_, err := os.Stat(d.path)
-	return err == nil
+	return d.sel.whole()
 }
 
-// writer reports whether the config file (symlinks resolved) is being written, and when it was
-// last modified.
-func (d *dirWatcher) writer() (bool, time.Time) {
-	real, err := filepath.EvalSymlinks(d.path)
+// writers returns the files being written now.
+func (d *dirWatcher) writers() writers { return maps.Clone(d.writing) }
+
+// writers are the files being written (symlinks resolved), with the time of their last
+// modification.
+type writers map[string]time.Time
+
+// of reports whether the file at path (symlinks resolved) is being written, and when it was last
+// modified.
+func (w writers) of(path string) (bool, time.Time) {
+	real, err := filepath.EvalSymlinks(path)
 	if err != nil {
 		return false, time.Time{}
 	}
-	at, ok := d.writing[real]
+	at, ok := w[real]
 	return ok, at
 }
 
