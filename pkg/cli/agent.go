@@ -140,7 +140,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	defer lock.Release()
-	src, err := configwatch.NewFile(af.configPath, configwatch.Options{Config: copts, Logger: log})
+	src, err := configwatch.New(af.configPath, configwatch.Options{Config: copts, Logger: log})
 	if err != nil {
 		return err
 	}

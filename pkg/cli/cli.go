@@ -84,6 +84,7 @@ func printUsage(w io.Writer) {
 // policyFlags are the flags that decide the policy; the agent and every subcommand take them.
 type policyFlags struct {
 	configPath              string
+	configPattern           string
 	enableIPv6              bool
 	noMasqAllReservedRanges bool
 	randomFully             bool
@@ -92,7 +93,8 @@ type policyFlags struct {
 }
 
 func (f *policyFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&f.configPath, "config", config.DefaultPath, "configuration file (YAML or JSON); missing means the defaults")
+	fs.StringVar(&f.configPath, "config", config.DefaultPath, "configuration file (YAML or JSON), or a directory whose --config-pattern files are merged; missing means the defaults")
+	fs.StringVar(&f.configPattern, "config-pattern", config.DefaultPattern, "in a --config directory, the files read and merged (a glob on file names)")
 	fs.BoolVar(&f.enableIPv6, "enable-ipv6", false, "also manage IPv6 traffic")
 	fs.BoolVar(&f.noMasqAllReservedRanges, "nomasq-all-reserved-ranges", false, "add all RFC reserved IPv4 ranges to the default nonMasqueradeCIDRs")
 	fs.BoolVar(&f.randomFully, "random-fully", true, "choose masquerade source ports fully at random")
@@ -109,11 +111,14 @@ func (f *policyFlags) options() (config.Options, policy.Options, error) {
 	if err != nil {
 		return config.Options{}, policy.Options{}, usageError{err}
 	}
-	return config.Options{EnableIPv6: f.enableIPv6, NoMasqAllReservedRanges: f.noMasqAllReservedRanges},
+	if err := config.CheckPattern(f.configPattern); err != nil {
+		return config.Options{}, policy.Options{}, usageError{err}
+	}
+	return config.Options{EnableIPv6: f.enableIPv6, NoMasqAllReservedRanges: f.noMasqAllReservedRanges, Pattern: f.configPattern},
 		policy.Options{EnableIPv6: f.enableIPv6, RandomFully: f.randomFully, ToPorts: ports}, nil
 }
 
-// load reads the config file and compiles the policy.
+// load reads the configuration (a file or a directory) and compiles the policy.
 func (f *policyFlags) load() (*policy.Policy, error) {
 	copts, popts, err := f.options()
 	if err != nil {

@@ -91,6 +91,34 @@ func TestExplainErrors(t *testing.T) {
 	}
 }
 
+// TestExplainDirectory: --config may name a directory, whose --config-pattern files are merged.
+func TestExplainDirectory(t *testing.T) {
+	dir := t.TempDir()
+	for name, body := range map[string]string{"ip-masq-platform": "nonMasqueradeCIDRs: [10.0.0.0/8]\n",
+		"ip-masq-user": "masqueradeCIDRs: [10.10.10.10/32]\n", "user.yaml": "nonMasqueradeCIDRs: [172.16.0.0/12]\n"} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out, _, err := run(t, "explain", "--config", dir, "10.10.10.10", "10.1.2.3", "172.16.5.5")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"10.10.10.10  MASQUERADE  ipv4 #1", "10.1.2.3     RETURN      ipv4 #3", "172.16.5.5   MASQUERADE  ipv4 #4"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("explain of the merged directory lacks %q:\n%s", want, out)
+		}
+	}
+	out, _, err = run(t, "explain", "--config", dir, "--config-pattern", "*.yaml", "172.16.5.5")
+	if err != nil || !strings.Contains(out, "172.16.5.5  RETURN") {
+		t.Errorf("explain with --config-pattern *.yaml: %v\n%s", err, out)
+	}
+	if _, _, err := run(t, "explain", "--config", dir, "--config-pattern", "conf/*", "1.2.3.4"); err == nil || ExitCode(err) != 2 ||
+		!strings.Contains(err.Error(), "config-pattern") {
+		t.Errorf("a bad --config-pattern: %v (exit %d), want a usage error", err, ExitCode(err))
+	}
+}
+
 // "--" ends the flags, so an argument that looks like a flag is taken as an address.
 func TestDoubleDash(t *testing.T) {
 	_, _, err := run(t, "explain", "--config", writeConfig(t, ""), "--", "--enable-ipv6")
