@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -334,38 +333,22 @@ func (a *Agent) poll(ctx context.Context, what string, cond func() (bool, error)
 }
 
 // ConfigDir is a config directory that is updated the way the kubelet updates a ConfigMap
-// volume: each version in a fresh timestamped directory, "..data" switched to it by an atomic
-// rename, and the file itself a symlink through "..data".
+// volume (testutil.Projection): by default one key, ip-masq-agent, whose file the agent is
+// given; with several keys (WriteFiles) the directory itself.
 type ConfigDir struct {
-	dir string
-	n   int
+	*testutil.Projection
 }
 
 // NewConfigDir returns an empty config directory (no file: the agent's defaults).
-func NewConfigDir(t testing.TB) *ConfigDir { return &ConfigDir{dir: t.TempDir()} }
+func NewConfigDir(t testing.TB) *ConfigDir { return &ConfigDir{testutil.NewProjection(t.TempDir())} }
 
 // Path is the config file path to give the agent.
-func (c *ConfigDir) Path() string { return filepath.Join(c.dir, "ip-masq-agent") }
+func (c *ConfigDir) Path() string { return c.Projection.Path("ip-masq-agent") }
 
 // Write publishes a new version of the file.
 func (c *ConfigDir) Write(content string) error {
-	c.n++
-	version := fmt.Sprintf("..2026_01_01_00_00_00.%d", c.n)
-	if err := os.Mkdir(filepath.Join(c.dir, version), 0o755); err != nil {
-		return err
-	}
-	if err := os.WriteFile(filepath.Join(c.dir, version, "ip-masq-agent"), []byte(content), 0o644); err != nil {
-		return err
-	}
-	tmp := filepath.Join(c.dir, "..data_tmp")
-	if err := os.Symlink(version, tmp); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, filepath.Join(c.dir, "..data")); err != nil {
-		return err
-	}
-	if _, err := os.Lstat(c.Path()); errors.Is(err, os.ErrNotExist) {
-		return os.Symlink(filepath.Join("..data", "ip-masq-agent"), c.Path())
-	}
-	return nil
+	return c.Projection.Write(map[string]string{"ip-masq-agent": content})
 }
+
+// WriteFiles publishes a new version of the directory with these files (name to content).
+func (c *ConfigDir) WriteFiles(files map[string]string) error { return c.Projection.Write(files) }

@@ -120,12 +120,9 @@ func (e *Env) PinDir() string { return filepath.Join(e.BPFFS(), bpfbackend.PinDi
 func (e *Env) GoodPolicy(t testing.TB) *policy.Policy {
 	t.Helper()
 	copts := config.Options{EnableIPv6: e.FlagSet("enable-ipv6"), NoMasqAllReservedRanges: e.FlagSet("nomasq-all-reserved-ranges")}
-	cfg := config.Default(copts)
-	if !e.GoodNoFile {
-		var err error
-		if cfg, err = config.Parse([]byte(e.Good), copts); err != nil {
-			t.Fatalf("the last good configuration does not parse: %v", err)
-		}
+	cfg, err := config.Load(e.GoodConfig(t), copts)
+	if err != nil {
+		t.Fatalf("the last good configuration does not parse: %v", err)
 	}
 	ports, err := policy.ParsePortRanges(e.FlagValue("to-ports", ""))
 	if err != nil {

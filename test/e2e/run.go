@@ -80,11 +80,15 @@ type Env struct {
 	// AgentFlags are datapath flags a backend's Prepare adds (such as --bpffs): given to the
 	// agent, dump and cleanup, not to render.
 	AgentFlags []string
-	// Config is the file's directory.
+	// Config is the file's directory. With Dir set, the agent is given the directory itself,
+	// whose files it merges.
 	Config *ConfigDir
-	// Good is the content of the last good configuration, GoodNoFile true when that was no file.
+	Dir    bool
+	// Good is the content of the last good configuration, GoodNoFile true when that was no file;
+	// GoodFiles, when set, are the files of the last good config directory instead.
 	Good       string
 	GoodNoFile bool
+	GoodFiles  map[string]string
 }
 
 // NewEnv builds a topology for one test.
@@ -111,25 +115,61 @@ func (e *Env) StartReady(ctx context.Context, t testing.TB, b Backend, cfg strin
 // StartAgent runs the agent for backend b in the node with the env's flags and config.
 func (e *Env) StartAgent(ctx context.Context, t testing.TB, b Backend) *Agent {
 	t.Helper()
-	args := append(append(append([]string{"--config=" + e.Config.Path()}, b.Flags...), e.AgentFlags...), e.Flags...)
+	config := e.Config.Path()
+	if e.Dir {
+		config = e.Config.Dir
+	}
+	args := append(append(append([]string{"--config=" + config}, b.Flags...), e.AgentFlags...), e.Flags...)
 	e.Agent = StartAgent(ctx, t, e.Node, e.Bin, args...)
 	return e.Agent
 }
 
 // SetGood records the configuration the datapath must now implement.
-func (e *Env) SetGood(content string, noFile bool) { e.Good, e.GoodNoFile = content, noFile }
+func (e *Env) SetGood(content string, noFile bool) {
+	e.Good, e.GoodNoFile, e.GoodFiles = content, noFile, nil
+}
+
+// setGoodStep records a step's configuration as the one the datapath must now implement.
+func (e *Env) setGoodStep(st Step) {
+	e.SetGood(st.Config, st.NoFile)
+	e.GoodFiles = st.Files
+}
+
+// publish publishes a step's configuration: its file, or the files of its directory.
+func (e *Env) publish(st Step) error {
+	if st.Files != nil {
+		return e.Config.WriteFiles(st.Files)
+	}
+	return e.Config.Write(st.Config)
+}
+
+// GoodConfig writes the last good configuration afresh, as a file or a directory, and returns
+// its path: what `render` and the policy compiled here read.
+func (e *Env) GoodConfig(t testing.TB) string {
+	t.Helper()
+	dir := t.TempDir()
+	write := func(name, content string) {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if e.GoodFiles != nil {
+		for name, content := range e.GoodFiles {
+			write(name, content)
+		}
+		return dir
+	}
+	if !e.GoodNoFile {
+		write("good", e.Good)
+	}
+	return filepath.Join(dir, "good")
+}
 
 // Render runs `render` with the env's policy flags on the last good configuration: the payload
 // the iptables backend must have installed. render applies nothing.
 func (e *Env) Render(ctx context.Context, t testing.TB) string {
 	t.Helper()
-	path := filepath.Join(t.TempDir(), "good")
-	if !e.GoodNoFile {
-		if err := os.WriteFile(path, []byte(e.Good), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	out, err := run(ctx, "", e.Bin, append([]string{"render", "--config=" + path}, e.Flags...)...)
+	out, err := run(ctx, "", e.Bin, append([]string{"render", "--config=" + e.GoodConfig(t)}, e.Flags...)...)
 	if err != nil {
 		t.Fatalf("render: %v", err)
 	}
@@ -206,16 +246,17 @@ func Run(t *testing.T, bin string, b Backend, sc Scenario) {
 	ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 	t.Cleanup(cancel)
 	env := NewEnv(ctx, t, bin, sc.Flags)
+	env.Dir = sc.Dir
 	if b.Prepare != nil {
 		b.Prepare(ctx, t, env)
 	}
 	first := sc.Steps[0]
 	if !first.NoFile {
-		if err := env.Config.Write(first.Config); err != nil {
+		if err := env.publish(first); err != nil {
 			t.Fatal(err)
 		}
 	}
-	env.SetGood(first.Config, first.NoFile)
+	env.setGoodStep(first)
 	ag := env.StartAgent(ctx, t, b)
 	if err := ag.WaitReady(ctx); err != nil {
 		t.Fatal(err)
@@ -241,15 +282,16 @@ func applyStep(ctx context.Context, t *testing.T, env *Env, prev, st Step) {
 	t.Helper()
 	ag := env.Agent
 	if st.Bad {
+		mention := append([]string{"config rejected"}, st.LogMentions...)
 		rejected := ag.Count("config rejected")
-		mentioned := ag.Count("config rejected", st.LogMentions)
-		if err := env.Config.Write(st.Config); err != nil {
+		mentioned := ag.Count(mention...)
+		if err := env.publish(st); err != nil {
 			t.Fatal(err)
 		}
 		if err := ag.WaitLog(ctx, rejected+1, "config rejected"); err != nil {
 			t.Fatal(err)
 		}
-		if st.LogMentions == "" || ag.Count("config rejected", st.LogMentions) <= mentioned {
+		if len(st.LogMentions) == 0 || ag.Count(mention...) <= mentioned {
 			t.Errorf("the rejection does not mention %q", st.LogMentions)
 		}
 		return
@@ -273,7 +315,7 @@ func applyStep(ctx context.Context, t *testing.T, env *Env, prev, st Step) {
 	applied := ag.Count("trigger=config-change", "policy applied")
 	dst := netip.MustParseAddr(sentinel.Dst)
 	start := time.Now()
-	if err := env.Config.Write(st.Config); err != nil {
+	if err := env.publish(st); err != nil {
 		t.Fatal(err)
 	}
 	var probeErrs []error
@@ -301,5 +343,5 @@ func applyStep(ctx context.Context, t *testing.T, env *Env, prev, st Step) {
 	if err := ag.WaitLog(wctx, applied+1, "trigger=config-change", "policy applied"); err != nil {
 		t.Errorf("traffic changed but the agent logged no config-change apply: %v", err)
 	}
-	env.SetGood(st.Config, false)
+	env.setGoodStep(st)
 }

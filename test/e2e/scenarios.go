@@ -33,10 +33,14 @@ type Step struct {
 	// (its defaults).
 	Config string
 	NoFile bool
-	// Bad marks an invalid file: the agent must reject it, log LogMentions (the bad value), and
-	// keep the last good policy, so Expect then repeats the previous step's outcomes.
+	// Files, in a scenario of a config directory (Scenario.Dir), are the directory's files
+	// (name to content), published together as the kubelet publishes a projected volume.
+	Files map[string]string
+	// Bad marks an invalid file: the agent must reject it, log every one of LogMentions (the
+	// bad value, the files) in one line, and keep the last good policy, so Expect then repeats
+	// the previous step's outcomes.
 	Bad         bool
-	LogMentions string
+	LogMentions []string
 	Expect      []Expect
 }
 
@@ -44,6 +48,9 @@ type Step struct {
 // the agent runs; a good one must take effect in well under a second.
 type Scenario struct {
 	Name string
+	// Dir gives the agent the config directory (--config=DIR) instead of the file: the steps'
+	// Files are merged.
+	Dir bool
 	// Flags are policy flags, given to the agent and to `render` alike.
 	Flags []string
 	Steps []Step
@@ -108,6 +115,9 @@ masqLinkLocalIPv6: false
 resyncInterval: 60s
 `
 )
+
+// platformConfig is the platform's ConfigMap of the config-directory scenario.
+const platformConfig = "nonMasqueradeCIDRs: [10.0.0.0/8]\nmasqOutBound: true\n"
 
 // IPv6 outcomes of the seeds (fc00::/7 kept, the rest masqueraded by masqOutBoundIPv6).
 var seedIPv6 = join(expect(Keep, "fd00::1", "fc00::1"), expect(Masq, "2001:4860:4860::8888", "2001:db8::1"))
@@ -215,12 +225,12 @@ func Scenarios() []Scenario {
 					expect(Keep, "8.8.8.8", "10.1.2.3"),
 				)},
 				// Host bits set: rejected, the previous policy stays.
-				{Bad: true, LogMentions: `10.10.10.10/24`, Config: "masqueradeCIDRs: [10.10.10.10/24]\nmasqOutBound: true\n", Expect: join(
+				{Bad: true, LogMentions: []string{`10.10.10.10/24`}, Config: "masqueradeCIDRs: [10.10.10.10/24]\nmasqOutBound: true\n", Expect: join(
 					expect(Masq, "10.10.10.10", "2001:4860:4860::8888"),
 					expect(Keep, "8.8.8.8", "10.1.2.3"),
 				)},
 				// Not YAML at all: rejected too.
-				{Bad: true, LogMentions: "not valid YAML", Config: "masqOutBound: [true\n", Expect: join(
+				{Bad: true, LogMentions: []string{"not valid YAML"}, Config: "masqOutBound: [true\n", Expect: join(
 					expect(Masq, "10.10.10.10"),
 					expect(Keep, "8.8.8.8"),
 				)},
@@ -229,6 +239,39 @@ func Scenarios() []Scenario {
 					expect(Masq, "8.8.8.8", "2001:4860:4860::8888"),
 					expect(Keep, "10.10.10.10", "10.1.2.3"),
 				)},
+			},
+		},
+		{
+			// Azure's layout: several ConfigMaps (the platform's, the user's) projected into one
+			// directory, every ip-masq* file of it merged.
+			Name: "config-directory",
+			Dir:  true,
+			Steps: []Step{
+				{Files: map[string]string{"ip-masq-platform": platformConfig,
+					"ip-masq-user": "masqueradeCIDRs: [10.10.10.10/32]\nnonMasqueradeCIDRs: [172.16.0.0/12]\n",
+					"README":       "masqOutBound: false\n"}, // not an ip-masq* file: ignored
+					Expect: join(
+						expect(Masq, "10.10.10.10", "8.8.8.8", "192.168.1.1"),
+						expect(Keep, "10.1.2.3", "172.16.5.5"),
+					)},
+				// The user's ConfigMap is removed: picked up as fast as a change.
+				{Files: map[string]string{"ip-masq-platform": platformConfig}, Expect: join(
+					expect(Keep, "10.10.10.10", "10.1.2.3"),
+					expect(Masq, "172.16.5.5", "8.8.8.8", "192.168.1.1"),
+				)},
+				// A conflicting pair: rejected, naming both files; the last good merge stays.
+				{Bad: true, LogMentions: []string{"masqOutBound", "ip-masq-user", "ip-masq-platform"},
+					Files: map[string]string{"ip-masq-platform": platformConfig, "ip-masq-user": "masqOutBound: false\n"},
+					Expect: join(
+						expect(Keep, "10.10.10.10", "10.1.2.3"),
+						expect(Masq, "172.16.5.5", "8.8.8.8", "192.168.1.1"),
+					)},
+				// The user's ConfigMap is back, agreeing: added as fast as a change.
+				{Files: map[string]string{"ip-masq-platform": platformConfig, "ip-masq-user": "nonMasqueradeCIDRs: [192.168.0.0/16]\n"},
+					Expect: join(
+						expect(Keep, "192.168.1.1", "10.1.2.3", "10.10.10.10"),
+						expect(Masq, "172.16.5.5", "8.8.8.8"),
+					)},
 			},
 		},
 	}
