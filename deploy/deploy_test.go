@@ -375,7 +375,14 @@ func TestConfigMapExamples(t *testing.T) {
 			{"10.10.10.10", M}, // the service VIP that accepts only node addresses
 			{"10.10.10.11", R}, {"172.16.0.1", R}, {"8.8.8.8", R}, {"fd00::1", R}, {"2001:4860:4860::8888", M},
 		}},
+		"examples/configmap-user.yaml": {"", []verdict{
+			{"100.64.1.1", R}, {"10.10.10.10", M}, // the user's
+			{"10.1.2.3", R}, {"192.168.1.1", R}, {"8.8.8.8", M}, // the platform's
+		}},
 	}
+	// A user's example is merged with the platform's ConfigMap, as the config-directory overlay
+	// projects them; its seed then says nothing.
+	mergedWith := map[string]string{"examples/configmap-user.yaml": "base/configmap.yaml"}
 	for path, ex := range examples {
 		t.Run(path, func(t *testing.T) {
 			cm := one[*corev1.ConfigMap](t, all, path)
@@ -390,7 +397,9 @@ func TestConfigMapExamples(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			if !bytes.Equal(cfg.Canonical(), want.Canonical()) {
+			if platform, ok := mergedWith[path]; ok {
+				cfg = projected(t, one[*corev1.ConfigMap](t, all, platform), cm)
+			} else if !bytes.Equal(cfg.Canonical(), want.Canonical()) {
 				t.Errorf("config %s\nwant     %s", cfg.Canonical(), want.Canonical())
 			}
 			p := policy.Compile(cfg, policy.Options{EnableIPv6: true})
@@ -408,6 +417,64 @@ func TestConfigMapExamples(t *testing.T) {
 			t.Errorf("example %s is not checked", m)
 		}
 	}
+}
+
+// projected merges ConfigMaps as the agent does when the config-directory overlay projects them
+// into its config directory: the volume's items name the files, --config names the directory.
+func projected(t *testing.T, cms ...*corev1.ConfigMap) config.Config {
+	t.Helper()
+	ds := one[*appsv1.DaemonSet](t, kustomizeTyped(t, "overlays/config-directory"), "DaemonSet ip-masq-agent")
+	spec := ds.Spec.Template.Spec
+	mount := spec.Containers[0].VolumeMounts[0]
+	if got := flagValue(t, spec.Containers[0].Args, "config"); got != mount.MountPath || spec.Volumes[0].Name != mount.Name {
+		t.Fatalf("--config=%s, the config volume mounted at %s: the agent must be given the directory", got, mount.MountPath)
+	}
+	dir := t.TempDir()
+	var written int
+	for _, src := range spec.Volumes[0].Projected.Sources {
+		for _, cm := range cms {
+			if src.ConfigMap.Name != cm.Name {
+				continue
+			}
+			for _, item := range src.ConfigMap.Items {
+				if ok, _ := filepath.Match(config.DefaultPattern, item.Path); !ok {
+					t.Errorf("ConfigMap %s is projected as %s, which the agent's %s leaves out", cm.Name, item.Path, config.DefaultPattern)
+				}
+				if err := os.WriteFile(filepath.Join(dir, item.Path), []byte(cm.Data[item.Key]), 0o644); err != nil {
+					t.Fatal(err)
+				}
+				written++
+			}
+		}
+	}
+	if written != len(cms) {
+		t.Fatalf("the overlay projects %d of the ConfigMaps %d", written, len(cms))
+	}
+	cfg, err := config.Load(dir, config.Options{EnableIPv6: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cfg
+}
+
+// kustomizeTyped builds a kustomization and decodes each object strictly, keyed "Kind name".
+func kustomizeTyped(t *testing.T, dir string) map[string][]any {
+	t.Helper()
+	out := map[string][]any{}
+	for _, o := range kustomize(t, dir) {
+		doc, err := yaml.Marshal(o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		obj, err := decode(doc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		meta, _ := o["metadata"].(map[string]any)
+		k := fmt.Sprintf("%v %v", o["kind"], meta["name"])
+		out[k] = append(out[k], obj)
+	}
+	return out
 }
 
 // Every metric the Grafana dashboard queries is one the agent exports, grouped only by labels it

@@ -261,6 +261,15 @@ func TestChartValues(t *testing.T) {
 		{"config", "config: 'masqOutBound: false'", []string{"config"}, func(t *testing.T, r, h objects) {
 			set(r["ConfigMap "+namespace+"/ip-masq-agent"], "masqOutBound: false\n", "data", "config")
 		}},
+		// The user's ConfigMap merged with the chart's renders the overlay that projects both.
+		{"extra config maps", "extraConfigMaps: [ip-masq-agent-user]", []string{"extraConfigMaps"}, func(t *testing.T, r, h objects) {
+			maps.Copy(r, kustomize(t, "overlays/config-directory"))
+		}},
+		{"extra config maps named otherwise", "extraConfigMaps: [team-a]", []string{"extraConfigMaps"}, func(t *testing.T, r, h objects) {
+			maps.Copy(r, kustomize(t, "overlays/config-directory"))
+			set(r[agentDS], "team-a", pod("volumes", 0, "projected", "sources", 1, "configMap", "name")...)
+			set(r[agentDS], "ip-masq-team-a", pod("volumes", 0, "projected", "sources", 1, "configMap", "items", 0, "path")...)
+		}},
 		{"image repository", "image: {repository: registry.example/ipm}", []string{"image.repository"}, images("registry.example/ipm:" + release(t))},
 		{"image tag", "image: {tag: v9.9.9}", []string{"image.tag"}, images(repo + ":v9.9.9")},
 		{"image pull policy", "image: {pullPolicy: Always}", []string{"image.pullPolicy"}, func(t *testing.T, r, h objects) {
@@ -365,6 +374,7 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{"backend: ebpf", "backend"},
 		{"metrics: {port: 0}", "port"},
 		{"extraArgs: [enable-ipv6]", "extraArgs"},
+		{"extraConfigMaps: [Not/A/Name]", "extraConfigMaps"},
 		{"seccompProfile: {type: Default}", "seccompProfile"},
 		{"imag: {tag: v1}", "imag"},
 	} {
