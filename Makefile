@@ -69,7 +69,8 @@ generate:
 check-generate: generate
 	@git diff --exit-code --stat -- '*.o' '*_bpfel.go' '*_string.go' || { echo "generated BPF files are stale: run make generate and commit"; exit 1; }
 
-## bench: BPF_PROG_TEST_RUN microbenchmarks and end-to-end benchmarks (no agent, iptables, BPF);
+## bench: BPF_PROG_TEST_RUN microbenchmarks, the iptables control plane beside kube-proxy's rules,
+## and end-to-end benchmarks (no agent; BPF and iptables, each also with --random-fully=false);
 ## writes docs/benchmarks.md and the plots in docs/. Raw results stay in $(BENCH_OUT).
 BENCH_OUT ?= bin/bench
 bench: build

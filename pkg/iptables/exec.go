@@ -3,6 +3,7 @@ package iptables
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"os/exec"
 	"strings"
@@ -92,6 +93,16 @@ const (
 )
 
 func (e *ExecError) Unwrap() error { return e.Err }
+
+// ExitCode is the tool's exit status; -1 when it did not exit (it could not start, or was
+// killed).
+func (e *ExecError) ExitCode() int {
+	var exit interface{ ExitCode() int }
+	if errors.As(e.Err, &exit) {
+		return exit.ExitCode()
+	}
+	return -1
+}
 
 // toolMessage condenses a tool's standard error to its meaningful lines: iptables ends most
 // errors with a usage hint that says nothing about the failure.

@@ -13,8 +13,8 @@ import (
 // readChains reads the named nat chains of one mode and family, with their rules' counters when
 // counters is set, as cheaply as the mode allows on a node whose nat table holds kube-proxy's
 // tens of thousands of rules: the table it returns holds those chains only (HasChain tells which
-// exist). A dump of the whole table (iptables-save) is what Apply, the scrape and the drift
-// check used to read; at 20,000 rules it takes hundreds of milliseconds (BenchmarkControlPlane).
+// exist). A dump of the whole table takes hundreds of milliseconds at 20,000 rules
+// (BenchmarkControlPlane).
 //
 //   - iptables-nft lists one chain (`iptables -t nat -S CHAIN -v`) by asking nf_tables for that
 //     chain's rules only: 1.8.9 sends 13 netlink requests and reads 4.5 KB for it, where
@@ -126,14 +126,4 @@ func parseListedRule(line string, counters bool) (SavedRule, error) {
 	r, err := parseRuleLine(line)
 	r.Packets, r.Bytes = packets, bytes
 	return r, err
-}
-
-// ExitCode is the tool's exit status; -1 when it did not exit (it could not start, or was
-// killed).
-func (e *ExecError) ExitCode() int {
-	var exit interface{ ExitCode() int }
-	if errors.As(e.Err, &exit) {
-		return exit.ExitCode()
-	}
-	return -1
 }

@@ -3,8 +3,9 @@
 //
 //	report -in DIR -docs docs
 //
-// DIR holds micro.txt (the output of the BPF_PROG_TEST_RUN benchmarks of pkg/bpf) and e2e.json
-// (written by BenchmarkEndToEnd in test/bench).
+// DIR holds micro.txt (the output of the BPF_PROG_TEST_RUN benchmarks of pkg/bpf), e2e.json
+// (written by BenchmarkEndToEnd in test/bench) and iptables-control.txt (BenchmarkControlPlane of
+// pkg/iptables, several counts).
 package main
 
 import (
@@ -12,8 +13,11 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
+	"io/fs"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -48,6 +52,8 @@ type results struct {
 		ConnRates   []float64 `json:"conn_rates"`
 		Slow        []int64   `json:"slow"`
 		Errors      []int64   `json:"errors"`
+		Connections []int64   `json:"connections"`
+		CPUSeconds  []float64 `json:"cpu_seconds"`
 		Throughputs []float64 `json:"throughputs"`
 	} `json:"load"`
 	Apply []struct {
@@ -93,6 +99,50 @@ func readMicro(path string) (micro, error) {
 	return m, sc.Err()
 }
 
+// control maps mode -> operation -> the ms per operation of each run, and commands per operation.
+type control struct {
+	ms       map[string]map[string][]float64
+	commands map[string]map[string]float64
+}
+
+var controlLine = regexp.MustCompile(`^BenchmarkControlPlane/mode=(\w+)/([\w-]+?)(?:-\d+)?\s+\d+\s+([\d.]+) ns/op\s+([\d.]+) commands/op`)
+
+// readControl reads BenchmarkControlPlane's output; a missing file is no control section.
+func readControl(path string) (*control, error) {
+	f, err := os.Open(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	c := &control{ms: map[string]map[string][]float64{}, commands: map[string]map[string]float64{}}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		g := controlLine.FindStringSubmatch(sc.Text())
+		if g == nil {
+			continue
+		}
+		ns, _ := strconv.ParseFloat(g[3], 64)
+		cmds, _ := strconv.ParseFloat(g[4], 64)
+		if c.ms[g[1]] == nil {
+			c.ms[g[1]], c.commands[g[1]] = map[string][]float64{}, map[string]float64{}
+		}
+		c.ms[g[1]][g[2]] = append(c.ms[g[1]][g[2]], ns/1e6)
+		c.commands[g[1]][g[2]] = cmds
+	}
+	return c, sc.Err()
+}
+
+// spread is the min, median and max of xs.
+func spread[T int64 | float64](xs []T) (lo, mid, hi T) {
+	if len(xs) == 0 {
+		return 0, 0, 0
+	}
+	return slices.Min(xs), median(xs), slices.Max(xs)
+}
+
 func median[T int64 | float64](xs []T) T {
 	if len(xs) == 0 {
 		return 0
@@ -115,18 +165,25 @@ func run(in, docs string) error {
 	if err := json.Unmarshal(data, &r); err != nil {
 		return fmt.Errorf("e2e.json: %w", err)
 	}
+	c, err := readControl(filepath.Join(in, "iptables-control.txt"))
+	if err != nil {
+		return fmt.Errorf("control plane benchmarks: %w", err)
+	}
 	if err := os.MkdirAll(docs, 0o755); err != nil {
 		return err
 	}
 	var md bytes.Buffer
-	writeReport(&md, m, &r)
+	writeReport(&md, m, &r, c)
 	if err := os.WriteFile(filepath.Join(docs, "benchmarks.md"), md.Bytes(), 0o644); err != nil {
 		return err
 	}
 	if err := plotCost(m, filepath.Join(docs, "bench-cost-vs-cidrs.png")); err != nil {
 		return err
 	}
-	return plotRatios(&r, filepath.Join(docs, "bench-vs-limit.png"))
+	if err := plotRatios(&r, filepath.Join(docs, "bench-vs-limit.png")); err != nil {
+		return err
+	}
+	return plotCPU(&r, filepath.Join(docs, "bench-cpu-per-conn.png"))
 }
 
 var microNames = []struct{ key, title string }{
@@ -169,6 +226,33 @@ func (r *results) load(mode string, cidrs int) (conn, tput float64, ok bool) {
 	return 0, 0, false
 }
 
+// runs is how many load runs a mode had at a CIDR count.
+func (r *results) runs(mode string, cidrs int) int {
+	for _, l := range r.Load {
+		if l.Mode == mode && l.CIDRs == cidrs {
+			return len(l.ConnRates)
+		}
+	}
+	return 0
+}
+
+// cpuPer100k is, per run of a mode, the CPU seconds (system + softirq) per 100k connections;
+// none for results without CPU figures.
+func (r *results) cpuPer100k(mode string, cidrs int) []float64 {
+	var out []float64
+	for _, l := range r.Load {
+		if l.Mode != mode || l.CIDRs != cidrs {
+			continue
+		}
+		for i, cpu := range l.CPUSeconds {
+			if i < len(l.Connections) && l.Connections[i] > 0 {
+				out = append(out, cpu/float64(l.Connections[i])*1e5)
+			}
+		}
+	}
+	return out
+}
+
 func ratio(a, b float64) string {
 	if b == 0 {
 		return "-"
@@ -176,7 +260,48 @@ func ratio(a, b float64) string {
 	return fmt.Sprintf("%.2fx", a/b)
 }
 
-func writeReport(w *bytes.Buffer, m micro, r *results) {
+// ratioRange is ratio for a median and the runs' min and max, against the same reference.
+func ratioRange(mid, lo, hi, ref float64) string {
+	if ref == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.2fx (%.2f-%.2f)", mid/ref, lo/ref, hi/ref)
+}
+
+// controlOps are BenchmarkControlPlane's operations, in the order the report shows them.
+var controlOps = []struct{ key, title string }{
+	{"scrape", "`/metrics` scrape"},
+	{"drift", "drift check"},
+	{"apply-unchanged", "apply, chain as wanted"},
+	{"apply-changed", "apply that changes the chain"},
+}
+
+// controlGoalMs is issue 16's bound on a scrape and a drift check beside kube-proxy's rules.
+const controlGoalMs = 20
+
+func writeControl(w *bytes.Buffer, c *control) {
+	if c == nil {
+		return
+	}
+	fmt.Fprintf(w, "## Control plane beside kube-proxy (iptables backend)\n\n")
+	fmt.Fprintf(w, "BenchmarkControlPlane: a node namespace whose nat table holds kube-proxy's 20,000 rules (KUBE-SERVICES,\n")
+	fmt.Fprintf(w, "KUBE-SVC-\\*, KUBE-SEP-\\*), the default policy, IPv4. ms per operation, median (min-max) of the runs;\n")
+	fmt.Fprintf(w, "commands are the iptables tools run per operation. In legacy mode any read copies the whole table from\n")
+	fmt.Fprintf(w, "the kernel.\n\n| operation | mode | runs | ms | commands |\n|---|---|---|---|---|\n")
+	for _, op := range controlOps {
+		for _, mode := range slices.Sorted(maps.Keys(c.ms)) {
+			ms := c.ms[mode][op.key]
+			if len(ms) == 0 {
+				continue
+			}
+			lo, mid, hi := spread(ms)
+			fmt.Fprintf(w, "| %s | iptables-%s | %d | %.1f (%.1f-%.1f) | %.0f |\n", op.title, mode, len(ms), mid, lo, hi, c.commands[mode][op.key])
+		}
+	}
+	fmt.Fprintln(w)
+}
+
+func writeReport(w *bytes.Buffer, m micro, r *results, c *control) {
 	fmt.Fprintf(w, "# Benchmarks\n\n")
 	fmt.Fprintf(w, "Measured by `make bench` on %s: %d CPUs (%s), kernel %s, %s. Every end-to-end number is the\n",
 		r.StartedAt.Format("2006-01-02"), r.Machine.CPUs, r.Machine.CPU, r.Machine.Kernel, r.Machine.Go)
@@ -206,15 +331,32 @@ func writeReport(w *bytes.Buffer, m micro, r *results) {
 	fmt.Fprintf(w, "## End to end, as a fraction of the limit\n\n")
 	fmt.Fprintf(w, "The limit is the same topology with no agent (pods keep their addresses). Short connections: %s;\n", "workers open a TCP connection, read one byte and close, over and over; the server closes first")
 	fmt.Fprintf(w, "\"slow\" counts connections that took over a second (a retransmitted SYN). Bulk: one iperf3 TCP stream.\n")
-	fmt.Fprintf(w, "Every mode runs on a node with kube-proxy's conntrack rule, like a real node, and default flags (`--random-fully` on).\n\n")
-	fmt.Fprintf(w, "| mode | CIDRs | connections/s | vs limit | slow | errors | bulk Gbit/s | vs limit |\n|---|---|---|---|---|---|---|---|\n")
+	fmt.Fprintf(w, "Every mode runs on a node with kube-proxy's conntrack rule, like a real node: *bpf* and *iptables* with default flags\n")
+	fmt.Fprintf(w, "(`--random-fully` on), *-norandom* with `--random-fully=false`. Each cell is the median of the runs, then\n")
+	fmt.Fprintf(w, "(min-max); modes run interleaved, each run starting with another mode. CPU is the system and softirq time\n")
+	fmt.Fprintf(w, "of the whole machine during a run (/proc/stat: the pod's and the external host's sockets, the node's\n")
+	fmt.Fprintf(w, "forwarding and NAT, the agent) per 100k completed connections; it is only meaningful on an otherwise quiet machine.\n\n")
+	fmt.Fprintf(w, "| mode | CIDRs | runs | connections/s | vs limit | slow | errors | CPU s per 100k conn | vs limit | bulk Gbit/s | vs limit |\n")
+	fmt.Fprintf(w, "|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, l := range r.Load {
 		lc, lt := r.limit(l.CIDRs)
-		c, t := median(l.ConnRates), median(l.Throughputs)
-		fmt.Fprintf(w, "| %s | %d | %.0f | %s | %d | %d | %.2f | %s |\n", l.Mode, l.CIDRs, c, ratio(c, lc),
-			median(l.Slow), median(l.Errors), t/1e9, ratio(t, lt))
+		cl, cm, ch := spread(l.ConnRates)
+		tl, tm, th := spread(l.Throughputs)
+		cpu := r.cpuPer100k(l.Mode, l.CIDRs)
+		ul, um, uh := spread(cpu)
+		_, limitCPU, _ := spread(r.cpuPer100k("none", l.CIDRs))
+		cpuCell, cpuRatio := "-", "-"
+		if len(cpu) > 0 {
+			cpuCell, cpuRatio = fmt.Sprintf("%.1f (%.1f-%.1f)", um, ul, uh), ratioRange(um, ul, uh, limitCPU)
+		}
+		fmt.Fprintf(w, "| %s | %d | %d | %.0f (%.0f-%.0f) | %s | %d | %d | %s | %s | %.2f (%.2f-%.2f) | %s |\n",
+			l.Mode, l.CIDRs, len(l.ConnRates), cm, cl, ch, ratioRange(cm, cl, ch, lc),
+			median(l.Slow), median(l.Errors), cpuCell, cpuRatio, tm/1e9, tl/1e9, th/1e9, ratioRange(tm, tl, th, lt))
 	}
-	fmt.Fprintf(w, "\n![rate and throughput vs the limit](bench-vs-limit.png)\n\n")
+	fmt.Fprintf(w, "\nThe plots show the median as the bar and the runs' min and max as the error bar, each as a fraction of\n")
+	fmt.Fprintf(w, "the limit's median.\n")
+	fmt.Fprintf(w, "\n![rate and throughput vs the limit](bench-vs-limit.png)\n\n![CPU per connection](bench-cpu-per-conn.png)\n\n")
+	writeControl(w, c)
 
 	fmt.Fprintf(w, "## Config apply latency\n\nFrom writing the file (a ConfigMap-style `..data` swap) to the agent reporting the datapath holds it;\n")
 	fmt.Fprintf(w, "read at once (a ConfigMap swap skips the debounce of other directory events), parsed, compiled and applied. *first*: from the defaults to N CIDRs, which on BPF\n")
@@ -242,16 +384,67 @@ func writeReport(w *bytes.Buffer, m micro, r *results) {
 		}
 		fmt.Fprintf(w, "| %s | %s | %s |\n", name, measured, mark)
 	}
+	// Issue 16's goals: medians of at least minRuns interleaved runs of one make bench.
+	const minRuns = 5
+	enough := func(modes ...string) (string, bool) {
+		for _, mode := range modes {
+			if n := r.runs(mode, 0); n < minRuns {
+				return fmt.Sprintf(" (%s: %d runs, fewer than %d)", mode, n, minRuns), false
+			}
+		}
+		return "", true
+	}
 	if c, _, ok := r.load("bpf", 0); ok {
 		lc, _ := r.limit(0)
-		goal("short-connection rate, BPF, default flags >= 0.9x the limit", ratio(c, lc), c >= 0.9*lc)
+		note, runs := enough("bpf", "none")
+		goal("short connections, BPF, default flags >= 0.95x the limit", ratio(c, lc)+note, runs && c >= 0.95*lc)
+	}
+	if c, _, ok := r.load("bpf", 0); ok {
+		if ic, _, ok := r.load("iptables-norandom", 0); ok {
+			note, runs := enough("bpf", "iptables-norandom")
+			goal("short connections, BPF, default flags ahead of iptables `--random-fully=false`",
+				fmt.Sprintf("%.0f vs %.0f conn/s%s", c, ic, note), runs && c > ic)
+		}
+	}
+	if cpu := r.cpuPer100k("bpf", 0); len(cpu) > 0 {
+		if none := r.cpuPer100k("none", 0); len(none) > 0 {
+			b, l := median(cpu), median(none)
+			goal("CPU per connection, BPF, default flags <= 1.1x no NAT", fmt.Sprintf("%.1f vs %.1f s per 100k (%s)", b, l, ratio(b, l)), b <= 1.1*l)
+		}
+	}
+	for _, g := range []struct {
+		key, title string
+		maxNs      float64
+	}{{"EgressNewFlow", "new flow", 600}, {"EgressEstablished", "established flow", 90}, {"IngressReverse", "ingress reverse NAT", 90}} {
+		e := m[g.key]
+		if len(e) == 0 {
+			continue
+		}
+		worst, at := 0.0, 0
+		for n, v := range e {
+			if v > worst {
+				worst, at = v, n
+			}
+		}
+		goal(fmt.Sprintf("BPF_PROG_TEST_RUN, %s <= %.0f ns at every CIDR count", g.title, g.maxNs), fmt.Sprintf("%.0f ns at worst (%d CIDRs)", worst, at), worst <= g.maxNs)
+		if e[1] > 0 && e[100000] > 0 {
+			goal(fmt.Sprintf("BPF_PROG_TEST_RUN, %s flat from 1 to 100k CIDRs (<= 1.3x)", g.title), ratio(e[100000], e[1]), e[100000] <= 1.3*e[1])
+		}
+	}
+	if c != nil {
+		for _, op := range controlOps[:2] {
+			for _, mode := range slices.Sorted(maps.Keys(c.ms)) {
+				if ms := c.ms[mode][op.key]; len(ms) > 0 {
+					mid := median(ms)
+					goal(fmt.Sprintf("%s beside 20k kube-proxy rules < %d ms (iptables-%s)", op.title, controlGoalMs, mode),
+						fmt.Sprintf("%.1f ms", mid), mid < controlGoalMs)
+				}
+			}
+		}
 	}
 	if _, t, ok := r.load("bpf", 0); ok {
 		_, lt := r.limit(0)
 		goal("bulk throughput, BPF >= 0.97x the limit", ratio(t, lt), t >= 0.97*lt)
-	}
-	if e := m["EgressEstablished"]; e != nil && e[1] > 0 && e[100000] > 0 {
-		goal("established-flow cost at 100k CIDRs <= 1.3x the cost at 1 CIDR", ratio(e[100000], e[1]), e[100000] <= 1.3*e[1])
 	}
 	for _, a := range r.Apply {
 		if a.Mode == "bpf" && a.CIDRs == 10000 {
@@ -299,26 +492,49 @@ func plotCost(m micro, out string) error {
 	return gnuplot(s.String())
 }
 
+// plotRatios draws, per mode and CIDR count, the short-connection rate and the bulk throughput as
+// fractions of the limit's median: the runs' median as the bar, their min and max as its error bar.
 func plotRatios(r *results, out string) error {
 	var s strings.Builder
-	fmt.Fprintf(&s, "set terminal pngcairo size 900,500 font 'sans,10'\nset output '%s'\n", out)
-	s.WriteString("set title 'End to end, as a fraction of the no-agent limit (median of runs)'\nset style data histograms\nset style histogram cluster gap 1\nset style fill solid 0.8 border -1\nset boxwidth 0.9\nset yrange [0:1.2]\nset ylabel 'fraction of the limit'\nset grid ytics\nset key top right\nset xtics rotate by -20\n")
-	s.WriteString("plot '-' using 2:xtic(1) title 'short connections/s', '-' using 2 title 'bulk throughput'\n")
+	fmt.Fprintf(&s, "set terminal pngcairo size 1000,520 font 'sans,10'\nset output '%s'\n", out)
+	s.WriteString("set title 'End to end, as a fraction of the no-agent limit (median of runs, bars from min to max)'\nset style data histograms\nset style histogram errorbars gap 1 lw 1\nset style fill solid 0.8 border -1\nset boxwidth 0.9\nset yrange [0:*]\nset ylabel 'fraction of the limit'\nset grid ytics\nset key top right\nset xtics rotate by -20\n")
+	s.WriteString("plot '-' using 2:3:4:xtic(1) title 'short connections/s', '-' using 2:3:4 title 'bulk throughput'\n")
 	var conn, tput strings.Builder
 	for _, l := range r.Load {
 		if l.Mode == "none" {
 			continue
 		}
 		lc, lt := r.limit(l.CIDRs)
-		c, t := median(l.ConnRates), median(l.Throughputs)
 		label := fmt.Sprintf("%s, %d CIDRs", l.Mode, l.CIDRs)
 		if lc > 0 {
-			fmt.Fprintf(&conn, "\"%s\" %f\n", label, c/lc)
+			lo, mid, hi := spread(l.ConnRates)
+			fmt.Fprintf(&conn, "\"%s\" %f %f %f\n", label, mid/lc, lo/lc, hi/lc)
 		}
 		if lt > 0 {
-			fmt.Fprintf(&tput, "\"%s\" %f\n", label, t/lt)
+			lo, mid, hi := spread(l.Throughputs)
+			fmt.Fprintf(&tput, "\"%s\" %f %f %f\n", label, mid/lt, lo/lt, hi/lt)
 		}
 	}
 	s.WriteString(conn.String() + "e\n" + tput.String() + "e\n")
+	return gnuplot(s.String())
+}
+
+// plotCPU draws the CPU seconds per 100k connections of every mode and CIDR count: the median as
+// the bar, the runs' min and max as its error bar.
+func plotCPU(r *results, out string) error {
+	var data strings.Builder
+	for _, l := range r.Load {
+		if cpu := r.cpuPer100k(l.Mode, l.CIDRs); len(cpu) > 0 {
+			lo, mid, hi := spread(cpu)
+			fmt.Fprintf(&data, "\"%s, %d CIDRs\" %f %f %f\n", l.Mode, l.CIDRs, mid, lo, hi)
+		}
+	}
+	if data.Len() == 0 {
+		return nil // results from before CPU was measured
+	}
+	var s strings.Builder
+	fmt.Fprintf(&s, "set terminal pngcairo size 1000,520 font 'sans,10'\nset output '%s'\n", out)
+	s.WriteString("set title 'CPU per connection: system + softirq seconds per 100k short connections (median, bars from min to max)'\nset style data histograms\nset style histogram errorbars gap 1 lw 1\nset style fill solid 0.8 border -1\nset boxwidth 0.9\nset yrange [0:*]\nset ylabel 'CPU seconds per 100k connections'\nset grid ytics\nunset key\nset xtics rotate by -20\n")
+	s.WriteString("plot '-' using 2:3:4:xtic(1)\n" + data.String() + "e\n")
 	return gnuplot(s.String())
 }
