@@ -67,6 +67,16 @@ struct {
 	__type(value, struct uplink);
 } uplink_snat SEC(".maps");
 
+/* The MAC address of each uplink (by ifindex), which the node's IP stack writes as the source of
+ * every frame it sends or forwards there: how egress tells them from frames bridged onto the
+ * uplink (bpf/scope.h). A new map beside uplink_snat, so that no pinned layout changes. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 64);
+	__type(key, __u32);
+	__type(value, struct uplink_mac);
+} uplink_macs SEC(".maps");
+
 /* Per-rule hit counters, indexed by counter slot. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);

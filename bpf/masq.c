@@ -7,7 +7,9 @@
  * other new flow is classified by the policy tries; MASQUERADE gets a mapping to the uplink
  * address and a port from the NAT range.
  * Ingress: replies to a mapping are translated back; new flows toward pod addresses are
- * recorded so their replies leave untouched; ICMP errors quoting a flow are translated. */
+ * recorded so their replies leave untouched; ICMP errors quoting a flow are translated.
+ * Scope: only what the node's IP stack sent or forwarded is masqueraded (bpf/scope.h); frames
+ * that merely pass the uplink's hooks (VLAN-tagged, macvlan and ipvlan children's) pass. */
 
 #include <linux/bpf.h>
 #include <linux/pkt_cls.h>
@@ -20,6 +22,7 @@
 #include "policy.h"
 #include "nat.h"
 #include "icmp.h"
+#include "scope.h"
 
 char __license[] SEC("license") = "Dual BSD/GPL";
 
@@ -117,6 +120,8 @@ static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, cons
 		return TC_NEXT;
 	if (p->l4 == L4_ECHO && !p->echo_request)
 		return TC_NEXT; /* an echo reply opens nothing */
+	if (!from_node_stack(skb, p, v6, snat))
+		return TC_NEXT;
 	if (snat && addr_eq(v6, p->saddr, snat))
 		return host_flow(skb, p, v6, cfg, k, now);
 
@@ -183,8 +188,6 @@ static __always_inline int ingress_new(struct __sk_buff *skb, const struct pkt *
 	/* The checks that need no map first: most packets of this path stop here. */
 	if (p->l4 == L4_ECHO && !p->echo_request)
 		return TC_NEXT;
-	if (skb->pkt_type != PACKET_HOST)
-		return TC_NEXT; /* multicast, broadcast, or another host's: opens no flow */
 	cfg = bpf_map_lookup_elem(&nat_config, &zero);
 	if (!cfg || !family_cfg(cfg, v6)->enabled)
 		return TC_NEXT;
@@ -254,6 +257,8 @@ int tc_egress(struct __sk_buff *skb)
 	struct pkt p = {};
 
 	hook_seen_mark(skb, DIR_EGRESS, now);
+	if (skb->vlan_present)
+		return TC_NEXT; /* a VLAN sub-interface's frame (bpf/scope.h) */
 	switch (parse(skb, &p)) {
 	case 4:
 		return egress(skb, &p, 0, now);
@@ -270,6 +275,10 @@ int tc_ingress(struct __sk_buff *skb)
 	struct pkt p = {};
 
 	hook_seen_mark(skb, DIR_INGRESS, now);
+	/* A VLAN sub-interface's frame, or one for another host (a macvlan child), a broadcast or a
+	 * multicast: no reply to a flow of ours, and no flow to record. */
+	if (skb->vlan_present || skb->pkt_type != PACKET_HOST)
+		return TC_NEXT;
 	switch (parse(skb, &p)) {
 	case 4:
 		return ingress(skb, &p, 0, now);

@@ -68,6 +68,12 @@ struct uplink {
 	__u8 pad[2];
 };
 
+/* The MAC address of an uplink (uplink_macs, keyed by ifindex). */
+struct uplink_mac {
+	__u8 addr[6];
+	__u8 pad[2];
+};
+
 /* Per-CPU, per-rule hit counters (rule_stats, indexed by slot). */
 struct rule_stats {
 	__u64 packets;

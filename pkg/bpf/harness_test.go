@@ -78,9 +78,32 @@ func newHarness(t testing.TB, p *policy.Policy, opts LoadOptions) *harness {
 	return &harness{t: t, dp: dp, p: p}
 }
 
+// skbContext is the head of struct __sk_buff up to ifindex, as BPF_PROG_TEST_RUN takes it: a test
+// may set mark, priority, ingress_ifindex and ifindex (the device, which must exist when it is
+// more than 1), and the rest must stay zero.
+type skbContext struct {
+	Len, PktType, Mark, QueueMapping, Protocol, VlanPresent, VlanTCI, VlanProto, Priority uint32
+	IngressIfindex, Ifindex                                                               uint32
+}
+
+// podDevice stands for the node's device of a pod: the programs only test that a packet's
+// ingress_ifindex is not 0, so it need not exist.
+const podDevice = 1000
+
+// forwarded is the context of the tests' packets: received on a pod's device and routed out by
+// the node, what the programs masquerade (bpf/scope.h). A packet sent by the node itself has
+// ingress_ifindex 0.
+var forwarded = skbContext{IngressIfindex: podDevice}
+
 func runProg(t testing.TB, prog *ebpf.Program, frame []byte) (uint32, []byte) {
 	t.Helper()
-	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+512), Repeat: 1}
+	return runCtx(t, prog, frame, forwarded)
+}
+
+// runCtx runs prog on frame with the skb context ctx.
+func runCtx(t testing.TB, prog *ebpf.Program, frame []byte, ctx skbContext) (uint32, []byte) {
+	t.Helper()
+	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+512), Repeat: 1, Context: ctx}
 	ret, err := prog.Run(&opts)
 	if errors.Is(err, ebpf.ErrNotSupported) {
 		testutil.Unavailable(t, "kernel cannot test-run tc programs: %v", err)

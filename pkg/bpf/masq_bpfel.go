@@ -199,6 +199,12 @@ type masqUplink struct {
 	Pad   [2]uint8
 }
 
+type masqUplinkMac struct {
+	_    structs.HostLayout
+	Addr [6]uint8
+	Pad  [2]uint8
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -218,6 +224,7 @@ const (
 	masqMapRuleSlots  = "rule_slots"
 	masqMapRuleStats  = "rule_stats"
 	masqMapSweepStats = "sweep_stats"
+	masqMapUplinkMacs = "uplink_macs"
 	masqMapUplinkSnat = "uplink_snat"
 	masqProgTcEgress  = "tc_egress"
 	masqProgTcIngress = "tc_ingress"
@@ -288,6 +295,7 @@ type masqMapSpecs struct {
 	RuleSlots  *ebpf.MapSpec `ebpf:"rule_slots"`
 	RuleStats  *ebpf.MapSpec `ebpf:"rule_stats"`
 	SweepStats *ebpf.MapSpec `ebpf:"sweep_stats"`
+	UplinkMacs *ebpf.MapSpec `ebpf:"uplink_macs"`
 	UplinkSnat *ebpf.MapSpec `ebpf:"uplink_snat"`
 }
 
@@ -332,6 +340,7 @@ type masqMaps struct {
 	RuleSlots  *ebpf.Map `ebpf:"rule_slots"`
 	RuleStats  *ebpf.Map `ebpf:"rule_stats"`
 	SweepStats *ebpf.Map `ebpf:"sweep_stats"`
+	UplinkMacs *ebpf.Map `ebpf:"uplink_macs"`
 	UplinkSnat *ebpf.Map `ebpf:"uplink_snat"`
 }
 
@@ -352,6 +361,7 @@ func (m *masqMaps) Close() error {
 		m.RuleSlots,
 		m.RuleStats,
 		m.SweepStats,
+		m.UplinkMacs,
 		m.UplinkSnat,
 	)
 }

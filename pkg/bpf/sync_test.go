@@ -175,7 +175,7 @@ func TestSyncNoGap(t *testing.T) {
 				// ones from filling one remote endpoint's port range, whose exhaustion (a drop)
 				// would look like a flipped verdict on a slow machine.
 				in := udpPacket(ap(probeSource(policy.IPv4, n), 4000), ap(probe.dst, uint16(1+n%60000)), nil)
-				opts := ebpf.RunOptions{Data: in, DataOut: make([]byte, len(in)+64), Repeat: 1}
+				opts := ebpf.RunOptions{Data: in, DataOut: make([]byte, len(in)+64), Repeat: 1, Context: forwarded}
 				if _, err := h.dp.Egress().Run(&opts); err != nil {
 					bad.Store(err.Error())
 					return

@@ -3,6 +3,7 @@ package bpf
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 
 	"github.com/cilium/ebpf"
@@ -11,9 +12,27 @@ import (
 )
 
 // Uplink is the SNAT addresses of an uplink device; an invalid (zero) address means none of
-// that family, and masquerading packets of that family on the device are dropped.
+// that family, and masquerading packets of that family on the device are dropped. MAC is the
+// device's own MAC address (uplink_macs): only frames with it as their source can be the node's
+// (bpf/scope.h); zero means none is known, and frames are not checked for it.
 type Uplink struct {
 	IPv4, IPv6 netip.Addr
+	MAC        MAC
+}
+
+// MAC is an Ethernet address.
+type MAC [6]byte
+
+func (m MAC) String() string { return net.HardwareAddr(m[:]).String() }
+
+// MACOf converts a device's hardware address; an address that is not 6 bytes long (a device
+// without Ethernet) is the zero MAC.
+func MACOf(hw net.HardwareAddr) MAC {
+	var m MAC
+	if len(hw) == len(m) {
+		copy(m[:], hw)
+	}
+	return m
 }
 
 func uplinkValue(u Uplink) masqUplink {
@@ -52,11 +71,42 @@ func (d *Datapath) SetUplink(ifindex int, u Uplink) (int, error) {
 	if err != nil {
 		return 0, err
 	}
+	// The MAC first: frames are checked against it only once it is there, so a new uplink is
+	// never checked against a stale one.
+	if err := d.setMAC(ifindex, u.MAC); err != nil {
+		return 0, err
+	}
 	v := uplinkValue(u)
 	if err := d.objs.UplinkSnat.Put(uint32(ifindex), &v); err != nil {
 		return 0, fmt.Errorf("set uplink %d: write uplink_snat: %w", ifindex, err)
 	}
 	return d.flushChanged(old, u)
+}
+
+// setMAC writes a device's uplink_macs entry, or removes it for the zero MAC.
+func (d *Datapath) setMAC(ifindex int, m MAC) error {
+	if m == (MAC{}) {
+		if err := d.objs.UplinkMacs.Delete(uint32(ifindex)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("set uplink %d: remove from uplink_macs: %w", ifindex, err)
+		}
+		return nil
+	}
+	if err := d.objs.UplinkMacs.Put(uint32(ifindex), masqUplinkMac{Addr: m}); err != nil {
+		return fmt.Errorf("set uplink %d: write uplink_macs: %w", ifindex, err)
+	}
+	return nil
+}
+
+// mac reads a device's uplink_macs entry (zero when there is none).
+func (d *Datapath) mac(ifindex int) (MAC, error) {
+	var v masqUplinkMac
+	if err := d.objs.UplinkMacs.Lookup(uint32(ifindex), &v); err != nil {
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return MAC{}, nil
+		}
+		return MAC{}, fmt.Errorf("read uplink_macs of %d: %w", ifindex, err)
+	}
+	return v.Addr, nil
 }
 
 // RemoveUplink forgets a device and flushes the flows translated to its addresses.
@@ -67,6 +117,9 @@ func (d *Datapath) RemoveUplink(ifindex int) (int, error) {
 	}
 	if err := d.objs.UplinkSnat.Delete(uint32(ifindex)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		return 0, fmt.Errorf("remove uplink %d: %w", ifindex, err)
+	}
+	if err := d.setMAC(ifindex, MAC{}); err != nil {
+		return 0, err
 	}
 	return d.flushChanged(old, Uplink{})
 }
@@ -94,7 +147,13 @@ func (d *Datapath) Uplink(ifindex int) (Uplink, bool, error) {
 		}
 		return Uplink{}, false, fmt.Errorf("read uplink %d: %w", ifindex, err)
 	}
-	return uplinkOf(&v), true, nil
+	u := uplinkOf(&v)
+	mac, err := d.mac(ifindex)
+	if err != nil {
+		return Uplink{}, false, err
+	}
+	u.MAC = mac
+	return u, true, nil
 }
 
 // Uplinks reads the SNAT addresses of every device the maps hold, by ifindex: every device the
@@ -103,6 +162,13 @@ func (d *Datapath) Uplinks() (map[int]Uplink, error) {
 	out := map[int]Uplink{}
 	if err := eachEntry(d.objs.UplinkSnat, func(idx uint32, v *masqUplink) { out[int(idx)] = uplinkOf(v) }); err != nil {
 		return nil, fmt.Errorf("read uplink_snat: %w", err)
+	}
+	for idx, u := range out {
+		var err error
+		if u.MAC, err = d.mac(idx); err != nil {
+			return nil, err
+		}
+		out[idx] = u
 	}
 	return out, nil
 }

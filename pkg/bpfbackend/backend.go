@@ -348,10 +348,10 @@ func (b *Backend) resolveUplinks(ctx context.Context) ([]uplink.Uplink, error) {
 	return set.Uplinks, nil
 }
 
-// snatAddrs is what uplink_snat holds for u under p: its IPv6 address only where p masquerades
-// IPv6.
+// snatAddrs is what uplink_snat (and uplink_macs) hold for u under p: its IPv6 address only
+// where p masquerades IPv6.
 func snatAddrs(u uplink.Uplink, p *policy.Policy) bpf.Uplink {
-	addrs := bpf.Uplink{IPv4: u.IPv4}
+	addrs := bpf.Uplink{IPv4: u.IPv4, MAC: u.MAC}
 	if p.Enabled(policy.IPv6) {
 		addrs.IPv6 = u.IPv6
 	}

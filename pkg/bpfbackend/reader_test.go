@@ -139,10 +139,11 @@ func TestReaderCounters(t *testing.T) {
 	}
 }
 
-// udp builds an Ethernet frame with a UDP datagram.
+// udp builds an Ethernet frame with a UDP datagram, addressed to the device test runs use
+// (loopback, whose MAC is all zeros), as a frame for this host is.
 func udp(t *testing.T, src, dst netip.AddrPort) []byte {
 	t.Helper()
-	eth := &layers.Ethernet{SrcMAC: net.HardwareAddr{2, 0, 0, 0, 0, 1}, DstMAC: net.HardwareAddr{2, 0, 0, 0, 0, 2}, EthernetType: layers.EthernetTypeIPv4}
+	eth := &layers.Ethernet{SrcMAC: net.HardwareAddr{2, 0, 0, 0, 0, 1}, DstMAC: make(net.HardwareAddr, 6), EthernetType: layers.EthernetTypeIPv4}
 	ip := &layers.IPv4{Version: 4, TTL: 64, Protocol: layers.IPProtocolUDP, SrcIP: src.Addr().AsSlice(), DstIP: dst.Addr().AsSlice()}
 	u := &layers.UDP{SrcPort: layers.UDPPort(src.Port()), DstPort: layers.UDPPort(dst.Port())}
 	if err := u.SetNetworkLayerForChecksum(ip); err != nil {
@@ -156,11 +157,15 @@ func udp(t *testing.T, src, dst netip.AddrPort) []byte {
 	return buf.Bytes()
 }
 
-// run runs a program on a frame and returns the (rewritten) frame.
+// run runs a program on a frame, as a packet the node received on a pod's device (the head of
+// struct __sk_buff, with ingress_ifindex set: the programs masquerade what the node forwards),
+// and returns the (rewritten) frame.
 func run(t *testing.T, prog *ebpf.Program, frame []byte) []byte {
 	t.Helper()
 	out := make([]byte, len(frame)+256)
-	opts := ebpf.RunOptions{Data: frame, DataOut: out}
+	var skb [11]uint32 // len ... priority, ingress_ifindex, ifindex
+	skb[9] = 1000
+	opts := ebpf.RunOptions{Data: frame, DataOut: out, Context: skb}
 	ret, err := prog.Run(&opts)
 	if err != nil {
 		t.Fatal(err)

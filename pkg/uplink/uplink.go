@@ -29,6 +29,9 @@ type Uplink struct {
 	IPv4, IPv6 netip.Addr
 	// DefaultV4 and DefaultV6 tell whether the device carries a default route of the family.
 	DefaultV4, DefaultV6 bool
+	// MAC is the device's Ethernet address, which the node's stack writes as the source of the
+	// frames it sends there; zero for a device without one.
+	MAC [6]byte
 }
 
 func (u Uplink) String() string {
@@ -153,6 +156,9 @@ func (r *Resolver) resolve(ctx context.Context) (Set, error) {
 	}
 	for _, l := range links {
 		u := Uplink{Name: l.Attrs().Name, Index: l.Attrs().Index}
+		if hw := l.Attrs().HardwareAddr; len(hw) == len(u.MAC) {
+			copy(u.MAC[:], hw)
+		}
 		_, u.DefaultV4 = defaults[u.Index][unix.AF_INET]
 		_, u.DefaultV6 = defaults[u.Index][unix.AF_INET6]
 		for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
@@ -287,6 +293,9 @@ func Diff(old, cur Set) []string {
 				if f.was != f.now {
 					out = append(out, fmt.Sprintf("uplink %s %s address %s -> %s", u.Name, f.name, show(f.was), show(f.now)))
 				}
+			}
+			if o.MAC != u.MAC {
+				out = append(out, fmt.Sprintf("uplink %s MAC %s -> %s", u.Name, net.HardwareAddr(o.MAC[:]), net.HardwareAddr(u.MAC[:])))
 			}
 		}
 	}

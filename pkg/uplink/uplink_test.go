@@ -109,6 +109,10 @@ func TestResolve(t *testing.T) {
 	if u.Name != "up0" || u.IPv4 != netip.MustParseAddr("192.0.2.10") || u.IPv6 != netip.MustParseAddr("2001:db8:1::10") || !u.DefaultV4 || !u.DefaultV6 {
 		t.Fatalf("uplink %v", u)
 	}
+	ip(t, ns, "link set up0 address 02:00:00:00:0a:01\n")
+	if got := resolve(t, ns).Uplinks[0].MAC; got != [6]byte{2, 0, 0, 0, 0xa, 1} {
+		t.Fatalf("MAC %x, want the device's 02:00:00:00:0a:01", got)
+	}
 
 	// A preferred source on the default route wins.
 	ip(t, ns, "route replace default via 192.0.2.1 dev up0 src 198.51.100.10\n")
@@ -196,6 +200,9 @@ func TestWatch(t *testing.T) {
 	// The SNAT address moves.
 	ip(t, ns, "addr del 192.0.2.10/24 dev up0\naddr add 192.0.2.20/24 dev up0\n")
 	next("up0 IPv4 address 192.0.2.10 -> 192.0.2.")
+	// The MAC changes: frames of the node carry the new one from then on.
+	ip(t, ns, "link set up0 address 02:00:00:00:0a:0b\n")
+	next("up0 MAC ", "-> 02:00:00:00:0a:0b")
 	// A second default route brings another uplink.
 	ip(t, ns, "addr add 203.0.113.5/24 dev lan0\nroute add default via 203.0.113.1 dev lan0 metric 200\n")
 	next("uplink lan0", "appeared")

@@ -113,6 +113,22 @@ func (e *Env) UplinkIndex(t testing.TB) int {
 	return idx
 }
 
+// UplinkMAC is the MAC address of the node's uplink.
+func (e *Env) UplinkMAC(t testing.TB) bpf.MAC {
+	t.Helper()
+	var mac bpf.MAC
+	if err := testutil.Do(e.Node, func() error {
+		ifc, err := net.InterfaceByName(Uplink)
+		if err == nil {
+			mac = bpf.MACOf(ifc.HardwareAddr)
+		}
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return mac
+}
+
 // PinDir is where the agent pins its maps.
 func (e *Env) PinDir() string { return filepath.Join(e.BPFFS(), bpfbackend.PinDir) }
 
@@ -308,7 +324,7 @@ func verifyBPF(ctx context.Context, t testing.TB, env *Env, mode string) {
 	}
 
 	u, ok, err := r.Uplink(env.UplinkIndex(t))
-	wantUplink := bpf.Uplink{IPv4: NodeAddr4}
+	wantUplink := bpf.Uplink{IPv4: NodeAddr4, MAC: env.UplinkMAC(t)}
 	if p.Enabled(policy.IPv6) {
 		wantUplink.IPv6 = NodeAddr6
 	}

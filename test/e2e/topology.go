@@ -175,13 +175,18 @@ func PodAddr(fam policy.Family) netip.Addr {
 // Probe connects from the pod to dst's echo server over proto ("tcp" or "udp") and returns the
 // source address and port the external host saw.
 func (tp *Topology) Probe(ctx context.Context, proto string, dst netip.Addr) (netip.AddrPort, error) {
+	return tp.ProbeFrom(ctx, tp.Pod, PodAddr(policy.FamilyOf(dst)), proto, dst)
+}
+
+// ProbeFrom is Probe from another namespace and address of it (a second pod, a macvlan child).
+func (tp *Topology) ProbeFrom(ctx context.Context, ns string, from netip.Addr, proto string, dst netip.Addr) (netip.AddrPort, error) {
 	port := uint16(tp.nextPort.Add(1))
-	local := netip.AddrPortFrom(PodAddr(policy.FamilyOf(dst)), port)
+	local := netip.AddrPortFrom(from, port)
 	remote := netip.AddrPortFrom(dst, EchoPort)
 	ctx, cancel := context.WithTimeout(ctx, probeWindow)
 	defer cancel()
 	var reply string
-	err := testutil.Do(tp.Pod, func() error {
+	err := testutil.Do(ns, func() error {
 		var laddr net.Addr = net.TCPAddrFromAddrPort(local)
 		if proto == "udp" {
 			laddr = net.UDPAddrFromAddrPort(local)

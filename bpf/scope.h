@@ -1,0 +1,94 @@
+/* Scope: the programs masquerade only what the node's IP stack sent or forwarded, as iptables'
+ * POSTROUTING sees it. Other frames pass the uplink's tc hooks too, and are left untouched:
+ *
+ *   - VLAN-tagged frames: a VLAN sub-interface's (skb->vlan_present: the tag travels beside the
+ *     frame; a tag in the frame, ETH_P_8021Q, is not IP to the parser). A sub-interface that is
+ *     an uplink itself gets the programs on its own hooks, untagged.
+ *   - frames of macvlan children (Multus secondary networks, in their own namespaces): their
+ *     transmit path hands them to the uplink without the node's stack, and they carry the
+ *     child's MAC as their source, where the node's stack writes the uplink's own.
+ *   - frames of ipvlan children in L2 mode: they carry the uplink's MAC, but the node's stack
+ *     neither received them (skb->ingress_ifindex is 0, as for the node's own packets) nor owns
+ *     their source address. Packet sockets on the uplink (a DHCP client's discover from
+ *     0.0.0.0) are left alone for the same reason.
+ *
+ * Measured at the uplink's tc egress in namespaces (veth uplink; forwarding on):
+ *
+ *   sender                         ingress_ifindex  source MAC  source address
+ *   node socket                    0                uplink's    the uplink's, or another of the node's
+ *   pod, forwarded                 the pod's veth   uplink's    the pod's
+ *   macvlan child (bridge mode)    0                child's     the child's
+ *   AF_PACKET socket on the uplink 0                as written  as written (0.0.0.0 for DHCP)
+ *
+ * ipvlan in L3 and L3S mode routes its children's packets through the node's POSTROUTING, where
+ * iptables masquerades them; at tc they look like L2 mode's, and are left untouched too.
+ *
+ * The scope is decided when a flow is created, as conntrack decides a connection's NAT on its
+ * first packet; later packets follow the flow's NAT entry. */
+#pragma once
+
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <bpf/bpf_helpers.h>
+
+#include "maps.h"
+#include "nat.h"
+#include "parse.h"
+
+#define AF_INET 2
+#define AF_INET6 10
+
+/* node_owns tells whether the packet's source is an address of the node: a local route (the
+ * FIB says a packet to it would not be forwarded). The unspecified address (a DHCP client's) is
+ * nobody's. The FIB says "not forwarded" of an address it has no route to at all too, which a
+ * node with a default route has for none; and a lookup the kernel refuses (forwarding off on the
+ * uplink) tells nothing: either way the source counts as the node's, and the packet is treated
+ * as it was before the scope check. */
+static __always_inline int node_owns(struct __sk_buff *skb, const struct pkt *p, const int v6)
+{
+	struct bpf_fib_lookup fib = {.ifindex = skb->ifindex};
+	long rc;
+
+	if (!(p->saddr[0] | p->saddr[1] | p->saddr[2] | p->saddr[3]))
+		return 0; /* 0.0.0.0 or :: (IPv4 keeps the rest zero) */
+	if (v6) {
+		fib.family = AF_INET6;
+		__builtin_memcpy(fib.ipv6_dst, p->saddr, 16);
+	} else {
+		fib.family = AF_INET;
+		fib.ipv4_dst = p->saddr[0];
+	}
+	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	return rc == BPF_FIB_LKUP_RET_NOT_FWDED || rc == BPF_FIB_LKUP_RET_FWD_DISABLED || rc < 0;
+}
+
+/* mac_is reads the frame's source MAC (2-byte aligned in the Ethernet header) against mac. */
+static __always_inline int source_mac_is(const struct __sk_buff *skb, const __u8 *mac)
+{
+	void *data = (void *)(long)skb->data, *data_end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	const __u16 *a, *b = (const __u16 *)mac;
+
+	if ((void *)(eth + 1) > data_end)
+		return 0;
+	a = (const __u16 *)eth->h_source;
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2];
+}
+
+/* from_node_stack tells whether the node's IP stack sent or forwarded the first packet of a new
+ * flow leaving by the uplink (see the top of the file); snat is the uplink's address of the
+ * family, if any. A device whose MAC userspace did not record is not checked for it. */
+static __always_inline int from_node_stack(struct __sk_buff *skb, const struct pkt *p, const int v6,
+					   const __be32 *snat)
+{
+	__u32 ifindex = skb->ifindex;
+	const struct uplink_mac *mac = bpf_map_lookup_elem(&uplink_macs, &ifindex);
+
+	if (mac && !source_mac_is(skb, mac->addr))
+		return 0; /* bridged onto the uplink: a macvlan child's */
+	if (skb->ingress_ifindex)
+		return 1; /* received by a device of the node and routed out here */
+	if (snat && addr_eq(v6, p->saddr, snat))
+		return 1;
+	return node_owns(skb, p, v6); /* sent by the node, from one of its addresses */
+}
