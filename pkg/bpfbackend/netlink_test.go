@@ -141,14 +141,23 @@ func applyRequests(t *testing.T, c *netlinkCounter, mode string, n int) uint64 {
 // An apply of the policy in force (a resync, a drift repair) asks netlink for the uplinks and
 // their addresses, and in tcx mode nothing else: per uplink, only the lookup of its device. It
 // used to list every address of the namespace twice per uplink and the uplink's tc filters
-// (the other attach mode's leftovers) in each direction: seven requests per uplink.
+// (the other attach mode's leftovers) in each direction: seven requests per uplink in tcx mode,
+// nine in tc mode.
 func TestApplyNetlinkRequests(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	c := newNetlinkCounter(t)
-	one := applyRequests(t, c, tc.ModeTCX, 1)
-	three := applyRequests(t, c, tc.ModeTCX, 3)
-	t.Logf("netlink requests per apply: %d with one uplink, %d with three", one, three)
-	if perUplink := float64(three-one) / 2; three < one || perUplink > 1 {
-		t.Errorf("an apply sends %.1f netlink requests per uplink (%d with one, %d with three), want at most 1 (its device lookup)", perUplink, one, three)
+	// tc mode checks each uplink's filters through netlink (a device lookup and a filter dump
+	// per hook), where tcx mode asks the bpf syscall.
+	for _, m := range []struct {
+		mode      string
+		perUplink float64
+	}{{tc.ModeTCX, 1}, {tc.ModeTC, 5}} {
+		one := applyRequests(t, c, m.mode, 1)
+		three := applyRequests(t, c, m.mode, 3)
+		t.Logf("%s: netlink requests per apply: %d with one uplink, %d with three", m.mode, one, three)
+		if perUplink := float64(three-one) / 2; three < one || perUplink > m.perUplink {
+			t.Errorf("%s: an apply sends %.1f netlink requests per uplink (%d with one, %d with three), want at most %.0f",
+				m.mode, perUplink, one, three, m.perUplink)
+		}
 	}
 }
