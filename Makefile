@@ -79,6 +79,7 @@ bench: build
 	$(GO) test -run '^$$' -bench 'Egress|Ingress' -benchtime 3000x -timeout 30m ./pkg/bpf | tee $(BENCH_OUT)/micro.txt
 	$(GO) test -run '^$$' -bench 'SyncPolicy|CheckPolicy' -benchtime 10x -timeout 30m ./pkg/bpf | tee $(BENCH_OUT)/control.txt
 	$(GO) test -run '^$$' -bench BenchmarkSweep -benchtime 5x -benchmem -timeout 30m ./pkg/bpf | tee $(BENCH_OUT)/sweep.txt
+	$(GO) test -run '^$$' -bench BenchmarkMigrate -benchtime 5x -count 3 -timeout 30m ./pkg/bpf | tee $(BENCH_OUT)/migrate.txt
 	$(GO) test -run '^$$' -bench ControlPlane -benchtime 20x -count 5 -timeout 30m ./pkg/iptables | tee $(BENCH_OUT)/iptables-control.txt
 	$(GO) test -run '^$$' -bench EndToEnd -benchtime 1x -timeout 60m ./test/bench -args -out $(abspath $(BENCH_OUT))
 	$(GO) test -run '^$$' -bench NATLoad -benchtime 1x -timeout 20m ./test/bench | tee $(BENCH_OUT)/natload.txt

@@ -92,7 +92,7 @@ static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p
 	e = nat_lookup(v6, &k);
 	if (!e)
 		return TC_NEXT;
-	addr_copy(v6, to, e->addr);
+	addr_copy(v6, to, WORDS(e->addr));
 	to_port = e->port;
 
 	const __be32 *from = src_side ? qsaddr : qdaddr;

@@ -8,13 +8,21 @@
 
 #include "types.h"
 
+/* Which layout these maps are (entry 0; see struct layout). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct layout);
+} layout SEC(".maps");
+
 /* Policy: masqueradeCIDRs (rule 1 entries). */
 struct {
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(max_entries, 1); /* load time */
 	__type(key, struct lpm4_key);
-	__type(value, struct lpm_val);
+	__type(value, struct lpm4_val);
 } masq_v4 SEC(".maps");
 
 /* Policy: link-local and nonMasqueradeCIDRs (rule 2 and 3 entries). */
@@ -23,7 +31,7 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(max_entries, 1); /* load time */
 	__type(key, struct lpm4_key);
-	__type(value, struct lpm_val);
+	__type(value, struct lpm4_val);
 } nomasq_v4 SEC(".maps");
 
 struct {
@@ -31,7 +39,7 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(max_entries, 1); /* load time */
 	__type(key, struct lpm6_key);
-	__type(value, struct lpm_val);
+	__type(value, struct lpm6_val);
 } masq_v6 SEC(".maps");
 
 struct {
@@ -39,7 +47,7 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(max_entries, 1); /* load time */
 	__type(key, struct lpm6_key);
-	__type(value, struct lpm_val);
+	__type(value, struct lpm6_val);
 } nomasq_v6 SEC(".maps");
 
 /* Policy: rule 4 and the NAT settings, in entry 0. */

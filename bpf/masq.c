@@ -62,14 +62,14 @@ static __always_inline int frag_later(struct __sk_buff *skb, struct pkt *p, cons
 		return TC_NEXT;
 	if (dir == DIR_EGRESS && e->kind == NAT_MASQ)
 		count_rule(e->slot, p->len);
-	return xlate(skb, p, v6, dir == DIR_EGRESS, e->addr, e->port);
+	return xlate(skb, p, v6, dir == DIR_EGRESS, WORDS(e->addr), e->port);
 }
 
 static __always_inline const __be32 *uplink_addr(const struct uplink *u, const int v6)
 {
 	if (!u || !(v6 ? u->has_v6 : u->has_v4))
 		return 0;
-	return v6 ? u->v6 : &u->v4;
+	return v6 ? WORDS(u->v6) : WORDS(u->v4);
 }
 
 /* A host socket's flow: reserve its port toward this remote, or remap it when a pod mapping
@@ -81,7 +81,7 @@ static __always_inline int host_flow(struct __sk_buff *skb, const struct pkt *p,
 	struct nat_entry *re;
 	union nat_key rk;
 
-	addr_copy(v6, e.addr, p->saddr);
+	addr_copy(v6, WORDS_MUT(e.addr), p->saddr);
 	nat_key(v6, &rk, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_INGRESS);
 	if (nat_update(v6, &rk, &e, BPF_NOEXIST) == 0) {
 		e.flags = NAT_F_SEEN;
@@ -99,7 +99,7 @@ static __always_inline int host_flow(struct __sk_buff *skb, const struct pkt *p,
 	if (nat_alloc(v6, p, cfg, k, p->saddr, NAT_HOST, NO_SLOT, now, &e) < 0)
 		return TC_ACT_SHOT;
 	event_add(EV_HOST_REMAP, 1);
-	return xlate(skb, p, v6, 1, e.addr, e.port);
+	return xlate(skb, p, v6, 1, WORDS(e.addr), e.port);
 }
 
 static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, const int v6,
@@ -141,7 +141,7 @@ static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, cons
 		event_add(EV_NEW_MASQ, 1);
 	if (p->frag == FRAG_FIRST)
 		frag_remember(v6, p, DIR_EGRESS);
-	return xlate(skb, p, v6, 1, e.addr, e.port);
+	return xlate(skb, p, v6, 1, WORDS(e.addr), e.port);
 }
 
 static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const int v6, __u64 now)
@@ -164,7 +164,7 @@ static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const in
 				count_rule(e->slot, p->len);
 			if (p->frag == FRAG_FIRST)
 				frag_remember(v6, p, DIR_EGRESS);
-			return xlate(skb, p, v6, 1, e->addr, e->port);
+			return xlate(skb, p, v6, 1, WORDS(e->addr), e->port);
 		}
 		/* The LRU evicted this flow's ingress half and another flow owns its port now. */
 		nat_delete(v6, &k);
@@ -206,7 +206,7 @@ static __always_inline int ingress_new(struct __sk_buff *skb, const struct pkt *
 		if (classify(v6, p->saddr, family_cfg(cfg, v6), &slot) != ACTION_MASQUERADE)
 			return TC_NEXT;
 	}
-	addr_copy(v6, e.addr, p->daddr);
+	addr_copy(v6, WORDS_MUT(e.addr), p->daddr);
 	nat_key(v6, &ek, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_EGRESS);
 	if (nat_update(v6, &ek, &e, BPF_NOEXIST) != 0)
 		return TC_NEXT; /* that tuple already has a flow */
@@ -237,7 +237,7 @@ static __always_inline int ingress(struct __sk_buff *skb, struct pkt *p, const i
 	touch(e, p, now);
 	if (p->frag == FRAG_FIRST)
 		frag_remember(v6, p, DIR_INGRESS);
-	return xlate(skb, p, v6, 0, e->addr, e->port);
+	return xlate(skb, p, v6, 0, WORDS(e->addr), e->port);
 }
 
 /* hook_seen_mark records that the program ran on this device's hook (see hook_seen). */

@@ -29,6 +29,11 @@ union nat_key {
 	struct nat6_key k6;
 };
 
+/* An address field of the maps' structs (a byte array, 4-byte aligned: see types.h) as the
+ * words the packet's addresses are held in. */
+#define WORDS(a) ((const __be32 *)(a))
+#define WORDS_MUT(a) ((__be32 *)(a))
+
 static __always_inline int addr_eq(const int v6, const __be32 *a, const __be32 *b)
 {
 	if (!v6)
@@ -54,8 +59,9 @@ static __always_inline void nat_key(const int v6, union nat_key *k, const __be32
 		__builtin_memcpy(k->k6.saddr, saddr, 16);
 		__builtin_memcpy(k->k6.daddr, daddr, 16);
 	} else {
-		k->k4 = (struct nat4_key){.saddr = saddr[0], .daddr = daddr[0], .sport = sport,
-					  .dport = dport, .proto = proto, .dir = dir};
+		k->k4 = (struct nat4_key){.sport = sport, .dport = dport, .proto = proto, .dir = dir};
+		__builtin_memcpy(k->k4.saddr, saddr, 4);
+		__builtin_memcpy(k->k4.daddr, daddr, 4);
 	}
 }
 
@@ -99,16 +105,16 @@ static __always_inline void partner_key(const int v6, union nat_key *pk, const u
 		const struct nat6_key *a = &k->k6;
 
 		if (a->dir == DIR_EGRESS)
-			nat_key(v6, pk, a->daddr, e->addr, a->dport, e->port, a->proto, DIR_INGRESS);
+			nat_key(v6, pk, WORDS(a->daddr), WORDS(e->addr), a->dport, e->port, a->proto, DIR_INGRESS);
 		else
-			nat_key(v6, pk, e->addr, a->saddr, e->port, a->sport, a->proto, DIR_EGRESS);
+			nat_key(v6, pk, WORDS(e->addr), WORDS(a->saddr), e->port, a->sport, a->proto, DIR_EGRESS);
 	} else {
 		const struct nat4_key *a = &k->k4;
 
 		if (a->dir == DIR_EGRESS)
-			nat_key(v6, pk, &a->daddr, e->addr, a->dport, e->port, a->proto, DIR_INGRESS);
+			nat_key(v6, pk, WORDS(a->daddr), WORDS(e->addr), a->dport, e->port, a->proto, DIR_INGRESS);
 		else
-			nat_key(v6, pk, e->addr, &a->saddr, e->port, a->sport, a->proto, DIR_EGRESS);
+			nat_key(v6, pk, WORDS(e->addr), WORDS(a->saddr), e->port, a->sport, a->proto, DIR_EGRESS);
 	}
 }
 
@@ -120,14 +126,14 @@ static __always_inline int points_back(const int v6, const union nat_key *k, con
 		const struct nat6_key *a = &k->k6;
 
 		if (a->dir == DIR_EGRESS)
-			return addr_eq(v6, pe->addr, a->saddr) && pe->port == a->sport;
-		return addr_eq(v6, pe->addr, a->daddr) && pe->port == a->dport;
+			return addr_eq(v6, WORDS(pe->addr), WORDS(a->saddr)) && pe->port == a->sport;
+		return addr_eq(v6, WORDS(pe->addr), WORDS(a->daddr)) && pe->port == a->dport;
 	}
 	const struct nat4_key *a = &k->k4;
 
 	if (a->dir == DIR_EGRESS)
-		return pe->addr[0] == a->saddr && pe->port == a->sport;
-	return pe->addr[0] == a->daddr && pe->port == a->dport;
+		return addr_eq(v6, WORDS(pe->addr), WORDS(a->saddr)) && pe->port == a->sport;
+	return addr_eq(v6, WORDS(pe->addr), WORDS(a->daddr)) && pe->port == a->dport;
 }
 
 /* touch records a packet on an entry: its direction has been seen, TCP closing flags, and
@@ -187,7 +193,7 @@ static __always_inline int check_partner(const int v6, const union nat_key *k, c
 	pe = nat_lookup(v6, &pk);
 	if (pe)
 		return points_back(v6, k, pe) ? 0 : -1;
-	addr_copy(v6, ne.addr, p->saddr);
+	addr_copy(v6, WORDS_MUT(ne.addr), p->saddr);
 	if (nat_update(v6, &pk, &ne, BPF_NOEXIST) == 0) {
 		event_add(EV_REPAIR, 1);
 		return 0;
@@ -224,7 +230,7 @@ static __always_inline int nat_alloc(const int v6, const struct pkt *p, const st
 
 	if (n == 0 || n > NAT_PORTS_MAX)
 		return -1;
-	addr_copy(v6, rev.addr, p->saddr);
+	addr_copy(v6, WORDS_MUT(rev.addr), p->saddr);
 	nat_key(v6, &rk, p->daddr, to_addr, p->dport, 0, p->proto, DIR_INGRESS);
 	preserve = !cfg->random_fully && port_in_ranges(cfg, orig);
 	start = bpf_get_prandom_u32() % n;
@@ -257,7 +263,7 @@ static __always_inline int nat_alloc(const int v6, const struct pkt *p, const st
 
 	*out = (struct nat_entry){.port = bpf_htons(port), .kind = kind, .flags = NAT_F_SEEN,
 				  .slot = slot, .last_seen = now};
-	addr_copy(v6, out->addr, to_addr);
+	addr_copy(v6, WORDS_MUT(out->addr), to_addr);
 	if (nat_update(v6, k, out, BPF_NOEXIST) != 0) {
 		/* Another CPU created this flow's mapping meanwhile: release our port, use theirs. */
 		struct nat_entry *e;
@@ -284,9 +290,10 @@ static __always_inline void frag_remember(const int v6, const struct pkt *p, __u
 		__builtin_memcpy(fk.daddr, p->daddr, 16);
 		bpf_map_update_elem(&frag_v6, &fk, &fp, BPF_ANY);
 	} else {
-		struct frag4_key fk = {.saddr = p->saddr[0], .daddr = p->daddr[0], .id = (__be16)p->frag_id,
-				       .proto = p->proto, .dir = dir};
+		struct frag4_key fk = {.id = (__be16)p->frag_id, .proto = p->proto, .dir = dir};
 
+		__builtin_memcpy(fk.saddr, p->saddr, 4);
+		__builtin_memcpy(fk.daddr, p->daddr, 4);
 		bpf_map_update_elem(&frag_v4, &fk, &fp, BPF_ANY);
 	}
 }
@@ -300,8 +307,9 @@ static __always_inline struct frag_ports *frag_lookup(const int v6, const struct
 		__builtin_memcpy(fk.daddr, p->daddr, 16);
 		return bpf_map_lookup_elem(&frag_v6, &fk);
 	}
-	struct frag4_key fk = {.saddr = p->saddr[0], .daddr = p->daddr[0], .id = (__be16)p->frag_id,
-			       .proto = p->proto, .dir = dir};
+	struct frag4_key fk = {.id = (__be16)p->frag_id, .proto = p->proto, .dir = dir};
 
+	__builtin_memcpy(fk.saddr, p->saddr, 4);
+	__builtin_memcpy(fk.daddr, p->daddr, 4);
 	return bpf_map_lookup_elem(&frag_v4, &fk);
 }

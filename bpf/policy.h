@@ -3,8 +3,9 @@
  * Rule 1 entries (masqueradeCIDRs) precede every RETURN rule, so any match in the masquerade
  * trie decides; otherwise the first RETURN rule that matches decides (link-local and
  * nonMasqueradeCIDRs share one action, so the longest match among them gives the same
- * verdict as the first match); otherwise the outbound rule. Each trie value is the counter slot
- * of the rule a first-match chain counts for that longest match (computed in userspace). */
+ * verdict as the first match); otherwise the outbound rule. Each trie value holds the verdict
+ * (MASQUERADE in the masquerade tries, RETURN in the others) and the counter slot of the rule a
+ * first-match chain counts for that longest match (computed in userspace). */
 #pragma once
 
 #include <linux/bpf.h>
@@ -17,36 +18,36 @@ static __always_inline const struct family_cfg *family_cfg(const struct nat_conf
 	return v6 ? &cfg->v6 : &cfg->v4;
 }
 
-/* classify returns the action for a new flow to daddr and sets *slot to the deciding rule's
- * counter slot (NO_SLOT at the end of the chain). */
+/* classify returns the action for a new flow to daddr, as the trie entry that matches holds it
+ * (or the outbound rule), and sets *slot to the deciding rule's counter slot (NO_SLOT at the end
+ * of the chain). */
 static __always_inline __u8 classify(const int v6, const __be32 *daddr, const struct family_cfg *fc,
 				     __u32 *slot)
 {
-	struct lpm_val *v;
-
 	if (v6) {
 		struct lpm6_key k = {.prefixlen = 128};
+		struct lpm6_val *v;
 
 		__builtin_memcpy(k.addr, daddr, 16);
 		v = bpf_map_lookup_elem(&masq_v6, &k);
+		if (!v)
+			v = bpf_map_lookup_elem(&nomasq_v6, &k);
 		if (v) {
 			*slot = v->slot;
-			return ACTION_MASQUERADE;
+			return v->action;
 		}
-		v = bpf_map_lookup_elem(&nomasq_v6, &k);
 	} else {
-		struct lpm4_key k = {.prefixlen = 32, .addr = daddr[0]};
+		struct lpm4_key k = {.prefixlen = 32};
+		struct lpm4_val *v;
 
+		__builtin_memcpy(k.addr, daddr, 4);
 		v = bpf_map_lookup_elem(&masq_v4, &k);
+		if (!v)
+			v = bpf_map_lookup_elem(&nomasq_v4, &k);
 		if (v) {
 			*slot = v->slot;
-			return ACTION_MASQUERADE;
+			return v->action;
 		}
-		v = bpf_map_lookup_elem(&nomasq_v4, &k);
-	}
-	if (v) {
-		*slot = v->slot;
-		return ACTION_RETURN;
 	}
 	*slot = fc->out_slot;
 	return fc->outbound;

@@ -1,6 +1,11 @@
 /* Types shared with the Go side (pkg/bpf, through bpf2go): every struct is laid out without
  * implicit padding, so the generated Go types have exactly the C layout. Addresses and ports
- * are kept in network byte order, as they appear in packets. */
+ * are kept in network byte order, as they appear in packets; addresses are byte arrays
+ * (4-byte aligned, so that the programs read them as words), which bpftool prints as
+ * [10,0,0,0] rather than as a little-endian integer.
+ *
+ * The structs of pinned maps are the pinned layout: changing one is a new layout, which needs a
+ * migration from the old one (pkg/bpf/layout.go says how). */
 #pragma once
 
 #include <linux/types.h>
@@ -14,30 +19,46 @@ enum __attribute__((packed)) action {
 /* Counter slot of a verdict that no rule gave (end of chain). */
 #define NO_SLOT 0xffffffffu
 
+#define ADDR_WORDS __attribute__((aligned(4)))
+
 /* Key of the LPM tries (masq_v4, nomasq_v4, masq_v6, nomasq_v6). */
 struct lpm4_key {
 	__u32 prefixlen;
-	__be32 addr;
+	__u8 addr[4];
 };
 
 struct lpm6_key {
 	__u32 prefixlen;
-	__be32 addr[4];
+	__u8 addr[16];
 };
 
-/* Value of the LPM tries: the counter slot of the rule a first-match chain would count for the
- * addresses whose longest match is this entry: the first rule among this prefix and the shorter
- * prefixes of the same trie that contain it. */
-struct lpm_val {
+/* Value of the LPM tries, for the addresses whose longest match is this entry: the verdict, and
+ * the counter slot of the rule a first-match chain decides them by (the first rule among this
+ * prefix and the shorter prefixes of the same trie that contain it). snat is reserved for the
+ * address masquerading uses for them (a masqueradeCIDRs entry's own address); all zero, as
+ * written today, means the uplink's address, and the programs do not read it yet. */
+struct lpm4_val {
 	__u32 slot;
+	enum action action;
+	__u8 pad[3];
+	__u8 snat[4] ADDR_WORDS;
 };
 
-/* Per family settings: the outbound rule (rule 4 of the chain). */
+struct lpm6_val {
+	__u32 slot;
+	enum action action;
+	__u8 pad[3];
+	__u8 snat[16] ADDR_WORDS;
+};
+
+/* Per family settings: the outbound rule (rule 4 of the chain). snat is reserved as in the trie
+ * values (IPv4 in the first 4 bytes), for a family's own masquerade address. */
 struct family_cfg {
 	__u8 enabled;  /* 0: the family is left alone (e.g. IPv6 without --enable-ipv6) */
 	enum action outbound; /* for destinations no trie matched */
 	__u8 pad[2];
 	__u32 out_slot; /* counter slot of the outbound rule, or NO_SLOT */
+	__u8 snat[16] ADDR_WORDS;
 };
 
 #define MAX_PORT_RANGES 16
@@ -61,8 +82,8 @@ struct nat_config {
 
 /* The SNAT addresses of an uplink (uplink_snat, keyed by ifindex). */
 struct uplink {
-	__be32 v4;
-	__be32 v6[4];
+	__u8 v4[4] ADDR_WORDS;
+	__u8 v6[16] ADDR_WORDS;
 	__u8 has_v4;
 	__u8 has_v6;
 	__u8 pad[2];
@@ -90,7 +111,7 @@ enum __attribute__((packed)) rule_origin {
 /* What a counter slot is assigned to (rule_slots, indexed by slot). Written by userspace only,
  * so that counters can be tied back to rules after an agent restart. */
 struct rule_slot {
-	__be32 addr[4]; /* IPv4 in addr[0] */
+	__u8 addr[16] ADDR_WORDS; /* IPv4 in the first 4 bytes */
 	__u8 prefixlen;
 	__u8 family; /* 4 or 6; 0 = free slot */
 	enum action action;
@@ -110,8 +131,8 @@ enum __attribute__((packed)) nat_dir {
 /* For ICMP echo the identifier plays the port: a request carries it as sport (dport 0), a
  * reply as dport (sport 0), so that request and reply keys mirror each other like ports do. */
 struct nat4_key {
-	__be32 saddr;
-	__be32 daddr;
+	__u8 saddr[4] ADDR_WORDS;
+	__u8 daddr[4] ADDR_WORDS;
 	__be16 sport;
 	__be16 dport;
 	__u8 proto;
@@ -120,8 +141,8 @@ struct nat4_key {
 };
 
 struct nat6_key {
-	__be32 saddr[4];
-	__be32 daddr[4];
+	__u8 saddr[16] ADDR_WORDS;
+	__u8 daddr[16] ADDR_WORDS;
 	__be16 sport;
 	__be16 dport;
 	__u8 proto;
@@ -147,7 +168,7 @@ enum __attribute__((packed)) nat_flags {
  * uplink address and the allocated port); an ingress entry holds the original source, which
  * replies get back as their destination. Either entry is enough to compute the other's key. */
 struct nat_entry {
-	__be32 addr[4]; /* IPv4 in addr[0] */
+	__u8 addr[16] ADDR_WORDS; /* IPv4 in the first 4 bytes */
 	__be16 port;
 	enum nat_kind kind;
 	enum nat_flags flags;
@@ -157,16 +178,16 @@ struct nat_entry {
 
 /* A later fragment has no ports: they are remembered from the first fragment, by datagram. */
 struct frag4_key {
-	__be32 saddr;
-	__be32 daddr;
+	__u8 saddr[4] ADDR_WORDS;
+	__u8 daddr[4] ADDR_WORDS;
 	__be16 id;
 	__u8 proto;
 	enum nat_dir dir;
 };
 
 struct frag6_key {
-	__be32 saddr[4];
-	__be32 daddr[4];
+	__u8 saddr[16] ADDR_WORDS;
+	__u8 daddr[16] ADDR_WORDS;
 	__be32 id;
 	__u8 proto;
 	enum nat_dir dir;
@@ -176,6 +197,15 @@ struct frag6_key {
 struct frag_ports {
 	__be16 sport;
 	__be16 dport;
+};
+
+/* The layout record (layout, entry 0), written by userspace when it creates the maps: which
+ * layout of the pinned maps this is, for the agent that finds them pinned (pkg/bpf/layout.go). */
+#define LAYOUT_MAGIC "ip-masq-agent"
+
+struct layout {
+	char magic[16]; /* LAYOUT_MAGIC */
+	__u32 version;
 };
 
 /* Per-CPU event counters (event_stats, indexed by event). */

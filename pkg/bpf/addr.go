@@ -5,48 +5,27 @@ import (
 	"net/netip"
 )
 
-// The C structs hold addresses and ports in network byte order; the generated Go fields are
-// native integers over the same bytes. These helpers convert without changing the bytes.
+// The C structs hold addresses as byte arrays in network order (the fields that hold either
+// family have IPv4 in their first 4 bytes) and ports as network-order integers, whose generated
+// Go fields are native integers over the same bytes.
 
-func be32(b []byte) uint32 { return binary.NativeEndian.Uint32(b) }
-
-func addr4Word(a netip.Addr) uint32 {
-	b := a.As4()
-	return be32(b[:])
-}
-
-func addr6Words(a netip.Addr) [4]uint32 {
-	b := a.As16()
-	return [4]uint32{be32(b[0:]), be32(b[4:]), be32(b[8:]), be32(b[12:])}
-}
-
-// addrWords is the [4]uint32 form of the C structs that hold either family (IPv4 in [0]).
-func addrWords(a netip.Addr) [4]uint32 {
+// addrBytes is the form of the fields that hold either family.
+func addrBytes(a netip.Addr) [16]byte {
 	if a.Is4() {
-		return [4]uint32{addr4Word(a)}
+		var b [16]byte
+		b4 := a.As4()
+		copy(b[:], b4[:])
+		return b
 	}
-	return addr6Words(a)
+	return a.As16()
 }
 
-func word4Addr(w uint32) netip.Addr {
-	var b [4]byte
-	binary.NativeEndian.PutUint32(b[:], w)
-	return netip.AddrFrom4(b)
-}
-
-func words6Addr(w [4]uint32) netip.Addr {
-	var b [16]byte
-	for i, x := range w {
-		binary.NativeEndian.PutUint32(b[4*i:], x)
-	}
-	return netip.AddrFrom16(b)
-}
-
-func wordsAddr(v6 bool, w [4]uint32) netip.Addr {
+// bytesAddr is the address a field of either family holds.
+func bytesAddr(v6 bool, b [16]byte) netip.Addr {
 	if v6 {
-		return words6Addr(w)
+		return netip.AddrFrom16(b)
 	}
-	return word4Addr(w[0])
+	return netip.AddrFrom4([4]byte(b[:4]))
 }
 
 // htons converts a port to the native value of its network-order bytes.

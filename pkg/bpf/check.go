@@ -95,10 +95,10 @@ func (d *Datapath) walkTries(budget int) (map[*trie]bool, error) {
 					c.first = e.prefix
 				}
 				c.walked++
-				if want, ok := t.held[e.prefix]; ok && e.slot == want {
+				if want, ok := t.held[e.prefix]; ok && e.slot == want && e.action == t.action {
 					c.matched++
 				} else {
-					changed[t] = true // added, or its slot changed
+					changed[t] = true // added, or its slot or action changed
 				}
 			}
 			budget -= len(entries)

@@ -48,14 +48,14 @@ func TestCheckPolicy(t *testing.T) {
 	repair()
 
 	// An entry added.
-	if err := h.dp.objs.MasqV6.Put(lpmKey(netip.MustParsePrefix("2001:db8::/32")), &masqLpmVal{Slot: 1}); err != nil {
+	if err := h.dp.objs.MasqV6.Put(lpmKey(netip.MustParsePrefix("2001:db8::/32")), &masqLpm6Val{Slot: 1, Action: masqActionACTION_MASQUERADE}); err != nil {
 		t.Fatal(err)
 	}
 	check(masqMapMasqV6)
 	repair()
 
 	// An entry's slot changed, and nat_config's outbound rule.
-	if err := h.dp.objs.NomasqV4.Put(lpmKey(tenSlash8), &masqLpmVal{Slot: 4000}); err != nil {
+	if err := h.dp.objs.NomasqV4.Put(lpmKey(tenSlash8), &masqLpm4Val{Slot: 4000}); err != nil {
 		t.Fatal(err)
 	}
 	var cfg masqNatConfig
@@ -134,8 +134,8 @@ func TestTrieWalkByKey(t *testing.T) {
 		}
 		return all
 	}
-	batched := read(lpmOps[masqLpm4Key]{}.walk(h.dp.objs.NomasqV4), 64)
-	byKey := read(&lpmWalk[masqLpm4Key]{m: h.dp.objs.NomasqV4, byKey: true}, 64)
+	batched := read(lpmOps[masqLpm4Key, masqLpm4Val]{}.walk(h.dp.objs.NomasqV4), 64)
+	byKey := read(&lpmWalk[masqLpm4Key, masqLpm4Val]{m: h.dp.objs.NomasqV4, byKey: true}, 64)
 	if len(batched) != len(h.dp.tries[1].held) || !slices.Equal(batched, byKey) {
 		t.Fatalf("batched walk %d entries, by key %d, the sync wrote %d", len(batched), len(byKey), len(h.dp.tries[1].held))
 	}

@@ -45,7 +45,9 @@ type LoadOptions struct {
 	FragEntries uint32
 	// PinPath, when set, pins every map by name in that directory (on a bpffs) and reuses maps
 	// already pinned there, so an agent restart keeps flows, rules and counters. Reusing fails
-	// with an error wrapping ebpf.ErrMapIncompatible when the pinned maps have other sizes.
+	// with an error wrapping ebpf.ErrMapIncompatible when the pinned maps have other sizes. A
+	// directory that does not exist is made whole, with every map and the layout record, in a
+	// staging directory renamed into place (see LayoutDir for the one the agent uses).
 	PinPath string
 }
 
@@ -202,6 +204,9 @@ func Load(opts LoadOptions) (*Datapath, error) {
 			m.Pinning = ebpf.PinByName
 		}
 		copts.Maps.PinPath = opts.PinPath
+		if err := makePinDir(opts.PinPath, spec); err != nil {
+			return nil, err
+		}
 	}
 	d := &Datapath{opts: opts}
 	if err := spec.LoadAndAssign(&d.objs, &copts); err != nil {
@@ -211,11 +216,47 @@ func Load(opts LoadOptions) (*Datapath, error) {
 		}
 		return nil, fmt.Errorf("load bpf objects: %w", err)
 	}
+	if err := d.objs.Layout.Put(uint32(0), layoutRecord()); err != nil {
+		d.objs.Close()
+		return nil, fmt.Errorf("write the layout record: %w", err)
+	}
 	if err := d.recover(); err != nil {
 		d.objs.Close()
 		return nil, err
 	}
 	return d, nil
+}
+
+// makePinDir makes dir, when it does not exist, with every map of spec pinned in it and the
+// layout record written: in a staging directory renamed into place, so that the directory
+// appears whole or not at all (a staging directory left by a crash is never used).
+func makePinDir(dir string, spec *ebpf.CollectionSpec) error {
+	if _, err := os.Stat(dir); !errors.Is(err, fs.ErrNotExist) {
+		return err // there already (or unreadable)
+	}
+	staging := stagingDir(dir)
+	if err := os.RemoveAll(staging); err != nil {
+		return fmt.Errorf("remove the staging directory of an earlier attempt: %w", err)
+	}
+	if err := os.MkdirAll(staging, 0o700); err != nil {
+		return fmt.Errorf("create pin directory: %w", err)
+	}
+	for name, ms := range spec.Maps {
+		m, err := ebpf.NewMapWithOptions(ms, ebpf.MapOptions{PinPath: staging})
+		if err == nil && name == masqMapLayout {
+			err = m.Put(uint32(0), layoutRecord())
+		}
+		if m != nil {
+			m.Close()
+		}
+		if err != nil {
+			return fmt.Errorf("create map %s: %w", name, err)
+		}
+	}
+	if err := os.Rename(staging, dir); err != nil {
+		return fmt.Errorf("move the new maps' pins into place: %w", err)
+	}
+	return nil
 }
 
 // Close releases the programs and maps (pinned maps stay in the bpffs).
@@ -263,9 +304,28 @@ func (d *Datapath) mapFields() map[string]**ebpf.Map {
 	return out
 }
 
-// eachEntry calls fn with every entry of a map, a syscall per entry: for the small maps (the NAT
-// tables are read in batches, see walkNAT).
+// eachEntry calls fn with every entry of a map without per-CPU values: a batch lookup per few
+// hundred entries where the kernel can (a rule map of 32768 slots is read in a few syscalls),
+// else a syscall per entry.
 func eachEntry[K, V any](m *ebpf.Map, fn func(K, *V)) error {
+	keys, vals := make([]K, entryBatch), make([]V, entryBatch)
+	var cursor ebpf.MapBatchCursor
+	for {
+		n, err := m.BatchLookup(&cursor, keys, vals, nil)
+		if errors.Is(err, ebpf.ErrNotSupported) {
+			break
+		}
+		done := errors.Is(err, ebpf.ErrKeyNotExist)
+		if err != nil && !done {
+			return err
+		}
+		for i := range n {
+			fn(keys[i], &vals[i])
+		}
+		if done {
+			return nil
+		}
+	}
 	var (
 		k K
 		v V
@@ -276,6 +336,9 @@ func eachEntry[K, V any](m *ebpf.Map, fn func(K, *V)) error {
 	}
 	return it.Err()
 }
+
+// entryBatch is how many entries eachEntry reads per syscall.
+const entryBatch = 1024
 
 // OpenPinned opens the maps a datapath pinned in dir (LoadOptions.PinPath), without loading
 // programs and without creating anything: for readers in another process, such as `dump`. It

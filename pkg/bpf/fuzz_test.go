@@ -530,11 +530,11 @@ func (fz *fuzzRun) state() fuzzState {
 	var k6 masqFrag6Key
 	var v masqFragPorts
 	for it := fz.h.dp.objs.FragV4.Iterate(); it.Next(&k4, &v); {
-		s.frag[fragKeyT{Direction(k4.Dir), k4.Proto, word4Addr(k4.Saddr), word4Addr(k4.Daddr), uint32(k4.Id)}] =
+		s.frag[fragKeyT{Direction(k4.Dir), k4.Proto, netip.AddrFrom4(k4.Saddr), netip.AddrFrom4(k4.Daddr), uint32(k4.Id)}] =
 			[2]uint16{ntohs(v.Sport), ntohs(v.Dport)}
 	}
 	for it := fz.h.dp.objs.FragV6.Iterate(); it.Next(&k6, &v); {
-		s.frag[fragKeyT{Direction(k6.Dir), k6.Proto, words6Addr(k6.Saddr), words6Addr(k6.Daddr), k6.Id}] =
+		s.frag[fragKeyT{Direction(k6.Dir), k6.Proto, netip.AddrFrom16(k6.Saddr), netip.AddrFrom16(k6.Daddr), k6.Id}] =
 			[2]uint16{ntohs(v.Sport), ntohs(v.Dport)}
 	}
 	for slot := range fz.h.dp.slots.bySlt {

@@ -470,7 +470,7 @@ func pointsBack(e, p NATEntry) bool {
 }
 
 func translation(e NATEntry) *masqNatEntry {
-	return &masqNatEntry{Addr: addrWords(e.To.Addr()), Port: htons(e.To.Port())}
+	return &masqNatEntry{Addr: addrBytes(e.To.Addr()), Port: htons(e.To.Port())}
 }
 
 // lpmKey is the trie key of a prefix, of its family's layout.

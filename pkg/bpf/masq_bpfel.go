@@ -42,8 +42,8 @@ const (
 
 type masqFrag4Key struct {
 	_     structs.HostLayout
-	Saddr uint32
-	Daddr uint32
+	Saddr [4]uint8
+	Daddr [4]uint8
 	Id    uint16
 	Proto uint8
 	Dir   masqNatDir
@@ -51,8 +51,8 @@ type masqFrag4Key struct {
 
 type masqFrag6Key struct {
 	_     structs.HostLayout
-	Saddr [4]uint32
-	Daddr [4]uint32
+	Saddr [16]uint8
+	Daddr [16]uint8
 	Id    uint32
 	Proto uint8
 	Dir   masqNatDir
@@ -65,27 +65,44 @@ type masqFragPorts struct {
 	Dport uint16
 }
 
+type masqLayout struct {
+	_       structs.HostLayout
+	Magic   [16]int8
+	Version uint32
+}
+
 type masqLpm4Key struct {
 	_         structs.HostLayout
 	Prefixlen uint32
-	Addr      uint32
+	Addr      [4]uint8
+}
+
+type masqLpm4Val struct {
+	_      structs.HostLayout
+	Slot   uint32
+	Action masqAction
+	Pad    [3]uint8
+	Snat   [4]uint8
 }
 
 type masqLpm6Key struct {
 	_         structs.HostLayout
 	Prefixlen uint32
-	Addr      [4]uint32
+	Addr      [16]uint8
 }
 
-type masqLpmVal struct {
-	_    structs.HostLayout
-	Slot uint32
+type masqLpm6Val struct {
+	_      structs.HostLayout
+	Slot   uint32
+	Action masqAction
+	Pad    [3]uint8
+	Snat   [16]uint8
 }
 
 type masqNat4Key struct {
 	_     structs.HostLayout
-	Saddr uint32
-	Daddr uint32
+	Saddr [4]uint8
+	Daddr [4]uint8
 	Sport uint16
 	Dport uint16
 	Proto uint8
@@ -95,8 +112,8 @@ type masqNat4Key struct {
 
 type masqNat6Key struct {
 	_     structs.HostLayout
-	Saddr [4]uint32
-	Daddr [4]uint32
+	Saddr [16]uint8
+	Daddr [16]uint8
 	Sport uint16
 	Dport uint16
 	Proto uint8
@@ -112,6 +129,7 @@ type masqNatConfig struct {
 		Outbound masqAction
 		Pad      [2]uint8
 		OutSlot  uint32
+		Snat     [16]uint8
 	}
 	V6 struct {
 		_        structs.HostLayout
@@ -119,6 +137,7 @@ type masqNatConfig struct {
 		Outbound masqAction
 		Pad      [2]uint8
 		OutSlot  uint32
+		Snat     [16]uint8
 	}
 	RandomFully uint8
 	Nranges     uint8
@@ -140,7 +159,7 @@ const (
 
 type masqNatEntry struct {
 	_        structs.HostLayout
-	Addr     [4]uint32
+	Addr     [16]uint8
 	Port     uint16
 	Kind     masqNatKind
 	Flags    masqNatFlags
@@ -175,7 +194,7 @@ const (
 
 type masqRuleSlot struct {
 	_         structs.HostLayout
-	Addr      [4]uint32
+	Addr      [16]uint8
 	Prefixlen uint8
 	Family    uint8
 	Action    masqAction
@@ -192,8 +211,8 @@ type masqRuleStats struct {
 
 type masqUplink struct {
 	_     structs.HostLayout
-	V4    uint32
-	V6    [4]uint32
+	V4    [4]uint8
+	V6    [16]uint8
 	HasV4 uint8
 	HasV6 uint8
 	Pad   [2]uint8
@@ -213,6 +232,7 @@ const (
 	masqMapFragV4     = "frag_v4"
 	masqMapFragV6     = "frag_v6"
 	masqMapHookSeen   = "hook_seen"
+	masqMapLayout     = "layout"
 	masqMapMasqV4     = "masq_v4"
 	masqMapMasqV6     = "masq_v6"
 	masqMapNatConfig  = "nat_config"
@@ -284,6 +304,7 @@ type masqMapSpecs struct {
 	FragV4     *ebpf.MapSpec `ebpf:"frag_v4"`
 	FragV6     *ebpf.MapSpec `ebpf:"frag_v6"`
 	HookSeen   *ebpf.MapSpec `ebpf:"hook_seen"`
+	Layout     *ebpf.MapSpec `ebpf:"layout"`
 	MasqV4     *ebpf.MapSpec `ebpf:"masq_v4"`
 	MasqV6     *ebpf.MapSpec `ebpf:"masq_v6"`
 	NatConfig  *ebpf.MapSpec `ebpf:"nat_config"`
@@ -329,6 +350,7 @@ type masqMaps struct {
 	FragV4     *ebpf.Map `ebpf:"frag_v4"`
 	FragV6     *ebpf.Map `ebpf:"frag_v6"`
 	HookSeen   *ebpf.Map `ebpf:"hook_seen"`
+	Layout     *ebpf.Map `ebpf:"layout"`
 	MasqV4     *ebpf.Map `ebpf:"masq_v4"`
 	MasqV6     *ebpf.Map `ebpf:"masq_v6"`
 	NatConfig  *ebpf.Map `ebpf:"nat_config"`
@@ -350,6 +372,7 @@ func (m *masqMaps) Close() error {
 		m.FragV4,
 		m.FragV6,
 		m.HookSeen,
+		m.Layout,
 		m.MasqV4,
 		m.MasqV6,
 		m.NatConfig,

@@ -17,13 +17,13 @@ import (
 // calls "points back" are written once for both families (bpf/nat.h has the C side), and a
 // NATEntry is only what decode makes of them.
 
-// natTuple is a NAT key's fields, for either family (IPv4 in src[0] and dst[0]); addresses and
-// ports in network byte order, as the key holds them.
+// natTuple is a NAT key's fields, for either family (IPv4 in the first 4 bytes of src and dst);
+// addresses and ports in network byte order, as the key holds them.
 type natTuple struct {
 	v6           bool
 	dir          Direction
 	proto        uint8
-	src, dst     [4]uint32
+	src, dst     [16]byte
 	sport, dport uint16
 }
 
@@ -36,8 +36,10 @@ type rawNATKey[K any] interface {
 }
 
 func (k masqNat4Key) tuple() natTuple {
-	return natTuple{dir: Direction(k.Dir), proto: k.Proto, src: [4]uint32{k.Saddr}, dst: [4]uint32{k.Daddr},
-		sport: k.Sport, dport: k.Dport}
+	t := natTuple{dir: Direction(k.Dir), proto: k.Proto, sport: k.Sport, dport: k.Dport}
+	copy(t.src[:], k.Saddr[:])
+	copy(t.dst[:], k.Daddr[:])
+	return t
 }
 
 func (k masqNat6Key) tuple() natTuple {
@@ -46,7 +48,7 @@ func (k masqNat6Key) tuple() natTuple {
 }
 
 func (masqNat4Key) withTuple(t natTuple) masqNat4Key {
-	return masqNat4Key{Saddr: t.src[0], Daddr: t.dst[0], Sport: t.sport, Dport: t.dport, Proto: t.proto, Dir: masqNatDir(t.dir)}
+	return masqNat4Key{Saddr: [4]byte(t.src[:4]), Daddr: [4]byte(t.dst[:4]), Sport: t.sport, Dport: t.dport, Proto: t.proto, Dir: masqNatDir(t.dir)}
 }
 
 func (masqNat6Key) withTuple(t natTuple) masqNat6Key {
@@ -55,7 +57,7 @@ func (masqNat6Key) withTuple(t natTuple) masqNat6Key {
 
 // keyTuple is the tuple of an entry's key (dir, proto, src, dst).
 func keyTuple(dir Direction, proto uint8, src, dst netip.AddrPort) natTuple {
-	return natTuple{v6: !src.Addr().Is4(), dir: dir, proto: proto, src: addrWords(src.Addr()), dst: addrWords(dst.Addr()),
+	return natTuple{v6: !src.Addr().Is4(), dir: dir, proto: proto, src: addrBytes(src.Addr()), dst: addrBytes(dst.Addr()),
 		sport: htons(src.Port()), dport: htons(dst.Port())}
 }
 
@@ -76,9 +78,9 @@ func natKey(dir Direction, proto uint8, src, dst netip.AddrPort) any {
 func (t natTuple) decode(v *masqNatEntry) NATEntry {
 	return NATEntry{
 		Dir: t.dir, Proto: t.proto,
-		Src:  netip.AddrPortFrom(wordsAddr(t.v6, t.src), ntohs(t.sport)),
-		Dst:  netip.AddrPortFrom(wordsAddr(t.v6, t.dst), ntohs(t.dport)),
-		To:   netip.AddrPortFrom(wordsAddr(t.v6, v.Addr), ntohs(v.Port)),
+		Src:  netip.AddrPortFrom(bytesAddr(t.v6, t.src), ntohs(t.sport)),
+		Dst:  netip.AddrPortFrom(bytesAddr(t.v6, t.dst), ntohs(t.dport)),
+		To:   netip.AddrPortFrom(bytesAddr(t.v6, v.Addr), ntohs(v.Port)),
 		Kind: Kind(v.Kind), Flags: Flags(v.Flags), Slot: v.Slot,
 		LastSeen: time.Duration(v.LastSeen),
 	}
@@ -107,7 +109,7 @@ func (t natTuple) pointedBy(pv *masqNatEntry) bool {
 		addr, port = t.dst, t.dport
 	}
 	if !t.v6 {
-		return pv.Addr[0] == addr[0] && pv.Port == port
+		return [4]byte(pv.Addr[:4]) == [4]byte(addr[:4]) && pv.Port == port
 	}
 	return pv.Addr == addr && pv.Port == port
 }

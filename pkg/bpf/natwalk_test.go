@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"bytes"
 	"cmp"
 	"slices"
 	"testing"
@@ -82,7 +83,7 @@ func TestWalkNATByKey(t *testing.T) {
 		return keys, calls
 	}
 	less := func(a, b masqNat4Key) int {
-		return cmp.Or(cmp.Compare(a.Saddr, b.Saddr), cmp.Compare(a.Daddr, b.Daddr), cmp.Compare(a.Sport, b.Sport),
+		return cmp.Or(bytes.Compare(a.Saddr[:], b.Saddr[:]), bytes.Compare(a.Daddr[:], b.Daddr[:]), cmp.Compare(a.Sport, b.Sport),
 			cmp.Compare(a.Dport, b.Dport), cmp.Compare(a.Dir, b.Dir))
 	}
 	batched, _ := collect(func(fn func([]masqNat4Key, []masqNatEntry, int) bool) error {

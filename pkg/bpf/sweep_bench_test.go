@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 )
 
@@ -13,30 +14,36 @@ import (
 // from pod4(i>>14) to the 32768 ports of remoteN(i/32768), so every port claim is unique.
 func fillFlows(tb testing.TB, d *Datapath, from, n int, lastSeen time.Duration) {
 	tb.Helper()
+	fillFlowsAs(tb, d.objs.NatV4, from, n, lastSeen, func(e masqNatEntry) masqNatEntry { return e })
+}
+
+// fillFlowsAs is fillFlows into any IPv4 NAT table, whose entries enc makes of this layout's.
+func fillFlowsAs[V any](tb testing.TB, m *ebpf.Map, from, n int, lastSeen time.Duration, enc func(masqNatEntry) V) {
+	tb.Helper()
 	const chunk = 8192
 	keys := make([]masqNat4Key, 0, 2*chunk)
-	vals := make([]masqNatEntry, 0, 2*chunk)
+	vals := make([]V, 0, 2*chunk)
 	flush := func() {
 		if len(keys) == 0 {
 			return
 		}
-		if _, err := d.objs.NatV4.BatchUpdate(keys, vals, nil); err != nil {
+		if _, err := m.BatchUpdate(keys, vals, nil); err != nil {
 			tb.Fatalf("fill the NAT table: %v", err)
 		}
 		keys, vals = keys[:0], vals[:0]
 	}
-	snat := addr4Word(snat4)
+	snat := snat4.As4()
 	for i := from; i < from+n; i++ {
-		podAddr, remote := addr4Word(pod4(i>>14)), addr4Word(remoteN(i/32768))
+		podAddr, remote := pod4(i>>14).As4(), remoteN(i/32768).As4()
 		sport, natPort := htons(uint16(1024+i&0x3fff)), htons(uint16(32768+i%32768))
 		keys = append(keys,
 			masqNat4Key{Saddr: podAddr, Daddr: remote, Sport: sport, Dport: htons(53), Proto: unix.IPPROTO_UDP, Dir: masqNatDir(Egress)},
 			masqNat4Key{Saddr: remote, Daddr: snat, Sport: htons(53), Dport: natPort, Proto: unix.IPPROTO_UDP, Dir: masqNatDir(Ingress)})
 		vals = append(vals,
-			masqNatEntry{Addr: [4]uint32{snat}, Port: natPort, Kind: masqNatKind(KindMasq), Flags: masqNatFlags(FlagSeen),
-				LastSeen: uint64(lastSeen)},
-			masqNatEntry{Addr: [4]uint32{podAddr}, Port: sport, Kind: masqNatKind(KindMasq), Slot: noSlot,
-				LastSeen: uint64(lastSeen)})
+			enc(masqNatEntry{Addr: addrBytes(snat4), Port: natPort, Kind: masqNatKind(KindMasq), Flags: masqNatFlags(FlagSeen),
+				LastSeen: uint64(lastSeen)}),
+			enc(masqNatEntry{Addr: addrBytes(pod4(i >> 14)), Port: sport, Kind: masqNatKind(KindMasq), Slot: noSlot,
+				LastSeen: uint64(lastSeen)}))
 		if len(keys) == cap(keys) {
 			flush()
 		}

@@ -34,7 +34,7 @@ var originCodes = map[policy.Origin]masqRuleOrigin{
 
 func (k slotKey) value() masqRuleSlot {
 	return masqRuleSlot{
-		Addr: addrWords(k.prefix.Addr()), Prefixlen: uint8(k.prefix.Bits()), Family: uint8(k.family),
+		Addr: addrBytes(k.prefix.Addr()), Prefixlen: uint8(k.prefix.Bits()), Family: uint8(k.family),
 		Action: masqAction(k.action), Origin: originCodes[k.origin], Dup: k.dup,
 	}
 }
@@ -44,7 +44,7 @@ func slotKeyOf(v masqRuleSlot) (slotKey, bool) {
 	if fam != policy.IPv4 && fam != policy.IPv6 {
 		return slotKey{}, false
 	}
-	addr := wordsAddr(fam == policy.IPv6, v.Addr)
+	addr := bytesAddr(fam == policy.IPv6, v.Addr)
 	prefix, err := addr.Prefix(int(v.Prefixlen))
 	if err != nil {
 		return slotKey{}, false

@@ -128,17 +128,18 @@ func TestSyncTries(t *testing.T) {
 		pl, _ := makePlan(p)
 		for _, tr := range h.dp.tries {
 			name := tr.name
-			got := map[netip.Prefix]uint32{}
-			if err := tr.ops.read(tr.m, got); err != nil { // the map itself, not the mirror
+			got := map[netip.Prefix]trieValue{}
+			// The map itself, not the mirror.
+			if err := tr.ops.read(tr.m, func(p trieKey, v trieValue) { got[p] = v }); err != nil {
 				t.Fatal(err)
 			}
 			if len(got) != len(pl.tries[tr.trieKind]) {
 				t.Fatalf("policy %d: %s holds %d entries, want %d: %v", i, name, len(got), len(pl.tries[tr.trieKind]), got)
 			}
 			for prefix, idx := range pl.tries[tr.trieKind] {
-				want := h.dp.syncedSlot[pl.rules[idx]]
-				if s, ok := got[prefix]; !ok || s != want {
-					t.Fatalf("policy %d: %s[%s] = %d (present %v), want slot %d", i, name, prefix, s, ok, want)
+				want := trieValue{action: tr.action, slot: h.dp.syncedSlot[pl.rules[idx]]}
+				if v, ok := got[prefix]; !ok || v != want {
+					t.Fatalf("policy %d: %s[%s] = %+v (present %v), want %+v", i, name, prefix, v, ok, want)
 				}
 			}
 		}

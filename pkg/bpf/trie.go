@@ -26,15 +26,23 @@ type trie struct {
 	name string
 	m    *ebpf.Map
 	ops  trieOps
-	// held mirrors the map (prefix -> slot), so that a sync writes only the difference.
+	// held mirrors the map (prefix -> slot of the entries that hold the trie's action), so that
+	// a sync writes only the difference.
 	held map[trieKey]uint32
+}
+
+// trieValue is what a trie entry holds: the verdict, and the counter slot of the rule that
+// decides it. (The C value's snat address is reserved: written zero, never read.)
+type trieValue struct {
+	action policy.Action
+	slot   uint32
 }
 
 // newTries lists the tries of the loaded maps, in the order CheckPolicy reports them, with
 // empty mirrors.
 func (d *Datapath) newTries() []*trie {
 	o := &d.objs
-	v4, v6 := lpmOps[masqLpm4Key]{}, lpmOps[masqLpm6Key]{}
+	v4, v6 := lpmOps[masqLpm4Key, masqLpm4Val]{}, lpmOps[masqLpm6Key, masqLpm6Val]{}
 	return []*trie{
 		{trieKind{policy.IPv4, policy.Masquerade}, masqMapMasqV4, o.MasqV4, v4, map[trieKey]uint32{}},
 		{trieKind{policy.IPv4, policy.Return}, masqMapNomasqV4, o.NomasqV4, v4, map[trieKey]uint32{}},
@@ -43,23 +51,30 @@ func (d *Datapath) newTries() []*trie {
 	}
 }
 
-// read replaces the mirror with what the map holds.
+// read replaces the mirror with what the map holds. An entry with another action than the
+// trie's is left out of it, so that the next sync writes it again.
 func (t *trie) read() error {
 	t.held = map[trieKey]uint32{}
-	if err := t.ops.read(t.m, t.held); err != nil {
+	err := t.ops.read(t.m, func(p trieKey, v trieValue) {
+		if v.action == t.action {
+			t.held[p] = v.slot
+		}
+	})
+	if err != nil {
 		return fmt.Errorf("read %s: %w", t.name, err)
 	}
 	return nil
 }
 
-// put writes prefixes with their slots, a batch at a time where the kernel can.
+// put writes prefixes with the trie's action and their slots, a batch at a time where the
+// kernel can.
 func (t *trie) put(prefixes []trieKey, slots map[trieKey]uint32) error {
 	if len(prefixes) == 0 {
 		return nil
 	}
-	vals := make([]masqLpmVal, len(prefixes))
+	vals := make([]trieValue, len(prefixes))
 	for i, p := range prefixes {
-		vals[i].Slot = slots[p]
+		vals[i] = trieValue{action: t.action, slot: slots[p]}
 	}
 	if err := t.ops.put(t.m, prefixes, vals); err != nil {
 		return fmt.Errorf("write %s: %w", t.name, err)
@@ -85,10 +100,11 @@ func (t *trie) delete(prefixes []trieKey) error {
 	return nil
 }
 
-// trieOps are the map operations of one key layout (masqLpm4Key, masqLpm6Key).
+// trieOps are the map operations of one family's layout (masqLpm4Key and masqLpm4Val, or the
+// IPv6 ones).
 type trieOps interface {
-	read(m *ebpf.Map, into map[trieKey]uint32) error
-	put(m *ebpf.Map, prefixes []trieKey, vals []masqLpmVal) error
+	read(m *ebpf.Map, fn func(trieKey, trieValue)) error
+	put(m *ebpf.Map, prefixes []trieKey, vals []trieValue) error
 	delete(m *ebpf.Map, prefixes []trieKey) error
 	// walk starts a walk of the map's entries in key order (see trieWalk).
 	walk(m *ebpf.Map) trieWalk
@@ -97,7 +113,7 @@ type trieOps interface {
 // trieEntry is an entry as a trie holds it.
 type trieEntry struct {
 	prefix trieKey
-	slot   uint32
+	trieValue
 }
 
 // trieWalk reads a trie's entries in key order, some at a time, across calls: next returns up
@@ -115,25 +131,43 @@ type rawLPMKey[K any] interface {
 }
 
 func (k masqLpm4Key) prefix() trieKey {
-	return netip.PrefixFrom(word4Addr(k.Addr), int(k.Prefixlen))
+	return netip.PrefixFrom(netip.AddrFrom4(k.Addr), int(k.Prefixlen))
 }
 
 func (k masqLpm6Key) prefix() trieKey {
-	return netip.PrefixFrom(words6Addr(k.Addr), int(k.Prefixlen))
+	return netip.PrefixFrom(netip.AddrFrom16(k.Addr), int(k.Prefixlen))
 }
 
 func (masqLpm4Key) withPrefix(p trieKey) masqLpm4Key {
-	return masqLpm4Key{Prefixlen: uint32(p.Bits()), Addr: addr4Word(p.Addr())}
+	return masqLpm4Key{Prefixlen: uint32(p.Bits()), Addr: p.Addr().As4()}
 }
 
 func (masqLpm6Key) withPrefix(p trieKey) masqLpm6Key {
-	return masqLpm6Key{Prefixlen: uint32(p.Bits()), Addr: addr6Words(p.Addr())}
+	return masqLpm6Key{Prefixlen: uint32(p.Bits()), Addr: p.Addr().As16()}
 }
 
-// lpmOps implements trieOps for the key layout K.
-type lpmOps[K rawLPMKey[K]] struct{}
+// rawLPMVal is an LPM trie value as the map holds it.
+type rawLPMVal[V any] interface {
+	value() trieValue
+	// withValue is the value of this layout holding v (the receiver's fields are not used).
+	withValue(v trieValue) V
+}
 
-func (lpmOps[K]) keys(prefixes []trieKey) []K {
+func (v masqLpm4Val) value() trieValue { return trieValue{policy.Action(v.Action), v.Slot} }
+func (v masqLpm6Val) value() trieValue { return trieValue{policy.Action(v.Action), v.Slot} }
+
+func (masqLpm4Val) withValue(v trieValue) masqLpm4Val {
+	return masqLpm4Val{Slot: v.slot, Action: masqAction(v.action)}
+}
+
+func (masqLpm6Val) withValue(v trieValue) masqLpm6Val {
+	return masqLpm6Val{Slot: v.slot, Action: masqAction(v.action)}
+}
+
+// lpmOps implements trieOps for the key layout K and value layout V.
+type lpmOps[K rawLPMKey[K], V rawLPMVal[V]] struct{}
+
+func (lpmOps[K, V]) keys(prefixes []trieKey) []K {
 	var zero K
 	keys := make([]K, len(prefixes))
 	for i, p := range prefixes {
@@ -142,12 +176,17 @@ func (lpmOps[K]) keys(prefixes []trieKey) []K {
 	return keys
 }
 
-func (lpmOps[K]) read(m *ebpf.Map, into map[trieKey]uint32) error {
-	return eachEntry(m, func(k K, v *masqLpmVal) { into[k.prefix()] = v.Slot })
+func (lpmOps[K, V]) read(m *ebpf.Map, fn func(trieKey, trieValue)) error {
+	return eachEntry(m, func(k K, v *V) { fn(k.prefix(), (*v).value()) })
 }
 
-func (o lpmOps[K]) put(m *ebpf.Map, prefixes []trieKey, vals []masqLpmVal) error {
+func (o lpmOps[K, V]) put(m *ebpf.Map, prefixes []trieKey, tvals []trieValue) error {
 	keys := o.keys(prefixes)
+	var zero V
+	vals := make([]V, len(tvals))
+	for i, v := range tvals {
+		vals[i] = zero.withValue(v)
+	}
 	_, err := m.BatchUpdate(keys, vals, nil)
 	if !errors.Is(err, ebpf.ErrNotSupported) {
 		return err
@@ -160,7 +199,7 @@ func (o lpmOps[K]) put(m *ebpf.Map, prefixes []trieKey, vals []masqLpmVal) error
 	return nil
 }
 
-func (o lpmOps[K]) delete(m *ebpf.Map, prefixes []trieKey) error {
+func (o lpmOps[K, V]) delete(m *ebpf.Map, prefixes []trieKey) error {
 	keys := o.keys(prefixes)
 	_, err := m.BatchDelete(keys, nil)
 	if !errors.Is(err, ebpf.ErrNotSupported) {
@@ -174,22 +213,22 @@ func (o lpmOps[K]) delete(m *ebpf.Map, prefixes []trieKey) error {
 	return nil
 }
 
-func (lpmOps[K]) walk(m *ebpf.Map) trieWalk { return &lpmWalk[K]{m: m} }
+func (lpmOps[K, V]) walk(m *ebpf.Map) trieWalk { return &lpmWalk[K, V]{m: m} }
 
 // lpmWalk implements trieWalk with batch lookups (a syscall per call), or on kernels without
 // them, a key and a lookup per entry.
-type lpmWalk[K rawLPMKey[K]] struct {
+type lpmWalk[K rawLPMKey[K], V rawLPMVal[V]] struct {
 	m      *ebpf.Map
 	cursor ebpf.MapBatchCursor
 	byKey  bool
 	last   *K // the key read last, when walking by key
 	keys   []K
-	vals   []masqLpmVal
+	vals   []V
 }
 
-func (w *lpmWalk[K]) next(max int) ([]trieEntry, bool, error) {
+func (w *lpmWalk[K, V]) next(max int) ([]trieEntry, bool, error) {
 	if len(w.keys) < max {
-		w.keys, w.vals = make([]K, max), make([]masqLpmVal, max)
+		w.keys, w.vals = make([]K, max), make([]V, max)
 	}
 	keys, vals := w.keys[:max], w.vals[:max]
 	n, done := 0, false
@@ -230,7 +269,7 @@ func (w *lpmWalk[K]) next(max int) ([]trieEntry, bool, error) {
 	}
 	entries := make([]trieEntry, n)
 	for i := range n {
-		entries[i] = trieEntry{keys[i].prefix(), vals[i].Slot}
+		entries[i] = trieEntry{keys[i].prefix(), vals[i].value()}
 	}
 	return entries, done || n == 0, nil
 }

@@ -38,10 +38,10 @@ func MACOf(hw net.HardwareAddr) MAC {
 func uplinkValue(u Uplink) masqUplink {
 	var v masqUplink
 	if u.IPv4.IsValid() {
-		v.V4, v.HasV4 = addr4Word(u.IPv4.Unmap()), 1
+		v.V4, v.HasV4 = u.IPv4.Unmap().As4(), 1
 	}
 	if u.IPv6.IsValid() {
-		v.V6, v.HasV6 = addr6Words(u.IPv6), 1
+		v.V6, v.HasV6 = u.IPv6.As16(), 1
 	}
 	return v
 }
@@ -49,10 +49,10 @@ func uplinkValue(u Uplink) masqUplink {
 func uplinkOf(v *masqUplink) Uplink {
 	var u Uplink
 	if v.HasV4 != 0 {
-		u.IPv4 = word4Addr(v.V4)
+		u.IPv4 = netip.AddrFrom4(v.V4)
 	}
 	if v.HasV6 != 0 {
-		u.IPv6 = words6Addr(v.V6)
+		u.IPv6 = netip.AddrFrom16(v.V6)
 	}
 	return u
 }

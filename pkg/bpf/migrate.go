@@ -1,0 +1,593 @@
+package bpf
+
+import (
+	"cmp"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"maps"
+	"path/filepath"
+	"reflect"
+	"slices"
+	"time"
+	"unsafe"
+
+	"github.com/cilium/ebpf"
+)
+
+// A migration carries what the maps of older layouts hold into this build's (layout.go says
+// which maps and how), in passes around the moment the caller swaps the programs:
+//
+//  1. Migrate, before the swap, while the old programs still run: every carried entry, so that
+//     the new programs find every flow, slot, counter and uplink from their first packet.
+//  2. CatchUp, right before the swap: the flows and fragments the old programs made or touched
+//     during the first pass (which reads a large table for a fraction of a second), so that
+//     what the new programs miss at the swap is only what the old ones did during this pass.
+//  3. Finish, once the new programs run on every device: what the old programs did since
+//     (flows, fragments, counts), then the old pins go.
+//
+// A flow merged into a table that holds it already keeps the entry seen last (its flags
+// combined when both were seen within the same second); an entry of another flow under the same
+// key gives way to the one merged, and its other half goes with it. Merging again is harmless,
+// so a migration interrupted anywhere (the agent killed) is simply done again by the next agent.
+
+// refreshInterval is how much older than the time a packet touched it a NAT entry's last_seen
+// can be (C: REFRESH_NS): an entry touched since a moment has a last_seen no older than that
+// moment minus this.
+const refreshInterval = time.Second
+
+// Migration is a migration whose first pass is done (Datapath.Migrate).
+type Migration struct {
+	sources []*source
+	// since: the entries the old programs touched from then on are carried again by the next
+	// pass.
+	since time.Duration
+	// Entries counts, by map, the entries carried into this build's maps (of arrays, those that
+	// are not all zero).
+	Entries map[string]int
+}
+
+// source is a Source with its carried maps open.
+type source struct {
+	Source
+	open map[string]*ebpf.Map
+	// counters holds what the counters of each carryCounters map were at the first pass (by
+	// key, per CPU, in this build's layout): Finish adds what they grew by since.
+	counters map[string]map[uint32][][]byte
+	// slots is the source's slot table, for rule counters.
+	slots map[uint32]slotKey
+}
+
+// Sources returns the sources the migration reads.
+func (m *Migration) Sources() []Source {
+	out := make([]Source, len(m.sources))
+	for i, s := range m.sources {
+		out[i] = s.Source
+	}
+	return out
+}
+
+// Migrate carries the entries of srcs (Inspect's Pins.Sources, in that order) into d's maps:
+// the first pass of a migration. Call it before d's programs replace the old ones, and Finish
+// once they have. Nothing is written to the sources.
+func (d *Datapath) Migrate(srcs []Source) (*Migration, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	m := &Migration{since: MonotonicNow() - refreshInterval, Entries: map[string]int{}}
+	fresh, err := d.natEmpty()
+	if err != nil {
+		return nil, err
+	}
+	for _, s := range srcs {
+		src, err := openSource(s)
+		if err != nil {
+			m.close()
+			return nil, err
+		}
+		m.sources = append(m.sources, src)
+		if err := m.carry(d, src, passFirst, fresh); err != nil {
+			m.close()
+			return nil, fmt.Errorf("migrate from %s: %w", s, err)
+		}
+		fresh = false
+	}
+	// The slot assignment is the one the sources left; the tries start empty.
+	if err := d.recover(); err != nil {
+		m.close()
+		return nil, err
+	}
+	return m, nil
+}
+
+// CatchUp carries the flows and fragments the old programs made or touched since the last pass:
+// call it right before the swap. d is the datapath in use (see Finish).
+func (m *Migration) CatchUp(d *Datapath) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return m.pass(d, passCatchUp)
+}
+
+// Finish, once d's programs run wherever the old ones did, carries what the old programs did
+// since the last pass, and removes the sources' pins. d is the datapath now in use (it may be
+// another than Migrate's, over the same pins, after the rule maps grew). On error nothing is
+// removed, and Finish may be called again.
+func (m *Migration) Finish(d *Datapath) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := m.pass(d, passFinal); err != nil {
+		return err
+	}
+	for _, src := range m.sources {
+		if err := src.remove(); err != nil {
+			return err
+		}
+	}
+	m.close()
+	return nil
+}
+
+// pass runs a pass after the first over every source; the next pass starts where it did.
+func (m *Migration) pass(d *Datapath, p pass) error {
+	next := MonotonicNow() - refreshInterval
+	for _, src := range m.sources {
+		if err := m.carry(d, src, p, false); err != nil {
+			return fmt.Errorf("migrate from %s: %w", src.Source, err)
+		}
+	}
+	m.since = next
+	return nil
+}
+
+func (m *Migration) close() {
+	for _, src := range m.sources {
+		for _, mp := range src.open {
+			mp.Close()
+		}
+	}
+}
+
+func openSource(s Source) (*source, error) {
+	src := &source{Source: s, open: map[string]*ebpf.Map{}, counters: map[string]map[uint32][][]byte{}}
+	for name := range s.layouts {
+		if carried[name] == 0 {
+			continue
+		}
+		mp, err := ebpf.LoadPinnedMap(filepath.Join(s.Dir, name), &ebpf.LoadPinOptions{ReadOnly: true})
+		if err != nil {
+			for _, o := range src.open {
+				o.Close()
+			}
+			return nil, fmt.Errorf("open %s of %s: %w", name, s, err)
+		}
+		src.open[name] = mp
+	}
+	return src, nil
+}
+
+// pass is one of a migration's passes.
+type pass int
+
+const (
+	passFirst   pass = iota // Migrate: everything carried
+	passCatchUp             // CatchUp: flows and fragments since the last pass
+	passFinal               // Finish: and the counters' growth since the first pass
+)
+
+// carryOrder is the order maps are carried in: the slot assignment before the flows that name
+// slots.
+var carryOrder = []carry{carryOnce, carryCounters, carryEntries, carryFlows}
+
+// carry carries one source into d in pass p. fresh tells that d's NAT tables were empty before
+// the first pass (a layout directory just made).
+func (m *Migration) carry(d *Datapath, src *source, p pass, fresh bool) error {
+	targets := d.Maps()
+	for _, kind := range carryOrder {
+		for _, name := range slices.Sorted(maps.Keys(src.open)) {
+			if carried[name] != kind {
+				continue
+			}
+			mp, dst, from := src.open[name], targets[name], src.layouts[name]
+			n, err := 0, error(nil)
+			switch {
+			case kind == carryOnce && p != passFirst, kind == carryCounters && p == passCatchUp:
+			case kind == carryOnce && name == masqMapRuleSlots:
+				n, err = d.carrySlots(src, mp, from, fresh)
+			case kind == carryOnce, kind == carryEntries:
+				n, err = copyEntries(mp, dst, name, from)
+			case kind == carryCounters:
+				n, err = d.carryCounters(src, mp, dst, name, from, p == passFinal)
+			case kind == carryFlows:
+				since := time.Duration(0)
+				if p != passFirst {
+					since = m.since
+				}
+				n, err = d.natTableByName(name).carry(mp, name, from, fresh && p == passFirst, since)
+			}
+			if err != nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			m.Entries[name] += n
+		}
+	}
+	return nil
+}
+
+// copyEntries writes every entry of src (of layout from) into dst, converted: what dst held
+// under the same keys is replaced, the rest kept.
+func copyEntries(src, dst *ebpf.Map, name string, from int) (int, error) {
+	n := 0
+	err := walkRaw(src, func(k, v []byte) error {
+		k, v = upgrade(name, from, k, v)
+		if err := dst.Put(k, v); err != nil {
+			return err
+		}
+		if nonZero(v) {
+			n++
+		}
+		return nil
+	})
+	return n, err
+}
+
+// carrySlots makes d's slot assignment the source's: slots d assigned that the source does not
+// are freed. When d's maps held flows already (a migration done before, or the maps of an agent
+// of this layout before a rollback), the flows that name a slot are renamed to the slot their
+// rule has in the source's assignment, or to none where the source has no such rule, so that
+// they keep counting into their rule.
+func (d *Datapath) carrySlots(src *source, mp *ebpf.Map, from int, fresh bool) (int, error) {
+	src.slots = map[uint32]slotKey{}
+	var values []masqRuleSlot
+	var keys []uint32
+	err := walkRaw(mp, func(k, v []byte) error {
+		k, v = upgrade(masqMapRuleSlots, from, k, v)
+		slot, val := binary.NativeEndian.Uint32(k), fromBytes[masqRuleSlot](v)
+		if sk, ok := slotKeyOf(val); ok {
+			src.slots[slot] = sk
+			keys, values = append(keys, slot), append(values, val)
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, err
+	}
+	if max := d.objs.RuleSlots.MaxEntries(); len(keys) > 0 && slices.Max(keys) >= max {
+		return 0, fmt.Errorf("slot %d does not fit in %d rule slots", slices.Max(keys), max)
+	}
+	old, err := d.readSlots()
+	if err != nil {
+		return 0, err
+	}
+	bySlotKey := map[slotKey]uint32{}
+	for s, k := range src.slots {
+		bySlotKey[k] = s
+	}
+	rename := map[uint32]uint32{}
+	var gone []uint32
+	for s, k := range old {
+		to, ok := bySlotKey[k]
+		if !ok {
+			to = noSlot
+		}
+		if to != s {
+			rename[s] = to
+		}
+		if _, kept := src.slots[s]; !kept {
+			gone = append(gone, s)
+		}
+	}
+	if err := putArray(d.objs.RuleSlots, gone, make([]masqRuleSlot, len(gone))); err != nil {
+		return 0, err
+	}
+	if err := putArray(d.objs.RuleSlots, keys, values); err != nil {
+		return 0, err
+	}
+	if !fresh && len(rename) > 0 {
+		for _, name := range []string{masqMapNatV4, masqMapNatV6} {
+			if err := d.natTableByName(name).renameSlots(rename); err != nil {
+				return 0, err
+			}
+		}
+	}
+	return len(keys), nil
+}
+
+// readSlots reads d's slot assignment from rule_slots.
+func (d *Datapath) readSlots() (map[uint32]slotKey, error) {
+	out := map[uint32]slotKey{}
+	err := eachEntry(d.objs.RuleSlots, func(s uint32, v *masqRuleSlot) {
+		if k, ok := slotKeyOf(*v); ok {
+			out[s] = k
+		}
+	})
+	return out, err
+}
+
+// carryCounters, in the first pass, sets d's counters to the source's and remembers them; after
+// the swap, it adds what the source's counters grew by since: for rule counters, to the slots
+// whose rule is the one the source's slot counted. Rule counters are read for the slots the
+// source assigned only (a free slot's are zeroed when it is assigned), a lookup each.
+func (d *Datapath) carryCounters(src *source, mp, dst *ebpf.Map, name string, from int, after bool) (int, error) {
+	var keys []uint32
+	if name == masqMapRuleStats {
+		keys = slices.Sorted(maps.Keys(src.slots))
+	} else {
+		for k := range min(mp.MaxEntries(), dst.MaxEntries()) {
+			keys = append(keys, k)
+		}
+	}
+	var dstSlots map[uint32]slotKey
+	if after && name == masqMapRuleStats {
+		var err error
+		if dstSlots, err = d.readSlots(); err != nil {
+			return 0, err
+		}
+	}
+	if !after {
+		src.counters[name] = map[uint32][][]byte{}
+	}
+	seen := src.counters[name]
+	n := 0
+	for _, key := range keys {
+		if key >= dst.MaxEntries() {
+			continue
+		}
+		var vs [][]byte
+		if err := mp.Lookup(key, &vs); err != nil {
+			return n, err
+		}
+		k := binary.NativeEndian.AppendUint32(nil, key)
+		for i := range vs {
+			_, vs[i] = upgrade(name, from, k, vs[i])
+		}
+		if !after {
+			seen[key] = vs
+			if slices.ContainsFunc(vs, nonZero) {
+				n++
+			}
+			if err := dst.Put(key, vs); err != nil {
+				return n, err
+			}
+			continue
+		}
+		if name == masqMapRuleStats && src.slots[key] != dstSlots[key] {
+			continue // the slot holds another rule now, or none
+		}
+		grown, err := addCounters(dst, key, vs, seen[key])
+		if err != nil {
+			return n, err
+		}
+		if grown {
+			n++
+		}
+	}
+	return n, nil
+}
+
+// addCounters adds to dst's per-CPU 64-bit counters at key what now holds beyond before.
+func addCounters(dst *ebpf.Map, key uint32, now, before [][]byte) (bool, error) {
+	var cur [][]byte
+	if err := dst.Lookup(key, &cur); err != nil {
+		return false, err
+	}
+	grown := false
+	for cpu := range min(len(now), len(cur)) {
+		for off := 0; off+8 <= len(now[cpu]); off += 8 {
+			delta := binary.NativeEndian.Uint64(now[cpu][off:])
+			if before != nil {
+				delta -= binary.NativeEndian.Uint64(before[cpu][off:])
+			}
+			if delta != 0 {
+				grown = true
+				binary.NativeEndian.PutUint64(cur[cpu][off:], binary.NativeEndian.Uint64(cur[cpu][off:])+delta)
+			}
+		}
+	}
+	if !grown {
+		return false, nil
+	}
+	return true, dst.Put(key, cur)
+}
+
+// natEmpty tells whether both NAT tables are empty.
+func (d *Datapath) natEmpty() (bool, error) {
+	for _, m := range []*ebpf.Map{d.objs.NatV4, d.objs.NatV6} {
+		var k []byte
+		err := m.NextKey(nil, &k)
+		if err == nil {
+			return false, nil
+		}
+		if !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return false, err
+		}
+	}
+	return true, nil
+}
+
+func (d *Datapath) natTableByName(name string) natMigrator {
+	if name == masqMapNatV6 {
+		return natTableOf[masqNat6Key]{d.objs.NatV6}
+	}
+	return natTableOf[masqNat4Key]{d.objs.NatV4}
+}
+
+// natMigrator is what a migration does with one NAT table.
+type natMigrator interface {
+	// carry merges the entries of src (of layout from) whose last_seen is at least since; fast
+	// writes them in batches without merging (the table is empty and no program writes it).
+	carry(src *ebpf.Map, name string, from int, fast bool, since time.Duration) (int, error)
+	renameSlots(rename map[uint32]uint32) error
+}
+
+func (t natTableOf[K]) carry(src *ebpf.Map, name string, from int, fast bool, since time.Duration) (int, error) {
+	keys, vals := make([]K, 0, natBatch), make([]masqNatEntry, 0, natBatch)
+	n := 0
+	flush := func() error {
+		var err error
+		if fast {
+			err = t.putBatch(keys, vals)
+		} else {
+			err = t.merge(keys, vals)
+		}
+		n += len(keys)
+		keys, vals = keys[:0], vals[:0]
+		return err
+	}
+	keySize, valSize := int(unsafe.Sizeof(*new(K))), int(unsafe.Sizeof(masqNatEntry{}))
+	err := walkRaw(src, func(k, v []byte) error {
+		k, v = upgrade(name, from, k, v)
+		if len(k) != keySize || len(v) != valSize {
+			return fmt.Errorf("an entry of layout %d became %d+%d bytes, want %d+%d", from, len(k), len(v), keySize, valSize)
+		}
+		val := fromBytes[masqNatEntry](v)
+		if time.Duration(val.LastSeen) < since {
+			return nil
+		}
+		keys, vals = append(keys, fromBytes[K](k)), append(vals, val)
+		if len(keys) == cap(keys) {
+			return flush()
+		}
+		return nil
+	})
+	if err == nil && len(keys) > 0 {
+		err = flush()
+	}
+	return n, err
+}
+
+func (t natTableOf[K]) putBatch(keys []K, vals []masqNatEntry) error {
+	_, err := t.m.BatchUpdate(keys, vals, nil)
+	if !errors.Is(err, ebpf.ErrNotSupported) {
+		return err
+	}
+	for i := range keys {
+		if err := t.m.Put(&keys[i], &vals[i]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// merge writes entries into a table that may hold them already, and that the programs may be
+// changing meanwhile (see the comment at the top).
+func (t natTableOf[K]) merge(keys []K, vals []masqNatEntry) error {
+	for i := range keys {
+		k, v := &keys[i], vals[i]
+		var cur masqNatEntry
+		err := t.m.Lookup(k, &cur)
+		switch {
+		case errors.Is(err, ebpf.ErrKeyNotExist):
+			err = t.m.Update(k, &v, ebpf.UpdateNoExist)
+			if errors.Is(err, ebpf.ErrKeyExist) {
+				err = nil // a packet made it meanwhile: the new programs' entry stands
+			}
+		case err != nil:
+		case cur.Addr == v.Addr && cur.Port == v.Port:
+			if merged := mergeEntry(cur, v); merged != cur {
+				err = t.m.Put(k, &merged)
+			}
+		default:
+			// Another flow's entry under this key: it gives way, with its other half.
+			if pk, _, paired, perr := lookupPartner(t.m, *k, &cur); perr != nil {
+				err = perr
+			} else if paired {
+				if derr := t.m.Delete(&pk); derr != nil && !errors.Is(derr, ebpf.ErrKeyNotExist) {
+					err = derr
+				}
+			}
+			if err == nil {
+				err = t.m.Put(k, &v)
+			}
+		}
+		if err != nil {
+			return fmt.Errorf("merge nat entry: %w", err)
+		}
+	}
+	return nil
+}
+
+// mergeEntry is the entry a table keeps of two of one flow: the one seen last, with both
+// entries' flags when they were seen within the same refresh interval (either may have seen a
+// FIN the other has not).
+func mergeEntry(a, b masqNatEntry) masqNatEntry {
+	if a.LastSeen > b.LastSeen {
+		a, b = b, a
+	}
+	if time.Duration(b.LastSeen-a.LastSeen) < refreshInterval {
+		b.Flags |= a.Flags
+	}
+	return b
+}
+
+// renameSlots renames the counter slots entries name, by rename (old slot -> new one).
+func (t natTableOf[K]) renameSlots(rename map[uint32]uint32) error {
+	var inner error
+	err := t.each(func(k K, v *masqNatEntry) bool {
+		to, ok := rename[v.Slot]
+		if !ok || v.Slot == noSlot {
+			return true
+		}
+		e := *v
+		e.Slot = to
+		if err := t.m.Update(&k, &e, ebpf.UpdateExist); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			inner = err
+			return false
+		}
+		return true
+	})
+	return cmp.Or(inner, err)
+}
+
+func nonZero(b []byte) bool { return slices.ContainsFunc(b, func(c byte) bool { return c != 0 }) }
+
+// fromBytes is the value of type T whose bytes are b (the generated types have the C layout).
+func fromBytes[T any](b []byte) T {
+	var t T
+	copy(unsafe.Slice((*byte)(unsafe.Pointer(&t)), unsafe.Sizeof(t)), b)
+	return t
+}
+
+// rawBatch is a buffer of n entries of size bytes each, as the slice of arrays the library's
+// batch operations take, and its bytes.
+func rawBatch(n, size int) (any, []byte) {
+	v := reflect.MakeSlice(reflect.SliceOf(reflect.ArrayOf(size, reflect.TypeFor[byte]())), n, n)
+	return v.Interface(), unsafe.Slice((*byte)(v.UnsafePointer()), n*size)
+}
+
+// walkRaw calls fn with every entry of a map without per-CPU values, its key and value as bytes
+// valid during the call: a batch lookup at a time where the kernel can (a map of an older
+// layout has no Go types in this build), else key by key.
+func walkRaw(m *ebpf.Map, fn func(key, value []byte) error) error {
+	ks, vs := int(m.KeySize()), int(m.ValueSize())
+	keys, kb := rawBatch(natBatch, ks)
+	vals, vb := rawBatch(natBatch, vs)
+	var cursor ebpf.MapBatchCursor
+	for {
+		n, err := m.BatchLookup(&cursor, keys, vals, nil)
+		if errors.Is(err, ebpf.ErrNotSupported) {
+			return walkRawByKey(m, fn)
+		}
+		done := errors.Is(err, ebpf.ErrKeyNotExist)
+		if err != nil && !done {
+			return err
+		}
+		for i := range n {
+			if err := fn(kb[i*ks:(i+1)*ks], vb[i*vs:(i+1)*vs]); err != nil {
+				return err
+			}
+		}
+		if done {
+			return nil
+		}
+	}
+}
+
+func walkRawByKey(m *ebpf.Map, fn func(key, value []byte) error) error {
+	var k, v []byte
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		if err := fn(k, v); err != nil {
+			return err
+		}
+	}
+	return it.Err()
+}
