@@ -1,5 +1,6 @@
 // Package bpfbackend is the BPF datapath behind the agent's backend interface: it loads the SNAT
-// engine (package bpf) with its maps pinned under <bpffs>/ip-masq-agent/, attaches the programs
+// engine (package bpf) with its maps pinned under <bpffs>/ip-masq-agent/v<layout>/ (migrating
+// what an agent of an older layout pinned there, refusing a newer one's), attaches the programs
 // to the uplinks (package tc), follows the uplinks and their addresses (package uplink), writes
 // each policy into the maps and expires idle NAT entries. A Reader reads what it pinned from
 // another process (`dump`); Cleanup removes everything it installed.
@@ -11,7 +12,6 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -30,8 +30,8 @@ import (
 // Name is the backend's name on the command line.
 const Name = "bpf"
 
-// PinDir is the directory under the bpffs that holds the maps' pins, and LinkDir, under it, the
-// tcx links' pins.
+// PinDir is the directory under the bpffs that holds the pins (the maps', in a directory per
+// layout: bpf.LayoutDir), and LinkDir, under it, the tcx links' pins.
 const (
 	PinDir  = "ip-masq-agent"
 	LinkDir = "links"
@@ -77,7 +77,9 @@ type Options struct {
 // Backend is the BPF datapath. Apply runs on the agent's loop; Counters, Info and the NAT
 // reports may run at the same time (metric scrapes).
 type Backend struct {
-	opts    Options
+	opts Options
+	// pinRoot is <bpffs>/ip-masq-agent, pinDir the maps' directory under it.
+	pinRoot string
 	pinDir  string
 	mode    string
 	log     *slog.Logger
@@ -94,6 +96,7 @@ type Backend struct {
 
 	mu      sync.Mutex // guards what Apply publishes for Info
 	uplinks []uplink.Uplink
+	refused string // why the last load refused the pins (datapath.Info.Refused)
 
 	// watched is what the uplink watcher read when it last saw the uplinks change, until an
 	// Apply uses it instead of reading them again.
@@ -108,6 +111,9 @@ type Backend struct {
 	// what CheckDrift compares with.
 	lastApplied *policy.Policy
 	applied     bool
+	// migration is the migration from older layouts' pins whose first pass the load did, until
+	// an Apply has swapped the programs everywhere and finished it.
+	migration *bpf.Migration
 
 	// hooks is what the drift checks found on each uplink's hooks (see checkHooks); guarded by
 	// hookMu, as Hooks reads it for metric scrapes.
@@ -158,8 +164,8 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 	} else {
 		log.Info("attach mode chosen", "mode", mode, "reason", "--attach-mode")
 	}
-	pinDir := filepath.Join(opts.BPFFS, PinDir)
-	attach, err := tc.NewManager(mode, tcOptions(pinDir, opts.Logger))
+	pinRoot := filepath.Join(opts.BPFFS, PinDir)
+	attach, err := tc.NewManager(mode, tcOptions(pinRoot, opts.Logger))
 	if err != nil {
 		return nil, err
 	}
@@ -174,8 +180,8 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 		res.Close()
 		return nil, err
 	}
-	b := &Backend{opts: opts, pinDir: pinDir, mode: mode, log: log, attach: attach, resolve: res,
-		changes: make(chan string, 1)}
+	b := &Backend{opts: opts, pinRoot: pinRoot, pinDir: bpf.LayoutDir(pinRoot), mode: mode, log: log,
+		attach: attach, resolve: res, changes: make(chan string, 1)}
 	ctx, cancel := context.WithCancel(ctx)
 	b.stop = cancel
 	b.wg.Add(2)
@@ -191,9 +197,17 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 	return b, nil
 }
 
-// tcOptions identify our attachments, for the backend and for cleanup.
-func tcOptions(pinDir string, log *slog.Logger) tc.Options {
-	return tc.Options{LinkDir: filepath.Join(pinDir, LinkDir), FilterName: filterName,
+// AttachOptions are how the backend attaches its programs under bpffs, and knows them again
+// (what an agent of any layout did): for tests that install an earlier agent's datapath.
+func AttachOptions(bpffs string, log *slog.Logger) tc.Options {
+	return tcOptions(filepath.Join(bpffs, PinDir), log)
+}
+
+// tcOptions identify our attachments, for the backend and for cleanup. The links are pinned
+// under the pin root, outside the layout directories: an agent of any layout swaps the programs
+// of the same links.
+func tcOptions(pinRoot string, log *slog.Logger) tc.Options {
+	return tc.Options{LinkDir: filepath.Join(pinRoot, LinkDir), FilterName: filterName,
 		FilterPriority: filterPriority, FilterHandle: filterHandle, Owns: bpf.Owns, Logger: log}
 }
 
@@ -236,7 +250,7 @@ func (b *Backend) Mode() string { return b.mode }
 func (b *Backend) Info() datapath.Info {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return datapath.Info{Backend: Name, AttachMode: b.mode, Details: details(b.pinDir, b.uplinks)}
+	return datapath.Info{Backend: Name, AttachMode: b.mode, Details: details(b.pinDir, b.uplinks), Refused: b.refused}
 }
 
 func details(pinDir string, ups []uplink.Uplink) string {
@@ -258,8 +272,9 @@ func uplinkNames(ups []uplink.Uplink) []string {
 // Apply implements datapath.Backend: the policy into the maps (as a difference, new entries
 // before stale ones are removed), then the uplinks' addresses, then the programs onto the
 // uplinks (replacing an earlier process's in place), then what is left on devices that are no
-// longer uplinks is removed. Each step repairs drift: entries changed behind the agent's back are
-// rewritten, programs detached behind its back are attached again.
+// longer uplinks is removed, and then a migration from older pins is finished. Each step repairs
+// drift: entries changed behind the agent's back are rewritten, programs detached behind its
+// back are attached again.
 func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	dp, err := b.datapathFor(p)
 	if err != nil {
@@ -276,10 +291,20 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	b.mu.Lock()
 	changed := !slices.Equal(b.uplinks, ups)
 	b.mu.Unlock()
+	if b.migration != nil {
+		// The old programs still run: what they did during the migration's first pass goes in
+		// right before the swap.
+		if err := b.migration.CatchUp(dp); err != nil {
+			return fmt.Errorf("migration: %w", err)
+		}
+	}
 	if err := b.install(ctx, dp, p, ups, changed); err != nil {
 		return err
 	}
 	if err := b.dropStale(ctx, dp, ups); err != nil {
+		return err
+	}
+	if err := b.finishMigration(dp); err != nil {
 		return err
 	}
 	b.lastApplied, b.applied = p, true
@@ -440,25 +465,38 @@ func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, ups []uplink.
 	return nil
 }
 
-// load loads the datapath over what is pinned. Pinned maps of another layout (another version
-// or other sizes, such as the IPv6 NAT table after --enable-ipv6 changed) are replaced, and only
-// they: their entries are lost, every other map keeps its flows and counters. The programs still
-// attached keep using the old maps until Apply replaces them, so traffic never meets empty maps.
+// load loads the datapath over what is pinned: the maps of this build's layout (bpf.LayoutDir)
+// are reused, and the entries of older layouts' pins are migrated into them (the first pass;
+// finishMigration does the rest once the programs are swapped). Pins of a layout this agent does
+// not know are refused, before anything is touched: they may be a newer agent's. Pinned maps of
+// this layout but other sizes (such as the IPv6 NAT table after --enable-ipv6 changed) are
+// replaced, and only they: their entries are lost, every other map keeps its flows and
+// counters. The programs still attached keep using the old maps until Apply replaces them, so
+// traffic never meets empty maps.
 //
 // maxRules sizes the rule maps; 0 keeps the pinned maps' size, or makes room for p when nothing
 // is pinned (a larger policy later grows them: see ensureCapacity).
 func (b *Backend) load(p *policy.Policy, maxRules uint32) (*bpf.Datapath, error) {
-	if err := os.MkdirAll(b.pinDir, 0o700); err != nil {
-		return nil, fmt.Errorf("create pin directory: %w", err)
+	pins, err := b.inspect()
+	if err != nil {
+		return nil, err
 	}
+	migrate := len(pins.Sources) > 0 && b.migration == nil
 	lopts := b.opts.Load
 	lopts.PinPath = b.pinDir
 	if maxRules == 0 && lopts.MaxRules == 0 {
-		pinned, err := bpf.PinnedRuleCapacity(b.pinDir)
-		if err != nil {
-			return nil, err
+		dirs := []string{b.pinDir}
+		for _, src := range pins.Sources {
+			dirs = append(dirs, src.Dir)
 		}
-		if maxRules = pinned; maxRules == 0 {
+		for _, dir := range dirs {
+			pinned, err := bpf.PinnedRuleCapacity(dir)
+			if err != nil {
+				return nil, err
+			}
+			maxRules = max(maxRules, pinned)
+		}
+		if maxRules == 0 {
 			maxRules = bpf.CapacityFor(len(p.IPv4) + len(p.IPv6))
 		}
 	}
@@ -468,34 +506,97 @@ func (b *Backend) load(p *policy.Policy, maxRules uint32) (*bpf.Datapath, error)
 	if !p.Enabled(policy.IPv6) && lopts.NATEntriesV6 == 0 {
 		lopts.NATEntriesV6 = natEntriesNoIPv6
 	}
-	mismatched, err := bpf.CheckPins(lopts)
-	if err != nil {
+	if err := b.replaceResized(lopts); err != nil {
 		return nil, err
-	}
-	if len(mismatched) > 0 {
-		var names, why []string
-		for _, m := range mismatched {
-			names = append(names, m.Map)
-			why = append(why, m.Map+": "+m.Reason)
-		}
-		b.log.Warn("pinned maps have another layout; replacing them (their entries are lost, the other maps are kept)",
-			"maps", why)
-		if err := bpf.RemovePins(b.pinDir, names...); err != nil {
-			return nil, err
-		}
 	}
 	start := time.Now()
 	dp, err := bpf.Load(lopts)
 	if err != nil {
 		return nil, err
 	}
+	if migrate {
+		if err := b.migrate(dp, pins.Sources); err != nil {
+			dp.Close()
+			return nil, err
+		}
+	}
 	rules, err := dp.InstalledRules()
 	if err != nil {
 		dp.Close()
 		return nil, err
 	}
-	b.log.Info("datapath loaded", "pins", b.pinDir, "reusedRules", len(rules), "took", time.Since(start))
+	b.log.Info("datapath loaded", "pins", b.pinDir, "layout", bpf.Layout, "reusedRules", len(rules), "took", time.Since(start))
 	return dp, nil
+}
+
+// inspect reads what is pinned, and refuses pins of a layout this agent does not know.
+func (b *Backend) inspect() (bpf.Pins, error) {
+	pins, err := bpf.Inspect(b.pinRoot)
+	refused := ""
+	if errors.Is(err, bpf.ErrUnknownLayout) {
+		refused = err.Error()
+		err = fmt.Errorf("%w: %w; nothing was changed (roll the agent forward, or run cleanup to start over without them)", datapath.ErrRefused, err)
+	}
+	b.mu.Lock()
+	if refused != "" && b.refused == "" {
+		b.log.Error("refusing the pinned maps: they are of a layout this agent does not know", "error", refused)
+	}
+	b.refused = refused
+	b.mu.Unlock()
+	return pins, err
+}
+
+// replaceResized removes the pins of this layout's maps whose size differs from what lopts asks,
+// so that Load makes them anew.
+func (b *Backend) replaceResized(lopts bpf.LoadOptions) error {
+	mismatched, err := bpf.CheckPins(lopts)
+	if err != nil || len(mismatched) == 0 {
+		return err
+	}
+	var names, why []string
+	for _, m := range mismatched {
+		names = append(names, m.Map)
+		why = append(why, m.Map+": "+m.Reason)
+	}
+	b.log.Warn("pinned maps have other sizes; replacing them (their entries are lost, the other maps are kept)",
+		"maps", why)
+	return bpf.RemovePins(b.pinDir, names...)
+}
+
+// migrate carries what older layouts' pins hold into dp, before the programs are swapped.
+func (b *Backend) migrate(dp *bpf.Datapath, srcs []bpf.Source) error {
+	start := time.Now()
+	mig, err := dp.Migrate(srcs)
+	if err != nil {
+		return err
+	}
+	b.migration = mig
+	b.log.Info("migrating the pinned maps of an older layout; their programs run until this agent's replace them",
+		"from", fmt.Sprint(mig.Sources()), "to", bpf.Layout, "entries", mig.Entries, "took", time.Since(start))
+	return nil
+}
+
+// finishMigration, after an Apply put this agent's programs on every uplink (and took them off
+// every other device), carries what the old programs did meanwhile and removes the old pins.
+func (b *Backend) finishMigration(dp *bpf.Datapath) error {
+	if b.migration == nil {
+		return nil
+	}
+	start := time.Now()
+	before := maps.Clone(b.migration.Entries)
+	if err := b.migration.Finish(dp); err != nil {
+		return fmt.Errorf("finish the migration: %w", err)
+	}
+	caught := map[string]int{}
+	for name, n := range b.migration.Entries {
+		if n -= before[name]; n > 0 {
+			caught[name] = n
+		}
+	}
+	b.log.Info("migration finished: the old programs are replaced, their entries since carried, their pins removed",
+		"from", fmt.Sprint(b.migration.Sources()), "caughtUp", caught, "took", time.Since(start))
+	b.migration = nil
+	return nil
 }
 
 // Counters implements datapath.Backend.

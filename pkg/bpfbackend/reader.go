@@ -22,8 +22,8 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/uplink"
 )
 
-// Reader reads a BPF datapath pinned under <bpffs>/ip-masq-agent/ from any process, through
-// read-only map descriptors: it never changes what it reads.
+// Reader reads a BPF datapath pinned under <bpffs>/ip-masq-agent/ (its layout's directory) from
+// any process, through read-only map descriptors: it never changes what it reads.
 type Reader struct {
 	dp     *bpf.Datapath
 	p      *policy.Policy
@@ -40,26 +40,38 @@ var (
 
 // OpenReader opens what is pinned under bpffs, or returns nil and no error when nothing is.
 // p, the configuration the reader is given (nil when it has none), says which configured rule
-// each installed one is.
+// each installed one is. Pins of another layout than this build's are not read: an older
+// layout's are migrated by the next agent, a newer one's belong to a newer agent (and dump).
 func OpenReader(bpffs string, p *policy.Policy) (*Reader, error) {
-	dir := filepath.Join(bpffs, PinDir)
-	entries, err := os.ReadDir(dir)
+	root := filepath.Join(bpffs, PinDir)
+	entries, err := os.ReadDir(root)
 	if errors.Is(err, fs.ErrNotExist) || err == nil && len(entries) == 0 {
 		return nil, nil
 	}
 	if err != nil {
 		return nil, fmt.Errorf("read BPF pins: %w", err)
 	}
-	if err := CheckBPFFS(bpffs); err != nil {
-		return nil, fmt.Errorf("read the BPF datapath pinned under %s: %w", dir, err)
+	fail := func(err error) (*Reader, error) {
+		return nil, fmt.Errorf("read the BPF datapath pinned under %s: %w", root, err)
 	}
+	if err := CheckBPFFS(bpffs); err != nil {
+		return fail(err)
+	}
+	pins, err := bpf.Inspect(root)
+	if err != nil {
+		return fail(err)
+	}
+	if !pins.Current && len(pins.Sources) > 0 {
+		return fail(fmt.Errorf("%s: the next agent migrates them to layout %d, which this dump reads", pins.Sources[len(pins.Sources)-1], bpf.Layout))
+	}
+	dir := bpf.LayoutDir(root)
 	dp, err := bpf.OpenPinnedReadOnly(dir)
 	if err != nil {
-		return nil, fmt.Errorf("read the BPF datapath pinned under %s: %w", dir, err)
+		return fail(err)
 	}
 	// tcx links are pinned; clsact filters are not.
 	mode := tc.ModeTC
-	if links, err := os.ReadDir(filepath.Join(dir, LinkDir)); err == nil && len(links) > 0 {
+	if links, err := os.ReadDir(filepath.Join(root, LinkDir)); err == nil && len(links) > 0 {
 		mode = tc.ModeTCX
 	}
 	return &Reader{dp: dp, p: p, info: readInfo(dp, dir, mode), mode: mode, pinDir: dir}, nil

@@ -40,11 +40,7 @@ func compile(t *testing.T, doc string, ipv6 bool) *policy.Policy {
 // loadPinned loads the datapath pinned under bpffs, as the backend does, with policy p.
 func loadPinned(t *testing.T, bpffs string, p *policy.Policy) *bpf.Datapath {
 	t.Helper()
-	dir := filepath.Join(bpffs, PinDir)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	dp, err := bpf.Load(bpf.LoadOptions{PinPath: dir, NATEntries: 1024})
+	dp, err := bpf.Load(bpf.LoadOptions{PinPath: bpf.LayoutDir(filepath.Join(bpffs, PinDir)), NATEntries: 1024})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,6 +10,7 @@ package datapath
 
 import (
 	"context"
+	"errors"
 	"net/netip"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -34,6 +35,9 @@ type Backend interface {
 	//   - Settings the node cannot honour (for example --random-fully on an iptables without it)
 	//     are dropped with a warning rather than failing every apply.
 	//   - The counters of rules that stay (see Counters) are kept.
+	//   - What the backend finds installed that it must not take over (the state of a newer
+	//     agent, which a rollback must not destroy) fails the Apply with an error wrapping
+	//     ErrRefused, before anything is changed; Info says so until an Apply succeeds.
 	Apply(ctx context.Context, p *policy.Policy) error
 
 	// Counters returns, for each rule of the policy last applied by this process, how many
@@ -142,6 +146,11 @@ type Hook struct {
 	Bypasses uint64
 }
 
+// ErrRefused marks an Apply that refused to take over what is installed on the node, such as
+// BPF maps of a layout newer than the agent's (a newer agent's, which a rollback must not
+// destroy): nothing was changed, and the retries succeed once that state is gone.
+var ErrRefused = errors.New("refused to take over the datapath installed on the node")
+
 // RuleCounter is the hit count of one policy rule.
 type RuleCounter struct {
 	Family policy.Family
@@ -188,6 +197,9 @@ type Info struct {
 	// Details is a short human-readable line for `dump`, e.g. "nft, chain IP-MASQ-AGENT"; not
 	// a metric label.
 	Details string
+	// Refused, when not empty, says why the last Apply refused to take over what is installed
+	// (ErrRefused).
+	Refused string
 }
 
 // AttachNone is the AttachMode of a backend that attaches no programs.

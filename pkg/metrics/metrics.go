@@ -49,6 +49,7 @@ const (
 	DatapathSyncDuration = Namespace + "_datapath_sync_duration_seconds"
 	DatapathSyncErrors   = Namespace + "_datapath_sync_errors_total"
 	DatapathInfo         = Namespace + "_datapath_info"
+	DatapathRefused      = Namespace + "_datapath_refused"
 	BuildInfo            = Namespace + "_build_info"
 	ScrapeErrors         = Namespace + "_scrape_errors_total"
 	Heals                = Namespace + "_heals_total"
@@ -103,6 +104,7 @@ func Definitions() []Definition {
 		{DatapathSyncDuration, "histogram", nil, "Time to apply the policy to the datapath, failed applies included."},
 		{DatapathSyncErrors, "counter", nil, "Applies of the policy that failed (each is retried)."},
 		{DatapathInfo, "gauge", []string{"backend", "attach_mode"}, "Always 1; the datapath backend and how its programs are attached (none for iptables)."},
+		{DatapathRefused, "gauge", nil, "1 while the backend refuses to take over what is installed on the node (BPF: pinned maps of a layout newer than the agent's, or of one it does not know), which it leaves alone; the agent is then not ready and retries. 0 otherwise."},
 		{BuildInfo, "gauge", []string{"version", "revision", "goversion"}, "Always 1; the agent's version, VCS revision and Go version."},
 		{ScrapeErrors, "counter", []string{"source"}, "Scrapes whose read of the datapath failed, by source (rules, nat, hooks); the scrape then leaves those metrics out."},
 		{Heals, "counter", []string{"what"}, "Repairs of what was changed behind the agent's back, by kind: chain, jump (iptables); program, pin, trie, nat_config, uplink_addr (BPF)."},
@@ -228,6 +230,11 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		info = r.Info()
 	}
 	gauge(DatapathInfo, 1, info.Backend, info.AttachMode)
+	refused := 0.0
+	if info.Refused != "" {
+		refused = 1
+	}
+	gauge(DatapathRefused, refused)
 
 	if c.opts.Agent != nil {
 		s := c.opts.Agent.Stats()

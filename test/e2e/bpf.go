@@ -129,8 +129,9 @@ func (e *Env) UplinkMAC(t testing.TB) bpf.MAC {
 	return mac
 }
 
-// PinDir is where the agent pins its maps.
-func (e *Env) PinDir() string { return filepath.Join(e.BPFFS(), bpfbackend.PinDir) }
+// PinRoot is the agent's pin directory, and PinDir where it pins the maps of its layout.
+func (e *Env) PinRoot() string { return filepath.Join(e.BPFFS(), bpfbackend.PinDir) }
+func (e *Env) PinDir() string  { return bpf.LayoutDir(e.PinRoot()) }
 
 // GoodPolicy compiles the last good configuration with the env's policy flags.
 func (e *Env) GoodPolicy(t testing.TB) *policy.Policy {
@@ -366,7 +367,7 @@ func bpfLeft(t testing.TB, env *Env) string {
 		left = append(left, "a clsact qdisc on "+Uplink)
 	}
 	if env.BPFFS() != "" {
-		entries, err := os.ReadDir(env.PinDir())
+		entries, err := os.ReadDir(env.PinRoot())
 		if err != nil && !errors.Is(err, os.ErrNotExist) {
 			t.Fatal(err)
 		}
@@ -503,7 +504,7 @@ func bpfDamages(mode string) []Damage {
 	var natID, linkID uint32 // the pinned objects before their pins were removed
 	natPin := func(env *Env) string { return filepath.Join(env.PinDir(), "nat_v4") }
 	linkPin := func(t testing.TB, env *Env) string {
-		return filepath.Join(env.PinDir(), bpfbackend.LinkDir, fmt.Sprintf("%d-ingress", env.UplinkIndex(t)))
+		return filepath.Join(env.PinRoot(), bpfbackend.LinkDir, fmt.Sprintf("%d-ingress", env.UplinkIndex(t)))
 	}
 	ds := []Damage{
 		{Name: "program detached", What: []string{datapath.DriftProgram}, Repaired: programs,

@@ -254,7 +254,7 @@ func TestBPFRestart(t *testing.T) {
 				t.Fatal(err)
 			}
 			check("agent restarted")
-			if ag.Count("datapath loaded", "reusedRules=0") > 0 || ag.Count("pinned maps have another layout") > 0 {
+			if ag.Count("datapath loaded", "reusedRules=0") > 0 || ag.Count("pinned maps have other sizes") > 0 {
 				t.Errorf("the restart did not reuse the pinned maps:\n%s", ag.Logs())
 			}
 			if ag.Count("program replaced in place") != 2 || ag.Count(`msg=attached`) != 0 {
@@ -335,10 +335,10 @@ func lastLine(s string) string {
 	return lines[len(lines)-1]
 }
 
-// TestBPFLayoutChange: without --enable-ipv6 the IPv6 NAT table is small; a restart with
-// --enable-ipv6 says that its layout changed and replaces that map only, so a held IPv4 flow
+// TestBPFMapResized: without --enable-ipv6 the IPv6 NAT table is small; a restart with
+// --enable-ipv6 says that its size changed and replaces that map only, so a held IPv4 flow
 // keeps working (same address and port) and IPv6 is masqueraded from then on.
-func TestBPFLayoutChange(t *testing.T) {
+func TestBPFMapResized(t *testing.T) {
 	b := BPFBackend(tc.ModeTCX)
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
@@ -376,14 +376,14 @@ func TestBPFLayoutChange(t *testing.T) {
 	if err := ag.WaitReady(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if ag.Count("pinned maps have another layout", "nat_v6: MaxEntries") != 1 || ag.Count("nat_v4") != 0 {
-		t.Errorf("the layout change was not reported for nat_v6 alone:\n%s", ag.Logs())
+	if ag.Count("pinned maps have other sizes", "nat_v6: MaxEntries") != 1 || ag.Count("nat_v4") != 0 {
+		t.Errorf("the size change was not reported for nat_v6 alone:\n%s", ag.Logs())
 	}
 	if n := natV6(); n != 1<<18 {
 		t.Errorf("with IPv6 the IPv6 NAT table has %d entries, want the default 262144", n)
 	}
 	if after, err := c.Exchange("after"); err != nil || after != before {
-		t.Errorf("the IPv4 flow after the layout change: %s (%v), before it %s", after, err, before)
+		t.Errorf("the IPv4 flow after the size change: %s (%v), before it %s", after, err, before)
 	}
 	env.Check(ctx, t, expect(Masq, "2001:4860:4860::8888", "8.8.8.8"), nil)
 	b.Verify(ctx, t, env)
@@ -473,7 +473,7 @@ func TestBPFFollowsUplinks(t *testing.T) {
 				t.Fatal(err)
 			}
 			var pins []string
-			links, err := os.ReadDir(filepath.Join(env.PinDir(), "links"))
+			links, err := os.ReadDir(filepath.Join(env.PinRoot(), "links"))
 			if err != nil && !os.IsNotExist(err) {
 				t.Fatal(err)
 			}

@@ -68,7 +68,7 @@ func TestWithoutBPFSyscall(t *testing.T) {
 		if err != nil {
 			t.Fatalf("cleanup without bpf(2): %v\n%s", err, out)
 		}
-		for _, want := range []string{"2 tcx link pins removed", "seccomp blocked bpf(2)", "pins under " + env.PinDir() + " removed"} {
+		for _, want := range []string{"2 tcx link pins removed", "seccomp blocked bpf(2)", "pins under " + env.PinRoot() + " removed"} {
 			if !strings.Contains(string(out), want) {
 				t.Errorf("cleanup does not say %q:\n%s", want, out)
 			}

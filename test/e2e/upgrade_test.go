@@ -1,0 +1,265 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf/bpftest"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
+)
+
+// installOld installs on the node the datapath of an agent of layout `layout` (bpftest.Load:
+// the fixture's object, its maps pinned where that agent pinned them, the default policy and
+// the uplink's address written as it wrote them), or of a newer layout than any (newer), with
+// its programs attached to the uplink as every agent attaches them: a pinned tcx link or a
+// cls_bpf filter.
+func installOld(ctx context.Context, t *testing.T, env *Env, mode string, layout int, newer bool) *bpftest.Old {
+	t.Helper()
+	opts := bpftest.Options{Uplink: env.UplinkIndex(t), SNAT4: NodeAddr4, NATEntries: 1 << 14}
+	load := func() (*bpftest.Old, error) { return bpftest.Load(layout, env.PinRoot(), opts) }
+	if newer {
+		load = func() (*bpftest.Old, error) { return bpftest.Newer(env.PinRoot(), opts) }
+	}
+	old, err := load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(old.Close)
+	err = testutil.Do(env.Node, func() error {
+		m, err := tc.NewManager(mode, bpfbackend.AttachOptions(env.BPFFS(), nil))
+		if err != nil {
+			return err
+		}
+		defer m.Close()
+		return m.Attach(ctx, env.UplinkIndex(t), tc.Programs{Egress: old.Egress(), Ingress: old.Ingress()})
+	})
+	if err != nil {
+		t.Fatalf("attach the programs of layout %d: %v", old.Layout, err)
+	}
+	return old
+}
+
+// programIDs are the ids of the programs on the uplink's hooks, egress then ingress.
+func programIDs(t *testing.T, env *Env) []ebpf.ProgramID {
+	t.Helper()
+	var ids []ebpf.ProgramID
+	err := testutil.Do(env.Node, func() error {
+		for _, typ := range []ebpf.AttachType{ebpf.AttachTCXEgress, ebpf.AttachTCXIngress} {
+			res, err := link.QueryPrograms(link.QueryOptions{Target: env.UplinkIndex(t), Attach: typ})
+			if err != nil {
+				return err
+			}
+			for _, p := range res.Programs {
+				ids = append(ids, p.ID)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+func progID(t *testing.T, p *ebpf.Program) ebpf.ProgramID {
+	t.Helper()
+	info, err := p.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := info.ID()
+	return id
+}
+
+// TestUpgradeFromLayout, from every shipped layout older than this build's and in both attach
+// modes: the node runs that layout's datapath as its agent left it, with a TCP connection and
+// a UDP flow open through it (the external host has no route back to the pod: only the old
+// programs' masquerade gets answers). The current agent starts over it and migrates: every
+// flow keeps its mapping (the same source port seen outside) and keeps working while the
+// programs are swapped, a new connection every round is masqueraded, and afterwards the
+// datapath is this layout's alone, the old pins gone.
+func TestUpgradeFromLayout(t *testing.T) {
+	for _, from := range bpftest.Layouts() {
+		if from >= bpf.Layout {
+			continue
+		}
+		for _, b := range bpfBackends() {
+			t.Run(fmt.Sprintf("layout%d/%s", from, b.Name), func(t *testing.T) {
+				t.Parallel()
+				requireBackend(t, b)
+				ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+				defer cancel()
+				mode := strings.TrimPrefix(b.Name, "bpf-")
+				env := NewBackendEnv(ctx, t, b, nil)
+				env.SetGood("", true)
+				old := installOld(ctx, t, env, mode, from, false)
+				StartLineEcho(t, env.Ext, []netip.Addr{public4})
+				env.CutReturnRoutes(ctx, t)
+				conns, seen := heldFlows(ctx, t, env, public4)
+				t.Logf("through layout %d's programs: TCP seen from %s, UDP from %s", from, seen[0], seen[1])
+				w := watchFlows(ctx, env, conns, seen)
+				time.Sleep(200 * time.Millisecond)
+
+				ag := env.StartAgent(ctx, t, b)
+				if err := ag.WaitReady(ctx); err != nil {
+					t.Fatal(err)
+				}
+				if err := ag.WaitLog(ctx, 1, "migration finished"); err != nil {
+					t.Fatal(err)
+				}
+				if ag.Count("migrating the pinned maps of an older layout", fmt.Sprintf("layout %d pinned under %s", from, env.PinRoot())) != 1 {
+					t.Errorf("the agent did not say it migrates from layout %d:\n%s", from, ag.Logs())
+				}
+				time.Sleep(300 * time.Millisecond)
+				w.stop(t, 10)
+				b.Verify(ctx, t, env)
+
+				if mode == tc.ModeTCX {
+					ids := programIDs(t, env)
+					if slices.Contains(ids, progID(t, old.Egress())) || slices.Contains(ids, progID(t, old.Ingress())) {
+						t.Errorf("layout %d's programs still run on the uplink: %v", from, ids)
+					}
+				}
+				entries, err := os.ReadDir(env.PinRoot())
+				if err != nil {
+					t.Fatal(err)
+				}
+				var names []string
+				for _, e := range entries {
+					names = append(names, e.Name())
+				}
+				want := []string{filepath.Base(env.PinDir())}
+				if mode == tc.ModeTCX {
+					want = append([]string{bpfbackend.LinkDir}, want...)
+				}
+				if !slices.Equal(names, want) {
+					t.Errorf("after the migration the pin root holds %v, want %v", names, want)
+				}
+			})
+		}
+	}
+}
+
+// TestRefuseNewerLayout: over the datapath of a newer agent (maps of a layout newer than this
+// build's, their programs on the uplink, a connection open through them), as after a rollback,
+// the agent refuses to start: it says why, stays unready, counts it in
+// ip_masq_agent_datapath_refused, and leaves everything as it was: the pins, their maps and
+// entries, the programs, the connection.
+func TestRefuseNewerLayout(t *testing.T) {
+	b := BPFBackend(tc.ModeTCX)
+	requireBackend(t, b)
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+	defer cancel()
+	env := NewBackendEnv(ctx, t, b, nil)
+	env.SetGood("", true)
+	installOld(ctx, t, env, tc.ModeTCX, 0, true)
+	StartLineEcho(t, env.Ext, []netip.Addr{public4})
+	env.CutReturnRoutes(ctx, t)
+	conns, seen := heldFlows(ctx, t, env, public4)
+	before, progs := pinState(t, env.PinRoot()), programIDs(t, env)
+
+	ag := env.StartAgent(ctx, t, b)
+	want := fmt.Sprintf("holds layout %d, newer than this agent's %d", bpf.Layout+1, bpf.Layout)
+	if err := ag.WaitLog(ctx, 1, "refusing the pinned maps", want); err != nil {
+		t.Fatal(err)
+	}
+	// Retried (the first retry comes after half a second): still refused, still untouched.
+	if err := ag.WaitLog(ctx, 2, "apply failed", "refused to take over the datapath installed on the node"); err != nil {
+		t.Fatal(err)
+	}
+	code, body, err := ag.Get(ctx, "/readyz")
+	if err != nil || code != http.StatusServiceUnavailable || !strings.Contains(body, want) {
+		t.Errorf("/readyz = %d %q %v, want 503 saying why", code, body, err)
+	}
+	m, err := ag.Scrape(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, ok := m.Value("ip_masq_agent_datapath_refused", Labels{}); !ok || v != 1 {
+		t.Errorf("ip_masq_agent_datapath_refused = %v (%v), want 1", v, ok)
+	}
+	if err := ag.Stop(ctx); err != nil {
+		t.Fatalf("agent exit: %v", err)
+	}
+	if after := pinState(t, env.PinRoot()); !slices.Equal(before, after) {
+		t.Errorf("the pins changed:\nbefore %v\nafter  %v", before, after)
+	}
+	if got := programIDs(t, env); !slices.Equal(got, progs) {
+		t.Errorf("the uplink runs %v, before the agent %v", got, progs)
+	}
+	for i, c := range conns {
+		if src, err := c.Exchange("after"); err != nil || src != seen[i] {
+			t.Errorf("held flow %d after the refusal: %s (%v), before %s", i, src, err, seen[i])
+		}
+	}
+}
+
+// writtenByUserspace are the maps no program writes: an agent that touches nothing leaves their
+// entries as they are (the programs that run change the others).
+var writtenByUserspace = []string{"layout", "masq_v4", "nomasq_v4", "masq_v6", "nomasq_v6", "nat_config",
+	"nat_ports", "uplink_snat", "rule_slots", "sweep_stats"}
+
+// pinState lists every pin under dir with the id of what it pins and, for a map only userspace
+// writes, its entries: what an agent that touches nothing leaves as it is.
+func pinState(t *testing.T, dir string) []string {
+	t.Helper()
+	var out []string
+	err := filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
+		if err != nil {
+			l, lerr := link.LoadPinnedLink(path, nil)
+			if lerr != nil {
+				return fmt.Errorf("%s: neither a map (%v) nor a link (%v)", path, err, lerr)
+			}
+			defer l.Close()
+			info, err := l.Info()
+			if err != nil {
+				return err
+			}
+			out = append(out, fmt.Sprintf("%s: link %d program %d", path, info.ID, info.Program))
+			return nil
+		}
+		defer m.Close()
+		info, err := m.Info()
+		if err != nil {
+			return err
+		}
+		id, _ := info.ID()
+		var entries []string
+		if slices.Contains(writtenByUserspace, filepath.Base(path)) {
+			var k, v []byte
+			it := m.Iterate()
+			for it.Next(&k, &v) {
+				entries = append(entries, fmt.Sprintf("%x=%x", k, v))
+			}
+			if err := it.Err(); err != nil {
+				return err
+			}
+		}
+		slices.Sort(entries)
+		out = append(out, fmt.Sprintf("%s: map %d %v", path, id, entries))
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
