@@ -10,7 +10,9 @@
 // close-on-exec, so a child (iptables-restore) never inherits the lock.
 //
 // The holder answers every connection to the socket with one JSON line saying who it is
-// (Holder), so that a process that finds the lock taken can say by whom.
+// (Holder), so that a process that finds the lock taken can say by whom; the kernel adds the
+// holder's uid (SO_PEERCRED), which tells an agent from another process that took the name
+// (abstract names have no permissions: any process of the namespace can bind one).
 package nodelock
 
 import (
@@ -24,6 +26,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Name is the abstract socket name of the agent's lock ("@ip-masq-agent" in `ss -xl`).
@@ -44,14 +48,17 @@ type Holder struct {
 	Pid     int       `json:"pid"`
 	Version string    `json:"version"`
 	Since   time.Time `json:"since"`
+	// UID is the holder's user id as the kernel reports it (-1 when unknown), not what the
+	// holder says.
+	UID int `json:"-"`
 }
 
 func (h Holder) String() string {
 	if h.Command == "" {
-		return "another process (it did not say who it is)"
+		return fmt.Sprintf("another process (uid %d), which does not say who it is", h.UID)
 	}
-	return fmt.Sprintf("ip-masq-agent %s (pid %d, version %s, since %s)", h.Command, h.Pid, h.Version,
-		h.Since.Format(time.RFC3339))
+	return fmt.Sprintf("ip-masq-agent %s (pid %d, uid %d, version %s, since %s)", h.Command, h.Pid, h.UID,
+		h.Version, h.Since.Format(time.RFC3339))
 }
 
 // HeldError is the error of TryAcquire when another process holds the lock.
@@ -146,24 +153,41 @@ func (l *Lock) Release() error {
 	return err
 }
 
-// Describe asks the holder of the lock who it is. A holder that does not answer (or nothing
-// holding the lock) gives the zero Holder.
+// Describe asks the holder of the lock who it is. Nothing holding the lock gives the zero
+// Holder; a holder that does not answer, one with only its UID.
 func Describe(name string) Holder {
-	var h Holder
 	c, err := net.DialTimeout("unix", "@"+name, describeTimeout)
 	if err != nil {
-		return h
-	}
-	defer c.Close()
-	_ = c.SetReadDeadline(time.Now().Add(describeTimeout))
-	line, err := bufio.NewReader(c).ReadBytes('\n')
-	if err != nil || json.Unmarshal(line, &h) != nil {
 		return Holder{}
 	}
+	defer c.Close()
+	uid := peerUID(c.(*net.UnixConn))
+	_ = c.SetReadDeadline(time.Now().Add(describeTimeout))
+	var h Holder
+	line, err := bufio.NewReader(c).ReadBytes('\n')
+	if err != nil || json.Unmarshal(line, &h) != nil {
+		h = Holder{}
+	}
+	h.UID = uid
 	return h
+}
+
+// peerUID is the uid of the process at the other end of c, or -1.
+func peerUID(c *net.UnixConn) int {
+	uid := -1
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return uid
+	}
+	_ = rc.Control(func(fd uintptr) {
+		if cred, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
+			uid = int(cred.Uid)
+		}
+	})
+	return uid
 }
 
 // Me describes this process as the holder of the lock for command.
 func Me(command, version string) Holder {
-	return Holder{Command: command, Pid: os.Getpid(), Version: version, Since: time.Now()}
+	return Holder{Command: command, Pid: os.Getpid(), Version: version, Since: time.Now(), UID: os.Getuid()}
 }

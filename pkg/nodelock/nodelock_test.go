@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"strings"
@@ -64,10 +65,10 @@ func TestTryAcquire(t *testing.T) {
 	if !ok {
 		t.Fatalf("second TryAcquire: %v, want a HeldError", err)
 	}
-	if h := held.Holder; h.Command != "agent" || h.Pid != os.Getpid() || h.Version != "v1.2.3" || !h.Since.Equal(me.Since.Round(0)) {
+	if h := held.Holder; h.Command != "agent" || h.Pid != os.Getpid() || h.Version != "v1.2.3" || !h.Since.Equal(me.Since.Round(0)) || h.UID != os.Getuid() {
 		t.Errorf("holder %+v, want %+v", h, me)
 	}
-	want := fmt.Sprintf("the node lock is held by ip-masq-agent agent (pid %d, version v1.2.3, since ", os.Getpid())
+	want := fmt.Sprintf("the node lock is held by ip-masq-agent agent (pid %d, uid %d, version v1.2.3, since ", os.Getpid(), os.Getuid())
 	if !strings.HasPrefix(err.Error(), want) {
 		t.Errorf("error %q, want it to start with %q", err, want)
 	}
@@ -124,6 +125,31 @@ func TestAcquireWaits(t *testing.T) {
 	defer second.Release()
 	if h := Describe(name); h.Version != "second" {
 		t.Errorf("held by %+v, want the second", h)
+	}
+}
+
+// TestHeldByAnother: a process that took the name without the protocol is described by the
+// uid the kernel reports.
+func TestHeldByAnother(t *testing.T) {
+	name := testName(t)
+	ln, err := net.Listen("unix", "@"+name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Close() // says nothing
+		}
+	}()
+	_, err = TryAcquire(name, Me("agent", "test"))
+	want := fmt.Sprintf("the node lock is held by another process (uid %d), which does not say who it is", os.Getuid())
+	if err == nil || err.Error() != want {
+		t.Fatalf("err = %v, want %q", err, want)
 	}
 }
 
