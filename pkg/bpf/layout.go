@@ -48,7 +48,7 @@ import (
 //     carried map goes into carried; a map the policy sync writes needs nothing.
 //  3. Copy pkg/bpf/masq_bpfel.o to pkg/bpf/bpftest/testdata/layout<N+1>.o (the fixture of the
 //     new layout, which the next change will migrate from), and teach bpftest to write the
-//     policy in layout N+1 if the policy maps changed (bpftest.policyWriters).
+//     policy in layout N+1 if the policy maps changed (bpftest's policyLayouts).
 //  4. The migration tests (TestMigrate, e2e TestUpgradeFromLayout) run from every older layout
 //     by themselves; read their failures.
 
@@ -66,11 +66,7 @@ const firstDirLayout = 3
 var ErrUnknownLayout = errors.New("pinned maps of a layout this agent does not know")
 
 // LayoutDir is the directory under the pin root that holds the maps of this build's layout.
-func LayoutDir(root string) string { return layoutDir(root, Layout) }
-
-func layoutDir(root string, layout int) string {
-	return filepath.Join(root, "v"+strconv.Itoa(layout))
-}
+func LayoutDir(root string) string { return filepath.Join(root, "v"+strconv.Itoa(Layout)) }
 
 // stagingDir is where a layout directory is made before it is renamed into place: a name
 // Inspect ignores, so that a crash halfway leaves nothing that counts (a bpffs takes no dots).
@@ -163,9 +159,10 @@ type carry int
 
 const (
 	// carryFlows: the NAT tables, merged flow by flow before the programs are swapped, and the
-	// entries the old programs made or refreshed meanwhile once more after (Migration.Finish).
+	// entries the old programs made or refreshed since each pass once more, right before the
+	// swap (Migration.CatchUp) and after it (Migration.Finish).
 	carryFlows carry = iota + 1
-	// carryEntries: copied before the swap and again after it (the fragment tables).
+	// carryEntries: copied in every pass (the fragment tables).
 	carryEntries
 	// carryOnce: what only userspace writes, copied before the swap (the rule slots, the
 	// uplinks' addresses, the sweep totals).
@@ -370,16 +367,6 @@ func currentShapes() map[string]mapShape {
 	return out
 }
 
-// pinnedNames lists the maps pinned in a source, sorted.
-func (s Source) pinnedNames() []string {
-	names := make([]string, 0, len(s.layouts))
-	for n := range s.layouts {
-		names = append(names, n)
-	}
-	slices.Sort(names)
-	return names
-}
-
 // remove removes the source's pins: its maps' (legacy pins, by name) or its directory.
 func (s Source) remove() error {
 	if !s.legacy() {
@@ -389,7 +376,7 @@ func (s Source) remove() error {
 		return nil
 	}
 	var errs []string
-	for _, n := range s.pinnedNames() {
+	for _, n := range slices.Sorted(maps.Keys(s.layouts)) {
 		if err := os.Remove(filepath.Join(s.Dir, n)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			errs = append(errs, err.Error())
 		}

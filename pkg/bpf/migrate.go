@@ -109,8 +109,8 @@ func (m *Migration) CatchUp(d *Datapath) error {
 
 // Finish, once d's programs run wherever the old ones did, carries what the old programs did
 // since the last pass, and removes the sources' pins. d is the datapath now in use (it may be
-// another than Migrate's, over the same pins, after the rule maps grew). On error nothing is
-// removed, and Finish may be called again.
+// another than Migrate's, over the same pins, after the rule maps grew). On error Finish may be
+// called again (no pin is removed before every entry is carried).
 func (m *Migration) Finish(d *Datapath) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()

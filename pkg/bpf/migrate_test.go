@@ -282,6 +282,28 @@ func testMigrate(t *testing.T, from int) {
 	}
 }
 
+// upgradeOver does what the agent does over pins: loads this layout's maps, migrates pins' sources,
+// syncs the default policy and finishes (no programs to swap in a test run).
+func upgradeOver(t *testing.T, root string, pins Pins) *Datapath {
+	t.Helper()
+	dp, err := Load(LoadOptions{PinPath: LayoutDir(root), NATEntries: 1 << 12, MaxRules: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dp.Close() })
+	mig, err := dp.Migrate(pins.Sources)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := dp.SyncPolicy(defaultPolicy(true)); err != nil {
+		t.Fatal(err)
+	}
+	if err := mig.Finish(dp); err != nil {
+		t.Fatal(err)
+	}
+	return dp
+}
+
 // TestMigrateAgain: a migration interrupted after its first pass (the agent killed before the
 // swap) is done again by the next agent over the maps the first one made, with the same result.
 func TestMigrateAgain(t *testing.T) {
@@ -314,21 +336,7 @@ func TestMigrateAgain(t *testing.T) {
 	if err != nil || !pins.Current || len(pins.Sources) != 1 {
 		t.Fatalf("after two interrupted migrations: %+v %v", pins, err)
 	}
-	dp, err := Load(LoadOptions{PinPath: LayoutDir(root), NATEntries: 1 << 12, MaxRules: 64})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dp.Close()
-	mig, err := dp.Migrate(pins.Sources)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := dp.SyncPolicy(defaultPolicy(true)); err != nil {
-		t.Fatal(err)
-	}
-	if err := mig.Finish(dp); err != nil {
-		t.Fatal(err)
-	}
+	dp := upgradeOver(t, root, pins)
 	if n := rawEntries(t, dp.objs.NatV4); n != 2*len(flows) {
 		t.Errorf("%d entries after migrating three times, want the flows' %d", n, 2*len(flows))
 	}
@@ -394,21 +402,7 @@ func TestMigrateAfterRollback(t *testing.T) {
 	if err != nil || !pins.Current || len(pins.Sources) != 1 || pins.Sources[0].Layout != 2 {
 		t.Fatalf("after the rollback Inspect finds %+v, %v", pins, err)
 	}
-	dp, err = Load(LoadOptions{PinPath: LayoutDir(root), NATEntries: 1 << 12, MaxRules: 64})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dp.Close()
-	mig, err := dp.Migrate(pins.Sources)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := dp.SyncPolicy(defaultPolicy(true)); err != nil {
-		t.Fatal(err)
-	}
-	if err := mig.Finish(dp); err != nil {
-		t.Fatal(err)
-	}
+	dp = upgradeOver(t, root, pins)
 	h.dp = dp
 	for _, c := range []struct {
 		name string
@@ -580,40 +574,14 @@ func pinMap(t *testing.T, path string, spec *ebpf.MapSpec) {
 	}
 }
 
-// pinsUnder lists the files under dir, recursively, with the ids of the maps pinned there.
+// pinsUnder is bpftest.PinState, failing the test on errors.
 func pinsUnder(t *testing.T, dir string) []string {
 	t.Helper()
-	var out []string
-	err := filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
-		if err != nil || d.IsDir() {
-			return err
-		}
-		rel, _ := filepath.Rel(dir, path)
-		m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
-		if err != nil {
-			out = append(out, rel)
-			return nil
-		}
-		defer m.Close()
-		info, err := m.Info()
-		if err != nil {
-			return err
-		}
-		id, _ := info.ID()
-		// The first entry's bytes too, so that a change of content shows.
-		var k, v []byte
-		it := m.Iterate()
-		if m.Type() != ebpf.PerCPUArray && it.Next(&k, &v) {
-			out = append(out, fmt.Sprintf("%s map %d %x=%x", rel, id, k, v))
-		} else {
-			out = append(out, fmt.Sprintf("%s map %d", rel, id))
-		}
-		return nil
-	})
+	st, err := bpftest.PinState(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return out
+	return st
 }
 
 // pinNames lists the names in dir, sorted.

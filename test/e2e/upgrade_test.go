@@ -209,57 +209,12 @@ func TestRefuseNewerLayout(t *testing.T) {
 	}
 }
 
-// writtenByUserspace are the maps no program writes: an agent that touches nothing leaves their
-// entries as they are (the programs that run change the others).
-var writtenByUserspace = []string{"layout", "masq_v4", "nomasq_v4", "masq_v6", "nomasq_v6", "nat_config",
-	"nat_ports", "uplink_snat", "rule_slots", "sweep_stats"}
-
-// pinState lists every pin under dir with the id of what it pins and, for a map only userspace
-// writes, its entries: what an agent that touches nothing leaves as it is.
+// pinState is bpftest.PinState, failing the test on errors.
 func pinState(t *testing.T, dir string) []string {
 	t.Helper()
-	var out []string
-	err := filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
-		if err != nil || d.IsDir() {
-			return err
-		}
-		m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
-		if err != nil {
-			l, lerr := link.LoadPinnedLink(path, nil)
-			if lerr != nil {
-				return fmt.Errorf("%s: neither a map (%v) nor a link (%v)", path, err, lerr)
-			}
-			defer l.Close()
-			info, err := l.Info()
-			if err != nil {
-				return err
-			}
-			out = append(out, fmt.Sprintf("%s: link %d program %d", path, info.ID, info.Program))
-			return nil
-		}
-		defer m.Close()
-		info, err := m.Info()
-		if err != nil {
-			return err
-		}
-		id, _ := info.ID()
-		var entries []string
-		if slices.Contains(writtenByUserspace, filepath.Base(path)) {
-			var k, v []byte
-			it := m.Iterate()
-			for it.Next(&k, &v) {
-				entries = append(entries, fmt.Sprintf("%x=%x", k, v))
-			}
-			if err := it.Err(); err != nil {
-				return err
-			}
-		}
-		slices.Sort(entries)
-		out = append(out, fmt.Sprintf("%s: map %d %v", path, id, entries))
-		return nil
-	})
+	st, err := bpftest.PinState(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return out
+	return st
 }

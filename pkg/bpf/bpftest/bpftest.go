@@ -19,6 +19,7 @@ import (
 	"strconv"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -164,7 +165,7 @@ const noSlot = ^uint32(0)
 func (o *Old) write(opts Options, recordLayout int) error {
 	p := policy.Compile(config.Default(config.Options{EnableIPv6: opts.IPv6}),
 		policy.Options{EnableIPv6: opts.IPv6, RandomFully: true})
-	l := layouts[o.Layout]
+	l := policyLayouts[o.Layout]
 	ne := binary.NativeEndian
 	slot := uint32(0)
 	outSlot := map[policy.Family]uint32{policy.IPv4: noSlot, policy.IPv6: noSlot}
@@ -242,9 +243,9 @@ type policyLayout struct {
 	trieValue func(fam policy.Family, action policy.Action, slot uint32) []byte
 }
 
-// layouts are how each layout holds the policy (its tries' values and nat_config): a layout
-// that changes them adds its entry here.
-var layouts = map[int]policyLayout{
+// policyLayouts are how each layout holds the policy (its tries' values and nat_config): a
+// layout that changes them adds its entry here, one that does not reuses its predecessor's.
+var policyLayouts = map[int]policyLayout{
 	1: legacyPolicy, 2: legacyPolicy,
 	3: {familyCfg: 24, trieValue: func(fam policy.Family, action policy.Action, slot uint32) []byte {
 		v := binary.NativeEndian.AppendUint32(nil, slot)
@@ -292,4 +293,56 @@ func addrBytes(a netip.Addr) []byte {
 	b := make([]byte, 16)
 	copy(b, a.AsSlice())
 	return b
+}
+
+// userspaceMaps are the maps no program writes: an agent that touches nothing leaves their
+// entries as they are (the programs that run change the others).
+var userspaceMaps = []string{"layout", "masq_v4", "nomasq_v4", "masq_v6", "nomasq_v6", "nat_config",
+	"nat_ports", "uplink_snat", "uplink_macs", "rule_slots", "sweep_stats"}
+
+// PinState lists every pin under dir with the id of what it pins (a map, or a link and its
+// program) and, for the maps only userspace writes, their entries: what a process that changes
+// nothing leaves as it is, while programs run.
+func PinState(dir string) ([]string, error) {
+	var out []string
+	err := filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
+		if err != nil {
+			l, lerr := link.LoadPinnedLink(path, nil)
+			if lerr != nil {
+				return fmt.Errorf("%s: neither a map (%v) nor a link (%v)", path, err, lerr)
+			}
+			defer l.Close()
+			info, err := l.Info()
+			if err != nil {
+				return err
+			}
+			out = append(out, fmt.Sprintf("%s: link %d program %d", path, info.ID, info.Program))
+			return nil
+		}
+		defer m.Close()
+		info, err := m.Info()
+		if err != nil {
+			return err
+		}
+		id, _ := info.ID()
+		var entries []string
+		if slices.Contains(userspaceMaps, filepath.Base(path)) {
+			var k, v []byte
+			it := m.Iterate()
+			for it.Next(&k, &v) {
+				entries = append(entries, fmt.Sprintf("%x=%x", k, v))
+			}
+			if err := it.Err(); err != nil {
+				return err
+			}
+		}
+		slices.Sort(entries)
+		out = append(out, fmt.Sprintf("%s: map %d %v", path, id, entries))
+		return nil
+	})
+	return out, err
 }
