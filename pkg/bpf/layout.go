@@ -51,6 +51,11 @@ import (
 //     policy in layout N+1 if the policy maps changed (bpftest's policyLayouts).
 //  4. The migration tests (TestMigrate, e2e TestUpgradeFromLayout) run from every older layout
 //     by themselves; read their failures.
+//
+// A new map is no new layout: an agent of the layout that lacks it leaves its pin alone (Inspect
+// passes over names it does not know in its own layout's directory) and one that has it creates
+// it (Load), so builds of one layout can roll back and forth. A change of an existing map's type,
+// key or value is a new layout.
 
 // Layout is the layout of the maps this build creates.
 const Layout = 3
@@ -286,8 +291,9 @@ func legacyLayout(path, name string) (int, error) {
 }
 
 // inspectDir checks a layout directory: its record says the layout its name does, and every map
-// pinned there has the shape that layout gives it. A record that is missing (its pin removed
-// by hand) is fine where every map has its shape: Load writes it again.
+// of this build's layout pinned there has its shape (a map this build does not know is a later
+// build's addition, left alone). A record that is missing (its pin removed by hand) is fine
+// where the maps have their shapes: Load writes it again.
 func inspectDir(dir string, layout int) (Source, error) {
 	src := Source{Layout: layout, Dir: dir, layouts: map[string]int{}}
 	var want map[string]mapShape
@@ -312,7 +318,7 @@ func inspectDir(dir string, layout int) (Source, error) {
 		if err != nil {
 			return src, fmt.Errorf("%w: %s: %v", ErrUnknownLayout, path, err)
 		}
-		if s, ok := want[e.Name()]; want != nil && (!ok || s != got) {
+		if s, ok := want[e.Name()]; ok && s != got {
 			return src, fmt.Errorf("%w: %s is a %s, not what layout %d has", ErrUnknownLayout, path, got, layout)
 		}
 		src.layouts[e.Name()] = layout

@@ -21,9 +21,9 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
-// TestLayoutFixture: the fixture of this build's layout holds exactly the maps the embedded
-// object has (a change of a pinned map is a new layout, with its migration), and the shapes
-// Inspect tells the legacy layouts apart by are those of their fixtures.
+// TestLayoutFixture: every map of the fixture of this build's layout is in the embedded object as
+// it was (a change of a pinned map is a new layout, with its migration; a map added is not), and
+// the shapes Inspect tells the legacy layouts apart by are those of their fixtures.
 func TestLayoutFixture(t *testing.T) {
 	if got := bpftest.Current(); got != Layout {
 		t.Fatalf("the newest fixture is of layout %d, this build's layout is %d: copy masq_bpfel.o to bpftest/testdata/layout%d.o", got, Layout, Layout)
@@ -53,13 +53,7 @@ func TestLayoutFixture(t *testing.T) {
 		return out
 	}
 	want, got := describe(fixture), describe(embedded)
-	names := slices.Sorted(maps.Keys(want))
-	for n := range got {
-		if _, ok := want[n]; !ok {
-			names = append(names, n)
-		}
-	}
-	for _, name := range names {
+	for _, name := range slices.Sorted(maps.Keys(want)) {
 		if want[name] != got[name] {
 			t.Errorf("map %s changed since layout %d:\n  layout %d: %s\n  now:      %s\nA pinned layout changed: add layout %d as pkg/bpf/layout.go says",
 				name, Layout, Layout, want[name], got[name], Layout+1)
@@ -520,6 +514,9 @@ func TestInspectRefuses(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
+		// A map a later build of this layout added.
+		later := filepath.Join(LayoutDir(root), "later_map")
+		pinMap(t, later, &ebpf.MapSpec{Type: ebpf.Array, KeySize: 4, ValueSize: 4, MaxEntries: 1})
 		pins, err := Inspect(root)
 		if err != nil || !pins.Current || len(pins.Sources) != 0 {
 			t.Fatalf("Inspect: %+v %v", pins, err)
@@ -536,6 +533,9 @@ func TestInspectRefuses(t *testing.T) {
 		defer m.Close()
 		if err := checkRecord(m, Layout); err != nil {
 			t.Errorf("the record written again: %v", err)
+		}
+		if _, err := os.Stat(later); err != nil {
+			t.Errorf("the later build's map: %v", err)
 		}
 	})
 }
