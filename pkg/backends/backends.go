@@ -18,6 +18,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/nftables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
@@ -41,6 +42,9 @@ type Options struct {
 	Chain string
 	// Runner runs the iptables tools; nil runs them on the node (tests give a fake).
 	Runner iptables.Runner
+	// NFTables are the nftables backend's nft and netlink; zero runs them on the node (tests
+	// give a fake). Its Logger is Logger.
+	NFTables nftables.Options
 	// Logger receives the backends' logs; nil discards them.
 	Logger *slog.Logger
 }
@@ -61,6 +65,9 @@ type Backend struct {
 	// AutoWhen says when auto takes this backend, for --backend's help ("when the kernel
 	// supports it"); the last backend of All takes what the others leave.
 	AutoWhen string
+	// Fits, when set, says whether auto may take the backend on this node (nil) or why not,
+	// beyond whether it can run at all (New); a backend named on the command line is not asked.
+	Fits func(ctx context.Context, o Options) error
 	// New builds the backend and installs nothing. It probes the node: its error says why the
 	// backend cannot run here.
 	New func(ctx context.Context, o Options) (datapath.Backend, error)
@@ -75,11 +82,14 @@ type Backend struct {
 	Absent func(o Options) string
 	// CountNote, when set, says what the backend's packet counters count, under dump's rules.
 	CountNote string
+	// Render, when set, is what `render` prints for the backend: the text of the transactions
+	// an apply of p from nothing runs. A backend without one has nothing textual to show.
+	Render func(p *policy.Policy, o Options) string
 }
 
 // All are the backends, in the order --backend auto tries them: auto takes the first that can
 // run on the node (whose New succeeds) and logs why it passed over the ones before.
-var All = []Backend{bpfBackend, iptablesBackend}
+var All = []Backend{bpfBackend, nftablesBackend, iptablesBackend}
 
 // Lookup returns the backend named name.
 func Lookup(name string) (Backend, bool) {
@@ -159,14 +169,32 @@ func Choose(ctx context.Context, name string, o Options) (*Chosen, error) {
 		b, _ := Lookup(name)
 		candidates = []Backend{b}
 	}
+	// passed are the backends auto passed over, and why, logged once it chose one.
+	type passed struct {
+		b     Backend
+		unfit bool
+		err   error
+	}
+	var skipped []passed
 	var err error
-	for i, b := range candidates {
-		if i > 0 {
-			log.Warn(fmt.Sprintf("the %s datapath cannot run here; using %s", candidates[i-1].Title, b.Name), "reason", err)
+	for _, b := range candidates {
+		if name == Auto && b.Fits != nil {
+			if err = b.Fits(ctx, o); err != nil {
+				skipped = append(skipped, passed{b, true, err})
+				continue
+			}
 		}
 		var dp datapath.Backend
 		if dp, err = b.New(ctx, o); err != nil {
+			skipped = append(skipped, passed{b, false, err})
 			continue
+		}
+		for _, s := range skipped {
+			if s.unfit {
+				log.Info(fmt.Sprintf("the %s datapath does not fit this node; using %s", s.b.Title, b.Name), "reason", s.err)
+			} else {
+				log.Warn(fmt.Sprintf("the %s datapath cannot run here; using %s", s.b.Title, b.Name), "reason", s.err)
+			}
 		}
 		attrs := []any{"backend", b.Name}
 		if r, ok := dp.(datapath.InfoReporter); ok && r.Info().AttachMode != datapath.AttachNone {

@@ -3,21 +3,26 @@ package backends
 import (
 	"bytes"
 	"context"
+	"errors"
 	"log/slog"
 	"os"
 	"slices"
 	"strings"
 	"testing"
 
+	"sigs.k8s.io/knftables"
+
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables/iptablestest"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/nftables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/nftables/nftablestest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
 // None of these tests may reach a real datapath: they run in the host's namespace. The BPF
 // backend is given a --bpffs that is not a BPF filesystem (so it stops at its first check), the
-// iptables backend a fake.
+// iptables and nftables backends fakes.
 
 func TestEveryBackendIsComplete(t *testing.T) {
 	seen := map[string]bool{Auto: true}
@@ -85,7 +90,7 @@ func notBPFFS(t *testing.T) string { return t.TempDir() }
 func TestChooseAutoFallsBack(t *testing.T) {
 	var logs bytes.Buffer
 	f := iptablestest.New()
-	o := Options{BPFFS: notBPFFS(t), Runner: f, Logger: slog.New(slog.NewTextHandler(&logs, nil))}
+	o := Options{BPFFS: notBPFFS(t), Runner: f, NFTables: nftablestest.New().Options(), Logger: slog.New(slog.NewTextHandler(&logs, nil))}
 	c, err := Choose(context.Background(), Auto, o)
 	if err != nil {
 		t.Fatal(err)
@@ -107,7 +112,9 @@ func TestChooseAutoFallsBack(t *testing.T) {
 	if !slices.Equal(displaced, want) {
 		t.Errorf("displaces %q, want every other backend: %q", displaced, want)
 	}
-	for _, want := range []string{"the BPF datapath cannot run here; using iptables", "is not a BPF filesystem", "datapath chosen", "backend=iptables"} {
+	for _, want := range []string{"the BPF datapath cannot run here; using iptables", "is not a BPF filesystem",
+		"the nftables datapath does not fit this node; using iptables", "kube-proxy has no nftables table and the node has iptables",
+		"datapath chosen", "backend=iptables"} {
 		if !strings.Contains(logs.String(), want) {
 			t.Errorf("logs lack %q:\n%s", want, logs.String())
 		}
@@ -126,7 +133,9 @@ func TestChooseNamedBackendThatCannotRun(t *testing.T) {
 	}
 	f := iptablestest.New()
 	f.Installed = map[string]bool{}
-	_, err = Choose(context.Background(), Auto, Options{BPFFS: dir, Runner: f})
+	noNFT := nftablestest.New().Options()
+	noNFT.NFT = func(policy.Family) (knftables.Interface, error) { return nil, errors.New("could not find nftables binary") }
+	_, err = Choose(context.Background(), Auto, Options{BPFFS: dir, Runner: f, NFTables: noNFT})
 	if err == nil || !strings.Contains(err.Error(), "backend iptables: no iptables tools found") {
 		t.Errorf("auto where nothing can run: err = %v", err)
 	}
@@ -179,7 +188,7 @@ func TestIptablesCleanup(t *testing.T) {
 func TestInstalled(t *testing.T) {
 	ctx := context.Background()
 	f := iptablestest.New()
-	o := Options{BPFFS: t.TempDir(), Runner: f}
+	o := Options{BPFFS: t.TempDir(), Runner: f, NFTables: nftablestest.New().Options()}
 	readers, absent, err := Installed(ctx, o, nil)
 	if err != nil || len(readers) != 0 {
 		t.Fatalf("nothing installed: %v, %v", readers, err)
@@ -198,5 +207,75 @@ func TestInstalled(t *testing.T) {
 	readers, absent, err = Installed(ctx, o, nil)
 	if err != nil || len(readers) != 1 || readers[0].Info().Backend != iptables.Name || absent != nil {
 		t.Errorf("one chain installed: %v, %q, %v", readers, absent, err)
+	}
+}
+
+// Auto takes nftables where kube-proxy keeps an nftables table, or where the node has no
+// iptables at all; it displaces the others and installs nothing by choosing.
+func TestChooseAutoTakesNftables(t *testing.T) {
+	for _, tt := range []struct {
+		name      string
+		kubeProxy bool
+		iptables  bool
+	}{{"kube-proxy in nftables mode", true, true}, {"no iptables", false, false}} {
+		t.Run(tt.name, func(t *testing.T) {
+			var logs bytes.Buffer
+			f := iptablestest.New()
+			if !tt.iptables {
+				f.Installed = map[string]bool{}
+			}
+			nft := nftablestest.New()
+			if tt.kubeProxy {
+				nft.Others = map[policy.Family][]string{policy.IPv6: {nftables.KubeProxyTable}}
+			}
+			o := Options{BPFFS: notBPFFS(t), Runner: f, NFTables: nft.Options(), Logger: slog.New(slog.NewTextHandler(&logs, nil))}
+			c, err := Choose(context.Background(), Auto, o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c.Backend.Name() != nftables.Name {
+				t.Fatalf("chose %s, want nftables\n%s", c.Backend.Name(), logs.String())
+			}
+			var displaced []string
+			for _, d := range c.Displace {
+				displaced = append(displaced, d.Name())
+			}
+			if !slices.Equal(displaced, []string{"bpf", "iptables"}) {
+				t.Errorf("displaces %q", displaced)
+			}
+			if !strings.Contains(logs.String(), "the BPF datapath cannot run here; using nftables") {
+				t.Errorf("logs:\n%s", logs.String())
+			}
+			if len(nft.Runs) != 0 || nft.Table(policy.IPv4) != nil {
+				t.Errorf("choosing ran transactions: %v", nft.Runs)
+			}
+		})
+	}
+}
+
+// The nftables backend, displaced or cleaned up, removes both tables; where nft cannot run,
+// nothing can have installed them.
+func TestNftablesCleanup(t *testing.T) {
+	ctx := context.Background()
+	nft := nftablestest.New()
+	b, err := nftables.New(ctx, nft.Options())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Apply(ctx, policy.Compile(config.Default(config.Options{}), policy.Options{EnableIPv6: true})); err != nil {
+		t.Fatal(err)
+	}
+	o := Options{NFTables: nft.Options()}
+	removed, err := nftablesBackend.Cleanup(ctx, o)
+	if err != nil || removed != "tables ip ip-masq-agent and ip6 ip-masq-agent are gone" {
+		t.Errorf("cleanup: %q, %v", removed, err)
+	}
+	if nft.Table(policy.IPv4) != nil || nft.Table(policy.IPv6) != nil {
+		t.Error("cleanup left a table")
+	}
+	o.NFTables.NFT = func(policy.Family) (knftables.Interface, error) { return nil, errors.New("could not find nftables binary") }
+	removed, err = nftablesBackend.Cleanup(ctx, o)
+	if err != nil || !strings.HasPrefix(removed, "no nftables, so no table to remove (") {
+		t.Errorf("cleanup without nft: %q, %v", removed, err)
 	}
 }

@@ -63,6 +63,7 @@ var iptablesBackend = Backend{
 		return fmt.Sprintf("no %s chain in iptables-nft or iptables-legacy", o.chain())
 	},
 	CountNote: "iptables counts connections: the first packet of each",
+	Render:    func(p *policy.Policy, o Options) string { return iptables.RenderAll(p, o.chain()) },
 }
 
 // chain is --masq-chain, or the default chain when unset.

@@ -20,7 +20,7 @@ func TestAgentCommandLineErrors(t *testing.T) {
 		{[]string{"--backend=bpf", "--bpffs=" + os.TempDir()}, 1, "is not a BPF filesystem"},
 		{[]string{"--backend=bpf", "--bpffs=/nonexistent/bpffs"}, 1, "--bpffs /nonexistent/bpffs: no such file or directory"},
 		{[]string{"--backend=bpf", "--attach-mode=xdp"}, 2, `attach mode "xdp": must be auto, tcx or tc`},
-		{[]string{"--backend", "ebpf"}, 2, `backend "ebpf": must be auto, bpf or iptables`},
+		{[]string{"--backend", "ebpf"}, 2, `backend "ebpf": must be auto, bpf, nftables or iptables`},
 		{[]string{"--backend=bpf", "extra"}, 2, "the agent takes no arguments"},
 		{[]string{"--masq-chain=POSTROUTING"}, 2, "is a built-in chain"},
 		{[]string{"--to-ports=9-1"}, 2, "starts after it ends"},

@@ -11,6 +11,7 @@ import (
 	"io"
 	"strings"
 
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -40,7 +41,7 @@ type command struct {
 func commands() []command {
 	return []command{
 		{"explain", "explain [flags] ADDR...   which rule decides each address, and why", runExplain},
-		{"render", "render [flags]            print the iptables-restore payload; nothing is applied", runRender},
+		{"render", "render [flags]            print what a backend would apply (--backend: iptables or nftables); nothing is applied", runRender},
 		{"dump", "dump [flags]              the installed rules with hit counters, and the NAT table", runDump},
 		{"cleanup", "cleanup [flags]           remove everything the agent installed (chains, BPF programs, pins)", runCleanup},
 		{"version", "version                   print the version", runVersion},
@@ -187,13 +188,29 @@ func runRender(_ context.Context, args []string, stdout, stderr io.Writer) error
 	var pf policyFlags
 	fs := newFlagSet("render", "ip-masq-agent render [flags]", stderr)
 	pf.register(fs)
+	backend := fs.String("backend", iptables.Name, "the backend whose transactions to print: "+renderable())
 	if err := parseNoArgs(fs, args); err != nil {
 		return err
+	}
+	b, ok := backends.Lookup(*backend)
+	if !ok || b.Render == nil {
+		return usageError{fmt.Errorf("render --backend %q: must be %s", *backend, renderable())}
 	}
 	p, err := pf.load()
 	if err != nil {
 		return err
 	}
-	_, err = io.WriteString(stdout, iptables.RenderAll(p, pf.masqChain))
+	_, err = io.WriteString(stdout, b.Render(p, backends.Options{Chain: pf.masqChain}))
 	return err
+}
+
+// renderable names the backends render can print: "iptables or nftables".
+func renderable() string {
+	var names []string
+	for _, b := range backends.All {
+		if b.Render != nil {
+			names = append(names, b.Name)
+		}
+	}
+	return strings.Join(names, " or ")
 }

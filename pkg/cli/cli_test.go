@@ -11,6 +11,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/nftables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
@@ -146,6 +147,29 @@ func TestRender(t *testing.T) {
 	}
 	if _, _, err := run(t, "render", "extra"); err == nil || ExitCode(err) != 2 {
 		t.Errorf("render with an argument: %v", err)
+	}
+}
+
+// render --backend nftables prints the nftables transactions for the same flags; bpf has none.
+func TestRenderNftables(t *testing.T) {
+	path := writeConfig(t, seedScenario3)
+	out, _, err := run(t, "render", "--config="+path, "--enable-ipv6", "--backend=nftables", "--to-ports=40000-50000")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := config.Load(path, config.Options{EnableIPv6: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := policy.Compile(cfg, policy.Options{EnableIPv6: true, RandomFully: true, ToPorts: policy.PortRanges{{First: 40000, Last: 50000}}})
+	if want := nftables.RenderAll(p); out != want {
+		t.Errorf("render printed:\n%s\nwant:\n%s", out, want)
+	}
+	if !strings.Contains(out, "masquerade to :40000-50000 fully-random") || !strings.Contains(out, "add table ip6 ip-masq-agent") {
+		t.Errorf("flags not honoured:\n%s", out)
+	}
+	if _, _, err := run(t, "render", "--backend=bpf"); err == nil || ExitCode(err) != 2 || !strings.Contains(err.Error(), "must be nftables or iptables") {
+		t.Errorf("render --backend=bpf: %v", err)
 	}
 }
 

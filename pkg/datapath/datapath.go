@@ -95,7 +95,8 @@ type DriftChecker interface {
 
 // Kinds of drift (the what label of the heals metric).
 const (
-	// DriftChain: the iptables chain is missing or its rules differ from the policy.
+	// DriftChain: the iptables chain, or an nftables chain, is missing or its rules differ from
+	// the policy.
 	DriftChain = "chain"
 	// DriftJump: the POSTROUTING jump to the chain is missing or there is more than one.
 	DriftJump = "jump"
@@ -116,6 +117,10 @@ const (
 	// (a warning when it starts and when it ends, /readyz) until the other program lets the
 	// packets through again, and applies nothing for it.
 	DriftBypassed = "bypassed"
+	// DriftTable: an nftables table of the agent is missing.
+	DriftTable = "table"
+	// DriftSet: an nftables set is missing, or its elements differ from the policy.
+	DriftSet = "set"
 )
 
 // Repairable tells whether an apply repairs a kind of drift; DriftKinds lists only those.

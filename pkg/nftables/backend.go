@@ -1,0 +1,459 @@
+package nftables
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+
+	"sigs.k8s.io/knftables"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// Options configure a Backend.
+type Options struct {
+	// NFT returns the knftables interface of a family's table; nil runs the nft binary
+	// (knftables.New), which must be 1.0.1 or newer.
+	NFT func(fam policy.Family) (knftables.Interface, error)
+	// Kernel reads the tables; nil reads them over netlink (NetlinkKernel).
+	Kernel Kernel
+	// Logger receives the backend's logs; nil discards them.
+	Logger *slog.Logger
+}
+
+// NewNFT is the default Options.NFT: knftables on the nft binary.
+func NewNFT(fam policy.Family) (knftables.Interface, error) {
+	return knftables.New(nftFamily(fam), TableName)
+}
+
+// Backend is the nftables datapath (see the package comment for its layout).
+//
+// Apply, Cleanup and CheckDrift run on the agent's loop; Counters and Info may run at the same
+// time (a metrics scrape), so what they share is guarded by mu.
+type Backend struct {
+	log    *slog.Logger
+	newNFT func(fam policy.Family) (knftables.Interface, error)
+	kernel Kernel
+	// randomFully: the kernel accepts `masquerade fully-random` (probed by New).
+	randomFully bool
+
+	// Only the agent's loop uses these.
+	nfts map[policy.Family]knftables.Interface
+	// known is, per family, the table as this process last installed it, with the
+	// fingerprints of its chains read right after; trusted while the ruleset's generation is
+	// still gen (then nothing changed it).
+	known    map[policy.Family]*knownTable
+	gen      uint32
+	genKnown bool
+	// nextWalk is when CheckDrift may walk the sets' elements again, so that the walks take
+	// a small share of the time whatever the sets hold.
+	nextWalk time.Time
+	// staleIPv6Checked is set once an Apply without IPv6 removed an IPv6 table an earlier run
+	// with --enable-ipv6 left.
+	staleIPv6Checked bool
+
+	mu sync.Mutex
+	// applied is, per family, what the last successful Apply installed, for Counters. A
+	// published map is never modified.
+	applied map[policy.Family]*appliedFamily
+}
+
+type knownTable struct {
+	in     *installed
+	layout *Layout
+	chains map[string][]string
+}
+
+type appliedFamily struct {
+	policy *policy.Policy
+	layout *Layout
+}
+
+var (
+	_ datapath.Backend      = (*Backend)(nil)
+	_ datapath.InfoReporter = (*Backend)(nil)
+	_ datapath.DriftChecker = (*Backend)(nil)
+)
+
+// New returns a backend for the node: it checks that nft runs and that the kernel takes the
+// table the backend installs (nat chains, fib, masquerade), with nft --check. It changes
+// nothing.
+func New(ctx context.Context, opts Options) (*Backend, error) {
+	b := &Backend{log: opts.Logger, newNFT: opts.NFT, kernel: opts.Kernel,
+		nfts: map[policy.Family]knftables.Interface{}, known: map[policy.Family]*knownTable{}}
+	if b.log == nil {
+		b.log = slog.New(slog.DiscardHandler)
+	}
+	b.log = b.log.With("component", "nftables")
+	if b.newNFT == nil {
+		b.newNFT = NewNFT
+	}
+	if b.kernel == nil {
+		b.kernel = NetlinkKernel{}
+	}
+	nft, err := b.nft(policy.IPv4)
+	if err != nil {
+		return nil, err
+	}
+	probe := &policy.Policy{IPv4: []policy.Rule{{Family: policy.IPv4, Prefix: policy.LinkLocalIPv4, Action: policy.Return,
+		Origin: policy.OriginLinkLocal, Entry: -1}}, RandomFully: true}
+	for _, rf := range []bool{true, false} {
+		probe.RandomFully = rf
+		tx := nft.NewTransaction()
+		update(tx, probe, NewLayout(probe, policy.IPv4), empty(), true)
+		if err = nft.Check(ctx, tx); err == nil {
+			b.randomFully = rf
+			break
+		}
+		if rf {
+			b.log.Debug("nft --check refuses masquerade fully-random", "error", err)
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("the kernel refuses the nftables table (nat chain, fib, masquerade): %w", err)
+	}
+	if !b.randomFully {
+		b.log.Warn("the kernel rejects masquerade fully-random; masquerading without it")
+	}
+	if _, err := b.kernel.Generation(ctx); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+func (b *Backend) nft(fam policy.Family) (knftables.Interface, error) {
+	if nft, ok := b.nfts[fam]; ok {
+		return nft, nil
+	}
+	nft, err := b.newNFT(fam)
+	if err != nil {
+		return nil, fmt.Errorf("nftables (%s): %w (the nft command comes with the nftables package: apt-get install nftables)", nftFamily(fam), err)
+	}
+	b.nfts[fam] = nft
+	return nft, nil
+}
+
+// Name implements datapath.Backend.
+func (b *Backend) Name() string { return Name }
+
+// Info implements datapath.InfoReporter: nftables attaches no programs.
+func (b *Backend) Info() datapath.Info {
+	return datapath.Info{Backend: Name, AttachMode: datapath.AttachNone, Details: info(b.appliedFamilies())}
+}
+
+func info(fams []policy.Family) string {
+	if len(fams) == 0 {
+		return "no table yet"
+	}
+	s := "table"
+	for i, fam := range fams {
+		if i > 0 {
+			s += ","
+		}
+		s += " " + string(nftFamily(fam)) + " " + TableName
+	}
+	return s
+}
+
+func (b *Backend) appliedFamilies() []policy.Family {
+	b.mu.Lock()
+	applied := b.applied
+	b.mu.Unlock()
+	var out []policy.Family
+	for _, fam := range families {
+		if applied[fam] != nil {
+			out = append(out, fam)
+		}
+	}
+	return out
+}
+
+// publish records what a family now holds (nil: nothing), for Counters, as soon as its
+// transaction succeeded.
+func (b *Backend) publish(fam policy.Family, a *appliedFamily) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	next := map[policy.Family]*appliedFamily{}
+	for f, x := range b.applied {
+		if f != fam {
+			next[f] = x
+		}
+	}
+	if a != nil {
+		next[fam] = a
+	}
+	b.applied = next
+}
+
+// Apply implements datapath.Backend: per family, one transaction that changes only what
+// differs from the table as this process last installed it (while the ruleset's generation
+// says nothing changed since), or else from the table as read from the kernel. The chains are
+// rebuilt when their rules change or were changed; elements that stay keep their counters. A
+// transaction the kernel refuses (a table changed in a way the update did not foresee) is
+// followed by one that replaces the whole table, whose counters then restart.
+func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
+	gen, err := b.kernel.Generation(ctx)
+	trusted := err == nil && b.genKnown && gen == b.gen
+	managed := []policy.Family{policy.IPv4}
+	if p.Enabled(policy.IPv6) {
+		managed = append(managed, policy.IPv6)
+	} else if err := b.removeStaleIPv6(ctx); err != nil {
+		b.log.Warn("could not remove a stale IPv6 table", "error", err)
+	}
+	b.genKnown = false
+	for _, fam := range managed {
+		fp := *p
+		fp.RandomFully = p.RandomFully && b.randomFully
+		if err := b.applyFamily(ctx, &fp, fam, trusted); err != nil {
+			delete(b.known, fam)
+			return err
+		}
+	}
+	if gen, err := b.kernel.Generation(ctx); err == nil {
+		b.gen, b.genKnown = gen, true
+	}
+	return nil
+}
+
+func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.Family, trusted bool) error {
+	nft, err := b.nft(fam)
+	if err != nil {
+		return err
+	}
+	l := NewLayout(p, fam)
+	known := b.known[fam]
+	cur, chains := (*installed)(nil), map[string][]string(nil)
+	if trusted && known != nil {
+		cur, chains = known.in, known.chains
+	} else {
+		st, err := b.kernel.Table(ctx, fam, true)
+		if err != nil {
+			return fmt.Errorf("apply %s: %w", nftFamily(fam), err)
+		}
+		cur = empty()
+		if st != nil {
+			cur, chains = installedFrom(st), st.Chains
+		}
+	}
+	rebuild := known == nil || !slices.Equal(known.layout.Postrouting, l.Postrouting) ||
+		!slices.Equal(known.layout.Masq, l.Masq) || !sameChains(chains, known.chains)
+	tx := nft.NewTransaction()
+	added, deleted := update(tx, p, l, cur, rebuild)
+	start := time.Now()
+	if err := nft.Run(ctx, tx); err != nil {
+		if ctx.Err() != nil {
+			return fmt.Errorf("apply %s table %s: %w", nftFamily(fam), TableName, err)
+		}
+		b.log.Warn("the table could not be updated in place; replacing it (its counters restart)", "family", fam, "error", err)
+		tx = nft.NewTransaction()
+		replace(tx, p, l)
+		if err := nft.Run(ctx, tx); err != nil {
+			return fmt.Errorf("apply %s table %s: %w", nftFamily(fam), TableName, err)
+		}
+		added, deleted, rebuild = len(l.Elements), -1, true
+	}
+	b.log.Debug("table applied", "family", fam, "rules", len(p.Rules(fam)), "sets", len(l.Sets),
+		"elementsAdded", added, "elementsDeleted", deleted, "chainsRebuilt", rebuild, "took", time.Since(start))
+	b.publish(fam, &appliedFamily{policy: p, layout: l})
+	// The chains' fingerprints, to tell later whether someone changed them: cheap, the
+	// elements are not read.
+	st, err := b.kernel.Table(ctx, fam, false)
+	if err != nil || st == nil {
+		delete(b.known, fam)
+		if err == nil {
+			err = fmt.Errorf("the %s table is gone right after it was applied", nftFamily(fam))
+		}
+		b.log.Warn("cannot read the chains back; the next apply reads the whole table", "family", fam, "error", err)
+		return nil
+	}
+	b.known[fam] = &knownTable{in: installedOf(p, l), layout: l, chains: st.Chains}
+	return nil
+}
+
+func sameChains(a, b map[string][]string) bool {
+	if a == nil || b == nil || len(a) != len(b) {
+		return false
+	}
+	for name, rules := range a {
+		if other, ok := b[name]; !ok || !slices.Equal(rules, other) {
+			return false
+		}
+	}
+	return true
+}
+
+// removeStaleIPv6 removes an IPv6 table left by an earlier run with --enable-ipv6 (looked for
+// once) or by this process, so that no stale IPv6 policy stays in force unmanaged.
+func (b *Backend) removeStaleIPv6(ctx context.Context) error {
+	_, hadIPv6 := b.known[policy.IPv6]
+	b.publish(policy.IPv6, nil)
+	delete(b.known, policy.IPv6)
+	if b.staleIPv6Checked && !hadIPv6 {
+		return nil
+	}
+	st, err := b.kernel.Table(ctx, policy.IPv6, false)
+	if err != nil {
+		return err
+	}
+	b.staleIPv6Checked = true
+	if st == nil {
+		return nil
+	}
+	nft, err := b.nft(policy.IPv6)
+	if err != nil {
+		return err
+	}
+	b.log.Info("removing the IPv6 table of an earlier run with --enable-ipv6")
+	return deleteTable(ctx, nft)
+}
+
+// deleteTable removes the interface's table; absent, it is created first, so that the
+// deletion is valid either way (nft destroy needs nft 1.0.8 and kernel 6.3).
+func deleteTable(ctx context.Context, nft knftables.Interface) error {
+	tx := nft.NewTransaction()
+	tx.Add(&knftables.Table{})
+	tx.Delete(&knftables.Table{})
+	return nft.Run(ctx, tx)
+}
+
+// Counters implements datapath.Backend: per rule, the sum of its elements' counters (the
+// outbound rule's named counter), read from the kernel. A rule with an element missing is
+// left out; a rule that earlier rules cover entirely has no element and reports zero.
+func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
+	b.mu.Lock()
+	applied := b.applied
+	b.mu.Unlock()
+	var out []datapath.RuleCounter
+	for _, fam := range families {
+		a := applied[fam]
+		if a == nil {
+			continue
+		}
+		st, err := b.kernel.Table(ctx, fam, true)
+		if err != nil {
+			return nil, err
+		}
+		counters, _ := countRules(a.policy, a.layout, st)
+		out = append(out, counters...)
+	}
+	return out, nil
+}
+
+// Cleanup implements datapath.Backend: both tables are deleted. Nothing to remove is not an
+// error; a kernel without IPv6 nftables has no IPv6 table.
+func (b *Backend) Cleanup(ctx context.Context) error {
+	var errs []error
+	for _, fam := range families {
+		nft, err := b.nft(fam)
+		if err == nil {
+			err = deleteTable(ctx, nft)
+		}
+		if err != nil {
+			if fam == policy.IPv4 {
+				errs = append(errs, fmt.Errorf("clean up %s: %w", nftFamily(fam), err))
+			} else {
+				b.log.Warn("could not clean up", "family", fam, "error", err)
+			}
+		}
+		delete(b.known, fam)
+		b.publish(fam, nil)
+	}
+	b.genKnown = false
+	return errors.Join(errs...)
+}
+
+// DriftKinds implements datapath.DriftChecker.
+func (b *Backend) DriftKinds() []string {
+	return []string{datapath.DriftTable, datapath.DriftChain, datapath.DriftSet}
+}
+
+// walkShare is the share of the time the element walks of CheckDrift may take: after a walk
+// that took d, the next waits (1/walkShare - 1) d.
+const walkShare = 0.05
+
+// CheckDrift implements datapath.DriftChecker. First the ruleset's generation, one netlink
+// request: unchanged since the last Apply or the last check that found everything in place,
+// nothing can have changed. Otherwise each table the last Apply installed is read: that it
+// exists (table), its chains' rules against those read right after the Apply (chain), its sets
+// against the layout and, when the walk is due, their elements against what was installed
+// (set). Walks are spaced so that they take at most walkShare of the time (a 100k-element set
+// takes seconds to read back); until a walk found the elements in place, the generation is not
+// taken as checked.
+func (b *Backend) CheckDrift(ctx context.Context) ([]string, error) {
+	fams := b.appliedFamilies()
+	if len(fams) == 0 {
+		return nil, nil
+	}
+	gen, err := b.kernel.Generation(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if b.genKnown && gen == b.gen {
+		return nil, nil
+	}
+	walk := !time.Now().Before(b.nextWalk)
+	start := time.Now()
+	found := map[string]bool{}
+	for _, fam := range fams {
+		known := b.known[fam]
+		st, err := b.kernel.Table(ctx, fam, walk)
+		if err != nil {
+			return nil, err
+		}
+		switch {
+		case st == nil:
+			found[datapath.DriftTable] = true
+			continue
+		case known == nil:
+			// The read back after the Apply failed: compare with nothing, repair to be sure.
+			found[datapath.DriftChain] = true
+			continue
+		}
+		found[datapath.DriftChain] = found[datapath.DriftChain] || !sameChains(st.Chains, known.chains)
+		found[datapath.DriftSet] = found[datapath.DriftSet] || !sameSets(st, known.in, walk)
+	}
+	if walk {
+		b.nextWalk = time.Now().Add(time.Duration(float64(time.Since(start)) * (1/walkShare - 1)))
+	}
+	var out []string
+	for _, k := range b.DriftKinds() {
+		if found[k] {
+			out = append(out, k)
+		}
+	}
+	if len(out) == 0 && walk {
+		b.gen, b.genKnown = gen, true
+	}
+	return out, nil
+}
+
+// sameSets compares the sets of a table read from the kernel with what was installed: the same
+// names and, when the elements were read, the same elements with the same comments.
+func sameSets(st *TableState, in *installed, elements bool) bool {
+	if len(st.Sets) != len(in.sets) {
+		return false
+	}
+	for name, want := range in.sets {
+		s, ok := st.Sets[name]
+		if !ok {
+			return false
+		}
+		if !elements {
+			continue
+		}
+		if len(s.Elements) != len(want) {
+			return false
+		}
+		for key, comment := range want {
+			if e, ok := s.Elements[key]; !ok || e.Comment != comment {
+				return false
+			}
+		}
+	}
+	return true
+}

@@ -1,0 +1,516 @@
+package nftables_test
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+
+	"sigs.k8s.io/knftables"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/nftables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/nftables/nftablestest"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+func pfx(s string) netip.Prefix { return netip.MustParsePrefix(s) }
+
+func compile(cfg config.Config, ipv6 bool) *policy.Policy {
+	return policy.Compile(cfg, policy.Options{EnableIPv6: ipv6, RandomFully: true})
+}
+
+func newBackend(t *testing.T, f *nftablestest.Fake) *nftables.Backend {
+	t.Helper()
+	b, err := nftables.New(context.Background(), f.Options())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func apply(t *testing.T, b *nftables.Backend, p *policy.Policy) {
+	t.Helper()
+	if err := b.Apply(context.Background(), p); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A rule owns what no earlier rule of its phase holds; a rule inside an earlier one owns
+// nothing, and a MASQUERADE rule inside a RETURN one cuts nothing out of it (its phase comes
+// first).
+func TestLayoutFirstMatch(t *testing.T) {
+	cfg := config.Config{
+		NonMasqueradeCIDRs: []netip.Prefix{pfx("10.1.0.0/16"), pfx("10.0.0.0/8"), pfx("10.2.0.0/16"), pfx("10.0.0.0/8")},
+		MasqueradeCIDRs:    []netip.Prefix{pfx("10.3.0.0/24")},
+		MasqOutBound:       true,
+	}
+	p := compile(cfg, false)
+	l := nftables.NewLayout(p, policy.IPv4)
+	// masq 10.3.0.0/24; link-local; 10.1/16; 10/8 minus 10.1/16 (8 pieces); 10.2/16 and the
+	// second 10/8 own nothing; outbound.
+	if want := []int{1, 1, 1, 8, 0, 0, 0}; !slices.Equal(l.Pieces, want) {
+		t.Errorf("pieces %v, want %v", l.Pieces, want)
+	}
+	var sets []string
+	for _, s := range l.Sets {
+		sets = append(sets, s.Name)
+	}
+	if want := []string{"masq-24", "return-16", "return-15", "return-14", "return-13", "return-12", "return-11", "return-10", "return-9"}; !slices.Equal(sets, want) {
+		t.Errorf("sets %v, want %v", sets, want)
+	}
+	if want := []string{
+		"fib daddr type local return",
+		"ip daddr & 255.255.255.0 @masq-24 goto masq",
+		"ip daddr & 255.255.0.0 @return-16 return",
+	}; !slices.Equal(l.Postrouting[:3], want) {
+		t.Errorf("postrouting starts %q, want %q", l.Postrouting[:3], want)
+	}
+	if got := l.Postrouting[len(l.Postrouting)-1]; got != `counter name "outbound" goto masq` {
+		t.Errorf("last rule %q", got)
+	}
+}
+
+func TestMasqRulesHonourRandomFullyAndToPorts(t *testing.T) {
+	p := compile(config.Config{MasqOutBound: true}, false)
+	p.ToPorts = policy.PortRanges{{First: 1024, Last: 29999}, {First: 32768, Last: 65535}}
+	got := nftables.NewLayout(p, policy.IPv4).Masq
+	want := []string{
+		"meta l4proto { tcp, udp, sctp } numgen random mod 61744 < 28976 masquerade to :1024-29999 fully-random",
+		"meta l4proto { tcp, udp, sctp } masquerade to :32768-65535 fully-random",
+		"masquerade fully-random",
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("masq chain\n%q\nwant\n%q", got, want)
+	}
+	p.RandomFully, p.ToPorts = false, nil
+	if got := nftables.NewLayout(p, policy.IPv4).Masq; !slices.Equal(got, []string{"masquerade"}) {
+		t.Errorf("without flags: %q", got)
+	}
+}
+
+func randomPrefix(r *rand.Rand, fam policy.Family, pool []netip.Prefix) netip.Prefix {
+	if len(pool) > 0 && r.IntN(2) == 0 { // nested in an earlier one, so that rules overlap
+		base := pool[r.IntN(len(pool))]
+		if policy.FamilyOf(base.Addr()) == fam {
+			bits := base.Bits() + r.IntN(base.Addr().BitLen()-base.Bits()+1)
+			return netip.PrefixFrom(randomAddrIn(r, base), bits).Masked()
+		}
+	}
+	n := 4
+	if fam == policy.IPv6 {
+		n = 16
+	}
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(r.UintN(256))
+	}
+	a, _ := netip.AddrFromSlice(b)
+	return netip.PrefixFrom(a, r.IntN(8*n+1)).Masked()
+}
+
+func randomAddrIn(r *rand.Rand, p netip.Prefix) netip.Addr {
+	pb := p.Masked().Addr().AsSlice()
+	ab := make([]byte, len(pb))
+	for i := range ab {
+		ab[i] = byte(r.UintN(256))
+	}
+	for bit := 0; bit < p.Bits(); bit++ {
+		mask := byte(0x80 >> (bit % 8))
+		ab[bit/8] = ab[bit/8]&^mask | pb[bit/8]&mask
+	}
+	a, _ := netip.AddrFromSlice(ab)
+	return a
+}
+
+// randomConfig has overlapping, nested and repeated CIDRs in both families.
+func randomConfig(r *rand.Rand) config.Config {
+	var pool []netip.Prefix
+	cfg := config.Config{MasqOutBound: r.IntN(2) == 0, MasqOutBoundIPv6: r.IntN(2) == 0,
+		MasqLinkLocal: r.IntN(2) == 0, MasqLinkLocalIPv6: r.IntN(2) == 0}
+	add := func(list *[]netip.Prefix) {
+		fam := []policy.Family{policy.IPv4, policy.IPv6}[r.IntN(2)]
+		p := randomPrefix(r, fam, pool)
+		if len(pool) > 0 && r.IntN(8) == 0 {
+			p = pool[r.IntN(len(pool))] // a repeat
+		}
+		pool = append(pool, p)
+		*list = append(*list, p)
+	}
+	for range r.IntN(20) {
+		add(&cfg.NonMasqueradeCIDRs)
+	}
+	for range r.IntN(8) {
+		add(&cfg.MasqueradeCIDRs)
+	}
+	if r.IntN(3) == 0 {
+		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, pfx("169.254.169.254/32"))
+		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, pfx("fe80::/64"))
+	}
+	return cfg
+}
+
+// destinations are addresses where the order matters: inside and at the edges of every rule's
+// prefix, and random ones.
+func destinations(r *rand.Rand, p *policy.Policy) []netip.Addr {
+	var out []netip.Addr
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, rule := range p.Rules(fam) {
+			pr := rule.Prefix.Masked()
+			out = append(out, pr.Addr(), lastAddr(pr), randomAddrIn(r, pr))
+		}
+		out = append(out, randomAddrIn(r, netip.PrefixFrom(netip.IPv6Unspecified(), 0)),
+			randomAddrIn(r, netip.PrefixFrom(netip.IPv4Unspecified(), 0)))
+	}
+	return out
+}
+
+func lastAddr(p netip.Prefix) netip.Addr {
+	b := p.Addr().AsSlice()
+	for bit := p.Bits(); bit < len(b)*8; bit++ {
+		b[bit/8] |= 0x80 >> (bit % 8)
+	}
+	a, _ := netip.AddrFromSlice(b)
+	return a
+}
+
+// The rules the backend installs, run by the tracer over knftables' fake, decide as Decide
+// does, for random configurations applied one after the other (each an update of the last), and
+// the element that counts the packet belongs to the rule Decide names. After each update, the
+// table equals the one a fresh backend installs from nothing.
+func TestTracedRulesEqualDecide(t *testing.T) {
+	r := rand.New(rand.NewPCG(15, 1))
+	f := nftablestest.New()
+	b := newBackend(t, f)
+	for iter := range 200 {
+		p := compile(randomConfig(r), r.IntN(4) > 0)
+		apply(t, b, p)
+		layouts := map[policy.Family]*nftables.Layout{}
+		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+			if p.Enabled(fam) {
+				layouts[fam] = nftables.NewLayout(p, fam)
+			}
+		}
+		for _, dst := range destinations(r, p) {
+			want := p.Decide(dst)
+			got, err := f.Trace(dst, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got.Action != want.Action {
+				t.Fatalf("iteration %d: %s: traced %s, Decide %s (rule %d)\n%s", iter, dst, got.Action, want.Action, want.Number, f.Dump(policy.FamilyOf(dst)))
+			}
+			if !p.Enabled(policy.FamilyOf(dst)) {
+				continue
+			}
+			rule := counted(t, layouts[policy.FamilyOf(dst)], got)
+			if rule != want.Number {
+				t.Fatalf("iteration %d: %s: counted by rule %d, Decide's rule %d", iter, dst, rule, want.Number)
+			}
+			if local, _ := f.Trace(dst, true); local.Action != policy.Return || local.Set != "" || local.Outbound {
+				t.Fatalf("%s as a node address: %+v", dst, local)
+			}
+		}
+		fresh := nftablestest.New()
+		apply(t, newBackend(t, fresh), p)
+		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+			if got, want := sortedDump(f.Dump(fam)), sortedDump(fresh.Dump(fam)); got != want {
+				t.Fatalf("iteration %d: %s: updated table\n%s\ndiffers from a fresh one\n%s", iter, fam, got, want)
+			}
+		}
+	}
+}
+
+// counted is the number of the rule whose counter a traced packet went to (0: none).
+func counted(t *testing.T, l *nftables.Layout, v nftablestest.Verdict) int {
+	t.Helper()
+	switch {
+	case v.Outbound:
+		return l.Outbound + 1
+	case v.Set == "":
+		return 0
+	}
+	for _, e := range l.Elements {
+		if e.Set == v.Set && e.Key == v.Key {
+			return e.Rule + 1
+		}
+	}
+	t.Fatalf("traced element %s %s is not in the layout", v.Set, v.Key)
+	return 0
+}
+
+// sortedDump is a dump with its lines sorted: element and set order does not matter.
+func sortedDump(s string) string {
+	lines := strings.Split(s, "\n")
+	slices.Sort(lines)
+	return strings.Join(lines, "\n")
+}
+
+func hit(t *testing.T, f *nftablestest.Fake, dst string, n int) {
+	t.Helper()
+	for range n {
+		if _, err := f.Trace(netip.MustParseAddr(dst), false); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func packets(cs []datapath.RuleCounter) map[string]uint64 {
+	out := map[string]uint64{}
+	for _, c := range cs {
+		out[c.Source()+" "+c.Prefix.String()] = c.Packets
+	}
+	return out
+}
+
+// Counters sum a rule's elements; a rule whose elements stay across an update keeps its
+// counts, even when it moves in the list; a new rule starts at zero, and so does a rule whose
+// pieces changed (an earlier rule that overlaps it came or went).
+func TestCountersKeptAcrossUpdates(t *testing.T) {
+	ctx := context.Background()
+	f := nftablestest.New()
+	b := newBackend(t, f)
+	if cs, err := b.Counters(ctx); err != nil || len(cs) != 0 {
+		t.Fatalf("before the first apply: %v, %v", cs, err)
+	}
+	cfg := config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("10.1.0.0/16"), pfx("10.0.0.0/8"), pfx("172.16.0.0/12")},
+		MasqueradeCIDRs: []netip.Prefix{pfx("172.16.1.0/24")}, MasqOutBound: true}
+	apply(t, b, compile(cfg, false))
+	hit(t, f, "10.1.2.3", 2)
+	hit(t, f, "10.200.0.1", 3) // a piece of 10/8 other than the first
+	hit(t, f, "10.0.0.1", 1)
+	hit(t, f, "172.17.0.1", 6)
+	hit(t, f, "172.16.1.1", 7)
+	hit(t, f, "8.8.8.8", 5)
+	cs, err := b.Counters(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]uint64{"masqueradeCIDRs[0] 172.16.1.0/24": 7, "link-local 169.254.0.0/16": 0, "nonMasqueradeCIDRs[0] 10.1.0.0/16": 2,
+		"nonMasqueradeCIDRs[1] 10.0.0.0/8": 4, "nonMasqueradeCIDRs[2] 172.16.0.0/12": 6, "outbound 0.0.0.0/0": 5}
+	if got := packets(cs); !mapsEqual(got, want) {
+		t.Errorf("counters %v, want %v", got, want)
+	}
+	// All move; 192.168/16 is new; 10/8's pieces stay (10.1/16 still comes first).
+	cfg.NonMasqueradeCIDRs = []netip.Prefix{pfx("192.168.0.0/16"), pfx("172.16.0.0/12"), pfx("10.1.0.0/16"), pfx("10.0.0.0/8")}
+	cfg.MasqueradeCIDRs = []netip.Prefix{pfx("1.2.3.4/32"), pfx("172.16.1.0/24")}
+	apply(t, b, compile(cfg, false))
+	cs, err = b.Counters(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want = map[string]uint64{"masqueradeCIDRs[0] 1.2.3.4/32": 0, "masqueradeCIDRs[1] 172.16.1.0/24": 7, "link-local 169.254.0.0/16": 0,
+		"nonMasqueradeCIDRs[0] 192.168.0.0/16": 0, "nonMasqueradeCIDRs[1] 172.16.0.0/12": 6, "nonMasqueradeCIDRs[2] 10.1.0.0/16": 2,
+		"nonMasqueradeCIDRs[3] 10.0.0.0/8": 4, "outbound 0.0.0.0/0": 5}
+	if got := packets(cs); !mapsEqual(got, want) {
+		t.Errorf("after a reorder: counters %v, want %v", got, want)
+	}
+	// 10/8 before 10.1/16 now: 10/8 is one element (its count starts over), 10.1/16 none.
+	cfg.NonMasqueradeCIDRs = []netip.Prefix{pfx("10.0.0.0/8"), pfx("10.1.0.0/16")}
+	apply(t, b, compile(cfg, false))
+	hit(t, f, "10.1.2.3", 1)
+	cs, err = b.Counters(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want = map[string]uint64{"masqueradeCIDRs[0] 1.2.3.4/32": 0, "masqueradeCIDRs[1] 172.16.1.0/24": 7, "link-local 169.254.0.0/16": 0,
+		"nonMasqueradeCIDRs[0] 10.0.0.0/8": 1, "nonMasqueradeCIDRs[1] 10.1.0.0/16": 0, "outbound 0.0.0.0/0": 5}
+	if got := packets(cs); !mapsEqual(got, want) {
+		t.Errorf("after 10/8 took over 10.1/16: counters %v, want %v", got, want)
+	}
+}
+
+func mapsEqual(a, b map[string]uint64) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		if w, ok := b[k]; !ok || w != v {
+			return false
+		}
+	}
+	return true
+}
+
+// An unchanged policy applied again runs a transaction that changes nothing (no element added
+// or deleted, chains kept); a restarted backend reads the table back and does the same.
+func TestApplyAgainChangesNothing(t *testing.T) {
+	ctx := context.Background()
+	f := nftablestest.New()
+	p := compile(config.Default(config.Options{}), true)
+	apply(t, newBackend(t, f), p)
+	hit(t, f, "10.9.9.9", 3)
+	for _, b := range []*nftables.Backend{newBackend(t, f)} {
+		apply(t, b, p)
+		apply(t, b, p)
+		cs, err := b.Counters(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := packets(cs)["nonMasqueradeCIDRs[0] 10.0.0.0/8"]; got != 3 {
+			t.Errorf("10/8 counts %d after applying again, want 3", got)
+		}
+	}
+}
+
+// Drift: each damage is found (and only its kind), the next Apply repairs it, and the check
+// after finds nothing. An unchanged generation is no drift at all.
+func TestDriftFoundAndRepaired(t *testing.T) {
+	ctx := context.Background()
+	p := compile(config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("10.0.0.0/8")}, MasqueradeCIDRs: []netip.Prefix{pfx("10.1.0.0/16")},
+		MasqOutBound: true}, false)
+	for _, d := range []struct {
+		name string
+		what []string
+		do   func(tx *knftables.Transaction)
+	}{
+		{"table deleted", []string{datapath.DriftTable}, func(tx *knftables.Transaction) { tx.Delete(&knftables.Table{}) }},
+		{"set flushed", []string{datapath.DriftSet}, func(tx *knftables.Transaction) { tx.Flush(&knftables.Set{Name: "return-8"}) }},
+		{"element added", []string{datapath.DriftSet}, func(tx *knftables.Transaction) {
+			tx.Add(&knftables.Element{Set: "return-8", Key: []string{"11.0.0.0"}})
+		}},
+		{"chain changed", []string{datapath.DriftChain}, func(tx *knftables.Transaction) {
+			tx.Insert(&knftables.Rule{Chain: nftables.ChainPostrouting, Rule: "return"})
+		}},
+		{"set added", []string{datapath.DriftSet}, func(tx *knftables.Transaction) {
+			tx.Add(&knftables.Set{Name: "masq-32", Type: "ipv4_addr"})
+		}},
+	} {
+		t.Run(d.name, func(t *testing.T) {
+			f := nftablestest.New()
+			b := newBackend(t, f)
+			apply(t, b, p)
+			if kinds, err := b.CheckDrift(ctx); err != nil || len(kinds) != 0 {
+				t.Fatalf("right after the apply: %v, %v", kinds, err)
+			}
+			if err := f.Run(ctx, policy.IPv4, d.do); err != nil {
+				t.Fatal(err)
+			}
+			kinds, err := b.CheckDrift(ctx)
+			if err != nil || !slices.Equal(kinds, d.what) {
+				t.Fatalf("drift %v, %v; want %v", kinds, err, d.what)
+			}
+			apply(t, b, p)
+			if kinds, err := b.CheckDrift(ctx); err != nil || len(kinds) != 0 {
+				t.Fatalf("after the repair: %v, %v\n%s", kinds, err, f.Dump(policy.IPv4))
+			}
+			fresh := nftablestest.New()
+			apply(t, newBackend(t, fresh), p)
+			if got, want := sortedDump(f.Dump(policy.IPv4)), sortedDump(fresh.Dump(policy.IPv4)); got != want {
+				t.Errorf("repaired table\n%s\ndiffers from a fresh one\n%s", got, want)
+			}
+		})
+	}
+}
+
+// A transaction the kernel refuses fails the apply; the next one replaces what it cannot
+// update.
+func TestApplyErrors(t *testing.T) {
+	ctx := context.Background()
+	f := nftablestest.New()
+	b := newBackend(t, f)
+	f.Fail = errors.New("no space left")
+	if err := b.Apply(ctx, compile(config.Default(config.Options{}), false)); err == nil || !strings.Contains(err.Error(), "no space left") {
+		t.Fatalf("err = %v", err)
+	}
+	f.Fail = nil
+	apply(t, b, compile(config.Default(config.Options{}), false))
+	if v, _ := f.Trace(netip.MustParseAddr("10.1.1.1"), false); v.Action != policy.Return || v.Set != "return-8" {
+		t.Errorf("after the failure: %+v", v)
+	}
+}
+
+// IPv6 disabled: the first apply removes an IPv6 table an earlier run left; Cleanup removes
+// both tables, twice.
+func TestStaleIPv6AndCleanup(t *testing.T) {
+	ctx := context.Background()
+	f := nftablestest.New()
+	apply(t, newBackend(t, f), compile(config.Default(config.Options{}), true))
+	if f.Table(policy.IPv6) == nil {
+		t.Fatal("no IPv6 table")
+	}
+	b := newBackend(t, f)
+	apply(t, b, compile(config.Default(config.Options{}), false))
+	if f.Table(policy.IPv6) != nil {
+		t.Error("the stale IPv6 table stays")
+	}
+	for range 2 {
+		if err := b.Cleanup(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if f.Table(policy.IPv4) != nil || f.Table(policy.IPv6) != nil {
+		t.Error("cleanup left a table")
+	}
+	if cs, err := b.Counters(ctx); err != nil || len(cs) != 0 {
+		t.Errorf("counters after cleanup: %v, %v", cs, err)
+	}
+}
+
+// Inspect reads the tables of another process: with the policy, as the backend's counters,
+// then what the policy does not explain; without it, every group of elements by comment.
+func TestInspect(t *testing.T) {
+	ctx := context.Background()
+	f := nftablestest.New()
+	if in, err := nftables.Inspect(ctx, f.Kernel(), nil); err != nil || in != nil {
+		t.Fatalf("nothing installed: %v, %v", in, err)
+	}
+	installed := compile(config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("10.0.0.0/8"), pfx("172.16.0.0/12")}, MasqOutBound: true}, false)
+	apply(t, newBackend(t, f), installed)
+	hit(t, f, "172.16.0.9", 2)
+	hit(t, f, "1.1.1.1", 1)
+	expected := compile(config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("10.0.0.0/8")}, MasqOutBound: true}, false)
+	in, err := nftables.Inspect(ctx, f.Kernel(), expected)
+	if err != nil || in == nil {
+		t.Fatalf("inspect: %v, %v", in, err)
+	}
+	if got := in.Info(); got.Backend != nftables.Name || got.Details != "table ip ip-masq-agent" {
+		t.Errorf("info %+v", got)
+	}
+	cs, err := in.Counters(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, c := range cs {
+		got = append(got, strings.Join([]string{c.Source(), c.Prefix.String(), c.Action.String()}, " "), "")
+		got[len(got)-1] = string(rune('0' + c.Rule))
+	}
+	want := []string{"link-local 169.254.0.0/16 RETURN", "1", "nonMasqueradeCIDRs[0] 10.0.0.0/8 RETURN", "2",
+		"outbound 0.0.0.0/0 MASQUERADE", "3", "nonMasqueradeCIDRs 172.16.0.0/12 RETURN", "0"}
+	if !slices.Equal(got, want) {
+		t.Errorf("counters %q, want %q", got, want)
+	}
+	if c := cs[3]; c.Packets != 2 || c.Rule != 0 {
+		t.Errorf("the unexplained rule: %+v", c)
+	}
+}
+
+// render prints the transaction that installs the table from nothing: the seeds' default
+// policy, IPv4 only without --enable-ipv6.
+func TestRenderAll(t *testing.T) {
+	p := compile(config.Default(config.Options{}), false)
+	got := nftables.RenderAll(p)
+	for _, want := range []string{
+		"# nft -f -\n",
+		"add table ip ip-masq-agent { comment \"ip-masq-agent: masquerade policy; changes behind the agent's back are repaired\" ; }\n",
+		"add chain ip ip-masq-agent postrouting { type nat hook postrouting priority 100 ; }\n",
+		"add set ip ip-masq-agent return-8 { type ipv4_addr ; counter ; }\n",
+		"add rule ip ip-masq-agent postrouting fib daddr type local return\n",
+		"add rule ip ip-masq-agent postrouting ip daddr & 255.0.0.0 @return-8 return\n",
+		"add rule ip ip-masq-agent postrouting counter name \"outbound\" goto masq\n",
+		"add rule ip ip-masq-agent masq masquerade fully-random\n",
+		"add element ip ip-masq-agent return-8 { 10.0.0.0 comment \"nonMasqueradeCIDRs 10.0.0.0/8\" }\n",
+	} {
+		if !strings.Contains(got, want) {
+			t.Errorf("render lacks %q:\n%s", want, got)
+		}
+	}
+	if strings.Contains(got, " ip6 ") {
+		t.Errorf("IPv6 rendered without --enable-ipv6:\n%s", got)
+	}
+}

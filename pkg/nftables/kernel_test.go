@@ -1,0 +1,157 @@
+package nftables_test
+
+import (
+	"context"
+	"math/rand/v2"
+	"net/netip"
+	"os/exec"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/nftables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// nft runs the nft command in the calling thread's namespace (inside testutil.InNetns).
+func nft(t *testing.T, args ...string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "nft", args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("nft %s: %v: %s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// checkKernel compares the kernel's tables, read back over netlink, with the policy's layout:
+// the same sets, each element with its rule's comment, nothing else; no IPv6 table without
+// IPv6.
+func checkKernel(t *testing.T, p *policy.Policy) {
+	t.Helper()
+	ctx := context.Background()
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		st, err := nftables.NetlinkKernel{}.Table(ctx, fam, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !p.Enabled(fam) {
+			if st != nil {
+				t.Errorf("%s: a table without --enable-ipv6", fam)
+			}
+			continue
+		}
+		if st == nil {
+			t.Fatalf("%s: no table", fam)
+		}
+		l := nftables.NewLayout(p, fam)
+		want := map[string]map[string]string{}
+		for _, s := range l.Sets {
+			want[s.Name] = map[string]string{}
+		}
+		for _, e := range l.Elements {
+			want[e.Set][e.Key.String()] = nftables.Comment(p.Rules(fam)[e.Rule])
+		}
+		got := map[string]map[string]string{}
+		for name, s := range st.Sets {
+			got[name] = map[string]string{}
+			for k, e := range s.Elements {
+				got[name][k.String()] = e.Comment
+			}
+		}
+		if len(got) != len(want) {
+			t.Errorf("%s: sets %v, want %v", fam, got, want)
+		}
+		for name, elems := range want {
+			if g := got[name]; len(g) != len(elems) {
+				t.Errorf("%s %s: %d elements, want %d", fam, name, len(g), len(elems))
+			}
+			for k, c := range elems {
+				if got[name][k] != c {
+					t.Errorf("%s %s %s: comment %q, want %q", fam, name, k, got[name][k], c)
+				}
+			}
+		}
+		if len(st.Chains[nftables.ChainPostrouting]) != len(l.Postrouting) || len(st.Chains[nftables.ChainMasq]) != len(l.Masq) {
+			t.Errorf("%s: chains hold %d and %d rules, want %d and %d", fam, len(st.Chains[nftables.ChainPostrouting]),
+				len(st.Chains[nftables.ChainMasq]), len(l.Postrouting), len(l.Masq))
+		}
+		if (st.Outbound != nil) != (l.Outbound >= 0) {
+			t.Errorf("%s: outbound counter %v, outbound rule %d", fam, st.Outbound, l.Outbound)
+		}
+	}
+}
+
+// The backend against the kernel, through nft and netlink, in a namespace of its own: random
+// policies (with --to-ports and IPv6) applied one after the other are what the kernel then
+// holds; drift is found and repaired; cleanup removes both tables.
+func TestKernel(t *testing.T) {
+	testutil.RequirePrivileged(t, "ip", "nft")
+	ns := testutil.NewNetns(t)
+	testutil.InNetns(t, ns, func() {
+		ctx := context.Background()
+		b, err := nftables.New(ctx, nftables.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := rand.New(rand.NewPCG(15, 2))
+		var p *policy.Policy
+		for i := range 12 {
+			p = compile(randomConfig(r), i%3 != 2)
+			if i%2 == 0 {
+				p.ToPorts = policy.PortRanges{{First: 1024, Last: 29999}, {First: 32768, Last: 65535}}
+			}
+			if err := b.Apply(ctx, p); err != nil {
+				t.Fatalf("apply %d: %v", i, err)
+			}
+			checkKernel(t, p)
+			if kinds, err := b.CheckDrift(ctx); err != nil || len(kinds) != 0 {
+				t.Fatalf("apply %d: drift right after: %v, %v", i, kinds, err)
+			}
+		}
+		p = compile(config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("10.0.0.0/8"), pfx("fd00::/8")}, MasqOutBound: true, MasqOutBoundIPv6: true}, true)
+		if err := b.Apply(ctx, p); err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range []struct {
+			args []string
+			what []string
+		}{
+			{[]string{"flush", "set", "ip", nftables.TableName, "return-8"}, []string{datapath.DriftSet}},
+			{[]string{"delete", "table", "ip6", nftables.TableName}, []string{datapath.DriftTable}},
+			{[]string{"insert", "rule", "ip", nftables.TableName, nftables.ChainPostrouting, "return"}, []string{datapath.DriftChain}},
+		} {
+			nft(t, d.args...)
+			// The element walk is due at most every so often; the check finds the damage by then.
+			var kinds []string
+			for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && len(kinds) == 0; {
+				if kinds, err = b.CheckDrift(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if !slices.Equal(kinds, d.what) {
+				t.Errorf("nft %s: drift %v, want %v", strings.Join(d.args, " "), kinds, d.what)
+			}
+			if err := b.Apply(ctx, p); err != nil {
+				t.Fatal(err)
+			}
+			checkKernel(t, p)
+			if kinds, err := b.CheckDrift(ctx); err != nil || len(kinds) != 0 {
+				t.Errorf("nft %s: drift after the repair: %v, %v", strings.Join(d.args, " "), kinds, err)
+			}
+		}
+		for range 2 {
+			if err := b.Cleanup(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if out := nft(t, "list", "tables"); strings.Contains(out, nftables.TableName) {
+			t.Errorf("cleanup left %s", out)
+		}
+	})
+}

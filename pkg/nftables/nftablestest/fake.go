@@ -1,0 +1,331 @@
+// Package nftablestest is a fake nftables for the backend's users' tests: knftables' Fake for
+// each family's table, a Kernel that reads them as the netlink one reads the kernel's, counters
+// of the elements and the outbound counter, and a tracer that runs a packet through the fake's
+// rules as nft would.
+package nftablestest
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"strconv"
+	"strings"
+	"sync"
+
+	"sigs.k8s.io/knftables"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/nftables"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// Fake is the node's nftables: one knftables.Fake per family.
+type Fake struct {
+	mu    sync.Mutex
+	fakes map[policy.Family]*knftables.Fake
+	gen   uint32
+	// counts are the counters of elements (by family, set, key and comment: an element
+	// deleted and added again starts over) and of the outbound counter (Set "").
+	counts map[countKey]nftables.Count
+	// Runs counts the transactions run, per family.
+	Runs map[policy.Family]int
+	// Fail, when set, fails every transaction with it.
+	Fail error
+	// Others are the names of other owners' tables, per family (kube-proxy's, say).
+	Others map[policy.Family][]string
+}
+
+type countKey struct {
+	fam          policy.Family
+	set, comment string
+	key          netip.Addr
+}
+
+// New returns an empty fake.
+func New() *Fake {
+	f := &Fake{fakes: map[policy.Family]*knftables.Fake{}, counts: map[countKey]nftables.Count{}, Runs: map[policy.Family]int{}}
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		kf := knftables.IPv4Family
+		if fam == policy.IPv6 {
+			kf = knftables.IPv6Family
+		}
+		f.fakes[fam] = knftables.NewFake(kf, nftables.TableName)
+	}
+	return f
+}
+
+// Options are backend options that use the fake.
+func (f *Fake) Options() nftables.Options {
+	return nftables.Options{NFT: f.NFT, Kernel: f.Kernel()}
+}
+
+// NFT returns the family's interface (nftables.Options.NFT).
+func (f *Fake) NFT(fam policy.Family) (knftables.Interface, error) {
+	return &iface{Fake: f.fakes[fam], f: f, fam: fam}, nil
+}
+
+// Table returns the family's fake table, nil when there is none.
+func (f *Fake) Table(fam policy.Family) *knftables.FakeTable {
+	kf := f.fakes[fam]
+	kf.RLock()
+	defer kf.RUnlock()
+	return kf.Table
+}
+
+// Dump is the family's table as knftables' Fake dumps it.
+func (f *Fake) Dump(fam policy.Family) string { return f.fakes[fam].Dump() }
+
+// Run runs a transaction of someone else on the family's table, as an admin would.
+func (f *Fake) Run(ctx context.Context, fam policy.Family, build func(tx *knftables.Transaction)) error {
+	nft, _ := f.NFT(fam)
+	tx := nft.NewTransaction()
+	build(tx)
+	return nft.Run(ctx, tx)
+}
+
+// iface is a family's knftables interface: every committed transaction is a new generation.
+type iface struct {
+	*knftables.Fake
+	f   *Fake
+	fam policy.Family
+}
+
+func (i *iface) Run(ctx context.Context, tx *knftables.Transaction) error {
+	i.f.mu.Lock()
+	defer i.f.mu.Unlock()
+	if i.f.Fail != nil {
+		return i.f.Fail
+	}
+	if err := i.Fake.Run(ctx, tx); err != nil {
+		return err
+	}
+	i.f.gen++
+	i.f.Runs[i.fam]++
+	i.f.forgetGone(i.fam)
+	return nil
+}
+
+// forgetGone drops the counts of elements that are gone, as the kernel frees their counters.
+func (f *Fake) forgetGone(fam policy.Family) {
+	t := f.Table(fam)
+	for k := range f.counts {
+		if k.fam != fam {
+			continue
+		}
+		if t == nil {
+			delete(f.counts, k)
+			continue
+		}
+		if k.set == "" {
+			if t.Counters[nftables.CounterOutbound] == nil {
+				delete(f.counts, k)
+			}
+			continue
+		}
+		if e := findElement(t, k.set, k.key); e == nil || comment(e) != k.comment {
+			delete(f.counts, k)
+		}
+	}
+}
+
+func findElement(t *knftables.FakeTable, set string, key netip.Addr) *knftables.Element {
+	s := t.Sets[set]
+	if s == nil {
+		return nil
+	}
+	return s.FindElement(key.String())
+}
+
+func comment(e *knftables.Element) string {
+	if e.Comment == nil {
+		return ""
+	}
+	return *e.Comment
+}
+
+// Generation implements nftables.Kernel.
+func (f *Fake) Generation(context.Context) (uint32, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.gen, nil
+}
+
+// TableState reads the family's table as nftables.Kernel.Table does; a rule's fingerprint is
+// its text.
+func (f *Fake) TableState(fam policy.Family, elements bool) (*nftables.TableState, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t := f.Table(fam)
+	if t == nil {
+		return nil, nil
+	}
+	st := &nftables.TableState{Sets: map[string]*nftables.SetState{}, Chains: map[string][]string{}}
+	for name, c := range t.Chains {
+		rules := []string{}
+		for _, r := range c.Rules {
+			rules = append(rules, r.Rule)
+		}
+		st.Chains[name] = rules
+	}
+	for name, s := range t.Sets {
+		ss := &nftables.SetState{}
+		st.Sets[name] = ss
+		if !elements {
+			continue
+		}
+		ss.Elements = map[netip.Addr]nftables.ElementState{}
+		for _, e := range s.Elements {
+			key, err := netip.ParseAddr(e.Key[0])
+			if err != nil {
+				return nil, fmt.Errorf("set %s: key %q: %w", name, e.Key[0], err)
+			}
+			ss.Elements[key] = nftables.ElementState{Comment: comment(e),
+				Count: f.counts[countKey{fam: fam, set: name, key: key, comment: comment(e)}]}
+		}
+	}
+	if t.Counters[nftables.CounterOutbound] != nil {
+		c := f.counts[countKey{fam: fam}]
+		st.Outbound = &c
+	}
+	return st, nil
+}
+
+// kernel adapts the fake to nftables.Kernel.
+type kernel struct{ *Fake }
+
+// Kernel returns the fake as an nftables.Kernel.
+func (f *Fake) Kernel() nftables.Kernel { return kernel{f} }
+
+func (k kernel) Table(_ context.Context, fam policy.Family, elements bool) (*nftables.TableState, error) {
+	return k.TableState(fam, elements)
+}
+
+// TableNames implements nftables.Kernel: the agent's table when it exists, and Others.
+func (k kernel) TableNames(_ context.Context, fam policy.Family) ([]string, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	out := append([]string(nil), k.Others[fam]...)
+	if k.Fake.Table(fam) != nil {
+		out = append(out, nftables.TableName)
+	}
+	return out, nil
+}
+
+// Verdict is what the rules do with a packet.
+type Verdict struct {
+	Action policy.Action
+	// Set and Key are the element that decided, Set "" when no element did (the node's own
+	// address, the outbound rule or the end of the chain).
+	Set string
+	Key netip.Addr
+	// Outbound is set when the outbound rule decided.
+	Outbound bool
+	// Masq are the rules of the masquerade chain the packet went through, when masqueraded.
+	Masq []string
+}
+
+// Trace runs a packet to dst through the family's postrouting chain as nft would (local says
+// whether dst is one of the node's addresses) and counts it where nft would. It understands the
+// statements the backend writes and fails on any other.
+func (f *Fake) Trace(dst netip.Addr, local bool) (Verdict, error) {
+	fam := policy.FamilyOf(dst)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t := f.Table(fam)
+	if t == nil || t.Chains[nftables.ChainPostrouting] == nil {
+		return Verdict{Action: policy.Return}, nil
+	}
+	for _, r := range t.Chains[nftables.ChainPostrouting].Rules {
+		v, matched, err := f.step(t, fam, r.Rule, dst, local)
+		if err != nil {
+			return Verdict{}, fmt.Errorf("rule %q: %w", r.Rule, err)
+		}
+		if !matched {
+			continue
+		}
+		if v.Action == policy.Masquerade {
+			for _, m := range t.Chains[nftables.ChainMasq].Rules {
+				v.Masq = append(v.Masq, m.Rule)
+			}
+		}
+		return v, nil
+	}
+	return Verdict{Action: policy.Return}, nil
+}
+
+// step evaluates one rule of the postrouting chain.
+func (f *Fake) step(t *knftables.FakeTable, fam policy.Family, rule string, dst netip.Addr, local bool) (Verdict, bool, error) {
+	words := strings.Fields(rule)
+	verdict := func(w []string) (policy.Action, error) {
+		switch {
+		case len(w) == 1 && w[0] == "return":
+			return policy.Return, nil
+		case len(w) == 2 && w[0] == "goto" && w[1] == nftables.ChainMasq:
+			return policy.Masquerade, nil
+		}
+		return 0, fmt.Errorf("verdict %q", strings.Join(w, " "))
+	}
+	switch {
+	case rule == "fib daddr type local return":
+		return Verdict{Action: policy.Return}, local, nil
+	case len(words) >= 3 && words[0] == "counter" && words[1] == "name":
+		name, err := strconv.Unquote(words[2])
+		if err != nil || t.Counters[name] == nil {
+			return Verdict{}, false, fmt.Errorf("no counter %s", words[2])
+		}
+		a, err := verdict(words[3:])
+		if err != nil {
+			return Verdict{}, false, err
+		}
+		k := countKey{fam: fam}
+		c := f.counts[k]
+		c.Packets++
+		f.counts[k] = c
+		return Verdict{Action: a, Outbound: true}, true, nil
+	}
+	// ip daddr [& MASK] @SET VERDICT
+	match := "ip"
+	if fam == policy.IPv6 {
+		match = "ip6"
+	}
+	if len(words) < 4 || words[0] != match || words[1] != "daddr" {
+		return Verdict{}, false, fmt.Errorf("statement not understood")
+	}
+	key, rest := dst, words[2:]
+	if rest[0] == "&" {
+		mask, err := netip.ParseAddr(rest[1])
+		if err != nil {
+			return Verdict{}, false, fmt.Errorf("mask: %w", err)
+		}
+		key = and(dst, mask)
+		rest = rest[2:]
+	}
+	if !strings.HasPrefix(rest[0], "@") {
+		return Verdict{}, false, fmt.Errorf("statement not understood")
+	}
+	set := rest[0][1:]
+	a, err := verdict(rest[1:])
+	if err != nil {
+		return Verdict{}, false, err
+	}
+	if t.Sets[set] == nil {
+		return Verdict{}, false, fmt.Errorf("no set %s", set)
+	}
+	e := findElement(t, set, key)
+	if e == nil {
+		return Verdict{}, false, nil
+	}
+	k := countKey{fam: fam, set: set, key: key, comment: comment(e)}
+	c := f.counts[k]
+	c.Packets++
+	f.counts[k] = c
+	return Verdict{Action: a, Set: set, Key: key}, true, nil
+}
+
+func and(a, mask netip.Addr) netip.Addr {
+	x, m := a.AsSlice(), mask.AsSlice()
+	for i := range x {
+		x[i] &= m[i]
+	}
+	out, _ := netip.AddrFromSlice(x)
+	return out
+}
