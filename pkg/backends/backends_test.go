@@ -134,7 +134,9 @@ func TestChooseNamedBackendThatCannotRun(t *testing.T) {
 	f := iptablestest.New()
 	f.Installed = map[string]bool{}
 	noNFT := nftablestest.New().Options()
-	noNFT.NFT = func(policy.Family) (knftables.Interface, error) { return nil, errors.New("could not find nftables binary") }
+	noNFT.NFT = func(policy.Family) (knftables.Interface, error) {
+		return nil, errors.New("could not find nftables binary")
+	}
 	_, err = Choose(context.Background(), Auto, Options{BPFFS: dir, Runner: f, NFTables: noNFT})
 	if err == nil || !strings.Contains(err.Error(), "backend iptables: no iptables tools found") {
 		t.Errorf("auto where nothing can run: err = %v", err)
@@ -273,7 +275,9 @@ func TestNftablesCleanup(t *testing.T) {
 	if nft.Table(policy.IPv4) != nil || nft.Table(policy.IPv6) != nil {
 		t.Error("cleanup left a table")
 	}
-	o.NFTables.NFT = func(policy.Family) (knftables.Interface, error) { return nil, errors.New("could not find nftables binary") }
+	o.NFTables.NFT = func(policy.Family) (knftables.Interface, error) {
+		return nil, errors.New("could not find nftables binary")
+	}
 	removed, err = nftablesBackend.Cleanup(ctx, o)
 	if err != nil || !strings.HasPrefix(removed, "no nftables, so no table to remove (") {
 		t.Errorf("cleanup without nft: %q, %v", removed, err)

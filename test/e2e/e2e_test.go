@@ -80,6 +80,7 @@ func backends() []Backend {
 	return []Backend{
 		IptablesBackend(iptables.ModeNFT),
 		IptablesBackend(iptables.ModeLegacy),
+		NftablesBackend(),
 		BPFBackend(tc.ModeTCX),
 		BPFBackend(tc.ModeTC),
 	}

@@ -165,11 +165,12 @@ func (e *Env) GoodConfig(t testing.TB) string {
 	return filepath.Join(dir, "good")
 }
 
-// Render runs `render` with the env's policy flags on the last good configuration: the payload
-// the iptables backend must have installed. render applies nothing.
-func (e *Env) Render(ctx context.Context, t testing.TB) string {
+// Render runs `render` with args and the env's policy flags on the last good configuration:
+// what the backend must have installed (without args, the iptables payload). render applies
+// nothing.
+func (e *Env) Render(ctx context.Context, t testing.TB, args ...string) string {
 	t.Helper()
-	out, err := run(ctx, "", e.Bin, append([]string{"render", "--config=" + e.GoodConfig(t)}, e.Flags...)...)
+	out, err := run(ctx, "", e.Bin, append(append([]string{"render", "--config=" + e.GoodConfig(t)}, args...), e.Flags...)...)
 	if err != nil {
 		t.Fatalf("render: %v", err)
 	}
