@@ -64,6 +64,7 @@ type Backend struct {
 }
 
 type knownTable struct {
+	policy *policy.Policy
 	in     *installed
 	layout *Layout
 	chains map[string][]string
@@ -105,7 +106,7 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 	for _, rf := range []bool{true, false} {
 		probe.RandomFully = rf
 		tx := nft.NewTransaction()
-		update(tx, probe, NewLayout(probe, policy.IPv4), empty(), true)
+		_, _, _ = update(tx, probe, NewLayout(probe, policy.IPv4), empty(), true)
 		if err = nft.Check(ctx, tx); err == nil {
 			b.randomFully = rf
 			break
@@ -225,8 +226,13 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 	if err != nil {
 		return err
 	}
-	l := NewLayout(p, fam)
 	known := b.known[fam]
+	if trusted && known != nil && known.policy.Equal(p) {
+		// Nothing changed the ruleset since this policy was installed.
+		b.log.Debug("table unchanged; nothing to apply", "family", fam, "rules", len(p.Rules(fam)))
+		return nil
+	}
+	l := NewLayout(p, fam)
 	cur, chains := (*installed)(nil), map[string][]string(nil)
 	if trusted && known != nil {
 		cur, chains = known.in, known.chains
@@ -243,7 +249,7 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 	rebuild := known == nil || !slices.Equal(known.layout.Postrouting, l.Postrouting) ||
 		!slices.Equal(known.layout.Masq, l.Masq) || !sameChains(chains, known.chains)
 	tx := nft.NewTransaction()
-	added, deleted := update(tx, p, l, cur, rebuild)
+	want, added, deleted := update(tx, p, l, cur, rebuild)
 	start := time.Now()
 	if err := nft.Run(ctx, tx); err != nil {
 		if ctx.Err() != nil {
@@ -271,7 +277,7 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 		b.log.Warn("cannot read the chains back; the next apply reads the whole table", "family", fam, "error", err)
 		return nil
 	}
-	b.known[fam] = &knownTable{in: installedOf(p, l), layout: l, chains: st.Chains}
+	b.known[fam] = &knownTable{policy: p, in: want, layout: l, chains: st.Chains}
 	return nil
 }
 
@@ -438,22 +444,20 @@ func sameSets(st *TableState, in *installed, elements bool) bool {
 	if len(st.Sets) != len(in.sets) {
 		return false
 	}
-	for name, want := range in.sets {
-		s, ok := st.Sets[name]
-		if !ok {
+	n := 0
+	for name, s := range st.Sets {
+		if !in.sets[name] {
 			return false
 		}
 		if !elements {
 			continue
 		}
-		if len(s.Elements) != len(want) {
-			return false
-		}
-		for key, comment := range want {
-			if e, ok := s.Elements[key]; !ok || e.Comment != comment {
+		for key, e := range s.Elements {
+			if c, ok := in.elems[elemKey{name, key}]; !ok || c != e.Comment {
 				return false
 			}
 		}
+		n += len(s.Elements)
 	}
-	return true
+	return !elements || n == len(in.elems)
 }

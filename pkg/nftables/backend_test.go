@@ -336,15 +336,21 @@ func mapsEqual(a, b map[string]uint64) bool {
 	return true
 }
 
-// An unchanged policy applied again runs a transaction that changes nothing (no element added
-// or deleted, chains kept); a restarted backend reads the table back and does the same.
+// An unchanged policy applied again runs no transaction while nothing changed the ruleset; a
+// restarted backend reads the table back and changes no element (the counts stay).
 func TestApplyAgainChangesNothing(t *testing.T) {
 	ctx := context.Background()
 	f := nftablestest.New()
 	p := compile(config.Default(config.Options{}), true)
-	apply(t, newBackend(t, f), p)
+	b := newBackend(t, f)
+	apply(t, b, p)
 	hit(t, f, "10.9.9.9", 3)
-	for _, b := range []*nftables.Backend{newBackend(t, f)} {
+	runs := f.Runs[policy.IPv4]
+	apply(t, b, p)
+	if f.Runs[policy.IPv4] != runs {
+		t.Errorf("the same policy again ran %d transactions", f.Runs[policy.IPv4]-runs)
+	}
+	for _, b := range []*nftables.Backend{b, newBackend(t, f)} {
 		apply(t, b, p)
 		apply(t, b, p)
 		cs, err := b.Counters(ctx)

@@ -1,7 +1,6 @@
 package nftables
 
 import (
-	"maps"
 	"net/netip"
 	"strings"
 
@@ -11,50 +10,59 @@ import (
 )
 
 // installed is what a family's table holds as far as the backend knows: whether it exists,
-// its sets' elements (key and comment) and whether the outbound counter exists.
+// its sets, their elements (with their comments) and whether the outbound counter exists.
 type installed struct {
 	table    bool
-	sets     map[string]map[netip.Addr]string
+	sets     map[string]bool
+	elems    map[elemKey]string
 	outbound bool
 }
 
-// empty is a table that does not exist yet.
-func empty() *installed { return &installed{sets: map[string]map[netip.Addr]string{}} }
-
-// existing is a table that exists and holds nothing.
-func existing() *installed {
-	in := empty()
-	in.table = true
-	return in
+// elemKey names an element: its set and key.
+type elemKey struct {
+	set string
+	key netip.Addr
 }
+
+// empty is a table that does not exist yet.
+func empty() *installed { return &installed{sets: map[string]bool{}, elems: map[elemKey]string{}} }
 
 // installedOf is what a layout installs.
 func installedOf(p *policy.Policy, l *Layout) *installed {
-	in := existing()
+	in := &installed{table: true, sets: make(map[string]bool, len(l.Sets)), elems: make(map[elemKey]string, len(l.Elements)),
+		outbound: l.Outbound >= 0}
 	for _, s := range l.Sets {
-		in.sets[s.Name] = map[netip.Addr]string{}
+		in.sets[s.Name] = true
 	}
-	rules := p.Rules(l.Family)
+	comments := l.comments(p)
 	for _, e := range l.Elements {
-		in.sets[e.Set][e.Key] = Comment(rules[e.Rule])
+		in.elems[elemKey{e.Set, e.Key}] = comments[e.Rule]
 	}
-	in.outbound = l.Outbound >= 0
 	return in
 }
 
 // installedFrom is what a table read from the kernel holds; its sets' elements must have been
 // read.
 func installedFrom(st *TableState) *installed {
-	in := existing()
+	in := empty()
+	in.table, in.outbound = true, st.Outbound != nil
 	for name, s := range st.Sets {
-		m := make(map[netip.Addr]string, len(s.Elements))
+		in.sets[name] = true
 		for k, e := range s.Elements {
-			m[k] = e.Comment
+			in.elems[elemKey{name, k}] = e.Comment
 		}
-		in.sets[name] = m
 	}
-	in.outbound = st.Outbound != nil
 	return in
+}
+
+// comments are the comments of the rules' elements, by rule index.
+func (l *Layout) comments(p *policy.Policy) []string {
+	rules := p.Rules(l.Family)
+	out := make([]string, len(rules))
+	for i, r := range rules {
+		out[i] = Comment(r)
+	}
+	return out
 }
 
 // setType declares a set of the family's addresses whose elements count their hits.
@@ -67,13 +75,35 @@ func setType(fam policy.Family) string {
 	return "ipv4_addr ; counter"
 }
 
-// update adds to tx what turns the table from cur into want (the layout l of policy p): the
-// table, chains, counter and sets declared (declaring what exists changes nothing), the chains
-// refilled when rebuild is set (flushed first when the table exists), the elements that changed deleted or added, and the
-// sets and counter no rule uses any more deleted. A rule's elements that stay keep their
-// counters. It returns how many elements it adds and deletes.
-func update(tx *knftables.Transaction, p *policy.Policy, l *Layout, cur *installed, rebuild bool) (added, deleted int) {
-	want := installedOf(p, l)
+// update adds to tx what turns the table from cur into the layout l of policy p, and returns
+// what the table then holds and how many elements it adds and deletes:
+//
+//   - the table, chains, counter and sets declared (declaring what exists changes nothing);
+//   - the chains refilled when rebuild is set (flushed first when the table exists);
+//   - a rule whose pieces all stay keeps its elements, and so its counts; a rule with any piece
+//     changed gets all of its elements anew, so that its count starts over rather than dropping
+//     to what the pieces that stayed hold;
+//   - a set none of whose elements stays is deleted and declared again (which the chains'
+//     rebuild allows), far cheaper than deleting its elements one by one; a set no rule uses any
+//     more is deleted, and so is an unused outbound counter.
+func update(tx *knftables.Transaction, p *policy.Policy, l *Layout, cur *installed, rebuild bool) (want *installed, added, deleted int) {
+	want = installedOf(p, l)
+	comments := l.comments(p)
+	changed := changedRules(cur, l, comments)
+	// Per set, how many of its elements stay.
+	stays := map[string]int{}
+	for k, comment := range cur.elems {
+		if c, ok := want.elems[k]; ok && c == comment && !changed[comment] {
+			stays[k.set]++
+		}
+	}
+	recreate := map[string]bool{}
+	for name := range cur.sets {
+		if want.sets[name] && stays[name] == 0 {
+			recreate[name] = true
+			rebuild = true
+		}
+	}
 	tx.Add(&knftables.Table{Comment: knftables.PtrTo(tableComment)})
 	tx.Add(&knftables.Chain{Name: ChainPostrouting, Type: knftables.PtrTo(knftables.NATType),
 		Hook: knftables.PtrTo(knftables.PostroutingHook), Priority: knftables.PtrTo(knftables.SNATPriority)})
@@ -81,14 +111,19 @@ func update(tx *knftables.Transaction, p *policy.Policy, l *Layout, cur *install
 	if want.outbound {
 		tx.Add(&knftables.Counter{Name: CounterOutbound})
 	}
+	if rebuild && cur.table {
+		tx.Flush(&knftables.Chain{Name: ChainPostrouting})
+		tx.Flush(&knftables.Chain{Name: ChainMasq})
+	}
+	for name := range cur.sets {
+		if !want.sets[name] || recreate[name] {
+			tx.Delete(&knftables.Set{Name: name})
+		}
+	}
 	for _, s := range l.Sets {
 		tx.Add(&knftables.Set{Name: s.Name, Type: setType(l.Family)})
 	}
 	if rebuild {
-		if cur.table {
-			tx.Flush(&knftables.Chain{Name: ChainPostrouting})
-			tx.Flush(&knftables.Chain{Name: ChainMasq})
-		}
 		for _, r := range l.Postrouting {
 			tx.Add(&knftables.Rule{Chain: ChainPostrouting, Rule: r})
 		}
@@ -96,72 +131,52 @@ func update(tx *knftables.Transaction, p *policy.Policy, l *Layout, cur *install
 			tx.Add(&knftables.Rule{Chain: ChainMasq, Rule: r})
 		}
 	}
-	// A rule whose pieces all stay keeps its elements, and so its counts; a rule with any
-	// piece changed gets all of its elements anew, so that its count starts over rather than
-	// dropping to what the pieces that stayed hold. Elements go first, then whole sets: a set no
-	// rule uses any more is deleted with its elements.
-	changed := changedRules(cur, want)
-	for name, elems := range cur.sets {
-		keep, ok := want.sets[name]
-		if !ok {
+	for k, comment := range cur.elems {
+		if !want.sets[k.set] || recreate[k.set] {
+			deleted++ // with its set
 			continue
 		}
-		for key, comment := range elems {
-			if c, ok := keep[key]; !ok || c != comment || changed[comment] {
-				tx.Delete(&knftables.Element{Set: name, Key: []string{key.String()}})
-				deleted++
-			}
+		if c, ok := want.elems[k]; !ok || c != comment || changed[comment] {
+			tx.Delete(&knftables.Element{Set: k.set, Key: []string{k.key.String()}})
+			deleted++
 		}
 	}
-	rules := p.Rules(l.Family)
 	for _, e := range l.Elements {
-		comment := Comment(rules[e.Rule])
-		if c, ok := cur.sets[e.Set][e.Key]; ok && c == comment && !changed[comment] {
+		comment := comments[e.Rule]
+		if c, ok := cur.elems[elemKey{e.Set, e.Key}]; ok && c == comment && !changed[comment] && !recreate[e.Set] {
 			continue
 		}
 		tx.Add(&knftables.Element{Set: e.Set, Key: []string{e.Key.String()}, Comment: knftables.PtrTo(comment)})
 		added++
 	}
-	for name, elems := range cur.sets {
-		if _, ok := want.sets[name]; !ok {
-			tx.Delete(&knftables.Set{Name: name})
-			deleted += len(elems)
-		}
-	}
 	if cur.outbound && !want.outbound {
 		tx.Delete(&knftables.Counter{Name: CounterOutbound})
 	}
-	return added, deleted
+	return want, added, deleted
 }
 
-// changedRules returns the comments (the rules) whose elements differ between two tables.
-func changedRules(a, b *installed) map[string]bool {
-	type piece struct {
-		set string
-		key netip.Addr
-	}
-	pieces := func(in *installed) map[string]map[piece]bool {
-		out := map[string]map[piece]bool{}
-		for name, elems := range in.sets {
-			for key, comment := range elems {
-				if out[comment] == nil {
-					out[comment] = map[piece]bool{}
-				}
-				out[comment][piece{name, key}] = true
-			}
-		}
-		return out
-	}
-	pa, pb := pieces(a), pieces(b)
+// changedRules returns the comments of the rules of the layout whose elements differ from
+// those cur holds for them.
+func changedRules(cur *installed, l *Layout, comments []string) map[string]bool {
 	changed := map[string]bool{}
-	for comment, x := range pa {
-		if !maps.Equal(x, pb[comment]) {
-			changed[comment] = true
+	if len(cur.elems) == 0 {
+		return changed // every element is new anyway
+	}
+	held := map[string]int{}
+	for _, c := range cur.elems {
+		held[c]++
+	}
+	same := make([]int, len(comments))
+	for _, e := range l.Elements {
+		if c, ok := cur.elems[elemKey{e.Set, e.Key}]; ok && c == comments[e.Rule] {
+			same[e.Rule]++
 		}
 	}
-	for comment := range pb {
-		if _, ok := pa[comment]; !ok {
-			changed[comment] = true
+	for i, c := range comments {
+		// A rule without pieces (a repeat of an earlier one, whose comment it shares) owns
+		// nothing to compare.
+		if l.Pieces[i] > 0 && (same[i] != l.Pieces[i] || held[c] != same[i]) {
+			changed[c] = true
 		}
 	}
 	return changed
@@ -171,14 +186,14 @@ func changedRules(a, b *installed) map[string]bool {
 func replace(tx *knftables.Transaction, p *policy.Policy, l *Layout) {
 	tx.Add(&knftables.Table{})
 	tx.Delete(&knftables.Table{})
-	update(tx, p, l, empty(), true)
+	_, _, _ = update(tx, p, l, empty(), true)
 }
 
 // Render returns the transaction that installs a family's table from nothing, as `nft -f`
 // takes it.
 func Render(p *policy.Policy, fam policy.Family) string {
 	tx := knftables.NewFake(nftFamily(fam), TableName).NewTransaction()
-	update(tx, p, NewLayout(p, fam), empty(), true)
+	_, _, _ = update(tx, p, NewLayout(p, fam), empty(), true)
 	return tx.String()
 }
 

@@ -1,5 +1,5 @@
 // Package bench holds the end-to-end benchmarks: pod -> node -> external host in throwaway
-// namespaces, with no agent (the limit), the iptables backend and the BPF backend. They run
+// namespaces, with no agent (the limit), the iptables, nftables and BPF backends. They run
 // only with -bench (make bench) and write their results as JSON for the report generator in
 // ./report; nothing here is a timed assertion.
 package bench
@@ -30,7 +30,7 @@ var (
 	runs     = flag.Int("runs", 5, "runs per measurement; the report uses the median")
 	duration = flag.Duration("duration", 5*time.Second, "length of one load run")
 	workers  = flag.Int("workers", 32, "concurrent connections of the short-connection load")
-	only     = flag.String("modes", "", "comma-separated subset of modes to run (none,bpf,bpf-norandom,iptables,iptables-norandom)")
+	only     = flag.String("modes", "", "comma-separated subset of modes to run (none,bpf,bpf-norandom,iptables,iptables-norandom,nftables,nftables-norandom)")
 )
 
 // target is the external host's address the load goes to: public, so the default policy

@@ -18,18 +18,19 @@ import (
 // allModes are the ways of running the node that the benchmarks compare: the limit (no agent),
 // then each backend with its default flags and with --random-fully=false (the choice an informed
 // user of the upstream agent makes). Only the default-flag modes are measured for apply latency
-// and memory, which the flag does not change. A backend is one line here; the nftables backend
-// joins as {Name: "nftables", Backend: &nft} and its --random-fully=false variant once
-// test/e2e has its Backend.
+// and memory, which the flag does not change. A backend is one line here.
 func allModes() []Mode {
 	bpf := e2e.BPFBackend(tc.ModeTCX)
 	ipt := e2e.IptablesBackend(iptables.ModeNFT)
+	nft := e2e.NftablesBackend()
 	return []Mode{
 		{Name: "none"},
 		{Name: "bpf", Backend: &bpf},
 		{Name: "bpf-norandom", Backend: &bpf, Flags: noRandomFully},
 		{Name: "iptables", Backend: &ipt},
 		{Name: "iptables-norandom", Backend: &ipt, Flags: noRandomFully},
+		{Name: "nftables", Backend: &nft},
+		{Name: "nftables-norandom", Backend: &nft, Flags: noRandomFully},
 	}
 }
 

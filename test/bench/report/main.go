@@ -450,6 +450,9 @@ func writeReport(w *bytes.Buffer, m micro, r *results, c *control) {
 		if a.Mode == "bpf" && a.CIDRs == 10000 {
 			goal(fmt.Sprintf("10k-CIDR config live in < 100 ms on BPF (%s)", a.Kind), fmt.Sprintf("%.0f ms", a.Seconds*1000), a.Seconds < 0.1)
 		}
+		if a.Mode == "nftables" && a.CIDRs == 100000 {
+			goal(fmt.Sprintf("100k-CIDR config live in < 1 s on nftables (%s)", a.Kind), fmt.Sprintf("%.2f s", a.Seconds), a.Seconds < 1)
+		}
 	}
 	for _, mem := range r.Memory {
 		if mem.State == "idle" {
