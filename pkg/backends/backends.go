@@ -87,8 +87,9 @@ type Backend struct {
 	Render func(p *policy.Policy, o Options) string
 }
 
-// All are the backends, in the order --backend auto tries them: auto takes the first that can
-// run on the node (whose New succeeds) and logs why it passed over the ones before.
+// All are the backends, in the order --backend auto tries them: auto takes the first that fits
+// the node (Fits) and can run on it (whose New succeeds), and logs why it passed over the ones
+// before.
 var All = []Backend{bpfBackend, nftablesBackend, iptablesBackend}
 
 // Lookup returns the backend named name.
@@ -157,8 +158,8 @@ func (c *Chosen) Close() error {
 }
 
 // Choose builds the backend that name (a --backend value) selects. Auto tries All in order and
-// takes the first that can run here, logging why it passed over the others; a named backend
-// that cannot run is an error.
+// takes the first that fits and can run here, logging why it passed over the others; a named
+// backend that cannot run is an error.
 func Choose(ctx context.Context, name string, o Options) (*Chosen, error) {
 	if err := CheckName(name); err != nil {
 		return nil, err

@@ -171,23 +171,19 @@ func (NetlinkKernel) Table(ctx context.Context, fam policy.Family, elements bool
 		return nil, nil
 	}
 	st := &TableState{Sets: map[string]*SetState{}, Chains: map[string][]string{}}
-	chains, err := c.ListChainsOfTableFamily(family)
-	if err != nil {
-		return nil, fmt.Errorf("list %s chains: %w", nftFamily(fam), err)
-	}
-	for _, ch := range chains {
-		if ch.Table.Name != TableName {
-			continue
-		}
+	// The agent's chains by name: listing every chain of the family would read kube-proxy's
+	// thousands too. A chain that cannot be read is missing (the table could be listed).
+	for _, name := range []string{ChainPostrouting, ChainMasq} {
+		ch := &gnft.Chain{Name: name, Table: t}
 		rules, err := c.GetRules(t, ch)
 		if err != nil {
-			return nil, fmt.Errorf("list rules of %s %s %s: %w", nftFamily(fam), TableName, ch.Name, err)
+			continue
 		}
 		prints := []string{}
 		for _, r := range rules {
 			prints = append(prints, fingerprint(ch, r))
 		}
-		st.Chains[ch.Name] = prints
+		st.Chains[name] = prints
 	}
 	sets, err := c.GetSets(t)
 	if err != nil {

@@ -125,6 +125,8 @@ func TestKernel(t *testing.T) {
 			{[]string{"flush", "set", "ip", nftables.TableName, "return-8"}, []string{datapath.DriftSet}},
 			{[]string{"delete", "table", "ip6", nftables.TableName}, []string{datapath.DriftTable}},
 			{[]string{"insert", "rule", "ip", nftables.TableName, nftables.ChainPostrouting, "return"}, []string{datapath.DriftChain}},
+			{[]string{"flush chain ip " + nftables.TableName + " " + nftables.ChainPostrouting + "; delete chain ip " + nftables.TableName + " " +
+				nftables.ChainPostrouting}, []string{datapath.DriftChain}},
 		} {
 			nft(t, d.args...)
 			// The element walk is due at most every so often; the check finds the damage by then.
