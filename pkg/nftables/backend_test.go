@@ -16,6 +16,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nftables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nftables/nftablestest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy/policytest"
 )
 
 func pfx(s string) netip.Prefix { return netip.MustParsePrefix(s) }
@@ -93,89 +94,15 @@ func TestMasqRulesHonourRandomFullyAndToPorts(t *testing.T) {
 	}
 }
 
-func randomPrefix(r *rand.Rand, fam policy.Family, pool []netip.Prefix) netip.Prefix {
-	if len(pool) > 0 && r.IntN(2) == 0 { // nested in an earlier one, so that rules overlap
-		base := pool[r.IntN(len(pool))]
-		if policy.FamilyOf(base.Addr()) == fam {
-			bits := base.Bits() + r.IntN(base.Addr().BitLen()-base.Bits()+1)
-			return netip.PrefixFrom(randomAddrIn(r, base), bits).Masked()
-		}
-	}
-	n := 4
-	if fam == policy.IPv6 {
-		n = 16
-	}
-	b := make([]byte, n)
-	for i := range b {
-		b[i] = byte(r.UintN(256))
-	}
-	a, _ := netip.AddrFromSlice(b)
-	return netip.PrefixFrom(a, r.IntN(8*n+1)).Masked()
-}
-
-func randomAddrIn(r *rand.Rand, p netip.Prefix) netip.Addr {
-	pb := p.Masked().Addr().AsSlice()
-	ab := make([]byte, len(pb))
-	for i := range ab {
-		ab[i] = byte(r.UintN(256))
-	}
-	for bit := 0; bit < p.Bits(); bit++ {
-		mask := byte(0x80 >> (bit % 8))
-		ab[bit/8] = ab[bit/8]&^mask | pb[bit/8]&mask
-	}
-	a, _ := netip.AddrFromSlice(ab)
-	return a
-}
-
-// randomConfig has overlapping, nested and repeated CIDRs in both families.
-func randomConfig(r *rand.Rand) config.Config {
-	var pool []netip.Prefix
-	cfg := config.Config{MasqOutBound: r.IntN(2) == 0, MasqOutBoundIPv6: r.IntN(2) == 0,
-		MasqLinkLocal: r.IntN(2) == 0, MasqLinkLocalIPv6: r.IntN(2) == 0}
-	add := func(list *[]netip.Prefix) {
-		fam := []policy.Family{policy.IPv4, policy.IPv6}[r.IntN(2)]
-		p := randomPrefix(r, fam, pool)
-		if len(pool) > 0 && r.IntN(8) == 0 {
-			p = pool[r.IntN(len(pool))] // a repeat
-		}
-		pool = append(pool, p)
-		*list = append(*list, p)
-	}
-	for range r.IntN(20) {
-		add(&cfg.NonMasqueradeCIDRs)
-	}
-	for range r.IntN(8) {
-		add(&cfg.MasqueradeCIDRs)
-	}
-	if r.IntN(3) == 0 {
-		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, pfx("169.254.169.254/32"))
-		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, pfx("fe80::/64"))
-	}
-	return cfg
-}
-
-// destinations are addresses where the order matters: inside and at the edges of every rule's
-// prefix, and random ones.
+// destinations are addresses where the order matters, for both families.
 func destinations(r *rand.Rand, p *policy.Policy) []netip.Addr {
 	var out []netip.Addr
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		for _, rule := range p.Rules(fam) {
-			pr := rule.Prefix.Masked()
-			out = append(out, pr.Addr(), lastAddr(pr), randomAddrIn(r, pr))
+		for range 30 {
+			out = append(out, policytest.Destination(r, p, fam))
 		}
-		out = append(out, randomAddrIn(r, netip.PrefixFrom(netip.IPv6Unspecified(), 0)),
-			randomAddrIn(r, netip.PrefixFrom(netip.IPv4Unspecified(), 0)))
 	}
 	return out
-}
-
-func lastAddr(p netip.Prefix) netip.Addr {
-	b := p.Addr().AsSlice()
-	for bit := p.Bits(); bit < len(b)*8; bit++ {
-		b[bit/8] |= 0x80 >> (bit % 8)
-	}
-	a, _ := netip.AddrFromSlice(b)
-	return a
 }
 
 // The rules the backend installs, run by the tracer over knftables' fake, decide as Decide
@@ -187,7 +114,7 @@ func TestTracedRulesEqualDecide(t *testing.T) {
 	f := nftablestest.New()
 	b := newBackend(t, f)
 	for iter := range 200 {
-		p := compile(randomConfig(r), r.IntN(4) > 0)
+		p := compile(policytest.Config(r, r.IntN(20)), r.IntN(4) > 0)
 		apply(t, b, p)
 		layouts := map[policy.Family]*nftables.Layout{}
 		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {

@@ -15,6 +15,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nftables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy/policytest"
 )
 
 // nft runs the nft command in the calling thread's namespace (inside testutil.InNetns).
@@ -102,7 +103,7 @@ func TestKernel(t *testing.T) {
 		r := rand.New(rand.NewPCG(15, 2))
 		var p *policy.Policy
 		for i := range 12 {
-			p = compile(randomConfig(r), i%3 != 2)
+			p = compile(policytest.Config(r, r.IntN(20)), i%3 != 2)
 			if i%2 == 0 {
 				p.ToPorts = policy.PortRanges{{First: 1024, Last: 29999}, {First: 32768, Last: 65535}}
 			}
