@@ -255,8 +255,8 @@ func TestChooseAutoTakesNftables(t *testing.T) {
 	}
 }
 
-// The nftables backend, displaced or cleaned up, removes both tables; where nft cannot run,
-// nothing can have installed them.
+// The nftables backend, displaced or cleaned up, removes both tables; where there is none, it
+// needs no nft; where there is one and nft cannot run, that is an error.
 func TestNftablesCleanup(t *testing.T) {
 	ctx := context.Background()
 	nft := nftablestest.New()
@@ -269,17 +269,24 @@ func TestNftablesCleanup(t *testing.T) {
 	}
 	o := Options{NFTables: nft.Options()}
 	removed, err := nftablesBackend.Cleanup(ctx, o)
-	if err != nil || removed != "tables ip ip-masq-agent and ip6 ip-masq-agent are gone" {
+	if err != nil || removed != "table ip-masq-agent removed from ip and ip6" {
 		t.Errorf("cleanup: %q, %v", removed, err)
 	}
 	if nft.Table(policy.IPv4) != nil || nft.Table(policy.IPv6) != nil {
 		t.Error("cleanup left a table")
 	}
-	o.NFTables.NFT = func(policy.Family) (knftables.Interface, error) {
+	noNFT := o
+	noNFT.NFTables.NFT = func(policy.Family) (knftables.Interface, error) {
 		return nil, errors.New("could not find nftables binary")
 	}
-	removed, err = nftablesBackend.Cleanup(ctx, o)
-	if err != nil || !strings.HasPrefix(removed, "no nftables, so no table to remove (") {
-		t.Errorf("cleanup without nft: %q, %v", removed, err)
+	removed, err = nftablesBackend.Cleanup(ctx, noNFT)
+	if err != nil || removed != "no ip-masq-agent table in nftables" {
+		t.Errorf("cleanup of nothing without nft: %q, %v", removed, err)
+	}
+	if err := b.Apply(ctx, policy.Compile(config.Default(config.Options{}), policy.Options{})); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nftablesBackend.Cleanup(ctx, noNFT); err == nil || !strings.Contains(err.Error(), "could not find nftables binary") {
+		t.Errorf("cleanup of a table without nft: %v", err)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
@@ -45,15 +46,14 @@ var nftablesBackend = Backend{
 		return nftables.New(ctx, o.nftables())
 	},
 	Cleanup: func(ctx context.Context, o Options) (string, error) {
-		b, err := nftables.New(ctx, o.nftables())
+		removed, err := nftables.Cleanup(ctx, o.nftables())
 		if err != nil {
-			// Without a working nft nothing can have installed the tables through it.
-			return fmt.Sprintf("no nftables, so no table to remove (%v)", err), nil
-		}
-		if err := b.Cleanup(ctx); err != nil {
 			return "", err
 		}
-		return fmt.Sprintf("tables ip %s and ip6 %s are gone", nftables.TableName, nftables.TableName), nil
+		if len(removed) == 0 {
+			return fmt.Sprintf("no %s table in nftables", nftables.TableName), nil
+		}
+		return fmt.Sprintf("table %s removed from %s", nftables.TableName, strings.Join(removed, " and ")), nil
 	},
 	Read: func(ctx context.Context, o Options, p *policy.Policy) ([]datapath.Reader, error) {
 		in, err := nftables.Inspect(ctx, o.NFTables.Kernel, p)

@@ -85,18 +85,7 @@ var (
 // table the backend installs (nat chains, fib, masquerade), with nft --check. It changes
 // nothing.
 func New(ctx context.Context, opts Options) (*Backend, error) {
-	b := &Backend{log: opts.Logger, newNFT: opts.NFT, kernel: opts.Kernel,
-		nfts: map[policy.Family]knftables.Interface{}, known: map[policy.Family]*knownTable{}}
-	if b.log == nil {
-		b.log = slog.New(slog.DiscardHandler)
-	}
-	b.log = b.log.With("component", "nftables")
-	if b.newNFT == nil {
-		b.newNFT = NewNFT
-	}
-	if b.kernel == nil {
-		b.kernel = NetlinkKernel{}
-	}
+	b := newBackend(opts)
 	nft, err := b.nft(policy.IPv4)
 	if err != nil {
 		return nil, err
@@ -125,6 +114,23 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 		return nil, err
 	}
 	return b, nil
+}
+
+// newBackend returns a backend that has probed nothing.
+func newBackend(opts Options) *Backend {
+	b := &Backend{log: opts.Logger, newNFT: opts.NFT, kernel: opts.Kernel,
+		nfts: map[policy.Family]knftables.Interface{}, known: map[policy.Family]*knownTable{}}
+	if b.log == nil {
+		b.log = slog.New(slog.DiscardHandler)
+	}
+	b.log = b.log.With("component", "nftables")
+	if b.newNFT == nil {
+		b.newNFT = NewNFT
+	}
+	if b.kernel == nil {
+		b.kernel = NetlinkKernel{}
+	}
+	return b
 }
 
 func (b *Backend) nft(fam policy.Family) (knftables.Interface, error) {
@@ -350,27 +356,49 @@ func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) 
 	return out, nil
 }
 
-// Cleanup implements datapath.Backend: both tables are deleted. Nothing to remove is not an
-// error; a kernel without IPv6 nftables has no IPv6 table.
+// Cleanup implements datapath.Backend: both tables are deleted (see Cleanup).
 func (b *Backend) Cleanup(ctx context.Context) error {
+	_, err := b.cleanup(ctx)
+	return err
+}
+
+// Cleanup removes the agent's tables, whatever process installed them and with whatever
+// flags, and returns the families ("ip", "ip6") it removed them from. It looks for them over
+// netlink first, so a node without them needs no nft: nothing to remove is not an error. A
+// kernel without IPv6 nftables has no IPv6 table.
+func Cleanup(ctx context.Context, opts Options) ([]string, error) {
+	return newBackend(opts).cleanup(ctx)
+}
+
+func (b *Backend) cleanup(ctx context.Context) ([]string, error) {
+	var removed []string
 	var errs []error
 	for _, fam := range families {
-		nft, err := b.nft(fam)
+		delete(b.known, fam)
+		b.publish(fam, nil)
+		names, err := b.kernel.TableNames(ctx, fam)
+		if err == nil && !slices.Contains(names, TableName) {
+			continue
+		}
 		if err == nil {
-			err = deleteTable(ctx, nft)
+			var nft knftables.Interface
+			if nft, err = b.nft(fam); err == nil {
+				err = deleteTable(ctx, nft)
+			}
 		}
 		if err != nil {
-			if fam == policy.IPv4 {
+			if fam == policy.IPv4 || ctx.Err() != nil {
 				errs = append(errs, fmt.Errorf("clean up %s: %w", nftFamily(fam), err))
 			} else {
 				b.log.Warn("could not clean up", "family", fam, "error", err)
 			}
+			continue
 		}
-		delete(b.known, fam)
-		b.publish(fam, nil)
+		removed = append(removed, string(nftFamily(fam)))
+		b.log.Info("removed table", "family", fam, "table", TableName)
 	}
 	b.genKnown = false
-	return errors.Join(errs...)
+	return removed, errors.Join(errs...)
 }
 
 // DriftKinds implements datapath.DriftChecker.
