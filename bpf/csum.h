@@ -13,6 +13,7 @@
 #include <bpf/bpf_helpers.h>
 
 #include "parse.h"
+#include "sctp.h"
 
 /* A UDP checksum of zero over IPv4 means "none" and stays zero; a computed zero is sent as
  * 0xffff. */
@@ -21,11 +22,11 @@ static __always_inline __u64 mangled0(__u8 proto)
 	return proto == IPPROTO_UDP ? BPF_F_MARK_MANGLED_0 : 0;
 }
 
-/* L4 checksums that include the pseudo header: all but ICMPv4. Later fragments have no L4
- * header at all. */
+/* L4 checksums that include the pseudo header. Later fragments have no L4 header at all, and
+ * their checksum kind is CSUM_NONE. */
 static __always_inline int l4_has_pseudo(const struct pkt *p)
 {
-	return p->frag != FRAG_LATER && p->proto != IPPROTO_ICMP;
+	return p->csum == CSUM_PSEUDO;
 }
 
 /* Fields are written with direct packet access once the checksum helpers have run: cheaper
@@ -42,11 +43,13 @@ static __always_inline int store(struct __sk_buff *skb, __u32 off, const void *f
 	data = (void *)(long)skb->data;
 	data_end = (void *)(long)skb->data_end;
 
-	if (off > ETH_HLEN + 60 + TCP_HLEN_MIN)
-		return -1;
+	/* Headers behind IPv6 extension headers may lie beyond the linear data, or too far for the
+	 * verifier to bound: the store helper reaches them. */
+	if (off > PULL_LEN)
+		return bpf_skb_store_bytes(skb, off, from, len, 0);
 	dst = data + off;
 	if (dst + len > data_end)
-		return -1;
+		return bpf_skb_store_bytes(skb, off, from, len, 0);
 	__builtin_memcpy(dst, from, len);
 	return 0;
 }
@@ -55,7 +58,7 @@ static __always_inline int store(struct __sk_buff *skb, __u32 off, const void *f
 static __always_inline int rewrite_addr(struct __sk_buff *skb, const struct pkt *p, const int v6,
 					const int source, const __be32 *from, const __be32 *to)
 {
-	__u32 csum_off = p->l4_off + l4_csum_off(p->proto);
+	__u32 csum_off = p->l4_off + p->csum_off;
 
 	if (!v6) {
 		__u32 off = ETH_HLEN + (source ? offsetof(struct iphdr, saddr) : offsetof(struct iphdr, daddr));
@@ -90,8 +93,9 @@ static __always_inline int rewrite_addr(struct __sk_buff *skb, const struct pkt 
 static __always_inline int rewrite_port(struct __sk_buff *skb, const struct pkt *p, const int source,
 					__be16 from, __be16 to)
 {
-	if (bpf_l4_csum_replace(skb, p->l4_off + l4_csum_off(p->proto), from, to,
-				mangled0(p->proto) | sizeof(__be16)) < 0)
+	if (p->csum == CSUM_CRC32C)
+		return sctp_rewrite_port(skb, p->l4_off, p->end - p->l4_off, source, to);
+	if (bpf_l4_csum_replace(skb, p->l4_off + p->csum_off, from, to, mangled0(p->proto) | sizeof(__be16)) < 0)
 		return -1;
 	return store(skb, p->l4_off + l4_port_off(p->proto, source), &to, sizeof(to));
 }

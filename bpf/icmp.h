@@ -1,14 +1,18 @@
-/* ICMP errors (destination unreachable including fragmentation needed / packet too big, time
- * exceeded) quote the packet that caused them. When that packet belongs to a translated flow,
- * the quoted headers are translated like the flow's packets and the outer header like a reply:
+/* ICMP errors (parse.h says which types) quote the packet that caused them. When that packet
+ * belongs to a translated flow, the quoted headers are translated like the flow's packets and the
+ * outer header like a reply:
  *
  *   ingress: an error about a packet we masqueraded (quoted source: uplink address, NAT port)
  *            -> quoted source and outer destination back to the pod's address and port;
  *   egress:  an error about a packet we reverse-translated (quoted destination: the pod)
  *            -> quoted destination and outer source to the uplink address and NAT port.
  *
- * The quoted headers are rewritten in a copy with software checksums (quoted IP header, quoted
- * UDP/TCP/ICMP checksum), and the outer ICMP checksum follows the byte difference. */
+ * The quoted packet may be of any protocol the NAT translates: ports (TCP, UDP, UDP-Lite, DCCP,
+ * SCTP), an ICMP query's identifier, or the address alone. The quoted headers are rewritten in a
+ * copy with software checksums (quoted IPv4 header, quoted L4 checksum or SCTP CRC where the
+ * quote holds it), and the outer ICMP checksum follows the byte difference. An error whose quote the NAT
+ * cannot read (IPv4 options, IPv6 extension headers, a later fragment, an untracked ICMP type,
+ * cut short) or that quotes no flow of the table is NOT_TRANSLATED: the caller decides. */
 #pragma once
 
 #include <linux/bpf.h>
@@ -18,10 +22,14 @@
 #include "csum.h"
 #include "nat.h"
 #include "parse.h"
+#include "sctp.h"
 
 /* Quoted IP header (no options) plus the first 8 bytes of its L4 header. */
 #define QUOTE4_LEN (20 + 8)
 #define QUOTE6_LEN (40 + 8)
+
+/* icmp_error's result for an error it did not translate (no verdict yet). */
+#define NOT_TRANSLATED 0x100
 
 static __always_inline __s64 port_diff(__be16 from, __be16 to, __s64 seed)
 {
@@ -29,6 +37,58 @@ static __always_inline __s64 port_diff(__be16 from, __be16 to, __s64 seed)
 	__u32 f = from, t = to;
 
 	return bpf_csum_diff(&f, sizeof(f), &t, sizeof(t), seed);
+}
+
+/* quote_ports reads the ports (or the ICMP identifier) of a quoted L4 header at q, and where its
+ * checksum is in the 8 bytes quoted (0: not there); -1 for a quote the NAT cannot translate. */
+static __always_inline int quote_ports(const int v6, __u8 qproto, const __u8 *q, __be16 *sport, __be16 *dport,
+				       __u32 *coff)
+{
+	__u8 request = 0;
+
+	switch (qproto) {
+	case IPPROTO_UDP:
+	case IPPROTO_UDPLITE_:
+	case IPPROTO_DCCP_:
+		*coff = 6;
+		/* fall through */
+	case IPPROTO_TCP:   /* checksums beyond the 8 bytes: see icmp_error */
+	case IPPROTO_SCTP_:
+		__builtin_memcpy(sport, q, 2);
+		__builtin_memcpy(dport, q + 2, 2);
+		return 0;
+	case IPPROTO_ICMP:
+	case IPPROTO_ICMPV6:
+		if ((qproto == IPPROTO_ICMPV6) != !!v6 || icmp_kind(v6, q[0], &request) != L4_ECHO)
+			return -1;
+		*coff = 2;
+		__builtin_memcpy(request ? sport : dport, q + 4, 2);
+		return 0;
+	case NEXTHDR_HOP:
+	case NEXTHDR_ROUTING:
+	case NEXTHDR_FRAGMENT:
+	case NEXTHDR_DEST:
+	case NEXTHDR_AUTH:
+		if (v6)
+			return -1; /* extension headers are not walked in quotes */
+	}
+	return 0; /* no ports: the address alone */
+}
+
+/* quote_csum updates a quoted L4 checksum at c by diff. A zero UDP checksum means none and
+ * stays zero, as in the packet itself (BPF_F_MARK_MANGLED_0): over IPv6 too, where tunnels may
+ * send it (RFC 6936). */
+static __always_inline void quote_csum(__u8 *c, __u8 qproto, __s64 diff)
+{
+	__u16 check;
+
+	__builtin_memcpy(&check, c, 2);
+	if (!check && qproto == IPPROTO_UDP)
+		return;
+	check = csum_apply(check, diff);
+	if (!check && qproto == IPPROTO_UDP)
+		check = 0xffff;
+	__builtin_memcpy(c, &check, 2);
 }
 
 static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p, const int v6, const int dir)
@@ -42,6 +102,7 @@ static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p
 	const int src_side = dir == DIR_INGRESS;
 	__be32 qsaddr[4] = {}, qdaddr[4] = {};
 	__be16 qsport = 0, qdport = 0;
+	__u32 coff = 0;
 	__u8 qproto;
 	union nat_key k;
 	struct nat_entry *e;
@@ -49,49 +110,30 @@ static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p
 	__be16 to_port;
 
 	if (qoff + qlen > p->end || bpf_skb_load_bytes(skb, qoff, q, qlen) < 0)
-		return TC_NEXT; /* quote too short to say which flow */
+		return NOT_TRANSLATED; /* quote too short to say which flow */
 	if (v6) {
 		if ((q[0] >> 4) != 6)
-			return TC_NEXT;
+			return NOT_TRANSLATED;
 		qproto = q[6];
 		__builtin_memcpy(qsaddr, q + 8, 16);
 		__builtin_memcpy(qdaddr, q + 24, 16);
 	} else {
 		if (q[0] != 0x45) /* version 4 without options */
-			return TC_NEXT;
+			return NOT_TRANSLATED;
 		if (((q[6] << 8) | q[7]) & IP_OFFMASK)
-			return TC_NEXT; /* a later fragment quoted: no ports */
+			return NOT_TRANSLATED; /* a later fragment quoted: no ports */
 		qproto = q[9];
 		__builtin_memcpy(qsaddr, q + 12, 4);
 		__builtin_memcpy(qdaddr, q + 16, 4);
 	}
-
-	switch (qproto) {
-	case IPPROTO_TCP:
-	case IPPROTO_UDP:
-		__builtin_memcpy(&qsport, q + ihl, 2);
-		__builtin_memcpy(&qdport, q + ihl + 2, 2);
-		break;
-	case IPPROTO_ICMP:
-	case IPPROTO_ICMPV6:
-		if ((qproto == IPPROTO_ICMPV6) != !!v6)
-			return TC_NEXT;
-		if (q[ihl] == (v6 ? ICMPV6_ECHO_REQUEST : ICMP_ECHO))
-			__builtin_memcpy(&qsport, q + ihl + 4, 2);
-		else if (q[ihl] == (v6 ? ICMPV6_ECHO_REPLY : ICMP_ECHOREPLY))
-			__builtin_memcpy(&qdport, q + ihl + 4, 2);
-		else
-			return TC_NEXT;
-		break;
-	default:
-		return TC_NEXT;
-	}
+	if (quote_ports(v6, qproto, q + ihl, &qsport, &qdport, &coff) < 0)
+		return NOT_TRANSLATED;
 
 	/* The flow's entry for the direction of the error is keyed by the quoted tuple reversed. */
 	nat_key(v6, &k, qdaddr, qsaddr, qdport, qsport, qproto, dir);
 	e = nat_lookup(v6, &k);
 	if (!e)
-		return TC_NEXT;
+		return NOT_TRANSLATED;
 	addr_copy(v6, to, WORDS(e->addr));
 	to_port = e->port;
 
@@ -114,37 +156,42 @@ static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p
 		__builtin_memcpy(nq + 10, &check, 2);
 	}
 
+	/* The quoted L4 header: its port, and its checksum where the quote holds it (the pseudo
+	 * header counts the address for all but ICMPv4). */
 	__u32 poff = ihl + (is_icmp(qproto) ? 4 : (src_side ? 0 : 2));
 	__s64 l4_d = port_diff(from_port, to_port, qproto == IPPROTO_ICMP ? 0 : addr_d);
 	__u16 check;
 
-	__builtin_memcpy(nq + poff, &to_port, 2);
-	if (qproto == IPPROTO_UDP || is_icmp(qproto)) {
-		__u32 coff = ihl + l4_csum_off(qproto);
-
-		__builtin_memcpy(&check, q + coff, 2);
-		/* A zero UDP checksum means none and stays zero, as in the packet itself
-		 * (BPF_F_MARK_MANGLED_0): over IPv6 too, where tunnels may send it (RFC 6936). */
-		if (check || qproto != IPPROTO_UDP) {
-			check = csum_apply(check, l4_d);
-			if (!check && qproto == IPPROTO_UDP)
-				check = 0xffff;
-			__builtin_memcpy(nq + coff, &check, 2);
-		}
-	}
+	if (from_port != to_port)
+		__builtin_memcpy(nq + poff, &to_port, 2);
+	/* Constant offsets for the verifier: the checksum is at 6 (UDP, UDP-Lite, DCCP) or 2 (ICMP). */
+	if (coff == 6)
+		quote_csum(nq + ihl + 6, qproto, l4_d);
+	else if (coff == 2)
+		quote_csum(nq + ihl + 2, qproto, l4_d);
 
 	__s64 outer_d = bpf_csum_diff((__be32 *)q, qlen, (__be32 *)nq, qlen, 0);
 
-	if (qproto == IPPROTO_TCP) {
-		/* The TCP checksum lies beyond the first 8 bytes; fix it when the quote has it. */
-		__u32 toff = qoff + ihl + offsetof(struct tcphdr, check);
+	if (qproto == IPPROTO_TCP || qproto == IPPROTO_SCTP_) {
+		/* The TCP checksum and the SCTP CRC lie beyond the first 8 bytes; fix them when the
+		 * quote has them (the CRC by its change over the quoted bytes: a whole quoted packet's
+		 * stays valid, a cut one's as invalid as it was). */
+		__u32 toff = qoff + ihl + (qproto == IPPROTO_TCP ? offsetof(struct tcphdr, check) : 8);
 		__u32 ow, nw;
 
 		if (toff + 4 <= p->end && bpf_skb_load_bytes(skb, toff, &ow, 4) == 0) {
-			__builtin_memcpy(&check, &ow, 2);
-			check = csum_apply(check, l4_d);
 			nw = ow;
-			__builtin_memcpy(&nw, &check, 2);
+			if (qproto == IPPROTO_TCP) {
+				__builtin_memcpy(&check, &ow, 2);
+				check = csum_apply(check, l4_d);
+				__builtin_memcpy(&nw, &check, 2);
+			} else {
+				__u32 qp, np;
+
+				__builtin_memcpy(&qp, q + ihl, 4);
+				__builtin_memcpy(&np, nq + ihl, 4);
+				nw ^= sctp_crc_delta(qp ^ np, p->end - (qoff + ihl));
+			}
 			outer_d = bpf_csum_diff(&ow, 4, &nw, 4, outer_d);
 			if (bpf_skb_store_bytes(skb, toff, &nw, 4, 0) < 0)
 				goto drop;

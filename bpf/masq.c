@@ -45,7 +45,8 @@ drop:
 	return TC_ACT_SHOT;
 }
 
-/* Later fragments: the flow is found through the first fragment's ports. */
+/* Later fragments: the flow is found through the first fragment's ports; NOT_TRANSLATED when
+ * it is not. */
 static __always_inline int frag_later(struct __sk_buff *skb, struct pkt *p, const int v6, const int dir)
 {
 	struct frag_ports *fp = frag_lookup(v6, p, dir);
@@ -54,12 +55,12 @@ static __always_inline int frag_later(struct __sk_buff *skb, struct pkt *p, cons
 
 	if (!fp) {
 		event_add(EV_FRAG_MISS, 1);
-		return TC_NEXT;
+		return NOT_TRANSLATED;
 	}
 	nat_key(v6, &k, p->saddr, p->daddr, fp->sport, fp->dport, p->proto, dir);
 	e = nat_lookup(v6, &k);
 	if (!e)
-		return TC_NEXT;
+		return NOT_TRANSLATED;
 	if (dir == DIR_EGRESS && e->kind == NAT_MASQ)
 		count_rule(e->slot, p->len);
 	return xlate(skb, p, v6, dir == DIR_EGRESS, WORDS(e->addr), e->port);
@@ -144,15 +145,48 @@ static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, cons
 	return xlate(skb, p, v6, 1, WORDS(e.addr), e.port);
 }
 
+/* untranslatable: an egress packet the NAT cannot translate (parse.h: cut short, too many IPv6
+ * extension headers, an ICMP type conntrack does not track; an ICMP error quoting no known flow;
+ * a later fragment of no known datagram). A pod's (forwarded by the node) to a destination the
+ * policy masquerades is dropped and counted rather than sent with the pod's address; the node's
+ * own carry the node's addresses, and pass, as do packets the policy leaves alone. */
+static __always_inline int untranslatable(struct __sk_buff *skb, const struct pkt *p, const int v6)
+{
+	__u32 zero = 0, slot;
+	const struct nat_config *cfg = bpf_map_lookup_elem(&nat_config, &zero);
+	const struct family_cfg *fc;
+
+	if (!cfg)
+		return TC_NEXT;
+	fc = family_cfg(cfg, v6);
+	if (!fc->enabled || !skb->ingress_ifindex || !from_node_stack(skb, p, v6, 0))
+		return TC_NEXT;
+	if (classify(v6, p->daddr, fc, &slot) == ACTION_RETURN) {
+		count_rule(slot, p->len);
+		return TC_NEXT;
+	}
+	count_rule(slot, p->len);
+	event_add(EV_DROP_UNTRANSLATABLE, 1);
+	return TC_ACT_SHOT;
+}
+
 static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const int v6, __u64 now)
 {
 	union nat_key k;
 	struct nat_entry *e;
+	int verdict;
 
-	if (p->l4 == L4_ICMP_ERROR)
-		return icmp_error(skb, p, v6, DIR_EGRESS);
-	if (p->l4 == L4_NONE)
-		return frag_later(skb, p, v6, DIR_EGRESS);
+	switch (p->l4) {
+	case L4_ICMP_ERROR:
+		verdict = icmp_error(skb, p, v6, DIR_EGRESS);
+		return verdict == NOT_TRANSLATED ? untranslatable(skb, p, v6) : verdict;
+	case L4_NONE:
+		verdict = frag_later(skb, p, v6, DIR_EGRESS);
+		return verdict == NOT_TRANSLATED ? untranslatable(skb, p, v6) : verdict;
+	case L4_UNTRACKED:
+	case L4_UNSAFE:
+		return untranslatable(skb, p, v6);
+	}
 
 	nat_key(v6, &k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_EGRESS);
 	e = nat_lookup(v6, &k);
@@ -222,11 +256,23 @@ static __always_inline int ingress(struct __sk_buff *skb, struct pkt *p, const i
 {
 	union nat_key k;
 	struct nat_entry *e;
+	int verdict;
 
-	if (p->l4 == L4_ICMP_ERROR)
-		return icmp_error(skb, p, v6, DIR_INGRESS);
-	if (p->l4 == L4_NONE)
-		return frag_later(skb, p, v6, DIR_INGRESS);
+	/* What ingress cannot translate is for the node's stack as it is: nothing leaks. A packet
+	 * with segments left in its IPv6 routing header is not at its destination yet. */
+	switch (p->l4) {
+	case L4_ICMP_ERROR:
+		verdict = icmp_error(skb, p, v6, DIR_INGRESS);
+		return verdict == NOT_TRANSLATED ? TC_NEXT : verdict;
+	case L4_NONE:
+		verdict = frag_later(skb, p, v6, DIR_INGRESS);
+		return verdict == NOT_TRANSLATED ? TC_NEXT : verdict;
+	case L4_UNTRACKED:
+	case L4_UNSAFE:
+		return TC_NEXT;
+	}
+	if (p->transit)
+		return TC_NEXT;
 
 	nat_key(v6, &k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_INGRESS);
 	e = nat_lookup(v6, &k);

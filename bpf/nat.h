@@ -235,6 +235,12 @@ static __always_inline int nat_alloc(const int v6, const struct pkt *p, const st
 	preserve = !cfg->random_fully && port_in_ranges(cfg, orig);
 	start = bpf_get_prandom_u32() % n;
 	tries = n < NAT_RETRIES ? n : NAT_RETRIES;
+	if (p->l4 == L4_ADDR) {
+		/* No ports: one mapping per protocol and remote, as conntrack's generic tracking
+		 * (another flow holding it is a clash, which conntrack drops too). */
+		preserve = 1;
+		tries = 1;
+	}
 
 	for (i = 0; i < NAT_RETRIES; i++) {
 		if (i >= tries)

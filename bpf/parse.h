@@ -1,9 +1,29 @@
-/* Packet parsing: Ethernet, IPv4/IPv6 and the L4 fields the NAT needs. A packet that is not
- * IP, is truncated, or carries a protocol the NAT does not handle is reported as such and
- * passed on unchanged by the callers: nothing is ever rewritten from a partial header.
+/* Packet parsing: Ethernet, IPv4/IPv6 (IPv6 extension headers walked) and the L4 fields the NAT
+ * needs. Every IP protocol is classified (enum l4):
  *
- * Truncated means cut short by the skb or by the IP packet's own length: on ingress a short
- * frame carries Ethernet padding after the IP packet, which is no header. */
+ *   - ports at offsets 0 and 2: TCP, UDP, UDP-Lite, DCCP and SCTP, as conntrack tracks them;
+ *   - ICMP and ICMPv6 queries, whose identifier plays the port: echo, timestamp, information,
+ *     address mask (ICMP), echo and node information (ICMPv6), conntrack's list;
+ *   - ICMP and ICMPv6 errors, which quote a packet: destination unreachable, source quench,
+ *     redirect, time exceeded, parameter problem (ICMP), every type below 128 (ICMPv6);
+ *   - later fragments, which have no L4 header;
+ *   - every other protocol (GRE, ESP, AH, IP in IP, unknown numbers): address-only NAT, as
+ *     conntrack's generic tracking does, one mapping per protocol, remote and source;
+ *   - the ICMP types conntrack does not track (neighbour and router discovery, MLD, the rest),
+ *     which pass untouched, as they pass iptables;
+ *   - untranslatable (L4_UNSAFE): an L4 header cut short by the packet, more IPv6 extension
+ *     headers than IPV6_EXT_MAX or one cut short, the first fragment of an SCTP datagram (its
+ *     CRC covers bytes the fragment does not hold). The NAT cannot find their flow nor rewrite
+ *     them: egress drops the pod's of them whose destination is masqueraded, rather than send
+ *     them with the pod's address (masq.c).
+ *
+ * A frame that is not IP, or whose IP header is unusable (another version, a header length too
+ * small, options or the IPv6 header beyond the packet), is not parsed: it passes unchanged (the
+ * kernel forwards no such packet, and one a raw socket of the node built carries its address).
+ * Nothing is ever rewritten from a partial header.
+ *
+ * Cut short means by the skb or by the IP packet's own length: on ingress a short frame carries
+ * Ethernet padding after the IP packet, which is no header. */
 #pragma once
 
 #include <linux/bpf.h>
@@ -27,25 +47,53 @@
 /* ICMPv4 types (linux/icmp.h drags in socket headers the BPF target has no use for). */
 #define ICMP_ECHOREPLY 0
 #define ICMP_DEST_UNREACH 3
+#define ICMP_SOURCE_QUENCH 4
+#define ICMP_REDIRECT 5
 #define ICMP_ECHO 8
 #define ICMP_TIME_EXCEEDED 11
+#define ICMP_PARAMETERPROB 12
+#define ICMP_TIMESTAMP 13
+#define ICMP_TIMESTAMPREPLY 14
+#define ICMP_INFO_REQUEST 15
+#define ICMP_INFO_REPLY 16
+#define ICMP_ADDRESS 17
+#define ICMP_ADDRESSREPLY 18
+/* ICMPv6 node information query and reply (RFC 4620). */
+#define ICMPV6_NI_QUERY 139
+#define ICMPV6_NI_REPLY 140
+
+/* Protocols with ports besides TCP and UDP, and the IPv6 extension headers. */
+#define IPPROTO_DCCP_ 33
+#define IPPROTO_SCTP_ 132
+#define IPPROTO_UDPLITE_ 136
+#define NEXTHDR_HOP 0
+#define NEXTHDR_ROUTING 43
+#define NEXTHDR_FRAGMENT 44
+#define NEXTHDR_AUTH 51
+#define NEXTHDR_DEST 60
 
 /* skb->pkt_type of a packet addressed to this host (linux/if_packet.h). */
 #define PACKET_HOST 0
 
-/* Every field the NAT reads or writes lies within the first 8 bytes of ICMP, UDP and ICMPv6
- * headers, and the first 20 of TCP. */
+/* Every field the NAT reads or writes lies within the first 8 bytes of ICMP, UDP, UDP-Lite,
+ * DCCP and ICMPv6 headers, the first 12 of SCTP and the first 20 of TCP. */
 #define ICMP_HLEN 8
 #define TCP_HLEN_MIN 20
 #define UDP_HLEN 8
+#define SCTP_HLEN 12
+#define L4_HLEN_MAX TCP_HLEN_MIN
 
 #define IP_MF 0x2000
 #define IP_OFFMASK 0x1fff
 
 /* IPv6 fragment header (RFC 8200 4.5). */
-#define IPV6_FRAGMENT 44
 #define IP6_MF 0x0001
 #define IP6_OFFMASK 0xfff8
+
+/* The most IPv6 extension headers walked before the upper-layer header; a packet with more is
+ * untranslatable. The kernel walks any number; no packet of a real stack carries more than a
+ * few (hop-by-hop, destination options, routing, fragment, destination options, AH). */
+#define IPV6_EXT_MAX 8
 
 struct frag6_hdr {
 	__u8 nexthdr;
@@ -61,27 +109,41 @@ enum frag {
 };
 
 enum l4 {
-	L4_PORTS = 1,     /* TCP, UDP */
-	L4_ECHO = 2,      /* ICMP(v6) echo request or reply: the identifier is the port */
+	L4_PORTS = 1,      /* TCP, UDP, UDP-Lite, DCCP, SCTP */
+	L4_ECHO = 2,       /* ICMP(v6) query or its reply: the identifier is the port */
 	L4_ICMP_ERROR = 3, /* ICMP(v6) error quoting a packet */
-	L4_NONE = 4,      /* later fragment */
+	L4_NONE = 4,       /* later fragment */
+	L4_ADDR = 5,       /* no ports: address-only NAT */
+	L4_UNTRACKED = 6,  /* an ICMP type conntrack does not track: passes untouched */
+	L4_UNSAFE = 7,     /* untranslatable (see the top of the file) */
+};
+
+/* How the L4 checksum covers what the NAT rewrites. */
+enum csum {
+	CSUM_NONE = 0,   /* none over the addresses or the ports (address-only protocols) */
+	CSUM_INET = 1,   /* one's complement over the L4 message only: ICMPv4 */
+	CSUM_PSEUDO = 2, /* one's complement with the pseudo-header: TCP, UDP, UDP-Lite, DCCP, ICMPv6 */
+	CSUM_CRC32C = 3, /* SCTP: CRC32c over the SCTP packet, no pseudo-header */
 };
 
 struct pkt {
 	__be32 saddr[4]; /* IPv4 in [0], the rest zero */
 	__be32 daddr[4];
-	__be16 sport; /* echo: request carries the id here */
-	__be16 dport; /* echo: reply carries the id here */
+	__be16 sport; /* echo: a request carries the id here */
+	__be16 dport; /* echo: a reply carries the id here */
 	__u32 l4_off;
 	__u32 end; /* offset where the IP packet ends: its own length, at most skb->len */
 	__u32 len; /* IP packet length (skb->len without the Ethernet header) */
 	__u8 proto;
-	__u8 l4;       /* enum l4 */
-	__u8 frag;     /* enum frag */
+	__u8 l4;        /* enum l4 */
+	__u8 frag;      /* enum frag */
 	__u8 tcp_flags; /* FIN 0x01, SYN 0x02, RST 0x04, ACK 0x10 */
 	__u8 echo_request;
-	__u8 pad[3];
+	__u8 csum;      /* enum csum */
+	__u8 csum_off;  /* offset of the L4 checksum in the L4 header */
 	__be32 frag_id; /* datagram id: IPv4 (16 bits) or IPv6 fragment header */
+	__u8 transit;   /* IPv6 routing header with segments left: not at its destination yet */
+	__u8 pad[3];
 };
 
 #define TCPF_FIN 0x01
@@ -98,94 +160,137 @@ static __always_inline int is_icmp(__u8 proto)
 	return proto == IPPROTO_ICMP || proto == IPPROTO_ICMPV6;
 }
 
-/* Offsets of the L4 fields within the L4 header. */
-static __always_inline __u32 l4_csum_off(__u8 proto)
-{
-	switch (proto) {
-	case IPPROTO_TCP:
-		return offsetof(struct tcphdr, check);
-	case IPPROTO_UDP:
-		return offsetof(struct udphdr, check);
-	default: /* ICMP, ICMPv6 */
-		return 2;
-	}
-}
-
+/* Offset of the source (source=1) or destination port, or of the echo identifier, within the
+ * L4 header. */
 static __always_inline __u32 l4_port_off(__u8 proto, int source)
 {
 	if (is_icmp(proto))
-		return 4; /* the identifier */
+		return 4;
 	return source ? 0 : 2;
 }
 
-/* Reads the L4 part once the L3 header is known: ports, TCP flags, ICMP kind. */
-static __always_inline int parse_l4(void *data, void *data_end, struct pkt *p, __u8 v6)
+/* icmp_kind classifies an ICMP (v6 = 0) or ICMPv6 type: L4_ECHO with *request set for a
+ * query, L4_ECHO for its reply, L4_ICMP_ERROR, or L4_UNTRACKED. */
+static __always_inline __u8 icmp_kind(const int v6, __u8 type, __u8 *request)
 {
-	void *l4 = data + p->l4_off;
+	if (v6) {
+		if (type < 128)
+			return L4_ICMP_ERROR;
+		if (type == ICMPV6_ECHO_REQUEST || type == ICMPV6_NI_QUERY)
+			*request = 1;
+		else if (type != ICMPV6_ECHO_REPLY && type != ICMPV6_NI_REPLY)
+			return L4_UNTRACKED;
+		return L4_ECHO;
+	}
+	switch (type) {
+	case ICMP_ECHO:
+	case ICMP_TIMESTAMP:
+	case ICMP_INFO_REQUEST:
+	case ICMP_ADDRESS:
+		*request = 1;
+		return L4_ECHO;
+	case ICMP_ECHOREPLY:
+	case ICMP_TIMESTAMPREPLY:
+	case ICMP_INFO_REPLY:
+	case ICMP_ADDRESSREPLY:
+		return L4_ECHO;
+	case ICMP_DEST_UNREACH:
+	case ICMP_SOURCE_QUENCH:
+	case ICMP_REDIRECT:
+	case ICMP_TIME_EXCEEDED:
+	case ICMP_PARAMETERPROB:
+		return L4_ICMP_ERROR;
+	}
+	return L4_UNTRACKED;
+}
+
+/* load reads len bytes (a constant) at off: straight from the linear data when it holds them,
+ * else with bpf_skb_load_bytes (headers behind IPv6 extension headers, or in paged data). */
+static __always_inline int load(struct __sk_buff *skb, __u32 off, void *to, const __u32 len)
+{
+	void *data = (void *)(long)skb->data, *data_end = (void *)(long)skb->data_end;
+	void *from;
+
+	if (off > PULL_LEN)
+		return bpf_skb_load_bytes(skb, off, to, len);
+	from = data + off;
+	if (from + len > data_end)
+		return bpf_skb_load_bytes(skb, off, to, len);
+	__builtin_memcpy(to, from, len);
+	return 0;
+}
+
+/* parse_l4 reads the L4 part once the L3 header is known: the kind (enum l4), ports, TCP flags,
+ * the checksum's kind and place. A first fragment or whole packet whose L4 header is cut short
+ * is untranslatable. */
+static __always_inline void parse_l4(struct __sk_buff *skb, struct pkt *p, const int v6)
+{
+	__u8 h[L4_HLEN_MAX];
+	__u32 need = UDP_HLEN;
 
 	switch (p->proto) {
-	case IPPROTO_TCP: {
-		struct tcphdr *th = l4;
-
-		if (l4 + TCP_HLEN_MIN > data_end || p->l4_off + TCP_HLEN_MIN > p->end)
-			return -1;
-		p->sport = th->source;
-		p->dport = th->dest;
-		p->tcp_flags = ((__u8 *)th)[13];
-		p->l4 = L4_PORTS;
-		return 0;
-	}
-	case IPPROTO_UDP: {
-		struct udphdr *uh = l4;
-
-		if (l4 + UDP_HLEN > data_end || p->l4_off + UDP_HLEN > p->end)
-			return -1;
-		p->sport = uh->source;
-		p->dport = uh->dest;
-		p->l4 = L4_PORTS;
-		return 0;
-	}
+	case IPPROTO_TCP:
+		need = TCP_HLEN_MIN;
+		break;
+	case IPPROTO_SCTP_:
+		need = SCTP_HLEN;
+		break;
+	case IPPROTO_UDP:
+	case IPPROTO_UDPLITE_:
+	case IPPROTO_DCCP_:
 	case IPPROTO_ICMP:
-	case IPPROTO_ICMPV6: {
-		__u8 *ih = l4;
-		__u8 type;
-
-		if (l4 + ICMP_HLEN > data_end || p->l4_off + ICMP_HLEN > p->end)
-			return -1;
-		if ((p->proto == IPPROTO_ICMP) != !v6)
-			return -1; /* ICMPv4 in IPv6 or the reverse */
-		type = ih[0];
-		if (v6) {
-			if (type == ICMPV6_ECHO_REQUEST) {
-				p->echo_request = 1;
-				p->sport = *(__be16 *)(ih + 4);
-			} else if (type == ICMPV6_ECHO_REPLY) {
-				p->dport = *(__be16 *)(ih + 4);
-			} else if (type == ICMPV6_DEST_UNREACH || type == ICMPV6_PKT_TOOBIG ||
-				   type == ICMPV6_TIME_EXCEED) {
-				p->l4 = L4_ICMP_ERROR;
-				return 0;
-			} else {
-				return -1; /* neighbour discovery and the rest pass untouched */
-			}
-		} else {
-			if (type == ICMP_ECHO) {
-				p->echo_request = 1;
-				p->sport = *(__be16 *)(ih + 4);
-			} else if (type == ICMP_ECHOREPLY) {
-				p->dport = *(__be16 *)(ih + 4);
-			} else if (type == ICMP_DEST_UNREACH || type == ICMP_TIME_EXCEEDED) {
-				p->l4 = L4_ICMP_ERROR;
-				return 0;
-			} else {
-				return -1;
-			}
+	case IPPROTO_ICMPV6:
+		break;
+	default:
+		p->l4 = L4_ADDR; /* p->csum is CSUM_NONE */
+		return;
+	}
+	/* A packet with all of L4_HLEN_MAX bytes there is read at once; a shorter one (a UDP header
+	 * at the end of the frame) as much as its protocol needs. */
+	if (p->l4_off + need > p->end || (load(skb, p->l4_off, h, L4_HLEN_MAX) < 0 &&
+					  bpf_skb_load_bytes(skb, p->l4_off, h, need) < 0)) {
+		p->l4 = L4_UNSAFE;
+		return;
+	}
+	switch (p->proto) {
+	case IPPROTO_ICMP:
+	case IPPROTO_ICMPV6:
+		if ((p->proto == IPPROTO_ICMP) != !v6) {
+			p->l4 = L4_ADDR; /* ICMPv4 in IPv6 or the reverse: a protocol like any other */
+			return;
 		}
-		p->l4 = L4_ECHO;
-		return 0;
+		p->csum = v6 ? CSUM_PSEUDO : CSUM_INET;
+		p->csum_off = 2;
+		p->l4 = icmp_kind(v6, h[0], &p->echo_request);
+		if (p->l4 == L4_ECHO) {
+			if (p->echo_request)
+				__builtin_memcpy(&p->sport, h + 4, 2);
+			else
+				__builtin_memcpy(&p->dport, h + 4, 2);
+		}
+		return;
+	case IPPROTO_TCP:
+		p->tcp_flags = h[13];
+		p->csum_off = offsetof(struct tcphdr, check);
+		p->csum = CSUM_PSEUDO;
+		break;
+	case IPPROTO_SCTP_:
+		/* The CRC of a fragmented datagram covers bytes the first fragment does not hold:
+		 * its port cannot be rewritten (SCTP avoids IP fragmentation). */
+		if (p->frag == FRAG_FIRST) {
+			p->l4 = L4_UNSAFE;
+			return;
+		}
+		p->csum_off = 8;
+		p->csum = CSUM_CRC32C;
+		break;
+	default: /* UDP, UDP-Lite, DCCP */
+		p->csum_off = 6;
+		p->csum = CSUM_PSEUDO;
 	}
-	}
-	return -1;
+	__builtin_memcpy(&p->sport, h, 2);
+	__builtin_memcpy(&p->dport, h + 2, 2);
+	p->l4 = L4_PORTS;
 }
 
 /* headers_len is how much linear data parse may read of this packet: Ethernet, its IP header
@@ -209,14 +314,69 @@ static __always_inline __u32 headers_len(void *data, void *data_end)
 
 		if ((void *)(ip6 + 1) > data_end)
 			return PULL_LEN;
-		return ETH_HLEN + sizeof(*ip6) + (ip6->nexthdr == IPV6_FRAGMENT ? sizeof(struct frag6_hdr) : 0) +
+		return ETH_HLEN + sizeof(*ip6) + (ip6->nexthdr == NEXTHDR_FRAGMENT ? sizeof(struct frag6_hdr) : 0) +
 		       TCP_HLEN_MIN;
 	}
 	return 0; /* not parsed */
 }
 
-/* parse fills p for an IPv4 (returns 4) or IPv6 (returns 6) packet the NAT handles, or
- * returns a negative value for a packet to pass unchanged. */
+/* ipv6_walk follows the extension headers from p->proto at p->l4_off, as the kernel's
+ * ipv6_skip_exthdr does (hop-by-hop, routing, destination options, AH, fragment), up to the
+ * upper-layer header: it sets p->proto and p->l4_off there, the fragment state, and whether a
+ * routing header still has segments left. Returns -1 for an untranslatable chain. */
+static __always_inline int ipv6_ext(__u8 nh)
+{
+	return nh == NEXTHDR_HOP || nh == NEXTHDR_ROUTING || nh == NEXTHDR_DEST || nh == NEXTHDR_AUTH ||
+	       nh == NEXTHDR_FRAGMENT;
+}
+
+static __always_inline int ipv6_walk(struct __sk_buff *skb, struct pkt *p)
+{
+	__u8 nh = p->proto;
+	__u32 off = p->l4_off;
+
+	for (int i = 0; i < IPV6_EXT_MAX && ipv6_ext(nh); i++) {
+		if (nh == NEXTHDR_FRAGMENT) {
+			struct frag6_hdr fh;
+			__u16 fo;
+
+			if (off + sizeof(fh) > p->end || load(skb, off, &fh, sizeof(fh)) < 0)
+				return -1;
+			p->frag_id = fh.id;
+			off += sizeof(fh);
+			fo = bpf_ntohs(fh.frag_off);
+			if (fo & IP6_OFFMASK) {
+				/* A later fragment is remembered by the protocol after the fragment
+				 * header: its datagram's first fragment is found when no extension
+				 * header follows that one. */
+				p->frag = FRAG_LATER;
+				p->proto = fh.nexthdr;
+				p->l4_off = off;
+				return 0;
+			}
+			if (fo & IP6_MF)
+				p->frag = FRAG_FIRST;
+			nh = fh.nexthdr;
+		} else {
+			__u8 h[4]; /* next header, length, and (routing) type and segments left */
+
+			if (off + 8 > p->end || load(skb, off, h, sizeof(h)) < 0)
+				return -1;
+			if (nh == NEXTHDR_ROUTING && h[3])
+				p->transit = 1;
+			off += nh == NEXTHDR_AUTH ? ((__u32)h[1] + 2) * 4 : ((__u32)h[1] + 1) * 8;
+			nh = h[0];
+		}
+	}
+	if (ipv6_ext(nh))
+		return -1; /* more than IPV6_EXT_MAX */
+	p->proto = nh;
+	p->l4_off = off;
+	return 0;
+}
+
+/* parse fills p for an IPv4 (returns 4) or IPv6 (returns 6) packet, or returns a negative value
+ * for a frame to pass unchanged (not IP, or an unusable IP header). */
 static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 {
 	void *data = (void *)(long)skb->data;
@@ -267,16 +427,13 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 		p->l4_off = ETH_HLEN + hlen;
 		frag = bpf_ntohs(ip->frag_off);
 		if (frag & IP_OFFMASK) {
-			if (p->proto != IPPROTO_TCP && p->proto != IPPROTO_UDP && p->proto != IPPROTO_ICMP)
-				return -1;
 			p->frag = FRAG_LATER;
 			p->l4 = L4_NONE;
 			return 4;
 		}
 		if (frag & IP_MF)
 			p->frag = FRAG_FIRST;
-		if (parse_l4(data, data_end, p, 0) < 0)
-			return -1;
+		parse_l4(skb, p, 0);
 		return 4;
 	}
 
@@ -291,34 +448,21 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 		p->end = skb->len;
 		if (ip6->payload_len && ETH_HLEN + sizeof(*ip6) + bpf_ntohs(ip6->payload_len) < p->end)
 			p->end = ETH_HLEN + sizeof(*ip6) + bpf_ntohs(ip6->payload_len);
+		if (ETH_HLEN + sizeof(*ip6) > p->end)
+			return -1;
 		__builtin_memcpy(p->saddr, &ip6->saddr, 16);
 		__builtin_memcpy(p->daddr, &ip6->daddr, 16);
 		p->proto = ip6->nexthdr;
 		p->l4_off = ETH_HLEN + sizeof(*ip6);
-		/* A fragment header right after the fixed header is followed; other extension
-		 * headers are not, and such packets pass unchanged. */
-		if (p->proto == IPV6_FRAGMENT) {
-			struct frag6_hdr *fh = (void *)(ip6 + 1);
-			__u16 off;
-
-			if ((void *)(fh + 1) > data_end || p->l4_off + sizeof(*fh) > p->end)
-				return -1;
-			p->proto = fh->nexthdr;
-			p->frag_id = fh->id;
-			p->l4_off += sizeof(*fh);
-			off = bpf_ntohs(fh->frag_off);
-			if (off & IP6_OFFMASK) {
-				if (p->proto != IPPROTO_TCP && p->proto != IPPROTO_UDP && p->proto != IPPROTO_ICMPV6)
-					return -1;
-				p->frag = FRAG_LATER;
-				p->l4 = L4_NONE;
-				return 6;
-			}
-			if (off & IP6_MF)
-				p->frag = FRAG_FIRST;
+		if (ipv6_walk(skb, p) < 0) {
+			p->l4 = L4_UNSAFE;
+			return 6;
 		}
-		if (parse_l4(data, data_end, p, 1) < 0)
-			return -1;
+		if (p->frag == FRAG_LATER) {
+			p->l4 = L4_NONE;
+			return 6;
+		}
+		parse_l4(skb, p, 1);
 		return 6;
 	}
 	return -1;

@@ -222,7 +222,9 @@ enum event {
 	EV_REPAIR,            /* a flow's ingress entry was missing (LRU eviction) and re-created */
 	EV_REALLOC,           /* a flow's port was taken over after eviction: new port allocated */
 	EV_ICMP_ERROR,        /* ICMP errors translated */
-	EV_FRAG_MISS,         /* later fragment without a known first fragment: passed unchanged */
+	EV_FRAG_MISS,         /* later fragment without a known first fragment (untranslatable) */
 	EV_REOPEN,            /* closed TCP mapping reused by a new SYN of the same tuple */
+	EV_DROP_UNTRANSLATABLE, /* dropped: a pod's packet to a masqueraded destination that the NAT
+				 * cannot translate (masq.c: untranslatable) */
 	EV_MAX,
 };

@@ -6,7 +6,7 @@ import (
 	"net/netip"
 	"testing"
 
-	"github.com/gopacket/gopacket"
+	"github.com/cilium/ebpf"
 	"github.com/gopacket/gopacket/layers"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
@@ -22,28 +22,99 @@ var families = []struct {
 type builder struct {
 	name  string
 	proto uint8
-	out   func(src, dst netip.AddrPort) []byte // the flow's direction
-	back  func(src, dst netip.AddrPort) []byte // the reply
+	// kind is what the NAT translates of the protocol: pktPorts, pktEcho (an identifier), or
+	// pktAddr (the address alone).
+	kind int
+	// ext: IPv6 extension headers precede the L4 header.
+	ext  bool
+	make func(src, dst netip.AddrPort, data []byte, reply bool) []byte
+}
+
+// out is a packet of the flow's direction, back one of its replies.
+func (b builder) out(src, dst netip.AddrPort) []byte  { return b.make(src, dst, payload, false) }
+func (b builder) back(src, dst netip.AddrPort) []byte { return b.make(src, dst, payload, true) }
+
+// ends are a flow's two ends as the NAT keys them: a query's identifier is on the local end
+// (the remote's port is 0), and a protocol without ports has none.
+func (b builder) ends(local, remote netip.AddrPort) (netip.AddrPort, netip.AddrPort) {
+	switch b.kind {
+	case pktEcho:
+		return local, ap(remote.Addr(), 0)
+	case pktAddr:
+		return ap(local.Addr(), 0), ap(remote.Addr(), 0)
+	}
+	return local, remote
 }
 
 var payload = []byte("0123456789abcdefghijklmnopqrstuvwxyz")
 
+// builders are a packet maker for every kind of protocol the NAT translates, in a family.
 func builders(v6 bool) []builder {
 	icmp := uint8(layers.IPProtocolICMPv4)
 	if v6 {
 		icmp = uint8(layers.IPProtocolICMPv6)
 	}
-	return []builder{
-		{"tcp", uint8(layers.IPProtocolTCP),
-			func(s, d netip.AddrPort) []byte { return tcpPacket(s, d, tcpSYN, nil) },
-			func(s, d netip.AddrPort) []byte { return tcpPacket(s, d, tcpSYN|tcpACK, nil) }},
-		{"udp", uint8(layers.IPProtocolUDP),
-			func(s, d netip.AddrPort) []byte { return udpPacket(s, d, payload) },
-			func(s, d netip.AddrPort) []byte { return udpPacket(s, d, payload) }},
-		{"icmp-echo", icmp,
-			func(s, d netip.AddrPort) []byte { return echoPacket(s.Addr(), d.Addr(), s.Port(), true, payload) },
-			func(s, d netip.AddrPort) []byte { return echoPacket(s.Addr(), d.Addr(), d.Port(), false, payload) }},
+	query := func(request, reply uint8) func(s, d netip.AddrPort, data []byte, back bool) []byte {
+		return func(s, d netip.AddrPort, data []byte, back bool) []byte {
+			if back {
+				return icmpQuery(s.Addr(), d.Addr(), reply, d.Port(), data)
+			}
+			return icmpQuery(s.Addr(), d.Addr(), request, s.Port(), data)
+		}
 	}
+	bs := []builder{
+		{"tcp", uint8(layers.IPProtocolTCP), pktPorts, false, func(s, d netip.AddrPort, _ []byte, reply bool) []byte {
+			if reply {
+				return tcpPacket(s, d, tcpSYN|tcpACK, nil)
+			}
+			return tcpPacket(s, d, tcpSYN, nil)
+		}},
+		{"udp", uint8(layers.IPProtocolUDP), pktPorts, false, func(s, d netip.AddrPort, data []byte, _ bool) []byte {
+			return udpPacket(s, d, data)
+		}},
+		{"icmp-echo", icmp, pktEcho, false, func(s, d netip.AddrPort, data []byte, reply bool) []byte {
+			if reply {
+				return echoPacket(s.Addr(), d.Addr(), d.Port(), false, data)
+			}
+			return echoPacket(s.Addr(), d.Addr(), s.Port(), true, data)
+		}},
+		{"sctp", protoSCTP, pktPorts, false, func(s, d netip.AddrPort, data []byte, _ bool) []byte { return sctpPacket(s, d, data) }},
+		{"udplite", protoUDPLite, pktPorts, false, func(s, d netip.AddrPort, data []byte, _ bool) []byte {
+			return portsPacket(protoUDPLite, s, d, data)
+		}},
+		{"dccp", protoDCCP, pktPorts, false, func(s, d netip.AddrPort, data []byte, _ bool) []byte {
+			return portsPacket(protoDCCP, s, d, data)
+		}},
+		{"gre", uint8(layers.IPProtocolGRE), pktAddr, false, func(s, d netip.AddrPort, data []byte, _ bool) []byte {
+			return rawPacket(s.Addr(), d.Addr(), layers.IPProtocolGRE, append([]byte{0, 0, 0x08, 0x00}, data...))
+		}},
+		{"esp", uint8(layers.IPProtocolESP), pktAddr, false, func(s, d netip.AddrPort, data []byte, _ bool) []byte {
+			return rawPacket(s.Addr(), d.Addr(), layers.IPProtocolESP, append([]byte{0, 0, 0x10, 0x01, 0, 0, 0, 1}, data...))
+		}},
+		{"proto-253", 253, pktAddr, false, func(s, d netip.AddrPort, data []byte, _ bool) []byte {
+			return rawPacket(s.Addr(), d.Addr(), 253, data)
+		}},
+	}
+	if v6 {
+		return append(bs,
+			builder{"icmpv6-node-info", icmp, pktEcho, false, query(139, 140)},
+			builder{"udp-dstopts", uint8(layers.IPProtocolUDP), pktPorts, true, func(s, d netip.AddrPort, data []byte, _ bool) []byte {
+				return withExt6(udpPacket(s, d, data), 60)
+			}},
+			builder{"tcp-hbh-routing-dstopts", uint8(layers.IPProtocolTCP), pktPorts, true, func(s, d netip.AddrPort, _ []byte, reply bool) []byte {
+				flags := tcpSYN
+				if reply {
+					flags |= tcpACK
+				}
+				return withExt6(tcpPacket(s, d, flags, nil), 0, 43, 60)
+			}},
+		)
+	}
+	return append(bs,
+		builder{"icmp-timestamp", icmp, pktEcho, false, query(13, 14)},
+		builder{"icmp-info", icmp, pktEcho, false, query(15, 16)},
+		builder{"icmp-address-mask", icmp, pktEcho, false, query(17, 18)},
+	)
 }
 
 // TestRoundTrip: a masqueraded flow leaves with the uplink address and valid checksums, its
@@ -55,11 +126,7 @@ func TestRoundTrip(t *testing.T) {
 			for i, b := range builders(fam.v6) {
 				t.Run(fmt.Sprintf("%s/%s/random-fully=%v", fam.name, b.name, randomFully), func(t *testing.T) {
 					h.t = t
-					podEnd := ap(pod(fam.v6, i+1), 40000+uint16(i))
-					remoteEnd := ap(remote(fam.v6), 443)
-					if b.proto != uint8(layers.IPProtocolTCP) && b.proto != uint8(layers.IPProtocolUDP) {
-						remoteEnd = ap(remote(fam.v6), 0)
-					}
+					podEnd, remoteEnd := b.ends(ap(pod(fam.v6, i+1), 40000+uint16(i)), ap(remote(fam.v6), 443))
 					in := b.out(podEnd, remoteEnd)
 					out := h.mustPass(h.dp.Egress(), in)
 					got := tupleOf(t, out)
@@ -69,17 +136,19 @@ func TestRoundTrip(t *testing.T) {
 					if got.dst != remoteEnd {
 						t.Fatalf("egress destination %s, want %s", got.dst, remoteEnd)
 					}
-					if port := got.src.Port(); port < policy.DefaultPortRange.First {
+					switch port := got.src.Port(); {
+					case b.kind == pktAddr && port != 0:
+						t.Fatalf("a protocol without ports got port %d", port)
+					case b.kind != pktAddr && port < policy.DefaultPortRange.First:
 						t.Fatalf("NAT port %d outside the default range %s", port, policy.DefaultPortRange)
-					}
-					if !randomFully && got.src.Port() != podEnd.Port() {
-						t.Fatalf("port %d not preserved without --random-fully: got %d", podEnd.Port(), got.src.Port())
+					case !randomFully && port != podEnd.Port():
+						t.Fatalf("port %d not preserved without --random-fully: got %d", podEnd.Port(), port)
 					}
 					// Only the source changed: same length, payload intact.
 					if len(out) != len(in) {
 						t.Fatalf("egress changed the length: %d -> %d", len(in), len(out))
 					}
-					if b.name != "tcp" && !bytes.Equal(out[len(out)-len(payload):], payload) {
+					if b.proto != uint8(layers.IPProtocolTCP) && !bytes.Equal(out[len(out)-len(payload):], payload) {
 						t.Fatalf("egress changed the payload")
 					}
 
@@ -239,11 +308,7 @@ func TestInboundReplyUntouched(t *testing.T) {
 		for i, b := range builders(fam.v6) {
 			t.Run(fam.name+"/"+b.name, func(t *testing.T) {
 				h.t = t
-				client := ap(remote(fam.v6), 33000+uint16(i))
-				server := ap(pod(fam.v6, 50+i), 8443)
-				if b.name == "icmp-echo" {
-					server = ap(server.Addr(), 0)
-				}
+				client, server := b.ends(ap(remote(fam.v6), 33000+uint16(i)), ap(pod(fam.v6, 50+i), 8443))
 				if v := h.p.Decide(client.Addr()); v.Action != policy.Masquerade {
 					t.Fatalf("test needs a masqueraded remote, got %v", v)
 				}
@@ -304,13 +369,13 @@ func TestICMPErrorTranslated(t *testing.T) {
 			kinds = []errKind{{"packet-too-big", 2, 0, 1280}, {"port-unreachable", 1, 4, 0}, {"time-exceeded", 3, 0, 0}}
 		}
 		for _, b := range builders(fam.v6) {
+			if b.ext {
+				continue // extension headers in a quote are not walked: see TestUntranslatable
+			}
 			for _, k := range kinds {
 				t.Run(fam.name+"/"+b.name+"/"+k.name, func(t *testing.T) {
 					h.t = t
-					podEnd, dst := ap(pod(fam.v6, 77), 41000), ap(remote(fam.v6), 53)
-					if b.name == "icmp-echo" {
-						dst = ap(dst.Addr(), 0)
-					}
+					podEnd, dst := b.ends(ap(pod(fam.v6, 77), 41000), ap(remote(fam.v6), 53))
 					orig := b.out(podEnd, dst)
 					sent := h.mustPass(h.dp.Egress(), orig)
 					nat := tupleOf(t, sent).src
@@ -339,54 +404,51 @@ func TestICMPErrorTranslated(t *testing.T) {
 	}
 }
 
-// TestPassUnchanged: what the NAT does not handle goes through untouched and opens nothing.
+// TestPassUnchanged: what is not IP, or whose IP header is unusable, goes through both programs
+// untouched and opens nothing; so do the packets the NAT cannot translate on ingress (they are
+// for the node's stack as they are), a node's own ICMP of a type conntrack does not track
+// (neighbour discovery), and a pod's untranslatable packet to a RETURN destination.
 func TestPassUnchanged(t *testing.T) {
 	h := newHarness(t, defaultPolicy(true), LoadOptions{})
 	src4, dst4 := ap(pod4(9), 40000), ap(remote4, 80)
-	src6, dst6 := ap(pod6(9), 40000), ap(remote6, 80)
 	arp := serializeRaw(&layers.Ethernet{SrcMAC: macA, DstMAC: macB, EthernetType: layers.EthernetTypeARP},
 		&layers.ARP{AddrType: layers.LinkTypeEthernet, Protocol: layers.EthernetTypeIPv4, HwAddressSize: 6,
 			ProtAddressSize: 4, Operation: 1, SourceHwAddress: macA, SourceProtAddress: []byte{10, 1, 0, 9},
 			DstHwAddress: make([]byte, 6), DstProtAddress: []byte{10, 1, 0, 1}})
 	tcp4 := tcpPacket(src4, dst4, tcpSYN, nil)
-	tcp6 := tcpPacket(src6, dst6, tcpSYN, nil)
 	udp4 := udpPacket(src4, dst4, payload)
-	gre := serialize(src4.Addr(), dst4.Addr(), layers.IPProtocolGRE, gopacket.Payload(make([]byte, 24)))
-	sctp6 := serialize(src6.Addr(), dst6.Addr(), layers.IPProtocolSCTP, gopacket.Payload(make([]byte, 24)))
-	hopByHop := serialize(src6.Addr(), dst6.Addr(), layers.IPProtocolIPv6HopByHop, gopacket.Payload([]byte{6, 0, 1, 4, 0, 0, 0, 0}))
-	timestamp := serialize(src4.Addr(), dst4.Addr(), layers.IPProtocolICMPv4,
-		&layers.ICMPv4{TypeCode: layers.CreateICMPv4TypeCode(layers.ICMPv4TypeTimestampRequest, 0)}, gopacket.Payload(make([]byte, 12)))
-	ns := serialize(src6.Addr(), netip.MustParseAddr("ff02::1:ff00:1"), layers.IPProtocolICMPv6,
-		&layers.ICMPv6{TypeCode: layers.CreateICMPv6TypeCode(layers.ICMPv6TypeNeighborSolicitation, 0)}, gopacket.Payload(make([]byte, 20)))
 	badVersion := append([]byte(nil), udp4...)
 	badVersion[14] = 0x55
-
-	// Frames shorter than Ethernet plus the IP header are refused by BPF_PROG_TEST_RUN itself,
-	// so truncation is exercised past the IP header: options, L4 headers, ICMP quotes.
-	cases := map[string][]byte{
-		"arp":                         arp,
-		"ipv4 options beyond frame":   withIHL(tcp4[:14+20], 15),
-		"tcp header cut":              tcp4[:14+20+12],
-		"udp header cut":              udp4[:14+20+6],
-		"ipv6 tcp header cut":         tcp6[:14+40+10],
-		"gre":                         gre,
-		"sctp over ipv6":              sctp6,
-		"ipv6 extension header":       hopByHop,
-		"icmp timestamp":              timestamp,
-		"icmpv6 neighbor discovery":   ns,
-		"ip version 5":                badVersion,
-		"icmp error with short quote": icmpErrorPacket(remote4, snat4, 3, 3, 0, udp4)[:14+20+8+10],
+	ns := icmpQuery(netip.MustParseAddr("fe80::1"), netip.MustParseAddr("ff02::1:ff00:1"), 135, 0, make([]byte, 16))
+	cases := []struct {
+		name  string
+		frame []byte
+		ctx   skbContext
+		progs string // "egress", "ingress" or "both"
+	}{
+		{"arp", arp, forwarded, "both"},
+		{"ipv4 options beyond frame", withIHL(tcp4[:14+20], 15), forwarded, "both"},
+		{"ip version 5", badVersion, forwarded, "both"},
+		// Frames shorter than Ethernet plus the IP header are refused by BPF_PROG_TEST_RUN
+		// itself, so truncation is exercised past the IP header.
+		{"tcp header cut, ingress", tcp4[:14+20+12], forwarded, "ingress"},
+		{"neighbour solicitation of the node", ns, skbContext{}, "both"},
+		{"untracked ICMP from a pod, ingress", icmpQuery(remote4, pod4(9), 10, 0, nil), forwarded, "ingress"},
+		{"pod's cut TCP header to a RETURN destination", tcpPacket(src4, ap(netip.MustParseAddr("10.2.0.1"), 80), tcpSYN, nil)[:14+20+12], forwarded, "egress"},
 	}
-	for name, frame := range cases {
-		t.Run(name, func(t *testing.T) {
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
 			h.t = t
 			for _, prog := range []struct {
 				name string
-				run  func([]byte) (uint32, []byte)
-			}{{"egress", h.egress}, {"ingress", h.ingress}} {
-				ret, out := prog.run(frame)
-				if ret != tcNext || !bytes.Equal(out, frame) {
-					t.Fatalf("%s: verdict %d, changed %v", prog.name, ret, !bytes.Equal(out, frame))
+				p    *ebpf.Program
+			}{{"egress", h.dp.Egress()}, {"ingress", h.dp.Ingress()}} {
+				if c.progs != "both" && c.progs != prog.name {
+					continue
+				}
+				ret, out := runCtx(t, prog.p, c.frame, c.ctx)
+				if ret != tcNext || !bytes.Equal(out[:len(c.frame)], c.frame) {
+					t.Fatalf("%s: verdict %d, changed %v", prog.name, int32(ret), !bytes.Equal(out[:len(c.frame)], c.frame))
 				}
 			}
 		})
@@ -399,6 +461,9 @@ func TestPassUnchanged(t *testing.T) {
 		if n != 0 {
 			t.Fatalf("%s: %d NAT entries created by packets that should open nothing", fam, n)
 		}
+	}
+	if n := h.events()[Event(masqEventEV_DROP_UNTRANSLATABLE)]; n != 0 {
+		t.Fatalf("%d untranslatable drops", n)
 	}
 }
 

@@ -11,9 +11,10 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy/policytest"
 )
 
-// TestDifferentialDecide: for random configurations and random destinations, the verdict of
-// the real egress program (masqueraded or not, read from the packet) and the rule it counted
-// (read from the per-rule counters) equal policy.Decide. The configurations are synced one
+// TestDifferentialDecide: for random configurations and random destinations, with packets of
+// every protocol the NAT translates (builders: ports, queries, address only, IPv6 extension
+// headers), the verdict of the real egress program (masqueraded or not, read from the packet)
+// and the rule it counted (read from the per-rule counters) equal policy.Decide. The configurations are synced one
 // after the other into the same datapath, so stale entries of an earlier policy would show.
 func TestDifferentialDecide(t *testing.T) {
 	const perFamily = 10000
@@ -39,6 +40,11 @@ func TestDifferentialDecide(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
+		type heldKey struct {
+			proto uint8
+			dst   netip.Addr
+		}
+		held := map[heldKey]bool{}
 		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 			want := map[uint32]uint64{}
 			before := h.slotPackets()
@@ -46,22 +52,39 @@ func TestDifferentialDecide(t *testing.T) {
 				dst := policytest.Destination(rng, p, fam)
 				probe++
 				// A fresh source per probe: the verdict must come from the tries, not the table.
-				src := ap(probeSource(fam, probe), uint16(1024+probe%60000))
-				in := udpPacket(src, ap(dst, 53), nil)
+				bs := builders(fam == policy.IPv6)
+				b := bs[probe%len(bs)]
+				src, to := b.ends(ap(probeSource(fam, probe), uint16(1024+probe%60000)), ap(dst, 53))
+				in := b.out(src, to)
 				ret, out := h.egress(in)
 				v := p.Decide(dst)
-				if ret != tcNext {
-					t.Fatalf("round %d %s: %s: verdict %d", round, fam, dst, ret)
-				}
-				got := tupleOf(t, out)
-				masqueraded := got.src.Addr() == snatFor(dst)
 				wantMasq := v.Action == policy.Masquerade
 				if !p.Enabled(fam) {
 					wantMasq = false
 				}
+				// A protocol without ports has one mapping per remote: a destination drawn
+				// again finds it held by the earlier probe's flow, and is dropped.
+				clash := held[heldKey{b.proto, dst}] && wantMasq
+				if wantMasq && b.kind == pktAddr {
+					held[heldKey{b.proto, dst}] = true
+				}
+				if clash {
+					if ret != tcActShot {
+						t.Fatalf("round %d %s: %s over %s: verdict %d, want a drop: another flow holds the mapping", round, fam, dst, b.name, int32(ret))
+					}
+					if v.Rule != nil {
+						want[h.dp.syncedSlot[v.Rule]]++
+					}
+					continue
+				}
+				if ret != tcNext {
+					t.Fatalf("round %d %s: %s over %s: verdict %d", round, fam, dst, b.name, int32(ret))
+				}
+				got := tupleOf(t, out)
+				masqueraded := got.src.Addr() == snatFor(dst)
 				if masqueraded != wantMasq || (!masqueraded && !bytes.Equal(in, out)) {
-					t.Fatalf("round %d %s: %s: program masqueraded=%v (packet %s), Decide says %s (%v)",
-						round, fam, dst, masqueraded, got, v.Action, ruleName(v.Rule))
+					t.Fatalf("round %d %s: %s over %s: program masqueraded=%v (packet %s), Decide says %s (%v)",
+						round, fam, dst, b.name, masqueraded, got, v.Action, ruleName(v.Rule))
 				}
 				if v.Rule != nil && p.Enabled(fam) {
 					s := h.dp.syncedSlot[v.Rule]

@@ -51,7 +51,7 @@ func TestEventNames(t *testing.T) {
 			drops = append(drops, reason)
 		}
 	}
-	if want := []string{"no_port", "no_addr", "rewrite"}; !slices.Equal(drops, want) {
+	if want := []string{"no_port", "no_addr", "rewrite", "untranslatable"}; !slices.Equal(drops, want) {
 		t.Errorf("drop reasons %q, want %q", drops, want)
 	}
 }

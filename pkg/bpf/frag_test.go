@@ -3,7 +3,6 @@ package bpf
 import (
 	"bytes"
 	"encoding/binary"
-	"fmt"
 	"net/netip"
 	"testing"
 )
@@ -100,15 +99,15 @@ func TestFragments(t *testing.T) {
 	h := newHarness(t, defaultPolicy(true), LoadOptions{})
 	for _, fam := range families {
 		for _, b := range builders(fam.v6) {
-			if b.name == "tcp" {
+			// A TCP segment is not fragmented; an SCTP datagram's CRC covers what its first
+			// fragment does not hold, and extension headers after the fragment header hide the
+			// protocol of later fragments: TestUntranslatable.
+			if b.proto == 6 || b.proto == protoSCTP || b.ext {
 				continue
 			}
 			t.Run(fam.name+"/"+b.name, func(t *testing.T) {
 				h.t = t
-				podEnd, dst := ap(pod(fam.v6, 600), 5300), ap(remote(fam.v6), 53)
-				if b.name == "icmp-echo" {
-					dst = ap(dst.Addr(), 0)
-				}
+				podEnd, dst := b.ends(ap(pod(fam.v6, 600), 5300), ap(remote(fam.v6), 53))
 				big := bytes.Repeat([]byte("fragmented datagram "), 200) // 4000 bytes
 				query := withPayload(b, podEnd, dst, big, true)
 				var sent [][]byte
@@ -177,14 +176,5 @@ func tupleOfFragment(frame []byte) (addrs struct{ src, dst netip.Addr }) {
 
 // withPayload builds the flow's packet (out) or its reply with a given payload.
 func withPayload(b builder, src, dst netip.AddrPort, data []byte, out bool) []byte {
-	switch b.name {
-	case "udp":
-		return udpPacket(src, dst, data)
-	case "icmp-echo":
-		if out {
-			return echoPacket(src.Addr(), dst.Addr(), src.Port(), true, data)
-		}
-		return echoPacket(src.Addr(), dst.Addr(), dst.Port(), false, data)
-	}
-	panic(fmt.Sprintf("no payload builder for %s", b.name))
+	return b.make(src, dst, data, !out)
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"net/netip"
 	"slices"
 	"testing"
@@ -216,29 +217,66 @@ func (fp fuzzPolicy) snat(v6 bool) (netip.Addr, bool) {
 // The model of what parse() in bpf/parse.h makes of a frame.
 
 const (
-	pktPass      = iota // not handled: passes unchanged
-	pktPorts            // TCP, UDP
-	pktEcho             // ICMP(v6) echo request or reply
+	pktPass      = iota // not parsed (not IP, unusable IP header): passes unchanged
+	pktPorts            // TCP, UDP, UDP-Lite, DCCP, SCTP
+	pktEcho             // ICMP(v6) query or its reply
 	pktICMPError        // ICMP(v6) error quoting a packet
 	pktLater            // a later fragment: no L4 header
+	pktAddr             // a protocol without ports: address-only NAT
+	pktUntracked        // an ICMP type conntrack does not track
+	pktUnsafe           // untranslatable: L4 header or IPv6 extension headers cut short, too many
+)
+
+// Protocol numbers beyond gopacket's names.
+const (
+	protoDCCP    = 33
+	protoSCTP    = 132
+	protoUDPLite = 136
 )
 
 type fuzzPacket struct {
-	kind   int
-	v6     bool
-	proto  uint8
-	ihl    int // IP header length (40 for IPv6, without the fragment header)
-	l4     int // frame offset of the L4 header
-	end    int // frame offset where the IP packet ends: its declared length, bounded by the frame
-	first  bool
-	fragID uint32 // raw bytes of the datagram id, as the frag maps key it
-	src    netip.Addr
-	dst    netip.Addr
-	sport  uint16 // TCP/UDP source port; echo request: the identifier
-	dport  uint16 // TCP/UDP destination port; echo reply: the identifier
-	flags  uint8  // TCP flags
-	echoRq bool
+	kind    int
+	v6      bool
+	proto   uint8
+	l4      int // frame offset of the L4 header
+	end     int // frame offset where the IP packet ends: its declared length, bounded by the frame
+	first   bool
+	fragID  uint32 // raw bytes of the datagram id, as the frag maps key it
+	src     netip.Addr
+	dst     netip.Addr
+	sport   uint16 // source port; a query: the identifier
+	dport   uint16 // destination port; a query's reply: the identifier
+	flags   uint8  // TCP flags
+	echoRq  bool
+	transit bool // an IPv6 routing header with segments left
 }
+
+// icmpKind is bpf/parse.h's icmp_kind.
+func icmpKind(v6 bool, typ uint8) (kind int, request bool) {
+	if v6 {
+		switch {
+		case typ < 128:
+			return pktICMPError, false
+		case typ == 128 || typ == 139:
+			return pktEcho, true
+		case typ == 129 || typ == 140:
+			return pktEcho, false
+		}
+		return pktUntracked, false
+	}
+	switch typ {
+	case 8, 13, 15, 17:
+		return pktEcho, true
+	case 0, 14, 16, 18:
+		return pktEcho, false
+	case 3, 4, 5, 11, 12:
+		return pktICMPError, false
+	}
+	return pktUntracked, false
+}
+
+// ipv6ExtMax is IPV6_EXT_MAX.
+const ipv6ExtMax = 8
 
 func parseFuzz(f []byte) fuzzPacket {
 	var p fuzzPacket
@@ -251,29 +289,27 @@ func parseFuzz(f []byte) fuzzPacket {
 			return p
 		}
 		ip := f[14:]
-		p.ihl = int(ip[0]&0xf) * 4
-		if ip[0]>>4 != 4 || p.ihl < 20 {
+		ihl := int(ip[0]&0xf) * 4
+		if ip[0]>>4 != 4 || ihl < 20 {
 			return p
 		}
 		// A total length of 0 is what IPv4 BIG TCP sends: the skb says how long it is.
 		p.end = len(f)
 		if tot := int(binary.BigEndian.Uint16(ip[2:])); tot != 0 {
-			if tot < p.ihl {
+			if tot < ihl {
 				return p
 			}
 			p.end = min(p.end, 14+tot)
 		}
-		if 14+p.ihl > p.end {
+		if 14+ihl > p.end {
 			return p // options cut short
 		}
-		p.proto, p.l4 = ip[9], 14+p.ihl
+		p.proto, p.l4 = ip[9], 14+ihl
 		p.src, p.dst = netip.AddrFrom4([4]byte(ip[12:16])), netip.AddrFrom4([4]byte(ip[16:20]))
 		p.fragID = uint32(binary.NativeEndian.Uint16(ip[4:6]))
 		frag := binary.BigEndian.Uint16(ip[6:])
 		if frag&0x1fff != 0 {
-			if p.proto == 6 || p.proto == 17 || p.proto == 1 {
-				p.kind = pktLater
-			}
+			p.kind = pktLater
 			return p
 		}
 		p.first = frag&0x2000 != 0
@@ -285,64 +321,90 @@ func parseFuzz(f []byte) fuzzPacket {
 		if ip[0]>>4 != 6 {
 			return p
 		}
-		p.v6, p.ihl = true, 40
+		p.v6 = true
 		p.end = len(f)
 		if pl := int(binary.BigEndian.Uint16(ip[4:])); pl != 0 {
 			p.end = min(p.end, 14+40+pl)
 		}
-		p.proto, p.l4 = ip[6], 14+40
 		p.src, p.dst = netip.AddrFrom16([16]byte(ip[8:24])), netip.AddrFrom16([16]byte(ip[24:40]))
-		if p.proto == 44 {
-			if p.l4+8 > p.end {
-				return p
-			}
-			fh := f[p.l4:]
-			p.proto, p.l4 = fh[0], p.l4+8
-			p.fragID = binary.NativeEndian.Uint32(fh[4:8])
-			off := binary.BigEndian.Uint16(fh[2:])
-			if off&0xfff8 != 0 {
-				if p.proto == 6 || p.proto == 17 || p.proto == 58 {
-					p.kind = pktLater
-				}
-				return p
-			}
-			p.first = off&1 != 0
+		if !p.walk6(f, ip[6], 14+40) {
+			p.kind = pktUnsafe
+			return p
+		}
+		if p.kind == pktLater {
+			return p
 		}
 	default:
 		return p
 	}
-	l4 := f[p.l4:min(p.end, len(f))]
-	switch p.proto {
-	case 6:
-		if len(l4) < 20 {
-			return p
-		}
-		p.sport, p.dport, p.flags = binary.BigEndian.Uint16(l4), binary.BigEndian.Uint16(l4[2:]), l4[13]
-		p.kind = pktPorts
-	case 17:
-		if len(l4) < 8 {
-			return p
-		}
-		p.sport, p.dport = binary.BigEndian.Uint16(l4), binary.BigEndian.Uint16(l4[2:])
-		p.kind = pktPorts
-	case 1, 58:
-		if len(l4) < 8 || (p.proto == 58) != p.v6 {
-			return p
-		}
-		echoRq, echoRp, errs := []uint8{8}, []uint8{0}, []uint8{3, 11}
-		if p.v6 {
-			echoRq, echoRp, errs = []uint8{128}, []uint8{129}, []uint8{1, 2, 3}
-		}
-		switch typ := l4[0]; {
-		case slices.Contains(echoRq, typ):
-			p.kind, p.echoRq, p.sport = pktEcho, true, binary.BigEndian.Uint16(l4[4:])
-		case slices.Contains(echoRp, typ):
-			p.kind, p.dport = pktEcho, binary.BigEndian.Uint16(l4[4:])
-		case slices.Contains(errs, typ):
-			p.kind = pktICMPError
-		}
+	need := map[uint8]int{6: 20, protoSCTP: 12, 17: 8, protoUDPLite: 8, protoDCCP: 8, 1: 8, 58: 8}[p.proto]
+	if need == 0 {
+		p.kind = pktAddr
+		return p
 	}
+	if p.l4+need > p.end || (p.proto == protoSCTP && p.first) {
+		p.kind = pktUnsafe
+		return p
+	}
+	l4 := f[p.l4:p.end]
+	switch p.proto {
+	case 1, 58:
+		if (p.proto == 58) != p.v6 {
+			p.kind = pktAddr
+			return p
+		}
+		p.kind, p.echoRq = icmpKind(p.v6, l4[0])
+		if p.kind == pktEcho {
+			if p.echoRq {
+				p.sport = binary.BigEndian.Uint16(l4[4:])
+			} else {
+				p.dport = binary.BigEndian.Uint16(l4[4:])
+			}
+		}
+		return p
+	case 6:
+		p.flags = l4[13]
+	}
+	p.sport, p.dport = binary.BigEndian.Uint16(l4), binary.BigEndian.Uint16(l4[2:])
+	p.kind = pktPorts
 	return p
+}
+
+// walk6 is bpf/parse.h's ipv6_walk: it follows the extension headers from nh at off to the
+// upper-layer header; false for an untranslatable chain.
+func (p *fuzzPacket) walk6(f []byte, nh uint8, off int) bool {
+	ext := func(nh uint8) bool { return slices.Contains([]uint8{0, 43, 60, 51, 44}, nh) }
+	for i := 0; i < ipv6ExtMax && ext(nh); i++ {
+		if off+8 > p.end {
+			return false
+		}
+		h := f[off:]
+		if nh == 44 {
+			p.fragID = binary.NativeEndian.Uint32(h[4:8])
+			off += 8
+			fo := binary.BigEndian.Uint16(h[2:])
+			if fo&0xfff8 != 0 {
+				p.kind, p.proto, p.l4 = pktLater, h[0], off
+				return true
+			}
+			p.first = fo&1 != 0
+			nh = h[0]
+			continue
+		}
+		if nh == 43 && h[3] != 0 {
+			p.transit = true
+		}
+		n := (int(h[1]) + 1) * 8
+		if nh == 51 {
+			n = (int(h[1]) + 2) * 4
+		}
+		nh, off = h[0], off+n
+	}
+	if ext(nh) {
+		return false
+	}
+	p.proto, p.l4 = nh, off
+	return true
 }
 
 // Offsets of the fields the NAT may write.
@@ -365,14 +427,28 @@ func (p fuzzPacket) addrLen() int {
 	return 4
 }
 
-func l4CsumOff(proto uint8) int {
+// l4CsumOff is where a protocol's checksum over the NAT's fields lies in its header, and how
+// long it is: 0 for none (the checksum of an address-only protocol, if any, covers neither).
+func l4CsumOff(proto uint8) (off, n int) {
 	switch proto {
 	case 6:
-		return 16
-	case 17:
-		return 6
+		return 16, 2
+	case 17, protoUDPLite, protoDCCP:
+		return 6, 2
+	case 1, 58:
+		return 2, 2
+	case protoSCTP:
+		return 8, 4
 	}
-	return 2
+	return 0, 0
+}
+
+func hasPorts(proto uint8) bool {
+	switch proto {
+	case 6, 17, protoUDPLite, protoDCCP, protoSCTP, 1, 58:
+		return true
+	}
+	return false
 }
 
 func l4PortOff(proto uint8, source bool) int {
@@ -408,6 +484,9 @@ func (p fuzzPacket) quote(f []byte) (quote, bool) {
 		}
 		q.proto = b[6]
 		q.src, q.dst = netip.AddrFrom16([16]byte(b[8:24])), netip.AddrFrom16([16]byte(b[24:40]))
+		if slices.Contains([]uint8{0, 43, 44, 60, 51}, q.proto) {
+			return q, false // extension headers are not walked in quotes
+		}
 	} else {
 		if b[0] != 0x45 || binary.BigEndian.Uint16(b[6:])&0x1fff != 0 {
 			return q, false
@@ -417,26 +496,21 @@ func (p fuzzPacket) quote(f []byte) (quote, bool) {
 	}
 	l4 := b[q.ihl:]
 	switch q.proto {
-	case 6, 17:
-		q.sport, q.dport = binary.BigEndian.Uint16(l4), binary.BigEndian.Uint16(l4[2:])
 	case 1, 58:
 		if (q.proto == 58) != p.v6 {
 			return q, false
 		}
-		rq, rp := uint8(8), uint8(0)
-		if p.v6 {
-			rq, rp = 128, 129
-		}
-		switch l4[0] {
-		case rq:
-			q.sport = binary.BigEndian.Uint16(l4[4:])
-		case rp:
-			q.dport = binary.BigEndian.Uint16(l4[4:])
-		default:
+		kind, request := icmpKind(p.v6, l4[0])
+		if kind != pktEcho {
 			return q, false
 		}
-	default:
-		return q, false
+		if request {
+			q.sport = binary.BigEndian.Uint16(l4[4:])
+		} else {
+			q.dport = binary.BigEndian.Uint16(l4[4:])
+		}
+	case 6, 17, protoUDPLite, protoDCCP, protoSCTP:
+		q.sport, q.dport = binary.BigEndian.Uint16(l4), binary.BigEndian.Uint16(l4[2:])
 	}
 	return q, true
 }
@@ -561,8 +635,14 @@ type expectation struct {
 	// none is free, is dropped (counted as no_port).
 	newMapping bool
 	// noAddr: the packet needs a new mapping but the uplink has no address of its family: it
-	// must be dropped (counted as no_addr). No other drop is expected.
+	// must be dropped (counted as no_addr).
 	noAddr bool
+	// noPort: a packet of a protocol without ports needs a mapping another flow holds: it must
+	// be dropped (counted as no_port).
+	noPort bool
+	// untranslatable: a pod's packet the NAT cannot translate, to a masqueraded destination: it
+	// must be dropped (counted as untranslatable). No other drop is expected.
+	untranslatable bool
 	// slot is the counter slot the packet counts on, or noSlot.
 	slot uint32
 }
@@ -586,13 +666,29 @@ func (fz *fuzzRun) expect(p fuzzPacket, frame []byte, ingress bool, pre fuzzStat
 	}
 	switch {
 	case p.kind == pktPass:
-		return pass("not a packet the NAT handles (not IP, other protocol, header cut short)")
+		return pass("not a packet the NAT parses (not IP, unusable IP header)")
 	case ingress && !bytes.Equal(frame[:6], macB):
 		// The test device's address is macB: any other is another host's (PACKET_OTHERHOST, a
 		// macvlan child's), a broadcast's or a multicast's (bpf/scope.h).
 		return pass("an ingress frame that is not for this host")
 	case !fz.pol.enabled(p.v6):
 		return pass("IPv6 is not enabled")
+	}
+	// untranslatable: what the NAT cannot translate passes on ingress; on egress a pod's (every
+	// test packet is forwarded, and the test uplink has no MAC to check) to a masqueraded
+	// destination is dropped (masq.c's untranslatable).
+	untranslatable := func(why string) expectation {
+		if ingress {
+			return pass(why)
+		}
+		act, rule := fz.pol.verdict(p.v6, p.dst)
+		x := expectation{why: why, slot: fz.slotOf(rule)}
+		if act == policy.Return {
+			x.unchanged, x.why = true, why+", to a RETURN destination"
+			return x
+		}
+		x.untranslatable = true
+		return x
 	}
 	snat, hasSNAT := fz.pol.snat(p.v6)
 	// side is what a translation rewrites: the source on egress, the destination on ingress.
@@ -613,26 +709,36 @@ func (fz *fuzzRun) expect(p fuzzPacket, frame []byte, ingress bool, pre fuzzStat
 		return x
 	}
 	switch p.kind {
+	case pktUntracked:
+		return untranslatable("an ICMP type conntrack does not track")
+	case pktUnsafe:
+		return untranslatable("untranslatable (cut short, too many extension headers)")
 	case pktICMPError:
 		q, ok := p.quote(frame)
 		if !ok {
-			return pass("ICMP error whose quote the NAT cannot read")
+			return untranslatable("ICMP error whose quote the NAT cannot read")
 		}
 		e, ok := pre.nat[natKeyT{dir, q.proto, netip.AddrPortFrom(q.dst, q.dport), netip.AddrPortFrom(q.src, q.sport)}]
-		if !ok || e.To == q.side(ingress) {
-			return pass("ICMP error quoting no translated flow")
+		if !ok {
+			return untranslatable("ICMP error quoting no flow")
+		}
+		if e.To == q.side(ingress) {
+			return pass("ICMP error quoting a flow that is not translated")
 		}
 		return translate(e, "ICMP error quoting a translated flow", true)
 	case pktLater:
 		ports, ok := pre.frag[fragKeyT{dir, p.proto, p.src, p.dst, p.fragID}]
 		if !ok {
-			return pass("later fragment of no known datagram")
+			return untranslatable("later fragment of no known datagram")
 		}
 		e, ok := pre.nat[natKeyT{dir, p.proto, netip.AddrPortFrom(p.src, ports[0]), netip.AddrPortFrom(p.dst, ports[1])}]
 		if !ok {
-			return pass("later fragment of a datagram whose flow is gone")
+			return untranslatable("later fragment of a datagram whose flow is gone")
 		}
 		return translate(e, "later fragment of a known datagram", false) // no L4 header, no port
+	}
+	if ingress && p.transit {
+		return pass("not at its destination yet (routing header)")
 	}
 	key := natKeyT{dir, p.proto, netip.AddrPortFrom(p.src, p.sport), netip.AddrPortFrom(p.dst, p.dport)}
 	if e, ok := pre.nat[key]; ok {
@@ -644,15 +750,23 @@ func (fz *fuzzRun) expect(p fuzzPacket, frame []byte, ingress bool, pre fuzzStat
 	if ingress {
 		return pass("ingress packet of no known flow")
 	}
+	// held: the remote end's mapping to the uplink address on port toward this remote.
+	held := func(port uint16) (NATEntry, bool) {
+		e, ok := pre.nat[natKeyT{Ingress, p.proto, netip.AddrPortFrom(p.dst, p.dport), netip.AddrPortFrom(snat, port)}]
+		return e, ok
+	}
 	if hasSNAT && p.src == snat {
 		if p.kind == pktEcho && !p.echoRq {
 			return pass("host echo reply")
 		}
 		// A host flow keeps its port unless a pod mapping (or another host flow's remap) holds
-		// it toward this remote.
-		held, ok := pre.nat[natKeyT{Ingress, p.proto, netip.AddrPortFrom(p.dst, p.dport), netip.AddrPortFrom(snat, p.sport)}]
-		if !ok || (held.Kind == KindHost && held.To == netip.AddrPortFrom(snat, p.sport)) {
+		// it toward this remote; a protocol without ports has no other to take.
+		h, ok := held(p.sport)
+		if !ok || (h.Kind == KindHost && h.To == netip.AddrPortFrom(snat, p.sport)) {
 			return pass("host flow")
+		}
+		if p.kind == pktAddr {
+			return expectation{why: "host flow of a protocol without ports that a pod mapping holds", noPort: true, slot: noSlot}
 		}
 		return expectation{why: "host flow whose port another mapping holds", addr: snat, newMapping: true, slot: noSlot}
 	}
@@ -661,15 +775,20 @@ func (fz *fuzzRun) expect(p fuzzPacket, frame []byte, ingress bool, pre fuzzStat
 	}
 	act, rule := fz.pol.verdict(p.v6, p.dst)
 	x := expectation{slot: fz.slotOf(rule)}
-	if act == policy.Return {
+	switch {
+	case act == policy.Return:
 		x.unchanged, x.why = true, "RETURN destination"
-		return x
-	}
-	if !hasSNAT {
+	case !hasSNAT:
 		x.why, x.noAddr = "new flow to a masqueraded destination, no uplink address", true
-		return x
+	case p.kind == pktAddr:
+		if _, ok := held(0); ok {
+			x.why, x.noPort = "new flow of a protocol without ports, whose mapping to this remote another flow holds", true
+		} else {
+			x.why, x.addr, x.exactPort = "new flow of a protocol without ports", snat, true
+		}
+	default:
+		x.why, x.addr, x.newMapping = "new flow to a masqueraded destination", snat, true
 	}
-	x.why, x.addr, x.newMapping = "new flow to a masqueraded destination", snat, true
 	return x
 }
 
@@ -701,7 +820,8 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) []byte
 		if isDrop(e) {
 			d := post.events[e] - pre.events[e]
 			drops += int(d)
-			if d > 0 && !(e == EventDropNoPort && x.newMapping) && !(e == Event(masqEventEV_DROP_NO_ADDR) && x.noAddr) {
+			if d > 0 && !(e == EventDropNoPort && (x.newMapping || x.noPort)) && !(e == Event(masqEventEV_DROP_NO_ADDR) && x.noAddr) &&
+				!(e == Event(masqEventEV_DROP_UNTRANSLATABLE) && x.untranslatable) {
 				fail("dropped for %s (verdict %d)", e, ret)
 			}
 		}
@@ -709,6 +829,10 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) []byte
 	switch {
 	case x.noAddr && ret != tcActShot:
 		fail("passed (verdict %d), want a drop for want of an uplink address", ret)
+	case x.noPort && ret != tcActShot:
+		fail("passed (verdict %d), want a drop: the mapping is held", ret)
+	case x.untranslatable && ret != tcActShot:
+		fail("passed (verdict %d), want a drop of an untranslatable packet", ret)
 	case ret == tcActShot && drops != 1:
 		fail("dropped with %d drop counts", drops)
 	case ret == tcNext && drops != 0:
@@ -737,7 +861,7 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) []byte
 	if d := post.events[Event(masqEventEV_NEW_MASQ)] - pre.events[Event(masqEventEV_NEW_MASQ)]; d != uint64(newMasq) {
 		fail("new_masq counted %d, %d masquerade mappings created", d, newMasq)
 	}
-	if p.kind == pktPass || !fz.pol.enabled(p.v6) {
+	if p.kind == pktPass || p.kind == pktUnsafe || p.kind == pktUntracked || !fz.pol.enabled(p.v6) {
 		if len(post.nat) != len(pre.nat) {
 			fail("a packet the NAT does not handle changed the NAT table from %d to %d entries", len(pre.nat), len(post.nat))
 		}
@@ -859,7 +983,8 @@ func (p fuzzPacket) writable(f []byte, ingress bool) map[int]bool {
 	switch p.kind {
 	case pktPorts, pktEcho:
 		span(p.l4+l4PortOff(p.proto, source), 2)
-		span(p.l4+l4CsumOff(p.proto), 2)
+		co, cn := l4CsumOff(p.proto)
+		span(p.l4+co, cn)
 	case pktICMPError:
 		span(p.l4+2, 2)
 		q, _ := p.quote(f)
@@ -870,8 +995,11 @@ func (p fuzzPacket) writable(f []byte, ingress bool) map[int]bool {
 		if !p.v6 {
 			span(q.off+10, 2)
 		}
-		span(q.off+q.ihl+l4PortOff(q.proto, qsource), 2)
-		span(q.off+q.ihl+l4CsumOff(q.proto), 2)
+		if hasPorts(q.proto) {
+			span(q.off+q.ihl+l4PortOff(q.proto, qsource), 2)
+			co, cn := l4CsumOff(q.proto)
+			span(q.off+q.ihl+co, cn)
+		}
 	}
 	return w
 }
@@ -885,48 +1013,58 @@ func residual(s uint32) uint16 { return fold(s) % 0xffff }
 func sameResiduals(p fuzzPacket, in, out []byte) error {
 	type sum struct {
 		name string
-		of   func(f []byte) (uint16, bool)
+		of   func(f []byte) (uint32, bool)
 	}
 	pseudo := func(f []byte, src, dst int, n int, proto uint8) uint32 {
 		return pseudoSum(f[src:src+n], f[dst:dst+n], proto, 0)
 	}
 	sums := []sum{}
 	if !p.v6 {
-		sums = append(sums, sum{"IPv4 header", func(f []byte) (uint16, bool) { return residual(sum16(f[14:p.l4], 0)), true }})
+		sums = append(sums, sum{"IPv4 header", func(f []byte) (uint32, bool) { return uint32(residual(sum16(f[14:p.l4], 0))), true }})
 	}
-	l4sum := func(f []byte, l4, src, dst int, proto uint8, v6 bool) (uint16, bool) {
-		if proto == 17 && binary.BigEndian.Uint16(f[l4+6:]) == 0 {
-			return 0, false // no UDP checksum: must stay none, compared below
+	// l4sum is the residual of the L4 checksum of the header at l4 (end: where its packet ends),
+	// false for none: a zero UDP checksum, or a protocol without one over the NAT's fields.
+	l4sum := func(f []byte, l4, end, src, dst int, proto uint8, v6 bool) (uint32, bool) {
+		switch proto {
+		case protoSCTP:
+			return crc32cResidual(f[l4:end]), true
+		case 17:
+			if binary.BigEndian.Uint16(f[l4+6:]) == 0 {
+				return 0, false // no UDP checksum: must stay none, compared below
+			}
+		case 6, protoUDPLite, protoDCCP, 1, 58:
+		default:
+			return 0, false
 		}
 		s := sum16(f[l4:], 0)
 		if proto != 1 {
 			s += pseudo(f, src, dst, map[bool]int{false: 4, true: 16}[v6], proto)
 		}
-		return residual(s), true
+		return uint32(residual(s)), true
 	}
 	switch p.kind {
 	case pktPorts, pktEcho, pktICMPError:
-		sums = append(sums, sum{"L4", func(f []byte) (uint16, bool) {
-			return l4sum(f, p.l4, p.addrOff(true), p.addrOff(false), p.proto, p.v6)
+		sums = append(sums, sum{"L4", func(f []byte) (uint32, bool) {
+			return l4sum(f, p.l4, p.end, p.addrOff(true), p.addrOff(false), p.proto, p.v6)
 		}})
 	}
 	if p.kind == pktICMPError {
 		q, _ := p.quote(in)
 		if !p.v6 {
-			sums = append(sums, sum{"quoted IPv4 header", func(f []byte) (uint16, bool) {
-				return residual(sum16(f[q.off:q.off+20], 0)), true
+			sums = append(sums, sum{"quoted IPv4 header", func(f []byte) (uint32, bool) {
+				return uint32(residual(sum16(f[q.off:q.off+20], 0))), true
 			}})
 		}
 		// The quote's L4 checksum covers bytes that are not there; the ones that are must
-		// keep their part of the sum. A TCP checksum lies past the 8 bytes every quote has,
-		// and is updated only when the IP packet holds it.
-		if q.proto != 6 || q.off+q.ihl+20 <= p.end {
+		// keep their part of the sum. A TCP checksum and an SCTP CRC lie past the 8 bytes every
+		// quote has, and are updated only when the IP packet holds them.
+		if need := map[uint8]int{6: 20, protoSCTP: 12}[q.proto]; q.off+q.ihl+need <= p.end {
 			qsrc, qdst := q.off+12, q.off+16
 			if p.v6 {
 				qsrc, qdst = q.off+8, q.off+24
 			}
-			sums = append(sums, sum{"quoted L4", func(f []byte) (uint16, bool) {
-				return l4sum(f, q.off+q.ihl, qsrc, qdst, q.proto, p.v6)
+			sums = append(sums, sum{"quoted L4", func(f []byte) (uint32, bool) {
+				return l4sum(f, q.off+q.ihl, p.end, qsrc, qdst, q.proto, p.v6)
 			}})
 		}
 	}
@@ -938,6 +1076,15 @@ func sameResiduals(p fuzzPacket, in, out []byte) error {
 		}
 	}
 	return nil
+}
+
+// crc32cResidual is an SCTP packet's computed CRC32c XOR the one it carries: 0 when valid, and
+// what an incremental update keeps.
+func crc32cResidual(sctp []byte) uint32 {
+	b := append([]byte(nil), sctp...)
+	stored := binary.LittleEndian.Uint32(b[8:12])
+	copy(b[8:12], []byte{0, 0, 0, 0})
+	return crc32.Checksum(b, crc32.MakeTable(crc32.Castagnoli)) ^ stored
 }
 
 // Seeds.
@@ -966,10 +1113,7 @@ func fuzzSeeds(fp fuzzPolicy) []fuzzSeed {
 		snat := snatFor(podEnd.Addr())
 		nat := ap(snat, fp.port)
 		for _, b := range builders(v6) {
-			pe, de := podEnd, dst
-			if b.name == "icmp-echo" {
-				de = ap(dst.Addr(), 0)
-			}
+			pe, de := b.ends(podEnd, dst)
 			out := b.out(pe, de)
 			translated := append([]byte(nil), out...)
 			if fp.port != 0 {
@@ -1039,7 +1183,7 @@ func fuzzSeeds(fp fuzzPolicy) []fuzzSeed {
 		add(seedAEgress|seedBIngress, udp, icmpErrorPacket(router[v6], snat, 3, 3, 0, udp)[:14+ihl+8+10])
 		add(seedAEgress|seedBIngress, udp, withIPLength(icmpErrorPacket(router[v6], snat, 3, 3, 0, udpPacket(nat, dst, nil)), ihl+8+ihl))
 	}
-	// Not for the NAT.
+	// Untranslatable, or not for the NAT at all.
 	src4, dst4 := ap(pod4(9), 40000), ap(remote4, 80)
 	src6, dst6 := ap(pod6(9), 40000), ap(remote6, 80)
 	arp := serializeRaw(&layers.Ethernet{SrcMAC: macA, DstMAC: macB, EthernetType: layers.EthernetTypeARP},
@@ -1056,6 +1200,12 @@ func fuzzSeeds(fp fuzzPolicy) []fuzzSeed {
 			&layers.ICMPv4{TypeCode: layers.CreateICMPv4TypeCode(layers.ICMPv4TypeTimestampRequest, 0)}, gopacket.Payload(make([]byte, 12))),
 		serialize(src6.Addr(), netip.MustParseAddr("ff02::1:ff00:1"), layers.IPProtocolICMPv6,
 			&layers.ICMPv6{TypeCode: layers.CreateICMPv6TypeCode(layers.ICMPv6TypeNeighborSolicitation, 0)}, gopacket.Payload(make([]byte, 20))),
+		icmpQuery(src4.Addr(), dst4.Addr(), 10, 0, nil),
+		nExt6(udpPacket(src6, dst6, payload), ipv6ExtMax+1),
+		nExt6(udpPacket(src6, dst6, payload), ipv6ExtMax),
+		withIPLength(nExt6(udpPacket(src6, dst6, payload), 3), 40+20),
+		fragment(sctpPacket(src4, dst4, bytes.Repeat(payload, 20)), 256)[0],
+		withExt6(fragment(udpPacket(src6, dst6, bytes.Repeat(payload, 20)), 256)[1], 60),
 	} {
 		add(seedAEgress, frame, nil)
 		add(seedAIngress, frame, nil)

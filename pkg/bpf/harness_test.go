@@ -4,8 +4,10 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"net"
 	"net/netip"
+	"slices"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -192,6 +194,97 @@ func serialize(src, dst netip.Addr, proto layers.IPProtocol, l4 ...gopacket.Seri
 	return append([]byte(nil), buf.Bytes()...)
 }
 
+// rawPacket is an IP packet of proto carrying data as it is.
+func rawPacket(src, dst netip.Addr, proto layers.IPProtocol, data []byte) []byte {
+	return serialize(src, dst, proto, gopacket.Payload(data))
+}
+
+// fillL4Checksum computes the checksum of a frame's L4 header (at the offset the parser finds),
+// zero in the frame: one's complement with the pseudo-header at off in the header, or SCTP's
+// CRC32c.
+func fillL4Checksum(frame []byte, off int, sctp bool) []byte {
+	p := parseFuzz(frame)
+	l4 := frame[p.l4:p.end]
+	if sctp {
+		binary.LittleEndian.PutUint32(l4[off:], crc32.Checksum(l4, crc32.MakeTable(crc32.Castagnoli)))
+		return frame
+	}
+	c := ^fold(sum16(l4, pseudoSum(p.src.AsSlice(), p.dst.AsSlice(), p.proto, len(l4))))
+	if c == 0 {
+		c = 0xffff
+	}
+	binary.BigEndian.PutUint16(l4[off:], c)
+	return frame
+}
+
+// sctpPacket is an SCTP packet with a DATA chunk carrying data, its CRC32c valid.
+func sctpPacket(src, dst netip.AddrPort, data []byte) []byte {
+	h := binary.BigEndian.AppendUint16(nil, src.Port())
+	h = binary.BigEndian.AppendUint16(h, dst.Port())
+	h = append(h, 0xca, 0xfe, 0x01, 0x02, 0, 0, 0, 0) // verification tag, checksum
+	n := 16 + len(data)
+	h = append(h, 0, 3, byte(n>>8), byte(n), 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0) // DATA: TSN 1, stream 0
+	h = append(h, data...)
+	for len(h)%4 != 0 {
+		h = append(h, 0)
+	}
+	return fillL4Checksum(rawPacket(src.Addr(), dst.Addr(), protoSCTP, h), 8, true)
+}
+
+// portsPacket is a UDP-Lite or DCCP packet (ports, then the checksum at 6, covering all of it).
+func portsPacket(proto uint8, src, dst netip.AddrPort, data []byte) []byte {
+	h := binary.BigEndian.AppendUint16(nil, src.Port())
+	h = binary.BigEndian.AppendUint16(h, dst.Port())
+	if proto == protoDCCP {
+		// Data offset 4 (16 bytes), full coverage, checksum, a Data packet with a 48-bit sequence.
+		h = append(h, 4, 0, 0, 0, 2<<1|1, 0, 0, 0, 0, 0, 0, 7)
+	} else {
+		h = append(h, 0, 0, 0, 0) // coverage 0: the whole packet
+	}
+	return fillL4Checksum(rawPacket(src.Addr(), dst.Addr(), layers.IPProtocol(proto), append(h, data...)), 6, false)
+}
+
+// icmpQuery is an ICMP or ICMPv6 query (or its reply) of type typ with identifier id.
+func icmpQuery(src, dst netip.Addr, typ uint8, id uint16, data []byte) []byte {
+	proto := layers.IPProtocolICMPv4
+	if src.Is6() {
+		proto = layers.IPProtocolICMPv6
+	}
+	m := []byte{typ, 0, 0, 0, byte(id >> 8), byte(id), 0, 7}
+	f := rawPacket(src, dst, proto, append(m, data...))
+	p := parseFuzz(f)
+	l4 := f[p.l4:p.end]
+	var s uint32
+	if src.Is6() {
+		s = pseudoSum(src.AsSlice(), dst.AsSlice(), uint8(proto), len(l4))
+	}
+	binary.BigEndian.PutUint16(l4[2:], ^fold(sum16(l4, s)))
+	return f
+}
+
+// withExt6 puts IPv6 extension headers (hop-by-hop 0, routing 43 with no segments left,
+// destination options 60) of 8 bytes each between the IPv6 header and the L4 header of a frame.
+// The L4 checksum stays valid: its pseudo-header names the upper-layer protocol.
+func withExt6(frame []byte, kinds ...uint8) []byte {
+	next := frame[14+6]
+	var ext []byte
+	for i, k := range kinds {
+		nh := next
+		if i+1 < len(kinds) {
+			nh = kinds[i+1]
+		}
+		if k == 43 {
+			ext = append(ext, nh, 0, 4, 0, 0, 0, 0, 0) // type 4 (segment routing), no segments left
+		} else {
+			ext = append(ext, nh, 0, 1, 4, 0, 0, 0, 0) // a PadN option
+		}
+	}
+	f := append(append(append([]byte(nil), frame[:14+40]...), ext...), frame[14+40:]...)
+	f[14+6] = kinds[0]
+	binary.BigEndian.PutUint16(f[14+4:], binary.BigEndian.Uint16(f[14+4:])+uint16(len(ext)))
+	return f
+}
+
 // serializeRaw serializes layers as given (no IP layer added).
 func serializeRaw(ls ...gopacket.SerializableLayer) []byte {
 	buf := gopacket.NewSerializeBuffer()
@@ -260,43 +353,12 @@ func (tu tuple) String() string { return fmt.Sprintf("%d %s -> %s", tu.proto, tu
 
 func tupleOf(t testing.TB, frame []byte) tuple {
 	t.Helper()
-	pkt := gopacket.NewPacket(frame, layers.LayerTypeEthernet, gopacket.Default)
-	var tu tuple
-	var src, dst netip.Addr
-	switch ip := pkt.NetworkLayer().(type) {
-	case *layers.IPv4:
-		src, dst = netip.AddrFrom4([4]byte(ip.SrcIP.To4())), netip.AddrFrom4([4]byte(ip.DstIP.To4()))
-		tu.proto = uint8(ip.Protocol)
-	case *layers.IPv6:
-		src, dst = netip.AddrFrom16([16]byte(ip.SrcIP)), netip.AddrFrom16([16]byte(ip.DstIP))
-		tu.proto = uint8(ip.NextHeader)
-	default:
-		t.Fatalf("not an IP packet:\n%s", pkt.Dump())
+	// The fuzz model's parser: what bpf/parse.h reads, for every protocol.
+	p := parseFuzz(frame)
+	if p.kind == pktPass {
+		t.Fatalf("not an IP packet the programs parse:\n%s", describe(frame))
 	}
-	var sp, dp uint16
-	switch l := pkt.TransportLayer().(type) {
-	case *layers.TCP:
-		sp, dp = uint16(l.SrcPort), uint16(l.DstPort)
-	case *layers.UDP:
-		sp, dp = uint16(l.SrcPort), uint16(l.DstPort)
-	}
-	if l, ok := pkt.Layer(layers.LayerTypeICMPv4).(*layers.ICMPv4); ok {
-		switch l.TypeCode.Type() {
-		case layers.ICMPv4TypeEchoRequest:
-			sp = l.Id
-		case layers.ICMPv4TypeEchoReply:
-			dp = l.Id
-		}
-	}
-	if l, ok := pkt.Layer(layers.LayerTypeICMPv6Echo).(*layers.ICMPv6Echo); ok {
-		if icmp := pkt.Layer(layers.LayerTypeICMPv6).(*layers.ICMPv6); icmp.TypeCode.Type() == layers.ICMPv6TypeEchoRequest {
-			sp = l.Identifier
-		} else {
-			dp = l.Identifier
-		}
-	}
-	tu.src, tu.dst = netip.AddrPortFrom(src, sp), netip.AddrPortFrom(dst, dp)
-	return tu
+	return tuple{proto: p.proto, src: netip.AddrPortFrom(p.src, p.sport), dst: netip.AddrPortFrom(p.dst, p.dport)}
 }
 
 func describe(frame []byte) string {
@@ -383,7 +445,21 @@ func verifyIP(pkt []byte, outer bool) error {
 			}
 			complete, total = false, len(pkt)
 		}
-		src, dst, proto, l4 = pkt[8:24], pkt[24:40], pkt[6], pkt[40:total]
+		src, dst, proto = pkt[8:24], pkt[24:40], pkt[6]
+		// Extension headers (hop-by-hop, routing, destination options, AH); a fragment's
+		// datagram checksum needs reassembly (see verifyDatagram).
+		off := 40
+		for slices.Contains([]uint8{0, 43, 60, 51}, proto) && off+8 <= total {
+			n := (int(pkt[off+1]) + 1) * 8
+			if proto == 51 {
+				n = (int(pkt[off+1]) + 2) * 4
+			}
+			proto, off = pkt[off], off+n
+		}
+		if proto == 44 || off > total {
+			return nil
+		}
+		l4 = pkt[off:total]
 	default:
 		return fmt.Errorf("IP version %d", pkt[0]>>4)
 	}
@@ -395,6 +471,17 @@ func verifyIP(pkt []byte, outer bool) error {
 	case uint8(layers.IPProtocolTCP):
 		if len(l4) < 20 || !valid(sum16(l4, pseudoSum(src, dst, proto, len(l4)))) {
 			return fmt.Errorf("bad TCP checksum")
+		}
+	case protoUDPLite, protoDCCP: // full coverage in the tests' packets
+		if len(l4) < 8 || !valid(sum16(l4, pseudoSum(src, dst, proto, len(l4)))) {
+			return fmt.Errorf("bad checksum of protocol %d", proto)
+		}
+	case protoSCTP:
+		if len(l4) < 12 {
+			return fmt.Errorf("truncated SCTP header")
+		}
+		if r := crc32cResidual(l4); r != 0 {
+			return fmt.Errorf("bad SCTP CRC32c %#08x", binary.LittleEndian.Uint32(l4[8:]))
 		}
 	case uint8(layers.IPProtocolUDP):
 		if len(l4) < 8 {

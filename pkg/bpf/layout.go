@@ -58,7 +58,7 @@ import (
 // key or value is a new layout.
 
 // Layout is the layout of the maps this build creates.
-const Layout = 3
+const Layout = 4
 
 // layoutMagic is the layout record's magic (C: LAYOUT_MAGIC).
 const layoutMagic = "ip-masq-agent"
@@ -141,6 +141,9 @@ var steps = map[int]map[string]step{
 	// such, puts the verdict (and a reserved SNAT address) in the trie values, and adds the
 	// layout record: no carried map's bytes changed.
 	2: {},
+	// Layout 4 adds an event (drop_untranslatable) to event_stats' key, enum event, and an
+	// entry to the map: the entries there keep their keys and bytes.
+	3: {},
 }
 
 // dropIfindex turns a layout-1 NAT entry (addr, port, kind, flags, slot, ifindex, pad,

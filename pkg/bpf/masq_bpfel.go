@@ -23,21 +23,22 @@ const (
 type masqEvent uint32
 
 const (
-	masqEventEV_NEW_MASQ     masqEvent = 0
-	masqEventEV_PORT_RETRY   masqEvent = 1
-	masqEventEV_DROP_NO_PORT masqEvent = 2
-	masqEventEV_DROP_NO_ADDR masqEvent = 3
-	masqEventEV_DROP_REWRITE masqEvent = 4
-	masqEventEV_HOST_FLOW    masqEvent = 5
-	masqEventEV_HOST_REMAP   masqEvent = 6
-	masqEventEV_INBOUND_FLOW masqEvent = 7
-	masqEventEV_NAT_RACE     masqEvent = 8
-	masqEventEV_REPAIR       masqEvent = 9
-	masqEventEV_REALLOC      masqEvent = 10
-	masqEventEV_ICMP_ERROR   masqEvent = 11
-	masqEventEV_FRAG_MISS    masqEvent = 12
-	masqEventEV_REOPEN       masqEvent = 13
-	masqEventEV_MAX          masqEvent = 14
+	masqEventEV_NEW_MASQ            masqEvent = 0
+	masqEventEV_PORT_RETRY          masqEvent = 1
+	masqEventEV_DROP_NO_PORT        masqEvent = 2
+	masqEventEV_DROP_NO_ADDR        masqEvent = 3
+	masqEventEV_DROP_REWRITE        masqEvent = 4
+	masqEventEV_HOST_FLOW           masqEvent = 5
+	masqEventEV_HOST_REMAP          masqEvent = 6
+	masqEventEV_INBOUND_FLOW        masqEvent = 7
+	masqEventEV_NAT_RACE            masqEvent = 8
+	masqEventEV_REPAIR              masqEvent = 9
+	masqEventEV_REALLOC             masqEvent = 10
+	masqEventEV_ICMP_ERROR          masqEvent = 11
+	masqEventEV_FRAG_MISS           masqEvent = 12
+	masqEventEV_REOPEN              masqEvent = 13
+	masqEventEV_DROP_UNTRANSLATABLE masqEvent = 14
+	masqEventEV_MAX                 masqEvent = 15
 )
 
 type masqFrag4Key struct {

@@ -207,7 +207,7 @@ func TestNATReports(t *testing.T) {
 	if fmt.Sprint(st.Swept) != "map[icmp:0 icmpv6:0 tcp:7 udp:0]" {
 		t.Errorf("swept %v", st.Swept)
 	}
-	if fmt.Sprint(st.Drops) != "map[no_addr:0 no_port:0 rewrite:0]" || st.PortAllocationFailures != 0 {
+	if fmt.Sprint(st.Drops) != "map[no_addr:0 no_port:0 rewrite:0 untranslatable:0]" || st.PortAllocationFailures != 0 {
 		t.Errorf("drops %v, failures %d", st.Drops, st.PortAllocationFailures)
 	}
 	// Every event is reported, zero or not: the two flows are two new mappings.

@@ -95,7 +95,7 @@ func Definitions() []Definition {
 		{NATEntries, "gauge", []string{"family", "protocol"}, "Entries in the BPF datapath's NAT table (one per direction of a flow)."},
 		{NATPortRetries, "counter", nil, "Source port claims that found the port taken and tried another."},
 		{NATPortFailures, "counter", nil, "New flows that found no free source port within the retries (each one a dropped packet)."},
-		{Drops, "counter", []string{"reason"}, "Packets the BPF datapath dropped, by reason: no_port, no_addr (the uplink has no address of the family), rewrite (a rewrite failed)."},
+		{Drops, "counter", []string{"reason"}, "Packets the BPF datapath dropped, by reason: no_port, no_addr (the uplink has no address of the family), rewrite (a rewrite failed), untranslatable (a pod's packet the NAT cannot translate, to a masqueraded destination)."},
 		{DatapathEvents, "counter", []string{"event"}, "Events the BPF datapath counted, by event (the README lists them): new mappings, port retries, repairs, drops (drop_*, by reason also in " + Drops + ") and more."},
 		{NATSwept, "counter", []string{"protocol"}, "NAT table entries the periodic sweep removed as idle."},
 		{ConfigReloads, "counter", []string{"result"}, "Reads of the config file by result: success (its policy is in the datapath), invalid (parse or validation failed; the last good configuration stays), apply_error."},

@@ -145,7 +145,7 @@ ip_masq_agent_nat_port_allocation_retries_total 17
 # HELP ip_masq_agent_nat_port_allocation_failures_total New flows that found no free source port within the retries (each one a dropped packet).
 # TYPE ip_masq_agent_nat_port_allocation_failures_total counter
 ip_masq_agent_nat_port_allocation_failures_total 3
-# HELP ip_masq_agent_drops_total Packets the BPF datapath dropped, by reason: no_port, no_addr (the uplink has no address of the family), rewrite (a rewrite failed).
+# HELP ip_masq_agent_drops_total Packets the BPF datapath dropped, by reason: no_port, no_addr (the uplink has no address of the family), rewrite (a rewrite failed), untranslatable (a pod's packet the NAT cannot translate, to a masqueraded destination).
 # TYPE ip_masq_agent_drops_total counter
 ip_masq_agent_drops_total{reason="no_addr"} 0
 ip_masq_agent_drops_total{reason="no_port"} 3

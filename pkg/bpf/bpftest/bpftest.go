@@ -246,13 +246,15 @@ type policyLayout struct {
 // policyLayouts are how each layout holds the policy (its tries' values and nat_config): a
 // layout that changes them adds its entry here, one that does not reuses its predecessor's.
 var policyLayouts = map[int]policyLayout{
-	1: legacyPolicy, 2: legacyPolicy,
-	3: {familyCfg: 24, trieValue: func(fam policy.Family, action policy.Action, slot uint32) []byte {
-		v := binary.NativeEndian.AppendUint32(nil, slot)
-		v = append(v, byte(action), 0, 0, 0)
-		return append(v, make([]byte, addrLen(fam))...) // no SNAT address of its own
-	}},
+	1: legacyPolicy, 2: legacyPolicy, 3: verdictPolicy, 4: verdictPolicy,
 }
+
+// verdictPolicy is layout 3's: the verdict in the trie values.
+var verdictPolicy = policyLayout{familyCfg: 24, trieValue: func(fam policy.Family, action policy.Action, slot uint32) []byte {
+	v := binary.NativeEndian.AppendUint32(nil, slot)
+	v = append(v, byte(action), 0, 0, 0)
+	return append(v, make([]byte, addrLen(fam))...) // no SNAT address of its own
+}}
 
 var legacyPolicy = policyLayout{familyCfg: 8, trieValue: func(_ policy.Family, _ policy.Action, slot uint32) []byte {
 	return binary.NativeEndian.AppendUint32(nil, slot)
