@@ -52,7 +52,11 @@ var ErrCleanup = errors.New("fake: busy")
 func (b *Backend) Name() string { return Name }
 
 // Apply records p (see WaitApply), or fails as FailApplies asked.
-func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
+func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error { return b.apply(ctx, p, nil) }
+
+// apply is Apply, with done (when set) run once the apply succeeded and before it can be seen
+// (WaitApply): what an apply changes is in place by the time a test sees it.
+func (b *Backend) apply(ctx context.Context, p *policy.Policy, done func()) error {
 	b.mu.Lock()
 	fail := b.failApplies > 0
 	if fail {
@@ -69,6 +73,9 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	}
 	if fail {
 		return ErrApply
+	}
+	if done != nil {
+		done()
 	}
 	applied <- p
 	return nil
@@ -239,13 +246,13 @@ var _ datapath.DriftChecker = (*DriftBackend)(nil)
 
 // Apply applies as Backend does, then repairs the drift that is not stuck.
 func (d *DriftBackend) Apply(ctx context.Context, p *policy.Policy) error {
-	if err := d.Backend.Apply(ctx, p); err != nil {
-		return err
-	}
-	d.dmu.Lock()
-	defer d.dmu.Unlock()
-	d.drifted = slices.DeleteFunc(d.drifted, func(k string) bool { return !slices.Contains(d.stuck, k) })
-	return nil
+	// The repair comes before the apply can be seen: a test that damages the datapath once it
+	// saw an apply must not have its damage repaired by that apply.
+	return d.Backend.apply(ctx, p, func() {
+		d.dmu.Lock()
+		defer d.dmu.Unlock()
+		d.drifted = slices.DeleteFunc(d.drifted, func(k string) bool { return !slices.Contains(d.stuck, k) })
+	})
 }
 
 // DriftKinds are those of a BPF-like datapath.
