@@ -524,7 +524,7 @@ func TestPortExhaustion(t *testing.T) {
 // of a masqueraded flow keep counting on the rule that created it.
 func TestRuleCounters(t *testing.T) {
 	cfg := config.Default(config.Options{EnableIPv6: true})
-	cfg.MasqueradeCIDRs = []netip.Prefix{netip.MustParsePrefix("10.9.0.0/16"), netip.MustParsePrefix("2001:db8:9::/48")}
+	cfg.MasqueradeCIDRs = []config.MasqueradeCIDR{{CIDR: netip.MustParsePrefix("10.9.0.0/16")}, {CIDR: netip.MustParsePrefix("2001:db8:9::/48")}}
 	cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, netip.MustParsePrefix("fd99::/16"))
 	p := policy.Compile(cfg, policy.Options{EnableIPv6: true, RandomFully: true})
 	h := newHarness(t, p, LoadOptions{})

@@ -161,7 +161,7 @@ type fuzzPolicy struct {
 func fuzzPolicies() []fuzzPolicy {
 	v6 := config.Options{EnableIPv6: true}
 	list := config.Default(config.Options{})
-	list.MasqueradeCIDRs = []netip.Prefix{netip.MustParsePrefix("198.51.100.0/25"), netip.MustParsePrefix("10.9.0.0/16")}
+	list.MasqueradeCIDRs = []config.MasqueradeCIDR{{CIDR: netip.MustParsePrefix("198.51.100.0/25")}, {CIDR: netip.MustParsePrefix("10.9.0.0/16")}}
 	list.NonMasqueradeCIDRs = []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("198.51.100.0/24")}
 	list.MasqOutBound, list.MasqLinkLocal = false, true
 	none := config.Default(v6)

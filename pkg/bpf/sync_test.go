@@ -27,7 +27,10 @@ func prefixes(ss ...string) []netip.Prefix {
 }
 
 func compile(masq, nonMasq []netip.Prefix, outbound bool) *policy.Policy {
-	cfg := config.Config{MasqueradeCIDRs: masq, NonMasqueradeCIDRs: nonMasq, MasqOutBound: outbound, MasqOutBoundIPv6: outbound}
+	cfg := config.Config{NonMasqueradeCIDRs: nonMasq, MasqOutBound: outbound, MasqOutBoundIPv6: outbound}
+	for _, p := range masq {
+		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, config.MasqueradeCIDR{CIDR: p})
+	}
 	return policy.Compile(cfg, policy.Options{EnableIPv6: true, RandomFully: true})
 }
 

@@ -24,14 +24,16 @@ const MinResyncInterval = 100 * time.Millisecond
 
 // Config is a parsed and validated configuration. Each field is the value of one key (see Keys).
 type Config struct {
-	NonMasqueradeCIDRs []netip.Prefix
-	MasqueradeCIDRs    []netip.Prefix
-	MasqOutBound       bool
-	MasqOutBoundIPv6   bool
-	MasqLinkLocal      bool
-	MasqLinkLocalIPv6  bool
-	CIDRLimit          int
-	ResyncInterval     time.Duration
+	NonMasqueradeCIDRs    []netip.Prefix
+	MasqueradeCIDRs       []MasqueradeCIDR
+	MasqOutBound          bool
+	MasqOutBoundIPv6      bool
+	MasqLinkLocal         bool
+	MasqLinkLocalIPv6     bool
+	CIDRLimit             int
+	ResyncInterval        time.Duration
+	MasqueradeAddress     netip.Addr
+	MasqueradeAddressIPv6 netip.Addr
 }
 
 // Options are the command-line flags that change how a file is read.
@@ -131,25 +133,29 @@ func (c *Config) decode(doc map[string]json.RawMessage, opts Options) error {
 			continue
 		}
 		if err := key.decode(name, raw, opts, c); err != nil {
-			// Flatten, so that callers see one FieldError per problem.
-			if joined, ok := err.(interface{ Unwrap() []error }); ok {
-				errs = append(errs, joined.Unwrap()...)
-			} else {
-				errs = append(errs, err)
-			}
+			errs = append(errs, flatten(err)...) // so that callers see one FieldError per problem
 		}
 	}
 	return errors.Join(errs...)
 }
 
-// validate checks what involves more than one key.
-func (c Config) validate() error {
-	if n := len(c.NonMasqueradeCIDRs); n > c.CIDRLimit {
-		return &FieldError{Key: KeyNonMasqueradeCIDRs, Index: -1, Value: fmt.Sprintf("%d entries", n),
-			Problem: fmt.Sprintf("more than %s (%d) entries", KeyCIDRLimit, c.CIDRLimit),
-			Hint:    fmt.Sprintf("raise %s to at least %d if this many is intended", KeyCIDRLimit, n)}
+// flatten returns the errors joined in err, or err alone.
+func flatten(err error) []error {
+	if joined, ok := err.(interface{ Unwrap() []error }); ok {
+		return joined.Unwrap()
 	}
-	return nil
+	return []error{err}
+}
+
+// validate checks what involves more than one key or entry.
+func (c Config) validate() error {
+	errs := c.validateMasqueradeCIDRs()
+	if n := len(c.NonMasqueradeCIDRs); n > c.CIDRLimit {
+		errs = append(errs, &FieldError{Key: KeyNonMasqueradeCIDRs, Index: -1, Value: fmt.Sprintf("%d entries", n),
+			Problem: fmt.Sprintf("more than %s (%d) entries", KeyCIDRLimit, c.CIDRLimit),
+			Hint:    fmt.Sprintf("raise %s to at least %d if this many is intended", KeyCIDRLimit, n)})
+	}
+	return errors.Join(errs...)
 }
 
 // FieldError is a validation failure of one key or one list entry.
@@ -209,12 +215,15 @@ func unknownKey(key string) error {
 
 // closest returns the known key nearest to key by edit distance, ignoring case, or "" when
 // none is near enough to be a plausible typo.
-func closest(key string) string {
+func closest(key string) string { return closestOf(key, keyNames()) }
+
+// closestOf returns the name nearest to key, as closest does, among names.
+func closestOf(key string, names []string) string {
 	best, bestDist := "", 1<<30
 	lk := strings.ToLower(key)
-	for _, k := range Keys {
-		if d := editDistance(lk, strings.ToLower(k.Name)); d < bestDist {
-			best, bestDist = k.Name, d
+	for _, name := range names {
+		if d := editDistance(lk, strings.ToLower(name)); d < bestDist {
+			best, bestDist = name, d
 		}
 	}
 	if bestDist <= max(2, len(best)/4) {

@@ -22,6 +22,15 @@ func prefixes(ss ...string) []netip.Prefix {
 	return out
 }
 
+// masq is masqueradeCIDRs entries without addresses.
+func masq(ss ...string) []MasqueradeCIDR {
+	out := make([]MasqueradeCIDR, len(ss))
+	for i, p := range prefixes(ss...) {
+		out[i] = MasqueradeCIDR{CIDR: p}
+	}
+	return out
+}
+
 func TestDefaults(t *testing.T) {
 	got := Default(Options{})
 	if !slices.Equal(got.NonMasqueradeCIDRs, prefixes("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")) {
@@ -76,7 +85,7 @@ resyncInterval: 1m30s
 "masqOutBound":false,"masqOutBoundIPv6":false,"masqLinkLocal":true,"masqLinkLocalIPv6":true,"cidrLimit":3,"resyncInterval":"90s"}`
 	want := Config{
 		NonMasqueradeCIDRs: prefixes("10.0.0.0/8", "fc00::/7"),
-		MasqueradeCIDRs:    prefixes("10.10.10.10/32", "2001:db8::/32"),
+		MasqueradeCIDRs:    masq("10.10.10.10/32", "2001:db8::/32"),
 		MasqLinkLocal:      true, MasqLinkLocalIPv6: true, CIDRLimit: 3, ResyncInterval: 90 * time.Second,
 	}
 	for name, doc := range map[string]string{"yaml": yamlDoc, "json": jsonDoc} {
@@ -93,7 +102,8 @@ resyncInterval: 1m30s
 func equal(a, b Config) bool {
 	return slices.Equal(a.NonMasqueradeCIDRs, b.NonMasqueradeCIDRs) && slices.Equal(a.MasqueradeCIDRs, b.MasqueradeCIDRs) &&
 		a.MasqOutBound == b.MasqOutBound && a.MasqOutBoundIPv6 == b.MasqOutBoundIPv6 && a.MasqLinkLocal == b.MasqLinkLocal &&
-		a.MasqLinkLocalIPv6 == b.MasqLinkLocalIPv6 && a.CIDRLimit == b.CIDRLimit && a.ResyncInterval == b.ResyncInterval
+		a.MasqLinkLocalIPv6 == b.MasqLinkLocalIPv6 && a.CIDRLimit == b.CIDRLimit && a.ResyncInterval == b.ResyncInterval &&
+		a.MasqueradeAddress == b.MasqueradeAddress && a.MasqueradeAddressIPv6 == b.MasqueradeAddressIPv6
 }
 
 func TestParseEmptyListMeansNone(t *testing.T) {

@@ -2,6 +2,7 @@ package config
 
 import (
 	"errors"
+	"net/netip"
 	"slices"
 	"strings"
 	"testing"
@@ -15,6 +16,8 @@ import (
 func FuzzParse(f *testing.F) {
 	f.Add([]byte("nonMasqueradeCIDRs: [10.0.0.0/8]\nresyncInterval: 60s"), false)
 	f.Add([]byte(`{"masqueradeCIDRs":["fd00::/8"],"masqOutBoundIPv6":false}`), true)
+	f.Add([]byte("masqueradeCIDRs: [{cidr: 10.9.0.0/16, address: 10.0.0.11}, 10.10.10.10/32]\nmasqueradeAddress: 10.0.0.12"), false)
+	f.Add([]byte(`{"masqueradeAddressIPv6":"2001:db8::11","masqueradeCIDRs":[{"cidr":"fd00::/8","address":"fd00::1"}]}`), true)
 	f.Fuzz(func(t *testing.T, doc []byte, enableIPv6 bool) {
 		opts := Options{EnableIPv6: enableIPv6}
 		cfg, err := Parse(doc, opts)
@@ -22,7 +25,22 @@ func FuzzParse(f *testing.F) {
 			checkErrorBounded(t, err)
 			return
 		}
-		for _, list := range [][]string{prefixStrings(cfg.NonMasqueradeCIDRs), prefixStrings(cfg.MasqueradeCIDRs)} {
+		masq := make([]netip.Prefix, len(cfg.MasqueradeCIDRs))
+		for i, m := range cfg.MasqueradeCIDRs {
+			masq[i] = m.CIDR
+			if a := m.Address; a.IsValid() && (!a.IsGlobalUnicast() || a.Zone() != "" || a.Is4In6() || a.Is4() != m.CIDR.Addr().Is4()) {
+				t.Fatalf("accepted the address %v for %v", a, m.CIDR)
+			}
+		}
+		for _, a := range []netip.Addr{cfg.MasqueradeAddress, cfg.MasqueradeAddressIPv6} {
+			if a.IsValid() && (!a.IsGlobalUnicast() || a.Zone() != "" || a.Is4In6() || (a.Is6() && !enableIPv6)) {
+				t.Fatalf("accepted the masquerade address %v", a)
+			}
+		}
+		if a := cfg.MasqueradeAddress; a.IsValid() && !a.Is4() || cfg.MasqueradeAddressIPv6.Is4() {
+			t.Fatalf("accepted masquerade addresses of the wrong family: %v, %v", cfg.MasqueradeAddress, cfg.MasqueradeAddressIPv6)
+		}
+		for _, list := range [][]string{prefixStrings(cfg.NonMasqueradeCIDRs), prefixStrings(masq)} {
 			for _, s := range list {
 				// Only canonical prefixes leave the package: nothing else can reach a command line.
 				if strings.Trim(s, "0123456789abcdef.:/") != "" {
@@ -30,7 +48,7 @@ func FuzzParse(f *testing.F) {
 				}
 			}
 		}
-		for _, p := range append(slices.Clone(cfg.NonMasqueradeCIDRs), cfg.MasqueradeCIDRs...) {
+		for _, p := range append(slices.Clone(cfg.NonMasqueradeCIDRs), masq...) {
 			if p != p.Masked() || !p.IsValid() || p.Addr().Zone() != "" || p.Addr().Is4In6() {
 				t.Fatalf("accepted a non-canonical prefix %v", p)
 			}

@@ -20,6 +20,9 @@ const (
 	KeyMasqLinkLocalIPv6  = "masqLinkLocalIPv6"
 	KeyCIDRLimit          = "cidrLimit"
 	KeyResyncInterval     = "resyncInterval"
+	// The SNAT address of a family, instead of the uplink's primary one.
+	KeyMasqueradeAddress     = "masqueradeAddress"
+	KeyMasqueradeAddressIPv6 = "masqueradeAddressIPv6"
 )
 
 // Keys is the one definition of the configuration file: a row per key, in the order of the
@@ -29,8 +32,8 @@ const (
 var Keys = []Key{
 	{KeyNonMasqueradeCIDRs, "destinations that keep the pod's address",
 		cidrs(func(c *Config) *[]netip.Prefix { return &c.NonMasqueradeCIDRs }, defaultNonMasquerade)},
-	{KeyMasqueradeCIDRs, "destinations that are always masqueraded, even inside a non-masquerade range",
-		cidrs(func(c *Config) *[]netip.Prefix { return &c.MasqueradeCIDRs }, nil)},
+	{KeyMasqueradeCIDRs, "destinations that are always masqueraded, even inside a non-masquerade range; `{cidr: 10.10.10.10/32, address: 10.0.0.11}` also says the source address they leave from",
+		masqueradeCIDRs(func(c *Config) *[]MasqueradeCIDR { return &c.MasqueradeCIDRs })},
 	{KeyMasqOutBound, "IPv4: masquerade everything no rule above matched",
 		boolean(func(c *Config) *bool { return &c.MasqOutBound }, true)},
 	{KeyMasqOutBoundIPv6, "the same for IPv6",
@@ -43,6 +46,10 @@ var Keys = []Key{
 		count(func(c *Config) *int { return &c.CIDRLimit }, 64)},
 	{KeyResyncInterval, "how often the file is re-read and the datapath re-checked (at least `100ms`)",
 		interval(func(c *Config) *time.Duration { return &c.ResyncInterval }, 60*time.Second, MinResyncInterval)},
+	{KeyMasqueradeAddress, "the source address of masqueraded IPv4 traffic instead of the uplink's primary one: an address of the uplink",
+		address(func(c *Config) *netip.Addr { return &c.MasqueradeAddress }, 4)},
+	{KeyMasqueradeAddressIPv6, "the same for IPv6",
+		address(func(c *Config) *netip.Addr { return &c.MasqueradeAddressIPv6 }, 6)},
 }
 
 // Key is one key of the configuration file.
@@ -135,11 +142,8 @@ func lookupKey(name string) (Key, bool) {
 	return Keys[i], true
 }
 
-// cidrs is a list of CIDRs; def gives the default list (nil: none).
+// cidrs is a list of CIDRs; def gives the default list.
 func cidrs(get func(*Config) *[]netip.Prefix, def func(Options) []netip.Prefix) value {
-	if def == nil {
-		def = func(Options) []netip.Prefix { return nil }
-	}
 	return field[[]netip.Prefix]{typ: "list of CIDRs", get: get, def: def, parse: decodeCIDRs,
 		toJSON: func(ps []netip.Prefix) any {
 			out := make([]string, len(ps)) // never nil: an empty list is [], not null
@@ -240,6 +244,17 @@ func decodeCIDRs(key string, raw json.RawMessage, opts Options) ([]netip.Prefix,
 			valid[i] = true
 		}
 	}
+	prefixes, perrs := parsePrefixes(key, strs, valid, opts)
+	errs = append(errs, perrs...)
+	// In list order, whichever way each item failed.
+	slices.SortStableFunc(errs, func(a, b error) int { return indexOf(a) - indexOf(b) })
+	return prefixes, errors.Join(errs...)
+}
+
+// parsePrefixes parses the CIDR strings of a list (those valid says are strings; all when nil),
+// each error naming its entry.
+func parsePrefixes(key string, strs []string, valid []bool, opts Options) ([]netip.Prefix, []error) {
+	var errs []error
 	prefixes := make([]netip.Prefix, 0, len(strs))
 	for i, s := range strs {
 		if valid != nil && !valid[i] {
@@ -256,9 +271,7 @@ func decodeCIDRs(key string, raw json.RawMessage, opts Options) ([]netip.Prefix,
 		}
 		prefixes = append(prefixes, p)
 	}
-	// In list order, whichever way each item failed.
-	slices.SortStableFunc(errs, func(a, b error) int { return indexOf(a) - indexOf(b) })
-	return prefixes, errors.Join(errs...)
+	return prefixes, errs
 }
 
 func indexOf(err error) int {

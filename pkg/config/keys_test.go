@@ -28,6 +28,10 @@ func TestKeysCoverConfig(t *testing.T) {
 			*v += time.Second
 		case *[]netip.Prefix:
 			*v = append(*v, netip.MustParsePrefix("192.0.2.0/24"))
+		case *[]MasqueradeCIDR:
+			*v = append(*v, MasqueradeCIDR{CIDR: netip.MustParsePrefix("192.0.2.0/24")})
+		case *netip.Addr:
+			*v = netip.MustParseAddr("192.0.2.1")
 		default:
 			t.Fatalf("Config.%s: a %s, which this test cannot change", typ.Field(i).Name, f.Type())
 		}
@@ -111,8 +115,11 @@ func TestREADMEListsEveryKey(t *testing.T) {
 // readmeValue turns the README's default cell into a YAML value: "none", or code spans
 // separated by commas, perhaps followed by a remark in parentheses.
 func readmeValue(cell string, list bool) string {
-	if cell == "none" {
+	if cell == "none" && list {
 		return "[]"
+	}
+	if cell == "none" {
+		return `""`
 	}
 	cell, _, _ = strings.Cut(cell, " (")
 	items := strings.Split(cell, ", ")

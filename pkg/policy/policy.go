@@ -93,6 +93,10 @@ type Rule struct {
 	// Entry is the index within the config key the rule came from, or -1.
 	Entry   int
 	Comment string
+	// Address is the source address a masquerade rule rewrites to: its masqueradeCIDRs entry's
+	// address, else the family's masqueradeAddress; invalid for the uplink's primary address
+	// (and for RETURN rules).
+	Address netip.Addr
 }
 
 // Source describes where the rule came from, e.g. "nonMasqueradeCIDRs[2]" or "masqOutBound: true".
@@ -140,6 +144,49 @@ type Policy struct {
 	IPv6        []Rule
 	RandomFully bool
 	ToPorts     PortRanges
+	// MasqueradeAddress and MasqueradeAddressIPv6 are the configured masquerade addresses of
+	// the families (invalid: the uplink's primary address): the source of masquerade rules that
+	// name none of their own (see Rule.Address), and the node's own source where the datapath
+	// needs one (BPF: host flows).
+	MasqueradeAddress, MasqueradeAddressIPv6 netip.Addr
+}
+
+// Address is the family's masquerade address (MasqueradeAddress or MasqueradeAddressIPv6).
+func (p *Policy) Address(fam Family) netip.Addr {
+	if fam == IPv6 {
+		return p.MasqueradeAddressIPv6
+	}
+	return p.MasqueradeAddress
+}
+
+// AddressUse is a masquerade address of a policy and the part of the configuration that names
+// it ("masqueradeAddress", "masqueradeCIDRs[2]").
+type AddressUse struct {
+	Addr netip.Addr
+	From string
+}
+
+func (u AddressUse) String() string { return u.From + " " + u.Addr.String() }
+
+// Addresses lists the policy's masquerade addresses, each once with the first part of the
+// configuration naming it: the families' masqueradeAddress (used by a rule or not), then the
+// masqueradeCIDRs entries' in rule order. None when traffic leaves from the uplinks' primary
+// addresses only.
+func (p *Policy) Addresses() []AddressUse {
+	var out []AddressUse
+	add := func(a netip.Addr, from string) {
+		if a.IsValid() && !slices.ContainsFunc(out, func(u AddressUse) bool { return u.Addr == a }) {
+			out = append(out, AddressUse{Addr: a, From: from})
+		}
+	}
+	add(p.MasqueradeAddress, config.KeyMasqueradeAddress)
+	add(p.MasqueradeAddressIPv6, config.KeyMasqueradeAddressIPv6)
+	for _, rules := range [][]Rule{p.IPv4, p.IPv6} {
+		for _, r := range rules {
+			add(r.Address, r.Source())
+		}
+	}
+	return out
 }
 
 // Enabled reports whether the policy manages a family's traffic: IPv4 always, IPv6 with
@@ -153,30 +200,36 @@ func (p *Policy) Equal(q *Policy) bool {
 		return p == q
 	}
 	return p == q || (p.Enabled(IPv6) == q.Enabled(IPv6) && p.RandomFully == q.RandomFully &&
-		slices.Equal(p.IPv4, q.IPv4) && slices.Equal(p.IPv6, q.IPv6) && slices.Equal(p.ToPorts, q.ToPorts))
+		slices.Equal(p.IPv4, q.IPv4) && slices.Equal(p.IPv6, q.IPv6) && slices.Equal(p.ToPorts, q.ToPorts) &&
+		p.MasqueradeAddress == q.MasqueradeAddress && p.MasqueradeAddressIPv6 == q.MasqueradeAddressIPv6)
 }
 
 // Compile builds the rule lists from a validated configuration.
 func Compile(cfg config.Config, opts Options) *Policy {
-	p := &Policy{RandomFully: opts.RandomFully, ToPorts: opts.ToPorts}
-	p.IPv4 = compileFamily(cfg, IPv4)
+	p := &Policy{RandomFully: opts.RandomFully, ToPorts: opts.ToPorts, MasqueradeAddress: cfg.MasqueradeAddress}
+	p.IPv4 = compileFamily(cfg, IPv4, cfg.MasqueradeAddress)
 	if opts.EnableIPv6 {
-		p.IPv6 = compileFamily(cfg, IPv6)
+		p.MasqueradeAddressIPv6 = cfg.MasqueradeAddressIPv6
+		p.IPv6 = compileFamily(cfg, IPv6, cfg.MasqueradeAddressIPv6)
 	}
 	return p
 }
 
 // compileFamily returns a list that is never nil, so that an enabled family without rules is
-// told from a disabled one.
-func compileFamily(cfg config.Config, fam Family) []Rule {
+// told from a disabled one. snat is the family's masquerade address.
+func compileFamily(cfg config.Config, fam Family, snat netip.Addr) []Rule {
 	rules := []Rule{}
-	add := func(prefix netip.Prefix, action Action, origin Origin, entry int, comment string) {
+	add := func(prefix netip.Prefix, action Action, origin Origin, entry int, comment string) *Rule {
 		rules = append(rules, Rule{Family: fam, Prefix: prefix, Action: action, Origin: origin, Entry: entry,
 			Comment: comment})
+		return &rules[len(rules)-1]
 	}
 	for i, c := range cfg.MasqueradeCIDRs {
-		if FamilyOf(c.Addr()) == fam {
-			add(c, Masquerade, OriginMasqueradeCIDRs, i, CommentSpecificMasquerade)
+		if FamilyOf(c.CIDR.Addr()) == fam {
+			r := add(c.CIDR, Masquerade, OriginMasqueradeCIDRs, i, CommentSpecificMasquerade)
+			if r.Address = c.Address; !r.Address.IsValid() {
+				r.Address = snat
+			}
 		}
 	}
 	linkLocal, masqLinkLocal := LinkLocalIPv4, cfg.MasqLinkLocal
@@ -198,7 +251,7 @@ func compileFamily(cfg config.Config, fam Family) []Rule {
 		all = netip.PrefixFrom(netip.IPv6Unspecified(), 0)
 	}
 	if outbound {
-		add(all, Masquerade, OriginOutbound, -1, CommentOutbound)
+		add(all, Masquerade, OriginOutbound, -1, CommentOutbound).Address = snat
 	}
 	return rules
 }

@@ -8,6 +8,15 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 )
 
+// masqCIDRs is masqueradeCIDRs entries without addresses.
+func masqCIDRs(ss ...string) []config.MasqueradeCIDR {
+	var out []config.MasqueradeCIDR
+	for _, p := range mustPrefixes(ss...) {
+		out = append(out, config.MasqueradeCIDR{CIDR: p})
+	}
+	return out
+}
+
 func mustPrefixes(ss ...string) []netip.Prefix {
 	out := make([]netip.Prefix, len(ss))
 	for i, s := range ss {
@@ -19,7 +28,7 @@ func mustPrefixes(ss ...string) []netip.Prefix {
 // The rule order of DESIGN section 2: masqueradeCIDRs, link-local, nonMasqueradeCIDRs, outbound.
 func TestCompileOrder(t *testing.T) {
 	cfg := config.Config{
-		MasqueradeCIDRs:    mustPrefixes("10.10.10.10/32", "2001:db8::1/128"),
+		MasqueradeCIDRs:    masqCIDRs("10.10.10.10/32", "2001:db8::1/128"),
 		NonMasqueradeCIDRs: mustPrefixes("10.0.0.0/8", "fc00::/7", "172.16.0.0/12"),
 		MasqOutBound:       true,
 		MasqOutBoundIPv6:   false,
@@ -64,7 +73,7 @@ func TestCompileOrder(t *testing.T) {
 }
 
 func TestCompileComments(t *testing.T) {
-	p := Compile(config.Config{MasqueradeCIDRs: mustPrefixes("1.2.3.4/32"), NonMasqueradeCIDRs: mustPrefixes("10.0.0.0/8"), MasqOutBound: true}, Options{})
+	p := Compile(config.Config{MasqueradeCIDRs: masqCIDRs("1.2.3.4/32"), NonMasqueradeCIDRs: mustPrefixes("10.0.0.0/8"), MasqOutBound: true}, Options{})
 	want := []string{CommentSpecificMasquerade, CommentNonMasquerade, CommentNonMasquerade, CommentOutbound}
 	if len(p.IPv4) != len(want) {
 		t.Fatalf("%d rules, want %d: %+v", len(p.IPv4), len(want), p.IPv4)
@@ -103,7 +112,7 @@ func TestEnabledFamilyWithoutRules(t *testing.T) {
 
 func TestDecide(t *testing.T) {
 	cfg := config.Default(config.Options{})
-	cfg.MasqueradeCIDRs = mustPrefixes("10.10.10.10/32", "169.254.169.254/32")
+	cfg.MasqueradeCIDRs = masqCIDRs("10.10.10.10/32", "169.254.169.254/32")
 	cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, mustPrefixes("fd00::/8")...)
 	p := Compile(cfg, Options{EnableIPv6: true})
 	tests := []struct {
@@ -157,7 +166,7 @@ func TestDecideWithoutIPv6OrOutbound(t *testing.T) {
 
 // Duplicates: the first entry decides; the later one never matches (as in the chain).
 func TestDuplicateEntriesFirstWins(t *testing.T) {
-	cfg := config.Config{NonMasqueradeCIDRs: mustPrefixes("10.0.0.0/8", "10.0.0.0/8"), MasqueradeCIDRs: mustPrefixes("10.0.0.0/8")}
+	cfg := config.Config{NonMasqueradeCIDRs: mustPrefixes("10.0.0.0/8", "10.0.0.0/8"), MasqueradeCIDRs: masqCIDRs("10.0.0.0/8")}
 	p := Compile(cfg, Options{})
 	if v := p.Decide(netip.MustParseAddr("10.1.1.1")); v.Action != Masquerade || v.Rule != &p.IPv4[0] || v.Number != 1 {
 		t.Errorf("Decide = %+v", v)

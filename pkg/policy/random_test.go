@@ -18,9 +18,13 @@ func TestCompileAndDecideRandom(t *testing.T) {
 		policy.OriginNonMasqueradeCIDRs: 2, policy.OriginOutbound: 3}
 	rng := rand.New(rand.NewPCG(3, 4))
 	for range 300 {
-		cfg := policytest.Config(rng, rng.IntN(30))
+		cfg := policytest.WithAddresses(rng, policytest.Config(rng, rng.IntN(30)))
 		p := policy.Compile(cfg, policy.Options{EnableIPv6: true})
-		lists := map[policy.Origin][]netip.Prefix{policy.OriginMasqueradeCIDRs: cfg.MasqueradeCIDRs,
+		masq := make([]netip.Prefix, len(cfg.MasqueradeCIDRs))
+		for i, m := range cfg.MasqueradeCIDRs {
+			masq[i] = m.CIDR
+		}
+		lists := map[policy.Origin][]netip.Prefix{policy.OriginMasqueradeCIDRs: masq,
 			policy.OriginNonMasqueradeCIDRs: cfg.NonMasqueradeCIDRs}
 		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 			rules := p.Rules(fam)
@@ -41,6 +45,17 @@ func TestCompileAndDecideRandom(t *testing.T) {
 				if list, ok := lists[r.Origin]; ok && list[r.Entry] != r.Prefix {
 					t.Fatalf("config %s: %s rule %d says it is %s, which is %s, not %s", cfg.Canonical(), fam, i+1,
 						r.Source(), list[r.Entry], r.Prefix)
+				}
+				// The source address: the entry's own, else the family's masqueradeAddress.
+				want := netip.Addr{}
+				if r.Action == policy.Masquerade {
+					want = p.Address(fam)
+				}
+				if r.Origin == policy.OriginMasqueradeCIDRs && cfg.MasqueradeCIDRs[r.Entry].Address.IsValid() {
+					want = cfg.MasqueradeCIDRs[r.Entry].Address
+				}
+				if r.Address != want {
+					t.Fatalf("config %s: %s rule %d (%s) leaves from %v, want %v", cfg.Canonical(), fam, i+1, r.Source(), r.Address, want)
 				}
 			}
 			for _, origin := range []policy.Origin{policy.OriginMasqueradeCIDRs, policy.OriginNonMasqueradeCIDRs} {

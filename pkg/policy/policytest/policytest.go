@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"math/rand/v2"
 	"net/netip"
+	"slices"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -38,7 +39,7 @@ func Config(rng *rand.Rand, nonMasq int) config.Config {
 		return p
 	}
 	for range rng.IntN(11) {
-		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, pick())
+		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, config.MasqueradeCIDR{CIDR: pick()})
 	}
 	for range nonMasq {
 		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, pick())
@@ -46,21 +47,49 @@ func Config(rng *rand.Rand, nonMasq int) config.Config {
 	if rng.IntN(3) == 0 {
 		// The same prefix in both lists: the masquerade rule comes first and wins.
 		p := pick()
-		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, p)
+		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, config.MasqueradeCIDR{CIDR: p})
 		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, p)
 	}
 	if rng.IntN(3) == 0 {
 		// Over the link-local rules, which sit between the two lists.
-		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, netip.MustParsePrefix("169.254.169.254/32"))
+		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, config.MasqueradeCIDR{CIDR: netip.MustParsePrefix("169.254.169.254/32")})
 		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, netip.MustParsePrefix("fe80::/64"))
 	}
 	if rng.IntN(8) == 0 {
 		cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, netip.MustParsePrefix("0.0.0.0/0"))
 	}
 	if rng.IntN(8) == 0 {
-		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, netip.MustParsePrefix("::/0"))
+		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, config.MasqueradeCIDR{CIDR: netip.MustParsePrefix("::/0")})
 	}
 	cfg.CIDRLimit = len(cfg.NonMasqueradeCIDRs)
+	return cfg
+}
+
+// WithAddresses gives cfg masquerade addresses: now and then a family's masqueradeAddress, and
+// to some masqueradeCIDRs entries one of their own, drawn from a few per family, so that rules
+// share addresses. A CIDR listed twice keeps one address (as the configuration requires).
+func WithAddresses(rng *rand.Rand, cfg config.Config) config.Config {
+	pool := map[bool][]netip.Addr{
+		true:  {netip.MustParseAddr("192.0.2.11"), netip.MustParseAddr("192.0.2.12"), netip.MustParseAddr("198.51.100.13")},
+		false: {netip.MustParseAddr("2001:db8::11"), netip.MustParseAddr("2001:db8::12")},
+	}
+	draw := func(v4 bool) netip.Addr { return pool[v4][rng.IntN(len(pool[v4]))] }
+	if rng.IntN(2) == 0 {
+		cfg.MasqueradeAddress = draw(true)
+	}
+	if rng.IntN(2) == 0 {
+		cfg.MasqueradeAddressIPv6 = draw(false)
+	}
+	cfg.MasqueradeCIDRs = slices.Clone(cfg.MasqueradeCIDRs)
+	chosen := map[netip.Prefix]netip.Addr{}
+	for i, m := range cfg.MasqueradeCIDRs {
+		a, seen := chosen[m.CIDR]
+		if !seen && rng.IntN(2) == 0 {
+			a = draw(m.CIDR.Addr().Is4())
+		}
+		chosen[m.CIDR] = a
+		cfg.MasqueradeCIDRs[i].Address = a
+	}
 	return cfg
 }
 
