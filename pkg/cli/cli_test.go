@@ -52,13 +52,13 @@ func TestExplain(t *testing.T) {
 	}
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	want := [][]string{
-		{"ADDRESS", "VERDICT", "RULE", "CIDR", "FROM"},
-		{"10.10.10.10", "MASQUERADE", "ipv4", "#1", "10.10.10.10/32", "masqueradeCIDRs[0]"},
-		{"172.16.5.5", "RETURN", "ipv4", "#4", "172.16.0.0/12", "nonMasqueradeCIDRs[1]"},
-		{"8.8.8.8", "RETURN", "-", "-", "no", "rule", "matched", "and", "masqOutBound", "is", "false:", "end", "of", "chain"},
-		{"fd00::1", "RETURN", "ipv6", "#2", "fc00::/7", "nonMasqueradeCIDRs[4]"},
-		{"2001:db8::1", "MASQUERADE", "ipv6", "#3", "::/0", "masqOutBoundIPv6:", "true"},
-		{"169.254.169.254", "RETURN", "ipv4", "#2", "169.254.0.0/16", "link-local", "(masqLinkLocal:", "false)"},
+		{"ADDRESS", "VERDICT", "SOURCE", "RULE", "CIDR", "FROM"},
+		{"10.10.10.10", "MASQUERADE", "uplink", "ipv4", "#1", "10.10.10.10/32", "masqueradeCIDRs[0]"},
+		{"172.16.5.5", "RETURN", "pod", "ipv4", "#4", "172.16.0.0/12", "nonMasqueradeCIDRs[1]"},
+		{"8.8.8.8", "RETURN", "pod", "-", "-", "no", "rule", "matched", "and", "masqOutBound", "is", "false:", "end", "of", "chain"},
+		{"fd00::1", "RETURN", "pod", "ipv6", "#2", "fc00::/7", "nonMasqueradeCIDRs[4]"},
+		{"2001:db8::1", "MASQUERADE", "uplink", "ipv6", "#3", "::/0", "masqOutBoundIPv6:", "true"},
+		{"169.254.169.254", "RETURN", "pod", "ipv4", "#2", "169.254.0.0/16", "link-local", "(masqLinkLocal:", "false)"},
 	}
 	if len(lines) != len(want) {
 		t.Fatalf("got %d lines:\n%s", len(lines), out)
@@ -92,6 +92,30 @@ func TestExplainErrors(t *testing.T) {
 	}
 }
 
+// TestExplainAddresses: explain shows the address each destination leaves from: an entry's own,
+// the family's masqueradeAddress, the uplink's, or the pod's.
+func TestExplainAddresses(t *testing.T) {
+	path := writeConfig(t, `masqueradeAddress: 192.0.2.11
+masqueradeAddressIPv6: "2001:db8::11"
+masqueradeCIDRs:
+  - {cidr: 10.10.10.10/32, address: 192.0.2.12}
+  - 10.20.0.0/16
+nonMasqueradeCIDRs: [10.0.0.0/8]
+`)
+	out, _, err := run(t, "explain", "--config", path, "--enable-ipv6", "10.10.10.10", "10.20.1.1", "8.8.8.8", "10.1.2.3", "2001:db8::1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{"10.10.10.10": "192.0.2.12", "10.20.1.1": "192.0.2.11", "8.8.8.8": "192.0.2.11",
+		"10.1.2.3": "pod", "2001:db8::1": "2001:db8::11"}
+	for _, line := range strings.Split(strings.TrimSpace(out), "\n")[1:] {
+		f := strings.Fields(line)
+		if want[f[0]] != f[2] {
+			t.Errorf("%s leaves from %s, want %s:\n%s", f[0], f[2], want[f[0]], out)
+		}
+	}
+}
+
 // TestExplainDirectory: --config may name a directory, whose --config-pattern files are merged.
 func TestExplainDirectory(t *testing.T) {
 	dir := t.TempDir()
@@ -105,7 +129,7 @@ func TestExplainDirectory(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"10.10.10.10  MASQUERADE  ipv4 #1", "10.1.2.3     RETURN      ipv4 #3", "172.16.5.5   MASQUERADE  ipv4 #4"} {
+	for _, want := range []string{"10.10.10.10  MASQUERADE  uplink  ipv4 #1", "10.1.2.3     RETURN      pod     ipv4 #3", "172.16.5.5   MASQUERADE  uplink  ipv4 #4"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("explain of the merged directory lacks %q:\n%s", want, out)
 		}

@@ -6,6 +6,8 @@ import (
 	"io"
 	"net/netip"
 	"text/tabwriter"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
 func runExplain(_ context.Context, args []string, stdout, stderr io.Writer) error {
@@ -32,14 +34,26 @@ func runExplain(_ context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "ADDRESS\tVERDICT\tRULE\tCIDR\tFROM")
+	fmt.Fprintln(tw, "ADDRESS\tVERDICT\tSOURCE\tRULE\tCIDR\tFROM")
 	for _, a := range addrs {
 		v := p.Decide(a)
 		if v.Rule == nil {
-			fmt.Fprintf(tw, "%s\t%s\t-\t-\t%s\n", a, v.Action, v.Reason)
+			fmt.Fprintf(tw, "%s\t%s\t%s\t-\t-\t%s\n", a, v.Action, leavesFrom(v), v.Reason)
 			continue
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s #%d\t%s\t%s\n", a, v.Action, v.Rule.Family, v.Number, v.Rule.Prefix, v.Rule.Source())
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s #%d\t%s\t%s\n", a, v.Action, leavesFrom(v), v.Rule.Family, v.Number, v.Rule.Prefix, v.Rule.Source())
 	}
 	return tw.Flush()
+}
+
+// leavesFrom is the source address traffic of a verdict leaves with: the pod's own ("pod"), the
+// uplink's primary address ("uplink"), or a configured masquerade address.
+func leavesFrom(v policy.Verdict) string {
+	switch {
+	case v.Action == policy.Return:
+		return "pod"
+	case v.Rule.Address.IsValid():
+		return v.Rule.Address.String()
+	}
+	return "uplink"
 }
