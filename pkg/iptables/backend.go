@@ -335,7 +335,8 @@ func (b *Backend) supportsRandomFully(ctx context.Context, fam policy.Family) (b
 }
 
 // probe restores a throwaway chain holding one MASQUERADE rule, with --random-fully or
-// without, and removes it.
+// without, and removes it. Its answer holds for SNAT too: the same kernel flag, in the same
+// iptables release.
 func (b *Backend) probe(ctx context.Context, t *tools, fam policy.Family, randomFully bool) error {
 	probe := NewTransaction()
 	probe.Declare(probeChain)

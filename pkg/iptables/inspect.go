@@ -127,13 +127,13 @@ func (in *Installed) Counters(ctx context.Context) ([]datapath.RuleCounter, erro
 }
 
 // usesRandomFully tells whether the agent that filled the chain used --random-fully: it drops
-// the option from every MASQUERADE line where the node lacks it (Backend.Apply), so the chain
+// the option from every MASQUERADE and SNAT line where the node lacks it (Backend.Apply), so the chain
 // shows what it did; a line someone added by hand is outvoted.
 func usesRandomFully(live []SavedRule) bool {
 	with, without := 0, 0
 	for _, r := range live {
 		switch {
-		case r.Target != TargetMasquerade:
+		case r.Target != TargetMasquerade && r.Target != TargetSNAT:
 		case r.RandomFully:
 			with++
 		default:
@@ -153,7 +153,7 @@ func unexplained(fam policy.Family, r SavedRule) datapath.RuleCounter {
 			c.Prefix = netip.PrefixFrom(netip.IPv6Unspecified(), 0)
 		}
 	}
-	if r.Target == TargetMasquerade || r.Target == "SNAT" {
+	if r.Target == TargetMasquerade || r.Target == TargetSNAT {
 		c.Action = policy.Masquerade
 	}
 	return c

@@ -13,7 +13,8 @@ import (
 // DefaultChain is the upstream chain name (--masq-chain).
 const DefaultChain = "IP-MASQ-AGENT"
 
-// toPortsProtocols are the protocols MASQUERADE --to-ports applies to, as upstream.
+// toPortsProtocols are the protocols MASQUERADE --to-ports (and SNAT's port range) applies to,
+// as upstream.
 var toPortsProtocols = []string{"tcp", "udp", "sctp"}
 
 var chainNameRE = regexp.MustCompile(`^[A-Za-z0-9_][A-Za-z0-9_.-]*$`)
@@ -45,7 +46,8 @@ func JumpRule(chain string) Rule {
 }
 
 // Line is one iptables rule of the chain and the policy rule it implements. A MASQUERADE policy
-// rule becomes several lines when --to-ports splits it per protocol and port range.
+// rule becomes several lines when --to-ports splits it per protocol and port range. One that
+// names its source address is an SNAT rule to it, with the same port ranges and random ports.
 type Line struct {
 	// Policy is the policy rule and Number its 1-based position in its family's list.
 	Policy *policy.Rule
@@ -65,6 +67,9 @@ func ChainLines(p *policy.Policy, fam policy.Family, chain string) []Line {
 			continue
 		}
 		r.Jump, r.RandomFully = TargetMasquerade, p.RandomFully
+		if pr.Address.IsValid() {
+			r.Jump, r.ToSource = TargetSNAT, pr.Address
+		}
 		if len(p.ToPorts) > 0 {
 			for _, proto := range toPortsProtocols {
 				left := p.ToPorts.Size()

@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 
@@ -207,7 +208,7 @@ func TestRenderToPorts(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg := config.Default(config.Options{})
-	cfg.MasqueradeCIDRs = []netip.Prefix{netip.MustParsePrefix("10.10.10.10/32")}
+	cfg.MasqueradeCIDRs = []config.MasqueradeCIDR{{CIDR: netip.MustParsePrefix("10.10.10.10/32")}}
 	p := policy.Compile(cfg, policy.Options{RandomFully: true, ToPorts: ports})
 	lines := ChainLines(p, policy.IPv4, DefaultChain)
 	// 1 masquerade CIDR + outbound, each 3 protocols x 2 ranges + 1 plain; 4 RETURN rules.
@@ -239,6 +240,68 @@ func TestRenderToPorts(t *testing.T) {
 }
 
 // Three ranges: 1/3 of the remaining, then 1/2 of the rest, then the last without statistic.
+// A masquerade rule that names its source address is an SNAT rule to it, with the same port
+// ranges (in --to-source, IPv6 bracketed) and random ports as MASQUERADE's; the others stay
+// MASQUERADE.
+func TestRenderSNAT(t *testing.T) {
+	cfg, err := config.Parse([]byte(`masqueradeAddress: 192.0.2.11
+masqueradeAddressIPv6: "2001:db8::11"
+masqueradeCIDRs:
+  - {cidr: 10.10.10.10/32, address: 192.0.2.12}
+  - {cidr: "2001:db8:1::/48", address: "2001:db8::12"}
+nonMasqueradeCIDRs: [10.0.0.0/8]
+`), config.Options{EnableIPv6: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ports := policy.PortRanges{{First: 40000, Last: 40099}}
+	p := policy.Compile(cfg, policy.Options{EnableIPv6: true, RandomFully: true, ToPorts: ports})
+	const (
+		specific = `-m comment --comment "ip-masq-agent: specific outbound traffic is subject to MASQUERADE"`
+		outbound = `-m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)"`
+	)
+	want := map[policy.Family][]string{
+		policy.IPv4: {
+			"-A C -d 10.10.10.10/32 -p tcp " + specific + " -j SNAT --to-source 192.0.2.12:40000-40099 --random-fully",
+			"-A C -d 10.10.10.10/32 -p udp " + specific + " -j SNAT --to-source 192.0.2.12:40000-40099 --random-fully",
+			"-A C -d 10.10.10.10/32 -p sctp " + specific + " -j SNAT --to-source 192.0.2.12:40000-40099 --random-fully",
+			"-A C -d 10.10.10.10/32 " + specific + " -j SNAT --to-source 192.0.2.12 --random-fully",
+		},
+		policy.IPv6: {
+			"-A C -d 2001:db8:1::/48 -p tcp " + specific + " -j SNAT --to-source [2001:db8::12]:40000-40099 --random-fully",
+			"-A C -d 2001:db8:1::/48 -p udp " + specific + " -j SNAT --to-source [2001:db8::12]:40000-40099 --random-fully",
+			"-A C -d 2001:db8:1::/48 -p sctp " + specific + " -j SNAT --to-source [2001:db8::12]:40000-40099 --random-fully",
+			"-A C -d 2001:db8:1::/48 " + specific + " -j SNAT --to-source 2001:db8::12 --random-fully",
+		},
+	}
+	outbounds := map[policy.Family]string{
+		policy.IPv4: "-A C -p tcp " + outbound + " -j SNAT --to-source 192.0.2.11:40000-40099 --random-fully",
+		policy.IPv6: "-A C -p tcp " + outbound + " -j SNAT --to-source [2001:db8::11]:40000-40099 --random-fully",
+	}
+	for fam, lines := range want {
+		var got []string
+		for _, l := range ChainLines(p, fam, "C") {
+			got = append(got, l.Rule.String())
+		}
+		if !slices.Equal(got[:4], lines) {
+			t.Errorf("%s masqueradeCIDRs lines:\n%s\nwant\n%s", fam, strings.Join(got[:4], "\n"), strings.Join(lines, "\n"))
+		}
+		if !slices.Contains(got, outbounds[fam]) {
+			t.Errorf("%s: no outbound line %q in\n%s", fam, outbounds[fam], strings.Join(got, "\n"))
+		}
+	}
+	// Without a port range the address alone, and an address-less rule stays MASQUERADE.
+	cfg.MasqueradeAddress = netip.Addr{}
+	p = policy.Compile(cfg, policy.Options{})
+	var got []string
+	for _, l := range ChainLines(p, policy.IPv4, "C") {
+		got = append(got, l.Rule.String())
+	}
+	if got[0] != "-A C -d 10.10.10.10/32 "+specific+" -j SNAT --to-source 192.0.2.12" || got[len(got)-1] != "-A C "+outbound+" -j MASQUERADE" {
+		t.Errorf("lines without ports and without a masqueradeAddress:\n%s", strings.Join(got, "\n"))
+	}
+}
+
 func TestToPortsProbabilitiesAreUniform(t *testing.T) {
 	ports, _ := policy.ParsePortRanges("100-199,200-299,300-399")
 	p := policy.Compile(config.Config{MasqOutBound: true, MasqLinkLocal: true}, policy.Options{ToPorts: ports})
@@ -269,8 +332,9 @@ func TestValidateChain(t *testing.T) {
 }
 
 // decideFromPayload is a tiny tracer over a rendered payload: first match of the destination
-// over the chain's rules, the way the kernel walks the chain.
-func decideFromPayload(t *testing.T, payload []byte, chain string, addr netip.Addr) policy.Action {
+// over the chain's rules, the way the kernel walks the chain; with the source address an SNAT
+// rule rewrites to (invalid for MASQUERADE, the uplink's address).
+func decideFromPayload(t *testing.T, payload []byte, chain string, addr netip.Addr) (policy.Action, netip.Addr) {
 	t.Helper()
 	for _, line := range strings.Split(string(payload), "\n") {
 		if !strings.HasPrefix(line, "-A "+chain+" ") {
@@ -281,27 +345,35 @@ func decideFromPayload(t *testing.T, payload []byte, chain string, addr netip.Ad
 		if addr.Is6() {
 			dst = netip.PrefixFrom(netip.IPv6Unspecified(), 0)
 		}
-		target := ""
+		target, source := "", netip.Addr{}
 		for i := 0; i < len(f)-1; i++ {
 			switch f[i] {
 			case "-d":
 				dst = netip.MustParsePrefix(f[i+1])
 			case "-j":
 				target = f[i+1]
+			case "--to-source":
+				s, _, _ := strings.Cut(strings.TrimPrefix(f[i+1], "["), "]")
+				if addr.Is4() {
+					s, _, _ = strings.Cut(s, ":")
+				}
+				source = netip.MustParseAddr(s)
 			}
 		}
 		if dst.Contains(addr) {
 			switch target {
 			case "RETURN":
-				return policy.Return
+				return policy.Return, netip.Addr{}
 			case "MASQUERADE":
-				return policy.Masquerade
+				return policy.Masquerade, netip.Addr{}
+			case "SNAT":
+				return policy.Masquerade, source
 			default:
 				t.Fatalf("unexpected target in %q", line)
 			}
 		}
 	}
-	return policy.Return // the end of the chain
+	return policy.Return, netip.Addr{} // the end of the chain
 }
 
 // Decide equals first match over the rendered rule list, for random configurations and
@@ -310,6 +382,9 @@ func TestDecideEqualsFirstMatchOverRenderedChain(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
 	for iter := range 300 {
 		cfg := policytest.Config(r, r.IntN(20))
+		if iter%2 == 1 {
+			cfg = policytest.WithAddresses(r, cfg)
+		}
 		toPorts := policy.PortRanges(nil)
 		if iter%3 == 0 {
 			toPorts = policy.PortRanges{{First: 1024, Last: 2047}, {First: 40000, Last: 50000}}
@@ -323,10 +398,11 @@ func TestDecideEqualsFirstMatchOverRenderedChain(t *testing.T) {
 			if addr.Is6() {
 				payload = payload6
 			}
-			want := decideFromPayload(t, payload, DefaultChain, addr)
-			if got := p.Decide(addr); got.Action != want {
-				t.Fatalf("config %s\naddress %s: Decide = %v (rule %+v), rendered chain says %v\n%s",
-					cfg.Canonical(), addr, got.Action, got.Rule, want, payload)
+			want, source := decideFromPayload(t, payload, DefaultChain, addr)
+			got := p.Decide(addr)
+			if got.Action != want || (got.Rule != nil && got.Rule.Address != source) {
+				t.Fatalf("config %s\naddress %s: Decide = %v (rule %+v), rendered chain says %v from %v\n%s",
+					cfg.Canonical(), addr, got.Action, got.Rule, want, source, payload)
 			}
 		}
 	}

@@ -15,6 +15,9 @@ import (
 const (
 	TargetReturn     = "RETURN"
 	TargetMasquerade = "MASQUERADE"
+	// TargetSNAT rewrites to a given source address (--to-source): a masquerade rule of the
+	// policy that names its address.
+	TargetSNAT = "SNAT"
 )
 
 // Rule is one iptables rule of the nat table as data. Its options are written in one place
@@ -34,9 +37,12 @@ type Rule struct {
 	Probability float64
 	// NotLocal matches destinations that are not the node's own (addrtype ! --dst-type LOCAL).
 	NotLocal bool
-	// Jump is the target: TargetReturn, TargetMasquerade or a chain.
+	// Jump is the target: TargetReturn, TargetMasquerade, TargetSNAT or a chain.
 	Jump string
-	// ToPorts and RandomFully are MASQUERADE's options; a zero ToPorts keeps the source port.
+	// ToSource is SNAT's address.
+	ToSource netip.Addr
+	// ToPorts and RandomFully are the options of MASQUERADE and SNAT; a zero ToPorts keeps the
+	// source port.
 	ToPorts     policy.PortRange
 	RandomFully bool
 }
@@ -60,13 +66,28 @@ func (r Rule) appendArgs(a []string) []string {
 		a = append(a, "-m", "addrtype", "!", "--dst-type", "LOCAL")
 	}
 	a = append(a, "-j", r.Jump)
-	if r.ToPorts != (policy.PortRange{}) {
+	switch {
+	case r.ToSource.IsValid():
+		a = append(a, "--to-source", r.toSource())
+	case r.ToPorts != (policy.PortRange{}):
 		a = append(a, "--to-ports", r.ToPorts.String())
 	}
 	if r.RandomFully {
 		a = append(a, "--random-fully")
 	}
 	return a
+}
+
+// toSource is SNAT's --to-source value as iptables-save prints it: the address, with the port
+// range after a colon ("10.0.0.11:40000-40099", "[2001:db8::11]:40000-40099").
+func (r Rule) toSource() string {
+	if r.ToPorts == (policy.PortRange{}) {
+		return r.ToSource.String()
+	}
+	if r.ToSource.Is6() {
+		return "[" + r.ToSource.String() + "]:" + r.ToPorts.String()
+	}
+	return r.ToSource.String() + ":" + r.ToPorts.String()
 }
 
 // Args are the rule's options as the arguments of an iptables command (-A CHAIN ARGS...).

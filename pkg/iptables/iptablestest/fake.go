@@ -296,7 +296,7 @@ func (e ExitStatus) Error() string { return fmt.Sprintf("exit status %d", int(e)
 // ExitCode is the status, as exec.ExitError.ExitCode.
 func (e ExitStatus) ExitCode() int { return int(e) }
 
-var builtinTargets = []string{"RETURN", "MASQUERADE", "ACCEPT", "DROP"}
+var builtinTargets = []string{"RETURN", "MASQUERADE", "SNAT", "ACCEPT", "DROP"}
 
 // restore applies a payload. A rule line may start with "[packets:bytes] ", which sets the new
 // rule's counters with --counters (withCounters) and is ignored without, as iptables does.
