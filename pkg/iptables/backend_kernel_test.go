@@ -219,3 +219,62 @@ func TestBackendWithoutXtablesLock(t *testing.T) {
 		t.Errorf("the lock failure was taken for a rejection of --random-fully:\n%s", logs.String())
 	}
 }
+
+// SNAT rules (a policy with masquerade addresses, with and without --to-ports) as the real
+// tools store them: the chain reads back as rendered in both modes and families, so the drift
+// check finds nothing and every rule keeps its counters through a re-apply.
+func TestSNATInKernel(t *testing.T) {
+	cfg, err := config.Parse([]byte(`masqueradeAddress: 192.0.2.11
+masqueradeAddressIPv6: "2001:db8::11"
+masqueradeCIDRs:
+  - {cidr: 10.10.10.10/32, address: 192.0.2.12}
+  - {cidr: "2001:db8:1::/48", address: "2001:db8::12"}
+  - 10.20.0.0/16
+`), config.Options{EnableIPv6: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mode := range []iptables.Mode{iptables.ModeNFT, iptables.ModeLegacy} {
+		for _, ports := range []string{"", "40000-40099,50000-50099"} {
+			t.Run(string(mode)+"/to-ports="+ports, func(t *testing.T) {
+				testutil.RequirePrivileged(t, "ip", "iptables-"+string(mode)+"-restore", "ip6tables-"+string(mode)+"-restore")
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+				defer cancel()
+				ns := testutil.NewNetns(t)
+				b, err := iptables.New(ctx, iptables.Options{Mode: mode, Runner: iptables.ExecRunner{Prefix: []string{"ip", "netns", "exec", ns}}})
+				if err != nil {
+					t.Fatal(err)
+				}
+				toPorts, err := policy.ParsePortRanges(ports)
+				if err != nil {
+					t.Fatal(err)
+				}
+				p := policy.Compile(cfg, policy.Options{EnableIPv6: true, RandomFully: true, ToPorts: toPorts})
+				if err := b.Apply(ctx, p); err != nil {
+					t.Fatal(err)
+				}
+				for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+					chain, _ := readChain(ctx, t, ns, mode, fam)
+					if want := wantLines(p, fam); !slices.Equal(chain, want) {
+						t.Errorf("%s chain read back:\n %q\nwant\n %q", fam, chain, want)
+					}
+					if !strings.Contains(strings.Join(chain, "\n"), "-j SNAT --to-source ") {
+						t.Errorf("%s chain has no SNAT rule: %q", fam, chain)
+					}
+				}
+				if drift, err := b.CheckDrift(ctx); err != nil || len(drift) != 0 {
+					t.Errorf("drift check right after the apply: %q %v", drift, err)
+				}
+				counters, err := b.Counters(ctx)
+				if err != nil || len(counters) != len(p.IPv4)+len(p.IPv6) {
+					t.Errorf("%d counters for %d rules (%v): %+v", len(counters), len(p.IPv4)+len(p.IPv6), err, counters)
+				}
+				for _, c := range counters {
+					if c.Rule == 0 {
+						t.Errorf("an installed line the policy does not explain: %+v", c)
+					}
+				}
+			})
+		}
+	}
+}
