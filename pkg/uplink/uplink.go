@@ -53,6 +53,20 @@ type Set struct {
 	Uplinks []Uplink
 	// Missing are devices named by --interfaces that do not exist (yet).
 	Missing []string
+	// Addrs are, by ifindex, the addresses of each uplink that traffic can leave from: of
+	// global scope and, for IPv6, neither tentative nor failed duplicate address detection (a
+	// deprecated one still works), in the kernel's order. A masquerade address must be one.
+	Addrs map[int][]netip.Addr
+}
+
+// Carrier returns the uplink that has the address a (see Addrs).
+func (s Set) Carrier(a netip.Addr) (Uplink, bool) {
+	for _, u := range s.Uplinks {
+		if slices.Contains(s.Addrs[u.Index], a) {
+			return u, true
+		}
+	}
+	return Uplink{}, false
 }
 
 // Resolver finds the uplinks in the network namespace it was created in.
@@ -154,11 +168,13 @@ func (r *Resolver) resolve(ctx context.Context) (Set, error) {
 			}
 		}
 	}
+	set.Addrs = make(map[int][]netip.Addr, len(links))
 	for _, l := range links {
 		u := Uplink{Name: l.Attrs().Name, Index: l.Attrs().Index}
 		if hw := l.Attrs().HardwareAddr; len(hw) == len(u.MAC) {
 			copy(u.MAC[:], hw)
 		}
+		set.Addrs[u.Index] = usable(addrs[u.Index][unix.AF_INET], addrs[u.Index][unix.AF_INET6])
 		_, u.DefaultV4 = defaults[u.Index][unix.AF_INET]
 		_, u.DefaultV6 = defaults[u.Index][unix.AF_INET6]
 		for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
@@ -219,6 +235,22 @@ func (r *Resolver) defaultRoutes() (map[int]map[int]route, error) {
 		}
 	}
 	return out, nil
+}
+
+// usable returns the addresses traffic can leave from (see Set.Addrs).
+func usable(lists ...[]netlink.Addr) []netip.Addr {
+	var out []netip.Addr
+	for _, addrs := range lists {
+		for _, a := range addrs {
+			if a.Scope != unix.RT_SCOPE_UNIVERSE || a.IPNet == nil || a.Flags&(unix.IFA_F_TENTATIVE|unix.IFA_F_DADFAILED) != 0 {
+				continue
+			}
+			if ip, ok := netip.AddrFromSlice(a.IP); ok {
+				out = append(out, ip.Unmap())
+			}
+		}
+	}
+	return out
 }
 
 func primary(fam int, addrs []netlink.Addr, rt route) netip.Addr {
@@ -285,6 +317,9 @@ func Diff(old, cur Set) []string {
 		case o.Name != u.Name:
 			out = append(out, fmt.Sprintf("uplink %s renamed %s", o.Name, u.Name))
 		}
+		if was, now := sortedAddrs(old.Addrs[u.Index]), sortedAddrs(cur.Addrs[u.Index]); ok && !slices.Equal(was, now) {
+			out = append(out, fmt.Sprintf("uplink %s addresses %s -> %s", u.Name, showAll(was), showAll(now)))
+		}
 		if ok {
 			for _, f := range []struct {
 				name     string
@@ -306,6 +341,21 @@ func Diff(old, cur Set) []string {
 		out = append(out, "missing: "+strings.Join(cur.Missing, ", "))
 	}
 	return out
+}
+
+func sortedAddrs(as []netip.Addr) []netip.Addr {
+	return slices.SortedFunc(slices.Values(as), netip.Addr.Compare)
+}
+
+func showAll(as []netip.Addr) string {
+	if len(as) == 0 {
+		return "none"
+	}
+	s := make([]string, len(as))
+	for i, a := range as {
+		s[i] = a.String()
+	}
+	return strings.Join(s, ", ")
 }
 
 func show(a netip.Addr) string {

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -131,6 +132,37 @@ func TestResolve(t *testing.T) {
 	ip(t, ns, "route del default dev up0\nroute del ::/0 dev up0\n")
 	if set := resolve(t, ns); len(set.Uplinks) != 0 {
 		t.Fatalf("without default routes: %+v", set)
+	}
+}
+
+// TestAddrs: every address of an uplink that traffic can leave from (secondary and deprecated
+// ones too; not link-local, nor tentative while duplicate address detection runs), which Carrier
+// finds and Diff follows.
+func TestAddrs(t *testing.T) {
+	ns := newNode(t)
+	// Tentative while duplicate address detection runs: made to run for minutes.
+	done := make(chan error, 1)
+	inNetns(t, ns, func() { done <- os.WriteFile("/proc/sys/net/ipv6/conf/up0/dad_transmits", []byte("300"), 0o644) })
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	ip(t, ns, "addr add 2001:db8:1::13/64 dev up0\n")
+	set := resolve(t, ns)
+	u := set.Uplinks[0]
+	got := fmt.Sprint(sortedAddrs(set.Addrs[u.Index]))
+	if want := "[192.0.2.10 192.0.2.11 198.51.100.10 2001:db8:1::10 2001:db8:1::11 2001:db8:1::12]"; got != want {
+		t.Errorf("addresses %s, want %s", got, want)
+	}
+	for a, want := range map[string]bool{"192.0.2.11": true, "2001:db8:1::11": true, "2001:db8:1::13": false, "10.0.0.1": false} {
+		if c, ok := set.Carrier(netip.MustParseAddr(a)); ok != want || ok && c.Name != "up0" {
+			t.Errorf("Carrier(%s) = %v, %v; want %v", a, c, ok, want)
+		}
+	}
+	ip(t, ns, "addr del 192.0.2.11/24 dev up0\n")
+	diff := Diff(set, resolve(t, ns))
+	if want := "uplink up0 addresses 192.0.2.10, 192.0.2.11, 198.51.100.10, 2001:db8:1::10, 2001:db8:1::11, 2001:db8:1::12 -> " +
+		"192.0.2.10, 198.51.100.10, 2001:db8:1::10, 2001:db8:1::11, 2001:db8:1::12"; !slices.Contains(diff, want) {
+		t.Errorf("a secondary address removed: diff %q, want %q", diff, want)
 	}
 }
 
