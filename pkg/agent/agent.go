@@ -18,6 +18,7 @@ import (
 	"maps"
 	"net"
 	"net/http"
+	"net/netip"
 	"net/url"
 	"slices"
 	"strings"
@@ -72,6 +73,24 @@ type Options struct {
 	// only a bad configuration is at hand). A failed removal is logged and retried after the
 	// next successful apply.
 	Displace []Displaced
+	// Addresses, when set, checks the masquerade addresses of every configuration against the
+	// node's (see AddressChecker), whatever the backend: a configuration whose address the
+	// node lacks is rejected as a bad one is, and the policy in force keeps its address when it
+	// goes away (the last good state) while /readyz fails and Stats.MissingAddresses says so.
+	Addresses AddressChecker
+}
+
+// AddressChecker tells whether the masquerade addresses of a policy are the node's own
+// (pkg/nodeaddr).
+type AddressChecker interface {
+	// Check returns nil when every masquerade address of p (policy.Policy.Addresses) is an
+	// address of the node's uplinks. Otherwise its error names each address that is not, and
+	// implements MissingAddresses() []netip.Addr, unless the check could not be made at all.
+	Check(ctx context.Context, p *policy.Policy) error
+	// Changes receives a short reason whenever the uplinks' addresses changed: an address may
+	// have gone away or come back. The loop then loads the configuration again, as for a
+	// datapath event, when the configuration names masquerade addresses.
+	Changes() <-chan string
 }
 
 // Observer is told of the loop's work as it happens (see Options.Observer).
@@ -102,6 +121,12 @@ type Stats struct {
 	Reloads, ReloadApplyErrors uint64
 	// ConfigErrors counts reloads that found a configuration that does not parse or validate.
 	ConfigErrors uint64
+	// AddressErrors counts reloads that found a configuration naming a masquerade address the
+	// node does not have (rejected as well, but counted apart: the file may be right).
+	AddressErrors uint64
+	// MissingAddresses are the masquerade addresses that the configuration the last reload
+	// found, or the one in force, names and the node does not have. Nil when there are none.
+	MissingAddresses []netip.Addr
 	// LastReload is when the last reload counted in Reloads finished.
 	LastReload time.Time
 	// ConfigSHA256 identifies the configuration in force: the hex SHA-256 of the canonical form
@@ -137,6 +162,9 @@ type Agent struct {
 	mu       sync.Mutex
 	stats    Stats
 	notReady string // why /readyz fails, while not ready
+	// addrGone says which masquerade address of the policy in force the node lacks; /readyz
+	// fails while it is set.
+	addrGone string
 }
 
 // New checks the options and returns an agent; it touches neither the configuration nor the
@@ -195,6 +223,7 @@ func (a *Agent) Stats() Stats {
 	s := a.stats
 	s.Heals = maps.Clone(a.stats.Heals)
 	s.Unenforced = slices.Clone(a.stats.Unenforced)
+	s.MissingAddresses = slices.Clone(a.stats.MissingAddresses)
 	return s
 }
 
@@ -248,6 +277,9 @@ const (
 	triggerRetry   trigger = "retry"
 	triggerEvent   trigger = "datapath-event"
 	triggerDrift   trigger = "drift"
+	// triggerAddress: the uplinks' addresses changed while the configuration names
+	// masquerade addresses.
+	triggerAddress trigger = "address-change"
 )
 
 // reapplies tells whether the trigger applies the last good policy again whatever the
@@ -277,6 +309,9 @@ type loopState struct {
 	// while drift checks fail. Both keep the log to one line per change.
 	persisting   string
 	checkFailing bool
+	// addresses tells that the configuration the last reload found, or the one in force, names
+	// masquerade addresses: only then does a change of the uplinks' addresses call for a reload.
+	addresses bool
 	// The timers of the resync and of the retry of a failed apply.
 	resyncTimer, retryTimer *time.Timer
 }
@@ -309,6 +344,9 @@ func (a *Agent) loop(ctx context.Context) error {
 		driftTick = t.C
 	}
 	w := waiter{changes: changes, events: a.opts.Changes, driftTick: driftTick}
+	if a.opts.Addresses != nil {
+		w.addrs = a.opts.Addresses.Changes()
+	}
 	for why := triggerStartup; ; {
 		a.act(ctx, st, why, log.With("trigger", string(why)))
 		var ok bool
@@ -345,6 +383,7 @@ type waiter struct {
 	changes   <-chan struct{}
 	events    <-chan string
 	driftTick <-chan time.Time
+	addrs     <-chan string
 }
 
 // next waits for the next trigger; it returns false once ctx is done.
@@ -375,6 +414,16 @@ func (a *Agent) next(ctx context.Context, st *loopState, w *waiter, log *slog.Lo
 			}
 			log.Info("datapath event; re-applying", "event", why)
 			return triggerEvent, true
+		case why, ok := <-w.addrs:
+			if !ok {
+				w.addrs = nil
+				continue
+			}
+			if !st.addresses {
+				continue // no masquerade address to check again
+			}
+			log.Info("the uplinks' addresses changed; checking the masquerade addresses again", "event", why)
+			return triggerAddress, true
 		}
 	}
 }
@@ -390,16 +439,18 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, log *
 			_ = a.apply(ctx, st, log, false) // the drift repair does not wait for the configuration
 		}
 	case err != nil:
-		a.reject(ctx, st, why, err, log)
+		a.reject(ctx, st, why, err, log, &a.stats.ConfigErrors)
 	default:
 		a.accept(ctx, st, why, cfg, log)
 	}
 }
 
-// reject counts a configuration that does not parse or validate, and keeps the last good one.
-func (a *Agent) reject(ctx context.Context, st *loopState, why trigger, err error, log *slog.Logger) {
+// reject counts a configuration that does not parse or validate (in count: Stats.ConfigErrors),
+// or names a masquerade address the node lacks (Stats.AddressErrors), and keeps the last good
+// one.
+func (a *Agent) reject(ctx context.Context, st *loopState, why trigger, err error, log *slog.Logger, count *uint64) {
 	a.mu.Lock()
-	a.stats.ConfigErrors++
+	*count++
 	if !a.stats.Ready {
 		a.notReady = "no valid configuration yet: " + err.Error()
 	}
@@ -420,7 +471,6 @@ func (a *Agent) reject(ctx context.Context, st *loopState, why trigger, err erro
 // only a policy that differs from the one in place; a resync or retry always applies, which
 // heals drift.
 func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg config.Config, log *slog.Logger) {
-	st.resync = cfg.ResyncInterval
 	p := policy.Compile(cfg, a.opts.PolicyOptions)
 	changed := st.desired != nil && !p.Equal(st.desired)
 	if !changed && st.desired != nil {
@@ -428,8 +478,13 @@ func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg conf
 		// re-apply (which also repairs drift) from a new policy without comparing them again.
 		p = st.desired
 	}
+	if err := a.checkAddresses(ctx, st, p, log); err != nil && p != st.desired {
+		a.reject(ctx, st, why, err, log, &a.stats.AddressErrors)
+		return
+	}
+	st.resync = cfg.ResyncInterval
 	hash := ConfigHash(cfg)
-	if why == triggerChange && !st.failing() && p.Equal(st.applied) {
+	if (why == triggerChange || why == triggerAddress) && !st.failing() && p.Equal(st.applied) {
 		log.Debug("config unchanged; nothing to apply")
 		// The datapath implements this configuration too (it may differ in settings that do
 		// not reach the datapath, such as resyncInterval): it is the one in force now.
@@ -442,6 +497,57 @@ func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg conf
 	}
 	st.desired, st.desiredHash = p, hash
 	_ = a.apply(ctx, st, log, true)
+}
+
+// checkAddresses checks the masquerade addresses of p, the policy of the configuration a reload
+// found, against the node's, and those of the policy in force as well when p is another one
+// that fails; it returns p's error. The policy in force keeps its addresses when they go away
+// (the last good state): what is missing shows in Stats.MissingAddresses, and while the policy
+// in force lacks one /readyz fails and the log says so once.
+func (a *Agent) checkAddresses(ctx context.Context, st *loopState, p *policy.Policy, log *slog.Logger) error {
+	names := len(p.Addresses()) > 0
+	inForceNames := st.desired != nil && len(st.desired.Addresses()) > 0
+	var err, inForce error
+	if a.opts.Addresses != nil && (names || inForceNames) {
+		err = a.opts.Addresses.Check(ctx, p)
+		switch {
+		case p == st.desired:
+			inForce = err
+		case err != nil && st.desired != nil:
+			inForce = a.opts.Addresses.Check(ctx, st.desired)
+		}
+	}
+	// A change of the uplinks' addresses matters while p names some (in force or waiting for
+	// them), or p is rejected and the policy in force names some.
+	st.addresses = names || err != nil && inForceNames
+	missing := slices.SortedFunc(slices.Values(append(missingAddresses(err), missingAddresses(inForce)...)), netip.Addr.Compare)
+	gone := ""
+	if inForce != nil {
+		gone = inForce.Error()
+	}
+	a.mu.Lock()
+	was := a.addrGone
+	a.addrGone, a.stats.MissingAddresses = gone, slices.Compact(missing)
+	a.mu.Unlock()
+	switch {
+	case gone != "" && gone != was:
+		log.Error("a masquerade address of the configuration in force is not on the node; its policy stays in place, "+
+			"and traffic masqueraded to the address gets no replies until it is back; not ready while it lasts", "error", inForce)
+	case gone == "" && was != "":
+		log.Info("the masquerade addresses of the configuration in force are on the node again")
+	}
+	return err
+}
+
+// missingAddresses are the addresses an AddressChecker's error says the node lacks.
+func missingAddresses(err error) []netip.Addr {
+	if m, ok := errors.AsType[interface {
+		error
+		MissingAddresses() []netip.Addr
+	}](err); ok {
+		return m.MissingAddresses()
+	}
+	return nil
 }
 
 // reloaded counts a reload whose configuration, of the given hash, is in force already.
@@ -645,6 +751,9 @@ func (a *Agent) readyz(w http.ResponseWriter, _ *http.Request) {
 	if ready && len(a.stats.Unenforced) > 0 {
 		ready, why = false, "the policy is not enforced everywhere: "+strings.Join(a.stats.Unenforced, ", ")+
 			" (see the log)"
+	}
+	if ready && a.addrGone != "" {
+		ready, why = false, "a masquerade address of the configuration in force is not on the node: "+a.addrGone
 	}
 	a.mu.Unlock()
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")

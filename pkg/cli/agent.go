@@ -19,6 +19,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/configwatch"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodeaddr"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodelock"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
@@ -144,9 +145,24 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
+	addrs, err := nodeaddr.New(af.interfaceList(), log)
+	if err != nil {
+		return err
+	}
+	watchCtx, stopWatch := context.WithCancel(ctx)
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		addrs.Watch(watchCtx)
+	}()
+	defer func() {
+		stopWatch()
+		<-watched
+		addrs.Close()
+	}()
 	obs := metrics.NewObserver()
 	a, err := agent.New(agent.Options{Source: src, PolicyOptions: popts, Backend: dp.Backend, Logger: log,
-		Observer: obs, Changes: dp.Changes, Displace: dp.Displace, DriftInterval: af.driftInterval})
+		Observer: obs, Changes: dp.Changes, Displace: dp.Displace, DriftInterval: af.driftInterval, Addresses: addrs})
 	if err != nil {
 		return err
 	}

@@ -46,6 +46,7 @@ const (
 	ConfigReloads        = Namespace + "_config_reloads_total"
 	ConfigLastReload     = Namespace + "_config_last_reload_success_timestamp_seconds"
 	ConfigInfo           = Namespace + "_config_info"
+	AddressMissing       = Namespace + "_masquerade_address_missing"
 	DatapathSyncDuration = Namespace + "_datapath_sync_duration_seconds"
 	DatapathSyncErrors   = Namespace + "_datapath_sync_errors_total"
 	DatapathInfo         = Namespace + "_datapath_info"
@@ -63,6 +64,8 @@ const (
 	ReloadSuccess    = "success"
 	ReloadInvalid    = "invalid"
 	ReloadApplyError = "apply_error"
+	// ReloadAddressMissing: the configuration names a masquerade address the node lacks.
+	ReloadAddressMissing = "address_missing"
 )
 
 // Label values of ScrapeErrors' source: which datapath read failed.
@@ -98,9 +101,10 @@ func Definitions() []Definition {
 		{Drops, "counter", []string{"reason"}, "Packets the BPF datapath dropped, by reason: no_port, no_addr (the uplink has no address of the family), rewrite (a rewrite failed), untranslatable (a pod's packet the NAT cannot translate, to a masqueraded destination)."},
 		{DatapathEvents, "counter", []string{"event"}, "Events the BPF datapath counted, by event (the README lists them): new mappings, port retries, repairs, drops (drop_*, by reason also in " + Drops + ") and more."},
 		{NATSwept, "counter", []string{"protocol"}, "NAT table entries the periodic sweep removed as idle."},
-		{ConfigReloads, "counter", []string{"result"}, "Reads of the config file by result: success (its policy is in the datapath), invalid (parse or validation failed; the last good configuration stays), apply_error."},
+		{ConfigReloads, "counter", []string{"result"}, "Reads of the config file by result: success (its policy is in the datapath), invalid (parse or validation failed; the last good configuration stays), address_missing (it names a masquerade address the node does not have; the last good configuration stays), apply_error."},
 		{ConfigLastReload, "gauge", nil, "Unix time of the last successful reload; 0 before the first."},
 		{ConfigInfo, "gauge", []string{"sha256"}, "Always 1; sha256 is the hash of the canonical form of the configuration in force."},
+		{AddressMissing, "gauge", []string{"address"}, "1 for each masquerade address that the configuration in force, or the last one read, names and no uplink of the node has; no series while all are there."},
 		{DatapathSyncDuration, "histogram", nil, "Time to apply the policy to the datapath, failed applies included."},
 		{DatapathSyncErrors, "counter", nil, "Applies of the policy that failed (each is retried)."},
 		{DatapathInfo, "gauge", []string{"backend", "attach_mode"}, "Always 1; the datapath backend and how its programs are attached (none for iptables)."},
@@ -241,6 +245,10 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(ConfigReloads, s.Reloads, ReloadSuccess)
 		counter(ConfigReloads, s.ConfigErrors, ReloadInvalid)
 		counter(ConfigReloads, s.ReloadApplyErrors, ReloadApplyError)
+		counter(ConfigReloads, s.AddressErrors, ReloadAddressMissing)
+		for _, a := range s.MissingAddresses {
+			gauge(AddressMissing, 1, a.String())
+		}
 		var last float64
 		if !s.LastReload.IsZero() {
 			last = float64(s.LastReload.UnixNano()) / 1e9

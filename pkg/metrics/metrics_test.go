@@ -191,7 +191,8 @@ func helpOf(name string) string {
 
 func TestAgentMetrics(t *testing.T) {
 	var s agent.Stats
-	s.Reloads, s.ConfigErrors, s.ReloadApplyErrors, s.ApplyErrors = 5, 2, 1, 3
+	s.Reloads, s.ConfigErrors, s.ReloadApplyErrors, s.ApplyErrors, s.AddressErrors = 5, 2, 1, 3, 4
+	s.MissingAddresses = []netip.Addr{netip.MustParseAddr("10.0.0.11"), netip.MustParseAddr("2001:db8::11")}
 	s.LastReload = time.Unix(1700000000, 500_000_000)
 	s.ConfigSHA256 = strings.Repeat("ab", 32)
 	// One apply in each bucket from le=0.0025 to le=1, 1.5 s in all (exact in binary).
@@ -201,11 +202,16 @@ func TestAgentMetrics(t *testing.T) {
 	}
 	c := NewCollector(Options{Backend: &datapathtest.Backend{}, Agent: fakeStats{s}, Observer: obs})
 	want := `
-# HELP ip_masq_agent_config_reloads_total Reads of the config file by result: success (its policy is in the datapath), invalid (parse or validation failed; the last good configuration stays), apply_error.
+# HELP ip_masq_agent_config_reloads_total Reads of the config file by result: success (its policy is in the datapath), invalid (parse or validation failed; the last good configuration stays), address_missing (it names a masquerade address the node does not have; the last good configuration stays), apply_error.
 # TYPE ip_masq_agent_config_reloads_total counter
 ip_masq_agent_config_reloads_total{result="success"} 5
 ip_masq_agent_config_reloads_total{result="invalid"} 2
 ip_masq_agent_config_reloads_total{result="apply_error"} 1
+ip_masq_agent_config_reloads_total{result="address_missing"} 4
+# HELP ip_masq_agent_masquerade_address_missing 1 for each masquerade address that the configuration in force, or the last one read, names and no uplink of the node has; no series while all are there.
+# TYPE ip_masq_agent_masquerade_address_missing gauge
+ip_masq_agent_masquerade_address_missing{address="10.0.0.11"} 1
+ip_masq_agent_masquerade_address_missing{address="2001:db8::11"} 1
 # HELP ip_masq_agent_config_last_reload_success_timestamp_seconds Unix time of the last successful reload; 0 before the first.
 # TYPE ip_masq_agent_config_last_reload_success_timestamp_seconds gauge
 ip_masq_agent_config_last_reload_success_timestamp_seconds 1.7000000005e+09
@@ -235,7 +241,7 @@ ip_masq_agent_datapath_sync_duration_seconds_bucket{le="+Inf"} 9
 ip_masq_agent_datapath_sync_duration_seconds_sum 1.5
 ip_masq_agent_datapath_sync_duration_seconds_count 9
 `
-	if err := testutil.CollectAndCompare(c, strings.NewReader(want), ConfigReloads, ConfigLastReload, ConfigInfo, DatapathSyncErrors, DatapathSyncDuration); err != nil {
+	if err := testutil.CollectAndCompare(c, strings.NewReader(want), ConfigReloads, AddressMissing, ConfigLastReload, ConfigInfo, DatapathSyncErrors, DatapathSyncDuration); err != nil {
 		t.Error(err)
 	}
 
@@ -348,7 +354,8 @@ func TestScrapeTimeReads(t *testing.T) {
 
 // Every metric follows Prometheus' naming conventions, and Names is exactly what is exported.
 func TestNamesAndLint(t *testing.T) {
-	s := agent.Stats{ConfigSHA256: strings.Repeat("0", 64), Heals: map[string]uint64{datapath.DriftTrie: 1}}
+	s := agent.Stats{ConfigSHA256: strings.Repeat("0", 64), Heals: map[string]uint64{datapath.DriftTrie: 1},
+		MissingAddresses: []netip.Addr{netip.MustParseAddr("10.0.0.11")}}
 	b := &datapathtest.HookBackend{NATBackend: datapathtest.NATBackend{Installed: natInfo,
 		Backend: datapathtest.Backend{RuleCounters: []datapath.RuleCounter{rc(policy.IPv4, 1, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 1, 60)}},
 		Stats: datapath.NATStats{Entries: []datapath.NATEntries{{Family: policy.IPv4, Protocol: "tcp", Entries: 1}},
