@@ -7,6 +7,7 @@
 package bpfbackend
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -276,6 +277,12 @@ func uplinkNames(ups []uplink.Uplink) []string {
 // drift: entries changed behind the agent's back are rewritten, programs detached behind its
 // back are attached again.
 func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
+	if r := ownAddress(p); r != nil {
+		// The seam of the trie values' SNAT address (a pinned layout change of its own).
+		return fmt.Errorf("%s masquerades to %s, an address of its own: this BPF datapath masquerades every "+
+			"destination of a family to one address (the family's masqueradeAddress, else the uplink's); "+
+			"use the iptables backend for per-destination addresses", r.Source(), r.Address)
+	}
 	dp, err := b.datapathFor(p)
 	if err != nil {
 		return err
@@ -373,14 +380,31 @@ func (b *Backend) resolveUplinks(ctx context.Context) ([]uplink.Uplink, error) {
 	return set.Uplinks, nil
 }
 
-// snatAddrs is what uplink_snat (and uplink_macs) hold for u under p: its IPv6 address only
-// where p masquerades IPv6.
+// snatAddrs is what uplink_snat (and uplink_macs) hold for u under p: for each family, p's
+// masquerade address when it has one, else u's own; IPv6 only where p masquerades IPv6. A
+// masquerade address is thus every uplink's, as iptables' SNAT rule applies to every device
+// (the agent checked it is one of the node's uplinks'), and host flows from it keep their ports
+// as they do from an uplink's own address.
 func snatAddrs(u uplink.Uplink, p *policy.Policy) bpf.Uplink {
-	addrs := bpf.Uplink{IPv4: u.IPv4, MAC: u.MAC}
+	addrs := bpf.Uplink{IPv4: cmp.Or(p.MasqueradeAddress, u.IPv4), MAC: u.MAC}
 	if p.Enabled(policy.IPv6) {
-		addrs.IPv6 = u.IPv6
+		addrs.IPv6 = cmp.Or(p.MasqueradeAddressIPv6, u.IPv6)
 	}
 	return addrs
+}
+
+// ownAddress returns the first masquerade rule of p whose address is its own (a masqueradeCIDRs
+// entry's, not the family's masquerade address), or nil.
+func ownAddress(p *policy.Policy) *policy.Rule {
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		rules := p.Rules(fam)
+		for i := range rules {
+			if r := &rules[i]; r.Action == policy.Masquerade && r.Address != p.Address(fam) {
+				return r
+			}
+		}
+	}
+	return nil
 }
 
 // install writes each uplink's SNAT addresses and attaches the programs to it. changed tells
@@ -427,11 +451,11 @@ func (b *Backend) attachTo(ctx context.Context, u uplink.Uplink, progs tc.Progra
 // device named by --interfaces either family, one found by its default route the families of
 // its routes.
 func (b *Backend) warnNoAddress(u uplink.Uplink, p *policy.Policy) {
-	named := len(b.opts.Interfaces) > 0
-	if (named || u.DefaultV4) && !u.IPv4.IsValid() {
+	named, snat := len(b.opts.Interfaces) > 0, snatAddrs(u, p)
+	if (named || u.DefaultV4) && !snat.IPv4.IsValid() {
 		b.log.Warn("uplink has no IPv4 address: its masqueraded IPv4 traffic is dropped", "uplink", u.Name)
 	}
-	if p.Enabled(policy.IPv6) && (named || u.DefaultV6) && !u.IPv6.IsValid() {
+	if p.Enabled(policy.IPv6) && (named || u.DefaultV6) && !snat.IPv6.IsValid() {
 		b.log.Warn("uplink has no global IPv6 address: its masqueraded IPv6 traffic is dropped", "uplink", u.Name)
 	}
 }

@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -325,9 +326,9 @@ func verifyBPF(ctx context.Context, t testing.TB, env *Env, mode string) {
 	}
 
 	u, ok, err := r.Uplink(env.UplinkIndex(t))
-	wantUplink := bpf.Uplink{IPv4: NodeAddr4, MAC: env.UplinkMAC(t)}
+	wantUplink := bpf.Uplink{IPv4: cmp.Or(p.MasqueradeAddress, NodeAddr4), MAC: env.UplinkMAC(t)}
 	if p.Enabled(policy.IPv6) {
-		wantUplink.IPv6 = NodeAddr6
+		wantUplink.IPv6 = cmp.Or(p.MasqueradeAddressIPv6, NodeAddr6)
 	}
 	if err != nil || !ok || u != wantUplink {
 		t.Errorf("uplink_snat of %s: %+v %v %v, want %+v", Uplink, u, ok, err, wantUplink)

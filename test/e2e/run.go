@@ -214,10 +214,12 @@ func (e *Env) Observe(ctx context.Context, proto string, dst netip.Addr) (Want, 
 	switch src.Addr() {
 	case NodeAddr(fam):
 		return Masq, src, nil
+	case NodeAlt(fam):
+		return Alt, src, nil
 	case PodAddr(fam):
 		return Keep, src, nil
 	}
-	return 0, src, fmt.Errorf("%s to %s: source %s is neither the pod's nor the node's address", proto, dst, src)
+	return 0, src, fmt.Errorf("%s to %s: source %s is neither the pod's nor one of the node's addresses", proto, dst, src)
 }
 
 // Check probes every expectation over TCP and UDP and reports each mismatch.
@@ -235,7 +237,7 @@ func (e *Env) Check(ctx context.Context, t testing.TB, expects []Expect, masqPor
 				t.Errorf("%s to %s: external host saw %s (%s), want %s", proto, dst, src, got, ex.Want)
 				continue
 			}
-			if got == Masq && masqPorts != nil && (src.Port() < masqPorts.First || src.Port() > masqPorts.Last) {
+			if got != Keep && masqPorts != nil && (src.Port() < masqPorts.First || src.Port() > masqPorts.Last) {
 				t.Errorf("%s to %s: masqueraded to port %d, outside %s", proto, dst, src.Port(), masqPorts)
 			}
 		}
@@ -248,6 +250,11 @@ func Run(t *testing.T, bin string, b Backend, sc Scenario) {
 	t.Cleanup(cancel)
 	env := NewEnv(ctx, t, bin, sc.Flags)
 	env.Dir = sc.Dir
+	if sc.Alt {
+		if err := env.AddAltAddresses(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if b.Prepare != nil {
 		b.Prepare(ctx, t, env)
 	}

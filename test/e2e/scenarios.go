@@ -12,11 +12,16 @@ const (
 	Keep Want = iota
 	// Masq: the node's uplink address (masqueraded).
 	Masq
+	// Alt: the uplink's second address (masqueraded to a masquerade address).
+	Alt
 )
 
 func (w Want) String() string {
-	if w == Masq {
+	switch w {
+	case Masq:
 		return "masqueraded"
+	case Alt:
+		return "masqueraded to the second address"
 	}
 	return "pod address"
 }
@@ -51,6 +56,8 @@ type Scenario struct {
 	// Dir gives the agent the config directory (--config=DIR) instead of the file: the steps'
 	// Files are merged.
 	Dir bool
+	// Alt gives the node's uplink its second addresses (Topology.AddAltAddresses).
+	Alt bool
 	// Flags are policy flags, given to the agent and to `render` alike.
 	Flags []string
 	Steps []Step
@@ -115,6 +122,10 @@ masqLinkLocalIPv6: false
 resyncInterval: 60s
 `
 )
+
+// masqueradeAddresses makes the uplink's second addresses (NodeAlt4, NodeAlt6) the masquerade
+// addresses.
+const masqueradeAddresses = "masqueradeAddress: 10.99.0.11\nmasqueradeAddressIPv6: \"2001:db8:99::11\"\n"
 
 // platformConfig is the platform's ConfigMap of the config-directory scenario.
 const platformConfig = "nonMasqueradeCIDRs: [10.0.0.0/8]\nmasqOutBound: true\n"
@@ -238,6 +249,37 @@ func Scenarios() []Scenario {
 				{Config: "masqOutBound: true\n", Expect: join(
 					expect(Masq, "8.8.8.8", "2001:4860:4860::8888"),
 					expect(Keep, "10.10.10.10", "10.1.2.3"),
+				)},
+			},
+		},
+		{
+			// The node has two addresses on its uplink; the second is the masquerade address.
+			Name:  "masquerade-address",
+			Alt:   true,
+			Flags: []string{"--enable-ipv6", "--to-ports=40000-40099"},
+			// MasqPorts holds for every masqueraded flow, whichever address it leaves from.
+			MasqPorts: &policy.PortRange{First: 40000, Last: 40099},
+			Steps: []Step{
+				{Config: masqueradeAddresses + "masqueradeCIDRs: [10.10.10.10/32]\nnonMasqueradeCIDRs: [10.0.0.0/8]\n", Expect: join(
+					expect(Alt, "8.8.8.8", "10.10.10.10", "192.168.1.1", "2001:4860:4860::8888", "fd00::1"),
+					expect(Keep, "10.1.2.3", "169.254.169.254"),
+				)},
+				// Back to the uplink's primary address, live.
+				{Config: "masqueradeCIDRs: [10.10.10.10/32]\nnonMasqueradeCIDRs: [10.0.0.0/8]\n", Expect: join(
+					expect(Masq, "8.8.8.8", "10.10.10.10", "2001:4860:4860::8888"),
+					expect(Keep, "10.1.2.3"),
+				)},
+				// An address the node does not have: rejected, naming it; the last good state stays.
+				{Bad: true, LogMentions: []string{"masqueradeAddress 10.99.0.77", "is not an address of the node's uplinks"},
+					Config: "masqueradeAddress: 10.99.0.77\n", Expect: join(
+						expect(Masq, "8.8.8.8", "10.10.10.10", "2001:4860:4860::8888"),
+						expect(Keep, "10.1.2.3"),
+					)},
+				// The second address again, for IPv4 only.
+				{Config: "masqueradeAddress: 10.99.0.11\n", Expect: join(
+					expect(Alt, "8.8.8.8", "100.64.1.1"),
+					expect(Masq, "2001:4860:4860::8888"),
+					expect(Keep, "10.1.2.3", "172.16.5.5"),
 				)},
 			},
 		},

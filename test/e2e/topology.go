@@ -28,6 +28,11 @@ var (
 	ExtAddr4  = netip.MustParseAddr("10.99.0.2")
 	NodeAddr6 = netip.MustParseAddr("2001:db8:99::1")
 	ExtAddr6  = netip.MustParseAddr("2001:db8:99::2")
+	// NodeAlt4 and NodeAlt6 are the uplink's second addresses (AddAltAddresses), which
+	// masquerade addresses choose: an IPv4 secondary, and an IPv6 address made deprecated so
+	// that the kernel never picks it as a source of its own (MASQUERADE, the node's sockets).
+	NodeAlt4 = netip.MustParseAddr("10.99.0.11")
+	NodeAlt6 = netip.MustParseAddr("2001:db8:99::11")
 	PodNet4   = netip.MustParsePrefix("10.244.0.0/16")
 	PodNet6   = netip.MustParsePrefix("fd00:10:244::/48")
 )
@@ -162,6 +167,21 @@ func NodeAddr(fam policy.Family) netip.Addr {
 		return NodeAddr6
 	}
 	return NodeAddr4
+}
+
+// AddAltAddresses gives the node's uplink its second addresses, NodeAlt4 and NodeAlt6: a node
+// with two addresses on its uplink.
+func (tp *Topology) AddAltAddresses(ctx context.Context) error {
+	return IPBatch(ctx, tp.Node, fmt.Sprintf("addr add %s/24 dev %s\naddr add %s/64 dev %s nodad preferred_lft 0\n",
+		NodeAlt4, Uplink, NodeAlt6, Uplink))
+}
+
+// NodeAlt is the node's second uplink address of a family (NodeAlt4, NodeAlt6).
+func NodeAlt(fam policy.Family) netip.Addr {
+	if fam == policy.IPv6 {
+		return NodeAlt6
+	}
+	return NodeAlt4
 }
 
 // PodAddr is the pod's address of a family.
