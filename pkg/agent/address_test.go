@@ -60,7 +60,9 @@ func (f *fakeAddresses) Check(_ context.Context, p *policy.Policy) error {
 
 type fakeMissing []policy.AddressUse
 
-func (m fakeMissing) Error() string { return fmt.Sprintf("%v not on the uplinks", []policy.AddressUse(m)) }
+func (m fakeMissing) Error() string {
+	return fmt.Sprintf("%v not on the uplinks", []policy.AddressUse(m))
+}
 
 func (m fakeMissing) MissingAddresses() []netip.Addr {
 	var out []netip.Addr

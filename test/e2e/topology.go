@@ -33,8 +33,8 @@ var (
 	// that the kernel never picks it as a source of its own (MASQUERADE, the node's sockets).
 	NodeAlt4 = netip.MustParseAddr("10.99.0.11")
 	NodeAlt6 = netip.MustParseAddr("2001:db8:99::11")
-	PodNet4   = netip.MustParsePrefix("10.244.0.0/16")
-	PodNet6   = netip.MustParsePrefix("fd00:10:244::/48")
+	PodNet4  = netip.MustParsePrefix("10.244.0.0/16")
+	PodNet6  = netip.MustParsePrefix("fd00:10:244::/48")
 )
 
 // probeWindow bounds one probe; a probe that gets no answer in it failed.
