@@ -253,7 +253,8 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 		}
 	}
 	rebuild := known == nil || !slices.Equal(known.layout.Postrouting, l.Postrouting) ||
-		!slices.Equal(known.layout.Masq, l.Masq) || !sameChains(chains, known.chains)
+		!slices.Equal(known.layout.Masq, l.Masq) || !sameSNAT(known.layout.SNAT, l.SNAT) ||
+		!sameChains(chains, known.chains)
 	tx := nft.NewTransaction()
 	want, added, deleted := update(tx, p, l, cur, rebuild)
 	start := time.Now()
@@ -285,6 +286,12 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 	}
 	b.known[fam] = &knownTable{policy: p, in: want, layout: l, chains: st.Chains}
 	return nil
+}
+
+func sameSNAT(a, b []SNATChain) bool {
+	return slices.EqualFunc(a, b, func(x, y SNATChain) bool {
+		return x.Name == y.Name && x.Address == y.Address && slices.Equal(x.Rules, y.Rules)
+	})
 }
 
 func sameChains(a, b map[string][]string) bool {

@@ -47,7 +47,7 @@ func apply(t *testing.T, b *nftables.Backend, p *policy.Policy) {
 func TestLayoutFirstMatch(t *testing.T) {
 	cfg := config.Config{
 		NonMasqueradeCIDRs: []netip.Prefix{pfx("10.1.0.0/16"), pfx("10.0.0.0/8"), pfx("10.2.0.0/16"), pfx("10.0.0.0/8")},
-		MasqueradeCIDRs:    []netip.Prefix{pfx("10.3.0.0/24")},
+		MasqueradeCIDRs:    []config.MasqueradeCIDR{{CIDR: pfx("10.3.0.0/24")}},
 		MasqOutBound:       true,
 	}
 	p := compile(cfg, false)
@@ -94,6 +94,48 @@ func TestMasqRulesHonourRandomFullyAndToPorts(t *testing.T) {
 	}
 }
 
+// A masquerade rule with an address has its pieces in sets of that address, which go to a chain
+// that SNATs to it with the masquerade chain's ports and flags; the outbound rule goes to its
+// family's masquerade address's chain.
+func TestSNATLayout(t *testing.T) {
+	a := netip.MustParseAddr
+	cfg := config.Config{MasqOutBound: true, MasqOutBoundIPv6: true, MasqueradeAddressIPv6: a("2001:db8::11"),
+		MasqueradeCIDRs: []config.MasqueradeCIDR{{CIDR: pfx("10.10.0.0/16"), Address: a("192.0.2.12")}, {CIDR: pfx("10.20.0.0/16")},
+			{CIDR: pfx("2001:db8:1::/48"), Address: a("2001:db8::12")}}}
+	p := compile(cfg, true)
+	p.ToPorts = policy.PortRanges{{First: 40000, Last: 40099}}
+	l4 := nftables.NewLayout(p, policy.IPv4)
+	var sets []string
+	for _, s := range l4.Sets {
+		sets = append(sets, s.Name)
+	}
+	if want := []string{"masq-16-192.0.2.12", "masq-16", "return-16"}; !slices.Equal(sets, want) {
+		t.Errorf("IPv4 sets %v, want %v", sets, want)
+	}
+	if want := []string{"fib daddr type local return",
+		"ip daddr & 255.255.0.0 @masq-16-192.0.2.12 goto snat-1",
+		"ip daddr & 255.255.0.0 @masq-16 goto masq",
+		"ip daddr & 255.255.0.0 @return-16 return",
+		`counter name "outbound" goto masq`}; !slices.Equal(l4.Postrouting, want) {
+		t.Errorf("IPv4 postrouting\n%q\nwant\n%q", l4.Postrouting, want)
+	}
+	if len(l4.SNAT) != 1 || !slices.Equal(l4.SNAT[0].Rules, []string{
+		"meta l4proto { tcp, udp, sctp } snat to 192.0.2.12:40000-40099 fully-random", "snat to 192.0.2.12 fully-random"}) {
+		t.Errorf("IPv4 SNAT chains %+v", l4.SNAT)
+	}
+	l6 := nftables.NewLayout(p, policy.IPv6)
+	if got := l6.Postrouting[1]; got != "ip6 daddr & ffff:ffff:ffff:: @masq-48-2001.db8..12 goto snat-1" {
+		t.Errorf("IPv6 lookup %q", got)
+	}
+	if got := l6.Postrouting[len(l6.Postrouting)-1]; got != `counter name "outbound" goto snat-2` {
+		t.Errorf("IPv6 outbound %q, want the chain of masqueradeAddressIPv6", got)
+	}
+	if len(l6.SNAT) != 2 || l6.SNAT[1].Address != a("2001:db8::11") || !slices.Equal(l6.SNAT[1].Rules, []string{
+		"meta l4proto { tcp, udp, sctp } snat to [2001:db8::11]:40000-40099 fully-random", "snat to 2001:db8::11 fully-random"}) {
+		t.Errorf("IPv6 SNAT chains %+v", l6.SNAT)
+	}
+}
+
 // destinations are addresses where the order matters, for both families.
 func destinations(r *rand.Rand, p *policy.Policy) []netip.Addr {
 	var out []netip.Addr
@@ -114,7 +156,11 @@ func TestTracedRulesEqualDecide(t *testing.T) {
 	f := nftablestest.New()
 	b := newBackend(t, f)
 	for iter := range 200 {
-		p := compile(policytest.Config(r, r.IntN(20)), r.IntN(4) > 0)
+		cfg := policytest.Config(r, r.IntN(20))
+		if r.IntN(2) == 0 {
+			cfg = policytest.WithAddresses(r, cfg)
+		}
+		p := compile(cfg, r.IntN(4) > 0)
 		apply(t, b, p)
 		layouts := map[policy.Family]*nftables.Layout{}
 		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
@@ -130,6 +176,10 @@ func TestTracedRulesEqualDecide(t *testing.T) {
 			}
 			if got.Action != want.Action {
 				t.Fatalf("iteration %d: %s: traced %s, Decide %s (rule %d)\n%s", iter, dst, got.Action, want.Action, want.Number, f.Dump(policy.FamilyOf(dst)))
+			}
+			if want.Rule != nil && want.Action == policy.Masquerade && got.Source != want.Rule.Address {
+				t.Fatalf("iteration %d: %s: traced to the source %v, Decide's rule %d to %v\n%s", iter, dst, got.Source,
+					want.Number, want.Rule.Address, f.Dump(policy.FamilyOf(dst)))
 			}
 			if !p.Enabled(policy.FamilyOf(dst)) {
 				continue
@@ -205,7 +255,7 @@ func TestCountersKeptAcrossUpdates(t *testing.T) {
 		t.Fatalf("before the first apply: %v, %v", cs, err)
 	}
 	cfg := config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("10.1.0.0/16"), pfx("10.0.0.0/8"), pfx("172.16.0.0/12")},
-		MasqueradeCIDRs: []netip.Prefix{pfx("172.16.1.0/24")}, MasqOutBound: true}
+		MasqueradeCIDRs: []config.MasqueradeCIDR{{CIDR: pfx("172.16.1.0/24")}}, MasqOutBound: true}
 	apply(t, b, compile(cfg, false))
 	hit(t, f, "10.1.2.3", 2)
 	hit(t, f, "10.200.0.1", 3) // a piece of 10/8 other than the first
@@ -224,7 +274,7 @@ func TestCountersKeptAcrossUpdates(t *testing.T) {
 	}
 	// All move; 192.168/16 is new; 10/8's pieces stay (10.1/16 still comes first).
 	cfg.NonMasqueradeCIDRs = []netip.Prefix{pfx("192.168.0.0/16"), pfx("172.16.0.0/12"), pfx("10.1.0.0/16"), pfx("10.0.0.0/8")}
-	cfg.MasqueradeCIDRs = []netip.Prefix{pfx("1.2.3.4/32"), pfx("172.16.1.0/24")}
+	cfg.MasqueradeCIDRs = []config.MasqueradeCIDR{{CIDR: pfx("1.2.3.4/32")}, {CIDR: pfx("172.16.1.0/24")}}
 	apply(t, b, compile(cfg, false))
 	cs, err = b.Counters(ctx)
 	if err != nil {
@@ -294,7 +344,7 @@ func TestApplyAgainChangesNothing(t *testing.T) {
 // after finds nothing. An unchanged generation is no drift at all.
 func TestDriftFoundAndRepaired(t *testing.T) {
 	ctx := context.Background()
-	p := compile(config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("10.0.0.0/8")}, MasqueradeCIDRs: []netip.Prefix{pfx("10.1.0.0/16")},
+	p := compile(config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("10.0.0.0/8")}, MasqueradeCIDRs: []config.MasqueradeCIDR{{CIDR: pfx("10.1.0.0/16")}},
 		MasqOutBound: true}, false)
 	for _, d := range []struct {
 		name string

@@ -172,8 +172,16 @@ func (NetlinkKernel) Table(ctx context.Context, fam policy.Family, elements bool
 	}
 	st := &TableState{Sets: map[string]*SetState{}, Chains: map[string][]string{}}
 	// The agent's chains by name: listing every chain of the family would read kube-proxy's
-	// thousands too. A chain that cannot be read is missing (the table could be listed).
-	for _, name := range []string{ChainPostrouting, ChainMasq} {
+	// thousands too. A chain that cannot be read is missing (the table could be listed). The
+	// SNAT chains are numbered from 1: they are read up to the first that does not exist.
+	names := []string{ChainPostrouting, ChainMasq}
+	for i := 0; ; i++ {
+		if _, err := c.ListChain(t, SNATChainName(i)); err != nil {
+			break
+		}
+		names = append(names, SNATChainName(i))
+	}
+	for _, name := range names {
 		ch := &gnft.Chain{Name: name, Table: t}
 		rules, err := c.GetRules(t, ch)
 		if err != nil {

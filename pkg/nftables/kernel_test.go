@@ -82,6 +82,15 @@ func checkKernel(t *testing.T, p *policy.Policy) {
 			t.Errorf("%s: chains hold %d and %d rules, want %d and %d", fam, len(st.Chains[nftables.ChainPostrouting]),
 				len(st.Chains[nftables.ChainMasq]), len(l.Postrouting), len(l.Masq))
 		}
+		// The SNAT chains, and no stale one after them.
+		if len(st.Chains) != 2+len(l.SNAT) {
+			t.Errorf("%s: %d chains, want 2 and %d SNAT chains", fam, len(st.Chains), len(l.SNAT))
+		}
+		for _, c := range l.SNAT {
+			if len(st.Chains[c.Name]) != len(c.Rules) {
+				t.Errorf("%s: chain %s holds %d rules, want %d", fam, c.Name, len(st.Chains[c.Name]), len(c.Rules))
+			}
+		}
 		if (st.Outbound != nil) != (l.Outbound >= 0) {
 			t.Errorf("%s: outbound counter %v, outbound rule %d", fam, st.Outbound, l.Outbound)
 		}
@@ -103,7 +112,11 @@ func TestKernel(t *testing.T) {
 		r := rand.New(rand.NewPCG(15, 2))
 		var p *policy.Policy
 		for i := range 12 {
-			p = compile(policytest.Config(r, r.IntN(20)), i%3 != 2)
+			cfg := policytest.Config(r, r.IntN(20))
+			if i%4 != 3 {
+				cfg = policytest.WithAddresses(r, cfg)
+			}
+			p = compile(cfg, i%3 != 2)
 			if i%2 == 0 {
 				p.ToPorts = policy.PortRanges{{First: 1024, Last: 29999}, {First: 32768, Last: 65535}}
 			}
@@ -115,7 +128,8 @@ func TestKernel(t *testing.T) {
 				t.Fatalf("apply %d: drift right after: %v, %v", i, kinds, err)
 			}
 		}
-		p = compile(config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("10.0.0.0/8"), pfx("fd00::/8")}, MasqOutBound: true, MasqOutBoundIPv6: true}, true)
+		p = compile(config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("10.0.0.0/8"), pfx("fd00::/8")}, MasqOutBound: true, MasqOutBoundIPv6: true,
+			MasqueradeCIDRs: []config.MasqueradeCIDR{{CIDR: pfx("10.1.0.0/16"), Address: netip.MustParseAddr("192.0.2.11")}}}, true)
 		if err := b.Apply(ctx, p); err != nil {
 			t.Fatal(err)
 		}
@@ -126,6 +140,7 @@ func TestKernel(t *testing.T) {
 			{[]string{"flush", "set", "ip", nftables.TableName, "return-8"}, []string{datapath.DriftSet}},
 			{[]string{"delete", "table", "ip6", nftables.TableName}, []string{datapath.DriftTable}},
 			{[]string{"insert", "rule", "ip", nftables.TableName, nftables.ChainPostrouting, "return"}, []string{datapath.DriftChain}},
+			{[]string{"flush", "chain", "ip", nftables.TableName, nftables.SNATChainName(0)}, []string{datapath.DriftChain}},
 			{[]string{"flush chain ip " + nftables.TableName + " " + nftables.ChainPostrouting + "; delete chain ip " + nftables.TableName + " " +
 				nftables.ChainPostrouting}, []string{datapath.DriftChain}},
 		} {

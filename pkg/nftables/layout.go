@@ -28,6 +28,15 @@
 // the named counter "outbound", which survives the rebuilds of the chain. Each element's
 // comment names its rule ("nonMasqueradeCIDRs 10.0.0.0/8"), so `dump` can tell the rules apart
 // without the configuration.
+//
+// # Masquerade addresses
+//
+// A masquerade rule that names its source address (policy.Rule.Address) has its pieces in sets
+// of that address ("masq-24-10.0.0.11"; an IPv6 address with dots for its colons), whose lookups
+// go to a chain that SNATs to it ("snat-1", "snat-2", ... in the order the addresses first come
+// in the rule list) with the masquerade chain's random ports and port ranges; so does the
+// outbound rule with the family's masquerade address. Sets are named by address, so that a
+// rule's elements, and counts, stay where its address does.
 package nftables
 
 import (
@@ -54,6 +63,9 @@ const (
 	ChainPostrouting = "postrouting"
 	// ChainMasq masquerades (`masquerade` is a keyword of nft and cannot name a chain).
 	ChainMasq = "masq"
+	// ChainSNATPrefix starts the names of the chains that SNAT to a masquerade address:
+	// "snat-1", "snat-2", ... (see SNATChainName).
+	ChainSNATPrefix = "snat-"
 	// CounterOutbound counts the outbound rule.
 	CounterOutbound = "outbound"
 )
@@ -85,11 +97,20 @@ type Element struct {
 	Rule int
 }
 
-// Set is one set of the layout: the pieces of one phase and prefix length.
+// Set is one set of the layout: the pieces of one phase and prefix length, and in the
+// masquerade phase of one masquerade address (invalid: the uplink's).
 type Set struct {
-	Name   string
-	Action policy.Action
-	Bits   int
+	Name    string
+	Action  policy.Action
+	Bits    int
+	Address netip.Addr
+}
+
+// SNATChain is a chain that SNATs to a masquerade address.
+type SNATChain struct {
+	Name    string
+	Address netip.Addr
+	Rules   []string
 }
 
 // Layout is a family's policy as the table holds it.
@@ -100,22 +121,34 @@ type Layout struct {
 	Sets []Set
 	// Elements by set, in the order of Sets, each set's in rule order.
 	Elements []Element
-	// Outbound is the outbound rule's index in the rule list, -1 without one.
-	Outbound int
+	// Outbound is the outbound rule's index in the rule list, -1 without one; outboundChain
+	// the chain it goes to.
+	Outbound      int
+	outboundChain string
 	// Pieces counts, per rule, its elements: 0 for a rule that earlier rules of its phase cover
 	// entirely (it can never match, as on iptables).
 	Pieces []int
 	// Postrouting and Masq are the chains' rules, as nft statements.
 	Postrouting, Masq []string
+	// SNAT are the chains of the masquerade addresses, in the order of their names.
+	SNAT []SNATChain
 }
 
-// SetName names the set of a phase and prefix length: "masq-24", "return-8".
-func SetName(a policy.Action, bits int) string {
-	if a == policy.Masquerade {
-		return fmt.Sprintf("masq-%d", bits)
+// SetName names the set of a phase and prefix length: "masq-24", "return-8"; with a
+// masquerade address (valid only for the masquerade phase), "masq-24-10.0.0.11".
+func SetName(a policy.Action, bits int, addr netip.Addr) string {
+	if a != policy.Masquerade {
+		return fmt.Sprintf("return-%d", bits)
 	}
-	return fmt.Sprintf("return-%d", bits)
+	if addr.IsValid() {
+		// nft names take letters, digits and "_-./", not an IPv6 address's colons.
+		return fmt.Sprintf("masq-%d-%s", bits, strings.ReplaceAll(addr.String(), ":", "."))
+	}
+	return fmt.Sprintf("masq-%d", bits)
 }
+
+// SNATChainName names the chain of the i-th masquerade address (from 0): "snat-1".
+func SNATChainName(i int) string { return fmt.Sprintf("%s%d", ChainSNATPrefix, i+1) }
 
 // Comment is the comment of a rule's elements: its origin and prefix.
 func Comment(r policy.Rule) string { return string(r.Origin) + " " + r.Prefix.String() }
@@ -140,31 +173,54 @@ func NewLayout(p *policy.Policy, fam policy.Family) *Layout {
 	bySet := map[string][]Element{}
 	for _, action := range []policy.Action{policy.Masquerade, policy.Return} {
 		covered := &trie{}
-		lengths := map[int]bool{}
+		// The sets of each prefix length, by address, the addresses in rule order.
+		lengths := map[int][]netip.Addr{}
 		for i, r := range rules {
 			if r.Action != action {
 				continue
 			}
+			chain := l.snatChain(r.Address)
 			if r.Origin == policy.OriginOutbound {
-				l.Outbound = i
+				l.Outbound, l.outboundChain = i, chain
 				continue
 			}
 			for _, piece := range covered.claim(r.Prefix.Masked()) {
-				name := SetName(action, piece.Bits())
+				name := SetName(action, piece.Bits(), r.Address)
 				bySet[name] = append(bySet[name], Element{Set: name, Key: piece.Addr(), Rule: i})
-				lengths[piece.Bits()] = true
+				if !slices.Contains(lengths[piece.Bits()], r.Address) {
+					lengths[piece.Bits()] = append(lengths[piece.Bits()], r.Address)
+				}
 				l.Pieces[i]++
 			}
 		}
 		for _, bits := range slices.Backward(slices.Sorted(maps.Keys(lengths))) {
-			s := Set{Name: SetName(action, bits), Action: action, Bits: bits}
-			l.Sets = append(l.Sets, s)
-			l.Elements = append(l.Elements, bySet[s.Name]...)
+			for _, addr := range lengths[bits] {
+				s := Set{Name: SetName(action, bits, addr), Action: action, Bits: bits, Address: addr}
+				l.Sets = append(l.Sets, s)
+				l.Elements = append(l.Elements, bySet[s.Name]...)
+			}
 		}
 	}
 	l.Postrouting = l.postroutingRules()
-	l.Masq = masqRules(p)
+	l.Masq = masqRules(p, netip.Addr{})
+	for i := range l.SNAT {
+		l.SNAT[i].Rules = masqRules(p, l.SNAT[i].Address)
+	}
 	return l
+}
+
+// snatChain returns the name of the chain that masquerades to addr (ChainMasq for none), adding
+// it to the layout when it is new.
+func (l *Layout) snatChain(addr netip.Addr) string {
+	if !addr.IsValid() {
+		return ChainMasq
+	}
+	i := slices.IndexFunc(l.SNAT, func(c SNATChain) bool { return c.Address == addr })
+	if i < 0 {
+		i = len(l.SNAT)
+		l.SNAT = append(l.SNAT, SNATChain{Name: SNATChainName(i), Address: addr})
+	}
+	return l.SNAT[i].Name
 }
 
 // daddr is the destination match of a family: "ip daddr" or "ip6 daddr".
@@ -191,12 +247,12 @@ func (l *Layout) postroutingRules() []string {
 		}
 		verdict := "return"
 		if s.Action == policy.Masquerade {
-			verdict = "goto " + ChainMasq
+			verdict = "goto " + l.snatChain(s.Address)
 		}
 		out = append(out, fmt.Sprintf("%s @%s %s", match, s.Name, verdict))
 	}
 	if l.Outbound >= 0 {
-		out = append(out, fmt.Sprintf("counter name %q goto %s", CounterOutbound, ChainMasq))
+		out = append(out, fmt.Sprintf("counter name %q goto %s", CounterOutbound, l.outboundChain))
 	}
 	return out
 }
@@ -208,14 +264,29 @@ func maxAddr(fam policy.Family) netip.Addr {
 	return netip.AddrFrom4([4]byte{0xff, 0xff, 0xff, 0xff})
 }
 
-// masqRules are the masquerade chain's rules: MASQUERADE's --random-fully and --to-ports as
-// the iptables backend renders them. Several --to-ports ranges are chosen at random, each with
-// its share of the ports not in an earlier range, so every port is equally likely; protocols
+// masqRules are the rules of the chain that masquerades to addr (invalid: the uplink's address,
+// the masquerade chain; else an SNAT chain): MASQUERADE's --random-fully and --to-ports as the
+// iptables backend renders them. Several --to-ports ranges are chosen at random, each with its
+// share of the ports not in an earlier range, so every port is equally likely; protocols
 // without ports are masqueraded without the ranges.
-func masqRules(p *policy.Policy) []string {
+func masqRules(p *policy.Policy, addr netip.Addr) []string {
 	flags := ""
 	if p.RandomFully {
 		flags = " fully-random"
+	}
+	// to is the statement, with the ports when given.
+	to := func(ports string) string {
+		switch {
+		case !addr.IsValid() && ports == "":
+			return "masquerade"
+		case !addr.IsValid():
+			return "masquerade to :" + ports
+		case ports == "":
+			return "snat to " + addr.String()
+		case addr.Is6():
+			return "snat to [" + addr.String() + "]:" + ports
+		}
+		return "snat to " + addr.String() + ":" + ports
 	}
 	var out []string
 	left := p.ToPorts.Size()
@@ -224,8 +295,8 @@ func masqRules(p *policy.Policy) []string {
 		if j < len(p.ToPorts)-1 {
 			pick = fmt.Sprintf(" numgen random mod %d < %d", left, ports.Size())
 		}
-		out = append(out, fmt.Sprintf("meta l4proto %s%s masquerade to :%s%s", toPortsProtocols, pick, ports, flags))
+		out = append(out, fmt.Sprintf("meta l4proto %s%s %s%s", toPortsProtocols, pick, to(ports.String()), flags))
 		left -= ports.Size()
 	}
-	return append(out, "masquerade"+flags)
+	return append(out, to("")+flags)
 }

@@ -114,7 +114,7 @@ func mapKeysOf[K comparable, V any](m map[K]V) func(func(K) bool) {
 	}
 }
 
-// parseSetName reads SetName back.
+// parseSetName reads SetName back (the address of a masquerade address's set aside).
 func parseSetName(name string) (policy.Action, int, bool) {
 	var bits int
 	if _, err := fmt.Sscanf(name, "masq-%d", &bits); err == nil {

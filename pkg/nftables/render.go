@@ -1,7 +1,9 @@
 package nftables
 
 import (
+	"maps"
 	"net/netip"
+	"slices"
 	"strings"
 
 	"sigs.k8s.io/knftables"
@@ -10,11 +12,13 @@ import (
 )
 
 // installed is what a family's table holds as far as the backend knows: whether it exists,
-// its sets, their elements (with their comments) and whether the outbound counter exists.
+// its sets, their elements (with their comments), its SNAT chains and whether the outbound
+// counter exists.
 type installed struct {
 	table    bool
 	sets     map[string]bool
 	elems    map[elemKey]string
+	snat     map[string]bool
 	outbound bool
 }
 
@@ -25,14 +29,19 @@ type elemKey struct {
 }
 
 // empty is a table that does not exist yet.
-func empty() *installed { return &installed{sets: map[string]bool{}, elems: map[elemKey]string{}} }
+func empty() *installed {
+	return &installed{sets: map[string]bool{}, elems: map[elemKey]string{}, snat: map[string]bool{}}
+}
 
 // installedOf is what a layout installs.
 func installedOf(p *policy.Policy, l *Layout) *installed {
 	in := &installed{table: true, sets: make(map[string]bool, len(l.Sets)), elems: make(map[elemKey]string, len(l.Elements)),
-		outbound: l.Outbound >= 0}
+		snat: make(map[string]bool, len(l.SNAT)), outbound: l.Outbound >= 0}
 	for _, s := range l.Sets {
 		in.sets[s.Name] = true
+	}
+	for _, c := range l.SNAT {
+		in.snat[c.Name] = true
 	}
 	comments := l.comments(p)
 	for _, e := range l.Elements {
@@ -46,6 +55,11 @@ func installedOf(p *policy.Policy, l *Layout) *installed {
 func installedFrom(st *TableState) *installed {
 	in := empty()
 	in.table, in.outbound = true, st.Outbound != nil
+	for name := range st.Chains {
+		if strings.HasPrefix(name, ChainSNATPrefix) {
+			in.snat[name] = true
+		}
+	}
 	for name, s := range st.Sets {
 		in.sets[name] = true
 		for k, e := range s.Elements {
@@ -79,7 +93,8 @@ func setType(fam policy.Family) string {
 // what the table then holds and how many elements it adds and deletes:
 //
 //   - the table, chains, counter and sets declared (declaring what exists changes nothing);
-//   - the chains refilled when rebuild is set (flushed first when the table exists);
+//   - the chains refilled when rebuild is set, or the SNAT chains are others (flushed first
+//     when the table exists); SNAT chains no longer used deleted;
 //   - a rule whose pieces all stay keeps its elements, and so its counts; a rule with any piece
 //     changed gets all of its elements anew, so that its count starts over rather than dropping
 //     to what the pieces that stayed hold;
@@ -104,16 +119,26 @@ func update(tx *knftables.Transaction, p *policy.Policy, l *Layout, cur *install
 			rebuild = true
 		}
 	}
+	rebuild = rebuild || !maps.Equal(cur.snat, want.snat)
 	tx.Add(&knftables.Table{Comment: knftables.PtrTo(tableComment)})
 	tx.Add(&knftables.Chain{Name: ChainPostrouting, Type: knftables.PtrTo(knftables.NATType),
 		Hook: knftables.PtrTo(knftables.PostroutingHook), Priority: knftables.PtrTo(knftables.SNATPriority)})
 	tx.Add(&knftables.Chain{Name: ChainMasq})
+	for _, c := range l.SNAT {
+		tx.Add(&knftables.Chain{Name: c.Name})
+	}
 	if want.outbound {
 		tx.Add(&knftables.Counter{Name: CounterOutbound})
 	}
 	if rebuild && cur.table {
 		tx.Flush(&knftables.Chain{Name: ChainPostrouting})
 		tx.Flush(&knftables.Chain{Name: ChainMasq})
+		for _, name := range slices.Sorted(maps.Keys(cur.snat)) {
+			tx.Flush(&knftables.Chain{Name: name})
+			if !want.snat[name] {
+				tx.Delete(&knftables.Chain{Name: name}) // unreferenced now, and empty
+			}
+		}
 	}
 	for name := range cur.sets {
 		if !want.sets[name] || recreate[name] {
@@ -129,6 +154,11 @@ func update(tx *knftables.Transaction, p *policy.Policy, l *Layout, cur *install
 		}
 		for _, r := range l.Masq {
 			tx.Add(&knftables.Rule{Chain: ChainMasq, Rule: r})
+		}
+		for _, c := range l.SNAT {
+			for _, r := range c.Rules {
+				tx.Add(&knftables.Rule{Chain: c.Name, Rule: r})
+			}
 		}
 	}
 	for k, comment := range cur.elems {

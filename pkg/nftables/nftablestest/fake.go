@@ -219,8 +219,11 @@ type Verdict struct {
 	Key netip.Addr
 	// Outbound is set when the outbound rule decided.
 	Outbound bool
-	// Masq are the rules of the masquerade chain the packet went through, when masqueraded.
-	Masq []string
+	// Masq are the rules of the chain that masqueraded the packet (the masquerade chain or an
+	// SNAT chain), and Source the address its last rule SNATs to (invalid for masquerade).
+	Masq   []string
+	Source netip.Addr
+	chain  string
 }
 
 // Trace runs a packet to dst through the family's postrouting chain as nft would (local says
@@ -243,8 +246,8 @@ func (f *Fake) Trace(dst netip.Addr, local bool) (Verdict, error) {
 			continue
 		}
 		if v.Action == policy.Masquerade {
-			for _, m := range t.Chains[nftables.ChainMasq].Rules {
-				v.Masq = append(v.Masq, m.Rule)
+			if err := f.masquerade(t, &v); err != nil {
+				return Verdict{}, err
 			}
 		}
 		return v, nil
@@ -252,14 +255,39 @@ func (f *Fake) Trace(dst netip.Addr, local bool) (Verdict, error) {
 	return Verdict{Action: policy.Return}, nil
 }
 
+// masquerade fills in v what the chain it went to does.
+func (f *Fake) masquerade(t *knftables.FakeTable, v *Verdict) error {
+	c := t.Chains[v.chain]
+	if c == nil || len(c.Rules) == 0 {
+		return fmt.Errorf("no rules in chain %s", v.chain)
+	}
+	for _, m := range c.Rules {
+		v.Masq = append(v.Masq, m.Rule)
+	}
+	last := v.Masq[len(v.Masq)-1]
+	switch to, ok := strings.CutPrefix(last, "snat to "); {
+	case ok:
+		addr, err := netip.ParseAddr(strings.Fields(to)[0])
+		if err != nil {
+			return fmt.Errorf("chain %s: %q: %w", v.chain, last, err)
+		}
+		v.Source = addr
+	case last != "masquerade" && !strings.HasPrefix(last, "masquerade "):
+		return fmt.Errorf("chain %s ends in %q", v.chain, last)
+	}
+	return nil
+}
+
 // step evaluates one rule of the postrouting chain.
 func (f *Fake) step(t *knftables.FakeTable, fam policy.Family, rule string, dst netip.Addr, local bool) (Verdict, bool, error) {
 	words := strings.Fields(rule)
+	chain := ""
 	verdict := func(w []string) (policy.Action, error) {
 		switch {
 		case len(w) == 1 && w[0] == "return":
 			return policy.Return, nil
-		case len(w) == 2 && w[0] == "goto" && w[1] == nftables.ChainMasq:
+		case len(w) == 2 && w[0] == "goto" && (w[1] == nftables.ChainMasq || strings.HasPrefix(w[1], nftables.ChainSNATPrefix)):
+			chain = w[1]
 			return policy.Masquerade, nil
 		}
 		return 0, fmt.Errorf("verdict %q", strings.Join(w, " "))
@@ -280,7 +308,7 @@ func (f *Fake) step(t *knftables.FakeTable, fam policy.Family, rule string, dst 
 		c := f.counts[k]
 		c.Packets++
 		f.counts[k] = c
-		return Verdict{Action: a, Outbound: true}, true, nil
+		return Verdict{Action: a, Outbound: true, chain: chain}, true, nil
 	}
 	// ip daddr [& MASK] @SET VERDICT
 	match := "ip"
@@ -318,7 +346,7 @@ func (f *Fake) step(t *knftables.FakeTable, fam policy.Family, rule string, dst 
 	c := f.counts[k]
 	c.Packets++
 	f.counts[k] = c
-	return Verdict{Action: a, Set: set, Key: key}, true, nil
+	return Verdict{Action: a, Set: set, Key: key, chain: chain}, true, nil
 }
 
 func and(a, mask netip.Addr) netip.Addr {
