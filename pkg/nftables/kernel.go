@@ -172,26 +172,38 @@ func (NetlinkKernel) Table(ctx context.Context, fam policy.Family, elements bool
 	}
 	st := &TableState{Sets: map[string]*SetState{}, Chains: map[string][]string{}}
 	// The agent's chains by name: listing every chain of the family would read kube-proxy's
-	// thousands too. A chain that cannot be read is missing (the table could be listed). The
-	// SNAT chains are numbered from 1: they are read up to the first that does not exist.
-	names := []string{ChainPostrouting, ChainMasq}
-	for i := 0; ; i++ {
-		if _, err := c.ListChain(t, SNATChainName(i)); err != nil {
-			break
+	// thousands too. A chain that cannot be looked up is missing (the table could be listed;
+	// the rules of a chain that does not exist read as none). The SNAT chains are numbered
+	// from 1: they are read up to the first that does not exist.
+	read := func(name string) (bool, error) {
+		if _, err := c.ListChain(t, name); err != nil {
+			return false, nil
 		}
-		names = append(names, SNATChainName(i))
-	}
-	for _, name := range names {
 		ch := &gnft.Chain{Name: name, Table: t}
 		rules, err := c.GetRules(t, ch)
 		if err != nil {
-			continue
+			return false, fmt.Errorf("list the rules of %s %s %s: %w", nftFamily(fam), TableName, name, err)
 		}
 		prints := []string{}
 		for _, r := range rules {
 			prints = append(prints, fingerprint(ch, r))
 		}
 		st.Chains[name] = prints
+		return true, nil
+	}
+	for _, name := range []string{ChainPostrouting, ChainMasq} {
+		if _, err := read(name); err != nil {
+			return nil, err
+		}
+	}
+	for i := 0; ; i++ {
+		found, err := read(SNATChainName(i))
+		if err != nil {
+			return nil, err
+		}
+		if !found {
+			break
+		}
 	}
 	sets, err := c.GetSets(t)
 	if err != nil {

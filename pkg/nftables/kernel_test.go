@@ -145,6 +145,13 @@ func TestKernel(t *testing.T) {
 				nftables.ChainPostrouting}, []string{datapath.DriftChain}},
 		} {
 			nft(t, d.args...)
+			if strings.Contains(d.args[0], "delete chain") {
+				// A chain that is gone reads as missing, not as one without rules.
+				st, err := nftables.NetlinkKernel{}.Table(ctx, policy.IPv4, false)
+				if _, there := st.Chains[nftables.ChainPostrouting]; err != nil || there {
+					t.Errorf("the deleted chain reads as %v there, %v", st.Chains[nftables.ChainPostrouting], err)
+				}
+			}
 			// The element walk is due at most every so often; the check finds the damage by then.
 			var kinds []string
 			for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && len(kinds) == 0; {
