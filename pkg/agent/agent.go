@@ -737,6 +737,10 @@ func (a *Agent) displace(ctx context.Context, st *loopState, log *slog.Logger) {
 		}
 		log.Info("the other backend's state is removed (backends are exclusive)", "other", d.Name())
 		st.displaced++
+		if st.displaced == len(a.opts.Displace) {
+			// One line for the end, so a reader need not know how many others there are.
+			log.Info("no other backend's state is left on the node", "others", len(a.opts.Displace))
+		}
 	}
 }
 

@@ -16,7 +16,8 @@ func TestDisplaceAfterFirstApply(t *testing.T) {
 	b := &datapathtest.Backend{}
 	other := &datapathtest.Backend{}
 	other.FailCleanups(1)
-	r := startAgent(t, cm.path(), b, func(o *Options) { o.Displace = []Displaced{other} })
+	third := &datapathtest.Backend{}
+	r := startAgent(t, cm.path(), b, func(o *Options) { o.Displace = []Displaced{other, third} })
 	b.NoApply(t, 200*time.Millisecond)
 	if n := other.Cleanups(); n != 0 {
 		t.Fatalf("the other backend was removed %d times before any policy was applied", n)
@@ -43,5 +44,16 @@ func TestDisplaceAfterFirstApply(t *testing.T) {
 	logs := r.log.String()
 	if !strings.Contains(logs, "cannot remove the other backend's state") || !strings.Contains(logs, "the other backend's state is removed") {
 		t.Errorf("logs lack the removal:\n%s", logs)
+	}
+	if n := third.Cleanups(); n != 1 {
+		t.Errorf("the third backend was removed %d times, want 1", n)
+	}
+	// The end of the displacement is said once, after the last removal.
+	const done = "no other backend's state is left"
+	if n := strings.Count(logs, done); n != 1 {
+		t.Errorf("%q logged %d times, want 1:\n%s", done, n, logs)
+	}
+	if strings.Index(logs, done) < strings.LastIndex(logs, "the other backend's state is removed") {
+		t.Errorf("%q logged before the last removal:\n%s", done, logs)
 	}
 }

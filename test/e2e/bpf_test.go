@@ -311,7 +311,7 @@ func TestBackendSwitch(t *testing.T) {
 			t.Fatal(err)
 		}
 		// The other backend goes right after the first apply.
-		if err := ag.WaitLog(ctx, 1, "backends are exclusive"); err != nil {
+		if err := ag.WaitLog(ctx, 1, "no other backend's state is left"); err != nil {
 			t.Fatal(err)
 		}
 		env.Check(ctx, t, want, nil)

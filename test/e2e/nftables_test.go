@@ -33,7 +33,7 @@ func TestNftablesExclusive(t *testing.T) {
 			t.Fatal(err)
 		}
 		// Each of the two others goes right after the first apply.
-		if err := ag.WaitLog(ctx, 2, "backends are exclusive"); err != nil {
+		if err := ag.WaitLog(ctx, 1, "no other backend's state is left"); err != nil {
 			t.Fatal(err)
 		}
 		env.Check(ctx, t, want, nil)
