@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 
 	"github.com/cilium/ebpf"
 
@@ -61,6 +62,13 @@ func uplinkOf(v *masqUplink) Uplink {
 // flows translated to the old one are flushed (they could not get replies any more); the
 // number of entries removed is returned.
 func (d *Datapath) SetUplink(ifindex int, u Uplink) (int, error) {
+	return d.SetUplinkHolding(ifindex, u, nil)
+}
+
+// SetUplinkHolding is SetUplink where held are addresses the node still has: the flows of a
+// previous SNAT address among them keep it, as conntrack keeps a flow's binding when the rule
+// that made it changes (a masqueradeAddress changed); only an address gone takes its flows.
+func (d *Datapath) SetUplinkHolding(ifindex int, u Uplink, held []netip.Addr) (int, error) {
 	if u.IPv4.IsValid() && !u.IPv4.Unmap().Is4() {
 		return 0, fmt.Errorf("set uplink %d: %s is not an IPv4 address", ifindex, u.IPv4)
 	}
@@ -80,7 +88,7 @@ func (d *Datapath) SetUplink(ifindex int, u Uplink) (int, error) {
 	if err := d.objs.UplinkSnat.Put(uint32(ifindex), &v); err != nil {
 		return 0, fmt.Errorf("set uplink %d: write uplink_snat: %w", ifindex, err)
 	}
-	return d.flushChanged(old, u)
+	return d.flushChanged(old, u, held)
 }
 
 // setMAC writes a device's uplink_macs entry, or removes it for the zero MAC.
@@ -121,13 +129,13 @@ func (d *Datapath) RemoveUplink(ifindex int) (int, error) {
 	if err := d.setMAC(ifindex, MAC{}); err != nil {
 		return 0, err
 	}
-	return d.flushChanged(old, Uplink{})
+	return d.flushChanged(old, Uplink{}, nil)
 }
 
-func (d *Datapath) flushChanged(old, cur Uplink) (int, error) {
+func (d *Datapath) flushChanged(old, cur Uplink, held []netip.Addr) (int, error) {
 	n := 0
 	for _, pair := range [][2]netip.Addr{{old.IPv4, cur.IPv4}, {old.IPv6, cur.IPv6}} {
-		if pair[0].IsValid() && pair[0] != pair[1] {
+		if pair[0].IsValid() && pair[0] != pair[1] && !slices.Contains(held, pair[0]) {
 			m, err := d.FlushAddr(pair[0])
 			n += m
 			if err != nil {

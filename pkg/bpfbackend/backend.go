@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"net/netip"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -291,10 +292,11 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	if err := b.syncPolicy(dp, p); err != nil {
 		return err
 	}
-	ups, err := b.resolveUplinks(ctx)
+	set, err := b.resolveUplinks(ctx)
 	if err != nil {
 		return err
 	}
+	ups := set.Uplinks
 	b.mu.Lock()
 	changed := !slices.Equal(b.uplinks, ups)
 	b.mu.Unlock()
@@ -305,7 +307,7 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 			return fmt.Errorf("migration: %w", err)
 		}
 	}
-	if err := b.install(ctx, dp, p, ups, changed); err != nil {
+	if err := b.install(ctx, dp, p, set, changed); err != nil {
 		return err
 	}
 	if err := b.dropStale(ctx, dp, ups); err != nil {
@@ -358,12 +360,12 @@ func (b *Backend) syncPolicy(dp *bpf.Datapath, p *policy.Policy) error {
 
 // resolveUplinks returns the uplinks: as the watcher read them when it last saw them change,
 // if no Apply used that yet, else read now. Having none is an error.
-func (b *Backend) resolveUplinks(ctx context.Context) ([]uplink.Uplink, error) {
+func (b *Backend) resolveUplinks(ctx context.Context) (uplink.Set, error) {
 	set := b.watched.Swap(nil)
 	if set == nil {
 		cur, err := b.resolve.Resolve(ctx)
 		if err != nil {
-			return nil, err
+			return uplink.Set{}, err
 		}
 		set = &cur
 	}
@@ -373,11 +375,11 @@ func (b *Backend) resolveUplinks(ctx context.Context) ([]uplink.Uplink, error) {
 	b.missing = set.Missing
 	if len(set.Uplinks) == 0 {
 		if len(b.opts.Interfaces) > 0 {
-			return nil, fmt.Errorf("no uplink: none of --interfaces %s exists", strings.Join(b.opts.Interfaces, ","))
+			return uplink.Set{}, fmt.Errorf("no uplink: none of --interfaces %s exists", strings.Join(b.opts.Interfaces, ","))
 		}
-		return nil, errors.New("no uplink: no default route")
+		return uplink.Set{}, errors.New("no uplink: no default route")
 	}
-	return set.Uplinks, nil
+	return *set, nil
 }
 
 // snatAddrs is what uplink_snat (and uplink_macs) hold for u under p: for each family, p's
@@ -408,8 +410,15 @@ func ownAddress(p *policy.Policy) *policy.Rule {
 }
 
 // install writes each uplink's SNAT addresses and attaches the programs to it. changed tells
-// that the uplinks differ from the last Apply's: a missing address is then warned about.
-func (b *Backend) install(ctx context.Context, dp *bpf.Datapath, p *policy.Policy, ups []uplink.Uplink, changed bool) error {
+// that the uplinks differ from the last Apply's: a missing address is then warned about. The
+// flows of an SNAT address the policy no longer uses, but that is still one of the uplinks'
+// (a masqueradeAddress changed), keep it, as conntrack's do; an address gone takes its flows.
+func (b *Backend) install(ctx context.Context, dp *bpf.Datapath, p *policy.Policy, set uplink.Set, changed bool) error {
+	var held []netip.Addr
+	for _, addrs := range set.Addrs {
+		held = append(held, addrs...)
+	}
+	ups := set.Uplinks
 	progs := tc.Programs{Egress: dp.Egress(), Ingress: dp.Ingress()}
 	b.mu.Lock()
 	attached := b.uplinks
@@ -418,7 +427,7 @@ func (b *Backend) install(ctx context.Context, dp *bpf.Datapath, p *policy.Polic
 		if changed {
 			b.warnNoAddress(u, p)
 		}
-		flushed, err := dp.SetUplink(u.Index, snatAddrs(u, p))
+		flushed, err := dp.SetUplinkHolding(u.Index, snatAddrs(u, p), held)
 		if err != nil {
 			return err
 		}
