@@ -96,10 +96,14 @@ type Machine struct {
 type LoadResult struct {
 	Mode  string `json:"mode"`
 	CIDRs int    `json:"cidrs"`
-	// ConnRates are connections per second of each run; Slow the SYN-retransmitted ones.
+	// ConnRates are connections per second of each run; Slow those that took over a second.
 	ConnRates []float64 `json:"conn_rates"`
 	Slow      []int64   `json:"slow"`
 	Errors    []int64   `json:"errors"`
+	// SYNRetrans are the SYNs the pod sent again in each run (its TcpExtTCPSynRetrans): most
+	// after the far side answered with a bare ACK, which costs the connection a few ms, not a
+	// second, so Slow misses them.
+	SYNRetrans []int64 `json:"syn_retrans"`
 	// Connections are those each run completed, and CPUSeconds the system and softirq time the
 	// machine spent meanwhile (/proc/stat, every CPU): the pod's and the external host's
 	// sockets, the node's forwarding and NAT, and the agent.
@@ -300,6 +304,7 @@ func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) []LoadResult {
 		for j := range ms {
 			i := (j + run) % len(ms)
 			m := ms[i]
+			clearTimeWait(ctx, b, e.Ext)
 			startMode(ctx, b, e, m, prepared)
 			c := connRate(ctx, b, bins, e)
 			tput := bulk(ctx, b, e)
@@ -308,8 +313,9 @@ func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) []LoadResult {
 			r.ConnRates, r.Slow, r.Errors = append(r.ConnRates, c.Rate), append(r.Slow, c.Slow), append(r.Errors, c.Errors)
 			r.Connections, r.CPUSeconds = append(r.Connections, c.Connections), append(r.CPUSeconds, c.CPUSeconds)
 			r.Throughputs = append(r.Throughputs, tput)
-			b.Logf("%s cidrs=%d run %d: %.0f conn/s (%d slow, %d errors), %.2f CPU s per 100k connections, %.2f Gbit/s",
-				m.Name, n, run+1, c.Rate, c.Slow, c.Errors, c.CPUSeconds/float64(max(c.Connections, 1))*1e5, tput/1e9)
+			r.SYNRetrans = append(r.SYNRetrans, c.SYNRetrans)
+			b.Logf("%s cidrs=%d run %d: %.0f conn/s (%d slow, %d SYNs sent again, %d errors), %.2f CPU s per 100k connections, %.2f Gbit/s",
+				m.Name, n, run+1, c.Rate, c.Slow, c.SYNRetrans, c.Errors, c.CPUSeconds/float64(max(c.Connections, 1))*1e5, tput/1e9)
 		}
 	}
 	for _, r := range results {
@@ -332,12 +338,14 @@ type connRun struct {
 	Errors      int64   `json:"errors"`
 	FirstError  string  `json:"first_error"`
 	CPUSeconds  float64 `json:"-"`
+	SYNRetrans  int64   `json:"-"`
 }
 
 // connRate runs the short-connection load from the pod for one run, and reads the system and
 // softirq time the machine spent meanwhile.
 func connRate(ctx context.Context, b *testing.B, bins binaries, e *e2e.Env) connRun {
 	b.Helper()
+	synBefore := tcpExt(ctx, b, e.Pod, "TCPSynRetrans")
 	before := kernelCPU(b)
 	out, err := e2e.NSExec(ctx, e.Pod, "", bins.connrate, "run", "-target", netip.AddrPortFrom(target, connratePort).String(),
 		"-workers", strconv.Itoa(*workers), "-duration", duration.String())
@@ -345,6 +353,7 @@ func connRate(ctx context.Context, b *testing.B, bins binaries, e *e2e.Env) conn
 		b.Fatalf("connrate: %v", err)
 	}
 	cpu := kernelCPU(b) - before
+	synRetrans := tcpExt(ctx, b, e.Pod, "TCPSynRetrans") - synBefore
 	var r connRun
 	if err := json.Unmarshal(out, &r); err != nil {
 		b.Fatalf("connrate output %q: %v", out, err)
@@ -352,8 +361,57 @@ func connRate(ctx context.Context, b *testing.B, bins binaries, e *e2e.Env) conn
 	if r.FirstError != "" {
 		b.Logf("connrate: %d errors, the first: %s", r.Errors, r.FirstError)
 	}
-	r.CPUSeconds = cpu
+	r.CPUSeconds, r.SYNRetrans = cpu, synRetrans
 	return r
+}
+
+// tcpExt reads one TcpExt counter of namespace ns (/proc/net/netstat: a header line of names,
+// then a line of values).
+func tcpExt(ctx context.Context, b *testing.B, ns, name string) int64 {
+	b.Helper()
+	out, err := e2e.NSExec(ctx, ns, "", "cat", "/proc/net/netstat")
+	if err != nil {
+		b.Fatalf("read netstat of %s: %v", ns, err)
+	}
+	lines := strings.Split(string(out), "\n")
+	for i := 0; i+1 < len(lines); i++ {
+		names, values := strings.Fields(lines[i]), strings.Fields(lines[i+1])
+		if len(names) == 0 || names[0] != "TcpExt:" || len(values) != len(names) {
+			continue
+		}
+		if j := slices.Index(names, name); j > 0 {
+			v, err := strconv.ParseInt(values[j], 10, 64)
+			if err != nil {
+				b.Fatalf("netstat of %s: %s: %v", ns, name, err)
+			}
+			return v
+		}
+	}
+	b.Fatalf("netstat of %s: no TcpExt %s", ns, name)
+	return 0
+}
+
+// clearTimeWait closes the TIME_WAIT sockets of namespace ns (the external host), so that
+// every run starts with a far side that remembers no earlier run's connections. A mode's
+// cleanup erases its NAT mappings while the server keeps their TIME_WAIT sockets for 60 s; the
+// next mode's fresh mappings then land on those (address, port) pairs for other pod sockets.
+// Timestamps are offset per connection, so such a SYN's is older than the one the TIME_WAIT
+// socket holds about half the time: PAWS rejects it (the server's TcpExtPAWSTimewait), the
+// server answers with a bare ACK, the pod resets and sends its SYN again some 10 ms later. The
+// limit never meets them (the far side sees the pod's own address), so they would tax the NAT
+// modes by the order they run in rather than by what they do.
+func clearTimeWait(ctx context.Context, b *testing.B, ns string) {
+	b.Helper()
+	if out, err := e2e.NSExec(ctx, ns, "", "ss", "-K", "-tn", "state", "time-wait"); err != nil {
+		b.Fatalf("close TIME_WAIT sockets in %s: %v\n%s", ns, err, out)
+	}
+	out, err := e2e.NSExec(ctx, ns, "", "ss", "-H", "-tn", "state", "time-wait")
+	if err != nil {
+		b.Fatalf("list TIME_WAIT sockets in %s: %v", ns, err)
+	}
+	if n := strings.Count(string(out), "\n"); n > 0 {
+		b.Fatalf("%d TIME_WAIT sockets left in %s after ss -K (a kernel without CONFIG_INET_DIAG_DESTROY?)", n, ns)
+	}
 }
 
 // clockTicks is USER_HZ, the unit of /proc/stat: 100 on every Linux architecture Go supports.

@@ -5,8 +5,10 @@
 //	connrate run -target ADDR -workers N -duration D   print one JSON result line
 //
 // The server closes first, so TIME_WAIT sits on the far side, as with most real services. A NAT
-// that gives a reopened 4-tuple a fresh random port lands on that TIME_WAIT, and the SYN is
-// answered late or not at all: that is the cost this tool makes visible.
+// that maps a pod socket onto an (address, port) pair the far side still holds in TIME_WAIT for
+// another connection has its SYN rejected about half the time (timestamps are offset per
+// connection, and PAWS rejects an older one): a bare ACK, the client's reset, and the SYN sent
+// again. That is the cost this tool makes visible.
 package main
 
 import (
