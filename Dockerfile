@@ -20,11 +20,12 @@ COPY . .
 RUN make generate \
  && make build
 
-# Final: the binary plus iptables for the fallback backend. Debian's iptables package carries both
-# modes (iptables-nft and iptables-legacy, and the ip6tables variants); nothing else is added.
+# Final: the binary plus the fallback backends' tools: Debian's iptables package carries both modes
+# (iptables-nft and iptables-legacy, and the ip6tables variants), its nftables package the nft
+# command the nftables backend runs; nothing else is added.
 FROM debian:bookworm-slim
 RUN apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends iptables \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends iptables nftables \
  && rm -rf /var/lib/apt/lists/* /usr/share/doc /usr/share/man /var/cache/debconf/*-old
 COPY --from=build /src/bin/ip-masq-agent /usr/local/bin/ip-masq-agent
 # Root: the agent needs its capabilities (the DaemonSet runs it as uid 0 and drops all others).

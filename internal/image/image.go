@@ -43,12 +43,12 @@ type Spec struct {
 	Remove []string
 }
 
-// Runtime is the agent's image: iptables (both modes; the BPF backend needs nothing else) on
-// Debian's essential set, run as root, since the agent needs its capabilities (the DaemonSet
-// drops every other).
+// Runtime is the agent's image: iptables (both modes) for the iptables backend and nft for the
+// nftables backend (the BPF backend needs neither) on Debian's essential set, run as root, since
+// the agent needs its capabilities (the DaemonSet drops every other).
 var Runtime = Spec{
 	Suite:    "bookworm",
-	Packages: []string{"iptables"},
+	Packages: []string{"iptables", "nftables"},
 	Binary:   "/usr/local/bin/ip-masq-agent",
 	User:     "0:0",
 	Remove:   []string{"/usr/share/doc", "/usr/share/man", "/var/cache/debconf/*-old"},

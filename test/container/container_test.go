@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -23,6 +24,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/image"
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 	"github.com/ip-masq-agent/ip-masq-agent/test/e2e"
@@ -79,7 +81,7 @@ func TestMain(m *testing.M) {
 // build tools and podman: under CI=true their absence fails the test.
 func theImage(t *testing.T) *builtImage {
 	t.Helper()
-	testutil.RequirePrivileged(t, "make", "git", "mmdebstrap", "podman", "runc", "ip", "iptables-nft-save", "iptables-legacy-save")
+	testutil.RequirePrivileged(t, "make", "git", "mmdebstrap", "podman", "runc", "ip", "iptables-nft-save", "iptables-legacy-save", "nft")
 	buildOnce.Do(func() { built, buildErr = build() })
 	if buildErr != nil {
 		t.Fatal(buildErr)
@@ -227,9 +229,11 @@ func readManifest(t *testing.T, name string, into any) {
 // The DaemonSet's container in podman, in a node namespace of an e2e topology: under a
 // RuntimeDefault that allows bpf(2) with CAP_BPF (containerd's and Docker's do; here the
 // shipped profile, which is podman's with that) the agent picks BPF; under podman's own it
-// falls back to iptables and says that seccomp is why. Either way it becomes ready, masquerades
-// the pod's traffic, serves metrics, leaves the datapath in place on SIGTERM, and the cleanup
-// DaemonSet's container from the same image removes everything.
+// falls back, and says that seccomp is why, to iptables, or to nftables where kube-proxy runs in
+// nftables mode; --backend=nftables runs nft from the image under the shipped profile. Each
+// time it becomes ready, masquerades the pod's traffic, serves metrics, leaves the datapath in
+// place on SIGTERM, and the cleanup DaemonSet's container from the same image removes
+// everything.
 func TestDaemonSet(t *testing.T) {
 	img := theImage(t)
 	t.Parallel() // beside the second build of TestImageIsReproducible
@@ -243,21 +247,33 @@ func TestDaemonSet(t *testing.T) {
 		// podman's default.
 		seccomp, cleanupSeccomp string
 		backend                 e2e.Backend
+		run                     daemonSetRun
 	}{
-		{"runtime-default-with-bpf", shipped, shipped, e2e.BPFBackend(tc.ModeTCX)},
-		{"podman-default", "", "", e2e.IptablesBackend(iptables.ModeNFT)},
+		{"runtime-default-with-bpf", shipped, shipped, e2e.BPFBackend(tc.ModeTCX), daemonSetRun{}},
+		{"podman-default", "", "", e2e.IptablesBackend(iptables.ModeNFT), daemonSetRun{}},
 		// A cleanup that cannot call bpf(2) removes the links' pins, which detaches them, and
 		// says so rather than "0 program attachments removed".
-		{"cleanup-without-bpf", shipped, "", e2e.BPFBackend(tc.ModeTCX)},
+		{"cleanup-without-bpf", shipped, "", e2e.BPFBackend(tc.ModeTCX), daemonSetRun{}},
+		// The backend's Prepare gives the node kube-proxy's nftables table.
+		{"podman-default-kube-proxy-nftables", "", "", e2e.NftablesBackend(), daemonSetRun{prepare: true}},
+		{"nftables-flag", shipped, shipped, e2e.NftablesBackend(), daemonSetRun{backendFlag: "--backend=nftables"}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			runDaemonSet(t, img, tt.seccomp, tt.cleanupSeccomp, tt.backend)
+			runDaemonSet(t, img, tt.seccomp, tt.cleanupSeccomp, tt.backend, tt.run)
 		})
 	}
 }
 
-func runDaemonSet(t *testing.T, img *builtImage, seccomp, cleanupSeccomp string, backend e2e.Backend) {
+// daemonSetRun is what a run changes of the node and the manifest.
+type daemonSetRun struct {
+	// prepare runs the backend's Prepare on the node before the agent starts.
+	prepare bool
+	// backendFlag, when set, replaces the DaemonSet's --backend=auto.
+	backendFlag string
+}
+
+func runDaemonSet(t *testing.T, img *builtImage, seccomp, cleanupSeccomp string, backend e2e.Backend, run daemonSetRun) {
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -270,6 +286,14 @@ func runDaemonSet(t *testing.T, img *builtImage, seccomp, cleanupSeccomp string,
 	c := spec.Containers[0]
 	if c.Image != img.Ref {
 		t.Fatalf("the DaemonSet runs %s, the build is %s", c.Image, img.Ref)
+	}
+	if run.backendFlag != "" {
+		i := slices.Index(c.Args, "--backend=auto")
+		if i < 0 {
+			t.Fatalf("the DaemonSet's arguments %q have no --backend=auto to replace", c.Args)
+		}
+		c.Args = slices.Clone(c.Args)
+		c.Args[i] = run.backendFlag
 	}
 	if p := Profile(spec, c); p == nil || p.Type != corev1.SeccompProfileTypeRuntimeDefault {
 		t.Fatalf("the DaemonSet's seccomp profile is %+v: this test runs RuntimeDefault", p)
@@ -293,6 +317,9 @@ func runDaemonSet(t *testing.T, img *builtImage, seccomp, cleanupSeccomp string,
 		}
 	}
 	env := &e2e.Env{Topology: tp, Bin: img.Binary, AgentFlags: []string{"--bpffs=" + bpffs}, Good: cm.Data["config"]}
+	if run.prepare {
+		backend.Prepare(ctx, t, env)
+	}
 
 	name := "agent-" + tp.Node
 	args, err := PodmanArgs(spec, c, Run{Name: name, Image: img.Ref, NetNS: tp.Node, Seccomp: seccomp, Sources: src})
@@ -359,11 +386,11 @@ func runDaemonSet(t *testing.T, img *builtImage, seccomp, cleanupSeccomp string,
 	if err != nil {
 		t.Fatal(err)
 	}
-	if backend.Info.Backend == iptables.Name {
-		fallback := grep(logs, "the BPF datapath cannot run here")
+	if seccomp == "" {
+		fallback := grep(logs, "the BPF datapath cannot run here; using "+backend.Info.Backend)
 		for _, want := range []string{"seccomp blocked bpf(2)", "EPERM", "deploy/seccomp/ip-masq-agent.json"} {
 			if !strings.Contains(fallback, want) {
-				t.Errorf("the fallback to iptables does not say %q:\n%s", want, fallback)
+				t.Errorf("the fallback to %s does not say %q:\n%s", backend.Info.Backend, want, fallback)
 			}
 		}
 	}
@@ -424,7 +451,7 @@ func runDaemonSet(t *testing.T, img *builtImage, seccomp, cleanupSeccomp string,
 	if _, err := podman.Run(ctx, "rm", cname); err != nil {
 		t.Error(err)
 	}
-	if cleanupSeccomp == "" && backend.Info.Backend != iptables.Name {
+	if cleanupSeccomp == "" && backend.Info.Backend == bpfbackend.Name {
 		if want := "2 tcx link pins removed"; !strings.Contains(out, want) || !strings.Contains(out, "seccomp blocked bpf(2)") {
 			t.Errorf("cleanup without bpf(2) does not say %q and why", want)
 		}
@@ -440,6 +467,7 @@ func runDaemonSet(t *testing.T, img *builtImage, seccomp, cleanupSeccomp string,
 	}
 	e2e.BPFBackend(tc.ModeTCX).Gone(ctx, t, env)
 	e2e.IptablesBackend(iptables.ModeNFT).Gone(ctx, t, env)
+	e2e.NftablesBackend().Gone(ctx, t, env)
 	traffic(map[string]e2e.Want{"8.8.8.8": e2e.Keep})
 	t.Logf("ready %v after the start; the whole run took %v", ready.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
 }
