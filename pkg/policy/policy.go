@@ -291,6 +291,27 @@ func (p *Policy) Decide(addr netip.Addr) Verdict {
 	return Verdict{Action: Return, Reason: fmt.Sprintf("no rule matched and %s is false: end of chain", outboundKey(fam))}
 }
 
+// MayMasquerade tells whether the policy masquerades some address of dst: false only when the
+// chain keeps every one of them (a RETURN rule that no earlier MASQUERADE rule overlaps covers
+// dst whole, or none matches). Conservative where RETURN rules cover dst only together: true.
+// A route to dst needs the datapath on its device only when this is true.
+func (p *Policy) MayMasquerade(dst netip.Prefix) bool {
+	dst = dst.Masked()
+	if !dst.IsValid() || !p.Enabled(FamilyOf(dst.Addr())) {
+		return false
+	}
+	for _, r := range p.Rules(FamilyOf(dst.Addr())) {
+		switch {
+		case !r.Prefix.Overlaps(dst):
+		case r.Action == Masquerade:
+			return true
+		case r.Prefix.Bits() <= dst.Bits():
+			return false // this RETURN rule holds every address of dst
+		}
+	}
+	return false // the end of the chain keeps them
+}
+
 // OutboundAction is what happens to a packet that no CIDR rule matched.
 func (p *Policy) OutboundAction(fam Family) (Action, *Rule) {
 	rules := p.Rules(fam)

@@ -216,3 +216,42 @@ func TestEqual(t *testing.T) {
 		}
 	}
 }
+
+// MayMasquerade is false exactly where the chain keeps a whole prefix, and agrees with Decide on
+// single addresses.
+func TestMayMasquerade(t *testing.T) {
+	cfg := config.Config{
+		MasqueradeCIDRs:    masqCIDRs("10.10.10.10/32"),
+		NonMasqueradeCIDRs: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("192.168.0.0/16")},
+		MasqOutBound:       true,
+	}
+	p := Compile(cfg, Options{})
+	for prefix, want := range map[string]bool{
+		"0.0.0.0/0":        true,  // the default route: the outbound rule masquerades
+		"10.244.1.2/32":    false, // a pod
+		"10.244.0.0/16":    false,
+		"10.10.0.0/16":     true, // holds the masqueraded 10.10.10.10
+		"10.10.10.10/32":   true,
+		"192.168.100.0/24": false,
+		"203.0.113.0/24":   true,
+		"8.0.0.0/6":        true,
+		"::/0":             false, // IPv6 not enabled
+	} {
+		if got := p.MayMasquerade(netip.MustParsePrefix(prefix)); got != want {
+			t.Errorf("%s: MayMasquerade %v, want %v", prefix, got, want)
+		}
+	}
+	cfg.MasqOutBound = false
+	p = Compile(cfg, Options{})
+	for prefix, want := range map[string]bool{"0.0.0.0/0": true, "203.0.113.0/24": false, "10.10.10.0/24": true} {
+		if got := p.MayMasquerade(netip.MustParsePrefix(prefix)); got != want {
+			t.Errorf("without masqOutBound, %s: MayMasquerade %v, want %v", prefix, got, want)
+		}
+	}
+	for _, a := range []string{"10.10.10.10", "10.1.2.3", "8.8.8.8", "192.168.1.1"} {
+		addr := netip.MustParseAddr(a)
+		if got, want := p.MayMasquerade(netip.PrefixFrom(addr, 32)), p.Decide(addr).Action == Masquerade; got != want {
+			t.Errorf("%s/32: MayMasquerade %v, Decide says masquerade %v", a, got, want)
+		}
+	}
+}
