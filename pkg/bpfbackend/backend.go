@@ -87,7 +87,9 @@ type Backend struct {
 	log     *slog.Logger
 	attach  *tc.Manager
 	resolve *uplink.Resolver
-	changes chan string
+	// watchRes is the watcher's resolver: Apply gives it the policy's scope too.
+	watchRes *uplink.Resolver
+	changes  chan string
 
 	// dp is nil until the first Apply loads the datapath (a bad configuration at startup thus
 	// leaves the node as it was).
@@ -98,7 +100,10 @@ type Backend struct {
 
 	mu      sync.Mutex // guards what Apply publishes for Info
 	uplinks []uplink.Uplink
-	refused string // why the last load refused the pins (datapath.Info.Refused)
+	// unsupported are the devices without an Ethernet header that the last Apply found pod
+	// traffic routed through (uplink.Set.Unsupported).
+	unsupported []uplink.Uplink
+	refused     string // why the last load refused the pins (datapath.Info.Refused)
 
 	// watched is what the uplink watcher read when it last saw the uplinks change, until an
 	// Apply uses it instead of reading them again.
@@ -183,7 +188,7 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 		return nil, err
 	}
 	b := &Backend{opts: opts, pinRoot: pinRoot, pinDir: bpf.LayoutDir(pinRoot), mode: mode, log: log,
-		attach: attach, resolve: res, changes: make(chan string, 1)}
+		attach: attach, resolve: res, watchRes: watchRes, changes: make(chan string, 1)}
 	ctx, cancel := context.WithCancel(ctx)
 	b.stop = cancel
 	b.wg.Add(2)
@@ -292,7 +297,7 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	if err := b.syncPolicy(dp, p); err != nil {
 		return err
 	}
-	set, err := b.resolveUplinks(ctx)
+	set, err := b.resolveUplinks(ctx, p)
 	if err != nil {
 		return err
 	}
@@ -358,11 +363,14 @@ func (b *Backend) syncPolicy(dp *bpf.Datapath, p *policy.Policy) error {
 	return dp.SyncPolicy(p)
 }
 
-// resolveUplinks returns the uplinks: as the watcher read them when it last saw them change,
-// if no Apply used that yet, else read now. Having none is an error.
-func (b *Backend) resolveUplinks(ctx context.Context) (uplink.Set, error) {
+// resolveUplinks returns the uplinks under p: as the watcher read them when it last saw them
+// change, if no Apply used that yet and p is the policy in force, else read now. Routes make
+// uplinks where p may masquerade their destination. Having none is an error.
+func (b *Backend) resolveUplinks(ctx context.Context, p *policy.Policy) (uplink.Set, error) {
+	b.resolve.SetScope(p.MayMasquerade)
+	b.watchRes.SetScope(p.MayMasquerade)
 	set := b.watched.Swap(nil)
-	if set == nil {
+	if set == nil || !p.Equal(b.lastApplied) {
 		cur, err := b.resolve.Resolve(ctx)
 		if err != nil {
 			return uplink.Set{}, err
@@ -373,11 +381,20 @@ func (b *Backend) resolveUplinks(ctx context.Context) (uplink.Set, error) {
 		b.log.Warn("uplinks named by --interfaces do not exist (yet); they are attached when they appear", "missing", set.Missing)
 	}
 	b.missing = set.Missing
+	b.mu.Lock()
+	was := b.unsupported
+	b.unsupported = set.Unsupported
+	b.mu.Unlock()
+	if names := uplinkNames(set.Unsupported); len(names) > 0 && !slices.Equal(names, uplinkNames(was)) {
+		b.log.Warn("devices that pod traffic leaves by have no Ethernet header, which the programs cannot parse: "+
+			"pod traffic leaving by them is not masqueraded (use the iptables or nftables backend on such a node)",
+			"devices", names)
+	}
 	if len(set.Uplinks) == 0 {
-		if len(b.opts.Interfaces) > 0 {
+		if len(b.opts.Interfaces) > 0 && !strings.HasPrefix(b.opts.Interfaces[0], "!") {
 			return uplink.Set{}, fmt.Errorf("no uplink: none of --interfaces %s exists", strings.Join(b.opts.Interfaces, ","))
 		}
-		return uplink.Set{}, errors.New("no uplink: no default route")
+		return uplink.Set{}, errors.New("no uplink: no default route, and no route toward a masqueraded destination")
 	}
 	return *set, nil
 }
@@ -457,14 +474,14 @@ func (b *Backend) attachTo(ctx context.Context, u uplink.Uplink, progs tc.Progra
 }
 
 // warnNoAddress warns when an uplink lacks the address of a family it is expected to carry: a
-// device named by --interfaces either family, one found by its default route the families of
-// its routes.
+// device named by --interfaces either family, one found by its routes the families of its
+// routes.
 func (b *Backend) warnNoAddress(u uplink.Uplink, p *policy.Policy) {
-	named, snat := len(b.opts.Interfaces) > 0, snatAddrs(u, p)
-	if (named || u.DefaultV4) && !snat.IPv4.IsValid() {
+	named, snat := u.Via == uplink.ViaInterfaces, snatAddrs(u, p)
+	if (named || u.RoutedV4) && !snat.IPv4.IsValid() {
 		b.log.Warn("uplink has no IPv4 address: its masqueraded IPv4 traffic is dropped", "uplink", u.Name)
 	}
-	if p.Enabled(policy.IPv6) && (named || u.DefaultV6) && !snat.IPv6.IsValid() {
+	if p.Enabled(policy.IPv6) && (named || u.RoutedV6) && !snat.IPv6.IsValid() {
 		b.log.Warn("uplink has no global IPv6 address: its masqueraded IPv6 traffic is dropped", "uplink", u.Name)
 	}
 }

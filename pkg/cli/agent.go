@@ -22,6 +22,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodeaddr"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodelock"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/uplink"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
 )
 
@@ -42,7 +43,7 @@ type agentFlags struct {
 func (f *agentFlags) register(fs *flag.FlagSet) {
 	f.policyFlags.register(fs)
 	fs.StringVar(&f.backend, "backend", backends.Auto, backends.Usage())
-	fs.StringVar(&f.interfaces, "interfaces", "", "comma-separated uplinks to masquerade on (default: the devices of the default routes)")
+	fs.StringVar(&f.interfaces, "interfaces", "", "comma-separated uplinks to masquerade on, or devices written !name to leave out of the default: the devices of the default routes and of every route, in any table, toward a masqueraded destination")
 	fs.StringVar(&f.metricsAddress, "metrics-address", ":9743", "HOST:PORT serving /metrics, /healthz and /readyz; empty disables")
 	fs.StringVar(&f.bpffs, "bpffs", "/sys/fs/bpf", "BPF filesystem where maps and links are pinned")
 	fs.StringVar(&f.attachMode, "attach-mode", "auto", "how the BPF backend attaches its programs: auto (tcx where the kernel has it, else tc), tcx, or tc (clsact and cls_bpf)")
@@ -198,6 +199,9 @@ func (f *agentFlags) agentBackendOptions() (backends.Options, error) {
 		return backends.Options{}, usageError{err}
 	}
 	if err := tc.CheckMode(f.attachMode); err != nil {
+		return backends.Options{}, usageError{err}
+	}
+	if err := uplink.CheckInterfaces(f.interfaceList()); err != nil {
 		return backends.Options{}, usageError{err}
 	}
 	if f.sweepInterval <= 0 {

@@ -26,6 +26,7 @@ func TestAgentCommandLineErrors(t *testing.T) {
 		{[]string{"--to-ports=9-1"}, 2, "starts after it ends"},
 		{[]string{"--nat-timeouts=udp=0s"}, 2, `"udp=0s": want a positive duration`},
 		{[]string{"--nat-timeouts=tcp=1m"}, 2, `"tcp=1m": want KEY=DURATION with KEY one of icmp, other, tcp-closing`},
+		{[]string{"--interfaces=eth0,!eth1"}, 2, "name the uplinks, or leave devices out with !name, not both"},
 		{[]string{"--nat-sweep-interval=0s"}, 2, "nat-sweep-interval 0s: must be positive"},
 		{[]string{"--drift-check-interval=-1s"}, 2, "drift-check-interval -1s: must be positive, or 0"},
 		{[]string{"cleanup", "now"}, 2, "cleanup takes no arguments"},

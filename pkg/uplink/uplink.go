@@ -1,6 +1,12 @@
-// Package uplink finds the node's uplinks (the devices of the default routes, or the devices
-// named by --interfaces) and their SNAT addresses, and follows them through netlink: Watch
-// reports when the set of uplinks or one of their addresses changes.
+// Package uplink finds the node's uplinks and their SNAT addresses, and follows them through
+// netlink: Watch reports when the set of uplinks or one of their addresses changes.
+//
+// The uplinks are the devices pod traffic can leave the node by, as iptables' POSTROUTING
+// masquerades on whatever device a packet leaves by: those of the default routes, and those of
+// the routes toward a destination the policy may masquerade, in every table the node's rules
+// select (policy routing, a VPN, a route to one network); see routes.go. Routes toward
+// networks the policy keeps (Resolver.SetScope) make no uplink. --interfaces names the uplinks
+// instead, or, with every entry written !name, takes devices out of that set.
 package uplink
 
 import (
@@ -11,6 +17,7 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/vishvananda/netlink"
@@ -27,11 +34,15 @@ type Uplink struct {
 	// IPv4 and IPv6 are the device's primary addresses (see Resolver.Resolve); invalid when the
 	// device has none of that family.
 	IPv4, IPv6 netip.Addr
-	// DefaultV4 and DefaultV6 tell whether the device carries a default route of the family.
-	DefaultV4, DefaultV6 bool
+	// RoutedV4 and RoutedV6 tell whether the device carries a route of the family that makes
+	// it an uplink (a default route, or one to a destination in scope).
+	RoutedV4, RoutedV6 bool
 	// MAC is the device's Ethernet address, which the node's stack writes as the source of the
 	// frames it sends there; zero for a device without one.
 	MAC [6]byte
+	// Via says why the device is an uplink: "default route", "route 203.0.113.0/24 table 100",
+	// "--interfaces".
+	Via string
 }
 
 func (u Uplink) String() string {
@@ -53,10 +64,17 @@ type Set struct {
 	Uplinks []Uplink
 	// Missing are devices named by --interfaces that do not exist (yet).
 	Missing []string
+	// Unsupported are devices that would be uplinks but have no Ethernet header (a WireGuard
+	// or tun VPN, an IP tunnel), which the programs cannot parse: pod traffic leaving by them
+	// is not masqueraded. Ordered by ifindex.
+	Unsupported []Uplink
 	// Addrs are, by ifindex, the addresses of each uplink that traffic can leave from: of
 	// global scope and, for IPv6, neither tentative nor failed duplicate address detection (a
 	// deprecated one still works), in the kernel's order. A masquerade address must be one.
 	Addrs map[int][]netip.Addr
+	// waiting are the devices that a route would make uplinks once they have an address of
+	// its family: Watch follows their addresses too.
+	waiting []int
 }
 
 // Carrier returns the uplink that has the address a (see Addrs).
@@ -71,13 +89,44 @@ func (s Set) Carrier(a netip.Addr) (Uplink, bool) {
 
 // Resolver finds the uplinks in the network namespace it was created in.
 type Resolver struct {
-	names []string
-	nl    *netlink.Handle
+	names    []string // --interfaces: exactly these
+	excluded []string // --interfaces of !name entries: every route device but these
+	scope    atomic.Pointer[func(netip.Prefix) bool]
+	nl       *netlink.Handle
 }
 
-// NewResolver returns a resolver for the named devices, or for the devices of the default
-// routes when names is empty.
-func NewResolver(names []string) (*Resolver, error) {
+// CheckInterfaces accepts what --interfaces may say: device names, or names each written !name
+// to leave those devices out of the uplinks the routes give; not both.
+func CheckInterfaces(spec []string) error {
+	_, _, err := parseInterfaces(spec)
+	return err
+}
+
+func parseInterfaces(spec []string) (names, excluded []string, err error) {
+	for _, s := range spec {
+		if n, ok := strings.CutPrefix(s, "!"); ok {
+			if n == "" {
+				return nil, nil, errors.New("interfaces: \"!\" names no device")
+			}
+			excluded = append(excluded, n)
+		} else {
+			names = append(names, s)
+		}
+	}
+	if len(names) > 0 && len(excluded) > 0 {
+		return nil, nil, fmt.Errorf("interfaces %s: name the uplinks, or leave devices out with !name, not both",
+			strings.Join(spec, ","))
+	}
+	return names, excluded, nil
+}
+
+// NewResolver returns a resolver for the devices spec names (--interfaces), or, when it names
+// none or only exclusions (!name), for the devices of the routes (see the package comment).
+func NewResolver(spec []string) (*Resolver, error) {
+	names, excluded, err := parseInterfaces(spec)
+	if err != nil {
+		return nil, err
+	}
 	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, fmt.Errorf("netlink: %w", err)
@@ -86,8 +135,13 @@ func NewResolver(names []string) (*Resolver, error) {
 		h.Close()
 		return nil, fmt.Errorf("netlink: %w", err)
 	}
-	return &Resolver{names: slices.Clone(names), nl: h}, nil
+	return &Resolver{names: names, excluded: excluded, nl: h}, nil
 }
+
+// SetScope tells the resolver which destinations a route must reach to make an uplink, besides
+// default routes, which always do: inScope(dst) is false when the policy keeps every address of
+// dst. Until it is set, only default routes make uplinks. Safe to call while Resolve runs.
+func (r *Resolver) SetScope(inScope func(dst netip.Prefix) bool) { r.scope.Store(&inScope) }
 
 // Close releases the netlink socket.
 func (r *Resolver) Close() { r.nl.Close() }
@@ -119,7 +173,22 @@ func (r *Resolver) resolve(ctx context.Context) (Set, error) {
 	if err := ctx.Err(); err != nil {
 		return Set{}, err
 	}
-	defaults, err := r.defaultRoutes()
+	// One dump per family: the library lists every address of the namespace for any device's
+	// (and filters them itself), so asking per device would repeat the dump.
+	addrs := map[int]map[int][]netlink.Addr{}
+	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
+		all, err := r.nl.AddrList(nil, fam)
+		if err != nil {
+			return Set{}, fmt.Errorf("list addresses: %w", err)
+		}
+		for _, a := range all {
+			if addrs[a.LinkIndex] == nil {
+				addrs[a.LinkIndex] = map[int][]netlink.Addr{}
+			}
+			addrs[a.LinkIndex][fam] = append(addrs[a.LinkIndex][fam], a)
+		}
+	}
+	routes, err := r.routeDevices()
 	if err != nil {
 		return Set{}, err
 	}
@@ -139,7 +208,7 @@ func (r *Resolver) resolve(ctx context.Context) (Set, error) {
 			links = append(links, l)
 		}
 	} else {
-		for _, idx := range sortedKeys(defaults) {
+		for _, idx := range sortedKeys(routes) {
 			l, err := r.nl.LinkByIndex(idx)
 			var nf netlink.LinkNotFoundError
 			if errors.As(err, &nf) {
@@ -148,93 +217,55 @@ func (r *Resolver) resolve(ctx context.Context) (Set, error) {
 			if err != nil {
 				return Set{}, fmt.Errorf("find device of ifindex %d: %w", idx, err)
 			}
+			if l.Attrs().EncapType == "loopback" || slices.Contains(r.excluded, l.Attrs().Name) {
+				continue
+			}
 			links = append(links, l)
-		}
-	}
-	// One dump per family for all the uplinks: the library lists every address of the namespace
-	// for any device's (and filters them itself), so asking per uplink repeated the dump.
-	addrs := map[int]map[int][]netlink.Addr{}
-	if len(links) > 0 {
-		for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
-			all, err := r.nl.AddrList(nil, fam)
-			if err != nil {
-				return Set{}, fmt.Errorf("list addresses: %w", err)
-			}
-			for _, a := range all {
-				if addrs[a.LinkIndex] == nil {
-					addrs[a.LinkIndex] = map[int][]netlink.Addr{}
-				}
-				addrs[a.LinkIndex][fam] = append(addrs[a.LinkIndex][fam], a)
-			}
 		}
 	}
 	set.Addrs = make(map[int][]netip.Addr, len(links))
 	for _, l := range links {
-		u := Uplink{Name: l.Attrs().Name, Index: l.Attrs().Index}
+		u := Uplink{Name: l.Attrs().Name, Index: l.Attrs().Index, Via: ViaInterfaces}
 		if hw := l.Attrs().HardwareAddr; len(hw) == len(u.MAC) {
 			copy(u.MAC[:], hw)
 		}
-		set.Addrs[u.Index] = usable(addrs[u.Index][unix.AF_INET], addrs[u.Index][unix.AF_INET6])
-		_, u.DefaultV4 = defaults[u.Index][unix.AF_INET]
-		_, u.DefaultV6 = defaults[u.Index][unix.AF_INET6]
+		var via []string
 		for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
-			a := primary(fam, addrs[u.Index][fam], defaults[u.Index][fam])
-			if fam == unix.AF_INET {
-				u.IPv4 = a
-			} else {
-				u.IPv6 = a
+			rt, routed := routes[u.Index][fam]
+			a := primary(fam, addrs[u.Index][fam], rt)
+			if routed && rt.rank != rankMainDefault && !a.IsValid() {
+				// A route beyond the main default makes no uplink of a device without an
+				// address of its family (a pod's veth): there is nothing to masquerade behind.
+				routed = false
+				set.waiting = append(set.waiting, u.Index)
 			}
+			if routed {
+				via = append(via, rt.via)
+			}
+			if fam == unix.AF_INET {
+				u.IPv4, u.RoutedV4 = a, routed
+			} else {
+				u.IPv6, u.RoutedV6 = a, routed
+			}
+		}
+		if len(r.names) == 0 {
+			if len(via) == 0 {
+				continue
+			}
+			u.Via = strings.Join(slices.Compact(via), ", ")
+		}
+		if l.Attrs().EncapType != "ether" {
+			set.Unsupported = append(set.Unsupported, u)
+			continue
 		}
 		set.Uplinks = append(set.Uplinks, u)
+		set.Addrs[u.Index] = usable(addrs[u.Index][unix.AF_INET], addrs[u.Index][unix.AF_INET6])
 	}
-	slices.SortFunc(set.Uplinks, func(a, b Uplink) int { return a.Index - b.Index })
-	set.Uplinks = slices.CompactFunc(set.Uplinks, func(a, b Uplink) bool { return a.Index == b.Index })
+	for _, us := range []*[]Uplink{&set.Uplinks, &set.Unsupported} {
+		slices.SortFunc(*us, func(a, b Uplink) int { return a.Index - b.Index })
+		*us = slices.CompactFunc(*us, func(a, b Uplink) bool { return a.Index == b.Index })
+	}
 	return set, nil
-}
-
-// route is what the address choice needs of a default route.
-type route struct {
-	src, gw netip.Addr
-}
-
-// defaultRoutes returns, by ifindex and family, the default routes of the main table.
-func (r *Resolver) defaultRoutes() (map[int]map[int]route, error) {
-	out := map[int]map[int]route{}
-	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
-		routes, err := r.nl.RouteListFiltered(fam, &netlink.Route{Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_TABLE)
-		if err != nil {
-			return nil, fmt.Errorf("list routes: %w", err)
-		}
-		for _, rt := range routes {
-			if rt.Dst != nil {
-				if ones, _ := rt.Dst.Mask.Size(); ones != 0 {
-					continue
-				}
-			}
-			if rt.Type != unix.RTN_UNICAST {
-				continue // unreachable, blackhole: no device
-			}
-			add := func(idx int, gw net.IP) {
-				if idx <= 0 {
-					return
-				}
-				if out[idx] == nil {
-					out[idx] = map[int]route{}
-				}
-				if _, ok := out[idx][fam]; ok {
-					return // the first (best) route of the device counts
-				}
-				src, _ := netip.AddrFromSlice(rt.Src)
-				g, _ := netip.AddrFromSlice(gw)
-				out[idx][fam] = route{src: src.Unmap(), gw: g.Unmap()}
-			}
-			add(rt.LinkIndex, rt.Gw)
-			for _, nh := range rt.MultiPath {
-				add(nh.LinkIndex, nh.Gw)
-			}
-		}
-	}
-	return out, nil
 }
 
 // usable returns the addresses traffic can leave from (see Set.Addrs).
@@ -332,10 +363,26 @@ func Diff(old, cur Set) []string {
 			if o.MAC != u.MAC {
 				out = append(out, fmt.Sprintf("uplink %s MAC %s -> %s", u.Name, net.HardwareAddr(o.MAC[:]), net.HardwareAddr(u.MAC[:])))
 			}
+			if o.Via != u.Via {
+				out = append(out, fmt.Sprintf("uplink %s by %s, was by %s", u.Name, u.Via, o.Via))
+			}
 		}
 	}
 	for _, idx := range sortedKeys(byIndex) {
 		out = append(out, "uplink "+byIndex[idx].Name+" is gone")
+	}
+	was := map[int]Uplink{}
+	for _, u := range old.Unsupported {
+		was[u.Index] = u
+	}
+	for _, u := range cur.Unsupported {
+		if _, ok := was[u.Index]; !ok {
+			out = append(out, "device "+u.Name+" has routes of pod traffic but no Ethernet header: not masqueraded")
+		}
+		delete(was, u.Index)
+	}
+	for _, idx := range sortedKeys(was) {
+		out = append(out, "device "+was[idx].Name+" (no Ethernet header) has no routes of pod traffic any more")
 	}
 	if !slices.Equal(old.Missing, cur.Missing) && len(cur.Missing) > 0 {
 		out = append(out, "missing: "+strings.Join(cur.Missing, ", "))

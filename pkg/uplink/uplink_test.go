@@ -22,9 +22,20 @@ import (
 
 func ip(t *testing.T, ns string, batch string) {
 	t.Helper()
+	ipArgs(t, ns, nil, batch)
+}
+
+// ip6 runs a batch of IPv6 commands (a rule of IPv6 needs -6).
+func ip6(t *testing.T, ns string, batch string) {
+	t.Helper()
+	ipArgs(t, ns, []string{"-6"}, batch)
+}
+
+func ipArgs(t *testing.T, ns string, opts []string, batch string) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, "ip", "-n", ns, "-batch", "-")
+	cmd := exec.CommandContext(ctx, "ip", append(opts, "-n", ns, "-batch", "-")...)
 	cmd.Stdin = strings.NewReader(batch)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("ip -batch: %v: %s\n%s", err, out, batch)
@@ -79,6 +90,12 @@ route add default via 2001:db8:1::1 dev up0
 
 func resolve(t *testing.T, ns string, names ...string) Set {
 	t.Helper()
+	return resolveIn(t, ns, nil, names...)
+}
+
+// resolveIn resolves with the scope given (nil: none set).
+func resolveIn(t *testing.T, ns string, scope func(netip.Prefix) bool, names ...string) Set {
+	t.Helper()
 	var set Set
 	var err error
 	done := make(chan struct{})
@@ -89,6 +106,9 @@ func resolve(t *testing.T, ns string, names ...string) Set {
 			return
 		}
 		defer r.Close()
+		if scope != nil {
+			r.SetScope(scope)
+		}
 		set, err = r.Resolve(context.Background())
 	})
 	<-done
@@ -107,7 +127,7 @@ func TestResolve(t *testing.T) {
 	u := set.Uplinks[0]
 	// The first address in the gateway's subnet (not the secondary .11, not the other subnet);
 	// the oldest IPv6 address that is not deprecated (not ::11, not the newer ::12).
-	if u.Name != "up0" || u.IPv4 != netip.MustParseAddr("192.0.2.10") || u.IPv6 != netip.MustParseAddr("2001:db8:1::10") || !u.DefaultV4 || !u.DefaultV6 {
+	if u.Name != "up0" || u.IPv4 != netip.MustParseAddr("192.0.2.10") || u.IPv6 != netip.MustParseAddr("2001:db8:1::10") || !u.RoutedV4 || !u.RoutedV6 || u.Via != "default route" {
 		t.Fatalf("uplink %v", u)
 	}
 	ip(t, ns, "link set up0 address 02:00:00:00:0a:01\n")
@@ -124,7 +144,7 @@ func TestResolve(t *testing.T) {
 	// Named devices, whether or not they carry a default route; missing ones are reported.
 	set = resolve(t, ns, "lan0", "nosuch0")
 	if len(set.Uplinks) != 1 || set.Uplinks[0].Name != "lan0" || set.Uplinks[0].IPv4 != netip.MustParseAddr("10.0.0.1") ||
-		set.Uplinks[0].IPv6.IsValid() || set.Uplinks[0].DefaultV4 || fmt.Sprint(set.Missing) != "[nosuch0]" {
+		set.Uplinks[0].IPv6.IsValid() || set.Uplinks[0].RoutedV4 || set.Uplinks[0].Via != "--interfaces" || fmt.Sprint(set.Missing) != "[nosuch0]" {
 		t.Fatalf("named: %+v", set)
 	}
 
@@ -166,6 +186,94 @@ func TestAddrs(t *testing.T) {
 	}
 }
 
+// Routes beyond the default make uplinks: in every table a rule selects (not one no rule
+// selects), toward destinations in scope, with or without a gateway, through devices with an
+// address to masquerade behind and an Ethernet header.
+func TestResolveRoutes(t *testing.T) {
+	ns := newNode(t)
+	ip(t, ns, `link add ext1 type veth peer name ext1p
+link set ext1 up
+link set ext1p up
+addr add 203.0.113.10/24 dev ext1
+addr add 2001:db8:2::10/64 dev ext1 nodad
+route add 198.18.0.0/15 via 203.0.113.1 dev ext1 table 100
+rule add to 198.18.0.0/15 table 100
+link add ext2 type veth peer name ext2p
+link set ext2 up
+link set ext2p up
+addr add 100.100.0.10/24 dev ext2
+route add default via 100.100.0.1 dev ext2 table 200
+rule add from 100.64.0.0/10 table 200
+route add 100.101.0.0/16 via 100.100.0.1 dev ext2 table 300
+link add pod0 type veth peer name pod0p
+link set pod0 up
+link set pod0p up
+route add 100.64.5.5/32 dev pod0
+link add br0 type bridge
+link set br0 up
+addr add 100.65.1.1/24 dev br0
+link add br1 type bridge
+link set br1 up
+addr add 10.244.0.1/24 dev br1
+`)
+	ip6(t, ns, "route add 2001:db8:77::/64 via 2001:db8:2::1 dev ext1 table 100\nrule add to 2001:db8:77::/64 table 100\n")
+	// The policy keeps 10.0.0.0/8 (lan0's 10.0.0.0/24), masquerades the rest.
+	kept := netip.MustParsePrefix("10.0.0.0/8")
+	scope := func(p netip.Prefix) bool {
+		return !(p.Addr().Is4() && kept.Contains(p.Addr()) && p.Bits() >= kept.Bits())
+	}
+	names := func(set Set) string {
+		var s []string
+		for _, u := range set.Uplinks {
+			s = append(s, u.Name+": "+u.Via)
+		}
+		return strings.Join(s, "; ")
+	}
+	if got := names(resolve(t, ns)); got != "up0: default route; ext2: default route table 200" {
+		t.Errorf("without a scope, uplinks %q: only the default routes' devices", got)
+	}
+	set := resolveIn(t, ns, scope)
+	want := "up0: default route; ext1: route 198.18.0.0/15 table 100, route 2001:db8:77::/64 table 100; ext2: default route table 200; br0: route 100.65.1.0/24"
+	if got := names(set); got != want {
+		t.Errorf("uplinks %q\nwant %q: not lan0 nor br1 (kept), ext2 by table 300 (no rule), pod0 (no address)", got, want)
+	}
+	if u := set.Uplinks[1]; u.Name != "ext1" || u.IPv4 != netip.MustParseAddr("203.0.113.10") || u.IPv6 != netip.MustParseAddr("2001:db8:2::10") || !u.RoutedV4 || !u.RoutedV6 {
+		t.Errorf("ext1: %+v", u)
+	}
+	// A route of the main table through a gateway toward a destination in scope counts too;
+	// the default route still names up0's reason.
+	ip(t, ns, "route add 100.64.0.0/10 via 10.0.0.254 dev lan0\nroute add 203.0.114.0/24 via 192.0.2.1 dev up0\n")
+	if got := names(resolveIn(t, ns, scope)); !strings.Contains(got, "lan0: route 100.64.0.0/10") || !strings.HasPrefix(got, "up0: default route;") {
+		t.Errorf("uplinks %q lack lan0 of its route to 100.64.0.0/10", got)
+	}
+	// !name leaves devices out of that set; names and exclusions do not mix.
+	if got := names(resolveIn(t, ns, scope, "!ext1", "!lan0", "!ext2", "!br0")); got != "up0: default route" {
+		t.Errorf("with !ext1,!lan0,!ext2,!br0: uplinks %q", got)
+	}
+	if got := names(resolveIn(t, ns, scope, "!up0", "!ext2", "!br0")); got != "lan0: route 100.64.0.0/10; ext1: route 198.18.0.0/15 table 100, route 2001:db8:77::/64 table 100" {
+		t.Errorf("with !up0,!ext2,!br0: uplinks %q", got)
+	}
+	for _, bad := range [][]string{{"up0", "!ext1"}, {"!"}} {
+		if err := CheckInterfaces(bad); err == nil {
+			t.Errorf("--interfaces %q accepted", bad)
+		}
+	}
+	// A device without an Ethernet header is reported, not made an uplink, whether or not its
+	// route has a gateway.
+	ip(t, ns, "tuntap add dev tun0 mode tun\nlink set tun0 up\naddr add 100.100.9.1/24 dev tun0\n")
+	set = resolveIn(t, ns, scope)
+	if len(set.Unsupported) != 1 || set.Unsupported[0].Name != "tun0" || set.Unsupported[0].Via != "route 100.100.9.0/24" || strings.Contains(names(set), "tun0") {
+		t.Errorf("tun0: uplinks %q, unsupported %+v", names(set), set.Unsupported)
+	}
+	if d := Diff(Set{}, set); !strings.Contains(strings.Join(d, "; "), "tun0 has routes of pod traffic but no Ethernet header") {
+		t.Errorf("Diff %q does not report tun0", d)
+	}
+	ip(t, ns, "link del tun0\n")
+	if d := strings.Join(Diff(set, resolveIn(t, ns, scope)), "; "); d != "device tun0 (no Ethernet header) has no routes of pod traffic any more" {
+		t.Errorf("Diff after tun0 is gone: %q", d)
+	}
+}
+
 // sendTo is a Watch callback that sends the reason to changes, unless one waits there already.
 func sendTo(changes chan<- string) func(string, Set) {
 	return func(reason string, _ Set) {
@@ -180,6 +288,11 @@ func sendTo(changes chan<- string) func(string, Set) {
 // Watch does not return.
 func startWatch(t *testing.T, ns string, log *slog.Logger) (changes <-chan string, stop func()) {
 	t.Helper()
+	return startWatchIn(t, ns, nil, log)
+}
+
+func startWatchIn(t *testing.T, ns string, scope func(netip.Prefix) bool, log *slog.Logger) (changes <-chan string, stop func()) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	ch := make(chan string, 1)
 	stopped := make(chan struct{})
@@ -191,6 +304,9 @@ func startWatch(t *testing.T, ns string, log *slog.Logger) (changes <-chan strin
 			return
 		}
 		defer r.Close()
+		if scope != nil {
+			r.SetScope(scope)
+		}
 		Watch(ctx, r, sendTo(ch), log)
 	})
 	return ch, func() {
@@ -271,6 +387,43 @@ func TestWatch(t *testing.T) {
 	if took := time.Since(start); took > maxSettle+time.Second {
 		t.Errorf("the change was reported %v after it, during churn", took)
 	}
+}
+
+// A route in scope, of any table a rule selects, brings an uplink, and so does the rule that
+// selects the table of a route there already; the rule or the route removed takes it away. Pod
+// routes (out of scope) report nothing.
+func TestWatchRoutes(t *testing.T) {
+	ns := newNode(t)
+	pods := netip.MustParsePrefix("10.0.0.0/8")
+	changes, stop := startWatchIn(t, ns, func(p netip.Prefix) bool { return !pods.Overlaps(p) || p.Bits() < pods.Bits() }, nil)
+	defer stop()
+	time.Sleep(300 * time.Millisecond) // Watch's first look
+	ip(t, ns, "route add 10.0.0.7/32 via 10.0.0.254 dev lan0\nroute add 198.18.0.0/15 via 10.0.0.254 dev lan0 table 100\n")
+	time.Sleep(300 * time.Millisecond)
+	select {
+	case got := <-changes:
+		t.Fatalf("a change for a route out of scope, or of a table no rule selects: %q", got)
+	default:
+	}
+	want := func(what, phrase string) {
+		t.Helper()
+		select {
+		case got := <-changes:
+			if !strings.Contains(got, phrase) {
+				t.Fatalf("%s: change %q, want %q", what, got, phrase)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s reported no change", what)
+		}
+	}
+	ip(t, ns, "rule add to 198.18.0.0/15 table 100\n")
+	want("the rule selecting table 100", "uplink lan0 (ifindex")
+	ip(t, ns, "rule del to 198.18.0.0/15 table 100\n")
+	want("the rule removed", "uplink lan0 is gone")
+	ip(t, ns, "rule add to 198.18.0.0/15 table 100\n")
+	want("the rule again", "appeared")
+	ip(t, ns, "route del 198.18.0.0/15 table 100\n")
+	want("the route removed", "uplink lan0 is gone")
 }
 
 // Stopping Watch is no error: the library reports the end of the subscriptions that Watch itself

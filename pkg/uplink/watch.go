@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
 )
 
@@ -23,7 +24,7 @@ const (
 	resubscribeDelay = time.Second
 )
 
-// Watch follows link, address and route events until ctx is done, and calls changed with a
+// Watch follows link, address, route and rule events until ctx is done, and calls changed with a
 // short reason and the new resolution each time the resolved uplinks differ from the previous
 // one (the first one is made when Watch starts); changed must not block. A failed subscription
 // is renewed, and since events may have been missed, the uplinks are read again then.
@@ -66,6 +67,9 @@ type subscription struct {
 	links  chan netlink.LinkUpdate
 	addrs  chan netlink.AddrUpdate
 	routes chan netlink.RouteUpdate
+	// rules receives one value per batch of rule events (the library has no subscription of
+	// its own for them): which tables the rules select decides which routes count.
+	rules chan struct{}
 }
 
 func subscribe(log *slog.Logger) *subscription {
@@ -100,7 +104,46 @@ func subscribe(log *slog.Logger) *subscription {
 		return fail("route", err)
 	}
 	s.routes = routes
+	rules, err := subscribeRules(s.done, onErr)
+	if err != nil {
+		return fail("rule", err)
+	}
+	s.rules = rules
 	return s
+}
+
+// subscribeRules subscribes to the IPv4 and IPv6 rule events, in the namespace of the calling
+// thread, until done is closed; the channel is closed when the subscription ends.
+func subscribeRules(done <-chan struct{}, onErr func(error)) (chan struct{}, error) {
+	sock, err := nl.Subscribe(unix.NETLINK_ROUTE, unix.RTNLGRP_IPV4_RULE, unix.RTNLGRP_IPV6_RULE)
+	if err != nil {
+		return nil, err
+	}
+	ch := make(chan struct{}, 1)
+	go func() {
+		<-done
+		sock.Close()
+	}()
+	go func() {
+		defer close(ch)
+		for {
+			msgs, from, err := sock.Receive()
+			if err != nil {
+				onErr(err)
+				return
+			}
+			if from.Pid != nl.PidKernel || len(msgs) == 0 {
+				continue
+			}
+			select {
+			case ch <- struct{}{}:
+			case <-done:
+				return
+			default: // one waits already
+			}
+		}
+	}()
+	return ch, nil
 }
 
 // close ends the subscriptions and drains their channels until the library closes them, so that
@@ -111,7 +154,7 @@ func (s *subscription) close() {
 	default:
 		close(s.done)
 	}
-	for s.links != nil || s.addrs != nil || s.routes != nil {
+	for s.links != nil || s.addrs != nil || s.routes != nil || s.rules != nil {
 		select {
 		case _, ok := <-s.links:
 			if !ok {
@@ -125,14 +168,20 @@ func (s *subscription) close() {
 			if !ok {
 				s.routes = nil
 			}
+		case _, ok := <-s.rules:
+			if !ok {
+				s.rules = nil
+			}
 		}
 	}
 }
 
 // follow reads events until ctx is done or a subscription ends, and returns the last resolution.
 // Only events that can change the uplinks count: a device, or an address of a device, that is
-// an uplink or named by --interfaces, and default routes. A node's pods bring a stream of
-// others (their veths and routes). While the last resolution failed, every event counts.
+// an uplink (or would be one with an address), is named by --interfaces or has no Ethernet
+// header and routes of pod traffic; routes that can make one (Resolver.relevant); and rules. A
+// node's pods bring a stream of others (their veths and routes). While the last resolution
+// failed, every event counts.
 func follow(ctx context.Context, r *Resolver, s *subscription, last Set, resolved bool, changed func(string, Set), log *slog.Logger) (Set, bool) {
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
@@ -169,9 +218,14 @@ func follow(ctx context.Context, r *Resolver, s *subscription, last Set, resolve
 			if !ok {
 				return last, resolved
 			}
-			if !resolved || isDefault(u.Route) {
+			if !resolved || r.relevant(u.Route) {
 				arm()
 			}
+		case _, ok := <-s.rules:
+			if !ok {
+				return last, resolved
+			}
+			arm()
 		case <-timer.C:
 			first = time.Time{}
 			last, resolved = check(ctx, r, last, changed, log)
@@ -179,21 +233,11 @@ func follow(ctx context.Context, r *Resolver, s *subscription, last Set, resolve
 	}
 }
 
-// has reports whether the device with ifindex is one of the set's uplinks.
+// has reports whether the device with ifindex is one of the set's uplinks, of its devices
+// without Ethernet header, or of those waiting for an address.
 func (s Set) has(ifindex int) bool {
-	return slices.ContainsFunc(s.Uplinks, func(u Uplink) bool { return u.Index == ifindex })
-}
-
-// isDefault reports whether rt is a default route of the main table, which decide the uplinks.
-func isDefault(rt netlink.Route) bool {
-	if rt.Table != 0 && rt.Table != unix.RT_TABLE_MAIN {
-		return false
-	}
-	if rt.Dst == nil {
-		return true
-	}
-	ones, _ := rt.Dst.Mask.Size()
-	return ones == 0
+	is := func(u Uplink) bool { return u.Index == ifindex }
+	return slices.ContainsFunc(s.Uplinks, is) || slices.ContainsFunc(s.Unsupported, is) || slices.Contains(s.waiting, ifindex)
 }
 
 // check resolves the uplinks and reports a difference from last; false when it could not

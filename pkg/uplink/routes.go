@@ -1,0 +1,168 @@
+package uplink
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// Routes beyond the default: pod traffic leaves by any route of any table the node's rules
+// select (policy routing, a VPN, a route to one network), and iptables' POSTROUTING masquerades
+// it on whatever device it leaves by. So the uplinks, unless --interfaces names them, are the
+// devices of the default routes of those tables (main's always), and of their other routes
+// toward a destination the policy may masquerade (the Resolver's scope), with or without a
+// gateway: a second NIC's own subnet is masqueraded as much as what lies behind its router.
+// Routes toward networks the policy keeps make no uplink: the pods' own (nonMasqueradeCIDRs
+// holds the pod network, as the upstream agent requires), a CNI's toward other nodes' pods.
+// Where the policy masquerades toward the pods (IPv6 without nonMasqueradeCIDRs of its family),
+// their devices with an address of that family (a bridge, a routed pod veth) are uplinks as
+// iptables masquerades there: new flows into the pods leave their device masqueraded, and the
+// programs on the device's ingress record the pods' own flows so that their replies pass.
+
+// Reasons a device is an uplink (Uplink.Via), besides the routes': ViaInterfaces, a device
+// --interfaces names.
+const (
+	viaDefault    = "default route"
+	ViaInterfaces = "--interfaces"
+)
+
+// route is what the uplink choice needs of the route that makes a device an uplink: the address
+// choice (its preferred source and gateway), what to say of it, and its rank: the lower the
+// better.
+type route struct {
+	src, gw netip.Addr
+	via     string
+	rank    int
+}
+
+// Ranks of routes: a default route of the main table chooses the SNAT address; a route through
+// a gateway says more of the address (the one in the gateway's subnet) than one without.
+const (
+	rankMainDefault = iota
+	rankGateway
+	rankOnLink
+)
+
+// routeTables are the tables the rules of a family select: main and default always, and every
+// table a rule names, but local (the node's own addresses).
+func (r *Resolver) routeTables(fam int) ([]int, error) {
+	rules, err := r.nl.RuleList(fam)
+	if err != nil {
+		return nil, err
+	}
+	tables := []int{unix.RT_TABLE_MAIN, unix.RT_TABLE_DEFAULT}
+	for _, rl := range rules {
+		if rl.Table > 0 && rl.Table != unix.RT_TABLE_LOCAL && !slices.Contains(tables, rl.Table) {
+			tables = append(tables, rl.Table)
+		}
+	}
+	return tables, nil
+}
+
+// routeDevices returns, by ifindex and family, the best route (the lowest rank, then the first)
+// of each device toward where pod traffic goes, in the tables the rules select. Only unicast
+// routes through a device count (not unreachable, blackhole or local ones).
+func (r *Resolver) routeDevices() (map[int]map[int]route, error) {
+	inScope := func(netip.Prefix) bool { return false }
+	if f := r.scope.Load(); f != nil {
+		inScope = *f
+	}
+	out := map[int]map[int]route{}
+	add := func(fam, idx int, rt route) {
+		if idx <= 0 {
+			return
+		}
+		if out[idx] == nil {
+			out[idx] = map[int]route{}
+		}
+		if best, ok := out[idx][fam]; !ok || rt.rank < best.rank {
+			out[idx][fam] = rt
+		}
+	}
+	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
+		tables, err := r.routeTables(fam)
+		if err != nil {
+			return nil, fmt.Errorf("list rules: %w", err)
+		}
+		for _, t := range tables {
+			routes, err := r.nl.RouteListFiltered(fam, &netlink.Route{Table: t}, netlink.RT_FILTER_TABLE)
+			if err != nil {
+				return nil, fmt.Errorf("list routes of table %d: %w", t, err)
+			}
+			for _, rt := range routes {
+				if rt.Type != unix.RTN_UNICAST {
+					continue // unreachable, blackhole: no device
+				}
+				dst := prefixOf(fam, rt.Dst)
+				if dst.Bits() > 0 && !inScope(dst) {
+					continue
+				}
+				src, _ := netip.AddrFromSlice(rt.Src)
+				hop := func(idx int, gw net.IP, via netlink.Destination) {
+					g, _ := netip.AddrFromSlice(gw)
+					g = g.Unmap()
+					c := route{src: src.Unmap(), gw: g, via: describe(dst, t), rank: rankOnLink}
+					switch {
+					case dst.Bits() == 0 && t == unix.RT_TABLE_MAIN:
+						c.rank = rankMainDefault
+					case g.IsValid(), via != nil:
+						c.rank = rankGateway
+					}
+					add(fam, idx, c)
+				}
+				hop(rt.LinkIndex, rt.Gw, rt.Via)
+				for _, nh := range rt.MultiPath {
+					hop(nh.LinkIndex, nh.Gw, nh.Via)
+				}
+			}
+		}
+	}
+	return out, nil
+}
+
+// describe says what a route is, for Via: "default route", "route 198.18.0.0/15 table 100".
+func describe(dst netip.Prefix, table int) string {
+	s := "route " + dst.String()
+	if dst.Bits() == 0 {
+		s = viaDefault
+	}
+	if table != unix.RT_TABLE_MAIN {
+		s += fmt.Sprintf(" table %d", table)
+	}
+	return s
+}
+
+func prefixOf(fam int, dst *net.IPNet) netip.Prefix {
+	if dst == nil {
+		if fam == unix.AF_INET6 {
+			return netip.PrefixFrom(netip.IPv6Unspecified(), 0)
+		}
+		return netip.PrefixFrom(netip.IPv4Unspecified(), 0)
+	}
+	a, _ := netip.AddrFromSlice(dst.IP)
+	ones, _ := dst.Mask.Size()
+	return netip.PrefixFrom(a.Unmap(), ones)
+}
+
+// relevant tells whether a route (added or deleted) can change the uplinks: a default route, or
+// one to a destination in scope, in a table other than local. Routes to the pods themselves do
+// not (when the policy keeps them), so pods coming and going cost no resolution.
+func (r *Resolver) relevant(rt netlink.Route) bool {
+	if rt.Table == unix.RT_TABLE_LOCAL {
+		return false
+	}
+	fam := unix.AF_INET
+	if rt.Family == unix.AF_INET6 || (rt.Dst != nil && rt.Dst.IP.To4() == nil) {
+		fam = unix.AF_INET6
+	}
+	dst := prefixOf(fam, rt.Dst)
+	if dst.Bits() == 0 {
+		return true
+	}
+	f := r.scope.Load()
+	return f != nil && (*f)(dst)
+}
