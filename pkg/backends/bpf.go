@@ -37,7 +37,7 @@ var bpfBackend = Backend{
 	},
 	Read: func(_ context.Context, o Options, p *policy.Policy) ([]datapath.Reader, error) {
 		// Opens the pinned maps read-only: no program loaded, no map created.
-		r, err := bpfbackend.OpenReader(o.BPFFS, p)
+		r, err := bpfbackend.OpenReader(o.BPFFS, o.Interfaces, p)
 		if err != nil || r == nil {
 			return nil, err
 		}

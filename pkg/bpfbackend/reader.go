@@ -30,6 +30,8 @@ type Reader struct {
 	info   datapath.Info
 	mode   string
 	pinDir string
+	// interfaces is --interfaces, which Uplinks resolves with.
+	interfaces []string
 }
 
 var (
@@ -40,9 +42,10 @@ var (
 
 // OpenReader opens what is pinned under bpffs, or returns nil and no error when nothing is.
 // p, the configuration the reader is given (nil when it has none), says which configured rule
-// each installed one is. Pins of another layout than this build's are not read: an older
-// layout's are migrated by the next agent, a newer one's belong to a newer agent (and dump).
-func OpenReader(bpffs string, p *policy.Policy) (*Reader, error) {
+// each installed one is, and, with interfaces (--interfaces), which devices are uplinks. Pins
+// of another layout than this build's are not read: an older layout's are migrated by the next
+// agent, a newer one's belong to a newer agent (and dump).
+func OpenReader(bpffs string, interfaces []string, p *policy.Policy) (*Reader, error) {
 	root := filepath.Join(bpffs, PinDir)
 	entries, err := os.ReadDir(root)
 	if errors.Is(err, fs.ErrNotExist) || err == nil && len(entries) == 0 {
@@ -74,7 +77,7 @@ func OpenReader(bpffs string, p *policy.Policy) (*Reader, error) {
 	if links, err := os.ReadDir(filepath.Join(root, LinkDir)); err == nil && len(links) > 0 {
 		mode = tc.ModeTCX
 	}
-	return &Reader{dp: dp, p: p, info: readInfo(dp, dir, mode), mode: mode, pinDir: dir}, nil
+	return &Reader{dp: dp, p: p, info: readInfo(dp, dir, mode), mode: mode, pinDir: dir, interfaces: interfaces}, nil
 }
 
 // Close releases the descriptors.

@@ -86,14 +86,14 @@ func rows(cs []datapath.RuleCounter) []row {
 // rule is such a rule.
 func TestReaderCounters(t *testing.T) {
 	bpffs := testutil.MountBPFFS(t)
-	if r, err := OpenReader(bpffs, nil); r != nil || err != nil {
+	if r, err := OpenReader(bpffs, nil, nil); r != nil || err != nil {
 		t.Fatalf("nothing pinned: %v %v", r, err)
 	}
 	installed := compile(t, "masqueradeCIDRs: [10.10.0.0/16]\nnonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]\n", true)
 	loadPinned(t, bpffs, installed)
 
 	given := compile(t, "nonMasqueradeCIDRs: [192.168.0.0/16, 10.0.0.0/8]\n", false)
-	r, err := OpenReader(bpffs, given)
+	r, err := OpenReader(bpffs, nil, given)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -121,7 +121,7 @@ func TestReaderCounters(t *testing.T) {
 		t.Errorf("info %+v", info)
 	}
 
-	r2, err := OpenReader(bpffs, nil)
+	r2, err := OpenReader(bpffs, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -192,7 +192,7 @@ func TestNATReports(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	r, err := OpenReader(bpffs, nil)
+	r, err := OpenReader(bpffs, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -92,12 +92,43 @@ func writeReader(ctx context.Context, w io.Writer, r datapath.Reader, top int) e
 			return err
 		}
 	}
+	if ur, ok := r.(datapath.UplinkReporter); ok {
+		ups, err := ur.Uplinks(ctx)
+		if err != nil {
+			return fmt.Errorf("read %s uplinks: %w", info.Backend, err)
+		}
+		if err := writeUplinks(w, ups); err != nil {
+			return err
+		}
+	}
 	if hr, ok := r.(datapath.HookReporter); ok {
 		hooks, err := hr.Hooks(ctx)
 		if err != nil {
 			return fmt.Errorf("read %s hooks: %w", info.Backend, err)
 		}
 		return writeHooks(w, hooks)
+	}
+	return nil
+}
+
+// writeUplinks prints the devices pod traffic can leave by, what makes each one an uplink, and
+// whether the programs run there.
+func writeUplinks(w io.Writer, ups []datapath.Uplink) error {
+	fmt.Fprintln(w, "\nuplinks")
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "DEVICE\tIFINDEX\tVIA\tCOVERED")
+	for _, u := range ups {
+		covered := "yes"
+		if !u.Covered {
+			covered = "NO: " + u.Note
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\n", u.Device, u.Ifindex, u.Via, covered)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if len(ups) == 0 {
+		fmt.Fprintln(w, "(no uplinks)")
 	}
 	return nil
 }

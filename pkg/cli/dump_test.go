@@ -244,3 +244,33 @@ func TestDumpNATTable(t *testing.T) {
 		t.Errorf("the iptables note on a BPF datapath:\n%s", out.String())
 	}
 }
+
+// The uplinks and what makes each one, covered or not, then the hooks.
+func TestDumpUplinks(t *testing.T) {
+	r := &datapathtest.HookBackend{NATBackend: datapathtest.NATBackend{Installed: natReader.Installed},
+		Uplink: []datapath.Uplink{
+			{Device: "eth0", Ifindex: 2, Via: "default route", Covered: true},
+			{Device: "eth1", Ifindex: 3, Via: "route 198.18.0.0/15 table 100", Covered: true},
+			{Device: "wg0", Ifindex: 9, Via: "route 100.64.0.0/10", Note: "no Ethernet header: the programs cannot run there"},
+		},
+		Hook: []datapath.Hook{{Device: "eth0", Ifindex: 2, Direction: "egress"}}}
+	var out bytes.Buffer
+	if err := writeReader(context.Background(), &out, r, 1); err != nil {
+		t.Fatal(err)
+	}
+	s := out.String()
+	for _, want := range []string{
+		"uplinks\nDEVICE  IFINDEX  VIA                            COVERED\n" +
+			"eth0    2        default route                  yes\n" +
+			"eth1    3        route 198.18.0.0/15 table 100  yes\n" +
+			"wg0     9        route 100.64.0.0/10            NO: no Ethernet header: the programs cannot run there\n",
+		"\nhooks\n",
+	} {
+		if !strings.Contains(s, want) {
+			t.Errorf("dump lacks %q:\n%s", want, s)
+		}
+	}
+	if strings.Index(s, "uplinks") > strings.Index(s, "hooks") {
+		t.Errorf("the hooks before the uplinks:\n%s", s)
+	}
+}

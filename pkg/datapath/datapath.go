@@ -151,6 +151,28 @@ type Hook struct {
 	Bypasses uint64
 }
 
+// UplinkReporter is implemented by backends that attach to the devices pod traffic leaves by
+// (BPF), where another backend's rules apply on whatever device a packet leaves by. Safe to call
+// concurrently with Apply.
+type UplinkReporter interface {
+	// Uplinks reports the devices pod traffic can leave the node by, by ifindex: those the
+	// policy is installed on, and those it cannot be or is not yet.
+	Uplinks(ctx context.Context) ([]Uplink, error)
+}
+
+// Uplink is one device pod traffic can leave the node by.
+type Uplink struct {
+	Device  string
+	Ifindex int
+	// Via says what makes it an uplink: "default route", "route 203.0.113.0/24 table 100",
+	// "--interfaces".
+	Via string
+	// Covered: the programs run on the device. When false, Note says why not: pod traffic
+	// leaving by the device is not masqueraded.
+	Covered bool
+	Note    string
+}
+
 // ErrRefused marks an Apply that refused to take over what is installed on the node, such as
 // BPF maps of a layout newer than the agent's (a newer agent's, which a rollback must not
 // destroy): nothing was changed, and the retries succeed once that state is gone.

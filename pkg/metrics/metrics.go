@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"runtime"
 	"slices"
+	"strconv"
 	"sync/atomic"
 	"time"
 
@@ -57,6 +58,7 @@ const (
 	HookNeighbours       = Namespace + "_hook_neighbours"
 	HookBypassed         = Namespace + "_hook_bypassed"
 	HookBypasses         = Namespace + "_hook_bypasses_total"
+	UplinkInfo           = Namespace + "_uplink_info"
 )
 
 // Label values of ConfigReloads' result.
@@ -115,6 +117,7 @@ func Definitions() []Definition {
 		{HookNeighbours, "gauge", hookLabels("position"), "Programs of other components on an uplink's tc hook (BPF), by position: ahead of ours (their verdict decides whether ours runs) or behind it (ours lets every packet through to them)."},
 		{HookBypassed, "gauge", hookLabels(), "1 while a program ahead of ours on the hook ends the chain, so that ours sees none of the device's packets and the policy is not enforced there (BPF); else 0."},
 		{HookBypasses, "counter", hookLabels(), "Times a program ahead of ours was found ending the chain on the hook (BPF), each logged once."},
+		{UplinkInfo, "gauge", []string{"device", "via", "covered"}, "Always 1, one series per device pod traffic can leave the node by (BPF): via is what makes it one (default route, a route and its table, --interfaces); covered is false where the programs do not run (a device without an Ethernet header), whose pod traffic is not masqueraded."},
 	}
 }
 
@@ -288,6 +291,9 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	if hasHooks {
 		c.collectHooks(ctx, hooks, gauge, counter)
 	}
+	if ur, ok := c.opts.Backend.(datapath.UplinkReporter); ok {
+		c.collectUplinks(ctx, ur, gauge)
+	}
 	counter(ScrapeErrors, c.rulesErrors.Load(), SourceRules)
 	if hasNAT {
 		counter(ScrapeErrors, c.natErrors.Load(), SourceNAT)
@@ -313,6 +319,18 @@ func (c *Collector) collectHooks(ctx context.Context, r datapath.HookReporter, g
 		}
 		gauge(HookBypassed, bypassed, h.Device, h.Direction)
 		counter(HookBypasses, h.Bypasses, h.Device, h.Direction)
+	}
+}
+
+func (c *Collector) collectUplinks(ctx context.Context, r datapath.UplinkReporter, gauge func(string, float64, ...string)) {
+	ups, err := r.Uplinks(ctx)
+	if err != nil {
+		c.hookErrors.Add(1)
+		c.log.Warn("scrape: cannot read the uplinks; leaving their metrics out", "error", err)
+		return
+	}
+	for _, u := range ups {
+		gauge(UplinkInfo, 1, u.Device, u.Via, strconv.FormatBool(u.Covered))
 	}
 }
 

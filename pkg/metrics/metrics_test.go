@@ -360,7 +360,8 @@ func TestNamesAndLint(t *testing.T) {
 		Backend: datapathtest.Backend{RuleCounters: []datapath.RuleCounter{rc(policy.IPv4, 1, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 1, 60)}},
 		Stats: datapath.NATStats{Entries: []datapath.NATEntries{{Family: policy.IPv4, Protocol: "tcp", Entries: 1}},
 			Events: map[string]uint64{"drop_no_port": 0}, Drops: map[string]uint64{"no_port": 0}, Swept: map[string]uint64{"tcp": 0}},
-	}, Hook: []datapath.Hook{{Device: "eth0", Ifindex: 2, Direction: "egress"}}}
+	}, Hook: []datapath.Hook{{Device: "eth0", Ifindex: 2, Direction: "egress"}},
+		Uplink: []datapath.Uplink{{Device: "eth0", Ifindex: 2, Via: "default route", Covered: true}}}
 	c := NewCollector(Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver()})
 	problems, err := testutil.CollectAndLint(c)
 	if err != nil {
@@ -496,6 +497,33 @@ func TestHeals(t *testing.T) {
 	}
 	if got := read(&datapathtest.Backend{}, nil); len(got) != 0 {
 		t.Errorf("a backend without drift checks, nothing healed: %v", got)
+	}
+}
+
+// One uplink_info series per device pod traffic can leave by, covered or not.
+func TestUplinkMetrics(t *testing.T) {
+	b := &datapathtest.HookBackend{NATBackend: datapathtest.NATBackend{Installed: natInfo}, Uplink: []datapath.Uplink{
+		{Device: "eth0", Ifindex: 2, Via: "default route", Covered: true},
+		{Device: "eth1", Ifindex: 3, Via: "route 198.18.0.0/15 table 100", Covered: true},
+		{Device: "wg0", Ifindex: 9, Via: "route 100.64.0.0/10", Note: "no Ethernet header"},
+	}}
+	var got []string
+	for _, m := range scrape(t, newRegistry(t, Options{Backend: b}))[UplinkInfo].GetMetric() {
+		var ls []string
+		for _, l := range m.Label {
+			ls = append(ls, l.GetName()+"="+l.GetValue())
+		}
+		got = append(got, fmt.Sprintf("%s %v", strings.Join(ls, ","), m.GetGauge().GetValue()))
+	}
+	want := []string{
+		"covered=true,device=eth0,via=default route 1",
+		"covered=true,device=eth1,via=route 198.18.0.0/15 table 100 1",
+		"covered=false,device=wg0,via=route 100.64.0.0/10 1",
+	}
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Errorf("uplink_info %q\nwant %q", got, want)
 	}
 }
 

@@ -219,17 +219,24 @@ func (n *NATBackend) NATSummary(_ context.Context, top int) (datapath.NATSummary
 	return s, nil
 }
 
-// HookBackend is a NATBackend that reports hooks (datapath.HookReporter), as the BPF backend
-// does: Hooks and HooksErr are what Hooks returns.
+// HookBackend is a NATBackend that reports hooks (datapath.HookReporter) and uplinks
+// (datapath.UplinkReporter), as the BPF backend does: Hook and HooksErr are what Hooks returns,
+// Uplink what Uplinks does.
 type HookBackend struct {
 	NATBackend
 	Hook     []datapath.Hook
 	HooksErr error
+	Uplink   []datapath.Uplink
 }
 
-var _ datapath.HookReporter = (*HookBackend)(nil)
+var (
+	_ datapath.HookReporter   = (*HookBackend)(nil)
+	_ datapath.UplinkReporter = (*HookBackend)(nil)
+)
 
 func (h *HookBackend) Hooks(context.Context) ([]datapath.Hook, error) { return h.Hook, h.HooksErr }
+
+func (h *HookBackend) Uplinks(context.Context) ([]datapath.Uplink, error) { return h.Uplink, nil }
 
 // DriftBackend is a Backend with drift checks (datapath.DriftChecker): Damage drifts it, and an
 // Apply repairs what drifted except the kinds Stick keeps.

@@ -1,0 +1,33 @@
+package bpfbackend
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/uplink"
+)
+
+// TestCoverage: the uplinks the routes make are covered where the programs are attached and
+// say why not elsewhere; devices without Ethernet header are never covered; a device the
+// programs are still attached to that no route makes an uplink any more is listed too.
+func TestCoverage(t *testing.T) {
+	eth0 := uplink.Uplink{Name: "eth0", Index: 2, Via: "default route"}
+	eth1 := uplink.Uplink{Name: "eth1", Index: 3, Via: "route 198.18.0.0/15 table 100"}
+	wg0 := uplink.Uplink{Name: "wg0", Index: 9, Via: "route 100.64.0.0/10"}
+	old := uplink.Uplink{Name: "eth2", Index: 4}
+	got := coverage([]uplink.Uplink{eth0, old}, uplink.Set{Uplinks: []uplink.Uplink{eth0, eth1}, Unsupported: []uplink.Uplink{wg0}})
+	want := []string{
+		"eth0 2 default route true ",
+		"eth1 3 route 198.18.0.0/15 table 100 false " + noteNotAttached,
+		"eth2 4 attached; no route makes it an uplink now true ",
+		"wg0 9 route 100.64.0.0/10 false " + noteUnsupported,
+	}
+	if len(got) != len(want) {
+		t.Fatalf("coverage %+v, want %d devices", got, len(want))
+	}
+	for i, u := range got {
+		if s := fmt.Sprintf("%s %d %s %v %s", u.Device, u.Ifindex, u.Via, u.Covered, u.Note); s != want[i] {
+			t.Errorf("device %d: %q, want %q", i, s, want[i])
+		}
+	}
+}
