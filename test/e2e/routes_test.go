@@ -1,0 +1,199 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+)
+
+// A second uplink, uplink2, toward a second external host, which the node reaches only through
+// a policy-routing rule (table 100), not by its default routes.
+var (
+	uplink2Addr4 = netip.MustParseAddr("10.97.0.1")
+	uplink2Addr6 = netip.MustParseAddr("2001:db8:97::1")
+	ext2Addr4    = netip.MustParseAddr("10.97.0.2")
+	ext2Addr6    = netip.MustParseAddr("2001:db8:97::2")
+	// ext2's destinations: two the test's policy masquerades (the first external host has them
+	// too, so the source it sees tells which device they left by), two it keeps.
+	ext2Masq4, ext2Masq6 = netip.MustParseAddr("198.18.0.1"), netip.MustParseAddr("2001:db8::1")
+	ext2Keep4, ext2Keep6 = netip.MustParseAddr("10.77.0.1"), netip.MustParseAddr("fd77::1")
+)
+
+// addSecondUplink builds uplink2 and the host behind it, with its echo servers and return routes
+// to the pod network (so a pod address that leaks can be seen), and returns its namespace. The
+// node's rule and routes toward it are the test's to add.
+func (tp *Topology) addSecondUplink(ctx context.Context, t testing.TB) string {
+	t.Helper()
+	ns := testutil.NewNetns(t)
+	if err := WriteSysctl(ns, "net.ipv6.conf.all.accept_dad", "0"); err != nil {
+		t.Fatal(err)
+	}
+	if err := IPBatch(ctx, tp.Node, fmt.Sprintf(`link add uplink2 type veth peer name eth0 netns %s
+addr add %s/24 dev uplink2
+addr add %s/64 dev uplink2 nodad
+link set uplink2 up
+`, ns, uplink2Addr4, uplink2Addr6)); err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	b.WriteString("link set lo up\n")
+	for _, a := range []netip.Addr{ext2Masq4, ext2Keep4} {
+		fmt.Fprintf(&b, "addr add %s/32 dev lo\n", a)
+	}
+	for _, a := range []netip.Addr{ext2Masq6, ext2Keep6} {
+		fmt.Fprintf(&b, "addr add %s/128 dev lo nodad\n", a)
+	}
+	fmt.Fprintf(&b, `addr add %s/24 dev eth0
+addr add %s/64 dev eth0 nodad
+link set eth0 up
+route add %s via %s dev eth0
+route add %s via %s dev eth0
+`, ext2Addr4, ext2Addr6, PodNet4, uplink2Addr4, PodNet6, uplink2Addr6)
+	if err := IPBatch(ctx, ns, b.String()); err != nil {
+		t.Fatal(err)
+	}
+	stop, err := StartEcho(ns, []netip.Addr{ext2Masq4, ext2Masq6, ext2Keep4, ext2Keep6}, EchoPort)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(stop)
+	return ns
+}
+
+// routesToSecondUplink are the destinations table 100 sends out of uplink2, and their gateways.
+var routesToSecondUplink = []struct {
+	dst netip.Prefix
+	gw  netip.Addr
+}{
+	{netip.MustParsePrefix("198.18.0.0/15"), ext2Addr4}, {netip.MustParsePrefix("10.77.0.0/16"), ext2Addr4},
+	{netip.MustParsePrefix("2001:db8::/64"), ext2Addr6}, {netip.MustParsePrefix("fd77::/16"), ext2Addr6},
+}
+
+// policyRouting adds ("add") or deletes ("del") the node's routes of table 100, or its rules
+// selecting table 100 for them.
+func (e *Env) policyRouting(ctx context.Context, t testing.TB, op, what string) {
+	t.Helper()
+	var v4, v6 strings.Builder
+	for _, r := range routesToSecondUplink {
+		b := &v4
+		if r.dst.Addr().Is6() {
+			b = &v6
+		}
+		if what == "rules" {
+			fmt.Fprintf(b, "rule %s to %s table 100\n", op, r.dst)
+		} else {
+			fmt.Fprintf(b, "route %s %s via %s dev uplink2 table 100\n", op, r.dst, r.gw)
+		}
+	}
+	// IPv6 rules need -6, which a batch line cannot say.
+	for _, batch := range []struct{ family, lines string }{{"-4", v4.String()}, {"-6", v6.String()}} {
+		if out, err := run(ctx, batch.lines, "ip", batch.family, "-n", e.Node, "-batch", "-"); err != nil {
+			t.Fatalf("%s %s: %v: %s", op, what, err, out)
+		}
+	}
+}
+
+// TestPolicyRoutedUplink: destinations that a policy-routing rule sends out of a second device
+// (table 100, not the main table's default routes) are masqueraded there, behind that device's
+// own address, and their replies come back, on every backend (iptables' MASQUERADE acts on
+// whatever device a packet leaves by); destinations of the same table that the policy keeps
+// keep the pod's address. The routes and then the rules come while the agent runs: a table no
+// rule selects sends nothing out of uplink2, and on BPF the device becomes an uplink as the
+// rules appear (dump and ip_masq_agent_uplink_info list it) and stops being one, its programs
+// detached, as they go.
+func TestPolicyRoutedUplink(t *testing.T) {
+	for _, b := range backends() {
+		t.Run(b.Name, func(t *testing.T) {
+			t.Parallel()
+			requireBackend(t, b)
+			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+			defer cancel()
+			env := NewBackendEnv(ctx, t, b, []string{"--enable-ipv6"})
+			ag := env.StartReady(ctx, t, b, "nonMasqueradeCIDRs: [10.0.0.0/8, fd00::/8]\n")
+			env.addSecondUplink(ctx, t)
+			type probe struct{ dst, want netip.Addr }
+			// check probes until each destination is seen from want, over TCP and UDP: the agent
+			// follows the routes, so the first probes may still leave as before (a fresh
+			// 5-tuple each); within a few seconds every one must.
+			check := func(when string, probes []probe) {
+				t.Helper()
+				deadline := time.Now().Add(10 * time.Second)
+				for _, c := range probes {
+					for _, proto := range []string{"tcp", "udp"} {
+						var got netip.AddrPort
+						var err error
+						for {
+							got, err = env.Probe(ctx, proto, c.dst)
+							if err == nil && got.Addr() == c.want || time.Now().After(deadline) {
+								break
+							}
+						}
+						if err != nil || got.Addr() != c.want {
+							t.Errorf("%s: %s to %s: the host saw %s (%v), want %s", when, proto, c.dst, got, err, c.want)
+						}
+					}
+				}
+			}
+
+			// The routes alone: no rule selects table 100, so the default routes take the
+			// masqueraded destinations to the first external host.
+			env.policyRouting(ctx, t, "add", "routes")
+			check("table 100 without rules", []probe{{ext2Masq4, NodeAddr4}, {ext2Masq6, NodeAddr6}})
+			if b.NAT {
+				if err := env.Agent.WaitLog(ctx, 0, "programs attached"); err != nil {
+					t.Fatal(err)
+				}
+				if progs, _ := env.DevicePrograms(t, "uplink2"); len(progs) != 0 {
+					t.Errorf("uplink2 has programs while no rule selects its table: %v", progs)
+				}
+			}
+
+			// The rules: table 100 sends the destinations out of uplink2.
+			env.policyRouting(ctx, t, "add", "rules")
+			check("table 100 selected", []probe{{ext2Masq4, uplink2Addr4}, {ext2Masq6, uplink2Addr6}, {ext2Keep4, PodAddr4}, {ext2Keep6, PodAddr6}})
+			// The main uplink still masquerades.
+			env.Check(ctx, t, expect(Masq, "8.8.8.8", "2001:4860:4860::8888"), nil)
+			if b.NAT {
+				out, err := NSExec(ctx, env.Node, "", agentBin, append(env.DatapathArgs("dump", b), "--config="+env.Config.Path())...)
+				if err != nil {
+					t.Fatalf("dump: %v: %s", err, out)
+				}
+				for _, want := range []string{"route 198.18.0.0/15 table 100, route 2001:db8::/64 table 100  yes", "default route"} {
+					if !strings.Contains(string(out), want) {
+						t.Errorf("dump does not list %q:\n%s", want, out)
+					}
+				}
+				m, err := ag.Scrape(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for dev, via := range map[string]string{Uplink: "default route", "uplink2": "route 198.18.0.0/15 table 100, route 2001:db8::/64 table 100"} {
+					if v, ok := m.Value("ip_masq_agent_uplink_info", Labels{"device": dev, "via": via, "covered": "true"}); !ok || v != 1 {
+						t.Errorf("uplink_info of %s via %q: %v %v, want 1; series %v", dev, via, v, ok, m.Series("ip_masq_agent_uplink_info", nil))
+					}
+				}
+				if progs, _ := env.DevicePrograms(t, "uplink2"); len(progs) < 2 {
+					t.Errorf("uplink2 runs %v, want our egress and ingress programs", progs)
+				}
+			}
+
+			// The rules removed: the default routes take the traffic back, and uplink2 is no
+			// uplink any more.
+			env.policyRouting(ctx, t, "del", "rules")
+			check("the rules removed", []probe{{ext2Masq4, NodeAddr4}, {ext2Masq6, NodeAddr6}})
+			if b.NAT {
+				if err := env.Agent.WaitLog(ctx, 1, "a former uplink is left: programs detached"); err != nil {
+					t.Fatal(err)
+				}
+				if progs, _ := env.DevicePrograms(t, "uplink2"); len(progs) != 0 {
+					t.Errorf("uplink2 still runs %v once no route of pod traffic leaves by it", progs)
+				}
+			}
+		})
+	}
+}
