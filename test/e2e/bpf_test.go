@@ -40,6 +40,17 @@ func bpfEnv(ctx context.Context, t *testing.T, b Backend, flags ...string) *Env 
 	return env
 }
 
+// bpfEnvKeepingPods is bpfEnv with the pod network kept in IPv6 too, as in IPv4 the defaults
+// keep 10.0.0.0/8: the pods' own device is then no uplink, and the node has one (see
+// TestMasqueradedTowardPods for a policy that masquerades toward the pods).
+func bpfEnvKeepingPods(ctx context.Context, t *testing.T, b Backend, flags ...string) *Env {
+	t.Helper()
+	requireBackend(t, b)
+	env := NewBackendEnv(ctx, t, b, flags)
+	env.StartReady(ctx, t, b, "nonMasqueradeCIDRs: [10.0.0.0/8, "+PodNet6.String()+"]\n")
+	return env
+}
+
 var (
 	public4 = netip.MustParseAddr("8.8.8.8")
 	public6 = netip.MustParseAddr("2001:4860:4860::8888")
@@ -108,7 +119,7 @@ func TestBPFInbound(t *testing.T) {
 			t.Parallel()
 			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 			defer cancel()
-			env := bpfEnv(ctx, t, b, "--enable-ipv6", "--random-fully=false")
+			env := bpfEnvKeepingPods(ctx, t, b, "--enable-ipv6", "--random-fully=false")
 			StartLineEcho(t, env.Pod, []netip.Addr{PodAddr4, PodAddr6})
 			StartLineEcho(t, env.Ext, []netip.Addr{public4, public6})
 			for _, c := range []struct{ from, pod netip.Addr }{{public4, PodAddr4}, {public6, PodAddr6}} {
@@ -208,7 +219,7 @@ func TestBPFRestart(t *testing.T) {
 			t.Parallel()
 			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 			defer cancel()
-			env := bpfEnv(ctx, t, b, "--enable-ipv6")
+			env := bpfEnvKeepingPods(ctx, t, b, "--enable-ipv6")
 			StartLineEcho(t, env.Ext, []netip.Addr{public4, public6})
 			env.CutReturnRoutes(ctx, t)
 			var conns []*Conn

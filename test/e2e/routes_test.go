@@ -12,12 +12,13 @@ import (
 )
 
 // A second uplink, uplink2, toward a second external host, which the node reaches only through
-// a policy-routing rule (table 100), not by its default routes.
+// a policy-routing rule (table 100), not by its default routes. Its own subnets are ones the
+// test's policy keeps (10.0.0.0/8, fd00::/8): else they would make it an uplink by themselves.
 var (
 	uplink2Addr4 = netip.MustParseAddr("10.97.0.1")
-	uplink2Addr6 = netip.MustParseAddr("2001:db8:97::1")
+	uplink2Addr6 = netip.MustParseAddr("fd97::1")
 	ext2Addr4    = netip.MustParseAddr("10.97.0.2")
-	ext2Addr6    = netip.MustParseAddr("2001:db8:97::2")
+	ext2Addr6    = netip.MustParseAddr("fd97::2")
 	// ext2's destinations: two the test's policy masquerades (the first external host has them
 	// too, so the source it sees tells which device they left by), two it keeps.
 	ext2Masq4, ext2Masq6 = netip.MustParseAddr("198.18.0.1"), netip.MustParseAddr("2001:db8::1")
@@ -193,6 +194,48 @@ func TestPolicyRoutedUplink(t *testing.T) {
 				if progs, _ := env.DevicePrograms(t, "uplink2"); len(progs) != 0 {
 					t.Errorf("uplink2 still runs %v once no route of pod traffic leaves by it", progs)
 				}
+			}
+		})
+	}
+}
+
+// TestMasqueradedTowardPods: where the policy masquerades toward the pods themselves (IPv6
+// without nonMasqueradeCIDRs of its family; the defaults keep 10.0.0.0/8 in IPv4), the pods'
+// device is one pod traffic leaves by, and a connection from outside into a pod is masqueraded
+// behind the device's address on every backend, as iptables' MASQUERADE does in POSTROUTING;
+// the pods' own flows keep working, their replies untouched. On BPF the device is an uplink by
+// its route.
+func TestMasqueradedTowardPods(t *testing.T) {
+	for _, b := range backends() {
+		t.Run(b.Name, func(t *testing.T) {
+			t.Parallel()
+			requireBackend(t, b)
+			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+			defer cancel()
+			env := NewBackendEnv(ctx, t, b, []string{"--enable-ipv6"})
+			env.StartReady(ctx, t, b, "masqOutBound: true\n")
+			StartLineEcho(t, env.Pod, []netip.Addr{PodAddr4, PodAddr6})
+			for _, c := range []struct{ from, pod, want netip.Addr }{{public4, PodAddr4, public4}, {public6, PodAddr6, PodGW6}} {
+				conn, err := DialLine(ctx, env.Ext, netip.AddrPortFrom(c.from, 0), c.pod)
+				if err != nil {
+					t.Fatalf("from %s to the pod: %v", c.from, err)
+				}
+				src, err := conn.Exchange("inbound")
+				conn.Close()
+				if err != nil || src.Addr() != c.want {
+					t.Errorf("from %s, the pod saw %s (%v), want %s", c.from, src, err, c.want)
+				}
+			}
+			env.Check(ctx, t, expect(Masq, "8.8.8.8", "2001:4860:4860::8888", "2001:db8::1"), nil)
+			if !b.NAT {
+				return
+			}
+			out, err := NSExec(ctx, env.Node, "", agentBin, append(env.DatapathArgs("dump", b), "--config="+env.Config.Path())...)
+			if err != nil {
+				t.Fatalf("dump: %v: %s", err, out)
+			}
+			if !strings.Contains(string(out), "\npod0 ") || !strings.Contains(string(out), "route fd00:10:244:1::/64  yes") {
+				t.Errorf("dump does not list pod0 by its route to the pods:\n%s", out)
 			}
 		})
 	}
