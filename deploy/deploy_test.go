@@ -490,6 +490,30 @@ func kustomizeTyped(t *testing.T, dir string) map[string][]any {
 	return out
 }
 
+// The dashboard's panels have ids of their own: Grafana keys a panel's links and state by it.
+func TestDashboardPanelIDs(t *testing.T) {
+	data, err := os.ReadFile("monitoring/grafana-dashboard.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dash struct {
+		Panels []struct {
+			ID    int    `json:"id"`
+			Title string `json:"title"`
+		} `json:"panels"`
+	}
+	if err := json.Unmarshal(data, &dash); err != nil {
+		t.Fatal(err)
+	}
+	seen := map[int]string{}
+	for _, p := range dash.Panels {
+		if other, ok := seen[p.ID]; ok {
+			t.Errorf("panels %q and %q share the id %d", other, p.Title, p.ID)
+		}
+		seen[p.ID] = p.Title
+	}
+}
+
 // Every metric the Grafana dashboard queries is one the agent exports, grouped only by labels it
 // has (or the target labels the PodMonitor adds), and filtered only on label values it emits.
 func TestDashboardQueriesExportedMetrics(t *testing.T) {
