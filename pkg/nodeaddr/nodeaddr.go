@@ -1,6 +1,7 @@
-// Package nodeaddr checks that the masquerade addresses of a policy are the node's own, on its
-// uplinks (the devices of the default routes, or --interfaces), and follows the uplinks'
-// addresses through netlink: the agent's AddressChecker, the same for every backend.
+// Package nodeaddr checks that the masquerade addresses of a policy are the node's own, on the
+// uplinks their destinations leave by (package uplink: the devices of the routes toward what
+// the policy masquerades, or --interfaces), and follows the uplinks' addresses through
+// netlink: the agent's AddressChecker, the same for every backend.
 package nodeaddr
 
 import (
@@ -8,6 +9,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"slices"
 	"strings"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
@@ -57,12 +59,15 @@ func (c *Checker) changed(reason string, _ uplink.Set) {
 func (c *Checker) Changes() <-chan string { return c.changes }
 
 // Check implements agent.AddressChecker: it reads the uplinks and their addresses now (when p
-// names masquerade addresses; else it reads nothing).
+// names masquerade addresses; else it reads nothing), with the routes that make uplinks under
+// p, which say where each address's destinations leave by.
 func (c *Checker) Check(ctx context.Context, p *policy.Policy) error {
 	uses := p.Addresses()
 	if len(uses) == 0 {
 		return nil
 	}
+	c.res.SetScope(p.MayMasquerade)
+	c.watchRes.SetScope(p.MayMasquerade)
 	set, err := c.res.Resolve(ctx)
 	if err != nil {
 		return fmt.Errorf("check the masquerade addresses against the uplinks: %w", err)
@@ -70,13 +75,15 @@ func (c *Checker) Check(ctx context.Context, p *policy.Policy) error {
 	return Missing(uses, set)
 }
 
-// Missing returns nil when every address of uses is one of set's uplinks, else a
+// Missing returns nil when every address of uses is one of an uplink that its destinations
+// leave by (uplink.Set.LeavesBy of each of its To; any uplink where no uplink's route holds
+// them, such as devices --interfaces names that no route goes by, or a use without To), else a
 // *MissingError naming those that are not.
 func Missing(uses []policy.AddressUse, set uplink.Set) error {
 	e := &MissingError{Uplinks: set}
 	for _, u := range uses {
-		if _, ok := set.Carrier(u.Addr); !ok {
-			e.Uses = append(e.Uses, u)
+		if where, ok := onDevice(u, set); !ok {
+			e.Uses, e.Where = append(e.Uses, u), append(e.Where, where)
 		}
 	}
 	if len(e.Uses) == 0 {
@@ -85,30 +92,70 @@ func Missing(uses []policy.AddressUse, set uplink.Set) error {
 	return e
 }
 
+// onDevice tells whether u's address is on the uplinks its destinations leave by; where it is
+// not, it says which they are, or "" when they are all the uplinks.
+func onDevice(u policy.AddressUse, set uplink.Set) (string, bool) {
+	tos := u.To
+	if len(tos) == 0 {
+		tos = []netip.Prefix{{}}
+	}
+	for _, to := range tos {
+		by := set.Uplinks
+		if to.IsValid() {
+			if b := set.LeavesBy(to); len(b) > 0 {
+				by = b
+			}
+		}
+		if slices.ContainsFunc(by, func(up uplink.Uplink) bool { return slices.Contains(set.Addrs[up.Index], u.Addr) }) {
+			continue
+		}
+		if len(by) == len(set.Uplinks) {
+			return "", false
+		}
+		names := make([]string, len(by))
+		for i, up := range by {
+			names[i] = up.Name
+		}
+		return strings.Join(names, " or ") + ", which " + to.String() + " leaves by", false
+	}
+	return "", true
+}
+
 // Close releases the netlink handles; Watch must have returned.
 func (c *Checker) Close() {
 	c.res.Close()
 	c.watchRes.Close()
 }
 
-// MissingError is masquerade addresses that are not the node's: no uplink has them.
+// MissingError is masquerade addresses that are not the node's, on the uplinks their
+// destinations leave by.
 type MissingError struct {
 	// Uses are the addresses, with the configuration's part that names each.
 	Uses []policy.AddressUse
+	// Where are, for each of Uses, the uplinks it was looked for on, when they are not all of
+	// them: "uplink2, which 198.18.0.0/15 leaves by".
+	Where []string
 	// Uplinks are the uplinks as they were read, with their addresses.
 	Uplinks uplink.Set
 }
 
 func (e *MissingError) Error() string {
-	uses := make([]string, len(e.Uses))
+	var anywhere, phrases []string
 	for i, u := range e.Uses {
-		uses[i] = u.String()
+		if i < len(e.Where) && e.Where[i] != "" {
+			phrases = append(phrases, u.String()+" is not an address of "+e.Where[i])
+			continue
+		}
+		anywhere = append(anywhere, u.String())
 	}
-	what := "is not an address"
-	if len(uses) > 1 {
-		what = "are not addresses"
+	if len(anywhere) > 0 {
+		what := "is not an address"
+		if len(anywhere) > 1 {
+			what = "are not addresses"
+		}
+		phrases = append([]string{strings.Join(anywhere, ", ") + " " + what + " of the node's uplinks"}, phrases...)
 	}
-	return fmt.Sprintf("%s %s of the node's uplinks (%s)", strings.Join(uses, ", "), what, e.uplinks())
+	return fmt.Sprintf("%s (%s)", strings.Join(phrases, "; "), e.uplinks())
 }
 
 // uplinks shows the uplinks and their addresses: "uplink: 10.0.0.10, 10.0.0.11".
@@ -117,7 +164,7 @@ func (e *MissingError) uplinks() string {
 		if len(e.Uplinks.Missing) > 0 {
 			return "none of --interfaces " + strings.Join(e.Uplinks.Missing, ",") + " exists"
 		}
-		return "the node has no uplink: no default route"
+		return "the node has no uplink: no default route, and no route toward a masqueraded destination"
 	}
 	var out []string
 	for _, u := range e.Uplinks.Uplinks {

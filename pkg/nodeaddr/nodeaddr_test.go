@@ -37,7 +37,7 @@ func TestMissingMessages(t *testing.T) {
 		{[]policy.AddressUse{{Addr: a("10.0.0.77"), From: "masqueradeAddress"}, {Addr: a("10.0.0.78"), From: "masqueradeCIDRs[1]"}}, set,
 			"masqueradeAddress 10.0.0.77, masqueradeCIDRs[1] 10.0.0.78 are not addresses of the node's uplinks (eth0: 10.0.0.10, 10.0.0.11; eth1: no address)"},
 		{[]policy.AddressUse{{Addr: a("10.0.0.11"), From: "masqueradeAddress"}}, uplink.Set{},
-			"masqueradeAddress 10.0.0.11 is not an address of the node's uplinks (the node has no uplink: no default route)"},
+			"masqueradeAddress 10.0.0.11 is not an address of the node's uplinks (the node has no uplink: no default route, and no route toward a masqueraded destination)"},
 		{[]policy.AddressUse{{Addr: a("10.0.0.11"), From: "masqueradeAddress"}}, uplink.Set{Missing: []string{"bond0"}},
 			"masqueradeAddress 10.0.0.11 is not an address of the node's uplinks (none of --interfaces bond0 exists)"},
 	} {
@@ -177,4 +177,52 @@ masqueradeCIDRs: [{cidr: "2001:db8:9::/48", address: "2001:db8:1::11"}]
 	ip(t, ns, "addr del 2001:db8:1::11/64 dev up0\n")
 	waitChange("an address removed")
 	check("masqueradeCIDRs[0] 2001:db8:1::11 is not an address of the node's uplinks")
+}
+
+// TestCheckRightDevice: with a second uplink, by a policy-routing rule, an address must be one of
+// the device its destinations leave by: an entry's CIDR routed out of the second device, the
+// family's masqueradeAddress out of the default route's.
+func TestCheckRightDevice(t *testing.T) {
+	testutil.RequirePrivileged(t, "ip")
+	ns := testutil.NewNetns(t)
+	ip(t, ns, `link add up0 type veth peer name peer0
+link set up0 up
+link set peer0 up
+addr add 192.0.2.10/24 dev up0
+route add default via 192.0.2.1 dev up0
+link add up1 type veth peer name peer1
+link set up1 up
+link set peer1 up
+addr add 203.0.113.10/24 dev up1
+route add 198.18.0.0/15 via 203.0.113.1 dev up1 table 100
+rule add to 198.18.0.0/15 table 100
+`)
+	var c *Checker
+	var err error
+	inNetns(t, ns, func() { c, err = New(nil, nil) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	for _, tc := range []struct{ config, want string }{
+		{`masqueradeCIDRs: [{cidr: 198.18.0.0/16, address: 203.0.113.10}]`, ""},
+		{`masqueradeCIDRs: [{cidr: 198.18.0.0/16, address: 192.0.2.10}]`,
+			"masqueradeCIDRs[0] 192.0.2.10 is not an address of up1, which 198.18.0.0/16 leaves by (up0: 192.0.2.10; up1: 203.0.113.10)"},
+		{`masqueradeCIDRs: [{cidr: 8.8.8.0/24, address: 192.0.2.10}]`, ""},
+		{`masqueradeAddress: 192.0.2.10`, ""},
+		{`masqueradeAddress: 203.0.113.10`,
+			"masqueradeAddress 203.0.113.10 is not an address of up0, which 0.0.0.0/0 leaves by (up0: 192.0.2.10; up1: 203.0.113.10)"},
+		{"masqueradeAddress: 192.0.2.77\nmasqueradeCIDRs: [{cidr: 198.18.0.0/16, address: 192.0.2.10}]",
+			"masqueradeAddress 192.0.2.77 is not an address of up0, which 0.0.0.0/0 leaves by; masqueradeCIDRs[0] 192.0.2.10 is not an address of up1, which 198.18.0.0/16 leaves by"},
+	} {
+		cfg, err := config.Parse([]byte(tc.config+"\n"), config.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got error
+		inNetns(t, ns, func() { got = c.Check(context.Background(), policy.Compile(cfg, policy.Options{})) })
+		if s := fmt.Sprint(got); tc.want == "" && got != nil || tc.want != "" && !strings.HasPrefix(s, tc.want) {
+			t.Errorf("%s: Check = %v, want %q", tc.config, got, tc.want)
+		}
+	}
 }

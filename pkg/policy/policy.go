@@ -164,6 +164,10 @@ func (p *Policy) Address(fam Family) netip.Addr {
 type AddressUse struct {
 	Addr netip.Addr
 	From string
+	// To are the destinations whose traffic leaves from it, by which the device it must be on
+	// is found: the family's default (0.0.0.0/0, ::/0) for a masqueradeAddress, which every
+	// masquerade rule without an address of its own uses; an entry's CIDR for its own address.
+	To []netip.Prefix
 }
 
 func (u AddressUse) String() string { return u.From + " " + u.Addr.String() }
@@ -174,16 +178,26 @@ func (u AddressUse) String() string { return u.From + " " + u.Addr.String() }
 // addresses only.
 func (p *Policy) Addresses() []AddressUse {
 	var out []AddressUse
-	add := func(a netip.Addr, from string) {
-		if a.IsValid() && !slices.ContainsFunc(out, func(u AddressUse) bool { return u.Addr == a }) {
+	add := func(a netip.Addr, from string, to netip.Prefix) {
+		if !a.IsValid() {
+			return
+		}
+		i := slices.IndexFunc(out, func(u AddressUse) bool { return u.Addr == a })
+		if i < 0 {
 			out = append(out, AddressUse{Addr: a, From: from})
+			i = len(out) - 1
+		}
+		if !slices.Contains(out[i].To, to) {
+			out[i].To = append(out[i].To, to)
 		}
 	}
-	add(p.MasqueradeAddress, config.KeyMasqueradeAddress)
-	add(p.MasqueradeAddressIPv6, config.KeyMasqueradeAddressIPv6)
-	for _, rules := range [][]Rule{p.IPv4, p.IPv6} {
-		for _, r := range rules {
-			add(r.Address, r.Source())
+	add(p.MasqueradeAddress, config.KeyMasqueradeAddress, netip.PrefixFrom(netip.IPv4Unspecified(), 0))
+	add(p.MasqueradeAddressIPv6, config.KeyMasqueradeAddressIPv6, netip.PrefixFrom(netip.IPv6Unspecified(), 0))
+	for _, fam := range []Family{IPv4, IPv6} {
+		for _, r := range p.Rules(fam) {
+			if r.Address != p.Address(fam) {
+				add(r.Address, r.Source(), r.Prefix)
+			}
 		}
 	}
 	return out

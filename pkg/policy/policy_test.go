@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"fmt"
 	"net/netip"
 	"strings"
 	"testing"
@@ -253,5 +254,30 @@ func TestMayMasquerade(t *testing.T) {
 		if got, want := p.MayMasquerade(netip.PrefixFrom(addr, 32)), p.Decide(addr).Action == Masquerade; got != want {
 			t.Errorf("%s/32: MayMasquerade %v, Decide says masquerade %v", a, got, want)
 		}
+	}
+}
+
+// Addresses: each masquerade address once, with the destinations whose device it must be on:
+// the family's default for masqueradeAddress (the entries without an address of their own add
+// nothing), each entry's CIDR for its own.
+func TestAddressesTo(t *testing.T) {
+	a := netip.MustParseAddr
+	cfg := config.Config{
+		MasqueradeAddress: a("192.0.2.10"),
+		MasqueradeCIDRs: []config.MasqueradeCIDR{
+			{CIDR: netip.MustParsePrefix("8.8.8.0/24")},
+			{CIDR: netip.MustParsePrefix("198.18.0.0/16"), Address: a("203.0.113.10")},
+			{CIDR: netip.MustParsePrefix("198.19.0.0/16"), Address: a("203.0.113.10")},
+			{CIDR: netip.MustParsePrefix("9.9.9.0/24"), Address: a("192.0.2.10")},
+		},
+		MasqOutBound: true,
+	}
+	var got []string
+	for _, u := range Compile(cfg, Options{}).Addresses() {
+		got = append(got, fmt.Sprintf("%s %v", u, u.To))
+	}
+	want := "masqueradeAddress 192.0.2.10 [0.0.0.0/0]; masqueradeCIDRs[1] 203.0.113.10 [198.18.0.0/16 198.19.0.0/16]"
+	if s := strings.Join(got, "; "); s != want {
+		t.Errorf("Addresses %s\nwant %s", s, want)
 	}
 }

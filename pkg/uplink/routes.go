@@ -63,19 +63,27 @@ func (r *Resolver) routeTables(fam int) ([]int, error) {
 	return tables, nil
 }
 
+// routeTo is a route of pod traffic: where to, and through which device (one per next hop).
+type routeTo struct {
+	dst   netip.Prefix
+	index int
+}
+
 // routeDevices returns, by ifindex and family, the best route (the lowest rank, then the first)
-// of each device toward where pod traffic goes, in the tables the rules select. Only unicast
-// routes through a device count (not unreachable, blackhole or local ones).
-func (r *Resolver) routeDevices() (map[int]map[int]route, error) {
+// of each device toward where pod traffic goes, in the tables the rules select, and all those
+// routes. Only unicast routes through a device count (not unreachable, blackhole or local ones).
+func (r *Resolver) routeDevices() (map[int]map[int]route, []routeTo, error) {
 	inScope := func(netip.Prefix) bool { return false }
 	if f := r.scope.Load(); f != nil {
 		inScope = *f
 	}
 	out := map[int]map[int]route{}
-	add := func(fam, idx int, rt route) {
+	var all []routeTo
+	add := func(fam, idx int, dst netip.Prefix, rt route) {
 		if idx <= 0 {
 			return
 		}
+		all = append(all, routeTo{dst, idx})
 		if out[idx] == nil {
 			out[idx] = map[int]route{}
 		}
@@ -86,12 +94,12 @@ func (r *Resolver) routeDevices() (map[int]map[int]route, error) {
 	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
 		tables, err := r.routeTables(fam)
 		if err != nil {
-			return nil, fmt.Errorf("list rules: %w", err)
+			return nil, nil, fmt.Errorf("list rules: %w", err)
 		}
 		for _, t := range tables {
 			routes, err := r.nl.RouteListFiltered(fam, &netlink.Route{Table: t}, netlink.RT_FILTER_TABLE)
 			if err != nil {
-				return nil, fmt.Errorf("list routes of table %d: %w", t, err)
+				return nil, nil, fmt.Errorf("list routes of table %d: %w", t, err)
 			}
 			for _, rt := range routes {
 				if rt.Type != unix.RTN_UNICAST {
@@ -112,7 +120,7 @@ func (r *Resolver) routeDevices() (map[int]map[int]route, error) {
 					case g.IsValid(), via != nil:
 						c.rank = rankGateway
 					}
-					add(fam, idx, c)
+					add(fam, idx, dst, c)
 				}
 				hop(rt.LinkIndex, rt.Gw, rt.Via)
 				for _, nh := range rt.MultiPath {
@@ -121,7 +129,35 @@ func (r *Resolver) routeDevices() (map[int]map[int]route, error) {
 			}
 		}
 	}
-	return out, nil
+	return out, all, nil
+}
+
+// LeavesBy returns the uplinks that traffic toward all of dst leaves by: those of the most
+// specific routes that hold dst whole, in the tables the rules select (a default route holds
+// every destination of its family). Where several tables hold it as specifically (a rule that
+// selects by source), those of each. None when no uplink's route holds dst.
+func (s Set) LeavesBy(dst netip.Prefix) []Uplink {
+	dst = dst.Masked()
+	best, idx := -1, []int(nil)
+	for _, rt := range s.routes {
+		if rt.dst.Addr().Is4() != dst.Addr().Is4() || rt.dst.Bits() > dst.Bits() || !rt.dst.Contains(dst.Addr()) ||
+			!slices.ContainsFunc(s.Uplinks, func(u Uplink) bool { return u.Index == rt.index }) {
+			continue
+		}
+		switch {
+		case rt.dst.Bits() > best:
+			best, idx = rt.dst.Bits(), []int{rt.index}
+		case rt.dst.Bits() == best:
+			idx = append(idx, rt.index)
+		}
+	}
+	var out []Uplink
+	for _, u := range s.Uplinks {
+		if slices.Contains(idx, u.Index) {
+			out = append(out, u)
+		}
+	}
+	return out
 }
 
 // describe says what a route is, for Via: "default route", "route 198.18.0.0/15 table 100".

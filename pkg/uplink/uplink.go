@@ -75,6 +75,8 @@ type Set struct {
 	// waiting are the devices that a route would make uplinks once they have an address of
 	// its family: Watch follows their addresses too.
 	waiting []int
+	// routes are the routes of pod traffic that made the resolution (see LeavesBy).
+	routes []routeTo
 }
 
 // Carrier returns the uplink that has the address a (see Addrs).
@@ -188,11 +190,11 @@ func (r *Resolver) resolve(ctx context.Context) (Set, error) {
 			addrs[a.LinkIndex][fam] = append(addrs[a.LinkIndex][fam], a)
 		}
 	}
-	routes, err := r.routeDevices()
+	routes, to, err := r.routeDevices()
 	if err != nil {
 		return Set{}, err
 	}
-	var set Set
+	set := Set{routes: to}
 	var links []netlink.Link
 	if len(r.names) > 0 {
 		for _, name := range r.names {

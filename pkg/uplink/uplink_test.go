@@ -237,6 +237,19 @@ addr add 10.244.0.1/24 dev br1
 	if got := names(set); got != want {
 		t.Errorf("uplinks %q\nwant %q: not lan0 nor br1 (kept), ext2 by table 300 (no rule), pod0 (no address)", got, want)
 	}
+	// Where destinations leave by: the most specific routes holding them, of every table.
+	for dst, want := range map[string]string{
+		"198.18.0.0/16": "ext1", "2001:db8:77::1/128": "ext1", "198.0.0.0/8": "up0 ext2", "0.0.0.0/0": "up0 ext2",
+		"8.8.8.0/24": "up0 ext2", "::/0": "up0", "100.65.1.7/32": "br0",
+	} {
+		var got []string
+		for _, u := range set.LeavesBy(netip.MustParsePrefix(dst)) {
+			got = append(got, u.Name)
+		}
+		if strings.Join(got, " ") != want {
+			t.Errorf("LeavesBy(%s) = %v, want %q", dst, got, want)
+		}
+	}
 	if u := set.Uplinks[1]; u.Name != "ext1" || u.IPv4 != netip.MustParseAddr("203.0.113.10") || u.IPv6 != netip.MustParseAddr("2001:db8:2::10") || !u.RoutedV4 || !u.RoutedV6 {
 		t.Errorf("ext1: %+v", u)
 	}

@@ -159,6 +159,27 @@ func TestPolicyRoutedUplink(t *testing.T) {
 			check("table 100 selected", []probe{{ext2Masq4, uplink2Addr4}, {ext2Masq6, uplink2Addr6}, {ext2Keep4, PodAddr4}, {ext2Keep6, PodAddr6}})
 			// The main uplink still masquerades.
 			env.Check(ctx, t, expect(Masq, "8.8.8.8", "2001:4860:4860::8888"), nil)
+			// A masquerade address must be one of the device its destinations leave by:
+			// uplink2's is not the default routes', the main uplink's not table 100's.
+			good := env.Good
+			for _, c := range []struct{ config, log string }{
+				{"masqueradeAddress: " + uplink2Addr4.String() + "\n",
+					"masqueradeAddress 10.97.0.1 is not an address of uplink, which 0.0.0.0/0 leaves by"},
+				{"masqueradeCIDRs: [{cidr: 198.18.0.0/15, address: " + NodeAddr4.String() + "}]\n",
+					"masqueradeCIDRs[0] 10.99.0.1 is not an address of uplink2, which 198.18.0.0/15 leaves by"},
+			} {
+				rejected := ag.Count("config rejected", c.log)
+				if err := env.Config.Write(good + c.config); err != nil {
+					t.Fatal(err)
+				}
+				if err := ag.WaitLog(ctx, rejected+1, "config rejected", c.log); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := env.Config.Write(good); err != nil {
+				t.Fatal(err)
+			}
+			check("the rejected configurations", []probe{{ext2Masq4, uplink2Addr4}})
 			if b.NAT {
 				out, err := NSExec(ctx, env.Node, "", agentBin, append(env.DatapathArgs("dump", b), "--config="+env.Config.Path())...)
 				if err != nil {
