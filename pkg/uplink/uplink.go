@@ -70,23 +70,14 @@ type Set struct {
 	Unsupported []Uplink
 	// Addrs are, by ifindex, the addresses of each uplink that traffic can leave from: of
 	// global scope and, for IPv6, neither tentative nor failed duplicate address detection (a
-	// deprecated one still works), in the kernel's order. A masquerade address must be one.
+	// deprecated one still works), in the kernel's order. A masquerade address must be one
+	// (of an uplink its destinations leave by: LeavesBy).
 	Addrs map[int][]netip.Addr
 	// waiting are the devices that a route would make uplinks once they have an address of
 	// its family: Watch follows their addresses too.
 	waiting []int
 	// routes are the routes of pod traffic that made the resolution (see LeavesBy).
 	routes []routeTo
-}
-
-// Carrier returns the uplink that has the address a (see Addrs).
-func (s Set) Carrier(a netip.Addr) (Uplink, bool) {
-	for _, u := range s.Uplinks {
-		if slices.Contains(s.Addrs[u.Index], a) {
-			return u, true
-		}
-	}
-	return Uplink{}, false
 }
 
 // Resolver finds the uplinks in the network namespace it was created in.
@@ -150,9 +141,10 @@ func (r *Resolver) Close() { r.nl.Close() }
 
 // Resolve reads the uplinks and their addresses.
 //
-// The SNAT address of a family is, on each device: the preferred source of its default route
-// of that family when the device has it; else its first address (in the kernel's order) of
-// global scope that contains the default route's gateway; else its first IPv4 address of
+// The SNAT address of a family is, on each device: the preferred source of the route of that
+// family that makes it an uplink (its main default route first; see routes.go) when the route
+// has one; else its first address (in the kernel's order) of global scope that contains the
+// route's gateway; else its first IPv4 address of
 // global scope, or its longest-standing IPv6 address of global scope, so that adding an
 // address does not move the SNAT address. Secondary IPv4 addresses are skipped, and so are IPv6
 // addresses that are tentative, failed duplicate address detection, deprecated or temporary

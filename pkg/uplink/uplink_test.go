@@ -156,8 +156,8 @@ func TestResolve(t *testing.T) {
 }
 
 // TestAddrs: every address of an uplink that traffic can leave from (secondary and deprecated
-// ones too; not link-local, nor tentative while duplicate address detection runs), which Carrier
-// finds and Diff follows.
+// ones too; not link-local, nor tentative while duplicate address detection runs), which Diff
+// follows.
 func TestAddrs(t *testing.T) {
 	ns := newNode(t)
 	// Tentative while duplicate address detection runs: made to run for minutes.
@@ -172,11 +172,6 @@ func TestAddrs(t *testing.T) {
 	got := fmt.Sprint(sortedAddrs(set.Addrs[u.Index]))
 	if want := "[192.0.2.10 192.0.2.11 198.51.100.10 2001:db8:1::10 2001:db8:1::11 2001:db8:1::12]"; got != want {
 		t.Errorf("addresses %s, want %s", got, want)
-	}
-	for a, want := range map[string]bool{"192.0.2.11": true, "2001:db8:1::11": true, "2001:db8:1::13": false, "10.0.0.1": false} {
-		if c, ok := set.Carrier(netip.MustParseAddr(a)); ok != want || ok && c.Name != "up0" {
-			t.Errorf("Carrier(%s) = %v, %v; want %v", a, c, ok, want)
-		}
 	}
 	ip(t, ns, "addr del 192.0.2.11/24 dev up0\n")
 	diff := Diff(set, resolve(t, ns))
