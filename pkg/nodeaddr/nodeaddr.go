@@ -93,24 +93,16 @@ func Missing(uses []policy.AddressUse, set uplink.Set) error {
 }
 
 // onDevice tells whether u's address is on the uplinks its destinations leave by; where it is
-// not, it says which they are, or "" when they are all the uplinks.
+// on another uplink only, it says which they are ("" where no uplink has it).
 func onDevice(u policy.AddressUse, set uplink.Set) (string, bool) {
-	tos := u.To
-	if len(tos) == 0 {
-		tos = []netip.Prefix{{}}
+	has := func(up uplink.Uplink) bool { return slices.Contains(set.Addrs[up.Index], u.Addr) }
+	if !slices.ContainsFunc(set.Uplinks, has) {
+		return "", false
 	}
-	for _, to := range tos {
-		by := set.Uplinks
-		if to.IsValid() {
-			if b := set.LeavesBy(to); len(b) > 0 {
-				by = b
-			}
-		}
-		if slices.ContainsFunc(by, func(up uplink.Uplink) bool { return slices.Contains(set.Addrs[up.Index], u.Addr) }) {
+	for _, to := range u.To {
+		by := set.LeavesBy(to)
+		if len(by) == 0 || slices.ContainsFunc(by, has) {
 			continue
-		}
-		if len(by) == len(set.Uplinks) {
-			return "", false
 		}
 		names := make([]string, len(by))
 		for i, up := range by {

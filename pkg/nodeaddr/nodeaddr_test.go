@@ -213,7 +213,7 @@ rule add to 198.18.0.0/15 table 100
 		{`masqueradeAddress: 203.0.113.10`,
 			"masqueradeAddress 203.0.113.10 is not an address of up0, which 0.0.0.0/0 leaves by (up0: 192.0.2.10; up1: 203.0.113.10)"},
 		{"masqueradeAddress: 192.0.2.77\nmasqueradeCIDRs: [{cidr: 198.18.0.0/16, address: 192.0.2.10}]",
-			"masqueradeAddress 192.0.2.77 is not an address of up0, which 0.0.0.0/0 leaves by; masqueradeCIDRs[0] 192.0.2.10 is not an address of up1, which 198.18.0.0/16 leaves by"},
+			"masqueradeAddress 192.0.2.77 is not an address of the node's uplinks; masqueradeCIDRs[0] 192.0.2.10 is not an address of up1, which 198.18.0.0/16 leaves by"},
 	} {
 		cfg, err := config.Parse([]byte(tc.config+"\n"), config.Options{})
 		if err != nil {
