@@ -20,7 +20,7 @@ type checkState struct {
 	config masqNatConfig
 	// trie is the index in Datapath.tries of the trie being walked, walk the walk (nil: not
 	// started), walked how many entries it read, first the first of them, and matched how many
-	// held the slot of the last sync.
+	// held the value of the last sync.
 	trie    int
 	walk    trieWalk
 	walked  int
@@ -41,7 +41,7 @@ type PolicyDrift struct {
 // still hold what the last SyncPolicy wrote. Nothing before the first sync.
 //
 //   - The tries are walked in turns, up to checkBudget entries a call (one batch lookup) and
-//     once around at most: an entry added behind the agent's back, or whose slot changed, is
+//     once around at most: an entry added behind the agent's back, or whose value changed, is
 //     caught when the walk reaches it; one deleted, at the end of the walk of its trie, which
 //     finds fewer entries than the sync wrote. Either is caught within
 //     len(entries)/checkBudget + 1 calls (twice that when entries of one trie are deleted
@@ -95,10 +95,10 @@ func (d *Datapath) walkTries(budget int) (map[*trie]bool, error) {
 					c.first = e.prefix
 				}
 				c.walked++
-				if want, ok := t.held[e.prefix]; ok && e.slot == want && e.action == t.action {
+				if want, ok := t.held[e.prefix]; ok && e.trieValue == want {
 					c.matched++
 				} else {
-					changed[t] = true // added, or its slot or action changed
+					changed[t] = true // added, or its slot, action or address changed
 				}
 			}
 			budget -= len(entries)

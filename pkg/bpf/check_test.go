@@ -68,6 +68,31 @@ func TestCheckPolicy(t *testing.T) {
 	}
 	check(masqMapNomasqV4, masqMapNatConfig)
 	repair()
+
+	// A masquerade entry's address changed, its slot and action as written; the repair writes
+	// the rule's address back.
+	p = withAddrs(prefixes("198.51.100.0/24"), nil, true, map[string]string{"198.51.100.0/24": "192.0.2.11"})
+	if err := h.dp.SyncPolicy(p); err != nil {
+		t.Fatal(err)
+	}
+	check()
+	key := lpmKey(netip.MustParsePrefix("198.51.100.0/24"))
+	var v masqLpm4Val
+	if err := h.dp.objs.MasqV4.Lookup(key, &v); err != nil {
+		t.Fatal(err)
+	}
+	v.Snat = netip.MustParseAddr("192.0.2.12").As4()
+	if err := h.dp.objs.MasqV4.Put(key, &v); err != nil {
+		t.Fatal(err)
+	}
+	check(masqMapMasqV4)
+	repair()
+	if err := h.dp.objs.MasqV4.Lookup(key, &v); err != nil {
+		t.Fatal(err)
+	}
+	if got := netip.AddrFrom4(v.Snat); got != netip.MustParseAddr("192.0.2.11") {
+		t.Errorf("repaired entry masquerades to %s, want 192.0.2.11", got)
+	}
 }
 
 // checkedMaps is CheckPolicy as the names of the maps it found changed.
@@ -140,8 +165,8 @@ func TestTrieWalkByKey(t *testing.T) {
 		t.Fatalf("batched walk %d entries, by key %d, the sync wrote %d", len(batched), len(byKey), len(h.dp.tries[1].held))
 	}
 	for _, e := range byKey {
-		if want, ok := h.dp.tries[1].held[e.prefix]; !ok || want != e.slot {
-			t.Fatalf("walk read %s slot %d, the sync wrote %d (%v)", e.prefix, e.slot, want, ok)
+		if want, ok := h.dp.tries[1].held[e.prefix]; !ok || want != e.trieValue {
+			t.Fatalf("walk read %s %+v, the sync wrote %+v (%v)", e.prefix, e.trieValue, want, ok)
 		}
 	}
 }

@@ -119,6 +119,10 @@ func makePlan(p *policy.Policy) (*plan, error) {
 			if policy.FamilyOf(r.Prefix.Addr()) != fam || r.Prefix != r.Prefix.Masked() {
 				return nil, fmt.Errorf("%s rule %d: prefix %s is not a %s network", fam, i+1, r.Prefix, fam)
 			}
+			if r.Action == policy.Masquerade && r.Address.IsValid() &&
+				(policy.FamilyOf(r.Address) != fam || r.Address.IsUnspecified()) {
+				return nil, fmt.Errorf("%s rule %d: masquerade address %s is not a %s address", fam, i+1, r.Address, fam)
+			}
 			k := slotKey{family: fam, prefix: r.Prefix, action: r.Action, origin: r.Origin}
 			k.dup = seen[k]
 			seen[k]++
@@ -245,7 +249,7 @@ func (d *Datapath) syncPolicy(p *policy.Policy) error {
 	if err != nil {
 		return err
 	}
-	want := pl.trieSlots(slots)
+	want := pl.trieValues(slots)
 	if err := d.putTries(want); err != nil {
 		return err
 	}
@@ -300,24 +304,30 @@ func (d *Datapath) claimSlots(pl *plan) ([]uint32, error) {
 	return slots, nil
 }
 
-// trieSlots is what each trie must hold once the rules have their slots: prefix -> slot.
-func (pl *plan) trieSlots(slots []uint32) map[trieKind]map[trieKey]uint32 {
-	want := make(map[trieKind]map[trieKey]uint32, len(pl.tries))
+// trieValues is what each trie must hold once the rules have their slots: prefix -> value,
+// with the slot and the masquerade address of the rule the entry's addresses match first (the
+// one whose SNAT conntrack would apply).
+func (pl *plan) trieValues(slots []uint32) map[trieKind]map[trieKey]trieValue {
+	want := make(map[trieKind]map[trieKey]trieValue, len(pl.tries))
 	for kind, prefixes := range pl.tries {
-		want[kind] = make(map[trieKey]uint32, len(prefixes))
+		want[kind] = make(map[trieKey]trieValue, len(prefixes))
 		for prefix, idx := range prefixes {
-			want[kind][prefix] = slots[idx]
+			v := trieValue{action: kind.action, slot: slots[idx]}
+			if kind.action == policy.Masquerade {
+				v.snat = pl.rules[idx].Address
+			}
+			want[kind][prefix] = v
 		}
 	}
 	return want
 }
 
-// putTries writes the entries of want that the tries lack or hold with another slot.
-func (d *Datapath) putTries(want map[trieKind]map[trieKey]uint32) error {
+// putTries writes the entries of want that the tries lack or hold with another value.
+func (d *Datapath) putTries(want map[trieKind]map[trieKey]trieValue) error {
 	for _, t := range d.tries {
 		var put []trieKey
-		for prefix, s := range want[t.trieKind] {
-			if cur, ok := t.held[prefix]; !ok || cur != s {
+		for prefix, v := range want[t.trieKind] {
+			if cur, ok := t.held[prefix]; !ok || cur != v {
 				put = append(put, prefix)
 			}
 		}
@@ -329,7 +339,7 @@ func (d *Datapath) putTries(want map[trieKind]map[trieKey]uint32) error {
 }
 
 // deleteStale deletes the entries of the tries that want lacks.
-func (d *Datapath) deleteStale(want map[trieKind]map[trieKey]uint32) error {
+func (d *Datapath) deleteStale(want map[trieKind]map[trieKey]trieValue) error {
 	for _, t := range d.tries {
 		var del []trieKey
 		for prefix := range t.held {

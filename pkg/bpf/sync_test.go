@@ -27,9 +27,19 @@ func prefixes(ss ...string) []netip.Prefix {
 }
 
 func compile(masq, nonMasq []netip.Prefix, outbound bool) *policy.Policy {
+	return withAddrs(masq, nonMasq, outbound, nil)
+}
+
+// withAddrs is compile with masquerade addresses of their own for the masqueradeCIDRs entries
+// named in addrs (CIDR -> address).
+func withAddrs(masq, nonMasq []netip.Prefix, outbound bool, addrs map[string]string) *policy.Policy {
 	cfg := config.Config{NonMasqueradeCIDRs: nonMasq, MasqOutBound: outbound, MasqOutBoundIPv6: outbound}
 	for _, p := range masq {
-		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, config.MasqueradeCIDR{CIDR: p})
+		m := config.MasqueradeCIDR{CIDR: p}
+		if a, ok := addrs[p.String()]; ok {
+			m.Address = netip.MustParseAddr(a)
+		}
+		cfg.MasqueradeCIDRs = append(cfg.MasqueradeCIDRs, m)
 	}
 	return policy.Compile(cfg, policy.Options{EnableIPv6: true, RandomFully: true})
 }
@@ -123,6 +133,13 @@ func TestSyncTries(t *testing.T) {
 		compile(nil, prefixes("10.0.0.0/8", "10.0.0.0/8", "10.1.0.0/16"), false),
 		compile(prefixes("0.0.0.0/0"), prefixes("192.168.0.0/16", "::/0"), true),
 		compile(nil, nil, true),
+		// Addresses: each entry holds its first-matching rule's (10.9.1.0/24 lies inside
+		// 10.9.0.0/16, which comes first); changing one rewrites its entries.
+		withAddrs(prefixes("10.9.0.0/16", "10.9.1.0/24", "10.8.0.0/16", "2001:db8:9::/48"), prefixes("10.0.0.0/8"), true,
+			map[string]string{"10.9.0.0/16": "192.0.2.11", "10.9.1.0/24": "192.0.2.12", "2001:db8:9::/48": "2001:db8::11"}),
+		withAddrs(prefixes("10.9.0.0/16", "10.9.1.0/24", "10.8.0.0/16", "2001:db8:9::/48"), prefixes("10.0.0.0/8"), true,
+			map[string]string{"10.9.0.0/16": "192.0.2.13", "10.8.0.0/16": "192.0.2.12"}),
+		compile(prefixes("10.9.0.0/16", "10.9.1.0/24", "10.8.0.0/16", "2001:db8:9::/48"), prefixes("10.0.0.0/8"), true),
 	}
 	for i, p := range policies {
 		if err := h.dp.SyncPolicy(p); err != nil {
@@ -141,6 +158,9 @@ func TestSyncTries(t *testing.T) {
 			}
 			for prefix, idx := range pl.tries[tr.trieKind] {
 				want := trieValue{action: tr.action, slot: h.dp.syncedSlot[pl.rules[idx]]}
+				if tr.action == policy.Masquerade {
+					want.snat = pl.rules[idx].Address
+				}
 				if v, ok := got[prefix]; !ok || v != want {
 					t.Fatalf("policy %d: %s[%s] = %+v (present %v), want %+v", i, name, prefix, v, ok, want)
 				}

@@ -26,16 +26,18 @@ type trie struct {
 	name string
 	m    *ebpf.Map
 	ops  trieOps
-	// held mirrors the map (prefix -> slot of the entries that hold the trie's action), so that
-	// a sync writes only the difference.
-	held map[trieKey]uint32
+	// held mirrors the map (prefix -> value of the entries that hold the trie's action), so
+	// that a sync writes only the difference.
+	held map[trieKey]trieValue
 }
 
-// trieValue is what a trie entry holds: the verdict, and the counter slot of the rule that
-// decides it. (The C value's snat address is reserved: written zero, never read.)
+// trieValue is what a trie entry holds: the verdict, the counter slot of the rule that decides
+// it, and that rule's masquerade address (policy.Rule.Address; invalid: none, the uplink's
+// address in uplink_snat is used, and the C value holds zero).
 type trieValue struct {
 	action policy.Action
 	slot   uint32
+	snat   netip.Addr
 }
 
 // newTries lists the tries of the loaded maps, in the order CheckPolicy reports them, with
@@ -44,20 +46,20 @@ func (d *Datapath) newTries() []*trie {
 	o := &d.objs
 	v4, v6 := lpmOps[masqLpm4Key, masqLpm4Val]{}, lpmOps[masqLpm6Key, masqLpm6Val]{}
 	return []*trie{
-		{trieKind{policy.IPv4, policy.Masquerade}, masqMapMasqV4, o.MasqV4, v4, map[trieKey]uint32{}},
-		{trieKind{policy.IPv4, policy.Return}, masqMapNomasqV4, o.NomasqV4, v4, map[trieKey]uint32{}},
-		{trieKind{policy.IPv6, policy.Masquerade}, masqMapMasqV6, o.MasqV6, v6, map[trieKey]uint32{}},
-		{trieKind{policy.IPv6, policy.Return}, masqMapNomasqV6, o.NomasqV6, v6, map[trieKey]uint32{}},
+		{trieKind{policy.IPv4, policy.Masquerade}, masqMapMasqV4, o.MasqV4, v4, map[trieKey]trieValue{}},
+		{trieKind{policy.IPv4, policy.Return}, masqMapNomasqV4, o.NomasqV4, v4, map[trieKey]trieValue{}},
+		{trieKind{policy.IPv6, policy.Masquerade}, masqMapMasqV6, o.MasqV6, v6, map[trieKey]trieValue{}},
+		{trieKind{policy.IPv6, policy.Return}, masqMapNomasqV6, o.NomasqV6, v6, map[trieKey]trieValue{}},
 	}
 }
 
 // read replaces the mirror with what the map holds. An entry with another action than the
 // trie's is left out of it, so that the next sync writes it again.
 func (t *trie) read() error {
-	t.held = map[trieKey]uint32{}
+	t.held = map[trieKey]trieValue{}
 	err := t.ops.read(t.m, func(p trieKey, v trieValue) {
 		if v.action == t.action {
-			t.held[p] = v.slot
+			t.held[p] = v
 		}
 	})
 	if err != nil {
@@ -66,21 +68,21 @@ func (t *trie) read() error {
 	return nil
 }
 
-// put writes prefixes with the trie's action and their slots, a batch at a time where the
-// kernel can.
-func (t *trie) put(prefixes []trieKey, slots map[trieKey]uint32) error {
+// put writes prefixes with their values (which hold the trie's action), a batch at a time
+// where the kernel can.
+func (t *trie) put(prefixes []trieKey, want map[trieKey]trieValue) error {
 	if len(prefixes) == 0 {
 		return nil
 	}
 	vals := make([]trieValue, len(prefixes))
 	for i, p := range prefixes {
-		vals[i] = trieValue{action: t.action, slot: slots[p]}
+		vals[i] = want[p]
 	}
 	if err := t.ops.put(t.m, prefixes, vals); err != nil {
 		return fmt.Errorf("write %s: %w", t.name, err)
 	}
-	for _, p := range prefixes {
-		t.held[p] = slots[p]
+	for i, p := range prefixes {
+		t.held[p] = vals[i]
 	}
 	return nil
 }
@@ -153,15 +155,37 @@ type rawLPMVal[V any] interface {
 	withValue(v trieValue) V
 }
 
-func (v masqLpm4Val) value() trieValue { return trieValue{policy.Action(v.Action), v.Slot} }
-func (v masqLpm6Val) value() trieValue { return trieValue{policy.Action(v.Action), v.Slot} }
+// An all-zero snat is none (neither family's unspecified address can be a masquerade address).
+func (v masqLpm4Val) value() trieValue {
+	tv := trieValue{action: policy.Action(v.Action), slot: v.Slot}
+	if v.Snat != ([4]byte{}) {
+		tv.snat = netip.AddrFrom4(v.Snat)
+	}
+	return tv
+}
+
+func (v masqLpm6Val) value() trieValue {
+	tv := trieValue{action: policy.Action(v.Action), slot: v.Slot}
+	if v.Snat != ([16]byte{}) {
+		tv.snat = netip.AddrFrom16(v.Snat)
+	}
+	return tv
+}
 
 func (masqLpm4Val) withValue(v trieValue) masqLpm4Val {
-	return masqLpm4Val{Slot: v.slot, Action: masqAction(v.action)}
+	val := masqLpm4Val{Slot: v.slot, Action: masqAction(v.action)}
+	if v.snat.IsValid() {
+		val.Snat = v.snat.Unmap().As4()
+	}
+	return val
 }
 
 func (masqLpm6Val) withValue(v trieValue) masqLpm6Val {
-	return masqLpm6Val{Slot: v.slot, Action: masqAction(v.action)}
+	val := masqLpm6Val{Slot: v.slot, Action: masqAction(v.action)}
+	if v.snat.IsValid() {
+		val.Snat = v.snat.As16()
+	}
+	return val
 }
 
 // lpmOps implements trieOps for the key layout K and value layout V.
