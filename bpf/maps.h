@@ -101,20 +101,72 @@ struct {
 	__type(value, struct rule_slot);
 } rule_slots SEC(".maps");
 
-/* The NAT tables: both directions of every flow, bounded by LRU eviction. */
+/* The NAT tables (bpf/nat.h has the design). Confirmed flows, which nothing evicts: */
 struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1); /* load time */
 	__type(key, struct nat4_key);
 	__type(value, struct nat_entry);
 } nat_v4 SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1); /* load time */
 	__type(key, struct nat6_key);
 	__type(value, struct nat_entry);
 } nat_v6 SEC(".maps");
+
+/* Flows not yet confirmed, least recently used evicted first. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct nat4_key);
+	__type(value, struct nat_entry);
+} nat_new_v4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct nat6_key);
+	__type(value, struct nat_entry);
+} nat_new_v6 SEC(".maps");
+
+/* Flows other than TCP that the policy left alone, with the verdict they keep (egress keys). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct nat4_key);
+	__type(value, struct keep_entry);
+} keep_v4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct nat6_key);
+	__type(value, struct keep_entry);
+} keep_v6 SEC(".maps");
+
+/* Where each remote endpoint's port sequence stands (nat_alloc), by a hash of the endpoint. */
+#define PORT_TURNS 4096
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, PORT_TURNS);
+	__type(key, __u32);
+	__type(value, __u32);
+} port_turns SEC(".maps");
+
+/* How many probes new mappings took: per-CPU counts of the allocations that needed at most 1, 2,
+ * 4, ... NAT_PROBES probes (bucket i: up to 2^i), and in the last slot the probes they summed to. */
+#define PORT_ATTEMPT_BUCKETS 8
+#define PORT_ATTEMPT_SUM PORT_ATTEMPT_BUCKETS
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, PORT_ATTEMPT_BUCKETS + 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} port_attempts SEC(".maps");
 
 /* Ports of the first fragment of datagrams, for their later fragments. */
 struct {

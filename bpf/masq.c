@@ -3,13 +3,14 @@
 /* The ip-masq-agent SNAT engine: tc programs for the egress and ingress of an uplink.
  *
  * Egress: a packet of a known flow is translated from the NAT table at once. A new flow from
- * the uplink's own address is a host flow: recorded so no pod mapping takes its port. Any
- * other new flow is classified by the policy tries; MASQUERADE gets a mapping to the uplink
- * address and a port from the NAT range.
- * Ingress: replies to a mapping are translated back; new flows toward pod addresses are
- * recorded so their replies leave untouched; ICMP errors quoting a flow are translated.
+ * the uplink's own address is a host flow: recorded (when its port is one a pod mapping could
+ * take) so no pod mapping takes its port. Any other new flow is classified by the policy tries;
+ * MASQUERADE gets a mapping to the uplink address and a port from the NAT range.
+ * Ingress: replies to a mapping are translated back; new flows toward addresses behind the node
+ * are recorded so their replies leave untouched; ICMP errors quoting a flow are translated.
  * Scope: only what the node's IP stack sent or forwarded is masqueraded (bpf/scope.h); frames
- * that merely pass the uplink's hooks (VLAN-tagged, macvlan and ipvlan children's) pass. */
+ * that merely pass the uplink's hooks (VLAN-tagged, macvlan and ipvlan children's) pass.
+ * bpf/nat.h has the flow-state design. */
 
 #include <linux/bpf.h>
 #include <linux/pkt_cls.h>
@@ -73,73 +74,163 @@ static __always_inline const __be32 *uplink_addr(const struct uplink *u, const i
 	return v6 ? WORDS(u->v6) : WORDS(u->v4);
 }
 
-/* A host socket's flow: reserve its port toward this remote, or remap it when a pod mapping
- * already holds that port. */
-static __always_inline int host_flow(struct __sk_buff *skb, const struct pkt *p, const int v6,
-				     const struct nat_config *cfg, const union nat_key *k, __u64 now)
+static __always_inline const __be32 *snat_addr(const struct __sk_buff *skb, const int v6)
 {
-	struct nat_entry e = {.port = p->sport, .kind = NAT_HOST, .slot = NO_SLOT, .last_seen = now};
-	struct nat_entry *re;
-	union nat_key rk;
+	__u32 ifindex = skb->ifindex;
 
-	addr_copy(v6, WORDS_MUT(e.addr), p->saddr);
-	nat_key(v6, &rk, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_INGRESS);
-	if (nat_update(v6, &rk, &e, BPF_NOEXIST) == 0) {
-		e.flags = NAT_F_SEEN;
-		nat_update(v6, k, &e, BPF_NOEXIST);
+	return uplink_addr(bpf_map_lookup_elem(&uplink_snat, &ifindex), v6);
+}
+
+static __always_inline struct keep_entry *keep_get(const int v6, const union nat_key *k)
+{
+	if (v6)
+		return bpf_map_lookup_elem(&keep_v6, &k->k6);
+	return bpf_map_lookup_elem(&keep_v4, &k->k4);
+}
+
+static __always_inline void keep_del(const int v6, const union nat_key *k)
+{
+	if (v6)
+		bpf_map_delete_elem(&keep_v6, &k->k6);
+	else
+		bpf_map_delete_elem(&keep_v4, &k->k4);
+}
+
+/* keep_return records that a flow was left alone, so it keeps that verdict. */
+static __always_inline void keep_return(const int v6, const union nat_key *k, __u32 slot, __u64 now)
+{
+	struct keep_entry ke = {.slot = slot, .last_seen = now};
+	long err = v6 ? bpf_map_update_elem(&keep_v6, &k->k6, &ke, BPF_NOEXIST)
+		      : bpf_map_update_elem(&keep_v4, &k->k4, &ke, BPF_NOEXIST);
+
+	if (err == 0)
+		event_add(EV_KEEP_RETURN, 1);
+}
+
+/* keep_packet: a packet of a flow left alone. A pod's FIN or RST marks its TCP connection closing
+ * (its own word: no window to check), for the sweep's shorter timeout. */
+static __always_inline int keep_packet(struct keep_entry *ke, const struct pkt *p, __u64 now)
+{
+	count_rule(ke->slot, p->len);
+	if (p->tcp_flags & (TCPF_FIN | TCPF_RST) && p->proto == IPPROTO_TCP && !ke->closing)
+		ke->closing = 1;
+	if (now - ke->last_seen >= REFRESH_NS)
+		ke->last_seen = now;
+	return TC_NEXT;
+}
+
+/* inbound_orphan restores the egress half of an inbound flow that the LRU evicted, when the packet
+ * at k is the pod's reply to it: the reply then leaves untouched instead of being masqueraded.
+ * Returns 1 when it did. */
+static __always_inline int inbound_orphan(const int v6, const struct pkt *p, const union nat_key *k, __u64 now)
+{
+	struct nat_scratch *s = scratch();
+	struct nat_entry *ie;
+
+	if (!s)
+		return 0;
+	nat_key(v6, &s->pk, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_INGRESS);
+	ie = nat_get(v6, NAT_UNREPLIED, &s->pk);
+	if (!ie || ie->kind != NAT_INBOUND || !points_back(v6, &s->pk, ie))
+		return 0;
+	ie->flags |= NAT_F_REPLIED;
+	partner_value(v6, &s->pk, ie, &s->ne, now);
+	if (nat_put(v6, NAT_UNREPLIED, k, &s->ne, BPF_NOEXIST) == 0)
+		event_add(EV_REPAIR, 1);
+	return 1;
+}
+
+/* What the helpers below return besides a verdict: FLOW_NEW, a packet that opens a flow needing a
+ * new mapping; FLOW_REMAP, a packet of a masqueraded flow that lost its port and needs another. */
+#define FLOW_NEW 0x100
+#define FLOW_REMAP 0x101
+
+/* A host socket's packet of no known flow, its source port inside the NAT range: reserve the
+ * port toward this remote; FLOW_NEW when a pod mapping already holds it, so the host flow must
+ * be remapped. */
+static __always_inline int host_reserve(struct __sk_buff *skb, const struct pkt *p, const int v6,
+					const union nat_key *k, __u64 now)
+{
+	struct nat_scratch *s = scratch();
+	struct nat_entry *re;
+
+	if (!s)
+		return TC_NEXT;
+	s->rev = (struct nat_entry){.port = p->sport, .kind = NAT_HOST, .slot = NO_SLOT, .last_seen = now,
+				    .wscale = NAT_WSCALE_UNKNOWN};
+	addr_copy(v6, WORDS_MUT(s->rev.addr), p->saddr);
+	nat_key(v6, &s->rk, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_INGRESS);
+	if (port_claim(v6, &s->rk, &s->rev, 1) == 0) {
+		s->rev.flags = NAT_F_ORIG;
+		if (p->proto == IPPROTO_TCP)
+			tcp_track(skb, &s->rev, p);
+		nat_put(v6, NAT_UNREPLIED, k, &s->rev, BPF_NOEXIST);
 		event_add(EV_HOST_FLOW, 1);
 		return TC_NEXT;
 	}
-	re = nat_lookup(v6, &rk);
+	re = nat_lookup(v6, &s->rk);
 	if (re && re->kind == NAT_HOST && points_back(v6, k, re)) {
 		/* Our own reservation whose egress half was evicted. */
-		e.flags = NAT_F_SEEN;
-		nat_update(v6, k, &e, BPF_NOEXIST);
+		partner_value(v6, &s->rk, re, &s->ne, now);
+		if (nat_put(v6, NAT_UNREPLIED, k, &s->ne, BPF_NOEXIST) == 0)
+			event_add(EV_REPAIR, 1);
 		return TC_NEXT;
 	}
-	if (nat_alloc(v6, p, cfg, k, p->saddr, NAT_HOST, NO_SLOT, now, &e) < 0)
-		return TC_ACT_SHOT;
-	event_add(EV_HOST_REMAP, 1);
-	return xlate(skb, p, v6, 1, WORDS(e.addr), e.port);
+	return FLOW_NEW;
 }
 
-static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, const int v6,
-				      const union nat_key *k, __u64 now)
+/* A pod's packet of no known flow: the policy decides. FLOW_NEW (with *slot, the deciding rule)
+ * when it opens a masqueraded flow. Only a TCP SYN opens a TCP mapping: any other TCP packet to a
+ * masqueraded destination belongs to a connection whose state is gone (or that began before the
+ * agent), which no mapping can serve, and is dropped rather than sent with the pod's address. */
+static __always_inline int pod_decide(const struct pkt *p, const int v6, const struct nat_config *cfg,
+				      const union nat_key *k, __u64 now, __u32 *slot)
 {
-	__u32 zero = 0, ifindex = skb->ifindex, slot;
-	const struct nat_config *cfg = bpf_map_lookup_elem(&nat_config, &zero);
-	const struct uplink *u = bpf_map_lookup_elem(&uplink_snat, &ifindex);
-	const __be32 *snat = uplink_addr(u, v6);
-	const struct family_cfg *fc;
+	if (p->l4 == L4_ECHO && !p->echo_request)
+		return TC_NEXT; /* an echo reply opens nothing */
+	if (classify(v6, p->daddr, family_cfg(cfg, v6), slot) == ACTION_RETURN) {
+		count_rule(*slot, p->len);
+		keep_return(v6, k, *slot, now);
+		return TC_NEXT;
+	}
+	/* Inbound flows exist only toward remotes the policy masquerades. */
+	if (!tcp_is_syn(p) && inbound_orphan(v6, p, k, now))
+		return TC_NEXT;
+	count_rule(*slot, p->len);
+	if (p->proto == IPPROTO_TCP && !tcp_is_syn(p)) {
+		event_add(EV_DROP_UNTRANSLATABLE, 1);
+		return TC_ACT_SHOT;
+	}
+	return FLOW_NEW;
+}
+
+/* A packet of no known flow leaving: a host flow's reservation, or the policy's verdict, and the
+ * new mapping either may need (the one place that allocates ports). A masqueraded flow that lost
+ * its port (remap) keeps its verdict and rule (slot). */
+static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, const int v6,
+				      const union nat_key *k, __u64 now, const struct nat_config *cfg,
+				      const __be32 *snat, int remap, __u32 slot)
+{
+	int host = snat && addr_eq(v6, p->saddr, snat), r;
 	struct nat_entry e;
 	__be32 to[4] = {};
 
-	if (!cfg)
-		return TC_NEXT;
-	fc = family_cfg(cfg, v6);
-	if (!fc->enabled)
-		return TC_NEXT;
-	if (p->l4 == L4_ECHO && !p->echo_request)
-		return TC_NEXT; /* an echo reply opens nothing */
 	if (!from_node_stack(skb, p, v6, snat))
 		return TC_NEXT;
-	if (snat && addr_eq(v6, p->saddr, snat))
-		return host_flow(skb, p, v6, cfg, k, now);
-
-	if (classify(v6, p->daddr, fc, &slot) == ACTION_RETURN) {
-		count_rule(slot, p->len);
-		return TC_NEXT;
-	}
-	count_rule(slot, p->len);
+	if (host)
+		r = host_reserve(skb, p, v6, k, now);
+	else
+		r = remap ? FLOW_NEW : pod_decide(p, v6, cfg, k, now, &slot);
+	if (r != FLOW_NEW)
+		return r;
 	if (!snat) {
 		event_add(EV_DROP_NO_ADDR, 1);
 		return TC_ACT_SHOT;
 	}
 	addr_copy(v6, to, snat);
-	if (nat_alloc(v6, p, cfg, k, to, NAT_MASQ, slot, now, &e) < 0)
+	if (nat_alloc(skb, v6, p, cfg, k, to, host ? NAT_HOST : NAT_MASQ, slot, now, &e) < 0)
 		return TC_ACT_SHOT;
-	if (e.kind == NAT_MASQ)
-		event_add(EV_NEW_MASQ, 1);
+	event_add(host ? EV_HOST_REMAP : EV_NEW_MASQ, 1);
 	if (p->frag == FRAG_FIRST)
 		frag_remember(v6, p, DIR_EGRESS);
 	return xlate(skb, p, v6, 1, WORDS(e.addr), e.port);
@@ -170,12 +261,66 @@ static __always_inline int untranslatable(struct __sk_buff *skb, const struct pk
 	return TC_ACT_SHOT;
 }
 
+/* A packet of a known flow leaving: its state recorded, then translated. FLOW_NEW when the flow
+ * starts over (a closed connection reopened under another verdict), FLOW_REMAP (with *slot) when
+ * its port was taken over. */
+static __always_inline int egress_known(struct __sk_buff *skb, struct pkt *p, const int v6, const int tbl,
+					const union nat_key *k, struct nat_entry *e, __u64 now, __u32 *remap_slot)
+{
+	__be32 to[4] = {};
+	__be16 to_port;
+	__u8 kind = e->kind;
+	__u32 slot = e->slot;
+
+	if (is_reopen(p, e)) {
+		__u32 zero = 0, nslot;
+		const struct nat_config *cfg = bpf_map_lookup_elem(&nat_config, &zero);
+
+		/* A new connection: it follows the policy in force now. A masqueraded one keeps its
+		 * port; any other starts over as a new flow. */
+		if (kind == NAT_HOST ||
+		    (kind == NAT_MASQ && cfg && classify(v6, p->daddr, family_cfg(cfg, v6), &nslot) == ACTION_MASQUERADE)) {
+			if (kind == NAT_MASQ)
+				e->slot = slot = nslot;
+			reopen(v6, k, e);
+		} else {
+			struct nat_scratch *s = scratch();
+
+			if (s) {
+				partner_key(v6, &s->pk, k, e);
+				nat_del(v6, tbl, &s->pk);
+			}
+			nat_del(v6, tbl, k);
+			return FLOW_NEW;
+		}
+	}
+	addr_copy(v6, to, WORDS(e->addr));
+	to_port = e->port;
+	if (flow_seen(skb, v6, tbl, k, e, p, now) < 0) {
+		/* The LRU evicted this flow's ingress half and another flow owns its port now. */
+		nat_del(v6, tbl, k);
+		event_add(EV_REALLOC, 1);
+		*remap_slot = slot;
+		return FLOW_REMAP;
+	}
+	if (kind == NAT_MASQ)
+		count_rule(slot, p->len);
+	if (p->frag == FRAG_FIRST)
+		frag_remember(v6, p, DIR_EGRESS);
+	return xlate(skb, p, v6, 1, to, to_port);
+}
+
 static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const int v6, __u64 now)
 {
+	__u32 zero = 0, slot = NO_SLOT;
+	const struct nat_config *cfg = bpf_map_lookup_elem(&nat_config, &zero);
+	const __be32 *snat;
 	union nat_key k;
 	struct nat_entry *e;
-	int verdict;
+	int verdict, tbl = NAT_CONFIRMED, remap = 0;
 
+	if (!cfg || !family_cfg(cfg, v6)->enabled)
+		return TC_NEXT;
 	switch (p->l4) {
 	case L4_ICMP_ERROR:
 		verdict = icmp_error(skb, p, v6, DIR_EGRESS);
@@ -189,74 +334,144 @@ static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const in
 	}
 
 	nat_key(v6, &k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_EGRESS);
-	e = nat_lookup(v6, &k);
-	if (e) {
-		if (is_reopen(p, e))
-			reopen(v6, &k, e);
-		if (!touch(e, p, now) || check_partner(v6, &k, e, p, now) == 0) {
-			if (e->kind == NAT_MASQ)
-				count_rule(e->slot, p->len);
-			if (p->frag == FRAG_FIRST)
-				frag_remember(v6, p, DIR_EGRESS);
-			return xlate(skb, p, v6, 1, WORDS(e->addr), e->port);
+	e = nat_get(v6, NAT_CONFIRMED, &k);
+	if (!e) {
+		/* Kept verdicts are of pod flows: a host's packet finds none. A SYN opens a new
+		 * connection, which follows the policy in force now. */
+		struct keep_entry *ke = keep_get(v6, &k);
+
+		if (ke) {
+			if (!tcp_is_syn(p))
+				return keep_packet(ke, p, now);
+			keep_del(v6, &k);
 		}
-		/* The LRU evicted this flow's ingress half and another flow owns its port now. */
-		nat_delete(v6, &k);
-		event_add(EV_REALLOC, 1);
+		tbl = NAT_UNREPLIED;
+		e = nat_get(v6, NAT_UNREPLIED, &k);
 	}
-	return egress_new(skb, p, v6, &k, now);
+	if (e) {
+		int r = egress_known(skb, p, v6, tbl, &k, e, now, &slot);
+
+		if (r == FLOW_REMAP)
+			remap = 1;
+		else if (r != FLOW_NEW)
+			return r;
+	}
+	snat = snat_addr(skb, v6);
+	/* A host port outside the range is one no pod mapping can take: nothing to record (a
+	 * protocol without ports has one mapping per remote, which any pod flow could take). */
+	if (!remap && snat && p->l4 != L4_ADDR && addr_eq(v6, p->saddr, snat) &&
+	    !port_in_ranges(cfg, bpf_ntohs(p->sport)))
+		return TC_NEXT;
+	return egress_new(skb, p, v6, &k, now, cfg, snat, remap, slot);
 }
 
-/* A new flow arriving from outside toward an address behind the uplink (a pod): record both
- * halves as an identity mapping, so that its replies are never masqueraded. */
-static __always_inline int ingress_new(struct __sk_buff *skb, const struct pkt *p, const int v6,
-				       const union nat_key *k, __u64 now)
+/* local_dest tells whether the destination of an inbound packet is behind this node: delivered
+ * to it (or not forwarded at all), or routed to a device that is not an uplink, as the kernel's
+ * routing (policy rules included) decides for this very packet. */
+static __always_inline int local_dest(struct __sk_buff *skb, const struct pkt *p, const int v6)
 {
-	__u32 zero = 0, ifindex = skb->ifindex;
-	const struct nat_config *cfg;
-	const struct uplink *u;
+	struct bpf_fib_lookup fib = {.family = v6 ? AF_INET6 : AF_INET, .l4_protocol = p->proto,
+				     .sport = p->sport, .dport = p->dport, .ifindex = skb->ifindex};
+	__u32 out;
+
+	if (v6) {
+		__builtin_memcpy(fib.ipv6_src, p->saddr, 16);
+		__builtin_memcpy(fib.ipv6_dst, p->daddr, 16);
+	} else {
+		fib.ipv4_src = p->saddr[0];
+		fib.ipv4_dst = p->daddr[0];
+	}
+	switch (bpf_fib_lookup(skb, &fib, sizeof(fib), 0)) {
+	case BPF_FIB_LKUP_RET_SUCCESS:
+	case BPF_FIB_LKUP_RET_NO_NEIGH:
+		out = fib.ifindex;
+		return out != skb->ifindex && !bpf_map_lookup_elem(&uplink_snat, &out);
+	case BPF_FIB_LKUP_RET_NOT_FWDED:   /* a local address */
+	case BPF_FIB_LKUP_RET_FWD_DISABLED: /* nothing is routed on: only the node can take it */
+		return 1;
+	}
+	return 0;
+}
+
+/* is_opener: a packet that may open a flow from outside. UDP and protocols without connections
+ * have no opening packet: any datagram opens, as in conntrack. */
+static __always_inline int is_opener(const struct pkt *p)
+{
+	if (p->proto == IPPROTO_TCP)
+		return tcp_is_syn(p);
+	if (p->l4 == L4_ECHO)
+		return p->echo_request;
+	return 1;
+}
+
+/* A flow opened from outside toward an address behind the uplink (a pod): both halves recorded
+ * as an identity mapping, so that its replies are never masqueraded. */
+static __always_inline int ingress_new(struct __sk_buff *skb, const struct pkt *p, const int v6,
+				       const struct nat_config *cfg, const union nat_key *k, __u64 now)
+{
+	__u32 slot;
 	const __be32 *snat;
-	struct nat_entry e = {.port = p->dport, .kind = NAT_INBOUND, .slot = NO_SLOT, .last_seen = now};
+	struct nat_entry e = {.port = p->dport, .kind = NAT_INBOUND, .slot = NO_SLOT, .last_seen = now,
+			      .wscale = NAT_WSCALE_UNKNOWN};
 	union nat_key ek;
 
 	/* The checks that need no map first: most packets of this path stop here. */
-	if (p->l4 == L4_ECHO && !p->echo_request)
+	if (!is_opener(p))
 		return TC_NEXT;
-	cfg = bpf_map_lookup_elem(&nat_config, &zero);
-	if (!cfg || !family_cfg(cfg, v6)->enabled)
-		return TC_NEXT;
-	u = bpf_map_lookup_elem(&uplink_snat, &ifindex);
-	snat = uplink_addr(u, v6);
+	snat = snat_addr(skb, v6);
 	if (snat && addr_eq(v6, p->daddr, snat))
 		return TC_NEXT; /* to the host itself: its replies are host flows */
-
 	/* Only a remote whose traffic the policy masquerades needs its replies protected: replies to
-	 * any other remote leave untouched anyway. Recording every flow toward pods would fill the
-	 * LRU table with traffic that needs no NAT (pod to pod, replies of RETURN flows), evict
-	 * real mappings, and take RETURN flows off the per-packet rule counters. */
-	{
-		__u32 slot;
-
-		if (classify(v6, p->saddr, family_cfg(cfg, v6), &slot) != ACTION_MASQUERADE)
-			return TC_NEXT;
+	 * any other remote leave untouched anyway. */
+	if (classify(v6, p->saddr, family_cfg(cfg, v6), &slot) != ACTION_MASQUERADE)
+		return TC_NEXT;
+	if (!local_dest(skb, p, v6)) {
+		event_add(EV_INBOUND_NOT_LOCAL, 1);
+		return TC_NEXT;
 	}
 	addr_copy(v6, WORDS_MUT(e.addr), p->daddr);
 	nat_key(v6, &ek, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_EGRESS);
-	if (nat_update(v6, &ek, &e, BPF_NOEXIST) != 0)
+	if (nat_lookup(v6, &ek) || nat_put(v6, NAT_UNREPLIED, &ek, &e, BPF_NOEXIST) != 0)
 		return TC_NEXT; /* that tuple already has a flow */
-	e.flags = NAT_F_SEEN;
-	nat_update(v6, k, &e, BPF_NOEXIST);
+	e.flags = NAT_F_ORIG;
+	if (p->proto == IPPROTO_TCP)
+		tcp_track(skb, &e, p);
+	nat_put(v6, NAT_UNREPLIED, k, &e, BPF_NOEXIST);
 	event_add(EV_INBOUND_FLOW, 1);
 	if (p->frag == FRAG_FIRST)
 		frag_remember(v6, p, DIR_INGRESS);
 	return TC_NEXT;
 }
 
+/* A packet of a known flow arriving: its state recorded, then translated back. */
+static __always_inline int ingress_known(struct __sk_buff *skb, struct pkt *p, const int v6, const int tbl,
+					 const union nat_key *k, struct nat_entry *e, __u64 now)
+{
+	__be32 to[4] = {};
+	__be16 to_port;
+
+	if (is_reopen(p, e))
+		reopen(v6, k, e);
+	addr_copy(v6, to, WORDS(e->addr));
+	to_port = e->port;
+	if (flow_seen(skb, v6, tbl, k, e, p, now) < 0) {
+		/* Its egress key holds another mapping now: this half is an orphan holding a port. */
+		nat_del(v6, tbl, k);
+		event_add(EV_ORPHAN, 1);
+		return TC_NEXT;
+	}
+	if (p->frag == FRAG_FIRST)
+		frag_remember(v6, p, DIR_INGRESS);
+	return xlate(skb, p, v6, 0, to, to_port);
+}
+
 static __always_inline int ingress(struct __sk_buff *skb, struct pkt *p, const int v6, __u64 now)
 {
+	__u32 zero = 0;
+	const struct nat_config *cfg;
 	union nat_key k;
 	struct nat_entry *e;
-	int verdict;
+	int verdict, tbl = NAT_CONFIRMED;
 
 	/* What ingress cannot translate is for the node's stack as it is: nothing leaks. A packet
 	 * with segments left in its IPv6 routing header is not at its destination yet. */
@@ -274,16 +489,26 @@ static __always_inline int ingress(struct __sk_buff *skb, struct pkt *p, const i
 	if (p->transit)
 		return TC_NEXT;
 
+	cfg = bpf_map_lookup_elem(&nat_config, &zero);
+	if (!cfg || !family_cfg(cfg, v6)->enabled)
+		return TC_NEXT;
+	/* To the uplink address, only ports of the range can be a flow of ours (masqueraded, or a
+	 * host socket's recorded one): traffic to host services is not even looked up. */
+	if (p->l4 != L4_ADDR && !port_in_ranges(cfg, bpf_ntohs(p->dport))) {
+		const __be32 *snat = snat_addr(skb, v6);
+
+		if (snat && addr_eq(v6, p->daddr, snat))
+			return TC_NEXT;
+	}
 	nat_key(v6, &k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_INGRESS);
-	e = nat_lookup(v6, &k);
-	if (!e)
-		return ingress_new(skb, p, v6, &k, now);
-	if (is_reopen(p, e))
-		reopen(v6, &k, e);
-	touch(e, p, now);
-	if (p->frag == FRAG_FIRST)
-		frag_remember(v6, p, DIR_INGRESS);
-	return xlate(skb, p, v6, 0, WORDS(e->addr), e->port);
+	e = nat_get(v6, NAT_CONFIRMED, &k);
+	if (!e) {
+		tbl = NAT_UNREPLIED;
+		e = nat_get(v6, NAT_UNREPLIED, &k);
+		if (!e)
+			return ingress_new(skb, p, v6, cfg, &k, now);
+	}
+	return ingress_known(skb, p, v6, tbl, &k, e, now);
 }
 
 /* hook_seen_mark records that the program ran on this device's hook (see hook_seen). */

@@ -1,15 +1,68 @@
-/* The NAT table: both directions of every flow in one LRU hash per family, port allocation,
- * the state the userspace sweep expires entries by, and the fragment table.
+/* The NAT table: flow state, port allocation, and the fragment table. Netfilter conntrack with
+ * MASQUERADE on the same node is the reference for every promise made here.
  *
  * A flow has an egress entry (key: the tuple as it leaves) and an ingress entry (key: the
  * tuple of its replies as they arrive). Each entry's value plus its own key give the other
- * entry's key, so either half finds its partner (the sweep and the repair path rely on it):
+ * entry's key, so either half finds its partner (the sweep and the repairs rely on it):
  *
  *   egress  {s, d, sp, dp} -> {addr A, port P}  partner: ingress {d, A, dp, P}
  *   ingress {s, d, sp, dp} -> {addr A, port P}  partner: egress  {A, s, P, sp}
  *
  * The ingress key of a masqueraded flow is (remote, uplink address, remote port, NAT port):
- * exactly the uniqueness a port needs, so claiming it with BPF_NOEXIST is the allocation. */
+ * exactly the uniqueness a port needs, so claiming it with BPF_NOEXIST is the allocation.
+ *
+ * Flow state. Per family, a flow lives in one of two tables:
+ *   nat_new_*  (LRU) from its first packet until it proves two-way: TCP when the opener sends its
+ *              first non-SYN after the reply (the handshake's ACK), other protocols at the
+ *              first packet after the first reply. Floods of unanswered packets (SYNs, UDP,
+ *              spoofed sources) and one-shot exchanges never leave it, and its least recently
+ *              used entries are the ones evicted;
+ *   nat_*      (hash) from then on. Nothing evicts it: when it is full, flows stay in nat_new_*
+ *              (counted: EV_CONFIRM_FULL), so a full table costs new flows, never established
+ *              ones. The userspace sweep expires both, and under pressure expires closing flows
+ *              first (conntrack's early_drop).
+ * keep_* (LRU) records the pod flows that the policy left alone (RETURN), so that they keep that
+ * verdict across a policy change until idle (TCP: closing once the pod sent a FIN or RST), as
+ * conntrack's binding does; a SYN on a kept tuple opens a new connection, which follows the
+ * policy in force.
+ *
+ * What opens a flow:
+ *   egress, pod source: a TCP SYN; any UDP datagram, ICMP query or packet of another protocol.
+ *     MASQUERADE: a mapping; RETURN: a keep record. Any other TCP packet of no known flow to a
+ *     masqueraded destination belongs to a connection whose state is gone: no mapping can serve
+ *     it, and it is dropped (drop_untranslatable) rather than sent with the pod's address;
+ *   egress, host source (the uplink address): any packet whose source port lies in the NAT range,
+ *     the only ports a pod mapping could collide with. Ingress packets to the uplink address
+ *     outside the range are not looked up at all;
+ *   ingress: a TCP SYN, UDP datagram (UDP has no opening packet: as conntrack, any datagram) or
+ *     echo request addressed to this host (PACKET_HOST), from a remote the policy masquerades
+ *     (replies to others leave untouched anyway), toward an address behind this node: delivered
+ *     here, or routed to a device that is not an uplink (bpf_fib_lookup, the kernel's own
+ *     answer, so pod routes need no copy in a map).
+ *
+ * TCP: each half records its direction's latest ACK, window and segment end, and from its SYN the
+ * window scale. A FIN counts only within the window the receiver advertised, an RST only at the
+ * receiver's next expected byte or right after the sender's last segment (a sender aborting) and
+ * within that window, as conntrack's tcp_in_window: a blind RST leaves the flow established.
+ *
+ * Other protocols are tracked as conntrack's UDP and generic trackers track them: a reply makes a
+ * flow replied, the next packet after it confirms it, and idleness alone ends it. That covers
+ * UDP, UDP-Lite, DCCP, ICMP queries (the identifier as the port), protocols without ports (one
+ * mapping per protocol, remote and source address: a second pod's clashes, and is dropped as
+ * conntrack drops it) and SCTP, whose states conntrack tracks mostly to time them: here an
+ * association's mapping lives while it is not idle for the protocol's timeout (the sweep's
+ * Other), which a live association's heartbeats (every 30 s by default) keep it from being; an
+ * ABORT or SHUTDOWN leaves the mapping to expire idle.
+ *
+ * Repairs: a half found without its partner re-creates it (the LRU evicts entries one by one);
+ * a reply half whose egress key now holds another mapping is removed, freeing its port; a reply
+ * of an inbound flow whose egress half was evicted restores that half instead of being
+ * masqueraded.
+ *
+ * Ports: the original port first unless random_fully, then the remote endpoint's next ports in
+ * turn (a per-endpoint sequence at a secret offset, as Linux picks ports for connect(): reuse of
+ * a port toward one endpoint is spread over time), then independent random probes, up to
+ * NAT_PROBES in all: at 95% occupancy 128 probes fail one allocation in 700. */
 #pragma once
 
 #include <linux/bpf.h>
@@ -19,10 +72,23 @@
 #include "maps.h"
 #include "parse.h"
 
-/* Port claims per new mapping before the packet is dropped. */
-#define NAT_RETRIES 32
+/* Port probes per new mapping before the packet is dropped, and how many of them follow the
+ * endpoint's sequence before the rest go random. */
+#define NAT_PROBES 128
+#define NAT_SEQ_PROBES 4
 /* last_seen is rewritten at most this often, to keep flow entries' cache lines quiet. */
 #define REFRESH_NS 1000000000ULL
+#define TCP_WSCALE_MAX 14
+#define TCP_OPT_MAX 40
+
+#define AF_INET 2
+#define AF_INET6 10
+
+/* Which table of a family an entry is in. */
+enum nat_table {
+	NAT_CONFIRMED = 0,
+	NAT_UNREPLIED = 1,
+};
 
 union nat_key {
 	struct nat4_key k4;
@@ -74,27 +140,52 @@ static __always_inline void nat_key_set_dport(const int v6, union nat_key *k, __
 		k->k4.dport = port;
 }
 
-static __always_inline struct nat_entry *nat_lookup(const int v6, const union nat_key *k)
+static __always_inline struct nat_entry *nat_get(const int v6, const int tbl, const union nat_key *k)
 {
-	if (v6)
+	if (v6) {
+		if (tbl == NAT_UNREPLIED)
+			return bpf_map_lookup_elem(&nat_new_v6, &k->k6);
 		return bpf_map_lookup_elem(&nat_v6, &k->k6);
+	}
+	if (tbl == NAT_UNREPLIED)
+		return bpf_map_lookup_elem(&nat_new_v4, &k->k4);
 	return bpf_map_lookup_elem(&nat_v4, &k->k4);
 }
 
-static __always_inline long nat_update(const int v6, const union nat_key *k, const struct nat_entry *e,
-				       __u64 flags)
+static __always_inline long nat_put(const int v6, const int tbl, const union nat_key *k,
+				    const struct nat_entry *e, __u64 flags)
 {
-	if (v6)
+	if (v6) {
+		if (tbl == NAT_UNREPLIED)
+			return bpf_map_update_elem(&nat_new_v6, &k->k6, e, flags);
 		return bpf_map_update_elem(&nat_v6, &k->k6, e, flags);
+	}
+	if (tbl == NAT_UNREPLIED)
+		return bpf_map_update_elem(&nat_new_v4, &k->k4, e, flags);
 	return bpf_map_update_elem(&nat_v4, &k->k4, e, flags);
 }
 
-static __always_inline void nat_delete(const int v6, const union nat_key *k)
+static __always_inline void nat_del(const int v6, const int tbl, const union nat_key *k)
 {
-	if (v6)
-		bpf_map_delete_elem(&nat_v6, &k->k6);
-	else
-		bpf_map_delete_elem(&nat_v4, &k->k4);
+	if (v6) {
+		if (tbl == NAT_UNREPLIED)
+			bpf_map_delete_elem(&nat_new_v6, &k->k6);
+		else
+			bpf_map_delete_elem(&nat_v6, &k->k6);
+	} else {
+		if (tbl == NAT_UNREPLIED)
+			bpf_map_delete_elem(&nat_new_v4, &k->k4);
+		else
+			bpf_map_delete_elem(&nat_v4, &k->k4);
+	}
+}
+
+/* nat_lookup finds an entry in either table, confirmed flows first. */
+static __always_inline struct nat_entry *nat_lookup(const int v6, const union nat_key *k)
+{
+	struct nat_entry *e = nat_get(v6, NAT_CONFIRMED, k);
+
+	return e ? e : nat_get(v6, NAT_UNREPLIED, k);
 }
 
 /* partner_key computes the key of the other half of the flow whose entry e sits at k. */
@@ -136,70 +227,388 @@ static __always_inline int points_back(const int v6, const union nat_key *k, con
 	return addr_eq(v6, WORDS(pe->addr), WORDS(a->daddr)) && pe->port == a->dport;
 }
 
-/* touch records a packet on an entry: its direction has been seen, TCP closing flags, and
- * the time. Returns 1 when last_seen was refreshed (at most once per REFRESH_NS). */
-static __always_inline int touch(struct nat_entry *e, const struct pkt *p, __u64 now)
+/* partner_value is what the other half of e's flow holds: the side of k that e does not
+ * translate (an egress key's source, an ingress key's destination), the flow's shared state, and
+ * the opposite direction. */
+static __always_inline void partner_value(const int v6, const union nat_key *k, const struct nat_entry *e,
+					  struct nat_entry *out, __u64 now)
 {
-	__u8 f = NAT_F_SEEN;
+	*out = (struct nat_entry){.kind = e->kind, .slot = e->slot, .last_seen = now,
+				  .wscale = NAT_WSCALE_UNKNOWN,
+				  .flags = (e->flags & (NAT_F_FIN | NAT_F_RST | NAT_F_REPLIED)) |
+					   (e->flags & NAT_F_ORIG ? 0 : NAT_F_ORIG)};
+	if (v6) {
+		const struct nat6_key *a = &k->k6;
 
-	if (p->proto == IPPROTO_TCP) {
-		if (p->tcp_flags & TCPF_FIN)
-			f |= NAT_F_FIN;
-		if (p->tcp_flags & TCPF_RST)
-			f |= NAT_F_RST;
+		addr_copy(v6, WORDS_MUT(out->addr), WORDS(a->dir == DIR_EGRESS ? a->saddr : a->daddr));
+		out->port = a->dir == DIR_EGRESS ? a->sport : a->dport;
+	} else {
+		const struct nat4_key *a = &k->k4;
+
+		addr_copy(v6, WORDS_MUT(out->addr), WORDS(a->dir == DIR_EGRESS ? a->saddr : a->daddr));
+		out->port = a->dir == DIR_EGRESS ? a->sport : a->dport;
 	}
-	if ((e->flags | f) != e->flags)
-		e->flags |= f;
-	if (now - e->last_seen >= REFRESH_NS) {
-		e->last_seen = now;
-		return 1;
+}
+
+/* refresh records the time of a packet, at most once per REFRESH_NS; returns 1 when it did. */
+static __always_inline int refresh(struct nat_entry *e, __u64 now)
+{
+	if (now - e->last_seen < REFRESH_NS)
+		return 0;
+	e->last_seen = now;
+	return 1;
+}
+
+static __always_inline int tcp_is_syn(const struct pkt *p)
+{
+	return p->proto == IPPROTO_TCP && (p->tcp_flags & (TCPF_SYN | TCPF_ACK | TCPF_RST)) == TCPF_SYN;
+}
+
+/* The rare steps of a known flow's packet run in global functions, which the verifier checks
+ * once rather than along every path of the programs; they find the flow's entry again by the key
+ * its caller left in nat_scratch. What they are told of the packet: its TCP flags, and PF_TCP. */
+#define PF_TCP 0x100
+
+struct nat_scratch {
+	union nat_key k;  /* the entry of the flow_slow_* and tcp_closing_* calls */
+	union nat_key pk; /* ... its partner's key */
+	struct nat_entry ne, pv; /* ... values being written */
+	union nat_key rk; /* nat_alloc: the reply half's key, whose NAT port nat_probe_* rewrites */
+	struct nat_entry rev; /* ... and its value */
+	__u32 step;       /* how far the endpoint's port sequence moves on */
+	__u8 opt[TCP_OPT_MAX]; /* tcp_wscale_at: the options of a SYN */
+	__u32 pad;
+};
+
+/* Per CPU: a program runs to its end on one CPU, and neither hook runs inside the other there. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct nat_scratch);
+} nat_scratch SEC(".maps");
+
+static __always_inline struct nat_scratch *scratch(void)
+{
+	__u32 zero = 0;
+
+	return bpf_map_lookup_elem(&nat_scratch, &zero);
+}
+
+/* tcp_wscale_at reads the window scale option from the len bytes of TCP options at off: 0 when
+ * there is none (RFC 7323), read into nat_scratch. A global function, so that the verifier checks its loop once rather
+ * than at every place a SYN is tracked. */
+__attribute__((noinline)) int tcp_wscale_at(struct __sk_buff *skb, __u32 off, __u32 len)
+{
+	struct nat_scratch *s = scratch();
+	__u8 *opt;
+	__u32 i = 0;
+
+	if (!s || !skb || len == 0 || len > TCP_OPT_MAX || bpf_skb_load_bytes(skb, off, s->opt, len) < 0)
+		return 0;
+	opt = s->opt;
+	/* Every step moves i on, so the loop ends; i is its only counter, which lets the verifier
+	 * prune its states. */
+	while (i < len && i < TCP_OPT_MAX - 2) {
+		__u8 kind, olen;
+
+		kind = opt[i];
+		if (kind == 0) /* end of options */
+			break;
+		if (kind == 1) { /* no-op */
+			i++;
+			continue;
+		}
+		olen = opt[i + 1];
+		if (olen < 2)
+			break;
+		if (kind == 3 && olen == 3 && i + 2 < len)
+			return opt[i + 2] < TCP_WSCALE_MAX ? opt[i + 2] : TCP_WSCALE_MAX;
+		i += olen;
 	}
 	return 0;
 }
 
-/* is_reopen: a new SYN on a flow that was closed (a pod reusing its source port). The mapping
- * is kept, so the far side sees the same port again, and the flow's state starts over. */
-static __always_inline int is_reopen(const struct pkt *p, const struct nat_entry *e)
+static __always_inline __u8 tcp_wscale(struct __sk_buff *skb, const struct pkt *p)
 {
-	return p->proto == IPPROTO_TCP && (p->tcp_flags & (TCPF_SYN | TCPF_ACK)) == TCPF_SYN &&
-	       (e->flags & (NAT_F_FIN | NAT_F_RST));
+	if (p->tcp_hlen <= TCP_HLEN_MIN)
+		return 0;
+	return tcp_wscale_at(skb, p->l4_off + TCP_HLEN_MIN, p->tcp_hlen - TCP_HLEN_MIN);
 }
 
+/* tcp_window is the largest sequence offset beyond its latest ACK that e's direction accepts. */
+static __always_inline __u32 tcp_window(const struct nat_entry *e)
+{
+	__u8 scale = e->wscale == NAT_WSCALE_UNKNOWN ? TCP_WSCALE_MAX : e->wscale;
+
+	return (__u32)e->win << scale;
+}
+
+/* tcp_plausible tells whether a FIN or RST (seq, flags) sent in e's direction is one its receiver,
+ * whose half is pe, would act on (conntrack's tcp_in_window and its RST rules): within the window
+ * the receiver advertised, and for an RST at its next expected byte or right after the sender's
+ * last segment. A receiver that acknowledged nothing yet (a flow being opened) has no window to
+ * check against. */
+static __always_inline int tcp_plausible(__u32 seq, __u8 flags, const struct nat_entry *e,
+					 const struct nat_entry *pe)
+{
+	__u32 off;
+
+	if (!pe || !(pe->flags & NAT_F_ACK))
+		return 1;
+	off = seq - pe->ack;
+	if (off > tcp_window(pe))
+		return 0;
+	if (!(flags & TCPF_RST))
+		return 1;
+	return off == 0 || seq == e->end;
+}
+
+/* tcp_track records what a TCP packet says of its direction: the latest ACK with its window, the
+ * end of the segment, and from a SYN the window scale. An RST says nothing to build on. */
+static __always_inline void tcp_track(struct __sk_buff *skb, struct nat_entry *e, const struct pkt *p)
+{
+	__u8 f = p->tcp_flags;
+
+	if (f & TCPF_RST)
+		return;
+	if (f & TCPF_SYN)
+		e->wscale = tcp_wscale(skb, p);
+	if (f & TCPF_ACK) {
+		if (!(e->flags & NAT_F_ACK) || (__s32)(p->tcp_ack - e->ack) > 0)
+			e->ack = p->tcp_ack;
+		if (e->win != p->tcp_win)
+			e->win = p->tcp_win;
+		if (!(e->flags & NAT_F_ACK))
+			e->flags |= NAT_F_ACK;
+	}
+	e->end = p->tcp_seq + p->tcp_len + !!(f & TCPF_SYN) + !!(f & TCPF_FIN);
+}
+
+/* The functions below run inside the global ones: their keys and values live in nat_scratch
+ * (s), whose k is the entry e's key, so that their stack stays small. */
+
+/* check_partner makes sure the other half of the flow whose entry e sits at s->k (in table tbl)
+ * exists: a missing half is re-created. Returns -1 when another flow holds that key, so this
+ * half belongs to a flow that is gone. */
+static __always_inline int check_partner(const int v6, const int tbl, struct nat_scratch *s,
+					 const struct nat_entry *e, __u64 now)
+{
+	struct nat_entry *pe;
+
+	partner_key(v6, &s->pk, &s->k, e);
+	pe = nat_lookup(v6, &s->pk);
+	if (pe)
+		return points_back(v6, &s->k, pe) ? 0 : -1;
+	partner_value(v6, &s->k, e, &s->ne, now);
+	if (nat_put(v6, tbl, &s->pk, &s->ne, BPF_NOEXIST) == 0) {
+		event_add(EV_REPAIR, 1);
+		return 0;
+	}
+	pe = nat_lookup(v6, &s->pk); /* created meanwhile by another CPU */
+	return pe && points_back(v6, &s->k, pe) ? 0 : -1;
+}
+
+/* first_reply marks the flow of e (a half that is not the opener's, seeing its first packet) as
+ * replied, on both halves; a missing opener's half is re-created. */
+static __always_inline int first_reply(const int v6, struct nat_scratch *s, struct nat_entry *e, __u64 now)
+{
+	struct nat_entry *pe;
+
+	e->flags |= NAT_F_REPLIED;
+	partner_key(v6, &s->pk, &s->k, e);
+	pe = nat_lookup(v6, &s->pk);
+	if (pe) {
+		if (!points_back(v6, &s->k, pe))
+			return -1;
+		pe->flags |= NAT_F_REPLIED;
+		return 0;
+	}
+	partner_value(v6, &s->k, e, &s->ne, now);
+	if (nat_put(v6, NAT_UNREPLIED, &s->pk, &s->ne, BPF_NOEXIST) == 0)
+		event_add(EV_REPAIR, 1);
+	return 0;
+}
+
+/* confirm moves the flow of e, which proved two-way, from nat_new_* to nat_*. When that table is
+ * full the flow stays (and works) where it is, marked so that the next try waits for a refresh.
+ * e is gone afterwards. Returns -1 when the other half's key holds another flow. */
+static __always_inline int confirm(const int v6, struct nat_scratch *s, struct nat_entry *e, __u64 now)
+{
+	struct nat_entry *pe;
+	long err;
+
+	partner_key(v6, &s->pk, &s->k, e);
+	pe = nat_get(v6, NAT_UNREPLIED, &s->pk);
+	if (!pe)
+		pe = nat_get(v6, NAT_CONFIRMED, &s->pk);
+	if (pe && !points_back(v6, &s->k, pe))
+		return -1;
+	if (pe)
+		s->pv = *pe;
+	else
+		partner_value(v6, &s->k, e, &s->pv, now);
+	s->ne = *e;
+	s->ne.flags &= ~NAT_F_NOROOM;
+	s->pv.flags &= ~NAT_F_NOROOM;
+	err = nat_put(v6, NAT_CONFIRMED, &s->k, &s->ne, BPF_NOEXIST);
+	if (err == 0) {
+		err = nat_put(v6, NAT_CONFIRMED, &s->pk, &s->pv, BPF_NOEXIST);
+		if (err != 0 && err != -17 /* EEXIST: another CPU confirmed it */)
+			nat_del(v6, NAT_CONFIRMED, &s->k);
+	}
+	if (err != 0 && err != -17) {
+		if (!(e->flags & NAT_F_NOROOM)) /* each flow counts once */
+			event_add(EV_CONFIRM_FULL, 1);
+		e->flags |= NAT_F_NOROOM;
+		return 0;
+	}
+	nat_del(v6, NAT_UNREPLIED, &s->k);
+	nat_del(v6, NAT_UNREPLIED, &s->pk);
+	event_add(EV_CONFIRMED, 1);
+	return 0;
+}
+
+/* tcp_closing records a plausible FIN or RST (seq, flags) on both halves of the flow whose entry
+ * e sits at s->k; an implausible one changes nothing. */
+static __always_inline void tcp_closing(const int v6, struct nat_scratch *s, struct nat_entry *e,
+					__u32 seq, __u8 flags)
+{
+	struct nat_entry *pe;
+	__u8 f = flags & TCPF_RST ? NAT_F_RST : NAT_F_FIN;
+
+	partner_key(v6, &s->pk, &s->k, e);
+	pe = nat_lookup(v6, &s->pk);
+	if (pe && !points_back(v6, &s->k, pe))
+		pe = 0;
+	if (!tcp_plausible(seq, flags, e, pe)) {
+		event_add(EV_TCP_OUT_OF_WINDOW, 1);
+		return;
+	}
+	e->flags |= f;
+	if (pe)
+		pe->flags |= f;
+}
+
+/* flow_slow: the first reply, the move of a flow that proved two-way to the confirmed table,
+ * and the partner check of a refresh, for the entry at nat_scratch's k in table tbl. Returns -1
+ * when the other half's key holds another flow, so that the entry belongs to a flow that is
+ * gone. */
+static __always_inline int flow_slow(const int v6, __u32 tbl, __u32 refreshed, __u32 pflags, __u64 now)
+{
+	struct nat_scratch *s = scratch();
+	struct nat_entry *e;
+	int tcp = pflags & PF_TCP;
+
+	if (!s)
+		return 0;
+	e = nat_get(v6, tbl, &s->k);
+	if (!e)
+		return 0;
+	if (!(e->flags & NAT_F_REPLIED)) {
+		/* A reopened flow in the confirmed table gets its reply marked too. */
+		if (!(e->flags & NAT_F_ORIG) && !(tcp && (pflags & TCPF_RST)))
+			return first_reply(v6, s, e, now);
+	} else if (tbl == NAT_UNREPLIED &&
+		   (!tcp || ((e->flags & NAT_F_ORIG) && !(pflags & (TCPF_SYN | TCPF_RST))))) {
+		if (!(e->flags & NAT_F_NOROOM) || refreshed)
+			return confirm(v6, s, e, now);
+	}
+	return refreshed ? check_partner(v6, tbl, s, e, now) : 0;
+}
+
+__attribute__((noinline)) int flow_slow_v4(__u32 tbl, __u32 refreshed, __u32 pflags, __u64 now)
+{
+	return flow_slow(0, tbl, refreshed, pflags, now);
+}
+
+__attribute__((noinline)) int flow_slow_v6(__u32 tbl, __u32 refreshed, __u32 pflags, __u64 now)
+{
+	return flow_slow(1, tbl, refreshed, pflags, now);
+}
+
+static __always_inline void tcp_closing_at(const int v6, __u32 tbl, __u32 seq, __u32 flags)
+{
+	struct nat_scratch *s = scratch();
+	struct nat_entry *e;
+
+	if (!s)
+		return;
+	e = nat_get(v6, tbl, &s->k);
+	if (e)
+		tcp_closing(v6, s, e, seq, flags);
+}
+
+__attribute__((noinline)) int tcp_closing_v4(__u32 tbl, __u32 seq, __u32 flags)
+{
+	tcp_closing_at(0, tbl, seq, flags);
+	return 0;
+}
+
+__attribute__((noinline)) int tcp_closing_v6(__u32 tbl, __u32 seq, __u32 flags)
+{
+	tcp_closing_at(1, tbl, seq, flags);
+	return 0;
+}
+
+/* scratch_key leaves k in nat_scratch for the global functions; 0 when there is no scratch. */
+static __always_inline int scratch_key(const union nat_key *k)
+{
+	struct nat_scratch *s = scratch();
+
+	if (!s)
+		return 0;
+	s->k = *k;
+	return 1;
+}
+
+/* flow_seen records a packet of the flow whose entry e sits at k in table tbl: TCP state and the
+ * time inline (the path of every packet of an established flow), the rest in flow_slow_*
+ * (after which e may be gone: callers copy what they need first). Returns -1 when the other
+ * half's key holds another flow, so that e belongs to a flow that is gone. */
+static __always_inline int flow_seen(struct __sk_buff *skb, const int v6, const int tbl, const union nat_key *k,
+				     struct nat_entry *e, const struct pkt *p, __u64 now)
+{
+	__u32 pflags = 0;
+	int refreshed;
+
+	if (p->proto == IPPROTO_TCP) {
+		pflags = PF_TCP | p->tcp_flags;
+		if ((p->tcp_flags & (TCPF_FIN | TCPF_RST)) && scratch_key(k)) {
+			if (v6)
+				tcp_closing_v6(tbl, p->tcp_seq, p->tcp_flags);
+			else
+				tcp_closing_v4(tbl, p->tcp_seq, p->tcp_flags);
+		}
+		tcp_track(skb, e, p);
+	}
+	refreshed = refresh(e, now);
+	if (tbl != NAT_UNREPLIED && (e->flags & NAT_F_REPLIED) && !refreshed)
+		return 0; /* an established flow's packet: nothing more to do */
+	if (!scratch_key(k))
+		return 0;
+	return v6 ? flow_slow_v6(tbl, refreshed, pflags, now) : flow_slow_v4(tbl, refreshed, pflags, now);
+}
+
+/* is_reopen: a new SYN on a flow that was closed (a pod reusing its source port). */
+static __always_inline int is_reopen(const struct pkt *p, const struct nat_entry *e)
+{
+	return tcp_is_syn(p) && (e->flags & (NAT_F_FIN | NAT_F_RST));
+}
+
+/* reopen starts the state of the flow of e over, with the side that sent the SYN as the opener;
+ * the mapping is kept, so the far side sees the same port again. */
 static __always_inline void reopen(const int v6, const union nat_key *k, struct nat_entry *e)
 {
 	union nat_key pk;
 	struct nat_entry *pe;
 
-	e->flags = 0;
+	e->flags = NAT_F_ORIG;
 	partner_key(v6, &pk, k, e);
 	pe = nat_lookup(v6, &pk);
 	if (pe && points_back(v6, k, pe))
 		pe->flags = 0;
 	event_add(EV_REOPEN, 1);
-}
-
-/* check_partner makes sure the ingress half of a flow still exists (the LRU may evict one
- * half alone). A missing half is re-created; returns -1 when another flow has taken the key,
- * so this flow's mapping must be given up. */
-static __always_inline int check_partner(const int v6, const union nat_key *k, const struct nat_entry *e,
-					 const struct pkt *p, __u64 now)
-{
-	union nat_key pk;
-	struct nat_entry *pe;
-	struct nat_entry ne = {.port = p->sport, .kind = e->kind, .slot = NO_SLOT,
-			       .last_seen = now};
-
-	partner_key(v6, &pk, k, e);
-	pe = nat_lookup(v6, &pk);
-	if (pe)
-		return points_back(v6, k, pe) ? 0 : -1;
-	addr_copy(v6, WORDS_MUT(ne.addr), p->saddr);
-	if (nat_update(v6, &pk, &ne, BPF_NOEXIST) == 0) {
-		event_add(EV_REPAIR, 1);
-		return 0;
-	}
-	pe = nat_lookup(v6, &pk); /* created meanwhile by another CPU */
-	return pe && points_back(v6, k, pe) ? 0 : -1;
 }
 
 static __always_inline int port_in_ranges(const struct nat_config *cfg, __u16 port)
@@ -213,68 +622,179 @@ static __always_inline int port_in_ranges(const struct nat_config *cfg, __u16 po
 	return 0;
 }
 
-/* nat_alloc creates both entries of a new flow translated to (to_addr, a port from the
- * ranges). The ingress entry is claimed first with BPF_NOEXIST: whoever inserts it owns the
- * port toward that remote. The original port is tried first unless random_fully; then
- * consecutive ports of the ranges (nat_ports) from a random start. On success *out holds the
- * egress entry. */
-static __always_inline int nat_alloc(const int v6, const struct pkt *p, const struct nat_config *cfg,
-				     const union nat_key *k, const __be32 *to_addr, __u8 kind, __u32 slot,
-				     __u64 now, struct nat_entry *out)
+/* endpoint_hash mixes a remote endpoint (address, port, protocol) with the node's secret
+ * (murmur3's steps): where its port sequence starts and which port_turns slot it uses. */
+static __always_inline __u32 mix32(__u32 h, __u32 v)
 {
-	struct nat_entry rev = {.port = p->sport, .kind = kind, .slot = NO_SLOT, .last_seen = now};
-	union nat_key rk;
-	__u32 n = cfg->nports, start, tries, i;
-	__u16 orig = bpf_ntohs(p->sport), port = 0;
-	int preserve;
+	v *= 0xcc9e2d51;
+	v = (v << 15) | (v >> 17);
+	h ^= v * 0x1b873593;
+	h = (h << 13) | (h >> 19);
+	return h * 5 + 0xe6546b64;
+}
 
-	if (n == 0 || n > NAT_PORTS_MAX)
-		return -1;
-	addr_copy(v6, WORDS_MUT(rev.addr), p->saddr);
-	nat_key(v6, &rk, p->daddr, to_addr, p->dport, 0, p->proto, DIR_INGRESS);
-	preserve = !cfg->random_fully && port_in_ranges(cfg, orig);
-	start = bpf_get_prandom_u32() % n;
-	tries = n < NAT_RETRIES ? n : NAT_RETRIES;
-	if (p->l4 == L4_ADDR) {
-		/* No ports: one mapping per protocol and remote, as conntrack's generic tracking
-		 * (another flow holding it is a clash, which conntrack drops too). */
-		preserve = 1;
-		tries = 1;
+static __always_inline __u32 endpoint_hash(const int v6, const struct pkt *p, __u32 seed)
+{
+	__u32 h = mix32(seed, p->daddr[0]);
+
+	if (v6) {
+		h = mix32(h, p->daddr[1]);
+		h = mix32(h, p->daddr[2]);
+		h = mix32(h, p->daddr[3]);
 	}
+	h = mix32(h, (__u32)p->dport << 8 | p->proto);
+	h ^= h >> 16;
+	h *= 0x85ebca6b;
+	h ^= h >> 13;
+	h *= 0xc2b2ae35;
+	return h ^ (h >> 16);
+}
 
-	for (i = 0; i < NAT_RETRIES; i++) {
-		if (i >= tries)
-			break;
-		if (preserve && i == 0) {
+/* count_attempts adds an allocation that took n probes to the port_attempts histogram. */
+static __always_inline void count_attempts(__u32 n)
+{
+	__u32 b = 0, sum = PORT_ATTEMPT_SUM;
+	__u64 *c;
+
+	while (b < PORT_ATTEMPT_BUCKETS - 1 && (1u << b) < n)
+		b++;
+	c = bpf_map_lookup_elem(&port_attempts, &b);
+	if (c)
+		*c += 1;
+	c = bpf_map_lookup_elem(&port_attempts, &sum);
+	if (c)
+		*c += n;
+}
+
+/* port_claim claims the ingress key rk (its NAT port set) for the reply half rev: inserted into
+ * nat_new_* unless either table holds it. A claim that raced the confirmation of the key's
+ * previous owner is given back. */
+static __always_inline int port_claim(const int v6, const union nat_key *rk, const struct nat_entry *rev,
+				      int precheck)
+{
+	/* A lookup is cheaper than an insert undone: worth it once a probe has found a port taken. */
+	if (precheck && nat_get(v6, NAT_CONFIRMED, rk))
+		return -1;
+	if (nat_put(v6, NAT_UNREPLIED, rk, rev, BPF_NOEXIST) != 0)
+		return -1;
+	if (nat_get(v6, NAT_CONFIRMED, rk)) {
+		nat_del(v6, NAT_UNREPLIED, rk);
+		return -1;
+	}
+	return 0;
+}
+
+/* nat_probe claims a port for the reply half in nat_scratch: orig first when it is not 0, then
+ * the endpoint's sequence from index start of the n ports, then random ones. Returns the probes it
+ * took, 0 when every one found its port taken. */
+static __always_inline __u32 nat_probe(const int v6, __u32 n, __u32 start, __u32 orig)
+{
+	struct nat_scratch *s = scratch();
+
+	if (!s || n == 0 || n > NAT_PORTS_MAX)
+		return 0;
+	for (__u32 i = 0; i < NAT_PROBES; i++) {
+		__u32 seq = 0, idx, j = orig ? i - 1 : i;
+		__u16 port, *pp;
+
+		if (orig && i == 0) {
 			port = orig;
 		} else {
-			/* start + i < 2n: tries is at most n when n < NAT_RETRIES */
-			__u32 idx = start + i >= n ? start + i - n : start + i;
-			__u16 *pp = bpf_map_lookup_elem(&nat_ports, &idx);
-
+			if (j < NAT_SEQ_PROBES) {
+				idx = (start + j) % n;
+				seq = j + 1;
+			} else {
+				idx = bpf_get_prandom_u32() % n;
+			}
+			pp = bpf_map_lookup_elem(&nat_ports, &idx);
 			if (!pp)
 				continue; /* cannot happen: idx < n <= NAT_PORTS_MAX */
 			port = *pp;
 		}
-		nat_key_set_dport(v6, &rk, bpf_htons(port));
-		if (nat_update(v6, &rk, &rev, BPF_NOEXIST) == 0)
-			break;
+		nat_key_set_dport(v6, &s->rk, bpf_htons(port));
+		if (port_claim(v6, &s->rk, &s->rev, i > 0) == 0) {
+			/* The endpoint's next flow starts after this port (a random find moves it on). */
+			s->step = orig && i == 0 ? 0 : (seq ? seq : 1);
+			return i + 1;
+		}
 	}
-	if (i > 0)
-		event_add(EV_PORT_RETRY, i);
-	if (i >= tries) {
+	return 0;
+}
+
+/* One global function per family: the verifier checks each loop once, not at every call site. */
+__attribute__((noinline)) __u32 nat_probe_v4(__u32 n, __u32 start, __u32 orig)
+{
+	return nat_probe(0, n, start, orig);
+}
+
+__attribute__((noinline)) __u32 nat_probe_v6(__u32 n, __u32 start, __u32 orig)
+{
+	return nat_probe(1, n, start, orig);
+}
+
+/* port_pick claims the reply half's key s->rk (port_claim) with a port of the ranges; orig, when
+ * not 0, is tried first. A protocol without ports has one key per remote: a flow holding it is a
+ * clash, dropped as conntrack's generic tracking drops it. */
+static __always_inline int port_pick(const int v6, const struct pkt *p, const struct nat_config *cfg,
+				     struct nat_scratch *s, __u32 orig)
+{
+	__u32 h, tk, turn = 0, probes;
+	__u32 *tp;
+
+	if (p->l4 == L4_ADDR) {
+		if (port_claim(v6, &s->rk, &s->rev, 0) == 0)
+			return 0;
 		event_add(EV_DROP_NO_PORT, 1);
 		return -1;
 	}
+	h = endpoint_hash(v6, p, cfg->port_seed);
+	tk = h & (PORT_TURNS - 1);
+	tp = bpf_map_lookup_elem(&port_turns, &tk);
+	if (tp)
+		turn = *tp;
+	probes = v6 ? nat_probe_v6(cfg->nports, h + turn, orig) : nat_probe_v4(cfg->nports, h + turn, orig);
+	if (probes == 0) {
+		event_add(EV_PORT_RETRY, NAT_PROBES);
+		event_add(EV_DROP_NO_PORT, 1);
+		return -1;
+	}
+	event_add(EV_PORT_RETRY, probes - 1);
+	count_attempts(probes);
+	if (tp && s->step)
+		*tp = turn + s->step;
+	return 0;
+}
 
-	*out = (struct nat_entry){.port = bpf_htons(port), .kind = kind, .flags = NAT_F_SEEN,
-				  .slot = slot, .last_seen = now};
+/* nat_alloc creates both entries of a new flow translated to (to_addr, a port from the ranges),
+ * in nat_new_*: the reply half first, whose claim (port_claim) owns the port toward that remote,
+ * then the opener's half, which *out receives (tracked: the packet is its first). */
+static __always_inline int nat_alloc(struct __sk_buff *skb, const int v6, const struct pkt *p,
+				     const struct nat_config *cfg, const union nat_key *k, const __be32 *to_addr,
+				     __u8 kind, __u32 slot, __u64 now, struct nat_entry *out)
+{
+	struct nat_scratch *s = scratch();
+	__u32 orig = 0;
+
+	if (!s)
+		return -1;
+	s->rev = (struct nat_entry){.port = p->sport, .kind = kind, .slot = slot, .last_seen = now,
+				    .wscale = NAT_WSCALE_UNKNOWN};
+	addr_copy(v6, WORDS_MUT(s->rev.addr), p->saddr);
+	nat_key(v6, &s->rk, p->daddr, to_addr, p->dport, 0, p->proto, DIR_INGRESS);
+	if (!cfg->random_fully && port_in_ranges(cfg, bpf_ntohs(p->sport)))
+		orig = bpf_ntohs(p->sport);
+	if (port_pick(v6, p, cfg, s, orig) < 0)
+		return -1;
+	*out = (struct nat_entry){.port = v6 ? s->rk.k6.dport : s->rk.k4.dport, .kind = kind, .flags = NAT_F_ORIG,
+				  .slot = slot, .last_seen = now, .wscale = NAT_WSCALE_UNKNOWN};
 	addr_copy(v6, WORDS_MUT(out->addr), to_addr);
-	if (nat_update(v6, k, out, BPF_NOEXIST) != 0) {
+	if (p->proto == IPPROTO_TCP)
+		tcp_track(skb, out, p);
+	if (nat_put(v6, NAT_UNREPLIED, k, out, BPF_NOEXIST) != 0) {
 		/* Another CPU created this flow's mapping meanwhile: release our port, use theirs. */
 		struct nat_entry *e;
 
-		nat_delete(v6, &rk);
+		nat_del(v6, NAT_UNREPLIED, &s->rk);
 		event_add(EV_NAT_RACE, 1);
 		e = nat_lookup(v6, k);
 		if (!e)

@@ -143,7 +143,12 @@ struct pkt {
 	__u8 csum_off;  /* offset of the L4 checksum in the L4 header */
 	__be32 frag_id; /* datagram id: IPv4 (16 bits) or IPv6 fragment header */
 	__u8 transit;   /* IPv6 routing header with segments left: not at its destination yet */
-	__u8 pad[3];
+	__u8 tcp_hlen;  /* TCP header bytes, options included */
+	__u16 tcp_win;  /* the TCP window field as sent */
+	/* TCP, host byte order: what flow tracking reads (bpf/nat.h). */
+	__u32 tcp_seq;
+	__u32 tcp_ack;
+	__u32 tcp_len;  /* payload bytes */
 };
 
 #define TCPF_FIN 0x01
@@ -271,6 +276,12 @@ static __always_inline void parse_l4(struct __sk_buff *skb, struct pkt *p, const
 		return;
 	case IPPROTO_TCP:
 		p->tcp_flags = h[13];
+		p->tcp_seq = bpf_ntohl(*(__be32 *)(h + 4));
+		p->tcp_ack = bpf_ntohl(*(__be32 *)(h + 8));
+		p->tcp_win = bpf_ntohs(*(__be16 *)(h + 14));
+		p->tcp_hlen = (h[12] >> 4) * 4;
+		if (p->tcp_hlen >= TCP_HLEN_MIN && p->l4_off + p->tcp_hlen <= p->end)
+			p->tcp_len = p->end - p->l4_off - p->tcp_hlen;
 		p->csum_off = offsetof(struct tcphdr, check);
 		p->csum = CSUM_PSEUDO;
 		break;

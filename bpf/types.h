@@ -77,6 +77,7 @@ struct nat_config {
 	__u8 nranges;
 	__u16 pad;
 	__u32 nports; /* sum of the range sizes: the entries of nat_ports in use */
+	__u32 port_seed; /* secret of the per-endpoint port sequences (nat_alloc), chosen once per node */
 	struct port_range ranges[MAX_PORT_RANGES]; /* as configured, for port_in_ranges and dumps */
 };
 
@@ -157,12 +158,20 @@ enum __attribute__((packed)) nat_kind {
 	NAT_INBOUND = 3, /* connection opened from outside: its replies leave untouched */
 };
 
-/* Entry flags: what was seen in the entry's direction, for the userspace sweep. */
+/* Entry flags (bpf/nat.h has the flow-state design). FIN and RST, once plausible, and REPLIED are
+ * set on both halves of a flow, so either half tells the flow's state. */
 enum __attribute__((packed)) nat_flags {
-	NAT_F_SEEN = 1, /* a packet went this way (both directions seen: established) */
-	NAT_F_FIN = 2,
-	NAT_F_RST = 4,
+	NAT_F_ORIG = 1,    /* this half's direction opened the flow */
+	NAT_F_FIN = 2,     /* a FIN within the receiver's window went either way */
+	NAT_F_RST = 4,     /* an RST the receiver would accept went either way */
+	NAT_F_REPLIED = 8, /* the flow has carried a reply */
+	NAT_F_ACK = 16,    /* TCP: ack and win hold this direction's latest acknowledgment */
+	NAT_F_NOROOM = 32, /* the table of confirmed flows had no room for this flow when it proved two-way */
 };
+
+/* A TCP window scale not seen (the handshake of this direction happened elsewhere): the largest
+ * TCP allows is assumed, as conntrack is liberal with connections it picks up midway. */
+#define NAT_WSCALE_UNKNOWN 0xff
 
 /* Value of both NAT entries of a flow. An egress entry holds the translated source (the
  * uplink address and the allocated port); an ingress entry holds the original source, which
@@ -172,8 +181,27 @@ struct nat_entry {
 	__be16 port;
 	enum nat_kind kind;
 	enum nat_flags flags;
-	__u32 slot; /* counter slot of the deciding rule (NAT_MASQ egress entries), else NO_SLOT */
+	__u32 slot; /* counter slot of the deciding rule (NAT_MASQ flows, both halves), else NO_SLOT */
 	__u64 last_seen; /* bpf_ktime_get_ns (CLOCK_MONOTONIC), refreshed at most once a second */
+	/* TCP, this half's direction, host byte order: the latest acknowledgment sent (valid with
+	 * NAT_F_ACK) with its raw window and the window scale of this direction's SYN, and where the
+	 * latest segment ended (sequence number plus length). What a FIN or RST is checked against. */
+	__u32 ack;
+	__u32 end;
+	__u16 win;
+	__u8 wscale;
+	__u8 pad[5];
+};
+
+/* Value of the keep tables (keep_v4, keep_v6): a pod's flow that the policy left alone (RETURN),
+ * keyed by its egress tuple. It keeps that verdict until it is idle for its timeout (TCP: closing
+ * once the pod sent a FIN or RST) or a SYN opens the tuple again, whatever the policy says
+ * meanwhile. */
+struct keep_entry {
+	__u32 slot;    /* counter slot of the deciding rule, or NO_SLOT */
+	__u8 closing;  /* TCP: the pod sent a FIN or RST */
+	__u8 pad[3];
+	__u64 last_seen; /* as nat_entry's */
 };
 
 /* A later fragment has no ports: they are remembered from the first fragment, by datagram. */
@@ -212,19 +240,25 @@ struct layout {
 enum event {
 	EV_NEW_MASQ = 0,      /* masquerade mappings created */
 	EV_PORT_RETRY,        /* port claims that found the port taken (summed over allocations) */
-	EV_DROP_NO_PORT,      /* dropped: no free port within the retries */
+	EV_DROP_NO_PORT,      /* dropped: no free port within the probes */
 	EV_DROP_NO_ADDR,      /* dropped: masquerade decided but the uplink has no address */
 	EV_DROP_REWRITE,      /* dropped: a rewrite helper failed midway */
-	EV_HOST_FLOW,         /* host flows recorded */
+	EV_HOST_FLOW,         /* host flows recorded (source port inside the NAT range) */
 	EV_HOST_REMAP,        /* host flows whose port a pod mapping held: remapped */
 	EV_INBOUND_FLOW,      /* inbound flows recorded */
 	EV_NAT_RACE,          /* another CPU created the same mapping first: theirs was used */
-	EV_REPAIR,            /* a flow's ingress entry was missing (LRU eviction) and re-created */
+	EV_REPAIR,            /* a flow's missing half (evicted) re-created from the other */
 	EV_REALLOC,           /* a flow's port was taken over after eviction: new port allocated */
 	EV_ICMP_ERROR,        /* ICMP errors translated */
 	EV_FRAG_MISS,         /* later fragment without a known first fragment (untranslatable) */
 	EV_REOPEN,            /* closed TCP mapping reused by a new SYN of the same tuple */
 	EV_DROP_UNTRANSLATABLE, /* dropped: a pod's packet to a masqueraded destination that the NAT
 				 * cannot translate (masq.c: untranslatable) */
+	EV_CONFIRMED,         /* flows that proved two-way, moved to the table that never evicts */
+	EV_CONFIRM_FULL,      /* flows that proved two-way but found that table full: left evictable */
+	EV_TCP_OUT_OF_WINDOW, /* TCP FIN or RST outside what the receiver would accept: ignored */
+	EV_KEEP_RETURN,       /* flows other than TCP left alone by the policy: their verdict kept */
+	EV_INBOUND_NOT_LOCAL, /* inbound openers toward an address not behind this node: nothing recorded */
+	EV_ORPHAN,            /* reply halves whose flow took another mapping: removed, port freed */
 	EV_MAX,
 };

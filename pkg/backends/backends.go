@@ -38,6 +38,8 @@ type Options struct {
 	AttachMode    string
 	SweepInterval time.Duration
 	Timeouts      bpf.Timeouts
+	// NATEntries is the BPF backend's --nat-max-entries; 0 means bpf.DefaultNATEntries.
+	NATEntries uint32
 	// Chain is the iptables backend's chain (--masq-chain).
 	Chain string
 	// Runner runs the iptables tools; nil runs them on the node (tests give a fake).

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"path/filepath"
 
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -18,7 +19,7 @@ var bpfBackend = Backend{
 	New: func(ctx context.Context, o Options) (datapath.Backend, error) {
 		return bpfbackend.New(ctx, bpfbackend.Options{BPFFS: o.BPFFS, Interfaces: o.Interfaces,
 			EnableIPv6: o.EnableIPv6, AttachMode: o.AttachMode, SweepInterval: o.SweepInterval,
-			Timeouts: o.Timeouts, Logger: o.Logger})
+			Timeouts: o.Timeouts, Load: bpf.LoadOptions{NATEntries: o.NATEntries}, Logger: o.Logger})
 	},
 	Cleanup: func(ctx context.Context, o Options) (string, error) {
 		removed, err := bpfbackend.Cleanup(ctx, o.BPFFS, o.Logger)

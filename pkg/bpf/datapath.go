@@ -17,6 +17,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"github.com/cilium/ebpf"
 
@@ -29,16 +30,25 @@ const (
 	DefaultFragEntries = 8192
 )
 
+// Next to a confirmed table of n entries, the table of unreplied flows has n/2 and the table of
+// kept verdicts (one entry per flow) n/4, never fewer than minSideEntries: a flood of unanswered
+// flows churns through the room of the unreplied, while the confirmed keep theirs.
+const minSideEntries = 1024
+
+func unrepliedEntries(n uint32) uint32 { return max(n/2, minSideEntries) }
+func keepEntries(n uint32) uint32      { return max(n/4, minSideEntries) }
+
 // LoadOptions size the maps; they are fixed once the maps exist.
 type LoadOptions struct {
 	// MaxRules is the number of rule counter slots, shared by both families; it bounds the rules
 	// of a policy (SyncPolicy fails beyond it) and the capacity of each trie.
 	MaxRules uint32
-	// NATEntries is the size of each family's NAT table. A flow takes two entries (one per
-	// direction); the least recently used are evicted when the table is full.
+	// NATEntries is the size of each family's table of confirmed flows, which nothing evicts
+	// (a flow takes two entries, one per direction); the table of unreplied flows gets half as
+	// many, the table of kept verdicts a quarter. NATMemory says what they cost.
 	NATEntries uint32
-	// NATEntriesV6, when set, sizes the IPv6 NAT table instead of NATEntries: LRU tables are
-	// preallocated, so a node without IPv6 masquerading can keep that one small.
+	// NATEntriesV6, when set, sizes the IPv6 tables instead of NATEntries: the tables are
+	// preallocated, so a node without IPv6 masquerading can keep them small.
 	NATEntriesV6 uint32
 	// FragEntries bounds, per family, the datagrams whose later fragments can be translated at
 	// once.
@@ -81,6 +91,8 @@ func (o LoadOptions) spec() (*ebpf.CollectionSpec, error) {
 		rules.MaxEntries = o.MaxRules
 	}
 	m.NatV4.MaxEntries, m.NatV6.MaxEntries = o.NATEntries, o.NATEntriesV6
+	m.NatNewV4.MaxEntries, m.NatNewV6.MaxEntries = unrepliedEntries(o.NATEntries), unrepliedEntries(o.NATEntriesV6)
+	m.KeepV4.MaxEntries, m.KeepV6.MaxEntries = keepEntries(o.NATEntries), keepEntries(o.NATEntriesV6)
 	m.FragV4.MaxEntries, m.FragV6.MaxEntries = o.FragEntries, o.FragEntries
 	return spec, nil
 }
@@ -189,6 +201,11 @@ type Datapath struct {
 	plan    *plan
 	// check is what CheckPolicy compares the maps with.
 	check checkState
+	// portSeed is nat_config's port_seed: chosen once, kept by every sync and restart.
+	portSeed uint32
+
+	// confirmedSeen is how many entries the last sweep found in each family's confirmed table.
+	confirmedSeen [2]atomic.Int64
 }
 
 // Load creates (or, with PinPath, reuses) the maps and loads both programs.

@@ -167,12 +167,12 @@ func TestRoundTrip(t *testing.T) {
 					if err != nil || !ok {
 						t.Fatalf("no egress entry for the flow (err %v)", err)
 					}
-					if e.Kind != KindMasq || e.To != got.src || e.Flags&FlagSeen == 0 {
+					if e.Kind != KindMasq || e.To != got.src || e.Flags&FlagOrig == 0 {
 						t.Fatalf("egress entry %+v", e)
 					}
 					s, d := partnerKey(e)
 					r, ok, err := h.dp.LookupNAT(Ingress, b.proto, s, d)
-					if err != nil || !ok || r.To != podEnd || r.Flags&FlagSeen == 0 {
+					if err != nil || !ok || r.To != podEnd || r.Flags&FlagReplied == 0 {
 						t.Fatalf("ingress entry %+v (found %v, err %v)", r, ok, err)
 					}
 				})
@@ -238,6 +238,13 @@ func TestReopenKeepsMapping(t *testing.T) {
 			r, _, _ := h.dp.LookupNAT(Ingress, 6, s, d)
 			if e.Flags&(FlagFIN|FlagRST) != 0 || r.Flags != 0 {
 				t.Fatalf("state not reset on reopen: egress %v ingress %v", e.Flags, r.Flags)
+			}
+			// The reopened flow is established again by its reply, wherever its entries are.
+			h.mustPass(h.dp.Ingress(), tcpPacket(dst, first.src, tcpSYN|tcpACK, nil))
+			e, _, _ = h.dp.LookupNAT(Egress, 6, podEnd, dst)
+			r, _, _ = h.dp.LookupNAT(Ingress, 6, s, d)
+			if st := StateOf(e.Flags, r.Flags); st != StateEstablished {
+				t.Fatalf("reopened flow after its SYN-ACK: %s (egress %v ingress %v)", st, e.Flags, r.Flags)
 			}
 		})
 	}

@@ -16,8 +16,9 @@ type Event uint32
 
 // The events userspace tells apart; Events lists every one.
 const (
-	EventPortRetry  = Event(masqEventEV_PORT_RETRY)   // port claims that found the port taken
-	EventDropNoPort = Event(masqEventEV_DROP_NO_PORT) // dropped: no free port within the retries
+	EventPortRetry   = Event(masqEventEV_PORT_RETRY)   // port claims that found the port taken
+	EventDropNoPort  = Event(masqEventEV_DROP_NO_PORT) // dropped: no free port within the probes
+	EventConfirmFull = Event(masqEventEV_CONFIRM_FULL) // two-way flows the confirmed table had no room for
 
 	numEvents = int(masqEventEV_MAX)
 )
@@ -64,6 +65,40 @@ func (d *Datapath) EventCounts() (map[Event]uint64, error) {
 			n += c
 		}
 		out[e] = n
+	}
+	return out, nil
+}
+
+// PortAttempts is the histogram of the probes that successful port allocations took (the
+// port_attempts map: its last slot holds the sum, the others the buckets).
+type PortAttempts struct {
+	// Counts[i] is how many allocations took at most PortAttemptBound(i) probes, and more than
+	// the bound of the bucket before.
+	Counts []uint64
+	Sum    uint64 // the probes of all those allocations
+}
+
+// PortAttemptBound is the upper bound of bucket i: 2^i probes.
+func PortAttemptBound(i int) float64 { return float64(uint64(1) << i) }
+
+// PortAttempts reads the port allocation histogram, summed over CPUs.
+func (d *Datapath) PortAttempts() (PortAttempts, error) {
+	n := int(d.objs.PortAttempts.MaxEntries())
+	out := PortAttempts{Counts: make([]uint64, n-1)}
+	for i := range n {
+		var per []uint64
+		if err := d.objs.PortAttempts.Lookup(uint32(i), &per); err != nil {
+			return PortAttempts{}, fmt.Errorf("read port_attempts[%d]: %w", i, err)
+		}
+		var sum uint64
+		for _, c := range per {
+			sum += c
+		}
+		if i == n-1 {
+			out.Sum = sum
+		} else {
+			out.Counts[i] = sum
+		}
 	}
 	return out, nil
 }

@@ -45,6 +45,8 @@ const (
 	StateEstablished
 	// StateClosing: a TCP FIN or RST went either way.
 	StateClosing
+	// StateKept: a flow the policy left alone, whose verdict is kept (the keep table).
+	StateKept
 )
 
 func (s FlowState) String() string {
@@ -53,17 +55,19 @@ func (s FlowState) String() string {
 		return "established"
 	case StateClosing:
 		return "closing"
+	case StateKept:
+		return "kept"
 	}
 	return "unreplied"
 }
 
-// StateOf is the state of a flow from the flags of its two halves. A half whose partner is
-// gone (evicted, or its key taken over) is judged by its own flags: pass 0 for the partner's.
+// StateOf is the state of a flow from the flags of its two halves (the datapath sets the state's
+// flags on both, so either half alone tells it too: pass 0 for a missing partner's).
 func StateOf(half, partner Flags) FlowState {
-	switch {
-	case (half|partner)&(FlagFIN|FlagRST) != 0:
+	switch f := half | partner; {
+	case f&(FlagFIN|FlagRST) != 0:
 		return StateClosing
-	case half&partner&FlagSeen != 0:
+	case f&FlagReplied != 0:
 		return StateEstablished
 	}
 	return StateUnreplied
@@ -76,7 +80,7 @@ func (t Timeouts) timeout(proto uint8, state FlowState) time.Duration {
 		switch state {
 		case StateClosing:
 			return t.TCPClosing
-		case StateEstablished:
+		case StateEstablished, StateKept: // a kept connection's verdict: until the pod closes it
 			return t.TCPEstablished
 		default:
 			return t.TCPOpening
@@ -118,19 +122,21 @@ func (d *Datapath) Flows(fam policy.Family, fn func(Flow) bool) error {
 
 func (t natTableOf[K]) flows(fn func(Flow) bool) error {
 	var inner error
-	err := t.each(func(k K, v *masqNatEntry) bool {
+	err := t.each(func(k K, v *masqNatEntry, tbl Table) bool {
 		kt := k.tuple()
 		if kt.dir != Egress {
 			return true
 		}
-		pk, pv, paired, err := lookupPartner(t.m, k, v)
+		pk, pv, paired, err := t.lookupPartner(k, v)
 		if err != nil {
 			inner = err
 			return false
 		}
 		f := Flow{Egress: kt.decode(v), Partial: !paired}
+		f.Egress.Table = tbl
 		if paired {
 			f.Ingress = pk.tuple().decode(&pv)
+			f.Ingress.Table = tbl
 		}
 		f.State = StateOf(f.Egress.Flags, f.Ingress.Flags) // a missing half has no flags
 		return fn(f)

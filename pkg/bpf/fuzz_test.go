@@ -740,8 +740,20 @@ func (fz *fuzzRun) expect(p fuzzPacket, frame []byte, ingress bool, pre fuzzStat
 	if ingress && p.transit {
 		return pass("not at its destination yet (routing header)")
 	}
+	if ingress && hasSNAT && p.dst == snat && p.kind != pktAddr && !inRanges(fz.pol.ports(), p.dport) {
+		return pass("to a host port outside the NAT range: not looked up")
+	}
+	tcpSYN := p.proto == 6 && p.flags&0x16 == 0x02 // SYN without ACK or RST
+	act, rule := fz.pol.verdict(p.v6, p.dst)
 	key := natKeyT{dir, p.proto, netip.AddrPortFrom(p.src, p.sport), netip.AddrPortFrom(p.dst, p.dport)}
-	if e, ok := pre.nat[key]; ok {
+	e, known := pre.nat[key]
+	// A closed connection reopened by a SYN keeps its mapping if it is a host's or still
+	// masqueraded; any other starts over as a new flow.
+	if known && !ingress && tcpSYN && e.Flags&(FlagFIN|FlagRST) != 0 &&
+		!(e.Kind == KindHost || (e.Kind == KindMasq && act == policy.Masquerade)) {
+		known = false
+	}
+	if known {
 		// An echo request's identifier sits in the source port, a reply's in the destination
 		// port: on egress a reply (on ingress a request) is keyed with a port of 0, and its
 		// identifier becomes the entry's port only when they differ.
@@ -759,6 +771,9 @@ func (fz *fuzzRun) expect(p fuzzPacket, frame []byte, ingress bool, pre fuzzStat
 		if p.kind == pktEcho && !p.echoRq {
 			return pass("host echo reply")
 		}
+		if p.kind != pktAddr && !inRanges(fz.pol.ports(), p.sport) {
+			return pass("host flow on a port outside the NAT range: not recorded")
+		}
 		// A host flow keeps its port unless a pod mapping (or another host flow's remap) holds
 		// it toward this remote; a protocol without ports has no other to take.
 		h, ok := held(p.sport)
@@ -773,11 +788,21 @@ func (fz *fuzzRun) expect(p fuzzPacket, frame []byte, ingress bool, pre fuzzStat
 	if p.kind == pktEcho && !p.echoRq {
 		return pass("echo reply of no known flow")
 	}
-	act, rule := fz.pol.verdict(p.v6, p.dst)
 	x := expectation{slot: fz.slotOf(rule)}
-	switch {
-	case act == policy.Return:
+	if act == policy.Return {
 		x.unchanged, x.why = true, "RETURN destination"
+		return x
+	}
+	if !tcpSYN {
+		inbound, ok := pre.nat[natKeyT{Ingress, p.proto, netip.AddrPortFrom(p.dst, p.dport), netip.AddrPortFrom(p.src, p.sport)}]
+		if ok && inbound.Kind == KindInbound && inbound.To == netip.AddrPortFrom(p.src, p.sport) {
+			return pass("reply of an inbound flow whose egress half is gone: restored")
+		}
+	}
+	if p.proto == 6 && !tcpSYN {
+		return untranslatable("TCP packet of no known flow that is not a SYN: its state is gone")
+	}
+	switch {
 	case !hasSNAT:
 		x.why, x.noAddr = "new flow to a masqueraded destination, no uplink address", true
 	case p.kind == pktAddr:
@@ -803,7 +828,7 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) []byte
 	if ingress {
 		prog, progName = fz.h.dp.Ingress(), "ingress"
 	}
-	ret, out := runProg(t, prog, in)
+	ret, out := fz.h.run(t, prog, in)
 	post := fz.state()
 	fail := func(format string, args ...any) {
 		t.Helper()

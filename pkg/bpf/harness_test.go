@@ -1,14 +1,19 @@
 package bpf
 
 import (
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/crc32"
 	"net"
 	"net/netip"
+	"os"
+	"os/exec"
 	"slices"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/gopacket/gopacket"
@@ -23,6 +28,10 @@ import (
 // point, check the verdict, the bytes and the maps. The kernel runs test packets on the
 // loopback device of the caller's namespace, so skb->ifindex is 1 and that is the uplink the
 // tests configure; nothing is attached anywhere and no packet leaves the test.
+//
+// The programs run in a namespace of the harness's own, whose routes are what the ingress
+// program's bpf_fib_lookup consults: the pod networks (pod4, pod6) are behind a device "pods",
+// everything else goes out "up0", a second uplink.
 
 const (
 	testIfindex = 1
@@ -49,6 +58,81 @@ type harness struct {
 	t  testing.TB
 	dp *Datapath
 	p  *policy.Policy
+	ns *nsRunner
+}
+
+// nsRunner runs functions on a thread inside a network namespace, one at a time.
+type nsRunner struct{ work chan func() }
+
+// newNSRunner creates a namespace with the harness's routes and a thread inside it; both go when
+// the test ends.
+func newNSRunner(t testing.TB) *nsRunner {
+	t.Helper()
+	ns := testutil.NewNetns(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "ip", "-n", ns, "-batch", "-")
+	cmd.Stdin = strings.NewReader(`link set lo up
+link add up0 type veth peer name up0-peer
+link set up0 up
+link set up0-peer up
+link add pods type veth peer name pods-peer
+link set pods up
+link set pods-peer up
+route add default dev up0
+route add ::/0 dev up0
+route add 10.1.0.0/16 dev pods
+route add fd00::/16 dev pods
+`)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("harness namespace: %v: %s", err, out)
+	}
+	r := &nsRunner{work: make(chan func())}
+	ready := make(chan error, 1)
+	go func() {
+		_ = testutil.Do(ns, func() error {
+			for _, f := range []string{"ipv4/ip_forward", "ipv6/conf/all/forwarding"} {
+				if err := os.WriteFile("/proc/sys/net/"+f, []byte("1"), 0o644); err != nil {
+					ready <- err
+					return nil
+				}
+			}
+			ready <- nil
+			for f := range r.work {
+				f()
+			}
+			return nil
+		})
+	}()
+	if err := <-ready; err != nil {
+		t.Fatalf("harness namespace: %v", err)
+	}
+	t.Cleanup(func() { close(r.work) })
+	return r
+}
+
+// do runs f inside the namespace.
+func (r *nsRunner) do(f func()) {
+	done := make(chan struct{})
+	r.work <- func() { defer close(done); f() }
+	<-done
+}
+
+// ifindex is the index of a device of the namespace.
+func (r *nsRunner) ifindex(t testing.TB, name string) int {
+	t.Helper()
+	var idx int
+	var err error
+	r.do(func() {
+		var ifc *net.Interface
+		if ifc, err = net.InterfaceByName(name); err == nil {
+			idx = ifc.Index
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return idx
 }
 
 // defaultPolicy is the stock configuration with IPv6 enabled: RFC 1918 stays, the rest of IPv4
@@ -60,7 +144,8 @@ func defaultPolicy(randomFully bool) *policy.Policy {
 
 func newHarness(t testing.TB, p *policy.Policy, opts LoadOptions) *harness {
 	t.Helper()
-	testutil.RequirePrivileged(t)
+	testutil.RequirePrivileged(t, "ip")
+	ns := newNSRunner(t)
 	dp, err := Load(opts)
 	if errors.Is(err, ebpf.ErrNotSupported) {
 		testutil.Unavailable(t, "kernel lacks a BPF feature the datapath needs: %v", err)
@@ -74,10 +159,12 @@ func newHarness(t testing.TB, p *policy.Policy, opts LoadOptions) *harness {
 			t.Fatal(err)
 		}
 	}
-	if _, err := dp.SetUplink(testIfindex, Uplink{IPv4: snat4, IPv6: snat6}); err != nil {
-		t.Fatal(err)
+	for _, idx := range []int{testIfindex, ns.ifindex(t, "up0")} {
+		if _, err := dp.SetUplink(idx, Uplink{IPv4: snat4, IPv6: snat6}); err != nil {
+			t.Fatal(err)
+		}
 	}
-	return &harness{t: t, dp: dp, p: p}
+	return &harness{t: t, dp: dp, p: p, ns: ns}
 }
 
 // skbContext is the head of struct __sk_buff up to ifindex, as BPF_PROG_TEST_RUN takes it: a test
@@ -102,35 +189,71 @@ func runProg(t testing.TB, prog *ebpf.Program, frame []byte) (uint32, []byte) {
 	return runCtx(t, prog, frame, forwarded)
 }
 
-// runCtx runs prog on frame with the skb context ctx.
+// runCtx runs prog on frame with the skb context ctx, in the calling thread's namespace.
 func runCtx(t testing.TB, prog *ebpf.Program, frame []byte, ctx skbContext) (uint32, []byte) {
 	t.Helper()
+	ret, out, err := runCtxErr(prog, frame, ctx)
+	if err != nil {
+		failRun(t, prog, err)
+	}
+	return ret, out
+}
+
+func runCtxErr(prog *ebpf.Program, frame []byte, ctx skbContext) (uint32, []byte, error) {
 	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+512), Repeat: 1, Context: ctx}
 	ret, err := prog.Run(&opts)
+	return ret, opts.DataOut, err
+}
+
+// failRun stops a test whose program run failed: a kernel that cannot test-run tc programs is
+// unavailable (see testutil.Unavailable), anything else a failure.
+func failRun(t testing.TB, prog *ebpf.Program, err error) {
+	t.Helper()
 	if errors.Is(err, ebpf.ErrNotSupported) {
 		testutil.Unavailable(t, "kernel cannot test-run tc programs: %v", err)
 	}
-	if err != nil {
-		t.Fatalf("run %s: %v", prog, err)
+	t.Fatalf("run %s: %v", prog, err)
+}
+
+// run runs prog once on frame, a forwarded packet, inside the harness's namespace.
+func (h *harness) run(t testing.TB, prog *ebpf.Program, frame []byte) (uint32, []byte) {
+	t.Helper()
+	return h.runCtx(t, prog, frame, forwarded)
+}
+
+// runCtx is runCtx inside the harness's namespace.
+func (h *harness) runCtx(t testing.TB, prog *ebpf.Program, frame []byte, ctx skbContext) (uint32, []byte) {
+	t.Helper()
+	var (
+		ret uint32
+		out []byte
+		err error
+	)
+	if h.ns == nil { // a harness made by hand, around a datapath of its own
+		h.ns = newNSRunner(t)
 	}
-	return ret, opts.DataOut
+	h.ns.do(func() { ret, out, err = runCtxErr(prog, frame, ctx) })
+	if err != nil {
+		failRun(t, prog, err)
+	}
+	return ret, out
 }
 
 func (h *harness) egress(frame []byte) (uint32, []byte) {
 	h.t.Helper()
-	return runProg(h.t, h.dp.Egress(), frame)
+	return h.run(h.t, h.dp.Egress(), frame)
 }
 
 func (h *harness) ingress(frame []byte) (uint32, []byte) {
 	h.t.Helper()
-	return runProg(h.t, h.dp.Ingress(), frame)
+	return h.run(h.t, h.dp.Ingress(), frame)
 }
 
 // mustPass runs a program and requires TC_ACT_UNSPEC (the chain goes on) and valid checksums on
 // the result.
 func (h *harness) mustPass(prog *ebpf.Program, frame []byte) []byte {
 	h.t.Helper()
-	ret, out := runProg(h.t, prog, frame)
+	ret, out := h.run(h.t, prog, frame)
 	if ret != tcNext {
 		h.t.Fatalf("%s: verdict %d, want TC_ACT_UNSPEC (TCX_NEXT)", prog, int32(ret))
 	}
@@ -299,7 +422,7 @@ func tcpPacket(src, dst netip.AddrPort, flags int, payload []byte) []byte {
 		Seq: 1000, Window: 65535, SYN: flags&tcpSYN != 0, ACK: flags&tcpACK != 0,
 		FIN: flags&tcpFIN != 0, RST: flags&tcpRST != 0}
 	if tcp.ACK {
-		tcp.Ack = 2000
+		tcp.Ack = 1000 // the other side's default Seq: nothing sent beyond it, so every FIN and RST lands in the window
 	}
 	return serialize(src.Addr(), dst.Addr(), layers.IPProtocolTCP, tcp, gopacket.Payload(payload))
 }

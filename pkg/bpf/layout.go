@@ -39,7 +39,7 @@ import (
 // older one pinned into its own maps (entries of the older, live ones win a conflict), so that
 // flows idle through the rollback survive it too.
 //
-// Adding layout N+1 (say issue 13's flow-state fields in the NAT entries, layout 4):
+// Adding layout N+1 (say issue 13's flow-state fields in the NAT entries, layout 5):
 //
 //  1. Change bpf/types.h or bpf/maps.h, and `make generate`. TestLayoutFixture now fails: the
 //     object's maps are no longer those of testdata/layout<N>.o.
@@ -58,7 +58,7 @@ import (
 // key or value is a new layout.
 
 // Layout is the layout of the maps this build creates.
-const Layout = 4
+const Layout = 5
 
 // layoutMagic is the layout record's magic (C: LAYOUT_MAGIC).
 const layoutMagic = "ip-masq-agent"
@@ -144,6 +144,20 @@ var steps = map[int]map[string]step{
 	// Layout 4 adds an event (drop_untranslatable) to event_stats' key, enum event, and an
 	// entry to the map: the entries there keep their keys and bytes.
 	3: {},
+	// Layout 5 splits each family's NAT table into confirmed flows (a hash that never evicts)
+	// and unreplied ones (an LRU), with new state flags and each direction's TCP state in the
+	// entries (bpf/nat.h): the entries grow by the TCP fields here, and their flags and table
+	// follow from both halves when they are carried (natTableOf.carry). Its new events are
+	// appended to enum event: event_stats keeps its keys.
+	4: {"nat_v4": addTCPState, "nat_v6": addTCPState},
+}
+
+// addTCPState turns a layout-4 NAT entry (addr, port, kind, flags, slot, last_seen) into a
+// layout-5 one: no TCP state known (no ACK, window scale unknown).
+func addTCPState(key, value []byte) ([]byte, []byte) {
+	tcp := make([]byte, 16)
+	tcp[10] = 0xff // wscale: NAT_WSCALE_UNKNOWN
+	return key, append(slices.Clip(value[:32]), tcp...)
 }
 
 // dropIfindex turns a layout-1 NAT entry (addr, port, kind, flags, slot, ifindex, pad,
@@ -184,8 +198,10 @@ const (
 // carried are the maps whose entries a migration carries over; the others start empty and are
 // written by the policy sync (the tries, nat_config, nat_ports) or by Load (the layout record).
 var carried = map[string]carry{
-	masqMapNatV4: carryFlows, masqMapNatV6: carryFlows,
-	masqMapFragV4: carryEntries, masqMapFragV6: carryEntries,
+	masqMapNatV4: carryFlows, masqMapNatV6: carryFlows, masqMapNatNewV4: carryFlows, masqMapNatNewV6: carryFlows,
+	masqMapKeepV4: carryEntries, masqMapKeepV6: carryEntries, masqMapPortTurns: carryOnce,
+	masqMapPortAttempts: carryCounters,
+	masqMapFragV4:       carryEntries, masqMapFragV6: carryEntries,
 	masqMapRuleSlots: carryOnce, masqMapUplinkSnat: carryOnce, masqMapSweepStats: carryOnce,
 	masqMapRuleStats: carryCounters, masqMapEventStats: carryCounters,
 }

@@ -38,7 +38,13 @@ const (
 	masqEventEV_FRAG_MISS           masqEvent = 12
 	masqEventEV_REOPEN              masqEvent = 13
 	masqEventEV_DROP_UNTRANSLATABLE masqEvent = 14
-	masqEventEV_MAX                 masqEvent = 15
+	masqEventEV_CONFIRMED           masqEvent = 15
+	masqEventEV_CONFIRM_FULL        masqEvent = 16
+	masqEventEV_TCP_OUT_OF_WINDOW   masqEvent = 17
+	masqEventEV_KEEP_RETURN         masqEvent = 18
+	masqEventEV_INBOUND_NOT_LOCAL   masqEvent = 19
+	masqEventEV_ORPHAN              masqEvent = 20
+	masqEventEV_MAX                 masqEvent = 21
 )
 
 type masqFrag4Key struct {
@@ -64,6 +70,14 @@ type masqFragPorts struct {
 	_     structs.HostLayout
 	Sport uint16
 	Dport uint16
+}
+
+type masqKeepEntry struct {
+	_        structs.HostLayout
+	Slot     uint32
+	Closing  uint8
+	Pad      [3]uint8
+	LastSeen uint64
 }
 
 type masqLayout struct {
@@ -144,6 +158,7 @@ type masqNatConfig struct {
 	Nranges     uint8
 	Pad         uint16
 	Nports      uint32
+	PortSeed    uint32
 	Ranges      [16]struct {
 		_     structs.HostLayout
 		First uint16
@@ -166,14 +181,22 @@ type masqNatEntry struct {
 	Flags    masqNatFlags
 	Slot     uint32
 	LastSeen uint64
+	Ack      uint32
+	End      uint32
+	Win      uint16
+	Wscale   uint8
+	Pad      [5]uint8
 }
 
 type masqNatFlags uint8
 
 const (
-	masqNatFlagsNAT_F_SEEN masqNatFlags = 1
-	masqNatFlagsNAT_F_FIN  masqNatFlags = 2
-	masqNatFlagsNAT_F_RST  masqNatFlags = 4
+	masqNatFlagsNAT_F_ORIG    masqNatFlags = 1
+	masqNatFlagsNAT_F_FIN     masqNatFlags = 2
+	masqNatFlagsNAT_F_RST     masqNatFlags = 4
+	masqNatFlagsNAT_F_REPLIED masqNatFlags = 8
+	masqNatFlagsNAT_F_ACK     masqNatFlags = 16
+	masqNatFlagsNAT_F_NOROOM  masqNatFlags = 32
 )
 
 type masqNatKind uint8
@@ -183,6 +206,31 @@ const (
 	masqNatKindNAT_HOST    masqNatKind = 2
 	masqNatKindNAT_INBOUND masqNatKind = 3
 )
+
+type masqNatScratch struct {
+	_ structs.HostLayout
+	K struct {
+		_  structs.HostLayout
+		K4 masqNat4Key
+		_  [24]byte
+	}
+	Pk struct {
+		_  structs.HostLayout
+		K4 masqNat4Key
+		_  [24]byte
+	}
+	Ne masqNatEntry
+	Pv masqNatEntry
+	Rk struct {
+		_  structs.HostLayout
+		K4 masqNat4Key
+		_  [24]byte
+	}
+	Rev  masqNatEntry
+	Step uint32
+	Opt  [40]uint8
+	Pad  uint32
+}
 
 type masqRuleOrigin uint8
 
@@ -229,26 +277,33 @@ type masqUplinkMac struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	masqMapEventStats = "event_stats"
-	masqMapFragV4     = "frag_v4"
-	masqMapFragV6     = "frag_v6"
-	masqMapHookSeen   = "hook_seen"
-	masqMapLayout     = "layout"
-	masqMapMasqV4     = "masq_v4"
-	masqMapMasqV6     = "masq_v6"
-	masqMapNatConfig  = "nat_config"
-	masqMapNatPorts   = "nat_ports"
-	masqMapNatV4      = "nat_v4"
-	masqMapNatV6      = "nat_v6"
-	masqMapNomasqV4   = "nomasq_v4"
-	masqMapNomasqV6   = "nomasq_v6"
-	masqMapRuleSlots  = "rule_slots"
-	masqMapRuleStats  = "rule_stats"
-	masqMapSweepStats = "sweep_stats"
-	masqMapUplinkMacs = "uplink_macs"
-	masqMapUplinkSnat = "uplink_snat"
-	masqProgTcEgress  = "tc_egress"
-	masqProgTcIngress = "tc_ingress"
+	masqMapEventStats   = "event_stats"
+	masqMapFragV4       = "frag_v4"
+	masqMapFragV6       = "frag_v6"
+	masqMapHookSeen     = "hook_seen"
+	masqMapKeepV4       = "keep_v4"
+	masqMapKeepV6       = "keep_v6"
+	masqMapLayout       = "layout"
+	masqMapMasqV4       = "masq_v4"
+	masqMapMasqV6       = "masq_v6"
+	masqMapNatConfig    = "nat_config"
+	masqMapNatNewV4     = "nat_new_v4"
+	masqMapNatNewV6     = "nat_new_v6"
+	masqMapNatPorts     = "nat_ports"
+	masqMapNatScratch   = "nat_scratch"
+	masqMapNatV4        = "nat_v4"
+	masqMapNatV6        = "nat_v6"
+	masqMapNomasqV4     = "nomasq_v4"
+	masqMapNomasqV6     = "nomasq_v6"
+	masqMapPortAttempts = "port_attempts"
+	masqMapPortTurns    = "port_turns"
+	masqMapRuleSlots    = "rule_slots"
+	masqMapRuleStats    = "rule_stats"
+	masqMapSweepStats   = "sweep_stats"
+	masqMapUplinkMacs   = "uplink_macs"
+	masqMapUplinkSnat   = "uplink_snat"
+	masqProgTcEgress    = "tc_egress"
+	masqProgTcIngress   = "tc_ingress"
 )
 
 // loadMasq returns the embedded CollectionSpec for masq.
@@ -301,24 +356,31 @@ type masqProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type masqMapSpecs struct {
-	EventStats *ebpf.MapSpec `ebpf:"event_stats"`
-	FragV4     *ebpf.MapSpec `ebpf:"frag_v4"`
-	FragV6     *ebpf.MapSpec `ebpf:"frag_v6"`
-	HookSeen   *ebpf.MapSpec `ebpf:"hook_seen"`
-	Layout     *ebpf.MapSpec `ebpf:"layout"`
-	MasqV4     *ebpf.MapSpec `ebpf:"masq_v4"`
-	MasqV6     *ebpf.MapSpec `ebpf:"masq_v6"`
-	NatConfig  *ebpf.MapSpec `ebpf:"nat_config"`
-	NatPorts   *ebpf.MapSpec `ebpf:"nat_ports"`
-	NatV4      *ebpf.MapSpec `ebpf:"nat_v4"`
-	NatV6      *ebpf.MapSpec `ebpf:"nat_v6"`
-	NomasqV4   *ebpf.MapSpec `ebpf:"nomasq_v4"`
-	NomasqV6   *ebpf.MapSpec `ebpf:"nomasq_v6"`
-	RuleSlots  *ebpf.MapSpec `ebpf:"rule_slots"`
-	RuleStats  *ebpf.MapSpec `ebpf:"rule_stats"`
-	SweepStats *ebpf.MapSpec `ebpf:"sweep_stats"`
-	UplinkMacs *ebpf.MapSpec `ebpf:"uplink_macs"`
-	UplinkSnat *ebpf.MapSpec `ebpf:"uplink_snat"`
+	EventStats   *ebpf.MapSpec `ebpf:"event_stats"`
+	FragV4       *ebpf.MapSpec `ebpf:"frag_v4"`
+	FragV6       *ebpf.MapSpec `ebpf:"frag_v6"`
+	HookSeen     *ebpf.MapSpec `ebpf:"hook_seen"`
+	KeepV4       *ebpf.MapSpec `ebpf:"keep_v4"`
+	KeepV6       *ebpf.MapSpec `ebpf:"keep_v6"`
+	Layout       *ebpf.MapSpec `ebpf:"layout"`
+	MasqV4       *ebpf.MapSpec `ebpf:"masq_v4"`
+	MasqV6       *ebpf.MapSpec `ebpf:"masq_v6"`
+	NatConfig    *ebpf.MapSpec `ebpf:"nat_config"`
+	NatNewV4     *ebpf.MapSpec `ebpf:"nat_new_v4"`
+	NatNewV6     *ebpf.MapSpec `ebpf:"nat_new_v6"`
+	NatPorts     *ebpf.MapSpec `ebpf:"nat_ports"`
+	NatScratch   *ebpf.MapSpec `ebpf:"nat_scratch"`
+	NatV4        *ebpf.MapSpec `ebpf:"nat_v4"`
+	NatV6        *ebpf.MapSpec `ebpf:"nat_v6"`
+	NomasqV4     *ebpf.MapSpec `ebpf:"nomasq_v4"`
+	NomasqV6     *ebpf.MapSpec `ebpf:"nomasq_v6"`
+	PortAttempts *ebpf.MapSpec `ebpf:"port_attempts"`
+	PortTurns    *ebpf.MapSpec `ebpf:"port_turns"`
+	RuleSlots    *ebpf.MapSpec `ebpf:"rule_slots"`
+	RuleStats    *ebpf.MapSpec `ebpf:"rule_stats"`
+	SweepStats   *ebpf.MapSpec `ebpf:"sweep_stats"`
+	UplinkMacs   *ebpf.MapSpec `ebpf:"uplink_macs"`
+	UplinkSnat   *ebpf.MapSpec `ebpf:"uplink_snat"`
 }
 
 // masqVariableSpecs contains global variables before they are loaded into the kernel.
@@ -347,24 +409,31 @@ func (o *masqObjects) Close() error {
 //
 // It can be passed to loadMasqObjects or ebpf.CollectionSpec.LoadAndAssign.
 type masqMaps struct {
-	EventStats *ebpf.Map `ebpf:"event_stats"`
-	FragV4     *ebpf.Map `ebpf:"frag_v4"`
-	FragV6     *ebpf.Map `ebpf:"frag_v6"`
-	HookSeen   *ebpf.Map `ebpf:"hook_seen"`
-	Layout     *ebpf.Map `ebpf:"layout"`
-	MasqV4     *ebpf.Map `ebpf:"masq_v4"`
-	MasqV6     *ebpf.Map `ebpf:"masq_v6"`
-	NatConfig  *ebpf.Map `ebpf:"nat_config"`
-	NatPorts   *ebpf.Map `ebpf:"nat_ports"`
-	NatV4      *ebpf.Map `ebpf:"nat_v4"`
-	NatV6      *ebpf.Map `ebpf:"nat_v6"`
-	NomasqV4   *ebpf.Map `ebpf:"nomasq_v4"`
-	NomasqV6   *ebpf.Map `ebpf:"nomasq_v6"`
-	RuleSlots  *ebpf.Map `ebpf:"rule_slots"`
-	RuleStats  *ebpf.Map `ebpf:"rule_stats"`
-	SweepStats *ebpf.Map `ebpf:"sweep_stats"`
-	UplinkMacs *ebpf.Map `ebpf:"uplink_macs"`
-	UplinkSnat *ebpf.Map `ebpf:"uplink_snat"`
+	EventStats   *ebpf.Map `ebpf:"event_stats"`
+	FragV4       *ebpf.Map `ebpf:"frag_v4"`
+	FragV6       *ebpf.Map `ebpf:"frag_v6"`
+	HookSeen     *ebpf.Map `ebpf:"hook_seen"`
+	KeepV4       *ebpf.Map `ebpf:"keep_v4"`
+	KeepV6       *ebpf.Map `ebpf:"keep_v6"`
+	Layout       *ebpf.Map `ebpf:"layout"`
+	MasqV4       *ebpf.Map `ebpf:"masq_v4"`
+	MasqV6       *ebpf.Map `ebpf:"masq_v6"`
+	NatConfig    *ebpf.Map `ebpf:"nat_config"`
+	NatNewV4     *ebpf.Map `ebpf:"nat_new_v4"`
+	NatNewV6     *ebpf.Map `ebpf:"nat_new_v6"`
+	NatPorts     *ebpf.Map `ebpf:"nat_ports"`
+	NatScratch   *ebpf.Map `ebpf:"nat_scratch"`
+	NatV4        *ebpf.Map `ebpf:"nat_v4"`
+	NatV6        *ebpf.Map `ebpf:"nat_v6"`
+	NomasqV4     *ebpf.Map `ebpf:"nomasq_v4"`
+	NomasqV6     *ebpf.Map `ebpf:"nomasq_v6"`
+	PortAttempts *ebpf.Map `ebpf:"port_attempts"`
+	PortTurns    *ebpf.Map `ebpf:"port_turns"`
+	RuleSlots    *ebpf.Map `ebpf:"rule_slots"`
+	RuleStats    *ebpf.Map `ebpf:"rule_stats"`
+	SweepStats   *ebpf.Map `ebpf:"sweep_stats"`
+	UplinkMacs   *ebpf.Map `ebpf:"uplink_macs"`
+	UplinkSnat   *ebpf.Map `ebpf:"uplink_snat"`
 }
 
 func (m *masqMaps) Close() error {
@@ -373,15 +442,22 @@ func (m *masqMaps) Close() error {
 		m.FragV4,
 		m.FragV6,
 		m.HookSeen,
+		m.KeepV4,
+		m.KeepV6,
 		m.Layout,
 		m.MasqV4,
 		m.MasqV6,
 		m.NatConfig,
+		m.NatNewV4,
+		m.NatNewV6,
 		m.NatPorts,
+		m.NatScratch,
 		m.NatV4,
 		m.NatV6,
 		m.NomasqV4,
 		m.NomasqV6,
+		m.PortAttempts,
+		m.PortTurns,
 		m.RuleSlots,
 		m.RuleStats,
 		m.SweepStats,

@@ -282,7 +282,7 @@ func (d *Datapath) carrySlots(src *source, mp *ebpf.Map, from int, fresh bool) (
 		return 0, err
 	}
 	if !fresh && len(rename) > 0 {
-		for _, name := range []string{masqMapNatV4, masqMapNatV6} {
+		for _, name := range []string{masqMapNatV4, masqMapNatV6} { // each: both of its family's tables
 			if err := d.natTableByName(name).renameSlots(rename); err != nil {
 				return 0, err
 			}
@@ -388,9 +388,9 @@ func addCounters(dst *ebpf.Map, key uint32, now, before [][]byte) (bool, error) 
 	return true, dst.Put(key, cur)
 }
 
-// natEmpty tells whether both NAT tables are empty.
+// natEmpty tells whether every flow table is empty.
 func (d *Datapath) natEmpty() (bool, error) {
-	for _, m := range []*ebpf.Map{d.objs.NatV4, d.objs.NatV6} {
+	for _, m := range []*ebpf.Map{d.objs.NatV4, d.objs.NatV6, d.objs.NatNewV4, d.objs.NatNewV6} {
 		var k []byte
 		err := m.NextKey(nil, &k)
 		if err == nil {
@@ -403,34 +403,52 @@ func (d *Datapath) natEmpty() (bool, error) {
 	return true, nil
 }
 
+// natTableByName is the family's flow tables of a carried map: its own table (confirmed or
+// unreplied) is where an entry of the same layout goes; entries of the layouts before the two
+// tables (before firstTwoTableLayout) go where their state says.
 func (d *Datapath) natTableByName(name string) natMigrator {
-	if name == masqMapNatV6 {
-		return natTableOf[masqNat6Key]{d.objs.NatV6}
+	switch name {
+	case masqMapNatV6, masqMapNatNewV6:
+		return natTableOf[masqNat6Key]{d.objs.NatV6, d.objs.NatNewV6, d.objs.KeepV6}
 	}
-	return natTableOf[masqNat4Key]{d.objs.NatV4}
+	return natTableOf[masqNat4Key]{d.objs.NatV4, d.objs.NatNewV4, d.objs.KeepV4}
 }
 
-// natMigrator is what a migration does with one NAT table.
+// natMigrator is what a migration does with one family's flow tables.
 type natMigrator interface {
-	// carry merges the entries of src (of layout from) whose last_seen is at least since; fast
-	// writes them in batches without merging (the table is empty and no program writes it).
+	// carry merges the entries of src (map name, of layout from) whose last_seen is at least
+	// since; fast writes them in batches without merging (the tables are empty and no program
+	// writes them).
 	carry(src *ebpf.Map, name string, from int, fast bool, since time.Duration) (int, error)
 	renameSlots(rename map[uint32]uint32) error
 }
 
+// firstTwoTableLayout is the first layout with a table of confirmed flows and one of unreplied
+// flows, and the state flags of bpf/nat.h (ORIG, REPLIED on both halves).
+const firstTwoTableLayout = 5
+
 func (t natTableOf[K]) carry(src *ebpf.Map, name string, from int, fast bool, since time.Duration) (int, error) {
-	keys, vals := make([]K, 0, natBatch), make([]masqNatEntry, 0, natBatch)
+	var batch [2]struct {
+		keys []K
+		vals []masqNatEntry
+	}
 	n := 0
-	flush := func() error {
+	flush := func(tbl Table) error {
+		b := &batch[tbl]
+		m := t.tables()[tbl]
 		var err error
 		if fast {
-			err = t.putBatch(keys, vals)
+			err = putBatch(m, b.keys, b.vals)
 		} else {
-			err = t.merge(keys, vals)
+			err = t.merge(m, b.keys, b.vals)
 		}
-		n += len(keys)
-		keys, vals = keys[:0], vals[:0]
+		n += len(b.keys)
+		b.keys, b.vals = b.keys[:0], b.vals[:0]
 		return err
+	}
+	own := TableConfirmed
+	if name == masqMapNatNewV4 || name == masqMapNatNewV6 {
+		own = TableUnreplied
 	}
 	keySize, valSize := int(unsafe.Sizeof(*new(K))), int(unsafe.Sizeof(masqNatEntry{}))
 	err := walkRaw(src, func(k, v []byte) error {
@@ -438,64 +456,132 @@ func (t natTableOf[K]) carry(src *ebpf.Map, name string, from int, fast bool, si
 		if len(k) != keySize || len(v) != valSize {
 			return fmt.Errorf("an entry of layout %d became %d+%d bytes, want %d+%d", from, len(k), len(v), keySize, valSize)
 		}
-		val := fromBytes[masqNatEntry](v)
+		key, val := fromBytes[K](k), fromBytes[masqNatEntry](v)
 		if time.Duration(val.LastSeen) < since {
 			return nil
 		}
-		keys, vals = append(keys, fromBytes[K](k)), append(vals, val)
-		if len(keys) == cap(keys) {
-			return flush()
+		tbl := own
+		if from < firstTwoTableLayout {
+			partner, ok, err := rawPartner(src, name, from, key, &val)
+			if err != nil {
+				return err
+			}
+			val.Flags = masqNatFlags(flowFlags(key.tuple(), Kind(val.Kind), Flags(val.Flags), partner, ok))
+			if Flags(val.Flags)&FlagReplied == 0 {
+				tbl = TableUnreplied
+			} else {
+				tbl = TableConfirmed
+			}
+		}
+		b := &batch[tbl]
+		b.keys, b.vals = append(b.keys, key), append(b.vals, val)
+		if len(b.keys) == natBatch {
+			return flush(tbl)
 		}
 		return nil
 	})
-	if err == nil && len(keys) > 0 {
-		err = flush()
+	for tbl := range batch {
+		if err == nil && len(batch[tbl].keys) > 0 {
+			err = flush(Table(tbl))
+		}
 	}
 	return n, err
 }
 
-func (t natTableOf[K]) putBatch(keys []K, vals []masqNatEntry) error {
-	_, err := t.m.BatchUpdate(keys, vals, nil)
+// rawPartner reads, from a source table of an older layout, the flags of the other half of the
+// flow whose entry (upgraded) is v at k; ok is false when it has none that points back.
+func rawPartner[K rawNATKey[K]](src *ebpf.Map, name string, from int, k K, v *masqNatEntry) (Flags, bool, error) {
+	kt := k.tuple()
+	pk := k.withTuple(kt.partner(v))
+	raw, pv := make([]byte, src.KeySize()), make([]byte, src.ValueSize())
+	copy(raw, unsafe.Slice((*byte)(unsafe.Pointer(&pk)), len(raw)))
+	if err := src.Lookup(raw, &pv); err != nil {
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return 0, false, nil
+		}
+		return 0, false, fmt.Errorf("lookup nat entry: %w", err)
+	}
+	_, pv = upgrade(name, from, raw, pv)
+	p := fromBytes[masqNatEntry](pv)
+	if !kt.pointedBy(&p) {
+		return 0, false, nil
+	}
+	return Flags(p.Flags), true, nil
+}
+
+// flowFlags are the flags of layout 5 for a half of an older layout's flow, from its flags and
+// its partner's (layouts 1 to 3 set SEEN, bit 1, on the halves that carried a packet, and FIN or
+// RST on the half whose direction carried one): the opener's half (egress for flows from pods
+// and the host, ingress for inbound ones) is ORIG; a flow both of whose halves carried a packet
+// is REPLIED, on both; FIN and RST go on both halves. The TCP fields start over (no ACK known,
+// window scale unknown): the flow is judged liberally until its next packet each way.
+func flowFlags(kt natTuple, kind Kind, own, partner Flags, paired bool) Flags {
+	const seen = Flags(1)
+	f := (own | partner) & (FlagFIN | FlagRST)
+	if (kind == KindInbound) == (kt.dir == Ingress) {
+		f |= FlagOrig
+	}
+	if paired && own&partner&seen != 0 {
+		f |= FlagReplied
+	}
+	return f
+}
+
+func putBatch[K any](m *ebpf.Map, keys []K, vals []masqNatEntry) error {
+	_, err := m.BatchUpdate(keys, vals, nil)
 	if !errors.Is(err, ebpf.ErrNotSupported) {
 		return err
 	}
 	for i := range keys {
-		if err := t.m.Put(&keys[i], &vals[i]); err != nil {
+		if err := m.Put(&keys[i], &vals[i]); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// merge writes entries into a table that may hold them already, and that the programs may be
-// changing meanwhile (see the comment at the top).
-func (t natTableOf[K]) merge(keys []K, vals []masqNatEntry) error {
+// merge writes entries into table m, which may hold them already, and which the programs may be
+// changing meanwhile (see the comment at the top). A flow's entry found in the other table
+// (the programs confirmed it meanwhile, or it is still unconfirmed) stays where the programs put
+// it.
+func (t natTableOf[K]) merge(m *ebpf.Map, keys []K, vals []masqNatEntry) error {
+	other := t.unreplied
+	if m == t.unreplied {
+		other = t.confirmed
+	}
 	for i := range keys {
 		k, v := &keys[i], vals[i]
 		var cur masqNatEntry
-		err := t.m.Lookup(k, &cur)
+		if err := other.Lookup(k, &cur); err == nil {
+			continue
+		} else if !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("merge nat entry: %w", err)
+		}
+		err := m.Lookup(k, &cur)
 		switch {
 		case errors.Is(err, ebpf.ErrKeyNotExist):
-			err = t.m.Update(k, &v, ebpf.UpdateNoExist)
+			err = m.Update(k, &v, ebpf.UpdateNoExist)
 			if errors.Is(err, ebpf.ErrKeyExist) {
 				err = nil // a packet made it meanwhile: the new programs' entry stands
 			}
 		case err != nil:
 		case cur.Addr == v.Addr && cur.Port == v.Port:
 			if merged := mergeEntry(cur, v); merged != cur {
-				err = t.m.Put(k, &merged)
+				err = m.Put(k, &merged)
 			}
 		default:
 			// Another flow's entry under this key: it gives way, with its other half.
-			if pk, _, paired, perr := lookupPartner(t.m, *k, &cur); perr != nil {
+			if pk, _, paired, perr := t.lookupPartner(*k, &cur); perr != nil {
 				err = perr
 			} else if paired {
-				if derr := t.m.Delete(&pk); derr != nil && !errors.Is(derr, ebpf.ErrKeyNotExist) {
-					err = derr
+				for _, tm := range t.tables() {
+					if derr := tm.Delete(&pk); derr != nil && !errors.Is(derr, ebpf.ErrKeyNotExist) {
+						err = derr
+					}
 				}
 			}
 			if err == nil {
-				err = t.m.Put(k, &v)
+				err = m.Put(k, &v)
 			}
 		}
 		if err != nil {
@@ -521,14 +607,14 @@ func mergeEntry(a, b masqNatEntry) masqNatEntry {
 // renameSlots renames the counter slots entries name, by rename (old slot -> new one).
 func (t natTableOf[K]) renameSlots(rename map[uint32]uint32) error {
 	var inner error
-	err := t.each(func(k K, v *masqNatEntry) bool {
+	err := t.each(func(k K, v *masqNatEntry, tbl Table) bool {
 		to, ok := rename[v.Slot]
 		if !ok || v.Slot == noSlot {
 			return true
 		}
 		e := *v
 		e.Slot = to
-		if err := t.m.Update(&k, &e, ebpf.UpdateExist); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		if err := t.tables()[tbl].Update(&k, &e, ebpf.UpdateExist); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			inner = err
 			return false
 		}

@@ -181,12 +181,8 @@ func testMigrate(t *testing.T, from int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	wantDir := root // legacy layouts pinned at the root, later ones in a directory of their own
-	if from >= firstDirLayout {
-		wantDir = filepath.Join(root, fmt.Sprintf("v%d", from))
-	}
-	if pins.Current || len(pins.Sources) != 1 || pins.Sources[0].Layout != from || pins.Sources[0].Dir != wantDir {
-		t.Fatalf("Inspect found %+v, want layout %d's pins in %s", pins, from, wantDir)
+	if pins.Current || len(pins.Sources) != 1 || pins.Sources[0].Layout != from || pins.Sources[0].Dir != bpftest.PinDir(root, from) {
+		t.Fatalf("Inspect found %+v, want layout %d's pins in %s", pins, from, bpftest.PinDir(root, from))
 	}
 	dp, err := Load(LoadOptions{PinPath: LayoutDir(root), NATEntries: 1 << 12, MaxRules: 64})
 	if err != nil {
@@ -259,6 +255,19 @@ func testMigrate(t *testing.T, from int) {
 
 	if e, ok, err := dp.LookupNAT(Egress, unix.IPPROTO_TCP, tcp4.pod, tcp4.peer); err != nil || !ok || e.Flags&FlagFIN == 0 {
 		t.Errorf("the FIN the old programs saw after the first pass: entry %+v %v %v", e, ok, err)
+	}
+	// A flow both of whose halves carried a packet is confirmed, replied and opened from its egress
+	// half; a flow that only went one way is not confirmed (layouts before 4 had one table).
+	for _, f := range flows {
+		e, ok, err := dp.LookupNAT(Egress, f.proto, f.pod, f.peer)
+		if err != nil || !ok || e.Table != TableConfirmed || e.Flags&(FlagOrig|FlagReplied) != FlagOrig|FlagReplied {
+			t.Errorf("%s: the old two-way flow became %+v (%v %v), want it confirmed, replied, opened this way", f.name, e, ok, err)
+		}
+	}
+	for _, f := range []*oldFlow{late, later} {
+		if e, ok, err := dp.LookupNAT(Egress, f.proto, f.pod, f.peer); err != nil || !ok || e.Table != TableUnreplied || e.Flags != FlagOrig {
+			t.Errorf("%s: the old one-way flow became %+v (%v %v), want it unconfirmed", f.name, e, ok, err)
+		}
 	}
 
 	// Every flow through the new programs: the same mapping, replies back to the pod (the TCP
@@ -338,7 +347,7 @@ func TestMigrateAgain(t *testing.T) {
 		t.Fatalf("after two interrupted migrations: %+v %v", pins, err)
 	}
 	dp := upgradeOver(t, root, pins)
-	if n := rawEntries(t, dp.objs.NatV4); n != 2*len(flows) {
+	if n := rawEntries(t, dp.objs.NatV4) + rawEntries(t, dp.objs.NatNewV4); n != 2*len(flows) {
 		t.Errorf("%d entries after migrating three times, want the flows' %d", n, 2*len(flows))
 	}
 	h.dp = dp

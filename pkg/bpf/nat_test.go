@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
+
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
@@ -40,10 +42,20 @@ func (h *harness) flowsOf(fam policy.Family) map[string]bool {
 	return out
 }
 
+// entryMap is the flow table that holds the entry at (dir, proto, src, dst).
+func (h *harness) entryMap(dir Direction, proto uint8, src, dst netip.AddrPort) *ebpf.Map {
+	h.t.Helper()
+	e, ok, err := h.dp.LookupNAT(dir, proto, src, dst)
+	if err != nil || !ok {
+		h.t.Fatalf("no entry %s %s -> %s (%v)", dir, src, dst, err)
+	}
+	return h.dp.natMapFor(policy.FamilyOf(src.Addr()), e.Table)
+}
+
 // age sets an entry's last_seen, as if its last packet was that long ago.
 func (h *harness) age(dir Direction, proto uint8, src, dst netip.AddrPort, ago time.Duration) {
 	h.t.Helper()
-	m := h.dp.natMap(policy.FamilyOf(src.Addr()))
+	m := h.entryMap(dir, proto, src, dst)
 	k := natKey(dir, proto, src, dst)
 	var v masqNatEntry
 	if err := m.Lookup(k, &v); err != nil {
@@ -119,11 +131,11 @@ func TestSweep(t *testing.T) {
 				t.Fatalf("established flow: %v %v", ok, err)
 			}
 			key := natKey(read.Dir, read.Proto, read.Src, read.Dst)
-			if touched, err := touchedSince(h.dp.natMap(fam), key, uint64(read.LastSeen)); err != nil || touched {
+			if touched, err := touchedSince(h.entryMap(read.Dir, read.Proto, read.Src, read.Dst), key, uint64(read.LastSeen)); err != nil || touched {
 				t.Fatalf("an untouched flow reads as touched (%v)", err)
 			}
 			h.age(Egress, 6, established, dst, 0)
-			if touched, err := touchedSince(h.dp.natMap(fam), key, uint64(read.LastSeen)); err != nil || !touched {
+			if touched, err := touchedSince(h.entryMap(read.Dir, read.Proto, read.Src, read.Dst), key, uint64(read.LastSeen)); err != nil || !touched {
 				t.Fatalf("a refreshed flow reads as untouched: the sweep would delete it (%v)", err)
 			}
 			if res := sweep(2 * time.Hour); res.Flows != 1 || len(h.flowsOf(fam)) != 0 {
@@ -234,7 +246,7 @@ func TestUplinkAddressChange(t *testing.T) {
 	dst4, dst6 := ap(remote4, 443), ap(remote6, 443)
 	h.mustPass(h.dp.Egress(), tcpPacket(ap(pod4(1), 1000), dst4, tcpSYN, nil))
 	h.mustPass(h.dp.Egress(), udpPacket(ap(pod4(2), 1000), ap(remote4, 53), payload))
-	h.mustPass(h.dp.Egress(), tcpPacket(ap(snat4, 1000), dst4, tcpSYN, nil))  // host flow
+	h.mustPass(h.dp.Egress(), tcpPacket(ap(snat4, 40000), dst4, tcpSYN, nil)) // host flow (a port of the range)
 	h.mustPass(h.dp.Ingress(), tcpPacket(dst4, ap(pod4(3), 80), tcpSYN, nil)) // inbound flow
 	h.mustPass(h.dp.Egress(), tcpPacket(ap(pod6(1), 1000), dst6, tcpSYN, nil))
 

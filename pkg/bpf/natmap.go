@@ -114,37 +114,67 @@ func (t natTuple) pointedBy(pv *masqNatEntry) bool {
 	return pv.Addr == addr && pv.Port == port
 }
 
-// lookupPartner reads the other half of the flow whose entry v sits at k. ok is false when that
-// half is gone or belongs to another flow.
-func lookupPartner[K rawNATKey[K]](m *ebpf.Map, k K, v *masqNatEntry) (pk K, pv masqNatEntry, ok bool, err error) {
-	t := k.tuple()
-	pk = k.withTuple(t.partner(v))
-	err = m.Lookup(&pk, &pv)
-	if errors.Is(err, ebpf.ErrKeyNotExist) {
-		return pk, pv, false, nil
-	}
-	if err != nil {
-		return pk, pv, false, fmt.Errorf("lookup nat entry: %w", err)
-	}
-	return pk, pv, t.pointedBy(&pv), nil
+// lookupPartner reads the other half of the flow whose entry v sits at k, from either table
+// (confirmed first, as the datapath looks). ok is false when that half is gone or belongs to
+// another flow.
+func (t natTableOf[K]) lookupPartner(k K, v *masqNatEntry) (pk K, pv masqNatEntry, ok bool, err error) {
+	pk, pv, ok, _, err = t.lookupPartnerIn(k, v)
+	return pk, pv, ok, err
 }
 
-// natTable is one family's NAT table, wrapped with the operations of its key layout.
+// lookupPartnerIn is lookupPartner that also tells which table holds the partner.
+func (t natTableOf[K]) lookupPartnerIn(k K, v *masqNatEntry) (pk K, pv masqNatEntry, ok bool, tbl Table, err error) {
+	kt := k.tuple()
+	pk = k.withTuple(kt.partner(v))
+	found, confirmed, err := t.lookup(&pk, &pv)
+	if err != nil || !found {
+		return pk, pv, false, 0, err
+	}
+	tbl = TableUnreplied
+	if confirmed {
+		tbl = TableConfirmed
+	}
+	return pk, pv, kt.pointedBy(&pv), tbl, nil
+}
+
+// lookup reads the entry at k from either table, confirmed first, and tells which held it.
+func (t natTableOf[K]) lookup(k *K, v *masqNatEntry) (found, confirmed bool, err error) {
+	for i, m := range t.tables() {
+		err := m.Lookup(k, v)
+		if err == nil {
+			return true, i == 0, nil
+		}
+		if !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return false, false, fmt.Errorf("lookup nat entry: %w", err)
+		}
+	}
+	return false, false, nil
+}
+
+// natTable is one family's NAT tables, wrapped with the operations of its key layout.
 type natTable interface {
 	entries(fn func(NATEntry) bool) error
-	protocols(byProto *[256]uint64) error
+	count(fn func(proto uint8, table Table, flags Flags)) error
 	flows(fn func(Flow) bool) error
-	sweep(now time.Duration, t Timeouts, res *SweepResult, swept map[uint8]uint64) error
+	sweep(now time.Duration, t Timeouts, res *SweepResult, swept map[uint8]uint64) (confirmed int, err error)
+	lookupEntry(t natTuple) (NATEntry, bool, error)
+	deleteKeys(keys []natTuple) error
+	maxEntries(tbl Table) uint32
 }
 
-// natTableOf implements natTable for the key layout K.
-type natTableOf[K rawNATKey[K]] struct{ m *ebpf.Map }
+// natTableOf implements natTable for the key layout K: a family's tables of confirmed and of
+// unreplied flows (both halves of a flow are in the same one, but for a moment while the
+// datapath confirms it) and its table of kept RETURN verdicts.
+type natTableOf[K rawNATKey[K]] struct{ confirmed, unreplied, keep *ebpf.Map }
+
+// tables are the flow tables, confirmed first.
+func (t natTableOf[K]) tables() [2]*ebpf.Map { return [2]*ebpf.Map{t.confirmed, t.unreplied} }
 
 func (d *Datapath) natTable(fam policy.Family) natTable {
 	if fam == policy.IPv6 {
-		return natTableOf[masqNat6Key]{d.objs.NatV6}
+		return natTableOf[masqNat6Key]{d.objs.NatV6, d.objs.NatNewV6, d.objs.KeepV6}
 	}
-	return natTableOf[masqNat4Key]{d.objs.NatV4}
+	return natTableOf[masqNat4Key]{d.objs.NatV4, d.objs.NatNewV4, d.objs.KeepV4}
 }
 
 // natBatch is how many entries one batch lookup reads: a full default table (262144 entries)
@@ -156,8 +186,8 @@ const natBatch = 4096
 // BPF_MAP_LOOKUP_BATCH, bucket by bucket, so that a table the programs change meanwhile is
 // still walked once (an entry added or removed during the walk may be missed); kernels without
 // batch operations are walked key by key.
-func walkNAT[K any](m *ebpf.Map, fn func(keys []K, vals []masqNatEntry, n int) bool) error {
-	keys, vals := make([]K, natBatch), make([]masqNatEntry, natBatch)
+func walkNAT[K, V any](m *ebpf.Map, fn func(keys []K, vals []V, n int) bool) error {
+	keys, vals := make([]K, natBatch), make([]V, natBatch)
 	var cursor ebpf.MapBatchCursor
 	for {
 		n, err := m.BatchLookup(&cursor, keys, vals, nil)
@@ -178,7 +208,7 @@ func walkNAT[K any](m *ebpf.Map, fn func(keys []K, vals []masqNatEntry, n int) b
 }
 
 // walkNATByKey is walkNAT with one syscall per key, for kernels before 5.6.
-func walkNATByKey[K any](m *ebpf.Map, keys []K, vals []masqNatEntry, fn func(keys []K, vals []masqNatEntry, n int) bool) error {
+func walkNATByKey[K, V any](m *ebpf.Map, keys []K, vals []V, fn func(keys []K, vals []V, n int) bool) error {
 	it := m.Iterate()
 	n := 0
 	for it.Next(&keys[n], &vals[n]) {
@@ -198,14 +228,22 @@ func walkNATByKey[K any](m *ebpf.Map, keys []K, vals []masqNatEntry, fn func(key
 	return nil
 }
 
-// each is walkNAT one entry at a time.
-func (t natTableOf[K]) each(fn func(K, *masqNatEntry) bool) error {
-	return walkNAT(t.m, func(keys []K, vals []masqNatEntry, n int) bool {
-		for i := range n {
-			if !fn(keys[i], &vals[i]) {
-				return false
+// each is walkNAT over both flow tables, confirmed first, one entry at a time.
+func (t natTableOf[K]) each(fn func(K, *masqNatEntry, Table) bool) error {
+	for i, m := range t.tables() {
+		stop := false
+		err := walkNAT(m, func(keys []K, vals []masqNatEntry, n int) bool {
+			for j := range n {
+				if !fn(keys[j], &vals[j], Table(i)) {
+					stop = true
+					return false
+				}
 			}
+			return true
+		})
+		if err != nil || stop {
+			return err
 		}
-		return true
-	})
+	}
+	return nil
 }

@@ -40,8 +40,15 @@ func TestReplaceMismatchedPins(t *testing.T) {
 		t.Fatalf("nat_v6 holds %d entries, want the NATEntriesV6 given (64)", got)
 	}
 	flow4, flow6 := ap(pod4(7), 4000), ap(pod6(7), 4000)
-	h.mustPass(first.Egress(), udpPacket(flow4, ap(remote4, 53), nil))
-	h.mustPass(first.Egress(), udpPacket(flow6, ap(remote6, 53), nil))
+	// Two-way flows, so that they are in nat_v4 and nat_v6 (confirmed).
+	for _, f := range [][2]netip.AddrPort{{flow4, ap(remote4, 53)}, {flow6, ap(remote6, 53)}} {
+		nat := tupleOf(t, h.mustPass(first.Egress(), udpPacket(f[0], f[1], nil))).src
+		h.mustPass(first.Ingress(), udpPacket(f[1], nat, nil))
+		h.mustPass(first.Egress(), udpPacket(f[0], f[1], nil))
+		if e, ok, err := first.LookupNAT(Egress, unix.IPPROTO_UDP, f[0], f[1]); err != nil || !ok || e.Table != TableConfirmed {
+			t.Fatalf("flow %s not confirmed: %+v %v %v", f[0], e, ok, err)
+		}
+	}
 	first.Close()
 
 	if mm, err := CheckPins(small); err != nil || len(mm) != 0 {
@@ -53,8 +60,9 @@ func TestReplaceMismatchedPins(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(mm) != 1 || mm[0].Map != "nat_v6" || mm[0].Reason != "MaxEntries: 64 changed to 4096" {
-		t.Fatalf("mismatches %+v, want nat_v6 with its sizes", mm)
+	want := []PinMismatch{{Map: "nat_new_v6", Reason: "MaxEntries: 1024 changed to 2048"}, {Map: "nat_v6", Reason: "MaxEntries: 64 changed to 4096"}}
+	if !slices.Equal(mm, want) {
+		t.Fatalf("mismatches %+v, want %+v: the IPv6 flow tables with their sizes", mm, want)
 	}
 	if _, err := Load(bigger); !errors.Is(err, ebpf.ErrMapIncompatible) {
 		t.Fatalf("load over a mismatched pin: %v, want ErrMapIncompatible", err)

@@ -15,13 +15,24 @@ import (
 type SweepResult struct {
 	Flows   int // flows whose both halves were removed
 	Orphans int // halves whose partner was gone or belonged to another flow
+	Kept    int // RETURN verdicts of idle flows (the keep tables)
 }
 
+// Pressure: when a sweep finds a family's table of confirmed flows at least pressureFill full,
+// the next sweep expires its closing flows once idle for PressureIdle, whatever TCPClosing says
+// (conntrack's early_drop, which goes for closing connections first); established flows keep
+// their timeouts.
+const (
+	pressureFill = 0.9
+	PressureIdle = 10 * time.Second
+)
+
 // Sweep removes the flows idle for longer than their timeout at time now (MonotonicNow), both
-// halves together. A flow's state and idle time combine its two halves; a half without its
-// partner (evicted, or its key taken over) expires by its own.
+// halves together, from both flow tables of each family, and the kept verdicts of idle flows. A
+// flow's state and idle time combine its two halves; a half without its partner (evicted, or its
+// key taken over) expires by its own.
 //
-// It reads the table in batches and looks further only at entries idle for longer than their
+// It reads the tables in batches and looks further only at entries idle for longer than their
 // protocol's shortest timeout: a sweep of a busy table costs a few syscalls per batch and no
 // memory per entry. An expired flow costs two lookups (its partner, and itself again in case a
 // packet refreshed it since the batch was read); entries are deleted a batch at a time.
@@ -35,24 +46,46 @@ func (d *Datapath) Sweep(now time.Duration, t Timeouts) (res SweepResult, err er
 			err = fmt.Errorf("sweep: %w", serr)
 		}
 	}()
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		if err := d.natTable(fam).sweep(now, t, &res, swept); err != nil {
+	for i, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		tt := t
+		if float64(d.confirmedSeen[i].Load()) >= pressureFill*float64(d.Capacity(fam, TableConfirmed)) {
+			tt.TCPClosing = min(tt.TCPClosing, PressureIdle)
+		}
+		n, err := d.natTable(fam).sweep(now, tt, &res, swept)
+		if err != nil {
 			return res, fmt.Errorf("sweep: %w", err)
 		}
+		d.confirmedSeen[i].Store(int64(n))
 	}
 	return res, nil
 }
 
-// sweep is Sweep on one NAT table.
-func (table natTableOf[K]) sweep(now time.Duration, t Timeouts, res *SweepResult, swept map[uint8]uint64) error {
-	m := table.m
+// sweep is Sweep on one family's tables; it returns how many entries the confirmed table held.
+func (table natTableOf[K]) sweep(now time.Duration, t Timeouts, res *SweepResult, swept map[uint8]uint64) (int, error) {
+	confirmed := 0
+	for i, m := range table.tables() {
+		n, err := table.sweepTable(m, Table(i), now, t, res, swept)
+		if err != nil {
+			return 0, err
+		}
+		if Table(i) == TableConfirmed {
+			confirmed = n
+		}
+	}
+	return confirmed, table.sweepKeep(now, t, res, swept)
+}
+
+// sweepTable sweeps one flow table (tbl) and returns how many entries it read.
+func (table natTableOf[K]) sweepTable(m *ebpf.Map, tbl Table, now time.Duration, t Timeouts, res *SweepResult, swept map[uint8]uint64) (int, error) {
 	var (
-		doomed []K
-		sizes  []int // per expired flow or orphan half: how many keys of doomed it has (2 or 1)
+		doomed [2][]K // by table: keys to delete
+		flows  []doomedFlow
 		inner  error
+		seen   int
 	)
 	err := walkNAT(m, func(keys []K, vals []masqNatEntry, n int) bool {
-		doomed, sizes = doomed[:0], sizes[:0]
+		seen += n
+		doomed[0], doomed[1], flows = doomed[0][:0], doomed[1][:0], flows[:0]
 		for i := range n {
 			// k is a copy; lookups take &keys[i], which is on the heap already.
 			k, v := keys[i], &vals[i]
@@ -60,7 +93,7 @@ func (table natTableOf[K]) sweep(now time.Duration, t Timeouts, res *SweepResult
 			if now-time.Duration(v.LastSeen) <= t.shortest(kt.proto) {
 				continue
 			}
-			pk, pv, paired, err := lookupPartner(m, k, v)
+			pk, pv, paired, ptbl, err := table.lookupPartnerIn(k, v)
 			if err != nil {
 				inner = err
 				return false
@@ -82,33 +115,78 @@ func (table natTableOf[K]) sweep(now time.Duration, t Timeouts, res *SweepResult
 			} else if touched {
 				continue
 			}
-			doomed = append(doomed, k)
+			f := doomedFlow{proto: kt.proto, at: [2]int{-1, -1}}
+			f.at[0] = len(doomed[tbl])
+			doomed[tbl] = append(doomed[tbl], k)
 			if paired {
-				doomed = append(doomed, pk)
-				sizes = append(sizes, 2)
-			} else {
-				sizes = append(sizes, 1)
+				f.ptbl, f.at[1] = ptbl, len(doomed[ptbl])
+				doomed[ptbl] = append(doomed[ptbl], pk)
+			}
+			flows = append(flows, f)
+		}
+		var gone [2][]bool
+		for i, mm := range table.tables() {
+			var err error
+			if gone[i], err = deleteKeys(mm, doomed[i]); err != nil {
+				inner = err
+				return false
 			}
 		}
-		gone, err := deleteKeys(m, doomed)
+		for _, f := range flows {
+			deleted := 0
+			if gone[tbl][f.at[0]] {
+				deleted++
+			}
+			if f.at[1] >= 0 && gone[f.ptbl][f.at[1]] {
+				deleted++
+			}
+			swept[f.proto] += uint64(deleted)
+			if f.at[1] >= 0 && deleted == 2 {
+				res.Flows++
+			} else {
+				res.Orphans += deleted
+			}
+		}
+		return true
+	})
+	return seen, cmp.Or(inner, err)
+}
+
+// doomedFlow is an expired flow of a sweep batch: where its keys are in the batch's doomed lists
+// (its own in the table swept, its partner's, when it has one, in ptbl's; -1 when not).
+type doomedFlow struct {
+	proto uint8
+	ptbl  Table
+	at    [2]int
+}
+
+// sweepKeep removes the kept verdicts of flows idle for longer than their protocol's timeout (a
+// TCP connection's: established, closing once the pod sent a FIN or RST).
+func (table natTableOf[K]) sweepKeep(now time.Duration, t Timeouts, res *SweepResult, swept map[uint8]uint64) error {
+	var (
+		doomed []K
+		inner  error
+	)
+	err := walkNAT(table.keep, func(keys []K, vals []masqKeepEntry, n int) bool {
+		doomed = doomed[:0]
+		for i := range n {
+			st := StateKept
+			if vals[i].Closing != 0 {
+				st = StateClosing
+			}
+			if now-time.Duration(vals[i].LastSeen) > t.timeout(keys[i].tuple().proto, st) {
+				doomed = append(doomed, keys[i])
+			}
+		}
+		gone, err := deleteKeys(table.keep, doomed)
 		if err != nil {
 			inner = err
 			return false
 		}
-		at := 0
-		for _, size := range sizes {
-			deleted := 0
-			for j := at; j < at+size; j++ {
-				if gone[j] {
-					deleted++
-					swept[doomed[j].tuple().proto]++
-				}
-			}
-			at += size
-			if size == 2 && deleted == 2 {
-				res.Flows++
-			} else {
-				res.Orphans += deleted
+		for i, g := range gone {
+			if g {
+				res.Kept++
+				swept[doomed[i].tuple().proto]++
 			}
 		}
 		return true

@@ -40,9 +40,9 @@ func fillFlowsAs[V any](tb testing.TB, m *ebpf.Map, from, n int, lastSeen time.D
 			masqNat4Key{Saddr: podAddr, Daddr: remote, Sport: sport, Dport: htons(53), Proto: unix.IPPROTO_UDP, Dir: masqNatDir(Egress)},
 			masqNat4Key{Saddr: remote, Daddr: snat, Sport: htons(53), Dport: natPort, Proto: unix.IPPROTO_UDP, Dir: masqNatDir(Ingress)})
 		vals = append(vals,
-			enc(masqNatEntry{Addr: addrBytes(snat4), Port: natPort, Kind: masqNatKind(KindMasq), Flags: masqNatFlags(FlagSeen),
+			enc(masqNatEntry{Addr: addrBytes(snat4), Port: natPort, Kind: masqNatKind(KindMasq), Flags: masqNatFlags(FlagOrig | FlagReplied),
 				LastSeen: uint64(lastSeen)}),
-			enc(masqNatEntry{Addr: addrBytes(pod4(i >> 14)), Port: sport, Kind: masqNatKind(KindMasq), Slot: noSlot,
+			enc(masqNatEntry{Addr: addrBytes(pod4(i >> 14)), Port: sport, Kind: masqNatKind(KindMasq), Flags: masqNatFlags(FlagReplied), Slot: noSlot,
 				LastSeen: uint64(lastSeen)}))
 		if len(keys) == cap(keys) {
 			flush()

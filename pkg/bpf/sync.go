@@ -1,6 +1,8 @@
 package bpf
 
 import (
+	"crypto/rand"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -361,6 +363,7 @@ func (d *Datapath) writeSettings(pl *plan, slots []uint32) (masqNatConfig, error
 		return masqNatConfig{}, err
 	}
 	cfg := pl.config
+	cfg.PortSeed = d.portSeed
 	cfg.V4.OutSlot, cfg.V6.OutSlot = noSlot, noSlot
 	if i := pl.out[policy.IPv4]; i >= 0 {
 		cfg.V4.Outbound, cfg.V4.OutSlot = masqActionACTION_MASQUERADE, slots[i]
@@ -512,6 +515,9 @@ func (d *Datapath) recoverTries() error {
 	if err := d.objs.NatConfig.Lookup(uint32(0), &cfg); err != nil {
 		return fmt.Errorf("read nat_config: %w", err)
 	}
+	if d.portSeed = cfg.PortSeed; d.portSeed == 0 {
+		d.portSeed = newPortSeed()
+	}
 	d.ports = nil
 	for _, r := range cfg.Ranges[:min(int(cfg.Nranges), len(cfg.Ranges))] {
 		d.ports = append(d.ports, policy.PortRange{First: r.First, Last: r.Last})
@@ -524,4 +530,18 @@ func (d *Datapath) recoverTries() error {
 		}
 	}
 	return nil
+}
+
+// newPortSeed is a secret for nat_config's port_seed: nonzero, so that a zero read back means
+// "never written".
+func newPortSeed() uint32 {
+	var b [4]byte
+	for {
+		if _, err := rand.Read(b[:]); err != nil {
+			panic(fmt.Sprintf("crypto/rand: %v", err)) // cannot fail on Linux
+		}
+		if s := binary.NativeEndian.Uint32(b[:]); s != 0 {
+			return s
+		}
+	}
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
@@ -214,16 +215,25 @@ func natStats(ctx context.Context, dp *bpf.Datapath) (datapath.NATStats, error) 
 		if err := ctx.Err(); err != nil {
 			return datapath.NATStats{}, err
 		}
-		byProto, err := dp.NATProtocols(fam)
+		counts, err := dp.CountNAT(fam)
 		if err != nil {
 			return datapath.NATStats{}, err
 		}
-		counts := map[string]uint64{}
-		for proto, n := range byProto {
-			counts[datapath.ProtocolName(proto)] += n
+		type key struct{ proto, state string }
+		byState := map[key]uint64{}
+		byTable := map[bpf.Table]uint64{}
+		for _, c := range counts {
+			byState[key{datapath.ProtocolName(c.Proto), c.State.String()}] += c.N
+			byTable[c.Table] += c.N
 		}
-		for _, name := range sortedNames(counts) {
-			st.Entries = append(st.Entries, datapath.NATEntries{Family: fam, Protocol: name, Entries: counts[name]})
+		for _, k := range slices.SortedFunc(maps.Keys(byState), func(a, b key) int {
+			return cmp.Or(cmp.Compare(a.proto, b.proto), cmp.Compare(a.state, b.state))
+		}) {
+			st.Entries = append(st.Entries, datapath.NATEntries{Family: fam, Protocol: k.proto, State: k.state, Entries: byState[k]})
+		}
+		for _, t := range bpf.Tables() {
+			st.Tables = append(st.Tables, datapath.NATTable{Family: fam, Table: t.String(), Entries: byTable[t],
+				Capacity: uint64(dp.Capacity(fam, t))})
 		}
 	}
 	ev, err := dp.EventCounts()
@@ -235,6 +245,15 @@ func natStats(ctx context.Context, dp *bpf.Datapath) (datapath.NATStats, error) 
 	}
 	st.PortAllocationRetries = ev[bpf.EventPortRetry]
 	st.PortAllocationFailures = ev[bpf.EventDropNoPort]
+	st.EstablishedEvictable = ev[bpf.EventConfirmFull]
+	attempts, err := dp.PortAttempts()
+	if err != nil {
+		return datapath.NATStats{}, err
+	}
+	st.PortAttempts = datapath.Histogram{Counts: attempts.Counts, Sum: float64(attempts.Sum)}
+	for i := range attempts.Counts {
+		st.PortAttempts.Bounds = append(st.PortAttempts.Bounds, bpf.PortAttemptBound(i))
+	}
 	swept, err := dp.SweptEntries()
 	if err != nil {
 		return datapath.NATStats{}, err
@@ -298,6 +317,16 @@ func natSummary(ctx context.Context, dp *bpf.Datapath, top int) (datapath.NATSum
 			return ctx.Err() == nil
 		}); err != nil {
 			return datapath.NATSummary{}, err
+		}
+		// The kept verdicts of flows the policy left alone: one entry each, no partner.
+		counts, err := dp.CountNAT(fam)
+		if err != nil {
+			return datapath.NATSummary{}, err
+		}
+		for _, c := range counts {
+			if c.Table == bpf.TableKeep {
+				states[stateKey{fam, datapath.ProtocolName(c.Proto), c.State.String()}] += c.N
+			}
 		}
 		if err := ctx.Err(); err != nil {
 			return datapath.NATSummary{}, err

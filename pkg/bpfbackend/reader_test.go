@@ -201,8 +201,25 @@ func TestNATReports(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(st.Entries) != 1 || st.Entries[0] != (datapath.NATEntries{Family: policy.IPv4, Protocol: "udp", Entries: 4}) {
-		t.Errorf("entries %+v, want 4 udp entries", st.Entries)
+	wantStates := []datapath.NATEntries{
+		{Family: policy.IPv4, Protocol: "udp", State: "established", Entries: 2},
+		{Family: policy.IPv4, Protocol: "udp", State: "unreplied", Entries: 2},
+	}
+	if !slices.Equal(st.Entries, wantStates) {
+		t.Errorf("entries %+v, want %+v", st.Entries, wantStates)
+	}
+	// Both flows await a packet that confirms them: all four entries are in the unreplied table.
+	for _, tb := range st.Tables {
+		want := uint64(0)
+		if tb.Family == policy.IPv4 && tb.Table == "unreplied" {
+			want = 4
+		}
+		if tb.Entries != want || tb.Capacity == 0 {
+			t.Errorf("table %+v, want %d entries and a capacity", tb, want)
+		}
+	}
+	if len(st.Tables) != 6 {
+		t.Errorf("tables %+v, want three per family", st.Tables)
 	}
 	if fmt.Sprint(st.Swept) != "map[icmp:0 icmpv6:0 tcp:7 udp:0]" {
 		t.Errorf("swept %v", st.Swept)

@@ -38,6 +38,7 @@ type agentFlags struct {
 	driftInterval  time.Duration
 	sweepInterval  time.Duration
 	natTimeouts    string
+	natMaxEntries  uint
 }
 
 func (f *agentFlags) register(fs *flag.FlagSet) {
@@ -49,6 +50,7 @@ func (f *agentFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.attachMode, "attach-mode", "auto", "how the BPF backend attaches its programs: auto (tcx where the kernel has it, else tc), tcx, or tc (clsact and cls_bpf)")
 	fs.DurationVar(&f.driftInterval, "drift-check-interval", agent.DefaultDriftInterval, "how often to check that the installed datapath is intact and repair it when not; 0 leaves the repair to the resync")
 	fs.DurationVar(&f.sweepInterval, "nat-sweep-interval", bpfbackend.DefaultSweepInterval, "how often the BPF backend removes idle NAT entries")
+	fs.UintVar(&f.natMaxEntries, "nat-max-entries", bpf.DefaultNATEntries, natMaxEntriesUsage())
 	fs.StringVar(&f.natTimeouts, "nat-timeouts", "", `idle timeouts of BPF NAT entries, overriding the defaults, e.g. "udp=30s,tcp-closing=10s" (keys: `+strings.Join(timeoutKeys(), ", ")+")")
 	// Accepted so that upstream manifests keep working: klog verbosity (4 and above log debug).
 	fs.IntVar(&f.verbosity, "v", 0, "log verbosity; 4 or more logs debug messages")
@@ -63,6 +65,23 @@ func (f *agentFlags) interfaceList() []string {
 		}
 	}
 	return out
+}
+
+// Bounds of --nat-max-entries: below the minimum a node runs out of room at once; the maximum
+// is about 4 GiB of kernel memory per family.
+const (
+	minNATEntries = 1024
+	maxNATEntries = 1 << 24
+)
+
+func natMaxEntriesUsage() string {
+	mib := func(n uint32, v6 bool) string { return fmt.Sprintf("%.0f MiB", float64(bpf.NATMemory(n, v6))/(1<<20)) }
+	return fmt.Sprintf("entries of each family's BPF table of flows that proved two-way, never evicted (two per flow), "+
+		"from %d to %d; flows not yet answered get half as many (evicted first) and kept RETURN verdicts a quarter. "+
+		"Preallocated kernel memory per family, %.0f bytes per entry for IPv4 and %.0f for IPv6: %s and %s at the default "+
+		"(IPv6 only with --enable-ipv6)", minNATEntries, maxNATEntries,
+		float64(bpf.NATMemory(1<<20, false))/(1<<20), float64(bpf.NATMemory(1<<20, true))/(1<<20),
+		mib(bpf.DefaultNATEntries, false), mib(bpf.DefaultNATEntries, true))
 }
 
 // timeoutFields are the keys of --nat-timeouts and the timeout each sets.
@@ -214,8 +233,12 @@ func (f *agentFlags) agentBackendOptions() (backends.Options, error) {
 	if err != nil {
 		return backends.Options{}, usageError{err}
 	}
+	if f.natMaxEntries < minNATEntries || f.natMaxEntries > maxNATEntries {
+		return backends.Options{}, usageError{fmt.Errorf("nat-max-entries %d: must be from %d to %d", f.natMaxEntries, minNATEntries, maxNATEntries)}
+	}
 	o := f.backendOptions(nil)
 	o.Timeouts = timeouts
+	o.NATEntries = uint32(f.natMaxEntries)
 	return o, nil
 }
 

@@ -279,13 +279,21 @@ type NATReporter interface {
 
 // NATStats are the NAT table's metrics.
 type NATStats struct {
-	// Entries counts the table's entries by family and protocol; a flow takes one entry per
-	// direction. Families and protocols without entries may be left out.
+	// Entries counts the table's entries by family, protocol and state; a flow takes one entry
+	// per direction. Combinations without entries may be left out.
 	Entries []NATEntries
+	// Tables says how full each of the NAT's tables is, per family.
+	Tables []NATTable
 	// PortAllocationRetries counts port claims that found the port taken and tried another.
 	PortAllocationRetries uint64
 	// PortAllocationFailures counts new flows that found no free port within the retries.
 	PortAllocationFailures uint64
+	// PortAttempts is the histogram of the probes that successful port allocations took.
+	PortAttempts Histogram
+	// EstablishedEvictable counts flows that proved two-way while the table that never evicts
+	// was full, and so stayed where entries are evicted: an upper bound on the established flows
+	// the table can have evicted, 0 as long as the table has room.
+	EstablishedEvictable uint64
 	// Events counts the datapath's events by name (BPF: enum event of bpf/types.h, see
 	// bpf.Event), drops among them; every event the datapath knows should be present, zero or
 	// not, so the series exist before the first one.
@@ -302,10 +310,27 @@ type NATEntries struct {
 	Family policy.Family
 	// Protocol is ProtocolName of the entries' IP protocol.
 	Protocol string
-	// State is the flows' state in a NATSummary ("unreplied", "established", "closing"); empty
-	// in NATStats.
+	// State is the flows' state: "unreplied", "established", "closing", or "kept" (the verdict a
+	// flow the policy left alone keeps).
 	State   string
 	Entries uint64
+}
+
+// NATTable is how full one of a family's NAT tables is.
+type NATTable struct {
+	Family policy.Family
+	// Table names it: "confirmed" (flows that proved two-way; never evicted), "unreplied" (the
+	// rest; least recently used evicted first), "keep" (kept verdicts).
+	Table             string
+	Entries, Capacity uint64
+}
+
+// Histogram is a histogram of counts: Counts[i] observations of at most Bounds[i] (and more
+// than Bounds[i-1]), summing to Sum.
+type Histogram struct {
+	Bounds []float64
+	Counts []uint64
+	Sum    float64
 }
 
 // RemoteEndpoint is a remote address and port (the destination of the flows leaving the node)

@@ -39,8 +39,11 @@ const (
 	RulePackets          = Namespace + "_rule_packets_total"
 	RuleBytes            = Namespace + "_rule_bytes_total"
 	NATEntries           = Namespace + "_nat_entries"
+	NATFillRatio         = Namespace + "_nat_fill_ratio"
+	NATEvictable         = Namespace + "_nat_established_evictions_total"
 	NATPortRetries       = Namespace + "_nat_port_allocation_retries_total"
 	NATPortFailures      = Namespace + "_nat_port_allocation_failures_total"
+	NATPortAttempts      = Namespace + "_nat_port_allocation_attempts"
 	Drops                = Namespace + "_drops_total"
 	DatapathEvents       = Namespace + "_datapath_events_total"
 	NATSwept             = Namespace + "_nat_swept_entries_total"
@@ -97,9 +100,12 @@ func Definitions() []Definition {
 	return []Definition{
 		{RulePackets, "counter", ruleLabels, "Packets that matched the rule: on iptables the first packet of each new connection, on BPF every packet."},
 		{RuleBytes, "counter", ruleLabels, "Bytes (IP packet lengths) of the packets counted in " + RulePackets + "."},
-		{NATEntries, "gauge", []string{"family", "protocol"}, "Entries in the BPF datapath's NAT table (one per direction of a flow)."},
+		{NATEntries, "gauge", []string{"family", "protocol", "state"}, "Entries in the BPF datapath's NAT tables (one per direction of a flow; one per flow for kept verdicts), by state: unreplied, established, closing, kept."},
+		{NATFillRatio, "gauge", []string{"family", "table"}, "How full each NAT table is (entries over capacity): confirmed (two-way flows, never evicted), unreplied (evicted first), keep (kept RETURN verdicts)."},
+		{NATEvictable, "counter", nil, "Flows that proved two-way while the confirmed table was full, so that they stayed where entries are evicted: an upper bound on established flows evicted; 0 while --nat-max-entries has room."},
 		{NATPortRetries, "counter", nil, "Source port claims that found the port taken and tried another."},
-		{NATPortFailures, "counter", nil, "New flows that found no free source port within the retries (each one a dropped packet)."},
+		{NATPortFailures, "counter", nil, "New flows that found no free source port within the probes (each one a dropped packet)."},
+		{NATPortAttempts, "histogram", nil, "Probes that successful source port allocations took."},
 		{Drops, "counter", []string{"reason"}, "Packets the BPF datapath dropped, by reason: no_port, no_addr (the uplink has no address of the family), rewrite (a rewrite failed), untranslatable (a pod's packet the NAT cannot translate, to a masqueraded destination)."},
 		{DatapathEvents, "counter", []string{"event"}, "Events the BPF datapath counted, by event (the README lists them): new mappings, port retries, repairs, drops (drop_*, by reason also in " + Drops + ") and more."},
 		{NATSwept, "counter", []string{"protocol"}, "NAT table entries the periodic sweep removed as idle."},
@@ -285,7 +291,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	c.collectRules(ctx, counter)
 	nat, hasNAT := c.opts.Backend.(datapath.NATReporter)
 	if hasNAT {
-		c.collectNAT(ctx, nat, gauge, counter)
+		c.collectNAT(ctx, ch, nat, gauge, counter)
 	}
 	hooks, hasHooks := c.opts.Backend.(datapath.HookReporter)
 	if hasHooks {
@@ -363,28 +369,42 @@ func (c *Collector) collectRules(ctx context.Context, counter func(string, uint6
 	}
 }
 
-func (c *Collector) collectNAT(ctx context.Context, nat datapath.NATReporter, gauge func(string, float64, ...string), counter func(string, uint64, ...string)) {
+func (c *Collector) collectNAT(ctx context.Context, ch chan<- prometheus.Metric, nat datapath.NATReporter, gauge func(string, float64, ...string), counter func(string, uint64, ...string)) {
 	st, err := nat.NATStats(ctx)
 	if err != nil {
 		c.natErrors.Add(1)
 		c.log.Warn("scrape: cannot read the NAT table; leaving its metrics out", "error", err)
 		return
 	}
-	type entryKey struct{ family, protocol string }
+	type entryKey struct{ family, protocol, state string }
 	entries := map[entryKey]uint64{}
 	var order []entryKey
 	for _, e := range st.Entries {
-		k := entryKey{e.Family.String(), e.Protocol}
+		k := entryKey{e.Family.String(), e.Protocol, e.State}
 		if _, ok := entries[k]; !ok {
 			order = append(order, k)
 		}
-		entries[k] += e.Entries // one series per family and protocol, whatever the state
+		entries[k] += e.Entries
 	}
 	for _, k := range order {
-		gauge(NATEntries, float64(entries[k]), k.family, k.protocol)
+		gauge(NATEntries, float64(entries[k]), k.family, k.protocol, k.state)
 	}
+	for _, t := range st.Tables {
+		if t.Capacity > 0 {
+			gauge(NATFillRatio, float64(t.Entries)/float64(t.Capacity), t.Family.String(), t.Table)
+		}
+	}
+	counter(NATEvictable, st.EstablishedEvictable)
 	counter(NATPortRetries, st.PortAllocationRetries)
 	counter(NATPortFailures, st.PortAllocationFailures)
+	h := st.PortAttempts
+	buckets := make(map[float64]uint64, len(h.Bounds))
+	var cum uint64
+	for i, bound := range h.Bounds {
+		cum += h.Counts[i]
+		buckets[bound] = cum
+	}
+	ch <- prometheus.MustNewConstHistogram(c.descs[NATPortAttempts], cum, h.Sum, buckets)
 	for reason, n := range st.Drops {
 		counter(Drops, n, reason)
 	}

@@ -112,7 +112,8 @@ ip_masq_agent_datapath_info{attach_mode="none",backend="fake"} 1
 		t.Error(err)
 	}
 	// Without the optional NAT interface there are no NAT series at all.
-	if n := testutil.CollectAndCount(c, NATEntries, NATPortRetries, NATPortFailures, Drops, DatapathEvents, NATSwept); n != 0 {
+	if n := testutil.CollectAndCount(c, NATEntries, NATFillRatio, NATEvictable, NATPortRetries, NATPortFailures, NATPortAttempts,
+		Drops, DatapathEvents, NATSwept); n != 0 {
 		t.Errorf("%d NAT series from a backend without a NAT table", n)
 	}
 }
@@ -120,31 +121,56 @@ ip_masq_agent_datapath_info{attach_mode="none",backend="fake"} 1
 func TestNATMetrics(t *testing.T) {
 	b := &datapathtest.NATBackend{Installed: natInfo, Stats: datapath.NATStats{
 		Entries: []datapath.NATEntries{
-			{Family: policy.IPv4, Protocol: "tcp", Entries: 10},
-			{Family: policy.IPv4, Protocol: "udp", Entries: 4},
-			// A second count of the same family and protocol (another state) adds up.
+			{Family: policy.IPv4, Protocol: "tcp", State: "established", Entries: 10},
+			{Family: policy.IPv4, Protocol: "udp", State: "unreplied", Entries: 4},
 			{Family: policy.IPv4, Protocol: "tcp", State: "closing", Entries: 2},
-			{Family: policy.IPv6, Protocol: "icmpv6", Entries: 2},
+			// A second count of the same family, protocol and state adds up.
+			{Family: policy.IPv4, Protocol: "tcp", State: "closing", Entries: 1},
+			{Family: policy.IPv6, Protocol: "icmpv6", State: "kept", Entries: 2},
 		},
+		Tables: []datapath.NATTable{
+			{Family: policy.IPv4, Table: "confirmed", Entries: 12, Capacity: 48},
+			{Family: policy.IPv4, Table: "unreplied", Entries: 4, Capacity: 32},
+			// An empty table has no capacity reported: no ratio.
+			{Family: policy.IPv6, Table: "keep", Entries: 0, Capacity: 0},
+		},
+		EstablishedEvictable:   5,
 		PortAllocationRetries:  17,
 		PortAllocationFailures: 3,
+		PortAttempts:           datapath.Histogram{Bounds: []float64{1, 2, 4}, Counts: []uint64{30, 8, 2}, Sum: 52},
 		Drops:                  map[string]uint64{"no_port": 3, "no_addr": 0, "rewrite": 1},
 		Events:                 map[string]uint64{"new_masq": 40, "port_retry": 17, "drop_no_port": 3, "drop_no_addr": 0, "drop_rewrite": 1},
 		Swept:                  map[string]uint64{"tcp": 40, "udp": 12},
 	}}
 	c := NewCollector(Options{Backend: b})
 	want := `
-# HELP ip_masq_agent_nat_entries Entries in the BPF datapath's NAT table (one per direction of a flow).
+# HELP ip_masq_agent_nat_entries ` + helpOf(NATEntries) + `
 # TYPE ip_masq_agent_nat_entries gauge
-ip_masq_agent_nat_entries{family="ipv4",protocol="tcp"} 12
-ip_masq_agent_nat_entries{family="ipv4",protocol="udp"} 4
-ip_masq_agent_nat_entries{family="ipv6",protocol="icmpv6"} 2
+ip_masq_agent_nat_entries{family="ipv4",protocol="tcp",state="established"} 10
+ip_masq_agent_nat_entries{family="ipv4",protocol="tcp",state="closing"} 3
+ip_masq_agent_nat_entries{family="ipv4",protocol="udp",state="unreplied"} 4
+ip_masq_agent_nat_entries{family="ipv6",protocol="icmpv6",state="kept"} 2
+# HELP ip_masq_agent_nat_fill_ratio ` + helpOf(NATFillRatio) + `
+# TYPE ip_masq_agent_nat_fill_ratio gauge
+ip_masq_agent_nat_fill_ratio{family="ipv4",table="confirmed"} 0.25
+ip_masq_agent_nat_fill_ratio{family="ipv4",table="unreplied"} 0.125
+# HELP ip_masq_agent_nat_established_evictions_total ` + helpOf(NATEvictable) + `
+# TYPE ip_masq_agent_nat_established_evictions_total counter
+ip_masq_agent_nat_established_evictions_total 5
 # HELP ip_masq_agent_nat_port_allocation_retries_total Source port claims that found the port taken and tried another.
 # TYPE ip_masq_agent_nat_port_allocation_retries_total counter
 ip_masq_agent_nat_port_allocation_retries_total 17
-# HELP ip_masq_agent_nat_port_allocation_failures_total New flows that found no free source port within the retries (each one a dropped packet).
+# HELP ip_masq_agent_nat_port_allocation_failures_total ` + helpOf(NATPortFailures) + `
 # TYPE ip_masq_agent_nat_port_allocation_failures_total counter
 ip_masq_agent_nat_port_allocation_failures_total 3
+# HELP ip_masq_agent_nat_port_allocation_attempts ` + helpOf(NATPortAttempts) + `
+# TYPE ip_masq_agent_nat_port_allocation_attempts histogram
+ip_masq_agent_nat_port_allocation_attempts_bucket{le="1"} 30
+ip_masq_agent_nat_port_allocation_attempts_bucket{le="2"} 38
+ip_masq_agent_nat_port_allocation_attempts_bucket{le="4"} 40
+ip_masq_agent_nat_port_allocation_attempts_bucket{le="+Inf"} 40
+ip_masq_agent_nat_port_allocation_attempts_sum 52
+ip_masq_agent_nat_port_allocation_attempts_count 40
 # HELP ip_masq_agent_drops_total Packets the BPF datapath dropped, by reason: no_port, no_addr (the uplink has no address of the family), rewrite (a rewrite failed), untranslatable (a pod's packet the NAT cannot translate, to a masqueraded destination).
 # TYPE ip_masq_agent_drops_total counter
 ip_masq_agent_drops_total{reason="no_addr"} 0
@@ -162,7 +188,8 @@ ip_masq_agent_datapath_info{attach_mode="tcx",backend="bpf"} 1
 ip_masq_agent_scrape_errors_total{source="nat"} 0
 ip_masq_agent_scrape_errors_total{source="rules"} 0
 `
-	if err := testutil.CollectAndCompare(c, strings.NewReader(want), NATEntries, NATPortRetries, NATPortFailures, Drops, NATSwept, DatapathInfo, ScrapeErrors); err != nil {
+	if err := testutil.CollectAndCompare(c, strings.NewReader(want), NATEntries, NATFillRatio, NATEvictable, NATPortRetries,
+		NATPortFailures, NATPortAttempts, Drops, NATSwept, DatapathInfo, ScrapeErrors); err != nil {
 		t.Error(err)
 	}
 	// Every event the backend counts is a series of its own, zero or not.
@@ -358,8 +385,10 @@ func TestNamesAndLint(t *testing.T) {
 		MissingAddresses: []netip.Addr{netip.MustParseAddr("10.0.0.11")}}
 	b := &datapathtest.HookBackend{NATBackend: datapathtest.NATBackend{Installed: natInfo,
 		Backend: datapathtest.Backend{RuleCounters: []datapath.RuleCounter{rc(policy.IPv4, 1, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 1, 60)}},
-		Stats: datapath.NATStats{Entries: []datapath.NATEntries{{Family: policy.IPv4, Protocol: "tcp", Entries: 1}},
-			Events: map[string]uint64{"drop_no_port": 0}, Drops: map[string]uint64{"no_port": 0}, Swept: map[string]uint64{"tcp": 0}},
+		Stats: datapath.NATStats{Entries: []datapath.NATEntries{{Family: policy.IPv4, Protocol: "tcp", State: "established", Entries: 1}},
+			Tables:       []datapath.NATTable{{Family: policy.IPv4, Table: "confirmed", Entries: 1, Capacity: 4}},
+			PortAttempts: datapath.Histogram{Bounds: []float64{1, 2}, Counts: []uint64{1, 0}, Sum: 1},
+			Events:       map[string]uint64{"drop_no_port": 0}, Drops: map[string]uint64{"no_port": 0}, Swept: map[string]uint64{"tcp": 0}},
 	}, Hook: []datapath.Hook{{Device: "eth0", Ifindex: 2, Direction: "egress"}},
 		Uplink: []datapath.Uplink{{Device: "eth0", Ifindex: 2, Via: "default route", Covered: true}}}
 	c := NewCollector(Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver()})

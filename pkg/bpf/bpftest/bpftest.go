@@ -120,7 +120,7 @@ func load(layout, as int, root string, o Options) (*Old, error) {
 		switch name {
 		case "masq_v4", "nomasq_v4", "masq_v6", "nomasq_v6", "rule_stats", "rule_slots":
 			m.MaxEntries = o.MaxRules
-		case "nat_v4", "nat_v6":
+		case "nat_v4", "nat_v6", "nat_new_v4", "nat_new_v6", "keep_v4", "keep_v6": // the last four from layout 5
 			m.MaxEntries = o.NATEntries
 		case "frag_v4", "frag_v6":
 			m.MaxEntries = 256
@@ -241,12 +241,15 @@ type policyLayout struct {
 	// familyCfg is the size of struct family_cfg; trieValue the trie values.
 	familyCfg int
 	trieValue func(fam policy.Family, action policy.Action, slot uint32) []byte
+	// portSeed: nat_config holds the secret of the port sequences after nports (layout 5).
+	portSeed bool
 }
 
 // policyLayouts are how each layout holds the policy (its tries' values and nat_config): a
 // layout that changes them adds its entry here, one that does not reuses its predecessor's.
 var policyLayouts = map[int]policyLayout{
 	1: legacyPolicy, 2: legacyPolicy, 3: verdictPolicy, 4: verdictPolicy,
+	5: {familyCfg: verdictPolicy.familyCfg, trieValue: verdictPolicy.trieValue, portSeed: true},
 }
 
 // verdictPolicy is layout 3's: the verdict in the trie values.
@@ -260,8 +263,9 @@ var legacyPolicy = policyLayout{familyCfg: 8, trieValue: func(_ policy.Family, _
 	return binary.NativeEndian.AppendUint32(nil, slot)
 }}
 
-// natConfig is struct nat_config: per family enabled, outbound, pad[2], out_slot (and in layout
-// 3 a reserved address), then random_fully, nranges, pad, nports and the ranges.
+// natConfig is struct nat_config: per family enabled, outbound, pad[2], out_slot (and from layout
+// 3 a reserved address), then random_fully, nranges, pad, nports (from layout 5 the port seed)
+// and the ranges.
 func (l policyLayout) natConfig(p *policy.Policy, outSlot map[policy.Family]uint32) []byte {
 	var v []byte
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
@@ -278,6 +282,9 @@ func (l policyLayout) natConfig(p *policy.Policy, outSlot map[policy.Family]uint
 	r := policy.DefaultPortRange
 	v = append(v, 1, 1, 0, 0) // random_fully, one range
 	v = binary.NativeEndian.AppendUint32(v, uint32(r.Size()))
+	if l.portSeed {
+		v = binary.NativeEndian.AppendUint32(v, 0x5eed5eed)
+	}
 	ranges := make([]byte, 16*4)
 	binary.NativeEndian.PutUint16(ranges[0:], r.First)
 	binary.NativeEndian.PutUint16(ranges[2:], r.Last)
