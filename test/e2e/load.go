@@ -48,7 +48,9 @@ func udpNAT(ctx context.Context, tb testing.TB, ag *Agent) (entries, swept float
 	if err != nil {
 		tb.Fatal(err)
 	}
-	entries, _ = m.Value("ip_masq_agent_nat_entries", Labels{"family": "ipv4", "protocol": "udp"})
+	for _, v := range m.Series("ip_masq_agent_nat_entries", Labels{"family": "ipv4", "protocol": "udp"}) {
+		entries += v // every state
+	}
 	swept, _ = m.Value("ip_masq_agent_nat_swept_entries_total", Labels{"protocol": "udp"})
 	return entries, swept
 }

@@ -386,3 +386,59 @@ func WaitListening(ctx context.Context, t testing.TB, ns string, addr netip.Addr
 		}
 	}
 }
+
+// UDPLine is a connected UDP socket from a pod to a StartLineEcho server, held across steps of a
+// test: one flow, as long as it keeps its source port.
+type UDPLine struct{ c net.Conn }
+
+// DialUDPLine opens a UDP socket in ns toward the line echo server at dst.
+func DialUDPLine(ctx context.Context, ns string, dst netip.Addr) (*UDPLine, error) {
+	var c net.Conn
+	err := testutil.Do(ns, func() error {
+		var err error
+		c, err = (&net.Dialer{}).DialContext(ctx, "udp", netip.AddrPortFrom(dst, LinePort).String())
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("udp socket to %s:%d: %w", dst, LinePort, err)
+	}
+	return &UDPLine{c: c}, nil
+}
+
+// Exchange sends a datagram and returns the source the server saw, sending again now and then
+// until an answer comes or probeWindow ends (a datagram may meet unresolved neighbours).
+func (u *UDPLine) Exchange(line string) (netip.AddrPort, error) {
+	deadline := time.Now().Add(probeWindow)
+	buf := make([]byte, 512)
+	for {
+		if _, err := u.c.Write([]byte(line)); err != nil {
+			return netip.AddrPort{}, fmt.Errorf("send %q: %w", line, err)
+		}
+		next := time.Now().Add(300 * time.Millisecond)
+		if next.After(deadline) {
+			next = deadline
+		}
+		if err := u.c.SetReadDeadline(next); err != nil {
+			return netip.AddrPort{}, err
+		}
+		n, err := u.c.Read(buf)
+		if err != nil {
+			if ne, ok := err.(net.Error); ok && ne.Timeout() && time.Now().Before(deadline) {
+				continue
+			}
+			return netip.AddrPort{}, fmt.Errorf("answer to %q: %w", line, err)
+		}
+		head, body, ok := strings.Cut(string(buf[:n]), "\n")
+		if !ok || body != line {
+			continue // the answer to an earlier send
+		}
+		ap, err := netip.ParseAddrPort(strings.TrimPrefix(head, "from "))
+		if err != nil {
+			return netip.AddrPort{}, fmt.Errorf("answer to %q: %w", line, err)
+		}
+		return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), nil
+	}
+}
+
+// Close closes the socket.
+func (u *UDPLine) Close() error { return u.c.Close() }
