@@ -62,7 +62,8 @@
  * Ports: the original port first unless random_fully, then the remote endpoint's next ports in
  * turn (a per-endpoint sequence at a secret offset, as Linux picks ports for connect(): reuse of
  * a port toward one endpoint is spread over time), then independent random probes, up to
- * NAT_PROBES in all: at 95% occupancy 128 probes fail one allocation in 700. */
+ * NAT_PROBES in all: at 95% occupancy 128 probes fail about one allocation in 600
+ * (measured: 3 in 2,000, TestPortAllocationAt95). */
 #pragma once
 
 #include <linux/bpf.h>

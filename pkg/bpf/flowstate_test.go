@@ -102,7 +102,7 @@ func TestHostRepliesStayOutOfTheTable(t *testing.T) {
 			planted := keyTuple(Ingress, unix.IPPROTO_TCP, client, ap(host, 8443))
 			v := masqNatEntry{Addr: addrBytes(pod(fam.v6, 1)), Port: htons(8443), Kind: masqNatKind(KindMasq),
 				Flags: masqNatFlags(FlagReplied), LastSeen: uint64(MonotonicNow())}
-			if err := h.dp.natMapFor(f, TableConfirmed).Put(planted.key(), &v); err != nil {
+			if err := h.dp.natTable(f).tables()[TableConfirmed].Put(planted.key(), &v); err != nil {
 				t.Fatal(err)
 			}
 			in := tcpPacket(client, ap(host, 8443), tcpACK, nil)
@@ -484,12 +484,6 @@ func TestEvictionSparesEstablished(t *testing.T) {
 			t.Fatalf("established flow %s moved from %s to %s once the table was full", f.pod, f.nat, got)
 		}
 	}
-}
-
-// natMapFor is a family's flow table tbl.
-func (d *Datapath) natMapFor(fam policy.Family, tbl Table) *ebpf.Map {
-	m := map[policy.Family][2]*ebpf.Map{policy.IPv4: {d.objs.NatV4, d.objs.NatNewV4}, policy.IPv6: {d.objs.NatV6, d.objs.NatNewV6}}
-	return m[fam][tbl]
 }
 
 // TestNATMemory: what NATMemory says (and --nat-max-entries' help prints) is what the kernel

@@ -13,6 +13,8 @@ import (
 	"unsafe"
 
 	"github.com/cilium/ebpf"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
 // A migration carries what the maps of older layouts hold into this build's (layout.go says
@@ -407,11 +409,10 @@ func (d *Datapath) natEmpty() (bool, error) {
 // unreplied) is where an entry of the same layout goes; entries of the layouts before the two
 // tables (before firstTwoTableLayout) go where their state says.
 func (d *Datapath) natTableByName(name string) natMigrator {
-	switch name {
-	case masqMapNatV6, masqMapNatNewV6:
-		return natTableOf[masqNat6Key]{d.objs.NatV6, d.objs.NatNewV6, d.objs.KeepV6}
+	if name == masqMapNatV6 || name == masqMapNatNewV6 {
+		return d.natTable(policy.IPv6)
 	}
-	return natTableOf[masqNat4Key]{d.objs.NatV4, d.objs.NatNewV4, d.objs.KeepV4}
+	return d.natTable(policy.IPv4)
 }
 
 // natMigrator is what a migration does with one family's flow tables.

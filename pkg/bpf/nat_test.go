@@ -49,7 +49,7 @@ func (h *harness) entryMap(dir Direction, proto uint8, src, dst netip.AddrPort) 
 	if err != nil || !ok {
 		h.t.Fatalf("no entry %s %s -> %s (%v)", dir, src, dst, err)
 	}
-	return h.dp.natMapFor(policy.FamilyOf(src.Addr()), e.Table)
+	return h.dp.natTable(policy.FamilyOf(src.Addr())).tables()[e.Table]
 }
 
 // age sets an entry's last_seen, as if its last packet was that long ago.

@@ -153,6 +153,8 @@ func (t natTableOf[K]) lookup(k *K, v *masqNatEntry) (found, confirmed bool, err
 
 // natTable is one family's NAT tables, wrapped with the operations of its key layout.
 type natTable interface {
+	natMigrator
+	tables() [2]*ebpf.Map
 	entries(fn func(NATEntry) bool) error
 	count(fn func(proto uint8, table Table, flags Flags)) error
 	flows(fn func(Flow) bool) error

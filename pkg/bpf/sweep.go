@@ -19,12 +19,12 @@ type SweepResult struct {
 }
 
 // Pressure: when a sweep finds a family's table of confirmed flows at least pressureFill full,
-// the next sweep expires its closing flows once idle for PressureIdle, whatever TCPClosing says
+// the next sweep expires its closing flows once idle for pressureIdle, whatever TCPClosing says
 // (conntrack's early_drop, which goes for closing connections first); established flows keep
 // their timeouts.
 const (
 	pressureFill = 0.9
-	PressureIdle = 10 * time.Second
+	pressureIdle = 10 * time.Second
 )
 
 // Sweep removes the flows idle for longer than their timeout at time now (MonotonicNow), both
@@ -49,7 +49,7 @@ func (d *Datapath) Sweep(now time.Duration, t Timeouts) (res SweepResult, err er
 	for i, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 		tt := t
 		if float64(d.confirmedSeen[i].Load()) >= pressureFill*float64(d.Capacity(fam, TableConfirmed)) {
-			tt.TCPClosing = min(tt.TCPClosing, PressureIdle)
+			tt.TCPClosing = min(tt.TCPClosing, pressureIdle)
 		}
 		n, err := d.natTable(fam).sweep(now, tt, &res, swept)
 		if err != nil {

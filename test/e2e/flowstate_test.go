@@ -328,53 +328,22 @@ func TestPolicyFlipKeepsFlows(t *testing.T) {
 				}
 				env.SetGood(cfg, false)
 			}
-			type flows struct {
-				tcp            *Conn
-				udp            *UDPLine
-				tcpSrc, udpSrc netip.AddrPort
-			}
-			n := 0
-			open := func(want netip.Addr) *flows {
+			open := func(want netip.Addr) *heldFlow {
 				t.Helper()
-				f := &flows{}
-				var err error
-				if f.tcp, err = DialLine(ctx, env.Pod, netip.AddrPort{}, dst); err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { f.tcp.Close() })
-				if f.udp, err = DialUDPLine(ctx, env.Pod, dst); err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { f.udp.Close() })
-				if f.tcpSrc, err = f.tcp.Exchange("open"); err != nil {
-					t.Fatal(err)
-				}
-				if f.udpSrc, err = f.udp.Exchange("open"); err != nil {
-					t.Fatal(err)
-				}
+				f := holdFlows(ctx, t, env, dst)
 				if f.tcpSrc.Addr() != want || f.udpSrc.Addr() != want {
 					t.Fatalf("new flows seen from %s (tcp) and %s (udp), want %s", f.tcpSrc, f.udpSrc, want)
 				}
 				return f
 			}
-			same := func(f *flows, when string) {
-				t.Helper()
-				n++
-				if src, err := f.tcp.Exchange("tcp-" + strconv.Itoa(n)); err != nil || src != f.tcpSrc {
-					t.Fatalf("%s: a TCP connection opened as %s is seen from %s (%v)", when, f.tcpSrc, src, err)
-				}
-				if src, err := f.udp.Exchange("udp-" + strconv.Itoa(n)); err != nil || src != f.udpSrc {
-					t.Fatalf("%s: a UDP flow opened as %s is seen from %s (%v)", when, f.udpSrc, src, err)
-				}
-			}
 
 			left := open(PodAddr4)
 			flip(flipMasq)
-			same(left, "after the flip to MASQUERADE")
+			left.check(t, "after the flip to MASQUERADE")
 			masqueraded := open(NodeAddr4)
 			flip(flipReturn)
-			same(left, "after the flip back")
-			same(masqueraded, "after the flip back")
+			left.check(t, "after the flip back")
+			masqueraded.check(t, "after the flip back")
 			open(PodAddr4)
 		})
 	}
