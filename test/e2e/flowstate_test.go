@@ -129,9 +129,23 @@ func TestFloodsSpareIdleFlows(t *testing.T) {
 			defer cancel()
 			env := NewBackendEnv(ctx, t, b, nil)
 			env.SetGood("", true)
+			// The held flows stay idle through the floods, which take seconds here and can take
+			// minutes on a loaded machine: each backend's UDP idle timeout (conntrack's 30 s,
+			// the BPF datapath's 2 min) is set beyond the test's deadline, so that what the
+			// test sees is the floods' doing, never the timeout's.
+			if b.NAT {
+				env.AgentFlags = append(env.AgentFlags, "--nat-timeouts=udp=5m")
+			}
 			ag := env.StartAgent(ctx, t, b)
 			if err := ag.WaitReady(ctx); err != nil {
 				t.Fatal(err)
+			}
+			if !b.NAT {
+				for _, key := range []string{"nf_conntrack_udp_timeout", "nf_conntrack_udp_timeout_stream"} {
+					if err := WriteSysctl(env.Node, "net.netfilter."+key, "300"); err != nil {
+						t.Fatal(err)
+					}
+				}
 			}
 			StartLineEcho(t, env.Ext, []netip.Addr{public4})
 			env.CutReturnRoutes(ctx, t) // every answer now proves a translation
