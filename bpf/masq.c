@@ -366,13 +366,16 @@ static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const in
 }
 
 /* local_dest tells whether the destination of an inbound packet is behind this node: delivered
- * to it (or not forwarded at all), or routed to a device that is not an uplink, as the kernel's
- * routing (policy rules included) decides for this very packet. */
+ * to it (or not forwarded at all), or routed out another device than the one it came by, as the
+ * kernel's routing (policy rules included) decides for this very packet. That device may be an
+ * uplink too (a pods' device whose routes make it one, another uplink): its egress masquerades
+ * the flow where the policy says so, as POSTROUTING does, and the replies, translated back on
+ * its ingress, must leave here untouched. A packet routed back out the device it came by is
+ * not for this node. */
 static __always_inline int local_dest(struct __sk_buff *skb, const struct pkt *p, const int v6)
 {
 	struct bpf_fib_lookup fib = {.family = v6 ? AF_INET6 : AF_INET, .l4_protocol = p->proto,
 				     .sport = p->sport, .dport = p->dport, .ifindex = skb->ifindex};
-	__u32 out;
 
 	if (v6) {
 		__builtin_memcpy(fib.ipv6_src, p->saddr, 16);
@@ -384,8 +387,7 @@ static __always_inline int local_dest(struct __sk_buff *skb, const struct pkt *p
 	switch (bpf_fib_lookup(skb, &fib, sizeof(fib), 0)) {
 	case BPF_FIB_LKUP_RET_SUCCESS:
 	case BPF_FIB_LKUP_RET_NO_NEIGH:
-		out = fib.ifindex;
-		return out != skb->ifindex && !bpf_map_lookup_elem(&uplink_snat, &out);
+		return fib.ifindex != skb->ifindex;
 	case BPF_FIB_LKUP_RET_NOT_FWDED:   /* a local address */
 	case BPF_FIB_LKUP_RET_FWD_DISABLED: /* nothing is routed on: only the node can take it */
 		return 1;

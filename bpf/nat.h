@@ -37,7 +37,7 @@
  *   ingress: a TCP SYN, UDP datagram (UDP has no opening packet: as conntrack, any datagram) or
  *     echo request addressed to this host (PACKET_HOST), from a remote the policy masquerades
  *     (replies to others leave untouched anyway), toward an address behind this node: delivered
- *     here, or routed to a device that is not an uplink (bpf_fib_lookup, the kernel's own
+ *     here, or routed out another device than the one it came by (bpf_fib_lookup, the kernel's own
  *     answer, so pod routes need no copy in a map).
  *
  * TCP: each half records its direction's latest ACK, window and segment end, and from its SYN the

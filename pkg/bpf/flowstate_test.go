@@ -120,9 +120,9 @@ func TestHostRepliesStayOutOfTheTable(t *testing.T) {
 }
 
 // TestInboundOnlyByOpenersTowardLocalAddresses: only a connection-opening packet (TCP SYN, UDP
-// datagram, echo request) toward an address behind the node (routed to a device that is not an
-// uplink) opens an inbound flow: stray ACKs toward a pod and anything toward an address routed
-// back out create nothing.
+// datagram, echo request) toward an address behind the node (routed out another device than the
+// one it came by, another uplink included) opens an inbound flow: stray ACKs toward a pod and
+// anything toward an address routed back out the device it came by create nothing.
 func TestInboundOnlyByOpenersTowardLocalAddresses(t *testing.T) {
 	h := newHarness(t, defaultPolicy(true), LoadOptions{})
 	for _, fam := range families {
@@ -130,7 +130,7 @@ func TestInboundOnlyByOpenersTowardLocalAddresses(t *testing.T) {
 			h.t = t
 			f := policy.FamilyOf(remote(fam.v6))
 			podAddr := pod(fam.v6, 77)
-			elsewhere := netip.MustParseAddr("203.0.113.50") // routed out up0, an uplink
+			elsewhere := netip.MustParseAddr("203.0.113.50") // routed back out lo, the device it came by
 			if fam.v6 {
 				elsewhere = netip.MustParseAddr("2001:db8:7777::50")
 			}
@@ -160,6 +160,18 @@ func TestInboundOnlyByOpenersTowardLocalAddresses(t *testing.T) {
 				if e, ok := h.entry(Egress, b.proto, rt.src, rt.dst); !ok || e.Kind != KindInbound {
 					t.Fatalf("%s opener toward a pod did not open an inbound flow: %+v", b.name, e)
 				}
+			}
+			// Toward an address routed out another uplink (up0), whose egress masquerades the
+			// flow: its replies, translated back on that uplink, must leave this one untouched.
+			transit := ap(remote(fam.v6), 8080) // the default route: up0
+			client := ap(remote(fam.v6), 40000)
+			h.mustPass(h.dp.Ingress(), tcpPacket(client, transit, tcpSYN, nil))
+			if e, ok := h.entry(Egress, unix.IPPROTO_TCP, transit, client); !ok || e.Kind != KindInbound {
+				t.Fatalf("a SYN toward an address routed out another uplink opened no inbound flow: %+v", e)
+			}
+			reply := tcpPacket(transit, client, tcpSYN|tcpACK, nil)
+			if out := h.mustPass(h.dp.Egress(), reply); !bytes.Equal(out, reply) {
+				t.Fatalf("the reply of a flow through another uplink was translated to %s", tupleOf(t, out).src)
 			}
 		})
 	}

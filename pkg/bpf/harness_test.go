@@ -31,6 +31,7 @@ import (
 //
 // The programs run in a namespace of the harness's own, whose routes are what the ingress
 // program's bpf_fib_lookup consults: the pod networks (pod4, pod6) are behind a device "pods",
+// 203.0.113.0/24 and 2001:db8:7777::/48 go back out lo (the uplink the packets come by), and
 // everything else goes out "up0", a second uplink.
 
 const (
@@ -83,6 +84,8 @@ route add default dev up0
 route add ::/0 dev up0
 route add 10.1.0.0/16 dev pods
 route add fd00::/16 dev pods
+route add 203.0.113.0/24 dev lo
+route add 2001:db8:7777::/48 dev lo
 `)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("harness namespace: %v: %s", err, out)
