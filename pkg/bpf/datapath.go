@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -107,8 +108,8 @@ type PinMismatch struct {
 
 // CheckPins compares the maps pinned under opts.PinPath with those Load(opts) would create, and
 // returns the ones that differ. A map that is not pinned is not a mismatch: Load creates it.
-// Removing the pins of the mismatches (RemovePins) lets Load replace just those maps, keeping
-// the rest: an upgrade that changes one table keeps the flows and counters of the others.
+// Removing the pins of the mismatches (RemovePins), or setting them aside so that a migration
+// carries their entries (SetAside), lets Load replace just those maps, keeping the rest.
 func CheckPins(opts LoadOptions) ([]PinMismatch, error) {
 	opts = opts.withDefaults()
 	if opts.PinPath == "" {
@@ -147,6 +148,42 @@ func RemovePins(dir string, names ...string) error {
 		}
 	}
 	return nil
+}
+
+// CarriedOnResize tells whether the entries of a map whose size changed are carried into the
+// new one (SetAside): the flow state's (NAT tables, kept verdicts, fragments). The other maps
+// whose size can change are the policy's, which a sync writes again, and the rule counters,
+// which a policy that outgrows them carries itself (AdoptRuleSlots).
+func CarriedOnResize(name string) bool {
+	return carried[name] == carryFlows || carried[name] == carryEntries
+}
+
+// SetAside moves the pins of the named maps of dir, a layout directory (LayoutDir), into a
+// directory of resized maps beside it, <dir>-resized-<k> with the first k not in use, and
+// returns that directory. Load then makes those maps anew, and Inspect reports the directory as
+// a source of dir's layout, whose entries a migration carries into the new maps before it
+// removes it; the programs attached meanwhile keep the set-aside maps, as with an older
+// layout's. A directory of resized maps is never written to again: maps set aside later, even
+// of the same names, go to a directory of their own, merged after it.
+func SetAside(dir string, names ...string) (string, error) {
+	to := ""
+	for k := 1; ; k++ {
+		to = dir + "-resized-" + strconv.Itoa(k)
+		if _, err := os.Stat(to); errors.Is(err, fs.ErrNotExist) {
+			break
+		} else if err != nil {
+			return "", fmt.Errorf("set aside resized maps: %w", err)
+		}
+	}
+	if err := os.Mkdir(to, 0o700); err != nil {
+		return "", fmt.Errorf("set aside resized maps: %w", err)
+	}
+	for _, name := range names {
+		if err := os.Rename(filepath.Join(dir, name), filepath.Join(to, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return to, fmt.Errorf("set aside resized map %s: %w", name, err)
+		}
+	}
+	return to, nil
 }
 
 // MapNames lists the names of every map of the datapath (its pins' file names), sorted.

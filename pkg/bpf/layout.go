@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -32,6 +33,11 @@ import (
 //     them once its programs run (Migration.Finish);
 //   - a layout it does not know (a newer vN, or pins whose shape no layout has): it refuses to
 //     start (ErrUnknownLayout) and touches nothing, since a newer agent may still need them.
+//
+// A map of this layout whose size changes (--nat-max-entries, --enable-ipv6) cannot be reused
+// either: its pin is set aside in a directory of resized maps, <root>/vN-resized-<k>, and Load
+// makes it anew at the new size. Inspect reports that directory as a source of layout N, so the
+// migration carries its entries into the new map as it carries an older layout's (SetAside).
 //
 // A new directory per layout is what makes a rollback safe: an agent of layout 2 knows nothing
 // of v3/, never touches it, and starts over with maps of its own at the root (its flows are
@@ -77,7 +83,10 @@ func LayoutDir(root string) string { return filepath.Join(root, "v"+strconv.Itoa
 // Inspect ignores, so that a crash halfway leaves nothing that counts (a bpffs takes no dots).
 func stagingDir(dir string) string { return dir + "-new" }
 
-var layoutDirName = regexp.MustCompile(`^v([1-9][0-9]*)$`)
+var (
+	layoutDirName  = regexp.MustCompile(`^v([1-9][0-9]*)$`)
+	resizedDirName = regexp.MustCompile(`^v([1-9][0-9]*)-resized-([1-9][0-9]*)$`)
+)
 
 // mapShape is what identifies a map's layout: its type and the sizes of its keys and values
 // (not max_entries, a size chosen at load time).
@@ -215,9 +224,16 @@ type Source struct {
 	Dir string
 	// layouts are the maps pinned there, each with its layout.
 	layouts map[string]int
+	// resized is k of a directory of resized maps, vN-resized-<k> (SetAside); 0 for the pins of
+	// an older layout.
+	resized int
 }
 
 func (s Source) legacy() bool { return s.Layout < firstDirLayout }
+
+// Resized tells that the source holds maps of this build's layout set aside because their size
+// changed (SetAside), rather than an older layout's.
+func (s Source) Resized() bool { return s.resized > 0 }
 
 func (s Source) String() string {
 	return fmt.Sprintf("layout %d pinned under %s", s.Layout, s.Dir)
@@ -228,10 +244,11 @@ type Pins struct {
 	Root string
 	// Current tells that this build's layout directory exists.
 	Current bool
-	// Sources are the pins of older layouts, in the order a migration merges them: older
-	// layout directories first, legacy pins at the root last. Their entries win a conflict
-	// with what was merged before: the legacy pins, which only an older agent started after
-	// a newer one (a rollback) can have made, are the newest.
+	// Sources are the pins of older layouts and the maps set aside as resized, in the order a
+	// migration merges them: older layout directories first (each before the maps set aside
+	// from it, in the order they were), legacy pins at the root last. Their entries win a
+	// conflict with what was merged before: the legacy pins, which only an older agent started
+	// after a newer one (a rollback) can have made, are the newest.
 	Sources []Source
 }
 
@@ -263,8 +280,12 @@ func Inspect(root string) (Pins, error) {
 			continue
 		}
 		m := layoutDirName.FindStringSubmatch(name)
-		if m == nil || !e.IsDir() {
+		resized := resizedDirName.FindStringSubmatch(name)
+		if m == nil && resized == nil || !e.IsDir() {
 			continue // the links' directory, a staging directory, anything else
+		}
+		if resized != nil {
+			m = resized
 		}
 		n, err := strconv.Atoi(m[1])
 		switch {
@@ -278,13 +299,19 @@ func Inspect(root string) (Pins, error) {
 		if err != nil {
 			return pins, err
 		}
-		if n == Layout {
+		switch {
+		case resized != nil:
+			if src.resized, err = strconv.Atoi(resized[2]); err != nil {
+				return pins, fmt.Errorf("%w: %s: %v", ErrUnknownLayout, filepath.Join(root, name), err)
+			}
+			dirs = append(dirs, src)
+		case n == Layout:
 			pins.Current = true
-		} else {
+		default:
 			dirs = append(dirs, src)
 		}
 	}
-	slices.SortFunc(dirs, func(a, b Source) int { return a.Layout - b.Layout })
+	slices.SortFunc(dirs, func(a, b Source) int { return cmp.Or(a.Layout-b.Layout, a.resized-b.resized) })
 	pins.Sources = dirs
 	if len(legacy.layouts) > 0 {
 		pins.Sources = append(pins.Sources, legacy)

@@ -13,6 +13,7 @@ import (
 	"unsafe"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
@@ -47,6 +48,11 @@ type Migration struct {
 	// Entries counts, by map, the entries carried into this build's maps (of arrays, those that
 	// are not all zero).
 	Entries map[string]int
+	// NoRoom counts the halves of confirmed flows that found no room in this build's confirmed
+	// table (smaller than the flows it had, --nat-max-entries lowered): they went to the
+	// unreplied table, where they work and can be evicted, as when the datapath finds the
+	// confirmed table full (FlagNoRoom).
+	NoRoom int
 }
 
 // source is a Source with its carried maps open.
@@ -203,7 +209,9 @@ func (m *Migration) carry(d *Datapath, src *source, p pass, fresh bool) error {
 				if p != passFirst {
 					since = m.since
 				}
-				n, err = d.natTableByName(name).carry(mp, name, from, fresh && p == passFirst, since)
+				var noRoom int
+				n, noRoom, err = d.natTableByName(name).carry(mp, name, from, fresh && p == passFirst, since)
+				m.NoRoom += noRoom
 			}
 			if err != nil {
 				return fmt.Errorf("%s: %w", name, err)
@@ -419,8 +427,9 @@ func (d *Datapath) natTableByName(name string) natMigrator {
 type natMigrator interface {
 	// carry merges the entries of src (map name, of layout from) whose last_seen is at least
 	// since; fast writes them in batches without merging (the tables are empty and no program
-	// writes them).
-	carry(src *ebpf.Map, name string, from int, fast bool, since time.Duration) (int, error)
+	// writes them). It returns how many it carried, and how many of them went to the unreplied
+	// table for want of room in the confirmed one.
+	carry(src *ebpf.Map, name string, from int, fast bool, since time.Duration) (n, noRoom int, err error)
 	renameSlots(rename map[uint32]uint32) error
 }
 
@@ -428,20 +437,28 @@ type natMigrator interface {
 // flows, and the state flags of bpf/nat.h (ORIG, REPLIED on both halves).
 const firstTwoTableLayout = 5
 
-func (t natTableOf[K]) carry(src *ebpf.Map, name string, from int, fast bool, since time.Duration) (int, error) {
+func (t natTableOf[K]) carry(src *ebpf.Map, name string, from int, fast bool, since time.Duration) (int, int, error) {
 	var batch [2]struct {
 		keys []K
 		vals []masqNatEntry
 	}
-	n := 0
+	n, noRoom := 0, 0
 	flush := func(tbl Table) error {
 		b := &batch[tbl]
 		m := t.tables()[tbl]
 		var err error
 		if fast {
 			err = putBatch(m, b.keys, b.vals)
-		} else {
-			err = t.merge(m, b.keys, b.vals)
+			if errors.Is(err, unix.E2BIG) {
+				// A confirmed table smaller than its flows: the rest one by one, those without
+				// room to the unreplied table (what the batch put is found there, the same).
+				fast = false
+			}
+		}
+		if !fast {
+			var full int
+			full, err = t.merge(m, b.keys, b.vals)
+			noRoom += full
 		}
 		n += len(b.keys)
 		b.keys, b.vals = b.keys[:0], b.vals[:0]
@@ -486,7 +503,7 @@ func (t natTableOf[K]) carry(src *ebpf.Map, name string, from int, fast bool, si
 			err = flush(Table(tbl))
 		}
 	}
-	return n, err
+	return n, noRoom, err
 }
 
 // rawPartner reads, from a source table of an older layout, the flags of the other half of the
@@ -544,8 +561,9 @@ func putBatch[K any](m *ebpf.Map, keys []K, vals []masqNatEntry) error {
 // merge writes entries into table m, which may hold them already, and which the programs may be
 // changing meanwhile (see the comment at the top). A flow's entry found in the other table
 // (the programs confirmed it meanwhile, or it is still unconfirmed) stays where the programs put
-// it.
-func (t natTableOf[K]) merge(m *ebpf.Map, keys []K, vals []masqNatEntry) error {
+// it. An entry that finds the confirmed table full goes to the unreplied one, marked as the
+// datapath marks a flow that finds no room (FlagNoRoom); noRoom counts them.
+func (t natTableOf[K]) merge(m *ebpf.Map, keys []K, vals []masqNatEntry) (noRoom int, err error) {
 	other := t.unreplied
 	if m == t.unreplied {
 		other = t.confirmed
@@ -556,7 +574,7 @@ func (t natTableOf[K]) merge(m *ebpf.Map, keys []K, vals []masqNatEntry) error {
 		if err := other.Lookup(k, &cur); err == nil {
 			continue
 		} else if !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return fmt.Errorf("merge nat entry: %w", err)
+			return noRoom, fmt.Errorf("merge nat entry: %w", err)
 		}
 		err := m.Lookup(k, &cur)
 		switch {
@@ -564,6 +582,14 @@ func (t natTableOf[K]) merge(m *ebpf.Map, keys []K, vals []masqNatEntry) error {
 			err = m.Update(k, &v, ebpf.UpdateNoExist)
 			if errors.Is(err, ebpf.ErrKeyExist) {
 				err = nil // a packet made it meanwhile: the new programs' entry stands
+			} else if errors.Is(err, unix.E2BIG) && m == t.confirmed {
+				v.Flags |= masqNatFlagsNAT_F_NOROOM
+				err = t.unreplied.Update(k, &v, ebpf.UpdateNoExist)
+				if errors.Is(err, ebpf.ErrKeyExist) {
+					err = nil
+				} else if err == nil {
+					noRoom++
+				}
 			}
 		case err != nil:
 		case cur.Addr == v.Addr && cur.Port == v.Port:
@@ -586,10 +612,10 @@ func (t natTableOf[K]) merge(m *ebpf.Map, keys []K, vals []masqNatEntry) error {
 			}
 		}
 		if err != nil {
-			return fmt.Errorf("merge nat entry: %w", err)
+			return noRoom, fmt.Errorf("merge nat entry: %w", err)
 		}
 	}
-	return nil
+	return noRoom, nil
 }
 
 // mergeEntry is the entry a table keeps of two of one flow: the one seen last, with both

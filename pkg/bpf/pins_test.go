@@ -2,6 +2,7 @@ package bpf
 
 import (
 	"errors"
+	"io/fs"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -229,4 +230,136 @@ func TestSweptEntries(t *testing.T) {
 	if got, err := h.dp.SweptEntries(); err != nil || got[unix.IPPROTO_UDP] != 8 {
 		t.Fatalf("after another UDP flow: %v %v, want 8 UDP entries", got, err)
 	}
+}
+
+// TestResizedMapsKeepFlows: maps whose size changed are set aside (SetAside) where Inspect finds
+// them as a source of this layout, and migrated into the maps Load makes at the new size: every
+// flow keeps its mapping both ways. Confirmed tables made smaller than their flows leave the
+// flows without room in the unreplied tables (FlagNoRoom), where they still translate.
+func TestResizedMapsKeepFlows(t *testing.T) {
+	root := filepath.Join(testutil.MountBPFFS(t), "ip-masq-agent")
+	dir := LayoutDir(root)
+	opts := LoadOptions{PinPath: dir, NATEntries: 1 << 12, NATEntriesV6: 1 << 6}
+	dp, err := Load(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := dp.SyncPolicy(defaultPolicy(true)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dp.SetUplink(testIfindex, Uplink{IPv4: snat4, IPv6: snat6}); err != nil {
+		t.Fatal(err)
+	}
+	// 30 two-way (confirmed) UDP flows per family: 60 entries each.
+	type flow struct{ pod, dst, nat netip.AddrPort }
+	var flows []flow
+	h := &harness{t: t, dp: dp}
+	for i := range 30 {
+		for _, f := range []flow{{pod: ap(pod4(i+1), 4000), dst: ap(remote4, 53)}, {pod: ap(pod6(i+1), 4000), dst: ap(remote6, 53)}} {
+			f.nat = tupleOf(t, h.mustPass(dp.Egress(), udpPacket(f.pod, f.dst, nil))).src
+			h.mustPass(dp.Ingress(), udpPacket(f.dst, f.nat, nil))
+			h.mustPass(dp.Egress(), udpPacket(f.pod, f.dst, nil))
+			flows = append(flows, f)
+		}
+	}
+	dp.Close()
+
+	resize := func(o LoadOptions, want []string) (*Datapath, *Migration) {
+		t.Helper()
+		mm, err := CheckPins(o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var names []string
+		for _, m := range mm {
+			if !CarriedOnResize(m.Map) {
+				t.Fatalf("%s (%s) would not be carried", m.Map, m.Reason)
+			}
+			names = append(names, m.Map)
+		}
+		if !slices.Equal(names, want) {
+			t.Fatalf("resized maps %v, want %v", names, want)
+		}
+		aside, err := SetAside(dir, names...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pins, err := Inspect(root)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !pins.Current || len(pins.Sources) != 1 || pins.Sources[0].Dir != aside || !pins.Sources[0].Resized() || pins.Sources[0].Layout != Layout {
+			t.Fatalf("Inspect found %+v, want this layout's directory and the resized maps in %s", pins, aside)
+		}
+		dp, err := Load(o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mig, err := dp.Migrate(pins.Sources)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := mig.Finish(dp); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := os.Stat(aside); !errors.Is(err, fs.ErrNotExist) {
+			t.Fatalf("the resized maps' directory is left after the migration: %v", err)
+		}
+		if mm, err := CheckPins(o); err != nil || len(mm) != 0 {
+			t.Fatalf("after the migration: mismatches %v %v", mm, err)
+		}
+		return dp, mig
+	}
+	check := func(dp *Datapath, when string) {
+		t.Helper()
+		h := &harness{t: t, dp: dp}
+		for _, f := range flows {
+			if got := tupleOf(t, h.mustPass(dp.Egress(), udpPacket(f.pod, f.dst, nil))).src; got != f.nat {
+				t.Fatalf("%s: %s leaves as %s, want %s", when, f.pod, got, f.nat)
+			}
+			if got := tupleOf(t, h.mustPass(dp.Ingress(), udpPacket(f.dst, f.nat, nil))).dst; got != f.pod {
+				t.Fatalf("%s: the reply to %s arrives at %s, want %s", when, f.nat, got, f.pod)
+			}
+		}
+	}
+
+	// The IPv6 tables grow; the IPv4 ones keep their maps and flows.
+	grown := opts
+	grown.NATEntriesV6 = 1 << 12
+	dp, mig := resize(grown, []string{"nat_new_v6", "nat_v6"})
+	// Entries counts what each pass carried: the flows touched since the first are carried again.
+	if mig.Entries["nat_v6"] < 60 || mig.NoRoom != 0 {
+		t.Errorf("carried %v (%d without room), want the 60 IPv6 entries", mig.Entries, mig.NoRoom)
+	}
+	if n := rawEntries(t, dp.objs.NatV6); n != 60 {
+		t.Errorf("the grown nat_v6 holds %d entries, want the 60 of the old one", n)
+	}
+	check(dp, "grown")
+	dp.Close()
+
+	// Both families' tables shrink below their 60 entries: 48 stay confirmed, 12 lose their room.
+	shrunk := LoadOptions{PinPath: dir, NATEntries: 48, NATEntriesV6: 48}
+	dp, mig = resize(shrunk, []string{"nat_new_v4", "nat_new_v6", "nat_v4", "nat_v6"})
+	defer dp.Close()
+	if mig.NoRoom != 2*12 {
+		t.Errorf("%d entries without room, want 24", mig.NoRoom)
+	}
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		confirmed, noRoom := 0, 0
+		if err := dp.NATEntries(fam, func(e NATEntry) bool {
+			switch {
+			case e.Table == TableConfirmed:
+				confirmed++
+			case e.Flags&FlagNoRoom != 0 && e.Flags&FlagReplied != 0:
+				noRoom++
+			}
+			return true
+		}); err != nil {
+			t.Fatal(err)
+		}
+		if confirmed != 48 || noRoom != 12 {
+			t.Errorf("%s: %d confirmed entries and %d replied ones without room, want 48 and 12", fam, confirmed, noRoom)
+		}
+	}
+	check(dp, "shrunk")
 }

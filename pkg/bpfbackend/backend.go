@@ -519,10 +519,12 @@ func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, ups []uplink.
 // are reused, and the entries of older layouts' pins are migrated into them (the first pass;
 // finishMigration does the rest once the programs are swapped). Pins of a layout this agent does
 // not know are refused, before anything is touched: they may be a newer agent's. Pinned maps of
-// this layout but other sizes (such as the IPv6 NAT table after --enable-ipv6 changed) are
-// replaced, and only they: their entries are lost, every other map keeps its flows and
-// counters. The programs still attached keep using the old maps until Apply replaces them, so
-// traffic never meets empty maps.
+// this layout but other sizes (the NAT tables after --nat-max-entries or --enable-ipv6 changed)
+// are replaced, and only they: the flow state's are set aside and migrated into the new ones,
+// as an older layout's are (every flow keeps its mapping); the policy's are written again, and
+// the rule counters start over unless a policy that outgrew them carries them (ensureCapacity).
+// The programs still attached keep using the old maps until Apply replaces them, so traffic
+// never meets empty maps.
 //
 // maxRules sizes the rule maps; 0 keeps the pinned maps' size, or makes room for p when nothing
 // is pinned (a larger policy later grows them: see ensureCapacity).
@@ -556,8 +558,13 @@ func (b *Backend) load(p *policy.Policy, maxRules uint32) (*bpf.Datapath, error)
 	if !p.Enabled(policy.IPv6) && lopts.NATEntriesV6 == 0 {
 		lopts.NATEntriesV6 = natEntriesNoIPv6
 	}
-	if err := b.replaceResized(lopts); err != nil {
+	if aside, err := b.replaceResized(lopts); err != nil {
 		return nil, err
+	} else if aside && b.migration == nil {
+		if pins, err = b.inspect(); err != nil {
+			return nil, err
+		}
+		migrate = true
 	}
 	start := time.Now()
 	dp, err := bpf.Load(lopts)
@@ -596,21 +603,31 @@ func (b *Backend) inspect() (bpf.Pins, error) {
 	return pins, err
 }
 
-// replaceResized removes the pins of this layout's maps whose size differs from what lopts asks,
-// so that Load makes them anew.
-func (b *Backend) replaceResized(lopts bpf.LoadOptions) error {
+// replaceResized makes Load make anew the maps of this layout whose size differs from what lopts
+// asks: the flow state's are set aside (bpf.SetAside) for a migration to carry, which it tells,
+// the others' pins removed.
+func (b *Backend) replaceResized(lopts bpf.LoadOptions) (aside bool, err error) {
 	mismatched, err := bpf.CheckPins(lopts)
 	if err != nil || len(mismatched) == 0 {
-		return err
+		return false, err
 	}
-	var names, why []string
+	var carried, dropped, why []string
 	for _, m := range mismatched {
-		names = append(names, m.Map)
+		if bpf.CarriedOnResize(m.Map) {
+			carried = append(carried, m.Map)
+		} else {
+			dropped = append(dropped, m.Map)
+		}
 		why = append(why, m.Map+": "+m.Reason)
 	}
-	b.log.Warn("pinned maps have other sizes; replacing them (their entries are lost, the other maps are kept)",
-		"maps", why)
-	return bpf.RemovePins(b.pinDir, names...)
+	b.log.Warn("pinned maps have other sizes; replacing them, the flow state's carried into the new ones",
+		"maps", why, "carried", carried, "startOver", dropped)
+	if len(carried) > 0 {
+		if _, err := bpf.SetAside(b.pinDir, carried...); err != nil {
+			return false, err
+		}
+	}
+	return len(carried) > 0, bpf.RemovePins(b.pinDir, dropped...)
 }
 
 // migrate carries what older layouts' pins hold into dp, before the programs are swapped.
@@ -621,8 +638,15 @@ func (b *Backend) migrate(dp *bpf.Datapath, srcs []bpf.Source) error {
 		return err
 	}
 	b.migration = mig
-	b.log.Info("migrating the pinned maps of an older layout; their programs run until this agent's replace them",
-		"from", fmt.Sprint(mig.Sources()), "to", bpf.Layout, "entries", mig.Entries, "took", time.Since(start))
+	msg := "migrating the pinned maps of an older layout; their programs run until this agent's replace them"
+	if !slices.ContainsFunc(srcs, func(s bpf.Source) bool { return !s.Resized() }) {
+		msg = "carrying the entries of the resized maps into the new ones; the old ones serve the programs until this agent's replace them"
+	}
+	b.log.Info(msg, "from", fmt.Sprint(mig.Sources()), "to", bpf.Layout, "entries", mig.Entries, "took", time.Since(start))
+	if mig.NoRoom > 0 {
+		b.log.Warn("the confirmed NAT tables are smaller than the flows they held: those without room were carried into the unreplied ones, where they work but can be evicted",
+			"entries", mig.NoRoom)
+	}
 	return nil
 }
 

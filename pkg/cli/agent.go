@@ -79,7 +79,7 @@ func natMaxEntriesUsage() string {
 	return fmt.Sprintf("entries of each family's BPF table of flows that proved two-way, never evicted (two per flow), "+
 		"from %d to %d; flows not yet answered get half as many (evicted first) and kept RETURN verdicts a quarter. "+
 		"Preallocated kernel memory per family, %.0f bytes per entry for IPv4 and %.0f for IPv6: %s and %s at the default "+
-		"(IPv6 only with --enable-ipv6)", minNATEntries, maxNATEntries,
+		"(IPv6 only with --enable-ipv6); a change carries the flows into tables of the new size", minNATEntries, maxNATEntries,
 		float64(bpf.NATMemory(1<<20, false))/(1<<20), float64(bpf.NATMemory(1<<20, true))/(1<<20),
 		mib(bpf.DefaultNATEntries, false), mib(bpf.DefaultNATEntries, true))
 }

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -347,8 +348,8 @@ func lastLine(s string) string {
 }
 
 // TestBPFMapResized: without --enable-ipv6 the IPv6 NAT table is small; a restart with
-// --enable-ipv6 says that its size changed and replaces that map only, so a held IPv4 flow
-// keeps working (same address and port) and IPv6 is masqueraded from then on.
+// --enable-ipv6 says that its size changed and replaces that map only (carrying its entries), so
+// a held IPv4 flow keeps working (same address and port) and IPv6 is masqueraded from then on.
 func TestBPFMapResized(t *testing.T) {
 	b := BPFBackend(tc.ModeTCX)
 	t.Parallel()
@@ -387,6 +388,9 @@ func TestBPFMapResized(t *testing.T) {
 	if err := ag.WaitReady(ctx); err != nil {
 		t.Fatal(err)
 	}
+	if err := ag.WaitLog(ctx, 1, "migration finished"); err != nil {
+		t.Fatalf("the migration of the resized maps is not reported: %v\n%s", err, ag.Logs())
+	}
 	if ag.Count("pinned maps have other sizes", "nat_v6: MaxEntries") != 1 || ag.Count("nat_v4") != 0 {
 		t.Errorf("the size change was not reported for nat_v6 alone:\n%s", ag.Logs())
 	}
@@ -398,6 +402,54 @@ func TestBPFMapResized(t *testing.T) {
 	}
 	env.Check(ctx, t, expect(Masq, "2001:4860:4860::8888", "8.8.8.8"), nil)
 	b.Verify(ctx, t, env)
+}
+
+// TestBPFNATResizeKeepsFlows: restarts with another --nat-max-entries, smaller then larger,
+// replace the NAT tables with tables of the new size and carry their flows over: a held TCP
+// connection and UDP flow keep their source (address and port) and keep working, new
+// connections are masqueraded, and no set-aside map is left pinned.
+func TestBPFNATResizeKeepsFlows(t *testing.T) {
+	for _, b := range bpfBackends() {
+		t.Run(b.Name, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(context.Background(), 2*ScenarioTimeout)
+			defer cancel()
+			env := bpfEnv(ctx, t, b, "--nat-max-entries=4096")
+			StartLineEcho(t, env.Ext, []netip.Addr{public4})
+			env.CutReturnRoutes(ctx, t) // every answer now proves a translation
+			held := holdFlows(ctx, t, env, public4)
+			for _, size := range []int{2048, 65536} {
+				if err := env.Agent.Stop(ctx); err != nil {
+					t.Fatal(err)
+				}
+				env.Flags = []string{"--nat-max-entries=" + strconv.Itoa(size)}
+				ag := env.StartAgent(ctx, t, b)
+				if err := ag.WaitReady(ctx); err != nil {
+					t.Fatal(err)
+				}
+				// Ready comes with the apply that finished the migration; its log may still be on the way.
+				if err := ag.WaitLog(ctx, 1, "migration finished"); err != nil {
+					t.Fatalf("size %d: the migration of the resized maps is not reported: %v\n%s", size, err, ag.Logs())
+				}
+				if ag.Count("pinned maps have other sizes", "nat_v4: MaxEntries") != 1 {
+					t.Errorf("size %d: the resize is not reported:\n%s", size, ag.Logs())
+				}
+				held.check(t, "at "+strconv.Itoa(size)+" entries")
+				m, err := ebpf.LoadPinnedMap(filepath.Join(env.PinDir(), "nat_v4"), &ebpf.LoadPinOptions{ReadOnly: true})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if n := m.MaxEntries(); n != uint32(size) {
+					t.Errorf("nat_v4 has %d entries, want %d", n, size)
+				}
+				m.Close()
+				if left, _ := filepath.Glob(env.PinDir() + "-resized-*"); len(left) > 0 {
+					t.Errorf("set-aside maps left pinned: %v", left)
+				}
+				env.Check(ctx, t, expect(Masq, "8.8.8.8"), nil)
+			}
+		})
+	}
 }
 
 // TestBPFFollowsUplinks: a new address of the uplink becomes the SNAT address and the flows of
