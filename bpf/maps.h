@@ -131,7 +131,7 @@ struct {
 	__type(value, struct nat_entry);
 } nat_new_v6 SEC(".maps");
 
-/* Flows other than TCP that the policy left alone, with the verdict they keep (egress keys). */
+/* Pod flows that the policy left alone, with the verdict they keep (egress keys). */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 1); /* load time */

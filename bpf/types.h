@@ -257,7 +257,7 @@ enum event {
 	EV_CONFIRMED,         /* flows that proved two-way, moved to the table that never evicts */
 	EV_CONFIRM_FULL,      /* flows that proved two-way but found that table full: left evictable */
 	EV_TCP_OUT_OF_WINDOW, /* TCP FIN or RST outside what the receiver would accept: ignored */
-	EV_KEEP_RETURN,       /* flows other than TCP left alone by the policy: their verdict kept */
+	EV_KEEP_RETURN,       /* pod flows left alone by the policy: their verdict kept */
 	EV_INBOUND_NOT_LOCAL, /* inbound openers toward an address not behind this node: nothing recorded */
 	EV_ORPHAN,            /* reply halves whose flow took another mapping: removed, port freed */
 	EV_MAX,

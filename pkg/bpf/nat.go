@@ -76,7 +76,7 @@ const (
 	TableConfirmed Table = iota
 	// TableUnreplied holds the flows still being opened; the least recently used are evicted.
 	TableUnreplied
-	// TableKeep holds the RETURN verdicts of flows other than TCP.
+	// TableKeep holds the RETURN verdicts of pod flows, TCP connections included.
 	TableKeep
 )
 
