@@ -95,7 +95,7 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 	for _, rf := range []bool{true, false} {
 		probe.RandomFully = rf
 		tx := nft.NewTransaction()
-		_, _, _ = update(tx, probe, NewLayout(probe, policy.IPv4), empty(), true)
+		_, _, _ = update(tx, probe, NewLayout(probe, policy.IPv4), empty())
 		if err = nft.Check(ctx, tx); err == nil {
 			b.randomFully = rf
 			break
@@ -197,12 +197,15 @@ func (b *Backend) publish(fam policy.Family, a *appliedFamily) {
 	b.applied = next
 }
 
-// Apply implements datapath.Backend: per family, one transaction that changes only what
-// differs from the table as this process last installed it (while the ruleset's generation
-// says nothing changed since), or else from the table as read from the kernel. The chains are
-// rebuilt when their rules change or were changed; elements that stay keep their counters. A
-// transaction the kernel refuses (a table changed in a way the update did not foresee) is
-// followed by one that replaces the whole table, whose counters then restart.
+// Apply implements datapath.Backend: per family, the changes from the table as this process
+// last installed it (while the ruleset's generation says nothing changed since), or else from
+// the table as read from the kernel. Where the chains are the ones this process installed (or
+// there is no table), the elements change in one netlink batch, between an nft transaction that
+// prepares the chains and one that finishes them, each state deciding as the old policy or as
+// the new (see phased); otherwise (another process's table, chains changed behind the agent's
+// back, other masquerade rules) one nft transaction does it all. Elements that stay keep their
+// counters. A change the kernel refuses (a table changed in a way the update did not foresee)
+// is followed by one transaction that replaces the whole table, whose counters then restart.
 func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	gen, err := b.kernel.Generation(ctx)
 	trusted := err == nil && b.genKnown && gen == b.gen
@@ -252,31 +255,46 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 			cur, chains = installedFrom(st), st.Chains
 		}
 	}
-	rebuild := known == nil || !slices.Equal(known.layout.Postrouting, l.Postrouting) ||
-		!slices.Equal(known.layout.Masq, l.Masq) || !sameSNAT(known.layout.SNAT, l.SNAT) ||
-		!sameChains(chains, known.chains)
-	tx := nft.NewTransaction()
-	want, added, deleted := update(tx, p, l, cur, rebuild)
+	// old is the layout the table's chains hold, nil when that is not known.
+	var old *Layout
+	switch {
+	case !cur.table:
+		old = &Layout{Family: fam, Outbound: -1}
+	case known != nil && sameChains(chains, known.chains):
+		old = known.layout
+	}
 	start := time.Now()
-	if err := nft.Run(ctx, tx); err != nil {
+	var st steps
+	ok := old != nil
+	if ok {
+		st, ok = phased(nft, p, l, old, cur)
+	}
+	if ok {
+		err = b.runSteps(ctx, nft, fam, st)
+	} else {
+		tx := nft.NewTransaction()
+		st.want, st.added, st.deleted = update(tx, p, l, cur)
+		err = nft.Run(ctx, tx)
+	}
+	if err != nil {
 		if ctx.Err() != nil {
 			return fmt.Errorf("apply %s table %s: %w", nftFamily(fam), TableName, err)
 		}
 		b.log.Warn("the table could not be updated in place; replacing it (its counters restart)", "family", fam, "error", err)
-		tx = nft.NewTransaction()
-		replace(tx, p, l)
+		tx := nft.NewTransaction()
+		st.want = replace(tx, p, l)
 		if err := nft.Run(ctx, tx); err != nil {
 			return fmt.Errorf("apply %s table %s: %w", nftFamily(fam), TableName, err)
 		}
-		added, deleted, rebuild = len(l.Elements), -1, true
+		ok, st.added, st.deleted = false, len(l.Elements), -1
 	}
 	b.log.Debug("table applied", "family", fam, "rules", len(p.Rules(fam)), "sets", len(l.Sets),
-		"elementsAdded", added, "elementsDeleted", deleted, "chainsRebuilt", rebuild, "took", time.Since(start))
+		"elementsAdded", st.added, "elementsDeleted", st.deleted, "overNetlink", ok, "took", time.Since(start))
 	b.publish(fam, &appliedFamily{policy: p, layout: l})
 	// The chains' fingerprints, to tell later whether someone changed them: cheap, the
 	// elements are not read.
-	st, err := b.kernel.Table(ctx, fam, false)
-	if err != nil || st == nil {
+	read, err := b.kernel.Table(ctx, fam, false)
+	if err != nil || read == nil {
 		delete(b.known, fam)
 		if err == nil {
 			err = fmt.Errorf("the %s table is gone right after it was applied", nftFamily(fam))
@@ -284,7 +302,28 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 		b.log.Warn("cannot read the chains back; the next apply reads the whole table", "family", fam, "error", err)
 		return nil
 	}
-	b.known[fam] = &knownTable{policy: p, in: want, layout: l, chains: st.Chains}
+	b.known[fam] = &knownTable{policy: p, in: st.want, layout: l, chains: read.Chains}
+	return nil
+}
+
+// runSteps runs an apply's steps (see phased). A step that fails leaves the table deciding as
+// the old policy (before the batch) or the new one (after it).
+func (b *Backend) runSteps(ctx context.Context, nft knftables.Interface, fam policy.Family, st steps) error {
+	if st.prepare != nil {
+		if err := nft.Run(ctx, st.prepare); err != nil {
+			return fmt.Errorf("prepare the chains: %w", err)
+		}
+	}
+	if len(st.elements) > 0 {
+		if err := b.kernel.ChangeElements(ctx, fam, st.elements); err != nil {
+			return err
+		}
+	}
+	if st.finish != nil {
+		if err := nft.Run(ctx, st.finish); err != nil {
+			return fmt.Errorf("finish the chains: %w", err)
+		}
+	}
 	return nil
 }
 
@@ -487,12 +526,13 @@ func sameSets(st *TableState, in *installed, elements bool) bool {
 		if !elements {
 			continue
 		}
+		have := in.elems[name]
 		for key, e := range s.Elements {
-			if c, ok := in.elems[elemKey{name, key}]; !ok || c != e.Comment {
+			if c, ok := have[key]; !ok || c != e.Comment {
 				return false
 			}
 		}
 		n += len(s.Elements)
 	}
-	return !elements || n == len(in.elems)
+	return !elements || n == in.elements()
 }

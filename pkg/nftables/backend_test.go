@@ -3,6 +3,7 @@ package nftables_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"net/netip"
 	"slices"
@@ -200,6 +201,68 @@ func TestTracedRulesEqualDecide(t *testing.T) {
 			}
 		}
 	}
+}
+
+// Every state an apply passes through (each transaction or element batch committed) decides
+// every destination of the family it changed as the old policy does, or every one as the new
+// policy does, never some as one and some as the other: for random configurations applied one
+// after the other, starting from no table; and the elements go in batches.
+func TestApplyStepsDecideAsOldOrNew(t *testing.T) {
+	r := rand.New(rand.NewPCG(16, 1))
+	f := nftablestest.New()
+	b := newBackend(t, f)
+	var old, next *policy.Policy // old nil: no table, nothing masqueraded
+	var dsts []netip.Addr
+	decides := func(p *policy.Policy, dst netip.Addr, got nftablestest.Verdict) bool {
+		if p == nil || !p.Enabled(policy.FamilyOf(dst)) {
+			return got.Action == policy.Return
+		}
+		want := p.Decide(dst)
+		return got.Action == want.Action && (want.Action != policy.Masquerade || want.Rule == nil || got.Source == want.Rule.Address)
+	}
+	states := 0
+	f.Committed = func(fam policy.Family) {
+		states++
+		asOld, asNew := true, true
+		var first []string
+		for _, dst := range dsts {
+			if policy.FamilyOf(dst) != fam {
+				continue
+			}
+			got, err := f.Trace(dst, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			o, n := decides(old, dst, got), decides(next, dst, got)
+			asOld, asNew = asOld && o, asNew && n
+			if !o || !n {
+				first = append(first, fmt.Sprintf("%s: %s to %v (as old: %v, as new: %v)", dst, got.Action, got.Source, o, n))
+			}
+		}
+		if !asOld && !asNew {
+			t.Fatalf("a state decides neither as the old policy nor as the new:\n%s\n%s", strings.Join(first, "\n"), f.Dump(fam))
+		}
+	}
+	for range 200 {
+		cfg := policytest.Config(r, r.IntN(20))
+		if r.IntN(2) == 0 {
+			cfg = policytest.WithAddresses(r, cfg)
+		}
+		if r.IntN(4) == 0 {
+			cfg.MasqOutBound, cfg.MasqOutBoundIPv6 = !cfg.MasqOutBound, !cfg.MasqOutBoundIPv6
+		}
+		next = compile(cfg, r.IntN(4) > 0)
+		dsts = destinations(r, next)
+		if old != nil {
+			dsts = append(dsts, destinations(r, old)...)
+		}
+		apply(t, b, next)
+		old = next
+	}
+	if f.Batches[policy.IPv4] < 150 {
+		t.Errorf("%d element batches for 200 applies", f.Batches[policy.IPv4])
+	}
+	t.Logf("%d states checked; %d IPv4 transactions, %d batches", states, f.Runs[policy.IPv4], f.Batches[policy.IPv4])
 }
 
 // counted is the number of the rule whose counter a traced packet went to (0: none).

@@ -180,3 +180,83 @@ func TestKernel(t *testing.T) {
 		}
 	})
 }
+
+// An element batch against the kernel: thousands of elements, more than one netlink message
+// holds, arrive with their comments and their set's counter; a batch the kernel refuses in
+// its last message (a key to delete that is not there) changes nothing, and says why; a flush
+// and additions in one batch leave exactly the additions. Both families.
+func TestChangeElements(t *testing.T) {
+	testutil.RequirePrivileged(t, "ip", "nft")
+	ns := testutil.NewNetns(t)
+	testutil.InNetns(t, ns, func() {
+		ctx := context.Background()
+		k := nftables.NetlinkKernel{}
+		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+			family, typ := "ip", "ipv4_addr"
+			if fam == policy.IPv6 {
+				family, typ = "ip6", "ipv6_addr"
+			}
+			nft(t, "add", "table", family, nftables.TableName)
+			nft(t, "add", "set", family, nftables.TableName, "s", "{ type "+typ+" ; counter ; }")
+			key := func(i int) netip.Addr {
+				if fam == policy.IPv6 {
+					return netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 15: byte(i), 14: byte(i >> 8)})
+				}
+				return netip.AddrFrom4([4]byte{10, byte(i >> 8), byte(i), 0})
+			}
+			elements := func(from, to int) []nftables.NewElement {
+				var out []nftables.NewElement
+				for i := from; i < to; i++ {
+					out = append(out, nftables.NewElement{Key: key(i), Comment: "nonMasqueradeCIDRs " + netip.PrefixFrom(key(i), 24).String()})
+				}
+				return out
+			}
+			read := func() map[netip.Addr]nftables.ElementState {
+				t.Helper()
+				st, err := k.Table(ctx, fam, true)
+				if err != nil || st == nil || st.Sets["s"] == nil {
+					t.Fatalf("%s: read back: %v, %v", fam, st, err)
+				}
+				return st.Sets["s"].Elements
+			}
+			const n = 3000
+			if err := k.ChangeElements(ctx, fam, []nftables.SetChange{{Set: "s", Add: elements(0, n)}}); err != nil {
+				t.Fatalf("%s: %v", fam, err)
+			}
+			got := read()
+			if len(got) != n {
+				t.Fatalf("%s: %d elements, want %d", fam, len(got), n)
+			}
+			for _, e := range elements(0, n) {
+				if got[e.Key].Comment != e.Comment {
+					t.Fatalf("%s: %s has comment %q, want %q", fam, e.Key, got[e.Key].Comment, e.Comment)
+				}
+			}
+			if out := nft(t, "list", "set", family, nftables.TableName, "s"); !strings.Contains(out, key(n-1).String()+" counter packets 0 bytes 0") {
+				t.Errorf("%s: the last element has no counter:\n%.400s", fam, out)
+			}
+
+			err := k.ChangeElements(ctx, fam, []nftables.SetChange{{Set: "s", Delete: []netip.Addr{key(0)}, Add: elements(n, n+1000)},
+				{Set: "s", Delete: []netip.Addr{key(n + 2000)}}})
+			if err == nil || !strings.Contains(err.Error(), "no such file or directory") {
+				t.Errorf("%s: a batch deleting a missing key: %v", fam, err)
+			}
+			if got := read(); len(got) != n {
+				t.Errorf("%s: the refused batch left %d elements, want %d", fam, len(got), n)
+			}
+
+			if err := k.ChangeElements(ctx, fam, []nftables.SetChange{{Set: "s", Flush: true, Add: elements(n, n+10)}}); err != nil {
+				t.Fatalf("%s: %v", fam, err)
+			}
+			got = read()
+			if len(got) != 10 {
+				t.Errorf("%s: %d elements after the flush, want 10", fam, len(got))
+			}
+			for _, e := range elements(n, n+10) {
+				if got[e.Key].Comment != e.Comment {
+					t.Errorf("%s: %s: comment %q after the flush", fam, e.Key, got[e.Key].Comment)
+				}
+			}
+		}
+	})
+}

@@ -1,6 +1,7 @@
 // Package nftables is the nftables datapath: the policy in a table of its own per family
 // (`ip ip-masq-agent`, `ip6 ip-masq-agent`), hooked at nat postrouting, the CIDRs held in sets
-// whose elements count their hits, applied with one knftables transaction per family.
+// whose elements count their hits. The table, chains and rules go through knftables, the
+// elements in one netlink batch between them (see phased).
 //
 // # Layout
 //
@@ -175,6 +176,12 @@ func NewLayout(p *policy.Policy, fam policy.Family) *Layout {
 		covered := &trie{}
 		// The sets of each prefix length, by address, the addresses in rule order.
 		lengths := map[int][]netip.Addr{}
+		// names are the names of those sets: a SetName per piece took a third of a 100k-CIDR layout.
+		type setID struct {
+			bits int
+			addr netip.Addr
+		}
+		names := map[setID]string{}
 		for i, r := range rules {
 			if r.Action != action {
 				continue
@@ -185,11 +192,14 @@ func NewLayout(p *policy.Policy, fam policy.Family) *Layout {
 				continue
 			}
 			for _, piece := range covered.claim(r.Prefix.Masked()) {
-				name := SetName(action, piece.Bits(), r.Address)
-				bySet[name] = append(bySet[name], Element{Set: name, Key: piece.Addr(), Rule: i})
-				if !slices.Contains(lengths[piece.Bits()], r.Address) {
-					lengths[piece.Bits()] = append(lengths[piece.Bits()], r.Address)
+				id := setID{piece.Bits(), r.Address}
+				name, ok := names[id]
+				if !ok {
+					name = SetName(action, id.bits, id.addr)
+					names[id] = name
+					lengths[id.bits] = append(lengths[id.bits], id.addr)
 				}
+				bySet[name] = append(bySet[name], Element{Set: name, Key: piece.Addr(), Rule: i})
 				l.Pieces[i]++
 			}
 		}
@@ -235,24 +245,88 @@ func daddr(fam policy.Family) string {
 // (iptables' `addrtype ! --dst-type LOCAL` on the jump), then the lookups, then the outbound rule.
 func (l *Layout) postroutingRules() []string {
 	out := []string{"fib daddr type local return"}
-	full := 32
-	if l.Family == policy.IPv6 {
-		full = 128
-	}
 	for _, s := range l.Sets {
-		match := daddr(l.Family)
-		if s.Bits < full {
-			mask := netip.PrefixFrom(maxAddr(l.Family), s.Bits).Masked().Addr()
-			match += " & " + mask.String()
-		}
-		verdict := "return"
-		if s.Action == policy.Masquerade {
-			verdict = "goto " + l.snatChain(s.Address)
-		}
-		out = append(out, fmt.Sprintf("%s @%s %s", match, s.Name, verdict))
+		out = append(out, l.lookup(s))
 	}
 	if l.Outbound >= 0 {
-		out = append(out, fmt.Sprintf("counter name %q goto %s", CounterOutbound, l.outboundChain))
+		out = append(out, l.outbound(""))
+	}
+	return out
+}
+
+// lookup is the base chain's rule that looks a packet up in the layout's set s.
+func (l *Layout) lookup(s Set) string {
+	verdict := "return"
+	if s.Action == policy.Masquerade {
+		verdict = "goto " + l.snatChain(s.Address)
+	}
+	return fmt.Sprintf("%s @%s %s", l.match(s.Bits), s.Name, verdict)
+}
+
+// match is the destination match of a lookup in a set of prefixes of length bits.
+func (l *Layout) match(bits int) string {
+	match := daddr(l.Family)
+	if bits < maxAddr(l.Family).BitLen() {
+		mask := netip.PrefixFrom(maxAddr(l.Family), bits).Masked().Addr()
+		match += " & " + mask.String()
+	}
+	return match
+}
+
+// outbound is the outbound rule, behind the gate set when one is named (see transition).
+func (l *Layout) outbound(gate string) string {
+	rule := fmt.Sprintf("counter name %q goto %s", CounterOutbound, l.outboundChain)
+	if gate != "" {
+		rule = fmt.Sprintf("%s @%s %s", l.match(0), gate, rule)
+	}
+	return rule
+}
+
+// The gate sets of the outbound rule while an apply changes it: the old rule's holds the
+// family's zero address (the key of every destination masked to length 0) until the element
+// batch deletes it, the new rule's gets it in the batch.
+const (
+	gateOld = "outbound-old"
+	gateNew = "outbound-new"
+)
+
+// outboundChanges says whether the outbound rule differs between the layouts (present in one
+// only, or going to another chain).
+func outboundChanges(old, l *Layout) bool {
+	return (old.Outbound >= 0) != (l.Outbound >= 0) || old.outboundChain != l.outboundChain
+}
+
+// transition is the base chain while an apply takes the table from layout old to l (see
+// phased): the lookups of the sets of both, the masquerade phase's first, and the outbound rule
+// or, when it changes, the old one and the new one, each behind its gate set. Until the element
+// batch, the sets only l has are empty and the new gate closed, so the chain decides as old's;
+// after it, the sets only old has are empty and the old gate closed, so it decides as l's.
+func transition(old, l *Layout) []string {
+	out := []string{"fib daddr type local return"}
+	for _, action := range []policy.Action{policy.Masquerade, policy.Return} {
+		for _, s := range l.Sets {
+			if s.Action == action {
+				out = append(out, l.lookup(s))
+			}
+		}
+		for _, s := range old.Sets {
+			if s.Action == action && !slices.ContainsFunc(l.Sets, func(n Set) bool { return n.Name == s.Name }) {
+				out = append(out, old.lookup(s))
+			}
+		}
+	}
+	switch {
+	case !outboundChanges(old, l):
+		if l.Outbound >= 0 {
+			out = append(out, l.outbound(""))
+		}
+	default:
+		if old.Outbound >= 0 {
+			out = append(out, old.outbound(gateOld))
+		}
+		if l.Outbound >= 0 {
+			out = append(out, l.outbound(gateNew))
+		}
 	}
 	return out
 }

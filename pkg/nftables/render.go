@@ -15,27 +15,31 @@ import (
 // its sets, their elements (with their comments), its SNAT chains and whether the outbound
 // counter exists.
 type installed struct {
-	table    bool
-	sets     map[string]bool
-	elems    map[elemKey]string
+	table bool
+	sets  map[string]bool
+	// elems holds, per set, its elements' comments by key.
+	elems    map[string]map[netip.Addr]string
 	snat     map[string]bool
 	outbound bool
 }
 
-// elemKey names an element: its set and key.
-type elemKey struct {
-	set string
-	key netip.Addr
-}
-
 // empty is a table that does not exist yet.
 func empty() *installed {
-	return &installed{sets: map[string]bool{}, elems: map[elemKey]string{}, snat: map[string]bool{}}
+	return &installed{sets: map[string]bool{}, elems: map[string]map[netip.Addr]string{}, snat: map[string]bool{}}
 }
 
-// installedOf is what a layout installs.
-func installedOf(p *policy.Policy, l *Layout) *installed {
-	in := &installed{table: true, sets: make(map[string]bool, len(l.Sets)), elems: make(map[elemKey]string, len(l.Elements)),
+// elements counts the elements.
+func (in *installed) elements() int {
+	n := 0
+	for _, e := range in.elems {
+		n += len(e)
+	}
+	return n
+}
+
+// installedOf is what a layout installs, given its rules' comments.
+func installedOf(l *Layout, comments []string) *installed {
+	in := &installed{table: true, sets: make(map[string]bool, len(l.Sets)), elems: make(map[string]map[netip.Addr]string, len(l.Sets)),
 		snat: make(map[string]bool, len(l.SNAT)), outbound: l.Outbound >= 0}
 	for _, s := range l.Sets {
 		in.sets[s.Name] = true
@@ -43,11 +47,30 @@ func installedOf(p *policy.Policy, l *Layout) *installed {
 	for _, c := range l.SNAT {
 		in.snat[c.Name] = true
 	}
-	comments := l.comments(p)
-	for _, e := range l.Elements {
-		in.elems[elemKey{e.Set, e.Key}] = comments[e.Rule]
+	for set, elems := range l.bySet() {
+		m := make(map[netip.Addr]string, len(elems))
+		for _, e := range elems {
+			m[e.Key] = comments[e.Rule]
+		}
+		in.elems[set] = m
 	}
 	return in
+}
+
+// bySet yields the layout's elements set by set (they are in order of their sets).
+func (l *Layout) bySet() func(yield func(string, []Element) bool) {
+	return func(yield func(string, []Element) bool) {
+		for i := 0; i < len(l.Elements); {
+			j := i + 1
+			for j < len(l.Elements) && l.Elements[j].Set == l.Elements[i].Set {
+				j++
+			}
+			if !yield(l.Elements[i].Set, l.Elements[i:j]) {
+				return
+			}
+			i = j
+		}
+	}
 }
 
 // installedFrom is what a table read from the kernel holds; its sets' elements must have been
@@ -62,9 +85,11 @@ func installedFrom(st *TableState) *installed {
 	}
 	for name, s := range st.Sets {
 		in.sets[name] = true
+		m := make(map[netip.Addr]string, len(s.Elements))
 		for k, e := range s.Elements {
-			in.elems[elemKey{name, k}] = e.Comment
+			m[k] = e.Comment
 		}
+		in.elems[name] = m
 	}
 	return in
 }
@@ -82,44 +107,130 @@ func (l *Layout) comments(p *policy.Policy) []string {
 // setType declares a set of the family's addresses whose elements count their hits.
 // knftables (v0.0.22) has no field for a set's stateful statements, so `counter` follows the
 // type; nft reads "type ipv4_addr ; counter ;" as the two statements they are.
-func setType(fam policy.Family) string {
+func setType(fam policy.Family) string { return addrType(fam) + " ; counter" }
+
+// addrType is the nft type of the family's addresses.
+func addrType(fam policy.Family) string {
 	if fam == policy.IPv6 {
-		return "ipv6_addr ; counter"
+		return "ipv6_addr"
 	}
-	return "ipv4_addr ; counter"
+	return "ipv4_addr"
 }
 
-// update adds to tx what turns the table from cur into the layout l of policy p, and returns
-// what the table then holds and how many elements it adds and deletes:
+// elementDiff is what turns the elements of a table cur into those of the layout l of policy p:
 //
-//   - the table, chains, counter and sets declared (declaring what exists changes nothing);
-//   - the chains refilled when rebuild is set, or the SNAT chains are others (flushed first
-//     when the table exists); SNAT chains no longer used deleted;
 //   - a rule whose pieces all stay keeps its elements, and so its counts; a rule with any piece
 //     changed gets all of its elements anew, so that its count starts over rather than dropping
-//     to what the pieces that stayed hold;
-//   - a set none of whose elements stays is deleted and declared again (which the chains'
-//     rebuild allows), far cheaper than deleting its elements one by one; a set no rule uses any
-//     more is deleted, and so is an unused outbound counter.
-func update(tx *knftables.Transaction, p *policy.Policy, l *Layout, cur *installed, rebuild bool) (want *installed, added, deleted int) {
-	want = installedOf(p, l)
+//     to what the pieces that stay hold;
+//   - a set l keeps none of whose elements stays is emptied as a whole (flushed, or deleted and
+//     declared again), far cheaper than deleting its elements one by one; the elements of a set
+//     l does not have go with it.
+type elementDiff struct {
+	want *installed
+	// empty are the sets of both cur and l none of whose elements stays.
+	empty map[string]bool
+	// del are the elements to delete one by one, by set; add those to add, in layout order.
+	del     map[string][]netip.Addr
+	add     []Element
+	comment []string
+	// deleted counts the elements that go, one by one or with their set.
+	deleted int
+}
+
+func diffElements(p *policy.Policy, l *Layout, cur *installed) *elementDiff {
 	comments := l.comments(p)
+	d := &elementDiff{want: installedOf(l, comments), empty: map[string]bool{}, del: map[string][]netip.Addr{}, comment: comments}
 	changed := changedRules(cur, l, comments)
-	// Per set, how many of its elements stay.
-	stays := map[string]int{}
-	for k, comment := range cur.elems {
-		if c, ok := want.elems[k]; ok && c == comment && !changed[comment] {
-			stays[k.set]++
+	// stays says whether an element of cur, with its comment, stays.
+	stays := func(set string, key netip.Addr, comment string) bool {
+		c, ok := d.want.elems[set][key]
+		return ok && c == comment && !changed[comment]
+	}
+	for set, elems := range cur.elems {
+		if !d.want.sets[set] {
+			d.deleted += len(elems) // with their set
+			continue
+		}
+		var del []netip.Addr
+		for key, comment := range elems {
+			if !stays(set, key, comment) {
+				del = append(del, key)
+			}
+		}
+		if len(elems) > 0 && len(del) == len(elems) {
+			d.empty[set] = true
+		} else if len(del) > 0 {
+			d.del[set] = del
+		}
+		d.deleted += len(del)
+	}
+	for set := range cur.sets {
+		if d.want.sets[set] && len(cur.elems[set]) == 0 {
+			d.empty[set] = true
 		}
 	}
-	recreate := map[string]bool{}
-	for name := range cur.sets {
-		if want.sets[name] && stays[name] == 0 {
-			recreate[name] = true
-			rebuild = true
+	for set, elems := range l.bySet() {
+		have := cur.elems[set]
+		for _, e := range elems {
+			if c, ok := have[e.Key]; !ok || d.empty[set] || !stays(set, e.Key, c) {
+				d.add = append(d.add, e)
+			}
 		}
 	}
-	rebuild = rebuild || !maps.Equal(cur.snat, want.snat)
+	return d
+}
+
+// update adds to tx what turns the table from cur, whatever its chains hold, into the layout l
+// of policy p, in one transaction, and returns what the table then holds and how many
+// elements it adds and deletes (see elementDiff):
+//
+//   - the table, chains, counter and sets declared (declaring what exists changes nothing);
+//   - the chains refilled (flushed first when the table exists); SNAT chains no longer used
+//     deleted;
+//   - a set emptied is deleted and declared again (the chains' refill allows it); a set no rule
+//     uses any more is deleted, and so is an unused outbound counter.
+func update(tx *knftables.Transaction, p *policy.Policy, l *Layout, cur *installed) (want *installed, added, deleted int) {
+	d := diffElements(p, l, cur)
+	want = d.want
+	declare(tx, l, want)
+	if cur.table {
+		tx.Flush(&knftables.Chain{Name: ChainPostrouting})
+		tx.Flush(&knftables.Chain{Name: ChainMasq})
+		for _, name := range slices.Sorted(maps.Keys(cur.snat)) {
+			tx.Flush(&knftables.Chain{Name: name})
+			if !want.snat[name] {
+				tx.Delete(&knftables.Chain{Name: name}) // unreferenced now, and empty
+			}
+		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(cur.sets)) {
+		if !want.sets[name] || d.empty[name] {
+			tx.Delete(&knftables.Set{Name: name})
+		}
+	}
+	declareSets(tx, l)
+	addRules(tx, ChainPostrouting, l.Postrouting)
+	addRules(tx, ChainMasq, l.Masq)
+	for _, c := range l.SNAT {
+		addRules(tx, c.Name, c.Rules)
+	}
+	for _, set := range slices.Sorted(maps.Keys(d.del)) {
+		for _, key := range d.del[set] {
+			tx.Delete(&knftables.Element{Set: set, Key: []string{key.String()}})
+		}
+	}
+	for _, e := range d.add {
+		tx.Add(&knftables.Element{Set: e.Set, Key: []string{e.Key.String()}, Comment: knftables.PtrTo(d.comment[e.Rule])})
+	}
+	if cur.outbound && !want.outbound {
+		tx.Delete(&knftables.Counter{Name: CounterOutbound})
+	}
+	return want, len(d.add), d.deleted
+}
+
+// declare adds to tx the table, its chains and the outbound counter, as layout l has them
+// (declaring what exists changes nothing).
+func declare(tx *knftables.Transaction, l *Layout, want *installed) {
 	tx.Add(&knftables.Table{Comment: knftables.PtrTo(tableComment)})
 	tx.Add(&knftables.Chain{Name: ChainPostrouting, Type: knftables.PtrTo(knftables.NATType),
 		Hook: knftables.PtrTo(knftables.PostroutingHook), Priority: knftables.PtrTo(knftables.SNATPriority)})
@@ -130,76 +241,184 @@ func update(tx *knftables.Transaction, p *policy.Policy, l *Layout, cur *install
 	if want.outbound {
 		tx.Add(&knftables.Counter{Name: CounterOutbound})
 	}
-	if rebuild && cur.table {
-		tx.Flush(&knftables.Chain{Name: ChainPostrouting})
-		tx.Flush(&knftables.Chain{Name: ChainMasq})
-		for _, name := range slices.Sorted(maps.Keys(cur.snat)) {
-			tx.Flush(&knftables.Chain{Name: name})
-			if !want.snat[name] {
-				tx.Delete(&knftables.Chain{Name: name}) // unreferenced now, and empty
-			}
-		}
-	}
-	for name := range cur.sets {
-		if !want.sets[name] || recreate[name] {
-			tx.Delete(&knftables.Set{Name: name})
-		}
-	}
+}
+
+// declareSets adds to tx the sets of layout l.
+func declareSets(tx *knftables.Transaction, l *Layout) {
 	for _, s := range l.Sets {
 		tx.Add(&knftables.Set{Name: s.Name, Type: setType(l.Family)})
 	}
-	if rebuild {
-		for _, r := range l.Postrouting {
-			tx.Add(&knftables.Rule{Chain: ChainPostrouting, Rule: r})
+}
+
+func addRules(tx *knftables.Transaction, chain string, rules []string) {
+	for _, r := range rules {
+		tx.Add(&knftables.Rule{Chain: chain, Rule: r})
+	}
+}
+
+// steps are the changes of an apply in the order they run: prepare (nil for none), the element
+// batch, finish (nil for none).
+type steps struct {
+	prepare  *knftables.Transaction
+	elements []SetChange
+	finish   *knftables.Transaction
+	want     *installed
+	// added and deleted count the elements.
+	added, deleted int
+}
+
+// phased returns the steps that take the table from cur, whose chains hold layout old (an
+// empty layout when there is no table), to the layout l of policy p with the elements over
+// netlink, and false when it cannot: when the masquerade chain's rules differ, or an SNAT
+// chain that both layouts have differs (then one transaction must change them, update).
+//
+// Every state the steps leave decides every packet as old does or as l does, never partly
+// one and partly the other:
+//
+//   - prepare declares what l adds (sets, still empty; SNAT chains; the outbound counter) and
+//     makes the base chain the transition's (see transition): lookups in empty sets and a
+//     closed gate match nothing, so it still decides as old;
+//   - the element batch, one kernel transaction, empties the sets l does not keep, changes the
+//     others' elements, fills the new ones, and swaps the gates: from then on the chain decides
+//     as l;
+//   - finish makes the base chain l's and deletes what l does not have (sets, by now empty
+//     and no longer looked up; SNAT chains; the gates; the outbound counter): the lookups it
+//     removes matched nothing any more.
+func phased(nft knftables.Interface, p *policy.Policy, l, old *Layout, cur *installed) (steps, bool) {
+	if cur.table && !slices.Equal(old.Masq, l.Masq) {
+		return steps{}, false
+	}
+	for _, c := range l.SNAT {
+		if i := slices.IndexFunc(old.SNAT, func(o SNATChain) bool { return o.Name == c.Name }); i >= 0 && !sameSNAT(old.SNAT[i:i+1], []SNATChain{c}) {
+			return steps{}, false
 		}
-		for _, r := range l.Masq {
-			tx.Add(&knftables.Rule{Chain: ChainMasq, Rule: r})
+	}
+	d := diffElements(p, l, cur)
+	st := steps{want: d.want, added: len(d.add), deleted: d.deleted}
+	// The gates in use: the old one starts open, the new one closed.
+	var gates []string
+	if outboundChanges(old, l) {
+		if old.Outbound >= 0 {
+			gates = append(gates, gateOld)
 		}
-		for _, c := range l.SNAT {
-			for _, r := range c.Rules {
-				tx.Add(&knftables.Rule{Chain: c.Name, Rule: r})
+		if l.Outbound >= 0 {
+			gates = append(gates, gateNew)
+		}
+	}
+	fresh := !cur.table || len(gates) > 0 || d.want.outbound && !cur.outbound
+	for _, s := range l.Sets {
+		fresh = fresh || !cur.sets[s.Name]
+	}
+	for name := range d.want.snat {
+		fresh = fresh || !cur.snat[name]
+	}
+	zero := netip.PrefixFrom(maxAddr(l.Family), 0).Masked().Addr()
+
+	chain := old.Postrouting
+	if fresh {
+		tx := nft.NewTransaction()
+		declare(tx, l, d.want)
+		declareSets(tx, l)
+		for _, g := range gates {
+			tx.Add(&knftables.Set{Name: g, Type: addrType(l.Family)})
+			tx.Flush(&knftables.Set{Name: g})
+			if g == gateOld {
+				tx.Add(&knftables.Element{Set: g, Key: []string{zero.String()}})
 			}
 		}
-	}
-	for k, comment := range cur.elems {
-		if !want.sets[k.set] || recreate[k.set] {
-			deleted++ // with its set
-			continue
+		if !cur.table {
+			addRules(tx, ChainMasq, l.Masq)
 		}
-		if c, ok := want.elems[k]; !ok || c != comment || changed[comment] {
-			tx.Delete(&knftables.Element{Set: k.set, Key: []string{k.key.String()}})
-			deleted++
+		for _, c := range l.SNAT {
+			if !cur.snat[c.Name] {
+				addRules(tx, c.Name, c.Rules)
+			}
+		}
+		chain = transition(old, l)
+		if cur.table {
+			tx.Flush(&knftables.Chain{Name: ChainPostrouting})
+		}
+		addRules(tx, ChainPostrouting, chain)
+		st.prepare = tx
+	}
+
+	// The batch: the sets that go or start over emptied, then each set's deletions, then its
+	// additions, then the gates swapped.
+	drop := func(name string) bool { return !d.want.sets[name] && !slices.Contains(gates, name) }
+	for _, name := range slices.Sorted(maps.Keys(cur.sets)) {
+		if drop(name) || d.empty[name] {
+			st.elements = append(st.elements, SetChange{Set: name, Flush: true})
 		}
 	}
-	for _, e := range l.Elements {
-		comment := comments[e.Rule]
-		if c, ok := cur.elems[elemKey{e.Set, e.Key}]; ok && c == comment && !changed[comment] && !recreate[e.Set] {
-			continue
-		}
-		tx.Add(&knftables.Element{Set: e.Set, Key: []string{e.Key.String()}, Comment: knftables.PtrTo(comment)})
-		added++
+	for _, name := range slices.Sorted(maps.Keys(d.del)) {
+		st.elements = append(st.elements, SetChange{Set: name, Delete: d.del[name]})
 	}
-	if cur.outbound && !want.outbound {
+	adds := map[string][]NewElement{}
+	for _, e := range d.add {
+		adds[e.Set] = append(adds[e.Set], NewElement{Key: e.Key, Comment: d.comment[e.Rule]})
+	}
+	for _, s := range l.Sets {
+		if len(adds[s.Name]) > 0 {
+			st.elements = append(st.elements, SetChange{Set: s.Name, Add: adds[s.Name]})
+		}
+	}
+	for _, g := range gates {
+		if g == gateOld {
+			st.elements = append(st.elements, SetChange{Set: g, Delete: []netip.Addr{zero}})
+		} else {
+			st.elements = append(st.elements, SetChange{Set: g, Add: []NewElement{{Key: zero}}})
+		}
+	}
+
+	tx := nft.NewTransaction()
+	if !slices.Equal(chain, l.Postrouting) {
+		tx.Flush(&knftables.Chain{Name: ChainPostrouting})
+		addRules(tx, ChainPostrouting, l.Postrouting)
+	}
+	for _, g := range gates {
+		tx.Delete(&knftables.Set{Name: g})
+	}
+	for _, name := range slices.Sorted(maps.Keys(cur.sets)) {
+		if drop(name) {
+			tx.Delete(&knftables.Set{Name: name})
+		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(cur.snat)) {
+		if !d.want.snat[name] {
+			tx.Flush(&knftables.Chain{Name: name})
+			tx.Delete(&knftables.Chain{Name: name})
+		}
+	}
+	if cur.outbound && !d.want.outbound {
 		tx.Delete(&knftables.Counter{Name: CounterOutbound})
 	}
-	return want, added, deleted
+	if tx.NumOperations() > 0 {
+		st.finish = tx
+	}
+	return st, true
 }
 
 // changedRules returns the comments of the rules of the layout whose elements differ from
 // those cur holds for them.
 func changedRules(cur *installed, l *Layout, comments []string) map[string]bool {
 	changed := map[string]bool{}
-	if len(cur.elems) == 0 {
+	n := cur.elements()
+	if n == 0 {
 		return changed // every element is new anyway
 	}
-	held := map[string]int{}
-	for _, c := range cur.elems {
-		held[c]++
+	held := make(map[string]int, min(n, len(comments)))
+	for _, elems := range cur.elems {
+		for _, c := range elems {
+			held[c]++
+		}
 	}
 	same := make([]int, len(comments))
-	for _, e := range l.Elements {
-		if c, ok := cur.elems[elemKey{e.Set, e.Key}]; ok && c == comments[e.Rule] {
-			same[e.Rule]++
+	for set, elems := range l.bySet() {
+		have := cur.elems[set]
+		for _, e := range elems {
+			if c, ok := have[e.Key]; ok && c == comments[e.Rule] {
+				same[e.Rule]++
+			}
 		}
 	}
 	for i, c := range comments {
@@ -212,18 +431,20 @@ func changedRules(cur *installed, l *Layout, comments []string) map[string]bool 
 	return changed
 }
 
-// replace adds to tx what removes the table, whatever it holds, and installs it anew.
-func replace(tx *knftables.Transaction, p *policy.Policy, l *Layout) {
+// replace adds to tx what removes the table, whatever it holds, and installs it anew, and
+// returns what the table then holds.
+func replace(tx *knftables.Transaction, p *policy.Policy, l *Layout) *installed {
 	tx.Add(&knftables.Table{})
 	tx.Delete(&knftables.Table{})
-	_, _, _ = update(tx, p, l, empty(), true)
+	want, _, _ := update(tx, p, l, empty())
+	return want
 }
 
 // Render returns the transaction that installs a family's table from nothing, as `nft -f`
 // takes it.
 func Render(p *policy.Policy, fam policy.Family) string {
 	tx := knftables.NewFake(nftFamily(fam), TableName).NewTransaction()
-	_, _, _ = update(tx, p, NewLayout(p, fam), empty(), true)
+	_, _, _ = update(tx, p, NewLayout(p, fam), empty())
 	return tx.String()
 }
 

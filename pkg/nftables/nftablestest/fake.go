@@ -26,12 +26,15 @@ type Fake struct {
 	// counts are the counters of elements (by family, set, key and comment: an element
 	// deleted and added again starts over) and of the outbound counter (Set "").
 	counts map[countKey]nftables.Count
-	// Runs counts the transactions run, per family.
-	Runs map[policy.Family]int
+	// Runs counts the transactions run, per family; Batches the element batches.
+	Runs, Batches map[policy.Family]int
 	// Fail, when set, fails every transaction with it.
 	Fail error
 	// Others are the names of other owners' tables, per family (kube-proxy's, say).
 	Others map[policy.Family][]string
+	// Committed, when set, is called after each transaction or element batch commits (without
+	// the fake's lock, so that it may trace), with the family it changed.
+	Committed func(fam policy.Family)
 }
 
 type countKey struct {
@@ -42,7 +45,8 @@ type countKey struct {
 
 // New returns an empty fake.
 func New() *Fake {
-	f := &Fake{fakes: map[policy.Family]*knftables.Fake{}, counts: map[countKey]nftables.Count{}, Runs: map[policy.Family]int{}}
+	f := &Fake{fakes: map[policy.Family]*knftables.Fake{}, counts: map[countKey]nftables.Count{},
+		Runs: map[policy.Family]int{}, Batches: map[policy.Family]int{}}
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 		kf := knftables.IPv4Family
 		if fam == policy.IPv6 {
@@ -90,17 +94,34 @@ type iface struct {
 }
 
 func (i *iface) Run(ctx context.Context, tx *knftables.Transaction) error {
-	i.f.mu.Lock()
-	defer i.f.mu.Unlock()
-	if i.f.Fail != nil {
-		return i.f.Fail
-	}
-	if err := i.Fake.Run(ctx, tx); err != nil {
+	if err := i.f.commit(ctx, i.fam, tx); err != nil {
 		return err
 	}
-	i.f.gen++
+	i.f.mu.Lock()
 	i.f.Runs[i.fam]++
-	i.f.forgetGone(i.fam)
+	i.f.mu.Unlock()
+	return nil
+}
+
+// commit runs a transaction on the family's fake as the kernel commits one: all or nothing, a
+// new generation.
+func (f *Fake) commit(ctx context.Context, fam policy.Family, tx *knftables.Transaction) error {
+	f.mu.Lock()
+	if f.Fail != nil {
+		f.mu.Unlock()
+		return f.Fail
+	}
+	if err := f.fakes[fam].Run(ctx, tx); err != nil {
+		f.mu.Unlock()
+		return err
+	}
+	f.gen++
+	f.forgetGone(fam)
+	committed := f.Committed
+	f.mu.Unlock()
+	if committed != nil {
+		committed(fam)
+	}
 	return nil
 }
 
@@ -197,6 +218,34 @@ func (f *Fake) Kernel() nftables.Kernel { return kernel{f} }
 
 func (k kernel) Table(_ context.Context, fam policy.Family, elements bool) (*nftables.TableState, error) {
 	return k.TableState(fam, elements)
+}
+
+// ChangeElements implements nftables.Kernel: the batch is one transaction of the fake, counted
+// in Batches.
+func (k kernel) ChangeElements(ctx context.Context, fam policy.Family, changes []nftables.SetChange) error {
+	tx := k.fakes[fam].NewTransaction()
+	for _, ch := range changes {
+		if ch.Flush {
+			tx.Flush(&knftables.Set{Name: ch.Set})
+		}
+		for _, key := range ch.Delete {
+			tx.Delete(&knftables.Element{Set: ch.Set, Key: []string{key.String()}})
+		}
+		for _, e := range ch.Add {
+			el := &knftables.Element{Set: ch.Set, Key: []string{e.Key.String()}}
+			if e.Comment != "" {
+				el.Comment = knftables.PtrTo(e.Comment)
+			}
+			tx.Add(el)
+		}
+	}
+	if err := k.commit(ctx, fam, tx); err != nil {
+		return err
+	}
+	k.mu.Lock()
+	k.Batches[fam]++
+	k.mu.Unlock()
+	return nil
 }
 
 // TableNames implements nftables.Kernel: the agent's table when it exists, and Others.
@@ -331,14 +380,21 @@ func (f *Fake) step(t *knftables.FakeTable, fam policy.Family, rule string, dst 
 		return Verdict{}, false, fmt.Errorf("statement not understood")
 	}
 	set := rest[0][1:]
-	a, err := verdict(rest[1:])
-	if err != nil {
-		return Verdict{}, false, err
-	}
 	if t.Sets[set] == nil {
 		return Verdict{}, false, fmt.Errorf("no set %s", set)
 	}
 	e := findElement(t, set, key)
+	if len(rest) > 1 && rest[1] == "counter" {
+		// The outbound rule behind a gate set, while an apply changes it.
+		if e == nil {
+			return Verdict{}, false, nil
+		}
+		return f.step(t, fam, strings.Join(rest[1:], " "), dst, local)
+	}
+	a, err := verdict(rest[1:])
+	if err != nil {
+		return Verdict{}, false, err
+	}
 	if e == nil {
 		return Verdict{}, false, nil
 	}
