@@ -58,7 +58,11 @@ type InstalledRule struct {
 	Action policy.Action
 	Origin policy.Origin
 	// Dup > 0 marks the n-th repetition of an identical rule, which never matches.
-	Dup     int
+	Dup int
+	// Address is the masquerade address the tries hold for a MASQUERADE rule of masqueradeCIDRs
+	// (its own, or the family's masqueradeAddress), read from its prefix's entry when the rule
+	// is that entry's first match; invalid otherwise (the uplink's address, or a shadowed rule).
+	Address netip.Addr
 	Slot    uint32
 	Packets uint64
 	Bytes   uint64
@@ -80,8 +84,14 @@ func (d *Datapath) InstalledRules() ([]InstalledRule, error) {
 		if err != nil {
 			return nil, err
 		}
-		out = append(out, InstalledRule{Family: k.family, Prefix: k.prefix, Action: k.action, Origin: k.origin,
-			Dup: int(k.dup), Slot: s, Packets: packets, Bytes: bytes})
+		ir := InstalledRule{Family: k.family, Prefix: k.prefix, Action: k.action, Origin: k.origin,
+			Dup: int(k.dup), Slot: s, Packets: packets, Bytes: bytes}
+		for _, t := range d.tries {
+			if v, ok := t.held[k.prefix]; ok && t.trieKind == (trieKind{k.family, k.action}) && v.slot == s {
+				ir.Address = v.snat
+			}
+		}
+		out = append(out, ir)
 	}
 	slices.SortFunc(out, func(a, b InstalledRule) int {
 		return cmp.Or(cmp.Compare(a.Family, b.Family), cmp.Compare(originOrder[a.Origin], originOrder[b.Origin]),

@@ -161,7 +161,7 @@ func (r *Reader) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
 				}
 				delete(byKey, k)
 				out = append(out, datapath.RuleCounter{Family: fam, Rule: i + 1, Prefix: rule.Prefix,
-					Action: rule.Action, Origin: rule.Origin, Entry: rule.Entry, Packets: ir.Packets, Bytes: ir.Bytes})
+					Action: rule.Action, Origin: rule.Origin, Entry: rule.Entry, Address: ir.Address, Packets: ir.Packets, Bytes: ir.Bytes})
 			}
 		}
 		for _, ir := range installed {
@@ -170,7 +170,7 @@ func (r *Reader) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
 				continue
 			}
 			out = append(out, datapath.RuleCounter{Family: fam, Rule: 0, Prefix: ir.Prefix, Action: ir.Action,
-				Origin: ir.Origin, Entry: -1, Packets: ir.Packets, Bytes: ir.Bytes})
+				Origin: ir.Origin, Entry: -1, Address: ir.Address, Packets: ir.Packets, Bytes: ir.Bytes})
 		}
 	}
 	return out, nil

@@ -89,7 +89,7 @@ func TestReaderCounters(t *testing.T) {
 	if r, err := OpenReader(bpffs, nil, nil); r != nil || err != nil {
 		t.Fatalf("nothing pinned: %v %v", r, err)
 	}
-	installed := compile(t, "masqueradeCIDRs: [10.10.0.0/16]\nnonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]\n", true)
+	installed := compile(t, "masqueradeCIDRs: [{cidr: 10.10.0.0/16, address: 192.0.2.11}]\nnonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]\n", true)
 	loadPinned(t, bpffs, installed)
 
 	given := compile(t, "nonMasqueradeCIDRs: [192.168.0.0/16, 10.0.0.0/8]\n", false)
@@ -132,6 +132,16 @@ func TestReaderCounters(t *testing.T) {
 	}
 	if len(got) != 7 || slices.ContainsFunc(got, func(c datapath.RuleCounter) bool { return c.Rule != 0 || c.Origin == "" }) {
 		t.Errorf("without a configuration: %v", rows(got))
+	}
+	// The masquerade address is read from the tries: the entry's own, and none elsewhere.
+	for _, c := range got {
+		want := netip.Addr{}
+		if c.Origin == policy.OriginMasqueradeCIDRs {
+			want = netip.MustParseAddr("192.0.2.11")
+		}
+		if c.Address != want {
+			t.Errorf("%s %s reads masquerade address %v, want %v", c.Family, c.Prefix, c.Address, want)
+		}
 	}
 }
 

@@ -145,7 +145,9 @@ func title(info datapath.Info) string {
 	return s
 }
 
-// writeCounters prints the rules as `iptables -L -v` shows them, with the rule each one is.
+// writeCounters prints the rules as `iptables -L -v` shows them, with the rule each one is, and
+// the address a rule masquerades to (to:ADDR, as iptables -L shows SNAT's) where the datapath
+// tells it.
 func writeCounters(w io.Writer, counters []datapath.RuleCounter) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "FAMILY\tRULE\tACTION\tCIDR\tORIGIN\tPACKETS\tBYTES")
@@ -156,7 +158,11 @@ func writeCounters(w io.Writer, counters []datapath.RuleCounter) error {
 			rule = "-"
 			unknown++
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\n", c.Family, rule, c.Action, c.Prefix, c.Source(), c.Packets, c.Bytes)
+		to := ""
+		if c.Address.IsValid() {
+			to = "\tto:" + c.Address.String()
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d%s\n", c.Family, rule, c.Action, c.Prefix, c.Source(), c.Packets, c.Bytes, to)
 	}
 	if err := tw.Flush(); err != nil {
 		return err

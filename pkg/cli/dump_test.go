@@ -193,7 +193,9 @@ func TestDumpCommandLine(t *testing.T) {
 // natReader is a datapath with a NAT table, as the BPF backend's reader will be.
 var natReader = &datapathtest.NATBackend{
 	Installed: datapath.Info{Backend: "bpf", AttachMode: "tcx", Details: "uplink eth0"},
-	Backend: datapathtest.Backend{RuleCounters: []datapath.RuleCounter{{Family: policy.IPv6, Rule: 2,
+	Backend: datapathtest.Backend{RuleCounters: []datapath.RuleCounter{{Family: policy.IPv6, Rule: 1,
+		Prefix: netip.MustParsePrefix("2001:db8:5::/48"), Action: policy.Masquerade, Origin: policy.OriginMasqueradeCIDRs,
+		Address: netip.MustParseAddr("2001:db8::11"), Packets: 7, Bytes: 560}, {Family: policy.IPv6, Rule: 2,
 		Prefix: netip.MustParsePrefix("::/0"), Action: policy.Masquerade, Origin: policy.OriginOutbound, Entry: -1,
 		Packets: 123, Bytes: 45678}}},
 	Summary: datapath.NATSummary{
@@ -216,6 +218,7 @@ func TestDumpNATTable(t *testing.T) {
 	want := [][]string{
 		{"bpf", "(tcx):", "uplink", "eth0"},
 		{"FAMILY", "RULE", "ACTION", "CIDR", "ORIGIN", "PACKETS", "BYTES"},
+		{"ipv6", "1", "MASQUERADE", "2001:db8:5::/48", "masqueradeCIDRs[0]", "7", "560", "to:2001:db8::11"},
 		{"ipv6", "2", "MASQUERADE", "::/0", "outbound", "123", "45678"},
 		{"NAT", "table"},
 		{"FAMILY", "PROTOCOL", "STATE", "ENTRIES"},
