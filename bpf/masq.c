@@ -5,7 +5,8 @@
  * Egress: a packet of a known flow is translated from the NAT table at once. A new flow from
  * the uplink's own address is a host flow: recorded (when its port is one a pod mapping could
  * take) so no pod mapping takes its port. Any other new flow is classified by the policy tries;
- * MASQUERADE gets a mapping to the uplink address and a port from the NAT range.
+ * MASQUERADE gets a mapping to the rule's masquerade address (the trie value's), else the uplink's,
+ * and a port from the NAT range.
  * Ingress: replies to a mapping are translated back; new flows toward addresses behind the node
  * are recorded so their replies leave untouched; ICMP errors quoting a flow are translated.
  * Scope: only what the node's IP stack sent or forwarded is masqueraded (bpf/scope.h); frames
@@ -179,16 +180,17 @@ static __always_inline int host_reserve(struct __sk_buff *skb, const struct pkt 
 	return FLOW_NEW;
 }
 
-/* A pod's packet of no known flow: the policy decides. FLOW_NEW (with *slot, the deciding rule)
- * when it opens a masqueraded flow. Only a TCP SYN opens a TCP mapping: any other TCP packet to a
- * masqueraded destination belongs to a connection whose state is gone (or that began before the
- * agent), which no mapping can serve, and is dropped rather than sent with the pod's address. */
+/* A pod's packet of no known flow: the policy decides. FLOW_NEW (with *slot, the deciding rule,
+ * and *to, its masquerade address or 0 for the uplink's) when it opens a masqueraded flow. Only a
+ * TCP SYN opens a TCP mapping: any other TCP packet to a masqueraded destination belongs to a
+ * connection whose state is gone (or that began before the agent), which no mapping can serve,
+ * and is dropped rather than sent with the pod's address. */
 static __always_inline int pod_decide(const struct pkt *p, const int v6, const struct nat_config *cfg,
-				      const union nat_key *k, __u64 now, __u32 *slot)
+				      const union nat_key *k, __u64 now, __u32 *slot, const __be32 **to)
 {
 	if (p->l4 == L4_ECHO && !p->echo_request)
 		return TC_NEXT; /* an echo reply opens nothing */
-	if (classify(v6, p->daddr, family_cfg(cfg, v6), slot) == ACTION_RETURN) {
+	if (classify_snat(v6, p->daddr, family_cfg(cfg, v6), slot, to) == ACTION_RETURN) {
 		count_rule(*slot, p->len);
 		keep_return(v6, k, *slot, now);
 		return TC_NEXT;
@@ -205,29 +207,35 @@ static __always_inline int pod_decide(const struct pkt *p, const int v6, const s
 }
 
 /* A packet of no known flow leaving: a host flow's reservation, or the policy's verdict, and the
- * new mapping either may need (the one place that allocates ports). A masqueraded flow that lost
- * its port (remap) keeps its verdict and rule (slot). */
+ * new mapping either may need (the one place that allocates ports), to the rule's masquerade
+ * address or else the uplink's (snat), written into to. A masqueraded flow that lost its port
+ * (remap, to holding the address it was translated to) keeps its verdict, rule (slot) and
+ * address, as conntrack keeps a flow's binding. */
 static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, const int v6,
 				      const union nat_key *k, __u64 now, const struct nat_config *cfg,
-				      const __be32 *snat, int remap, __u32 slot)
+				      const __be32 *snat, int remap, __u32 slot, __be32 *to)
 {
 	int host = snat && addr_eq(v6, p->saddr, snat), r;
+	const __be32 *rule_to = 0;
 	struct nat_entry e;
-	__be32 to[4] = {};
 
 	if (!from_node_stack(skb, p, v6, snat))
 		return TC_NEXT;
 	if (host)
 		r = host_reserve(skb, p, v6, k, now);
 	else
-		r = remap ? FLOW_NEW : pod_decide(p, v6, cfg, k, now, &slot);
+		r = remap ? FLOW_NEW : pod_decide(p, v6, cfg, k, now, &slot, &rule_to);
 	if (r != FLOW_NEW)
 		return r;
-	if (!snat) {
-		event_add(EV_DROP_NO_ADDR, 1);
-		return TC_ACT_SHOT;
+	if (host || !remap) {
+		if (rule_to)
+			snat = rule_to;
+		if (!snat) {
+			event_add(EV_DROP_NO_ADDR, 1);
+			return TC_ACT_SHOT;
+		}
+		addr_copy(v6, to, snat);
 	}
-	addr_copy(v6, to, snat);
 	if (nat_alloc(skb, v6, p, cfg, k, to, host ? NAT_HOST : NAT_MASQ, slot, now, &e) < 0)
 		return TC_ACT_SHOT;
 	event_add(host ? EV_HOST_REMAP : EV_NEW_MASQ, 1);
@@ -262,12 +270,12 @@ static __always_inline int untranslatable(struct __sk_buff *skb, const struct pk
 }
 
 /* A packet of a known flow leaving: its state recorded, then translated. FLOW_NEW when the flow
- * starts over (a closed connection reopened under another verdict), FLOW_REMAP (with *slot) when
- * its port was taken over. */
+ * starts over (a closed connection reopened under another verdict), FLOW_REMAP (with *slot, and
+ * its address in to) when its port was taken over. */
 static __always_inline int egress_known(struct __sk_buff *skb, struct pkt *p, const int v6, const int tbl,
-					const union nat_key *k, struct nat_entry *e, __u64 now, __u32 *remap_slot)
+					const union nat_key *k, struct nat_entry *e, __u64 now, __u32 *remap_slot,
+					__be32 *to)
 {
-	__be32 to[4] = {};
 	__be16 to_port;
 	__u8 kind = e->kind;
 	__u32 slot = e->slot;
@@ -318,6 +326,7 @@ static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const in
 	union nat_key k;
 	struct nat_entry *e;
 	int verdict, tbl = NAT_CONFIRMED, remap = 0;
+	__be32 to[4] = {};
 
 	if (!cfg || !family_cfg(cfg, v6)->enabled)
 		return TC_NEXT;
@@ -349,7 +358,7 @@ static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const in
 		e = nat_get(v6, NAT_UNREPLIED, &k);
 	}
 	if (e) {
-		int r = egress_known(skb, p, v6, tbl, &k, e, now, &slot);
+		int r = egress_known(skb, p, v6, tbl, &k, e, now, &slot, to);
 
 		if (r == FLOW_REMAP)
 			remap = 1;
@@ -362,7 +371,7 @@ static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const in
 	if (!remap && snat && p->l4 != L4_ADDR && addr_eq(v6, p->saddr, snat) &&
 	    !port_in_ranges(cfg, bpf_ntohs(p->sport)))
 		return TC_NEXT;
-	return egress_new(skb, p, v6, &k, now, cfg, snat, remap, slot);
+	return egress_new(skb, p, v6, &k, now, cfg, snat, remap, slot, to);
 }
 
 /* local_dest tells whether the destination of an inbound packet is behind this node: delivered

@@ -18,12 +18,26 @@ static __always_inline const struct family_cfg *family_cfg(const struct nat_conf
 	return v6 ? &cfg->v6 : &cfg->v4;
 }
 
-/* classify returns the action for a new flow to daddr, as the trie entry that matches holds it
- * (or the outbound rule), and sets *slot to the deciding rule's counter slot (NO_SLOT at the end
- * of the chain). */
-static __always_inline __u8 classify(const int v6, const __be32 *daddr, const struct family_cfg *fc,
-				     __u32 *slot)
+/* snat_of is the masquerade address a trie value holds for its addresses (a rule's own), or 0
+ * when it holds none (all zero: the uplink's address is used). */
+static __always_inline const __be32 *snat_of(const int v6, const __u8 *snat)
 {
+	const __be32 *w = (const __be32 *)snat;
+
+	if (v6 ? (w[0] | w[1] | w[2] | w[3]) : w[0])
+		return w;
+	return 0;
+}
+
+/* classify_snat returns the action for a new flow to daddr, as the trie entry that matches holds
+ * it (or the outbound rule), and sets *slot to the deciding rule's counter slot (NO_SLOT at the
+ * end of the chain) and, where snat is given, *snat to the masquerade address the entry holds (0:
+ * none, the uplink's). The address comes with the lookup that decides: no other map is read. */
+static __always_inline __u8 classify_snat(const int v6, const __be32 *daddr, const struct family_cfg *fc,
+					  __u32 *slot, const __be32 **snat)
+{
+	if (snat)
+		*snat = 0;
 	if (v6) {
 		struct lpm6_key k = {.prefixlen = 128};
 		struct lpm6_val *v;
@@ -34,6 +48,8 @@ static __always_inline __u8 classify(const int v6, const __be32 *daddr, const st
 			v = bpf_map_lookup_elem(&nomasq_v6, &k);
 		if (v) {
 			*slot = v->slot;
+			if (snat)
+				*snat = snat_of(1, v->snat);
 			return v->action;
 		}
 	} else {
@@ -46,11 +62,20 @@ static __always_inline __u8 classify(const int v6, const __be32 *daddr, const st
 			v = bpf_map_lookup_elem(&nomasq_v4, &k);
 		if (v) {
 			*slot = v->slot;
+			if (snat)
+				*snat = snat_of(0, v->snat);
 			return v->action;
 		}
 	}
 	*slot = fc->out_slot;
 	return fc->outbound;
+}
+
+/* classify is classify_snat without the address. */
+static __always_inline __u8 classify(const int v6, const __be32 *daddr, const struct family_cfg *fc,
+				     __u32 *slot)
+{
+	return classify_snat(v6, daddr, fc, slot, 0);
 }
 
 /* count_rule adds a packet to a rule's per-CPU counters. */

@@ -34,9 +34,9 @@ struct lpm6_key {
 
 /* Value of the LPM tries, for the addresses whose longest match is this entry: the verdict, and
  * the counter slot of the rule a first-match chain decides them by (the first rule among this
- * prefix and the shorter prefixes of the same trie that contain it). snat is reserved for the
- * address masquerading uses for them (a masqueradeCIDRs entry's own address); all zero, as
- * written today, means the uplink's address, and the programs do not read it yet. */
+ * prefix and the shorter prefixes of the same trie that contain it). snat is the masquerade
+ * address of that rule (a masqueradeCIDRs entry's own, or the family's masqueradeAddress), which
+ * a new masqueraded flow is translated to; all zero means the uplink's (uplink_snat). */
 struct lpm4_val {
 	__u32 slot;
 	enum action action;
@@ -51,8 +51,8 @@ struct lpm6_val {
 	__u8 snat[16] ADDR_WORDS;
 };
 
-/* Per family settings: the outbound rule (rule 4 of the chain). snat is reserved as in the trie
- * values (IPv4 in the first 4 bytes), for a family's own masquerade address. */
+/* Per family settings: the outbound rule (rule 4 of the chain). snat is reserved (IPv4 in the
+ * first 4 bytes), written zero: a family's masquerade address is every uplink's, in uplink_snat. */
 struct family_cfg {
 	__u8 enabled;  /* 0: the family is left alone (e.g. IPv6 without --enable-ipv6) */
 	enum action outbound; /* for destinations no trie matched */

@@ -2,6 +2,7 @@ package bpf
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/binary"
 	"math/rand/v2"
 	"net/netip"
@@ -14,7 +15,9 @@ import (
 // TestDifferentialDecide: for random configurations and random destinations, with packets of
 // every protocol the NAT translates (builders: ports, queries, address only, IPv6 extension
 // headers), the verdict of the real egress program (masqueraded or not, read from the packet)
-// and the rule it counted (read from the per-rule counters) equal policy.Decide. The configurations are synced one
+// and the rule it counted (read from the per-rule counters) equal policy.Decide, and a masqueraded
+// packet leaves from the address of Decide's rule (its own, the family's masqueradeAddress, which
+// the uplink holds as the backend writes it, else the uplink's). The configurations are synced one
 // after the other into the same datapath, so stale entries of an earlier policy would show.
 func TestDifferentialDecide(t *testing.T) {
 	const perFamily = 10000
@@ -29,10 +32,14 @@ func TestDifferentialDecide(t *testing.T) {
 		if round == 7 {
 			nonMasq = 3000 // a large list, as users raise cidrLimit
 		}
-		cfg := policytest.Config(rng, nonMasq)
+		cfg := policytest.WithAddresses(rng, policytest.Config(rng, nonMasq))
 		p := policy.Compile(cfg, policy.Options{EnableIPv6: round%4 != 3, RandomFully: rng.IntN(2) == 0})
 		if err := h.dp.SyncPolicy(p); err != nil {
 			t.Fatalf("round %d: %v", round, err)
+		}
+		up := Uplink{IPv4: cmp.Or(p.MasqueradeAddress, snat4), IPv6: cmp.Or(p.MasqueradeAddressIPv6, snat6)}
+		if _, err := h.dp.SetUplink(testIfindex, up); err != nil {
+			t.Fatal(err)
 		}
 		// Flows from earlier rounds are gone, as after an expiry: every probe is a new flow.
 		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
@@ -81,10 +88,17 @@ func TestDifferentialDecide(t *testing.T) {
 					t.Fatalf("round %d %s: %s over %s: verdict %d", round, fam, dst, b.name, int32(ret))
 				}
 				got := tupleOf(t, out)
-				masqueraded := got.src.Addr() == snatFor(dst)
-				if masqueraded != wantMasq || (!masqueraded && !bytes.Equal(in, out)) {
-					t.Fatalf("round %d %s: %s over %s: program masqueraded=%v (packet %s), Decide says %s (%v)",
-						round, fam, dst, b.name, masqueraded, got, v.Action, ruleName(v.Rule))
+				wantSrc := up.IPv4
+				if fam == policy.IPv6 {
+					wantSrc = up.IPv6
+				}
+				if v.Rule != nil && v.Rule.Address.IsValid() {
+					wantSrc = v.Rule.Address
+				}
+				masqueraded := got.src.Addr() != src.Addr()
+				if masqueraded != wantMasq || (!masqueraded && !bytes.Equal(in, out)) || (masqueraded && got.src.Addr() != wantSrc) {
+					t.Fatalf("round %d %s: %s over %s: program masqueraded=%v (packet %s), Decide says %s (%v) from %s",
+						round, fam, dst, b.name, masqueraded, got, v.Action, ruleName(v.Rule), wantSrc)
 				}
 				if v.Rule != nil && p.Enabled(fam) {
 					s := h.dp.syncedSlot[v.Rule]

@@ -283,12 +283,6 @@ func uplinkNames(ups []uplink.Uplink) []string {
 // drift: entries changed behind the agent's back are rewritten, programs detached behind its
 // back are attached again.
 func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
-	if r := ownAddress(p); r != nil {
-		// The seam of the trie values' SNAT address (a pinned layout change of its own).
-		return fmt.Errorf("%s masquerades to %s, an address of its own: this BPF datapath masquerades every "+
-			"destination of a family to one address (the family's masqueradeAddress, else the uplink's); "+
-			"use the iptables backend for per-destination addresses", r.Source(), r.Address)
-	}
 	dp, err := b.datapathFor(p)
 	if err != nil {
 		return err
@@ -410,20 +404,6 @@ func snatAddrs(u uplink.Uplink, p *policy.Policy) bpf.Uplink {
 		addrs.IPv6 = cmp.Or(p.MasqueradeAddressIPv6, u.IPv6)
 	}
 	return addrs
-}
-
-// ownAddress returns the first masquerade rule of p whose address is its own (a masqueradeCIDRs
-// entry's, not the family's masquerade address), or nil.
-func ownAddress(p *policy.Policy) *policy.Rule {
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		rules := p.Rules(fam)
-		for i := range rules {
-			if r := &rules[i]; r.Action == policy.Masquerade && r.Address != p.Address(fam) {
-				return r
-			}
-		}
-	}
-	return nil
 }
 
 // install writes each uplink's SNAT addresses and attaches the programs to it. changed tells

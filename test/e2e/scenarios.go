@@ -264,6 +264,14 @@ func Scenarios() []Scenario {
 					expect(Alt, "8.8.8.8", "10.10.10.10", "192.168.1.1", "2001:4860:4860::8888", "fd00::1"),
 					expect(Keep, "10.1.2.3", "169.254.169.254"),
 				)},
+				// Per destination, live: the entries' destinations from the second addresses, the
+				// rest from the primary ones.
+				{Config: "masqueradeCIDRs: [{cidr: 10.10.10.10/32, address: 10.99.0.11}, {cidr: \"fd00::1/128\", address: \"2001:db8:99::11\"}]\n" +
+					"nonMasqueradeCIDRs: [10.0.0.0/8]\n", Expect: join(
+					expect(Alt, "10.10.10.10", "fd00::1"),
+					expect(Masq, "8.8.8.8", "192.168.1.1", "2001:4860:4860::8888"),
+					expect(Keep, "10.1.2.3"),
+				)},
 				// Back to the uplink's primary address, live.
 				{Config: "masqueradeCIDRs: [10.10.10.10/32]\nnonMasqueradeCIDRs: [10.0.0.0/8]\n", Expect: join(
 					expect(Masq, "8.8.8.8", "10.10.10.10", "2001:4860:4860::8888"),

@@ -1,0 +1,93 @@
+package bpf
+
+import (
+	"fmt"
+	"net/netip"
+	"testing"
+)
+
+// TestPerDestinationAddress: the destinations of masqueradeCIDRs entries with addresses of their
+// own leave from those addresses, the rest from the uplink's, over TCP and UDP; replies to each
+// address come back to the pod. A policy change that moves destinations to another address keeps
+// the open flows on the address they were created with, both ways, as conntrack keeps a flow's
+// binding; new flows take the new address.
+func TestPerDestinationAddress(t *testing.T) {
+	addr := netip.MustParseAddr
+	altA, altB, alt6 := addr("192.0.2.11"), addr("192.0.2.12"), addr("2001:db8::11")
+	netA, netB, net6 := "198.51.100.0/24", "203.0.113.0/24", "2001:db8:ffff::/48"
+	before := withAddrs(prefixes(netA, netB, net6), nil, true, map[string]string{netA: altA.String(), netB: altB.String(), net6: alt6.String()})
+	after := withAddrs(prefixes(netA, netB, net6), nil, true, map[string]string{netA: altB.String(), netB: altA.String()})
+	h := newHarness(t, before, LoadOptions{})
+
+	type flow struct {
+		name     string
+		pod, dst netip.AddrPort
+		tcp      bool
+		from     netip.Addr // the address it leaves from
+		out      tuple
+	}
+	var flows []*flow
+	for i, c := range []struct {
+		dst  netip.Addr
+		from netip.Addr
+	}{
+		{remote4, altA}, {addr("203.0.113.9"), altB}, {addr("8.8.8.8"), snat4},
+		{remote6, alt6}, {addr("2001:4860::8888"), snat6},
+	} {
+		for _, tcp := range []bool{false, true} {
+			pod := pod4(i + 1)
+			if c.dst.Is6() {
+				pod = pod6(i + 1)
+			}
+			flows = append(flows, &flow{name: fmt.Sprintf("%s tcp=%v", c.dst, tcp), pod: ap(pod, 1000),
+				dst: ap(c.dst, 443), tcp: tcp, from: c.from})
+		}
+	}
+	packet := func(src, dst netip.AddrPort, tcp bool, flags int) []byte {
+		if tcp {
+			return tcpPacket(src, dst, flags, nil)
+		}
+		return udpPacket(src, dst, payload)
+	}
+	// send sends a packet of f out and its reply back, and checks both.
+	send := func(f *flow, flags int) {
+		t.Helper()
+		got := tupleOf(t, h.mustPass(h.dp.Egress(), packet(f.pod, f.dst, f.tcp, flags)))
+		if got.src.Addr() != f.from || got.dst != f.dst {
+			t.Fatalf("%s: leaves as %s, want from %s", f.name, got, f.from)
+		}
+		if f.out != (tuple{}) && got != f.out {
+			t.Fatalf("%s: leaves as %s, earlier as %s", f.name, got, f.out)
+		}
+		f.out = got
+		back := tupleOf(t, h.mustPass(h.dp.Ingress(), packet(got.dst, got.src, f.tcp, tcpSYN|tcpACK)))
+		if back.src != f.dst || back.dst != f.pod {
+			t.Fatalf("%s: the reply to %s arrives as %s, want %s -> %s", f.name, got.src, back, f.dst, f.pod)
+		}
+	}
+	for _, f := range flows {
+		send(f, tcpSYN)
+	}
+
+	// The addresses of the two IPv4 entries swapped, IPv6's dropped: open flows keep theirs.
+	if err := h.dp.SyncPolicy(after); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range flows {
+		send(f, tcpACK)
+	}
+	// New flows (another pod port) take the new addresses.
+	for _, f := range flows {
+		g := *f
+		g.pod, g.out = ap(f.pod.Addr(), 2000), tuple{}
+		switch f.from {
+		case altA:
+			g.from = altB
+		case altB:
+			g.from = altA
+		case alt6:
+			g.from = snat6
+		}
+		send(&g, tcpSYN)
+	}
+}
