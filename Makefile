@@ -70,8 +70,8 @@ check-generate: generate
 	@git diff --exit-code --stat -- '*.o' '*_bpfel.go' '*_string.go' || { echo "generated BPF files are stale: run make generate and commit"; exit 1; }
 
 ## bench: BPF_PROG_TEST_RUN microbenchmarks, the iptables control plane beside kube-proxy's rules,
-## the nftables apply, and end-to-end benchmarks (no agent; BPF, iptables and nftables, each also
-## with --random-fully=false);
+## the nftables apply and counter reads, and end-to-end benchmarks (no agent; BPF, iptables and
+## nftables, each also with --random-fully=false);
 ## writes docs/benchmarks.md and the plots in docs/. Raw results stay in $(BENCH_OUT).
 BENCH_OUT ?= bin/bench
 bench: build
@@ -79,7 +79,7 @@ bench: build
 	mkdir -p $(BENCH_OUT)
 	$(GO) test -run '^$$' -bench 'Egress|Ingress' -benchtime 3000x -timeout 30m ./pkg/bpf | tee $(BENCH_OUT)/micro.txt
 	$(GO) test -run '^$$' -bench 'SyncPolicy|CheckPolicy' -benchtime 10x -timeout 30m ./pkg/bpf | tee $(BENCH_OUT)/control.txt
-	$(GO) test -run '^$$' -bench Apply -benchtime 5x -timeout 30m ./pkg/nftables | tee $(BENCH_OUT)/nftables.txt
+	$(GO) test -run '^$$' -bench 'Apply|Counters' -benchtime 5x -timeout 30m ./pkg/nftables | tee $(BENCH_OUT)/nftables.txt
 	$(GO) test -run '^$$' -bench BenchmarkSweep -benchtime 5x -benchmem -timeout 30m ./pkg/bpf | tee $(BENCH_OUT)/sweep.txt
 	$(GO) test -run '^$$' -bench BenchmarkMigrate -benchtime 5x -count 3 -timeout 30m ./pkg/bpf | tee $(BENCH_OUT)/migrate.txt
 	$(GO) test -run '^$$' -bench ControlPlane -benchtime 20x -count 5 -timeout 30m ./pkg/iptables | tee $(BENCH_OUT)/iptables-control.txt

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"sigs.k8s.io/knftables"
 
@@ -400,6 +401,99 @@ func TestApplyAgainChangesNothing(t *testing.T) {
 		if got := packets(cs)["nonMasqueradeCIDRs[0] 10.0.0.0/8"]; got != 3 {
 			t.Errorf("10/8 counts %d after applying again, want 3", got)
 		}
+	}
+}
+
+// A scrape reads the layout's elements by key, never a set whole (a walk takes time quadratic
+// in the elements: 40 s for a 100k-element set here); so does an apply after another owner
+// changed the ruleset (as kube-proxy's nftables mode does all the time) while the agent's table
+// is as it left it. An element added behind the agent's back is the drift check's walk to
+// find; the apply after it reads the sets whole and removes it.
+func TestElementsReadByKey(t *testing.T) {
+	ctx := context.Background()
+	f := nftablestest.New()
+	b := newBackend(t, f)
+	p := compile(config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("10.0.0.0/8"), pfx("172.16.0.0/12")}, MasqOutBound: true}, false)
+	apply(t, b, p)
+	hit(t, f, "10.1.2.3", 2)
+	walks, reads := f.Walks, f.ElementReads
+	cs, err := b.Counters(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := packets(cs)["nonMasqueradeCIDRs[0] 10.0.0.0/8"]; got != 2 {
+		t.Errorf("10/8 counts %d, want 2", got)
+	}
+	if f.Walks != walks || f.ElementReads == reads {
+		t.Errorf("the scrape walked %d sets whole and read %d elements by key", f.Walks-walks, f.ElementReads-reads)
+	}
+	// Another owner's transaction (here one that changes nothing): a new generation.
+	if err := f.Run(ctx, policy.IPv4, func(tx *knftables.Transaction) { tx.Add(&knftables.Table{}) }); err != nil {
+		t.Fatal(err)
+	}
+	walks, reads = f.Walks, f.ElementReads
+	apply(t, b, p)
+	if f.Walks != walks || f.ElementReads == reads {
+		t.Errorf("the apply after another owner's change walked %d sets whole and read %d elements by key", f.Walks-walks, f.ElementReads-reads)
+	}
+	if err := f.Run(ctx, policy.IPv4, func(tx *knftables.Transaction) {
+		tx.Add(&knftables.Element{Set: "return-8", Key: []string{"11.0.0.0"}})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if kinds, err := b.CheckDrift(ctx); err != nil || !slices.Equal(kinds, []string{datapath.DriftSet}) {
+		t.Fatalf("drift %v, %v", kinds, err)
+	}
+	apply(t, b, p)
+	if v, _ := f.Trace(netip.MustParseAddr("11.0.0.1"), false); v.Action != policy.Masquerade {
+		t.Errorf("the element added behind the agent's back stays: %+v", v)
+	}
+}
+
+// A walk that misses elements (a walk of a set the kernel is resizing does, right after an
+// apply of thousands) is not drift, and costs no counter: what it misses is looked up by key.
+// An element that is gone is drift.
+func TestWalkMissesAreLookedUp(t *testing.T) {
+	ctx := context.Background()
+	f := nftablestest.New()
+	b := newBackend(t, f)
+	// 10/8 is 10.0.0.0/16 (the lowest key of return-16) and 7 more pieces.
+	p := compile(config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("10.1.0.0/16"), pfx("10.0.0.0/8")}, MasqOutBound: true}, false)
+	apply(t, b, p)
+	hit(t, f, "10.0.0.1", 3)
+	f.WalkMisses = 1
+	// A foreign change: the check walks the sets.
+	if err := f.Run(ctx, policy.IPv4, func(tx *knftables.Transaction) { tx.Add(&knftables.Table{}) }); err != nil {
+		t.Fatal(err)
+	}
+	if kinds, err := b.CheckDrift(ctx); err != nil || len(kinds) != 0 {
+		t.Errorf("a walk that missed an element: drift %v, %v", kinds, err)
+	}
+	in, err := nftables.Inspect(ctx, f.Kernel(), p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs, err := in.Counters(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := packets(cs)["nonMasqueradeCIDRs[1] 10.0.0.0/8"]; got != 3 {
+		t.Errorf("dump: 10/8 counts %d after a walk that missed an element, want 3", got)
+	}
+	if err := f.Run(ctx, policy.IPv4, func(tx *knftables.Transaction) {
+		tx.Delete(&knftables.Element{Set: "return-16", Key: []string{"10.1.0.0"}})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// The element walk is due at most every so often; the check finds the damage by then.
+	var kinds []string
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && len(kinds) == 0; {
+		if kinds, err = b.CheckDrift(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !slices.Equal(kinds, []string{datapath.DriftSet}) {
+		t.Errorf("an element gone: drift %v", kinds)
 	}
 }
 

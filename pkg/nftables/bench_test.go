@@ -95,3 +95,31 @@ func BenchmarkApply(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkCounters: the backend's Counters (what a metrics scrape reads) against the kernel,
+// for a table of n CIDRs.
+func BenchmarkCounters(b *testing.B) {
+	testutil.RequirePrivileged(b, "ip", "nft")
+	for _, n := range []int{10000, 100000} {
+		b.Run(fmt.Sprintf("cidrs=%d", n), func(b *testing.B) {
+			ns := testutil.NewNetns(b)
+			testutil.InNetns(b, ns, func() {
+				ctx := context.Background()
+				be, err := nftables.New(ctx, nftables.Options{})
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := be.Apply(ctx, benchConfig(n, 0)); err != nil {
+					b.Fatal(err)
+				}
+				b.ResetTimer()
+				for range b.N {
+					cs, err := be.Counters(ctx)
+					if err != nil || len(cs) != n+2 {
+						b.Fatalf("%d counters, %v", len(cs), err)
+					}
+				}
+			})
+		})
+	}
+}

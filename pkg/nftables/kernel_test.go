@@ -183,8 +183,9 @@ func TestKernel(t *testing.T) {
 
 // An element batch against the kernel: thousands of elements, more than one netlink message
 // holds, arrive with their comments and their set's counter; a batch the kernel refuses in
-// its last message (a key to delete that is not there) changes nothing, and says why; a flush
-// and additions in one batch leave exactly the additions. Both families.
+// its last message (a key to delete that is not there) changes nothing, and says why; the
+// elements read by key are those a walk of the set reads, those not in the set left out; a
+// flush and additions in one batch leave exactly the additions. Both families.
 func TestChangeElements(t *testing.T) {
 	testutil.RequirePrivileged(t, "ip", "nft")
 	ns := testutil.NewNetns(t)
@@ -243,6 +244,32 @@ func TestChangeElements(t *testing.T) {
 			}
 			if got := read(); len(got) != n {
 				t.Errorf("%s: the refused batch left %d elements, want %d", fam, len(got), n)
+			}
+
+			// Read by key: more keys than one request holds, some of them (the first, the last,
+			// a run) not in the set; the counts as nft set them.
+			nft(t, "add", "element", family, nftables.TableName, "s", "{ "+key(n+1).String()+" counter packets 7 bytes 420 comment \"seven\" }")
+			var keys []netip.Addr
+			keys = append(keys, key(n+2))
+			for i := range n + 2 {
+				keys = append(keys, key(i))
+			}
+			keys = append(keys, key(n+3), key(n+4))
+			byKey, err := k.Elements(ctx, fam, "s", keys)
+			if err != nil {
+				t.Fatalf("%s: elements by key: %v", fam, err)
+			}
+			walked := read()
+			if len(byKey) != len(walked) {
+				t.Errorf("%s: %d elements by key, %d walked", fam, len(byKey), len(walked))
+			}
+			for k, e := range walked {
+				if byKey[k] != e {
+					t.Errorf("%s: %s by key %+v, walked %+v", fam, k, byKey[k], e)
+				}
+			}
+			if e := byKey[key(n+1)]; e.Count != (nftables.Count{Packets: 7, Bytes: 420}) || e.Comment != "seven" {
+				t.Errorf("%s: the element nft added reads as %+v", fam, e)
 			}
 
 			if err := k.ChangeElements(ctx, fam, []nftables.SetChange{{Set: "s", Flush: true, Add: elements(n, n+10)}}); err != nil {

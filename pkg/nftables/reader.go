@@ -180,7 +180,11 @@ func (in *Installed) Counters(ctx context.Context) ([]datapath.RuleCounter, erro
 			out = append(out, unexplained(fam, st, nil, false)...)
 			continue
 		}
-		counters, rest := countRules(in.policy, NewLayout(in.policy, fam), st)
+		l := NewLayout(in.policy, fam)
+		if err := completeWalk(ctx, in.kernel, fam, st, l.keys()); err != nil {
+			return nil, fmt.Errorf("%s: %w", fam, err)
+		}
+		counters, rest := countRules(in.policy, l, st)
 		out = append(append(out, counters...), rest...)
 	}
 	return out, nil

@@ -73,6 +73,19 @@ func (l *Layout) bySet() func(yield func(string, []Element) bool) {
 	}
 }
 
+// keys are the keys of the layout's elements, by set.
+func (l *Layout) keys() map[string][]netip.Addr {
+	out := map[string][]netip.Addr{}
+	for set, elems := range l.bySet() {
+		keys := make([]netip.Addr, len(elems))
+		for i, e := range elems {
+			keys[i] = e.Key
+		}
+		out[set] = keys
+	}
+	return out
+}
+
 // installedFrom is what a table read from the kernel holds; its sets' elements must have been
 // read.
 func installedFrom(st *TableState) *installed {

@@ -7,7 +7,9 @@ package nftablestest
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -28,6 +30,11 @@ type Fake struct {
 	counts map[countKey]nftables.Count
 	// Runs counts the transactions run, per family; Batches the element batches.
 	Runs, Batches map[policy.Family]int
+	// ElementReads counts the elements read by key; Walks the reads of every set whole.
+	ElementReads, Walks int
+	// WalkMisses, when set, is how many elements of each set (the lowest keys) a read of every
+	// set whole leaves out, as a walk of a set the kernel is resizing does.
+	WalkMisses int
 	// Fail, when set, fails every transaction with it.
 	Fail error
 	// Others are the names of other owners' tables, per family (kube-proxy's, say).
@@ -217,7 +224,37 @@ type kernel struct{ *Fake }
 func (f *Fake) Kernel() nftables.Kernel { return kernel{f} }
 
 func (k kernel) Table(_ context.Context, fam policy.Family, elements bool) (*nftables.TableState, error) {
-	return k.TableState(fam, elements)
+	st, err := k.TableState(fam, elements)
+	if !elements || st == nil || err != nil {
+		return st, err
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.Walks++
+	for _, s := range st.Sets {
+		for _, key := range slices.SortedFunc(maps.Keys(s.Elements), netip.Addr.Compare)[:min(k.WalkMisses, len(s.Elements))] {
+			delete(s.Elements, key)
+		}
+	}
+	return st, nil
+}
+
+// Elements implements nftables.Kernel. ElementReads counts the keys it read.
+func (k kernel) Elements(_ context.Context, fam policy.Family, set string, keys []netip.Addr) (map[netip.Addr]nftables.ElementState, error) {
+	st, err := k.TableState(fam, true)
+	if err != nil || st == nil || st.Sets[set] == nil {
+		return nil, err
+	}
+	k.mu.Lock()
+	k.ElementReads += len(keys)
+	k.mu.Unlock()
+	out := map[netip.Addr]nftables.ElementState{}
+	for _, key := range keys {
+		if e, ok := st.Sets[set].Elements[key]; ok {
+			out[key] = e
+		}
+	}
+	return out, nil
 }
 
 // ChangeElements implements nftables.Kernel: the batch is one transaction of the fake, counted
