@@ -75,11 +75,17 @@ static __always_inline const __be32 *uplink_addr(const struct uplink *u, const i
 	return v6 ? WORDS(u->v6) : WORDS(u->v4);
 }
 
+/* The uplink's SNAT address of the family: snat_addr of the packet's device, uplink_snat_of of
+ * an ifindex read once (a second read of skb->ifindex along one path can come out of clang as a
+ * load through a moved context pointer, which the verifier refuses). */
+static __always_inline const __be32 *uplink_snat_of(__u32 ifindex, const int v6)
+{
+	return uplink_addr(bpf_map_lookup_elem(&uplink_snat, &ifindex), v6);
+}
+
 static __always_inline const __be32 *snat_addr(const struct __sk_buff *skb, const int v6)
 {
-	__u32 ifindex = skb->ifindex;
-
-	return uplink_addr(bpf_map_lookup_elem(&uplink_snat, &ifindex), v6);
+	return uplink_snat_of(skb->ifindex, v6);
 }
 
 static __always_inline struct keep_entry *keep_get(const int v6, const union nat_key *k)
@@ -273,8 +279,8 @@ static __always_inline int untranslatable(struct __sk_buff *skb, const struct pk
  * starts over (a closed connection reopened under another verdict), FLOW_REMAP (with *slot, and
  * its address in to) when its port was taken over. */
 static __always_inline int egress_known(struct __sk_buff *skb, struct pkt *p, const int v6, const int tbl,
-					const union nat_key *k, struct nat_entry *e, __u64 now, __u32 *remap_slot,
-					__be32 *to)
+					const union nat_key *k, struct nat_entry *e, __u64 now, __u32 ifindex,
+					__u32 *remap_slot, __be32 *to)
 {
 	__be16 to_port;
 	__u8 kind = e->kind;
@@ -283,11 +289,18 @@ static __always_inline int egress_known(struct __sk_buff *skb, struct pkt *p, co
 	if (is_reopen(p, e)) {
 		__u32 zero = 0, nslot;
 		const struct nat_config *cfg = bpf_map_lookup_elem(&nat_config, &zero);
+		const __be32 *rule_to, *now_to;
+		int keep = kind == NAT_HOST;
 
-		/* A new connection: it follows the policy in force now. A masqueraded one keeps its
-		 * port; any other starts over as a new flow. */
-		if (kind == NAT_HOST ||
-		    (kind == NAT_MASQ && cfg && classify(v6, p->daddr, family_cfg(cfg, v6), &nslot) == ACTION_MASQUERADE)) {
+		/* A new connection: it follows the policy in force now. One still masqueraded to the
+		 * same address keeps its port (the far side sees it again); any other starts over as a
+		 * new flow, as conntrack binds a new connection by the rules in force. */
+		if (kind == NAT_MASQ && cfg &&
+		    classify_snat(v6, p->daddr, family_cfg(cfg, v6), &nslot, &rule_to) == ACTION_MASQUERADE) {
+			now_to = rule_to ? rule_to : uplink_snat_of(ifindex, v6);
+			keep = now_to && addr_eq(v6, now_to, WORDS(e->addr));
+		}
+		if (keep) {
 			if (kind == NAT_MASQ)
 				e->slot = slot = nslot;
 			reopen(v6, k, e);
@@ -320,7 +333,7 @@ static __always_inline int egress_known(struct __sk_buff *skb, struct pkt *p, co
 
 static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const int v6, __u64 now)
 {
-	__u32 zero = 0, slot = NO_SLOT;
+	__u32 zero = 0, slot = NO_SLOT, ifindex = skb->ifindex;
 	const struct nat_config *cfg = bpf_map_lookup_elem(&nat_config, &zero);
 	const __be32 *snat;
 	union nat_key k;
@@ -358,14 +371,14 @@ static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const in
 		e = nat_get(v6, NAT_UNREPLIED, &k);
 	}
 	if (e) {
-		int r = egress_known(skb, p, v6, tbl, &k, e, now, &slot, to);
+		int r = egress_known(skb, p, v6, tbl, &k, e, now, ifindex, &slot, to);
 
 		if (r == FLOW_REMAP)
 			remap = 1;
 		else if (r != FLOW_NEW)
 			return r;
 	}
-	snat = snat_addr(skb, v6);
+	snat = uplink_snat_of(ifindex, v6);
 	/* A host port outside the range is one no pod mapping can take: nothing to record (a
 	 * protocol without ports has one mapping per remote, which any pod flow could take). */
 	if (!remap && snat && p->l4 != L4_ADDR && addr_eq(v6, p->saddr, snat) &&

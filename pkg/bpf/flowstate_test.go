@@ -525,3 +525,38 @@ func TestNATMemory(t *testing.T) {
 		}
 	}
 }
+
+// TestReopenFollowsAddress: a closed connection reopened with the same tuple keeps its mapping
+// only while its destination is still masqueraded to the address the mapping has; after a
+// change of the rule's masquerade address it starts over from the new one, as conntrack binds a
+// new connection by the rules in force.
+func TestReopenFollowsAddress(t *testing.T) {
+	alt, other := netip.MustParseAddr("192.0.2.11"), netip.MustParseAddr("192.0.2.12")
+	const dstNet = "198.51.100.0/24" // remote4's
+	h := newHarness(t, withAddrs(prefixes(dstNet), nil, true, map[string]string{dstNet: alt.String()}), LoadOptions{})
+	podEnd, dst := ap(pod4(1), 1000), ap(remote4, 443)
+	// closed opens the connection (handshake) and closes it with FINs each way, in the windows.
+	closed := func() netip.AddrPort {
+		t.Helper()
+		nat := h.handshake(podEnd, dst)
+		h.mustPass(h.dp.Egress(), tcpSegment(podEnd, dst, seg{flags: tcpFIN | tcpACK, seq: 1001, ack: 5001, win: 502, wscale: -1}))
+		h.mustPass(h.dp.Ingress(), tcpSegment(dst, nat, seg{flags: tcpFIN | tcpACK, seq: 5001, ack: 1002, win: 502, wscale: -1}))
+		if e, _ := h.entry(Egress, unix.IPPROTO_TCP, podEnd, dst); StateOf(e.Flags, 0) != StateClosing {
+			t.Fatalf("after the FINs the flow is %s", StateOf(e.Flags, 0))
+		}
+		return nat
+	}
+	first := closed()
+	if first.Addr() != alt {
+		t.Fatalf("the connection left from %s, want %s", first, alt)
+	}
+	if again := closed(); again != first {
+		t.Fatalf("reopened under the same address it left from %s, want its mapping %s", again, first)
+	}
+	if err := h.dp.SyncPolicy(withAddrs(prefixes(dstNet), nil, true, map[string]string{dstNet: other.String()})); err != nil {
+		t.Fatal(err)
+	}
+	if got := h.handshake(podEnd, dst); got.Addr() != other {
+		t.Fatalf("reopened after the address changed, it left from %s, want %s", got, other)
+	}
+}
