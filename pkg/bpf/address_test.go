@@ -4,6 +4,10 @@ import (
 	"fmt"
 	"net/netip"
 	"testing"
+	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
 // TestPerDestinationAddress: the destinations of masqueradeCIDRs entries with addresses of their
@@ -89,5 +93,51 @@ func TestPerDestinationAddress(t *testing.T) {
 			g.from = snat6
 		}
 		send(&g, tcpSYN)
+	}
+}
+
+// TestRemapKeepsAddress: a masqueraded flow whose port another flow took after the LRU evicted
+// its reply half moves to a new port on the address it was created with, whatever address the
+// policy gives its destination by then (conntrack keeps a flow's binding), and both flows' replies
+// reach their pods.
+func TestRemapKeepsAddress(t *testing.T) {
+	alt, next := netip.MustParseAddr("192.0.2.11"), "192.0.2.12"
+	dst := ap(remote4, 443)
+	// Ports kept where free (no --random-fully), so that the second pod can ask for the first's.
+	policyTo := func(addr string) *policy.Policy {
+		cfg := config.Config{MasqOutBound: true, MasqueradeCIDRs: []config.MasqueradeCIDR{
+			{CIDR: netip.MustParsePrefix("198.51.100.0/24"), Address: netip.MustParseAddr(addr)}}}
+		return policy.Compile(cfg, policy.Options{})
+	}
+	h := newHarness(t, policyTo(alt.String()), LoadOptions{})
+	one := ap(pod4(11), 40100)
+	nat := tupleOf(t, h.mustPass(h.dp.Egress(), tcpPacket(one, dst, tcpSYN, nil))).src
+	if nat.Addr() != alt {
+		t.Fatalf("flow leaves from %s, want %s", nat, alt)
+	}
+	if err := h.dp.deleteEntries(policy.IPv4, []NATEntry{{Dir: Ingress, Proto: 6, Src: dst, Dst: nat}}); err != nil {
+		t.Fatal(err)
+	}
+	two := ap(pod4(12), nat.Port())
+	if got := tupleOf(t, h.mustPass(h.dp.Egress(), tcpPacket(two, dst, tcpSYN, nil))).src; got != nat {
+		t.Fatalf("second pod got %s, want the free port %s", got, nat)
+	}
+	if err := h.dp.SyncPolicy(policyTo(next)); err != nil {
+		t.Fatal(err)
+	}
+	h.age(Egress, 6, one, dst, 2*time.Second)
+	reallocs := h.events()[Event(masqEventEV_REALLOC)]
+	moved := tupleOf(t, h.mustPass(h.dp.Egress(), tcpPacket(one, dst, tcpACK, nil))).src
+	if moved == nat || moved.Addr() != alt {
+		t.Fatalf("first flow moved from %s to %s, want another port of %s", nat, moved, alt)
+	}
+	if h.events()[Event(masqEventEV_REALLOC)] != reallocs+1 {
+		t.Fatalf("reallocation not counted")
+	}
+	if back := tupleOf(t, h.mustPass(h.dp.Ingress(), tcpPacket(dst, moved, tcpACK, nil))); back.dst != one {
+		t.Fatalf("first flow's reply arrives at %s", back.dst)
+	}
+	if back := tupleOf(t, h.mustPass(h.dp.Ingress(), tcpPacket(dst, nat, tcpACK, nil))); back.dst != two {
+		t.Fatalf("second flow's reply arrives at %s", back.dst)
 	}
 }
