@@ -59,11 +59,16 @@
  * of an inbound flow whose egress half was evicted restores that half instead of being
  * masqueraded.
  *
- * Ports: the original port first unless random_fully, then the remote endpoint's next ports in
- * turn (a per-endpoint sequence at a secret offset, as Linux picks ports for connect(): reuse of
- * a port toward one endpoint is spread over time), then independent random probes, up to
- * NAT_PROBES in all: at 95% occupancy 128 probes fail about one allocation in 600
- * (measured: 3 in 2,000, TestPortAllocationAt95). */
+ * Ports: random_fully, from a random index of the ranges, as the kernel's random-fully draws a
+ * fresh random offset per allocation: no port a remote sees tells it the next. Otherwise the
+ * original port first, then the remote endpoint's next ports in turn (a per-endpoint sequence at
+ * a secret offset, as Linux picks ports for connect(): reuse of a port toward one endpoint is
+ * spread over time). Either way NAT_SEQ_PROBES ports in a row, then independent random probes, up
+ * to NAT_PROBES in all: at 95% occupancy 128 probes fail about one allocation in 600 (measured: 3
+ * in 2,000, TestPortAllocationAt95). A random port does not land on a pair the far side holds in
+ * TIME_WAIT for another connection (which it would reject half the time: timestamps are offset
+ * per connection): a mapping is kept when the pod opens the same tuple again, and outlives the
+ * far side's TIME_WAIT (Linux: 60 s). */
 #pragma once
 
 #include <linux/bpf.h>
@@ -686,7 +691,7 @@ static __always_inline int port_claim(const int v6, const union nat_key *rk, con
 }
 
 /* nat_probe claims a port for the reply half in nat_scratch: orig first when it is not 0, then
- * the endpoint's sequence from index start of the n ports, then random ones. Returns the probes it
+ * NAT_SEQ_PROBES ports in a row from index start of the n ports, then random ones. Returns the probes it
  * took, 0 when every one found its port taken. */
 static __always_inline __u32 nat_probe(const int v6, __u32 n, __u32 start, __u32 orig)
 {
@@ -739,8 +744,8 @@ __attribute__((noinline)) __u32 nat_probe_v6(__u32 n, __u32 start, __u32 orig)
 static __always_inline int port_pick(const int v6, const struct pkt *p, const struct nat_config *cfg,
 				     struct nat_scratch *s, __u32 orig)
 {
-	__u32 h, tk, turn = 0, probes;
-	__u32 *tp;
+	__u32 start, turn = 0, probes;
+	__u32 *tp = 0;
 
 	if (p->l4 == L4_ADDR) {
 		if (port_claim(v6, &s->rk, &s->rev, 0) == 0)
@@ -748,12 +753,17 @@ static __always_inline int port_pick(const int v6, const struct pkt *p, const st
 		event_add(EV_DROP_NO_PORT, 1);
 		return -1;
 	}
-	h = endpoint_hash(v6, p, cfg->port_seed);
-	tk = h & (PORT_TURNS - 1);
-	tp = bpf_map_lookup_elem(&port_turns, &tk);
-	if (tp)
-		turn = *tp;
-	probes = v6 ? nat_probe_v6(cfg->nports, h + turn, orig) : nat_probe_v4(cfg->nports, h + turn, orig);
+	if (cfg->random_fully) {
+		start = bpf_get_prandom_u32();
+	} else {
+		__u32 h = endpoint_hash(v6, p, cfg->port_seed), tk = h & (PORT_TURNS - 1);
+
+		tp = bpf_map_lookup_elem(&port_turns, &tk);
+		if (tp)
+			turn = *tp;
+		start = h + turn;
+	}
+	probes = v6 ? nat_probe_v6(cfg->nports, start, orig) : nat_probe_v4(cfg->nports, start, orig);
 	if (probes == 0) {
 		event_add(EV_PORT_RETRY, NAT_PROBES);
 		event_add(EV_DROP_NO_PORT, 1);
