@@ -77,6 +77,12 @@ type micro map[string]map[int]float64
 
 var benchLine = regexp.MustCompile(`^Benchmark(\w+)/cidrs=(\d+)(?:-\d+)?\s+\d+\s+.*?([\d.]+) ns/pkt`)
 
+// floorKey holds, at CIDR count 0, BenchmarkTestRunFloor's ns/pkt: an empty program's, what the
+// test run itself adds to every other figure.
+const floorKey = "TestRunFloor"
+
+var floorLine = regexp.MustCompile(`^BenchmarkTestRunFloor(?:-\d+)?\s+\d+\s+.*?([\d.]+) ns/pkt`)
+
 func readMicro(path string) (micro, error) {
 	f, err := os.Open(path)
 	if err != nil {
@@ -86,6 +92,11 @@ func readMicro(path string) (micro, error) {
 	m := micro{}
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
+		if g := floorLine.FindStringSubmatch(sc.Text()); g != nil {
+			v, _ := strconv.ParseFloat(g[1], 64)
+			m[floorKey] = map[int]float64{0: v}
+			continue
+		}
 		g := benchLine.FindStringSubmatch(sc.Text())
 		if g == nil {
 			continue
@@ -196,7 +207,10 @@ var microNames = []struct{ key, title string }{
 
 func sizes(m micro) []int {
 	var out []int
-	for _, byN := range m {
+	for key, byN := range m {
+		if key == floorKey {
+			continue
+		}
 		for n := range byN {
 			if !slices.Contains(out, n) {
 				out = append(out, n)
@@ -326,6 +340,11 @@ func writeReport(w *bytes.Buffer, m micro, r *results, c *control) {
 			fmt.Fprintf(w, " %.1f |", m[b.key][n])
 		}
 		fmt.Fprintln(w)
+	}
+	if floor, ok := m[floorKey][0]; ok {
+		fmt.Fprintf(w, "\nA program that returns at once measures %.1f ns the same way (BenchmarkTestRunFloor): what\n", floor)
+		fmt.Fprintf(w, "BPF_PROG_TEST_RUN itself adds to each run (a clock read and softirq masking inside the timed span),\n")
+		fmt.Fprintf(w, "which every figure above includes and no packet on the wire pays.\n")
 	}
 	fmt.Fprintf(w, "\n![cost vs CIDR count](bench-cost-vs-cidrs.png)\n\n")
 
