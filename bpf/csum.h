@@ -29,6 +29,60 @@ static __always_inline int l4_has_pseudo(const struct pkt *p)
 	return p->csum == CSUM_PSEUDO;
 }
 
+/* Software checksum arithmetic: the quoted packet of ICMP errors, which no helper reaches, and
+ * the IPv4 header, whose checksum no offload or skb->csum involves. */
+static __always_inline __u16 csum_fold(__u64 sum)
+{
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	return (__u16)sum;
+}
+
+/* csum_apply updates a checksum field by a bpf_csum_diff result (RFC 1624: HC' = ~(~HC + diff)). */
+static __always_inline __u16 csum_apply(__u16 check, __s64 diff)
+{
+	return ~csum_fold((__u64)(__u16)~check + (__u32)diff);
+}
+
+/* csum_replace4 is RFC 1624's HC' = ~(~HC + ~m + m') for a 32-bit field changing from m to m'
+ * (both sides in network order: the one's complement sum does not care which). */
+static __always_inline __u16 ip_csum_replace4(__u16 check, __be32 from, __be32 to)
+{
+	__u32 nf = ~from;
+
+	return ~csum_fold((__u64)(__u16)~check + (nf & 0xffff) + (nf >> 16) + (to & 0xffff) + (to >> 16));
+}
+
+/* ip4_store_addr writes an IPv4 address and the header checksum it changes in one direct access.
+ * bpf_l3_csum_replace would do the same arithmetic behind a helper call (a sizeable share of an
+ * established flow's cost where calls are dear: retpolines, SRSO's safe RET) and, like it, leaves
+ * skb->csum alone: a header whose checksum follows its address sums to the same. A header out of
+ * the linear data (never after parse's pull) takes the helpers. */
+static __always_inline int ip4_store_addr(struct __sk_buff *skb, const int source, __be32 from, __be32 to)
+{
+	void *data, *data_end;
+	struct iphdr *ip;
+
+	asm volatile("" : "+r"(skb)); /* see store */
+	data = (void *)(long)skb->data;
+	data_end = (void *)(long)skb->data_end;
+	ip = data + ETH_HLEN;
+	if ((void *)(ip + 1) > data_end) {
+		if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), from, to, sizeof(__be32)) < 0)
+			return -1;
+		return bpf_skb_store_bytes(skb, ETH_HLEN + (source ? offsetof(struct iphdr, saddr)
+								   : offsetof(struct iphdr, daddr)),
+					   &to, sizeof(to), 0);
+	}
+	ip->check = ip_csum_replace4(ip->check, from, to);
+	if (source)
+		ip->saddr = to;
+	else
+		ip->daddr = to;
+	return 0;
+}
+
 /* Fields are written with direct packet access once the checksum helpers have run: cheaper
  * than bpf_skb_store_bytes, and the verifier unclones the skb first (its direct-write
  * prologue), as the store helper would. Pointers are re-derived because helpers invalidate
@@ -61,17 +115,13 @@ static __always_inline int rewrite_addr(struct __sk_buff *skb, const struct pkt 
 	__u32 csum_off = p->l4_off + p->csum_off;
 
 	if (!v6) {
-		__u32 off = ETH_HLEN + (source ? offsetof(struct iphdr, saddr) : offsetof(struct iphdr, daddr));
 		__be32 addr = to[0];
 
 		if (l4_has_pseudo(p) &&
 		    bpf_l4_csum_replace(skb, csum_off, from[0], addr,
 					BPF_F_PSEUDO_HDR | mangled0(p->proto) | sizeof(__be32)) < 0)
 			return -1;
-		if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), from[0], addr,
-					sizeof(__be32)) < 0)
-			return -1;
-		return store(skb, off, &addr, sizeof(addr));
+		return ip4_store_addr(skb, source, from[0], addr);
 	}
 
 	__u32 off = ETH_HLEN + (source ? offsetof(struct ipv6hdr, saddr) : offsetof(struct ipv6hdr, daddr));
@@ -100,17 +150,3 @@ static __always_inline int rewrite_port(struct __sk_buff *skb, const struct pkt 
 	return store(skb, p->l4_off + l4_port_off(p->proto, source), &to, sizeof(to));
 }
 
-/* Software checksum arithmetic for the quoted packet of ICMP errors, which no helper reaches. */
-static __always_inline __u16 csum_fold(__u64 sum)
-{
-	sum = (sum & 0xffff) + (sum >> 16);
-	sum = (sum & 0xffff) + (sum >> 16);
-	sum = (sum & 0xffff) + (sum >> 16);
-	return (__u16)sum;
-}
-
-/* csum_apply updates a checksum field by a bpf_csum_diff result (RFC 1624: HC' = ~(~HC + diff)). */
-static __always_inline __u16 csum_apply(__u16 check, __s64 diff)
-{
-	return ~csum_fold((__u64)(__u16)~check + (__u32)diff);
-}
