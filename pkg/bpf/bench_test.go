@@ -81,6 +81,12 @@ func measure(b *testing.B, h *harness, prog *ebpf.Program, want uint32, frame fu
 // and the time the kernel measured for the run: ebpf.Program.Benchmark takes no context, and
 // ebpf.Program.Run returns no time.
 func benchRun(prog *ebpf.Program, frame []byte) (uint32, time.Duration, error) {
+	return benchRunOut(prog, frame, nil)
+}
+
+// benchRunOut is benchRun that also copies the packet as the program left it into out (which
+// must hold it), when out is not nil.
+func benchRunOut(prog *ebpf.Program, frame, out []byte) (uint32, time.Duration, error) {
 	ctx := forwarded
 	attr := struct {
 		progFD, retval, dataSizeIn, dataSizeOut uint32
@@ -93,8 +99,12 @@ func benchRun(prog *ebpf.Program, frame []byte) (uint32, time.Duration, error) {
 		progFD: uint32(prog.FD()), dataSizeIn: uint32(len(frame)), dataIn: uint64(uintptr(unsafe.Pointer(&frame[0]))),
 		repeat: 1, ctxSizeIn: uint32(unsafe.Sizeof(ctx)), ctxIn: uint64(uintptr(unsafe.Pointer(&ctx))),
 	}
+	if out != nil {
+		attr.dataSizeOut, attr.dataOut = uint32(len(out)), uint64(uintptr(unsafe.Pointer(&out[0])))
+	}
 	_, _, errno := unix.Syscall(unix.SYS_BPF, unix.BPF_PROG_TEST_RUN, uintptr(unsafe.Pointer(&attr)), unsafe.Sizeof(attr))
 	runtime.KeepAlive(frame)
+	runtime.KeepAlive(out)
 	runtime.KeepAlive(&ctx)
 	if errno != 0 {
 		return 0, 0, fmt.Errorf("BPF_PROG_TEST_RUN: %w", errno)
@@ -140,6 +150,68 @@ func BenchmarkEgressNewFlow(b *testing.B) {
 			measure(b, h, h.dp.Egress(), tcNext, func(i int) []byte {
 				return tcpPacket(ap(pod4(i>>14), uint16(1024+i&0x3fff)), ap(remoteN(i), 443), tcpSYN, nil)
 			})
+		})
+	}
+}
+
+// BenchmarkConnection: every packet of a short masqueraded TCP connection whose server closes
+// first, as the end-to-end short-connection load makes them, each step's cost reported on its
+// own: the SYN (the new flow), the SYN-ACK (its first reply), the handshake's ACK (the move to the
+// confirmed table), a request and its response (established), the server's FIN, the pod's FIN
+// and the last ACK (both marked closing). The sum is what the programs cost one connection.
+func BenchmarkConnection(b *testing.B) {
+	steps := []struct {
+		name    string
+		ingress bool
+		flags   int
+		data    int
+	}{
+		{"syn", false, tcpSYN, 0}, {"synack", true, tcpSYN | tcpACK, 0}, {"ack", false, tcpACK, 0},
+		{"request", false, tcpACK, 64}, {"response", true, tcpACK, 64},
+		{"server-fin", true, tcpFIN | tcpACK, 0}, {"pod-fin", false, tcpFIN | tcpACK, 0}, {"last-ack", true, tcpACK, 0},
+	}
+	for _, n := range []int{1, 100_000} {
+		b.Run(fmt.Sprintf("cidrs=%d", n), func(b *testing.B) {
+			h := benchHarness(b, n)
+			total := make([]time.Duration, len(steps))
+			out := make([]byte, 256)
+			var err error
+			b.ResetTimer()
+			h.ns.do(func() {
+				for i := 0; i < b.N && err == nil; i++ {
+					pod, remote := ap(pod4(i>>14), uint16(1024+i&0x3fff)), ap(remoteN(i), 443)
+					var nat netip.AddrPort
+					for j, st := range steps {
+						prog, frame := h.dp.Egress(), tcpPacket(pod, remote, st.flags, make([]byte, st.data))
+						if st.ingress {
+							prog, frame = h.dp.Ingress(), tcpPacket(remote, nat, st.flags, make([]byte, st.data))
+						}
+						ret, d, rerr := benchRunOut(prog, frame, out)
+						switch {
+						case rerr != nil:
+							err = rerr
+						case ret != tcNext:
+							err = fmt.Errorf("%s: verdict %d, want %d", st.name, ret, tcNext)
+						}
+						if err != nil {
+							break
+						}
+						if j == 0 {
+							nat = tupleOf(b, out[:len(frame)]).src
+						}
+						total[j] += d
+					}
+				}
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+			var sum time.Duration
+			for j, st := range steps {
+				b.ReportMetric(float64(total[j].Nanoseconds())/float64(b.N), st.name+"-ns")
+				sum += total[j]
+			}
+			b.ReportMetric(float64(sum.Nanoseconds())/float64(b.N), "ns/conn")
 		})
 	}
 }
