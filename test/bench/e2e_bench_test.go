@@ -77,11 +77,13 @@ var cidrSets = []int{0, 10000}
 
 // Results is what the report generator reads.
 type Results struct {
-	Machine   Machine       `json:"machine"`
-	Load      []LoadResult  `json:"load"`
-	Apply     []ApplyResult `json:"apply"`
-	Memory    []MemResult   `json:"memory"`
-	StartedAt time.Time     `json:"started_at"`
+	Machine Machine       `json:"machine"`
+	Load    []LoadResult  `json:"load"`
+	Apply   []ApplyResult `json:"apply"`
+	Memory  []MemResult   `json:"memory"`
+	// PacketCost is the BPF modes' cost per program run on real packets (kernel statistics).
+	PacketCost []PacketCost `json:"packet_cost"`
+	StartedAt  time.Time    `json:"started_at"`
 }
 
 // Machine describes where the numbers come from.
@@ -138,7 +140,8 @@ func BenchmarkEndToEnd(b *testing.B) {
 	for range b.N {
 		for _, n := range cidrSets {
 			b.Run(fmt.Sprintf("load/cidrs=%d", n), func(b *testing.B) {
-				res.Load = append(res.Load, measureLoad(b, bins, modes(), n)...)
+				load, cost := measureLoad(b, bins, modes(), n)
+				res.Load, res.PacketCost = append(res.Load, load...), append(res.PacketCost, cost...)
 			})
 		}
 		for _, m := range modes() {
@@ -281,8 +284,10 @@ func stopMode(ctx context.Context, b *testing.B, env *e2e.Env, m Mode) {
 }
 
 // measureLoad measures every mode on one topology, interleaved run by run, so that whatever
-// else the machine does in the meantime weighs on every mode alike.
-func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) []LoadResult {
+// else the machine does in the meantime weighs on every mode alike; then, once more with the
+// kernel's BPF statistics on, what the programs of the modes with a NAT table of their own
+// cost per packet.
+func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) ([]LoadResult, []PacketCost) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
 	e := newEnv(ctx, b, bins, n)
@@ -318,6 +323,12 @@ func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) []LoadResult {
 				m.Name, n, run+1, c.Rate, c.Slow, c.SYNRetrans, c.Errors, c.CPUSeconds/float64(max(c.Connections, 1))*1e5, tput/1e9)
 		}
 	}
+	var costs []PacketCost
+	for _, m := range ms {
+		if m.Backend != nil && m.Backend.NAT {
+			costs = append(costs, measurePacketCost(ctx, b, bins, e, m, n, prepared)...)
+		}
+	}
 	for _, r := range results {
 		b.ReportMetric(median(r.ConnRates), r.Mode+"-conn/s")
 		b.ReportMetric(median(r.Throughputs)/1e9, r.Mode+"-Gbit/s")
@@ -327,7 +338,7 @@ func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) []LoadResult {
 		}
 		b.ReportMetric(median(cpu), r.Mode+"-cpus/100kconn")
 	}
-	return results
+	return results, costs
 }
 
 // connRun is one run of the short-connection load.

@@ -69,6 +69,14 @@ type results struct {
 		RSSBytes   int64  `json:"rss_bytes"`
 		NATEntries int    `json:"nat_entries"`
 	} `json:"memory"`
+	PacketCost []struct {
+		Mode     string  `json:"mode"`
+		CIDRs    int     `json:"cidrs"`
+		Load     string  `json:"load"`
+		Dir      string  `json:"dir"`
+		Runs     uint64  `json:"runs"`
+		NsPerRun float64 `json:"ns_per_run"`
+	} `json:"packet_cost"`
 	StartedAt time.Time `json:"started_at"`
 }
 
@@ -316,6 +324,44 @@ func writeControl(w *bytes.Buffer, c *control) {
 	fmt.Fprintln(w)
 }
 
+// writePacketCost prints what the BPF programs cost per run on the uplink during the end-to-end
+// loads, from the kernel's run-time statistics.
+func writePacketCost(w *bytes.Buffer, r *results) {
+	if len(r.PacketCost) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "## Datapath cost per packet on real traffic (kernel BPF statistics)\n\n")
+	fmt.Fprintf(w, "ns per run of each program on the uplink during one extra run of the end-to-end loads below, from the\n")
+	fmt.Fprintf(w, "kernel's own accounting (BPF_ENABLE_STATS, on for that run only: it adds two clock reads to every run).\n")
+	fmt.Fprintf(w, "No BPF_PROG_TEST_RUN floor; *connections* mixes each connection's new flow with its other packets,\n")
+	fmt.Fprintf(w, "*bulk* is one established flow: egress runs see its data (GSO super-packets), ingress runs its ACKs.\n\n")
+	fmt.Fprintf(w, "| mode | CIDRs | load | egress ns/run | egress runs | ingress ns/run | ingress runs |\n|---|---|---|---|---|---|---|\n")
+	type key struct {
+		mode  string
+		cidrs int
+		load  string
+	}
+	type cell struct {
+		ns   float64
+		runs uint64
+	}
+	rows := map[key]map[string]cell{}
+	var order []key
+	for _, c := range r.PacketCost {
+		k := key{c.Mode, c.CIDRs, c.Load}
+		if rows[k] == nil {
+			rows[k] = map[string]cell{}
+			order = append(order, k)
+		}
+		rows[k][c.Dir] = cell{c.NsPerRun, c.Runs}
+	}
+	for _, k := range order {
+		e, i := rows[k]["egress"], rows[k]["ingress"]
+		fmt.Fprintf(w, "| %s | %d | %s | %.0f | %d | %.0f | %d |\n", k.mode, k.cidrs, k.load, e.ns, e.runs, i.ns, i.runs)
+	}
+	fmt.Fprintln(w)
+}
+
 func writeReport(w *bytes.Buffer, m micro, r *results, c *control) {
 	fmt.Fprintf(w, "# Benchmarks\n\n")
 	fmt.Fprintf(w, "Measured by `make bench` on %s: %d CPUs (%s), kernel %s, %s. Every end-to-end number is the\n",
@@ -347,6 +393,7 @@ func writeReport(w *bytes.Buffer, m micro, r *results, c *control) {
 		fmt.Fprintf(w, "which every figure above includes and no packet on the wire pays.\n")
 	}
 	fmt.Fprintf(w, "\n![cost vs CIDR count](bench-cost-vs-cidrs.png)\n\n")
+	writePacketCost(w, r)
 
 	fmt.Fprintf(w, "## End to end, as a fraction of the limit\n\n")
 	fmt.Fprintf(w, "The limit is the same topology with no agent (pods keep their addresses). Short connections: %s;\n", "workers open a TCP connection, read one byte and close, over and over; the server closes first")
