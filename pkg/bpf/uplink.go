@@ -119,6 +119,14 @@ func (d *Datapath) mac(ifindex int) (MAC, error) {
 
 // RemoveUplink forgets a device and flushes the flows translated to its addresses.
 func (d *Datapath) RemoveUplink(ifindex int) (int, error) {
+	return d.RemoveUplinkHolding(ifindex, nil)
+}
+
+// RemoveUplinkHolding is RemoveUplink where held are addresses other uplinks still translate
+// to: their flows stay. A flow's entry does not say which device it left by, so flushing the
+// address of a device gone would take the flows of every other uplink sharing it (a
+// masqueradeAddress is every uplink's) with it.
+func (d *Datapath) RemoveUplinkHolding(ifindex int, held []netip.Addr) (int, error) {
 	old, ok, err := d.Uplink(ifindex)
 	if err != nil || !ok {
 		return 0, err
@@ -129,7 +137,7 @@ func (d *Datapath) RemoveUplink(ifindex int) (int, error) {
 	if err := d.setMAC(ifindex, MAC{}); err != nil {
 		return 0, err
 	}
-	return d.flushChanged(old, Uplink{}, nil)
+	return d.flushChanged(old, Uplink{}, held)
 }
 
 func (d *Datapath) flushChanged(old, cur Uplink, held []netip.Addr) (int, error) {
@@ -203,4 +211,20 @@ func (d *Datapath) FlushAddr(addr netip.Addr) (int, error) {
 		return 0, fmt.Errorf("flush %s: %w", addr, err)
 	}
 	return len(doomed), nil
+}
+
+// MasqueradedFlows counts the flows masqueraded to addr (one per flow: its egress half) whose
+// remote end through accepts (every one when through is nil).
+func (d *Datapath) MasqueradedFlows(addr netip.Addr, through func(remote netip.Addr) bool) (int, error) {
+	addr = addr.Unmap()
+	n := 0
+	if err := d.NATEntries(policy.FamilyOf(addr), func(e NATEntry) bool {
+		if e.Kind == KindMasq && e.Dir == Egress && e.To.Addr() == addr && (through == nil || through(e.Dst.Addr())) {
+			n++
+		}
+		return true
+	}); err != nil {
+		return 0, fmt.Errorf("count the flows of %s: %w", addr, err)
+	}
+	return n, nil
 }

@@ -43,3 +43,42 @@ func TestUplinkAddressChangeHeld(t *testing.T) {
 		t.Fatalf("address %s left the node: flushed %d entries (%v), want its flows", next, n, err)
 	}
 }
+
+// TestRemoveUplinkShared: two uplinks sharing an SNAT address (a masqueradeAddress is every
+// uplink's): removing one keeps the flows of the address the other still translates to, which
+// RemoveUplink flushes; MasqueradedFlows counts a flow once, by its remote end.
+func TestRemoveUplinkShared(t *testing.T) {
+	h := newHarness(t, defaultPolicy(false), LoadOptions{})
+	const other = 77 // a second uplink with the same address; the map takes any ifindex
+	if _, err := h.dp.SetUplink(other, Uplink{IPv4: snat4}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		h.mustPass(h.dp.Egress(), tcpPacket(ap(pod4(1+i), 1000), ap(remote4, 443), tcpSYN, nil))
+	}
+	count := func(through func(netip.Addr) bool) int {
+		t.Helper()
+		n, err := h.dp.MasqueradedFlows(snat4, through)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if n := count(nil); n != 2 {
+		t.Fatalf("%d flows of %s, want 2", n, snat4)
+	}
+	if n := count(func(remote netip.Addr) bool { return remote != remote4 }); n != 0 {
+		t.Fatalf("%d flows of %s toward another remote, want 0", n, snat4)
+	}
+	flows := len(h.flowsOf(policy.IPv4))
+	if n, err := h.dp.RemoveUplinkHolding(other, []netip.Addr{snat4}); err != nil || n != 0 || len(h.flowsOf(policy.IPv4)) != flows {
+		t.Fatalf("removing one of two uplinks of %s flushed %d entries (%v)", snat4, n, err)
+	}
+	if _, ok, _ := h.dp.Uplink(other); ok {
+		t.Fatal("the uplink removed is still in uplink_snat")
+	}
+	// Nobody else's, the address takes its flows.
+	if n, err := h.dp.RemoveUplinkHolding(testIfindex, nil); err != nil || n != 2*flows || count(nil) != 0 {
+		t.Fatalf("removing the last uplink of %s flushed %d entries, want %d (both halves of %d flows) (%v)", snat4, n, 2*flows, flows, err)
+	}
+}

@@ -100,6 +100,8 @@ type Backend struct {
 
 	mu      sync.Mutex // guards what Apply publishes for Info
 	uplinks []uplink.Uplink
+	// draining are the former uplinks that keep the programs while their flows last (former.go).
+	draining []former
 	// unsupported are the devices without an Ethernet header that the last Apply found pod
 	// traffic routed through (uplink.Set.Unsupported).
 	unsupported []uplink.Uplink
@@ -244,6 +246,11 @@ func (b *Backend) Changes() <-chan string { return b.changes }
 // leads to uses the newest resolution anyway.
 func (b *Backend) uplinksChanged(reason string, cur uplink.Set) {
 	b.watched.Store(&cur)
+	b.askApply(reason)
+}
+
+// askApply asks for an Apply through Changes, for reason.
+func (b *Backend) askApply(reason string) {
 	select {
 	case b.changes <- reason:
 	default:
@@ -257,13 +264,20 @@ func (b *Backend) Mode() string { return b.mode }
 func (b *Backend) Info() datapath.Info {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return datapath.Info{Backend: Name, AttachMode: b.mode, Details: details(b.pinDir, b.uplinks), Refused: b.refused}
+	return datapath.Info{Backend: Name, AttachMode: b.mode, Details: details(b.pinDir, b.uplinks, b.draining), Refused: b.refused}
 }
 
-func details(pinDir string, ups []uplink.Uplink) string {
+func details(pinDir string, ups []uplink.Uplink, draining []former) string {
 	s := "maps pinned under " + pinDir
 	if len(ups) > 0 {
 		s += "; uplinks " + strings.Join(uplinkNames(ups), ", ")
+	}
+	if len(draining) > 0 {
+		var names []string
+		for _, f := range draining {
+			names = append(names, f.String()+" "+f.note())
+		}
+		s += "; former uplinks draining " + strings.Join(names, ", ")
 	}
 	return s
 }
@@ -306,10 +320,11 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 			return fmt.Errorf("migration: %w", err)
 		}
 	}
-	if err := b.install(ctx, dp, p, set, changed); err != nil {
+	held := heldAddrs(set)
+	if err := b.install(ctx, dp, p, set, held, changed); err != nil {
 		return err
 	}
-	if err := b.dropStale(ctx, dp, ups); err != nil {
+	if err := b.dropStale(ctx, dp, ups, held); err != nil {
 		return err
 	}
 	if err := b.finishMigration(dp); err != nil {
@@ -406,15 +421,22 @@ func snatAddrs(u uplink.Uplink, p *policy.Policy) bpf.Uplink {
 	return addrs
 }
 
-// install writes each uplink's SNAT addresses and attaches the programs to it. changed tells
-// that the uplinks differ from the last Apply's: a missing address is then warned about. The
-// flows of an SNAT address the policy no longer uses, but that is still one of the uplinks'
-// (a masqueradeAddress changed), keep it, as conntrack's do; an address gone takes its flows.
-func (b *Backend) install(ctx context.Context, dp *bpf.Datapath, p *policy.Policy, set uplink.Set, changed bool) error {
+// heldAddrs are the addresses of the uplinks of set: the flows translated to one of them are not
+// flushed when another uplink stops using it.
+func heldAddrs(set uplink.Set) []netip.Addr {
 	var held []netip.Addr
 	for _, addrs := range set.Addrs {
 		held = append(held, addrs...)
 	}
+	return held
+}
+
+// install writes each uplink's SNAT addresses and attaches the programs to it. changed tells
+// that the uplinks differ from the last Apply's: a missing address is then warned about. The
+// flows of an SNAT address the policy no longer uses, but that is still one of the uplinks'
+// (held: a masqueradeAddress changed), keep it, as conntrack's do; an address gone takes its
+// flows.
+func (b *Backend) install(ctx context.Context, dp *bpf.Datapath, p *policy.Policy, set uplink.Set, held []netip.Addr, changed bool) error {
 	ups := set.Uplinks
 	progs := tc.Programs{Egress: dp.Egress(), Ingress: dp.Ingress()}
 	b.mu.Lock()
@@ -469,8 +491,11 @@ func (b *Backend) warnNoAddress(u uplink.Uplink, p *policy.Policy) {
 // dropStale removes our programs and SNAT addresses from devices that are not uplinks any more:
 // the devices uplink_snat holds (every device the programs were attached to got an entry there)
 // and those with a tcx link pin. Other devices are not looked at, so an apply costs the same on
-// a node with thousands of pod devices; cleanup looks at them all.
-func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, ups []uplink.Uplink) error {
+// a node with thousands of pod devices; cleanup looks at them all. A former uplink whose flows
+// still use it drains instead (former.go): it keeps the programs, attached again if they went,
+// and the SNAT addresses still on it. The flows of an address another uplink still has (held)
+// are never flushed.
+func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, ups []uplink.Uplink, held []netip.Addr) error {
 	snat, err := dp.Uplinks()
 	if err != nil {
 		return err
@@ -479,20 +504,87 @@ func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, ups []uplink.
 	if err != nil {
 		return err
 	}
+	b.mu.Lock()
+	was := b.draining
+	b.mu.Unlock()
+	var draining []former
+	defer func() {
+		b.mu.Lock()
+		b.draining = draining
+		b.mu.Unlock()
+	}()
+	progs := tc.Programs{Egress: dp.Egress(), Ingress: dp.Ingress()}
 	for _, i := range slices.Compact(slices.Sorted(slices.Values(append(slices.Collect(maps.Keys(snat)), pinned...)))) {
 		if slices.ContainsFunc(ups, func(u uplink.Uplink) bool { return u.Index == i }) {
+			continue
+		}
+		cur, ok := snat[i]
+		f, why, err := assessFormer(ctx, dp, b.resolve, i, cur, ok)
+		if err != nil {
+			return err
+		}
+		before := slices.ContainsFunc(was, func(w former) bool { return w.Index == i })
+		if why == "" {
+			if _, err := dp.SetUplinkHolding(i, f.snatOf(), held); err != nil {
+				return err
+			}
+			if err := b.attachTo(ctx, f.Uplink, progs, true); err != nil {
+				return fmt.Errorf("attach to %s: %w", f.Name, err)
+			}
+			draining = append(draining, f)
+			if !before {
+				b.log.Info("a former uplink drains: it keeps the programs while flows masqueraded out of it last, as conntrack keeps their bindings",
+					"uplink", f.String(), "flows", f.flows)
+			}
 			continue
 		}
 		if err := b.attach.Detach(ctx, i); err != nil {
 			return err
 		}
-		n, err := dp.RemoveUplink(i)
+		n, err := dp.RemoveUplinkHolding(i, held)
 		if err != nil {
 			return err
 		}
-		b.log.Info("a former uplink is left: programs detached, its flows flushed", "ifindex", i, "flushedEntries", n)
+		b.log.Info("a former uplink is left: programs detached, its flows flushed", "uplink", f.Name, "ifindex", i,
+			"why", why, "flushedEntries", n)
 	}
 	return nil
+}
+
+// checkDraining, after a sweep, asks for an apply when a former uplink that drains is to go: its
+// flows are over, or its device or address went (which the uplink watcher does not follow, the
+// device being no uplink).
+func (b *Backend) checkDraining(ctx context.Context, dp *bpf.Datapath) {
+	b.mu.Lock()
+	draining := b.draining
+	b.mu.Unlock()
+	if len(draining) == 0 {
+		return
+	}
+	res, err := uplink.NewResolver(nil)
+	if err != nil {
+		b.log.Warn("cannot check the former uplinks", "error", err)
+		return
+	}
+	defer res.Close()
+	for _, f := range draining {
+		why, err := func() (string, error) {
+			cur, ok, err := dp.Uplink(f.Index)
+			if err != nil {
+				return "", err
+			}
+			_, why, err := assessFormer(ctx, dp, res, f.Index, cur, ok)
+			return why, err
+		}()
+		if err != nil {
+			b.log.Warn("cannot check a former uplink", "uplink", f.Name, "error", err)
+			continue
+		}
+		if why != "" {
+			b.askApply("former uplink " + f.Name + ": " + why)
+			return
+		}
+	}
 }
 
 // load loads the datapath over what is pinned: the maps of this build's layout (bpf.LayoutDir)
@@ -736,5 +828,6 @@ func (b *Backend) sweepLoop(ctx context.Context) {
 		if res.Flows > 0 || res.Orphans > 0 {
 			b.log.Debug("NAT sweep", "flows", res.Flows, "orphanEntries", res.Orphans, "took", time.Since(start))
 		}
+		b.checkDraining(ctx, dp)
 	}
 }

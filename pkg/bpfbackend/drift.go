@@ -3,7 +3,9 @@ package bpfbackend
 import (
 	"context"
 	"errors"
+	"slices"
 
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
@@ -19,8 +21,9 @@ func (b *Backend) DriftKinds() []string {
 // their tcx link pins, each uplink's uplink_snat entry (a lookup), the tries and nat_config
 // (bpf.Datapath.CheckPolicy: a bounded walk of the tries), and the uplinks' hooks for a program
 // of another component ahead of ours that ends the chain (checkHooks: a query and a counter
-// read per device). An uplink that is gone is skipped: the uplink watcher reports it, and the
-// next Apply forgets it.
+// read per device). A former uplink that drains is checked as an uplink, against the SNAT
+// addresses it keeps: its flows need the programs. An uplink that is gone is skipped: the
+// uplink watcher reports it (the sweep a former uplink's), and the next Apply forgets it.
 func (b *Backend) CheckDrift(ctx context.Context) ([]string, error) {
 	dp := b.dp.Load()
 	if dp == nil || !b.applied {
@@ -34,10 +37,17 @@ func (b *Backend) CheckDrift(ctx context.Context) ([]string, error) {
 	found[datapath.DriftPin] = len(missing) > 0
 	progs := tc.Programs{Egress: dp.Egress(), Ingress: dp.Ingress()}
 	b.mu.Lock()
-	ups := b.uplinks
+	ups := slices.Clone(b.uplinks)
+	wants := make([]bpf.Uplink, len(ups), len(ups)+len(b.draining))
+	for i, u := range ups {
+		wants[i] = snatAddrs(u, b.lastApplied)
+	}
+	for _, f := range b.draining {
+		ups, wants = append(ups, f.Uplink), append(wants, f.snatOf())
+	}
 	b.mu.Unlock()
-	for _, u := range ups {
-		idx, want := u.Index, snatAddrs(u, b.lastApplied)
+	for i, u := range ups {
+		idx, want := u.Index, wants[i]
 		st, err := b.attach.Check(ctx, idx, progs)
 		if errors.Is(err, tc.ErrNoDevice) {
 			continue

@@ -168,9 +168,15 @@ func udp(t *testing.T, src, dst netip.AddrPort) []byte {
 // and returns the (rewritten) frame.
 func run(t *testing.T, prog *ebpf.Program, frame []byte) []byte {
 	t.Helper()
+	return runOn(t, prog, frame, 0)
+}
+
+// runOn is run on the device of ifindex (0: loopback), which must be in the thread's namespace.
+func runOn(t *testing.T, prog *ebpf.Program, frame []byte, ifindex int) []byte {
+	t.Helper()
 	out := make([]byte, len(frame)+256)
 	var skb [11]uint32 // len ... priority, ingress_ifindex, ifindex
-	skb[9] = 1000
+	skb[9], skb[10] = 1000, uint32(ifindex)
 	opts := ebpf.RunOptions{Data: frame, DataOut: out, Context: skb}
 	ret, err := prog.Run(&opts)
 	if err != nil {

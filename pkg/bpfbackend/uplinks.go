@@ -4,6 +4,7 @@ import (
 	"context"
 	"slices"
 
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/uplink"
 )
@@ -13,19 +14,21 @@ var (
 	_ datapath.UplinkReporter = (*Reader)(nil)
 )
 
-// Uplinks implements datapath.UplinkReporter: the uplinks the last Apply attached to, and the
-// devices without an Ethernet header it found pod traffic routed through.
+// Uplinks implements datapath.UplinkReporter: the uplinks the last Apply attached to, the former
+// uplinks that drain, and the devices without an Ethernet header it found pod traffic routed
+// through.
 func (b *Backend) Uplinks(ctx context.Context) ([]datapath.Uplink, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return coverage(b.uplinks, uplink.Set{Uplinks: b.uplinks, Unsupported: b.unsupported}), nil
+	return coverage(b.uplinks, uplink.Set{Uplinks: b.uplinks, Unsupported: b.unsupported}, b.draining), nil
 }
 
 // Uplinks implements datapath.UplinkReporter: the uplinks as the routes (and the interfaces the
-// reader was given) make them now, against those the programs are attached to.
+// reader was given) make them now, against those the programs are attached to; an attached
+// device that is no uplink now drains while its flows last (as the agent judges it: former.go).
 func (r *Reader) Uplinks(ctx context.Context) ([]datapath.Uplink, error) {
 	res, err := uplink.NewResolver(r.interfaces)
 	if err != nil {
@@ -39,7 +42,21 @@ func (r *Reader) Uplinks(ctx context.Context) ([]datapath.Uplink, error) {
 	if err != nil {
 		return nil, err
 	}
-	return coverage(installedUplinks(r.dp), set), nil
+	attached := installedUplinks(r.dp)
+	var draining []former
+	for _, u := range attached {
+		if slices.ContainsFunc(set.Uplinks, func(s uplink.Uplink) bool { return s.Index == u.Index }) {
+			continue
+		}
+		f, why, err := assessFormer(ctx, r.dp, res, u.Index, bpf.Uplink{IPv4: u.IPv4, IPv6: u.IPv6}, true)
+		if err != nil {
+			return nil, err
+		}
+		if why == "" {
+			draining = append(draining, f)
+		}
+	}
+	return coverage(attached, set, draining), nil
 }
 
 // Notes of uncovered uplinks.
@@ -48,9 +65,9 @@ const (
 	noteNotAttached = "not attached (yet): the agent attaches at its next apply"
 )
 
-// coverage reports the devices of set, and those attached to, whether or not set has them:
-// covered where the programs are attached, by ifindex.
-func coverage(attached []uplink.Uplink, set uplink.Set) []datapath.Uplink {
+// coverage reports the devices of set, those that drain, and those attached to, whether or not
+// set has them: covered where the programs are attached, by ifindex.
+func coverage(attached []uplink.Uplink, set uplink.Set, draining []former) []datapath.Uplink {
 	var out []datapath.Uplink
 	seen := map[int]bool{}
 	for _, u := range set.Uplinks {
@@ -64,6 +81,10 @@ func coverage(attached []uplink.Uplink, set uplink.Set) []datapath.Uplink {
 	for _, u := range set.Unsupported {
 		seen[u.Index] = true
 		out = append(out, datapath.Uplink{Device: u.Name, Ifindex: u.Index, Via: u.Via, Note: noteUnsupported})
+	}
+	for _, f := range draining {
+		seen[f.Index] = true
+		out = append(out, datapath.Uplink{Device: f.Name, Ifindex: f.Index, Via: viaDraining, Covered: true, Note: f.note()})
 	}
 	for _, u := range attached {
 		if !seen[u.Index] {

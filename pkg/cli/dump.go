@@ -119,8 +119,11 @@ func writeUplinks(w io.Writer, ups []datapath.Uplink) error {
 	fmt.Fprintln(tw, "DEVICE\tIFINDEX\tVIA\tCOVERED")
 	for _, u := range ups {
 		covered := "yes"
-		if !u.Covered {
+		switch {
+		case !u.Covered:
 			covered = "NO: " + u.Note
+		case u.Note != "":
+			covered = "yes: " + u.Note
 		}
 		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\n", u.Device, u.Ifindex, u.Via, covered)
 	}

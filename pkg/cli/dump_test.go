@@ -254,6 +254,7 @@ func TestDumpUplinks(t *testing.T) {
 		Uplink: []datapath.Uplink{
 			{Device: "eth0", Ifindex: 2, Via: "default route", Covered: true},
 			{Device: "eth1", Ifindex: 3, Via: "route 198.18.0.0/15 table 100", Covered: true},
+			{Device: "eth2", Ifindex: 4, Via: "former uplink, draining", Covered: true, Note: "kept while 2 flows of 10.97.0.1 last"},
 			{Device: "wg0", Ifindex: 9, Via: "route 100.64.0.0/10", Note: "no Ethernet header: the programs cannot run there"},
 		},
 		Hook: []datapath.Hook{{Device: "eth0", Ifindex: 2, Direction: "egress"}}}
@@ -266,6 +267,7 @@ func TestDumpUplinks(t *testing.T) {
 		"uplinks\nDEVICE  IFINDEX  VIA                            COVERED\n" +
 			"eth0    2        default route                  yes\n" +
 			"eth1    3        route 198.18.0.0/15 table 100  yes\n" +
+			"eth2    4        former uplink, draining        yes: kept while 2 flows of 10.97.0.1 last\n" +
 			"wg0     9        route 100.64.0.0/10            NO: no Ethernet header: the programs cannot run there\n",
 		"\nhooks\n",
 	} {

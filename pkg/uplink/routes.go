@@ -1,6 +1,8 @@
 package uplink
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -201,4 +203,61 @@ func (r *Resolver) relevant(rt netlink.Route) bool {
 	}
 	f := r.scope.Load()
 	return f != nil && (*f)(dst)
+}
+
+// Device is what the node has of one device: for a device that is no uplink any more, whether
+// the flows masqueraded out of it can still leave by it (conntrack keeps their bindings until
+// the device goes down or loses its address).
+type Device struct {
+	Name string
+	// Up: the device exists and is administratively up.
+	Up bool
+	// Addrs are its addresses that traffic can leave from (as Set.Addrs).
+	Addrs []netip.Addr
+	// Routes are the destinations of its unicast routes in the tables the rules select.
+	Routes []netip.Prefix
+}
+
+// Reaches tells whether one of the device's routes holds addr.
+func (d Device) Reaches(addr netip.Addr) bool {
+	return slices.ContainsFunc(d.Routes, func(p netip.Prefix) bool { return p.Contains(addr) })
+}
+
+// Device reads the device of ifindex; a device that does not exist is not Up and has nothing.
+func (r *Resolver) Device(ctx context.Context, ifindex int) (Device, error) {
+	if err := ctx.Err(); err != nil {
+		return Device{}, err
+	}
+	l, err := r.nl.LinkByIndex(ifindex)
+	if _, gone := errors.AsType[netlink.LinkNotFoundError](err); gone {
+		return Device{}, nil
+	}
+	if err != nil {
+		return Device{}, fmt.Errorf("find device of ifindex %d: %w", ifindex, err)
+	}
+	d := Device{Name: l.Attrs().Name, Up: l.Attrs().Flags&net.FlagUp != 0}
+	addrs, err := r.nl.AddrList(l, netlink.FAMILY_ALL)
+	if err != nil {
+		return Device{}, fmt.Errorf("list addresses of %s: %w", d.Name, err)
+	}
+	d.Addrs = usable(addrs)
+	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
+		tables, err := r.routeTables(fam)
+		if err != nil {
+			return Device{}, fmt.Errorf("list rules: %w", err)
+		}
+		for _, t := range tables {
+			routes, err := r.nl.RouteListFiltered(fam, &netlink.Route{Table: t, LinkIndex: ifindex},
+				netlink.RT_FILTER_TABLE|netlink.RT_FILTER_OIF)
+			if err != nil {
+				return Device{}, fmt.Errorf("list routes of table %d: %w", t, err)
+			}
+			for _, rt := range routes {
+				if rt.Type == unix.RTN_UNICAST {
+					d.Routes = append(d.Routes, prefixOf(fam, rt.Dst))
+				}
+			}
+		}
+	}
+	return d, nil
 }

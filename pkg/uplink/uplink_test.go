@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -459,5 +460,65 @@ func TestWatchStopsQuietly(t *testing.T) {
 	stop()
 	if strings.Contains(logs.String(), "level=WARN") {
 		t.Errorf("stopping logged warnings:\n%s", logs.String())
+	}
+}
+
+// TestDevice: a device's usable addresses and the destinations of its routes in the tables the
+// rules select (not those of a table no rule selects); down, it is not Up; gone, it is nothing.
+func TestDevice(t *testing.T) {
+	ns := newNode(t)
+	ip(t, ns, `link add ext1 type veth peer name ext1p
+link set ext1 up
+link set ext1p up
+addr add 203.0.113.10/24 dev ext1
+route add 198.18.0.0/15 via 203.0.113.1 dev ext1 table 100
+rule add to 198.18.0.0/15 table 100
+route add 100.101.0.0/16 via 203.0.113.1 dev ext1 table 300
+`)
+	// device reads ext1, by the ifindex it had at first.
+	idx := 0
+	device := func() Device {
+		t.Helper()
+		var d Device
+		var err error
+		done := make(chan struct{})
+		inNetns(t, ns, func() {
+			defer close(done)
+			if idx == 0 {
+				var ifc *net.Interface
+				if ifc, err = net.InterfaceByName("ext1"); err != nil {
+					return
+				}
+				idx = ifc.Index
+			}
+			var r *Resolver
+			if r, err = NewResolver(nil); err != nil {
+				return
+			}
+			defer r.Close()
+			d, err = r.Device(context.Background(), idx)
+		})
+		<-done
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	d := device()
+	if d.Name != "ext1" || !d.Up || !slices.Equal(d.Addrs, []netip.Addr{netip.MustParseAddr("203.0.113.10")}) {
+		t.Fatalf("ext1: %+v", d)
+	}
+	for addr, want := range map[string]bool{"198.19.0.1": true, "203.0.113.7": true, "100.101.0.1": false, "8.8.8.8": false} {
+		if got := d.Reaches(netip.MustParseAddr(addr)); got != want {
+			t.Errorf("ext1 reaches %s: %v, want %v (routes %v)", addr, got, want, d.Routes)
+		}
+	}
+	ip(t, ns, "link set ext1 down\n")
+	if d := device(); d.Name != "ext1" || d.Up {
+		t.Errorf("ext1 down: %+v", d)
+	}
+	ip(t, ns, "link del ext1\n")
+	if d := device(); d.Name != "" || d.Up || len(d.Addrs) != 0 {
+		t.Errorf("ext1 gone: %+v", d)
 	}
 }

@@ -1,0 +1,106 @@
+package bpfbackend
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"slices"
+	"strings"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/uplink"
+)
+
+// Former uplinks.
+//
+// A device stops being an uplink when its routes go, and also when the policy changes: a route
+// makes an uplink only toward destinations the policy may masquerade, so a configuration that
+// keeps them (nonMasqueradeCIDRs) takes the device out while connections masqueraded out of it
+// are open. Conntrack keeps a MASQUERADE binding until the connection ends, whatever the rules
+// say now, and drops it only when its device goes down or loses the address (nf_nat_masquerade's
+// notifiers). So a former uplink whose device is up, still has its SNAT address and still routes
+// flows masqueraded to that address keeps the programs and its uplink_snat entry: it drains.
+// Once no such flow is left (the sweep ends them), or the device goes down or loses the
+// address, it is detached and its flows flushed, as before. New flows there meet the programs
+// under the policy in force, which leaves them alone: iptables' POSTROUTING sees every device
+// too. The NAT entries do not record the device a flow left by, so a flow counts for a former
+// uplink when it is masqueraded to the device's SNAT address and the device has a route toward
+// its remote end; the per-packet path is unchanged.
+
+// viaDraining is the Via of a former uplink that drains (datapath.Uplink).
+const viaDraining = "former uplink, draining"
+
+// former is a device that is no uplink any more but keeps the programs while its flows last.
+type former struct {
+	// Uplink is the device, with the SNAT addresses it keeps (those still on it) and its MAC.
+	uplink.Uplink
+	// flows are the flows masqueraded to them that it still routes.
+	flows int
+}
+
+func (f former) note() string {
+	flows := "flows"
+	if f.flows == 1 {
+		flows = "flow"
+	}
+	return fmt.Sprintf("kept while %d %s of %s last", f.flows, flows, strings.Join(addrsOf(f.Uplink), ", "))
+}
+
+func addrsOf(u uplink.Uplink) []string {
+	var out []string
+	for _, a := range []netip.Addr{u.IPv4, u.IPv6} {
+		if a.IsValid() {
+			out = append(out, a.String())
+		}
+	}
+	return out
+}
+
+// assessFormer tells what becomes of the device of ifindex, no uplink any more, whose
+// uplink_snat entry is snat (ok false: it has none): why it goes ("" while it drains), and
+// what it keeps while it drains.
+func assessFormer(ctx context.Context, dp *bpf.Datapath, res *uplink.Resolver, ifindex int, snat bpf.Uplink, ok bool) (former, string, error) {
+	f := former{Uplink: uplink.Uplink{Name: "?", Index: ifindex, MAC: snat.MAC}}
+	if !ok {
+		return f, "it has no SNAT address", nil
+	}
+	dev, err := res.Device(ctx, ifindex)
+	if err != nil {
+		return f, "", err
+	}
+	switch {
+	case dev.Name == "":
+		return f, "the device is gone", nil
+	case !dev.Up:
+		f.Name = dev.Name
+		return f, "the device is down", nil
+	}
+	f.Name = dev.Name
+	for _, a := range []netip.Addr{snat.IPv4, snat.IPv6} {
+		if !a.IsValid() || !slices.Contains(dev.Addrs, a) {
+			continue
+		}
+		n, err := dp.MasqueradedFlows(a, dev.Reaches)
+		if err != nil {
+			return f, "", err
+		}
+		if a.Is4() {
+			f.IPv4 = a
+		} else {
+			f.IPv6 = a
+		}
+		f.flows += n
+	}
+	switch {
+	case !f.IPv4.IsValid() && !f.IPv6.IsValid():
+		return f, "its SNAT address is gone", nil
+	case f.flows == 0:
+		return f, "no flow uses it any more", nil
+	}
+	return f, "", nil
+}
+
+// snatOf is what uplink_snat keeps for a former uplink that drains.
+func (f former) snatOf() bpf.Uplink {
+	return bpf.Uplink{IPv4: f.IPv4, IPv6: f.IPv6, MAC: f.MAC}
+}
