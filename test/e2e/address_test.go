@@ -16,63 +16,56 @@ import (
 // the node lacks is rejected meanwhile, naming it. Back on the node, the address is used again
 // and the agent is ready.
 func TestMasqueradeAddressRemoved(t *testing.T) {
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, []string{"--enable-ipv6"})
-			if err := env.AddAltAddresses(ctx); err != nil {
-				t.Fatal(err)
-			}
-			cfg := masqueradeAddresses + "nonMasqueradeCIDRs: [10.0.0.0/8]\n"
-			ag := env.StartReady(ctx, t, b, cfg)
-			env.Check(ctx, t, join(expect(Alt, "8.8.8.8", "2001:4860:4860::8888"), expect(Keep, "10.1.2.3")), nil)
+	eachBackend(t, backends(), []string{"--enable-ipv6"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		if err := env.AddAltAddresses(ctx); err != nil {
+			t.Fatal(err)
+		}
+		cfg := masqueradeAddresses + "nonMasqueradeCIDRs: [10.0.0.0/8]\n"
+		ag := env.StartReady(ctx, t, b, cfg)
+		env.Check(ctx, t, join(expect(Alt, "8.8.8.8", "2001:4860:4860::8888"), expect(Keep, "10.1.2.3")), nil)
 
-			if err := IPBatch(ctx, env.Node, "addr del "+NodeAlt4.String()+"/24 dev "+Uplink+"\n"); err != nil {
-				t.Fatal(err)
-			}
-			if err := ag.WaitLog(ctx, 1, "a masquerade address of the configuration in force is not on the node",
-				"masqueradeAddress 10.99.0.11 is not an address of the node's uplinks"); err != nil {
-				t.Fatal(err)
-			}
-			if code, body, err := ag.Get(ctx, "/readyz"); err != nil || code != http.StatusServiceUnavailable || !strings.Contains(body, "10.99.0.11") {
-				t.Errorf("/readyz with the address gone: %d %q %v, want 503 naming it", code, body, err)
-			}
-			if code, _, err := ag.Get(ctx, "/healthz"); err != nil || code != http.StatusOK {
-				t.Errorf("/healthz with the address gone: %d %v, want 200", code, err)
-			}
-			wantMissing(ctx, t, ag, "10.99.0.11")
-			b.Verify(ctx, t, env) // the last good state, masquerading to the address that is gone
-			env.Check(ctx, t, expect(Alt, "2001:4860:4860::8888"), nil)
+		if err := IPBatch(ctx, env.Node, "addr del "+NodeAlt4.String()+"/24 dev "+Uplink+"\n"); err != nil {
+			t.Fatal(err)
+		}
+		if err := ag.WaitLog(ctx, 1, "a masquerade address of the configuration in force is not on the node",
+			"masqueradeAddress 10.99.0.11 is not an address of the node's uplinks"); err != nil {
+			t.Fatal(err)
+		}
+		if code, body, err := ag.Get(ctx, "/readyz"); err != nil || code != http.StatusServiceUnavailable || !strings.Contains(body, "10.99.0.11") {
+			t.Errorf("/readyz with the address gone: %d %q %v, want 503 naming it", code, body, err)
+		}
+		if code, _, err := ag.Get(ctx, "/healthz"); err != nil || code != http.StatusOK {
+			t.Errorf("/healthz with the address gone: %d %v, want 200", code, err)
+		}
+		wantMissing(ctx, t, ag, "10.99.0.11")
+		b.Verify(ctx, t, env) // the last good state, masquerading to the address that is gone
+		env.Check(ctx, t, expect(Alt, "2001:4860:4860::8888"), nil)
 
-			rejected := ag.Count("config rejected")
-			if err := env.Config.Write("masqueradeAddress: 10.99.0.77\n"); err != nil {
-				t.Fatal(err)
-			}
-			if err := ag.WaitLog(ctx, rejected+1, "config rejected", "masqueradeAddress 10.99.0.77 is not an address of the node's uplinks"); err != nil {
-				t.Fatal(err)
-			}
-			wantMissing(ctx, t, ag, "10.99.0.11", "10.99.0.77")
-			b.Verify(ctx, t, env)
+		rejected := ag.Count("config rejected")
+		if err := env.Config.Write("masqueradeAddress: 10.99.0.77\n"); err != nil {
+			t.Fatal(err)
+		}
+		if err := ag.WaitLog(ctx, rejected+1, "config rejected", "masqueradeAddress 10.99.0.77 is not an address of the node's uplinks"); err != nil {
+			t.Fatal(err)
+		}
+		wantMissing(ctx, t, ag, "10.99.0.11", "10.99.0.77")
+		b.Verify(ctx, t, env)
 
-			// The file as it was, then the address back: used again, ready again.
-			if err := env.Config.Write(cfg); err != nil {
-				t.Fatal(err)
-			}
-			wantMissing(ctx, t, ag, "10.99.0.11")
-			if err := IPBatch(ctx, env.Node, "addr add "+NodeAlt4.String()+"/24 dev "+Uplink+"\n"); err != nil {
-				t.Fatal(err)
-			}
-			if err := ag.WaitReady(ctx); err != nil {
-				t.Fatal(err)
-			}
-			wantMissing(ctx, t, ag)
-			env.Check(ctx, t, join(expect(Alt, "8.8.8.8", "2001:4860:4860::8888"), expect(Keep, "10.1.2.3")), nil)
-			b.Verify(ctx, t, env)
-		})
-	}
+		// The file as it was, then the address back: used again, ready again.
+		if err := env.Config.Write(cfg); err != nil {
+			t.Fatal(err)
+		}
+		wantMissing(ctx, t, ag, "10.99.0.11")
+		if err := IPBatch(ctx, env.Node, "addr add "+NodeAlt4.String()+"/24 dev "+Uplink+"\n"); err != nil {
+			t.Fatal(err)
+		}
+		if err := ag.WaitReady(ctx); err != nil {
+			t.Fatal(err)
+		}
+		wantMissing(ctx, t, ag)
+		env.Check(ctx, t, join(expect(Alt, "8.8.8.8", "2001:4860:4860::8888"), expect(Keep, "10.1.2.3")), nil)
+		b.Verify(ctx, t, env)
+	})
 }
 
 // wantMissing waits until ip_masq_agent_masquerade_address_missing has a series of value 1 for

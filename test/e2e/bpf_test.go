@@ -28,29 +28,10 @@ import (
 
 func bpfBackends() []Backend { return []Backend{BPFBackend(tc.ModeTCX), BPFBackend(tc.ModeTC)} }
 
-// bpfEnv builds a topology, starts the agent on backend b with flags and waits until it is ready.
-func bpfEnv(ctx context.Context, t *testing.T, b Backend, flags ...string) *Env {
-	t.Helper()
-	requireBackend(t, b)
-	env := NewEnv(ctx, t, agentBin, flags)
-	b.Prepare(ctx, t, env)
-	env.SetGood("", true)
-	if err := env.StartAgent(ctx, t, b).WaitReady(ctx); err != nil {
-		t.Fatal(err)
-	}
-	return env
-}
-
-// bpfEnvKeepingPods is bpfEnv with the pod network kept in IPv6 too, as in IPv4 the defaults
-// keep 10.0.0.0/8: the pods' own device is then no uplink, and the node has one (see
-// TestMasqueradedTowardPods for a policy that masquerades toward the pods).
-func bpfEnvKeepingPods(ctx context.Context, t *testing.T, b Backend, flags ...string) *Env {
-	t.Helper()
-	requireBackend(t, b)
-	env := NewBackendEnv(ctx, t, b, flags)
-	env.StartReady(ctx, t, b, "nonMasqueradeCIDRs: [10.0.0.0/8, "+PodNet6.String()+"]\n")
-	return env
-}
+// keepPodsConfig keeps the pod network in IPv6 too, as in IPv4 the defaults keep 10.0.0.0/8:
+// the pods' own device is then no uplink, and the node has one (see TestMasqueradedTowardPods
+// for a policy that masquerades toward the pods).
+var keepPodsConfig = "nonMasqueradeCIDRs: [10.0.0.0/8, " + PodNet6.String() + "]\n"
 
 var (
 	public4 = netip.MustParseAddr("8.8.8.8")
@@ -61,153 +42,138 @@ var (
 // destination; both work, and the destination sees the node's address with two distinct ports.
 // --random-fully=false makes the pods ask for the same port.
 func TestBPFSameSourcePort(t *testing.T) {
-	for _, b := range bpfBackends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := bpfEnv(ctx, t, b, "--enable-ipv6", "--random-fully=false")
-			StartLineEcho(t, env.Ext, []netip.Addr{public4, public6})
-			env.CutReturnRoutes(ctx, t)
-			pod2, pod2v4, pod2v6 := env.AddPod(ctx, t, 2)
-			for _, c := range []struct {
-				dst            netip.Addr
-				local1, local2 netip.Addr
-			}{{public4, PodAddr4, pod2v4}, {public6, PodAddr6, pod2v6}} {
-				const port = 40000
-				a, err := DialLine(ctx, env.Pod, netip.AddrPortFrom(c.local1, port), c.dst)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer a.Close()
-				bc, err := DialLine(ctx, pod2, netip.AddrPortFrom(c.local2, port), c.dst)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer bc.Close()
-				var seen [2]netip.AddrPort
-				for round := range 3 {
-					for i, conn := range []*Conn{a, bc} {
-						src, err := conn.Exchange(fmt.Sprintf("pod%d-round%d", i+1, round))
-						if err != nil {
-							t.Fatalf("pod %d, round %d: %v", i+1, round, err)
-						}
-						if round > 0 && src != seen[i] {
-							t.Fatalf("pod %d: the source moved from %s to %s", i+1, seen[i], src)
-						}
-						seen[i] = src
-					}
-				}
-				node := NodeAddr4
-				if c.dst.Is6() {
-					node = NodeAddr6
-				}
-				if seen[0].Addr() != node || seen[1].Addr() != node || seen[0].Port() == seen[1].Port() {
-					t.Errorf("%s saw %s and %s: want the node address %s with distinct ports", c.dst, seen[0], seen[1], node)
-				}
-				t.Logf("%s saw the pods' port %d as %s and %s", c.dst, port, seen[0], seen[1])
+	eachBackend(t, bpfBackends(), []string{"--enable-ipv6", "--random-fully=false"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		env.StartReadyNoFile(ctx, t, b)
+		StartLineEcho(t, env.Ext, []netip.Addr{public4, public6})
+		env.CutReturnRoutes(ctx, t)
+		pod2, pod2v4, pod2v6 := env.AddPod(ctx, t, 2)
+		for _, c := range []struct {
+			dst            netip.Addr
+			local1, local2 netip.Addr
+		}{{public4, PodAddr4, pod2v4}, {public6, PodAddr6, pod2v6}} {
+			const port = 40000
+			a, err := DialLine(ctx, env.Pod, netip.AddrPortFrom(c.local1, port), c.dst)
+			if err != nil {
+				t.Fatal(err)
 			}
-		})
-	}
+			defer a.Close()
+			bc, err := DialLine(ctx, pod2, netip.AddrPortFrom(c.local2, port), c.dst)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer bc.Close()
+			var seen [2]netip.AddrPort
+			for round := range 3 {
+				for i, conn := range []*Conn{a, bc} {
+					src, err := conn.Exchange(fmt.Sprintf("pod%d-round%d", i+1, round))
+					if err != nil {
+						t.Fatalf("pod %d, round %d: %v", i+1, round, err)
+					}
+					if round > 0 && src != seen[i] {
+						t.Fatalf("pod %d: the source moved from %s to %s", i+1, seen[i], src)
+					}
+					seen[i] = src
+				}
+			}
+			node := NodeAddr4
+			if c.dst.Is6() {
+				node = NodeAddr6
+			}
+			if seen[0].Addr() != node || seen[1].Addr() != node || seen[0].Port() == seen[1].Port() {
+				t.Errorf("%s saw %s and %s: want the node address %s with distinct ports", c.dst, seen[0], seen[1], node)
+			}
+			t.Logf("%s saw the pods' port %d as %s and %s", c.dst, port, seen[0], seen[1])
+		}
+	})
 }
 
 // TestBPFInbound: a connection opened from outside (from a destination the policy masquerades)
 // to a pod is answered from the pod's address; and a host connection keeps its source port,
 // which a pod asking for the same port then does not get.
 func TestBPFInbound(t *testing.T) {
-	for _, b := range bpfBackends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := bpfEnvKeepingPods(ctx, t, b, "--enable-ipv6", "--random-fully=false")
-			StartLineEcho(t, env.Pod, []netip.Addr{PodAddr4, PodAddr6})
-			StartLineEcho(t, env.Ext, []netip.Addr{public4, public6})
-			for _, c := range []struct{ from, pod netip.Addr }{{public4, PodAddr4}, {public6, PodAddr6}} {
-				conn, err := DialLine(ctx, env.Ext, netip.AddrPortFrom(c.from, 0), c.pod)
-				if err != nil {
-					t.Fatalf("from %s to the pod: %v", c.from, err)
-				}
-				defer conn.Close()
-				src, err := conn.Exchange("inbound")
-				if err != nil {
-					t.Fatal(err)
-				}
-				if src != conn.Local() {
-					t.Errorf("the pod saw %s, want the client %s", src, conn.Local())
-				}
-				if got := conn.c.RemoteAddr().(*net.TCPAddr).AddrPort().Addr().Unmap(); got != c.pod {
-					t.Errorf("answered from %s, want the pod address %s", got, c.pod)
-				}
+	eachBackend(t, bpfBackends(), []string{"--enable-ipv6", "--random-fully=false"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		env.StartReady(ctx, t, b, keepPodsConfig)
+		StartLineEcho(t, env.Pod, []netip.Addr{PodAddr4, PodAddr6})
+		StartLineEcho(t, env.Ext, []netip.Addr{public4, public6})
+		for _, c := range []struct{ from, pod netip.Addr }{{public4, PodAddr4}, {public6, PodAddr6}} {
+			conn, err := DialLine(ctx, env.Ext, netip.AddrPortFrom(c.from, 0), c.pod)
+			if err != nil {
+				t.Fatalf("from %s to the pod: %v", c.from, err)
 			}
+			defer conn.Close()
+			src, err := conn.Exchange("inbound")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if src != conn.Local() {
+				t.Errorf("the pod saw %s, want the client %s", src, conn.Local())
+			}
+			if got := conn.c.RemoteAddr().(*net.TCPAddr).AddrPort().Addr().Unmap(); got != c.pod {
+				t.Errorf("answered from %s, want the pod address %s", got, c.pod)
+			}
+		}
 
-			// The host's own connection keeps its port; a pod that wants the same one gets another.
-			env.CutReturnRoutes(ctx, t)
-			for _, c := range []struct{ node, pod, dst netip.Addr }{{NodeAddr4, PodAddr4, public4}, {NodeAddr6, PodAddr6, public6}} {
-				const port = 45678
-				host, err := DialLine(ctx, env.Node, netip.AddrPortFrom(c.node, port), c.dst)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer host.Close()
-				if src, err := host.Exchange("host"); err != nil || src != netip.AddrPortFrom(c.node, port) {
-					t.Fatalf("host connection seen as %s (%v), want %s:%d", src, err, c.node, port)
-				}
-				pod, err := DialLine(ctx, env.Pod, netip.AddrPortFrom(c.pod, port), c.dst)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer pod.Close()
-				src, err := pod.Exchange("pod")
-				if err != nil {
-					t.Fatal(err)
-				}
-				if src.Addr() != c.node || src.Port() == port {
-					t.Errorf("pod connection from port %d seen as %s: want the node address and another port", port, src)
-				}
-				if src, err := host.Exchange("host-again"); err != nil || src.Port() != port {
-					t.Errorf("host connection after the pod's: %s %v", src, err)
-				}
+		// The host's own connection keeps its port; a pod that wants the same one gets another.
+		env.CutReturnRoutes(ctx, t)
+		for _, c := range []struct{ node, pod, dst netip.Addr }{{NodeAddr4, PodAddr4, public4}, {NodeAddr6, PodAddr6, public6}} {
+			const port = 45678
+			host, err := DialLine(ctx, env.Node, netip.AddrPortFrom(c.node, port), c.dst)
+			if err != nil {
+				t.Fatal(err)
 			}
-		})
-	}
+			defer host.Close()
+			if src, err := host.Exchange("host"); err != nil || src != netip.AddrPortFrom(c.node, port) {
+				t.Fatalf("host connection seen as %s (%v), want %s:%d", src, err, c.node, port)
+			}
+			pod, err := DialLine(ctx, env.Pod, netip.AddrPortFrom(c.pod, port), c.dst)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pod.Close()
+			src, err := pod.Exchange("pod")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if src.Addr() != c.node || src.Port() == port {
+				t.Errorf("pod connection from port %d seen as %s: want the node address and another port", port, src)
+			}
+			if src, err := host.Exchange("host-again"); err != nil || src.Port() != port {
+				t.Errorf("host connection after the pod's: %s %v", src, err)
+			}
+		}
+	})
 }
 
 // TestBPFPingAndFragments: ping and ping -6 through the masquerade are answered, and so is a UDP
 // datagram larger than the MTU (fragmented both ways). The external host has no route to the
 // pods, so only a translated flow gets its answer.
 func TestBPFPingAndFragments(t *testing.T) {
-	for _, b := range bpfBackends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			testutil.RequirePrivileged(t, "ping")
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := bpfEnv(ctx, t, b, "--enable-ipv6")
-			StartLineEcho(t, env.Ext, []netip.Addr{public4, public6})
-			env.CutReturnRoutes(ctx, t)
-			for _, dst := range []netip.Addr{public4, public6} {
-				args := []string{"-c", "3", "-i", "0.2", "-W", "2", dst.String()}
-				if dst.Is6() {
-					args = append([]string{"-6"}, args...)
-				}
-				out, err := NSExec(ctx, env.Pod, "", "ping", args...)
-				if err != nil {
-					t.Errorf("ping %s through the masquerade: %v\n%s", dst, err, out)
-				} else {
-					t.Logf("ping %s: %s", dst, lastLine(string(out)))
-				}
-				src, err := BigDatagram(ctx, env.Pod, dst, 4000)
-				if err != nil {
-					t.Error(err)
-					continue
-				}
-				if node := NodeAddr(policy.FamilyOf(dst)); src.Addr() != node {
-					t.Errorf("the 4000-byte datagram to %s was seen from %s, want %s", dst, src, node)
-				}
+	eachBackend(t, bpfBackends(), []string{"--enable-ipv6"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		testutil.RequirePrivileged(t, "ping")
+		env.StartReadyNoFile(ctx, t, b)
+		StartLineEcho(t, env.Ext, []netip.Addr{public4, public6})
+		env.CutReturnRoutes(ctx, t)
+		for _, dst := range []netip.Addr{public4, public6} {
+			args := []string{"-c", "3", "-i", "0.2", "-W", "2", dst.String()}
+			if dst.Is6() {
+				args = append([]string{"-6"}, args...)
 			}
-		})
-	}
+			out, err := NSExec(ctx, env.Pod, "", "ping", args...)
+			if err != nil {
+				t.Errorf("ping %s through the masquerade: %v\n%s", dst, err, out)
+			} else {
+				t.Logf("ping %s: %s", dst, lastLine(string(out)))
+			}
+			src, err := BigDatagram(ctx, env.Pod, dst, 4000)
+			if err != nil {
+				t.Error(err)
+				continue
+			}
+			if node := NodeAddr(policy.FamilyOf(dst)); src.Addr() != node {
+				t.Errorf("the 4000-byte datagram to %s was seen from %s, want %s", dst, src, node)
+			}
+		}
+	})
 }
 
 // TestBPFRestart: a TCP connection held open through the masquerade keeps working, with the
@@ -215,89 +181,122 @@ func TestBPFPingAndFragments(t *testing.T) {
 // reuses the pins and replaces the programs in place), after a SIGTERM; after `cleanup` nothing
 // is left and traffic leaves with the pod's address.
 func TestBPFRestart(t *testing.T) {
-	for _, b := range bpfBackends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := bpfEnvKeepingPods(ctx, t, b, "--enable-ipv6")
-			StartLineEcho(t, env.Ext, []netip.Addr{public4, public6})
-			env.CutReturnRoutes(ctx, t)
-			var conns []*Conn
-			var seen []netip.AddrPort
-			for _, dst := range []netip.Addr{public4, public6} {
-				c, err := DialLine(ctx, env.Pod, netip.AddrPort{}, dst)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer c.Close()
-				src, err := c.Exchange("start")
-				if err != nil {
-					t.Fatal(err)
-				}
-				if src.Addr() != NodeAddr(policy.FamilyOf(dst)) {
-					t.Fatalf("%s saw %s, want the node address", dst, src)
-				}
-				conns, seen = append(conns, c), append(seen, src)
-			}
-			check := func(when string) {
-				t.Helper()
-				for i, c := range conns {
-					src, err := c.Exchange(strings.ReplaceAll(when, " ", "-"))
-					if err != nil {
-						t.Fatalf("%s: %v", when, err)
-					}
-					if src != seen[i] {
-						t.Fatalf("%s: the server sees %s, before it saw %s", when, src, seen[i])
-					}
-				}
-			}
-
-			ag := env.Agent
-			if err := ag.cmd.Process.Signal(syscall.SIGKILL); err != nil {
-				t.Fatal(err)
-			}
-			<-ag.done
-			check("agent killed")
-			b.Verify(ctx, t, env)
-
-			ag = env.StartAgent(ctx, t, b)
-			if err := ag.WaitReady(ctx); err != nil {
-				t.Fatal(err)
-			}
-			check("agent restarted")
-			if ag.Count("datapath loaded", "reusedRules=0") > 0 || ag.Count("pinned maps have other sizes") > 0 {
-				t.Errorf("the restart did not reuse the pinned maps:\n%s", ag.Logs())
-			}
-			if ag.Count("program replaced in place") != 2 || ag.Count(`msg=attached`) != 0 {
-				t.Errorf("the restart did not replace both programs in place:\n%s", ag.Logs())
-			}
-
-			if err := ag.Stop(ctx); err != nil {
-				t.Fatalf("agent exit after SIGTERM: %v", err)
-			}
-			check("agent stopped")
-			env.Check(ctx, t, expect(Masq, "8.8.8.8", "2001:4860:4860::8888"), nil)
-
-			args := append(append([]string{"cleanup"}, b.Flags...), env.AgentFlags...)
-			out, err := NSExec(ctx, env.Node, "", agentBin, args...)
+	eachBackend(t, bpfBackends(), []string{"--enable-ipv6"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		env.StartReady(ctx, t, b, keepPodsConfig)
+		StartLineEcho(t, env.Ext, []netip.Addr{public4, public6})
+		env.CutReturnRoutes(ctx, t)
+		var conns []*Conn
+		var seen []netip.AddrPort
+		for _, dst := range []netip.Addr{public4, public6} {
+			c, err := DialLine(ctx, env.Pod, netip.AddrPort{}, dst)
 			if err != nil {
-				t.Fatalf("cleanup: %v", err)
+				t.Fatal(err)
 			}
-			t.Logf("cleanup: %s", strings.TrimSpace(string(out)))
-			if s := bpfLeft(t, env); s != "" {
-				t.Errorf("left after cleanup: %s", s)
+			defer c.Close()
+			src, err := c.Exchange("start")
+			if err != nil {
+				t.Fatal(err)
 			}
-			for _, m := range []iptables.Mode{iptables.ModeNFT, iptables.ModeLegacy} {
-				for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-					if s := installed(ctx, t, env, m, fam); s != "" {
-						t.Errorf("iptables-%s %s after cleanup:\n%s", m, fam, s)
-					}
+			if src.Addr() != NodeAddr(policy.FamilyOf(dst)) {
+				t.Fatalf("%s saw %s, want the node address", dst, src)
+			}
+			conns, seen = append(conns, c), append(seen, src)
+		}
+		check := func(when string) {
+			t.Helper()
+			for i, c := range conns {
+				src, err := c.Exchange(strings.ReplaceAll(when, " ", "-"))
+				if err != nil {
+					t.Fatalf("%s: %v", when, err)
+				}
+				if src != seen[i] {
+					t.Fatalf("%s: the server sees %s, before it saw %s", when, src, seen[i])
 				}
 			}
-			env.RestoreReturnRoutes(ctx, t)
-			env.Check(ctx, t, expect(Keep, "8.8.8.8", "2001:4860:4860::8888"), nil)
-		})
+		}
+
+		ag := env.Agent
+		if err := ag.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+		<-ag.done
+		check("agent killed")
+		b.Verify(ctx, t, env)
+
+		ag = env.StartAgent(ctx, t, b)
+		if err := ag.WaitReady(ctx); err != nil {
+			t.Fatal(err)
+		}
+		check("agent restarted")
+		if ag.Count("datapath loaded", "reusedRules=0") > 0 || ag.Count("pinned maps have other sizes") > 0 {
+			t.Errorf("the restart did not reuse the pinned maps:\n%s", ag.Logs())
+		}
+		if ag.Count("program replaced in place") != 2 || ag.Count(`msg=attached`) != 0 {
+			t.Errorf("the restart did not replace both programs in place:\n%s", ag.Logs())
+		}
+
+		if err := ag.Stop(ctx); err != nil {
+			t.Fatalf("agent exit after SIGTERM: %v", err)
+		}
+		check("agent stopped")
+		env.Check(ctx, t, expect(Masq, "8.8.8.8", "2001:4860:4860::8888"), nil)
+
+		args := append(append([]string{"cleanup"}, b.Flags...), env.AgentFlags...)
+		out, err := NSExec(ctx, env.Node, "", agentBin, args...)
+		if err != nil {
+			t.Fatalf("cleanup: %v", err)
+		}
+		t.Logf("cleanup: %s", strings.TrimSpace(string(out)))
+		if s := bpfLeft(t, env); s != "" {
+			t.Errorf("left after cleanup: %s", s)
+		}
+		for _, m := range []iptables.Mode{iptables.ModeNFT, iptables.ModeLegacy} {
+			for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+				if s := installed(ctx, t, env, m, fam); s != "" {
+					t.Errorf("iptables-%s %s after cleanup:\n%s", m, fam, s)
+				}
+			}
+		}
+		env.RestoreReturnRoutes(ctx, t)
+		env.Check(ctx, t, expect(Keep, "8.8.8.8", "2001:4860:4860::8888"), nil)
+	})
+}
+
+// switchBackends runs the agent on one node (IPv6 on, no config file, every backend of bs
+// required and prepared) on each backend of runs in turn, each over what the one before left:
+// each must be ready, remove the others' state right after its first apply (left checks what
+// the run's backend removed; run counts from 1), masquerade as the defaults ask, have installed
+// what they ask and exit cleanly on SIGTERM.
+func switchBackends(t *testing.T, bs, runs []Backend, left func(ctx context.Context, t *testing.T, env *Env, run int, b Backend)) {
+	t.Helper()
+	for _, b := range bs {
+		requireBackend(t, b)
+	}
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+	defer cancel()
+	env := NewEnv(ctx, t, agentBin, []string{"--enable-ipv6"})
+	for _, b := range bs {
+		if b.Prepare != nil {
+			b.Prepare(ctx, t, env)
+		}
+	}
+	want := join(expect(Masq, "8.8.8.8", "2001:4860:4860::8888", "fd00::1"), expect(Keep, "10.1.2.3"))
+	for i, b := range runs {
+		ag := env.StartReadyNoFile(ctx, t, b)
+		// The others go right after the first apply.
+		if err := ag.WaitLog(ctx, 1, "no other backend's state is left"); err != nil {
+			t.Fatal(err)
+		}
+		env.Check(ctx, t, want, nil)
+		b.Verify(ctx, t, env)
+		left(ctx, t, env, i+1, b)
+		if err := ag.Stop(ctx); err != nil {
+			t.Fatalf("agent exit after SIGTERM: %v", err)
+		}
+		if t.Failed() {
+			t.Fatalf("run %d (%s) failed", i+1, b.Name)
+		}
 	}
 }
 
@@ -307,39 +306,13 @@ func TestBackendSwitch(t *testing.T) {
 	bpfb := BPFBackend(tc.ModeTCX)
 	auto := bpfb
 	auto.Name, auto.Flags = "auto", []string{"--backend=auto"}
-	requireBackend(t, ipt)
-	requireBackend(t, bpfb)
-	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-	defer cancel()
-	env := NewEnv(ctx, t, agentBin, []string{"--enable-ipv6"})
-	ipt.Prepare(ctx, t, env)
-	bpfb.Prepare(ctx, t, env)
-	env.SetGood("", true)
-	want := join(expect(Masq, "8.8.8.8", "2001:4860:4860::8888", "fd00::1"), expect(Keep, "10.1.2.3"))
-	for i, b := range []Backend{ipt, bpfb, ipt, auto, bpfb} {
-		ag := env.StartAgent(ctx, t, b)
-		if err := ag.WaitReady(ctx); err != nil {
-			t.Fatal(err)
-		}
-		// The other backend goes right after the first apply.
-		if err := ag.WaitLog(ctx, 1, "no other backend's state is left"); err != nil {
-			t.Fatal(err)
-		}
-		env.Check(ctx, t, want, nil)
-		b.Verify(ctx, t, env)
+	switchBackends(t, []Backend{ipt, bpfb}, []Backend{ipt, bpfb, ipt, auto, bpfb}, func(ctx context.Context, t *testing.T, env *Env, run int, b Backend) {
 		if b.Name == ipt.Name {
 			if s := bpfLeft(t, env); s != "" {
-				t.Errorf("run %d (%s): BPF state left: %s", i+1, b.Name, s)
+				t.Errorf("run %d (%s): BPF state left: %s", run, b.Name, s)
 			}
 		}
-		if err := ag.Stop(ctx); err != nil {
-			t.Fatalf("agent exit after SIGTERM: %v", err)
-		}
-		if t.Failed() {
-			t.Fatalf("run %d (%s) failed", i+1, b.Name)
-		}
-	}
+	})
 }
 
 func lastLine(s string) string {
@@ -355,7 +328,9 @@ func TestBPFMapResized(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 	defer cancel()
-	env := bpfEnv(ctx, t, b)
+	requireBackend(t, b)
+	env := NewBackendEnv(ctx, t, b, nil)
+	env.StartReadyNoFile(ctx, t, b)
 	StartLineEcho(t, env.Ext, []netip.Addr{public4})
 	env.CutReturnRoutes(ctx, t)
 	natV6 := func() uint32 {
@@ -414,7 +389,9 @@ func TestBPFNATResizeKeepsFlows(t *testing.T) {
 			t.Parallel()
 			ctx, cancel := context.WithTimeout(context.Background(), 2*ScenarioTimeout)
 			defer cancel()
-			env := bpfEnv(ctx, t, b, "--nat-max-entries=4096")
+			requireBackend(t, b)
+			env := NewBackendEnv(ctx, t, b, []string{"--nat-max-entries=4096"})
+			env.StartReadyNoFile(ctx, t, b)
 			StartLineEcho(t, env.Ext, []netip.Addr{public4})
 			env.CutReturnRoutes(ctx, t) // every answer now proves a translation
 			held := holdFlows(ctx, t, env, public4)
@@ -455,110 +432,105 @@ func TestBPFNATResizeKeepsFlows(t *testing.T) {
 // TestBPFFollowsUplinks: a new address of the uplink becomes the SNAT address and the flows of
 // the old one are flushed; a device named by --interfaces that appears later gets the programs.
 func TestBPFFollowsUplinks(t *testing.T) {
-	for _, b := range bpfBackends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := bpfEnv(ctx, t, b, "--interfaces="+Uplink+",late0")
-			if env.Agent.Count("do not exist (yet)", "late0") == 0 {
-				t.Errorf("the missing device is not reported:\n%s", env.Agent.Logs())
-			}
-			StartLineEcho(t, env.Ext, []netip.Addr{public4})
-			env.CutReturnRoutes(ctx, t)
-			c, err := DialLine(ctx, env.Pod, netip.AddrPort{}, public4)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			if src, err := c.Exchange("old"); err != nil || src.Addr() != NodeAddr4 {
-				t.Fatalf("before the change: %s %v", src, err)
-			}
+	eachBackend(t, bpfBackends(), []string{"--interfaces=" + Uplink + ",late0"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		env.StartReadyNoFile(ctx, t, b)
+		if env.Agent.Count("do not exist (yet)", "late0") == 0 {
+			t.Errorf("the missing device is not reported:\n%s", env.Agent.Logs())
+		}
+		StartLineEcho(t, env.Ext, []netip.Addr{public4})
+		env.CutReturnRoutes(ctx, t)
+		c, err := DialLine(ctx, env.Pod, netip.AddrPort{}, public4)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if src, err := c.Exchange("old"); err != nil || src.Addr() != NodeAddr4 {
+			t.Fatalf("before the change: %s %v", src, err)
+		}
 
-			// The address moves: the new one is promoted when the old one goes.
-			newAddr := netip.MustParseAddr("10.99.0.7")
-			if err := WriteSysctl(env.Node, "net.ipv4.conf."+Uplink+".promote_secondaries", "1"); err != nil {
-				t.Fatal(err)
+		// The address moves: the new one is promoted when the old one goes.
+		newAddr := netip.MustParseAddr("10.99.0.7")
+		if err := WriteSysctl(env.Node, "net.ipv4.conf."+Uplink+".promote_secondaries", "1"); err != nil {
+			t.Fatal(err)
+		}
+		events := env.Agent.Count("datapath event")
+		if err := IPBatch(ctx, env.Node, fmt.Sprintf("addr add %s/24 dev %s\naddr del %s/24 dev %s\n", newAddr, Uplink, NodeAddr4, Uplink)); err != nil {
+			t.Fatal(err)
+		}
+		if err := env.Agent.WaitLog(ctx, events+1, "datapath event", "10.99.0.1 -> 10.99.0.7"); err != nil {
+			t.Fatal(err)
+		}
+		if err := env.Agent.WaitLog(ctx, 1, "flows of the old address flushed"); err != nil {
+			t.Fatal(err)
+		}
+		if src, err := env.Probe(ctx, "tcp", public4); err != nil || src.Addr() != newAddr {
+			t.Errorf("a new flow after the change is seen from %s (%v), want %s", src, err, newAddr)
+		}
+		r, err := bpf.OpenPinnedReadOnly(env.PinDir())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		if err := r.NATEntries(policy.IPv4, func(e bpf.NATEntry) bool {
+			if e.Dir == bpf.Egress && e.To.Addr() == NodeAddr4 || e.Dir == bpf.Ingress && e.Dst.Addr() == NodeAddr4 {
+				t.Errorf("an entry of the old address is left: %+v", e)
 			}
-			events := env.Agent.Count("datapath event")
-			if err := IPBatch(ctx, env.Node, fmt.Sprintf("addr add %s/24 dev %s\naddr del %s/24 dev %s\n", newAddr, Uplink, NodeAddr4, Uplink)); err != nil {
-				t.Fatal(err)
-			}
-			if err := env.Agent.WaitLog(ctx, events+1, "datapath event", "10.99.0.1 -> 10.99.0.7"); err != nil {
-				t.Fatal(err)
-			}
-			if err := env.Agent.WaitLog(ctx, 1, "flows of the old address flushed"); err != nil {
-				t.Fatal(err)
-			}
-			if src, err := env.Probe(ctx, "tcp", public4); err != nil || src.Addr() != newAddr {
-				t.Errorf("a new flow after the change is seen from %s (%v), want %s", src, err, newAddr)
-			}
-			r, err := bpf.OpenPinnedReadOnly(env.PinDir())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer r.Close()
-			if err := r.NATEntries(policy.IPv4, func(e bpf.NATEntry) bool {
-				if e.Dir == bpf.Egress && e.To.Addr() == NodeAddr4 || e.Dir == bpf.Ingress && e.Dst.Addr() == NodeAddr4 {
-					t.Errorf("an entry of the old address is left: %+v", e)
-				}
-				return true
-			}); err != nil {
-				t.Fatal(err)
-			}
+			return true
+		}); err != nil {
+			t.Fatal(err)
+		}
 
-			// The named device appears.
-			if err := IPBatch(ctx, env.Node, fmt.Sprintf("link add late0 type veth peer name late1 netns %s\naddr add 192.0.2.10/24 dev late0\nlink set late0 up\n", env.Ext)); err != nil {
-				t.Fatal(err)
+		// The named device appears.
+		if err := IPBatch(ctx, env.Node, fmt.Sprintf("link add late0 type veth peer name late1 netns %s\naddr add 192.0.2.10/24 dev late0\nlink set late0 up\n", env.Ext)); err != nil {
+			t.Fatal(err)
+		}
+		if err := env.Agent.WaitLog(ctx, 1, "datapath event", "late0", "appeared"); err != nil {
+			t.Fatal(err)
+		}
+		mode := strings.TrimPrefix(b.Name, "bpf-")
+		want := []Attached{{mode, "egress", "tc_egress"}, {mode, "ingress", "tc_ingress"}}
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			got, _ := env.DevicePrograms(t, "late0")
+			if slices.Equal(got, want) {
+				break
 			}
-			if err := env.Agent.WaitLog(ctx, 1, "datapath event", "late0", "appeared"); err != nil {
-				t.Fatal(err)
+			if time.Now().After(deadline) {
+				t.Fatalf("programs on late0: %v, want %v", got, want)
 			}
-			mode := strings.TrimPrefix(b.Name, "bpf-")
-			want := []Attached{{mode, "egress", "tc_egress"}, {mode, "ingress", "tc_ingress"}}
-			deadline := time.Now().Add(5 * time.Second)
-			for {
-				got, _ := env.DevicePrograms(t, "late0")
-				if slices.Equal(got, want) {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("programs on late0: %v, want %v", got, want)
-				}
-				time.Sleep(10 * time.Millisecond)
-			}
+			time.Sleep(10 * time.Millisecond)
+		}
 
-			// It goes away again: forgotten, its pins (tcx) removed, the uplink untouched.
-			if err := IPBatch(ctx, env.Node, "link del late0\n"); err != nil {
-				t.Fatal(err)
-			}
-			if err := env.Agent.WaitLog(ctx, 1, "a former uplink is left"); err != nil {
-				t.Fatal(err)
-			}
-			var pins []string
-			links, err := os.ReadDir(filepath.Join(env.PinRoot(), "links"))
-			if err != nil && !os.IsNotExist(err) {
-				t.Fatal(err)
-			}
-			for _, l := range links {
-				pins = append(pins, l.Name())
-			}
-			var wantPins []string
-			if mode == tc.ModeTCX {
-				idx := env.UplinkIndex(t)
-				wantPins = []string{fmt.Sprintf("%d-egress", idx), fmt.Sprintf("%d-ingress", idx)}
-			}
-			if !slices.Equal(pins, wantPins) {
-				t.Errorf("link pins after late0 went: %v, want %v", pins, wantPins)
-			}
-			if got, _ := env.UplinkPrograms(t); !slices.Equal(got, want) {
-				t.Errorf("programs on %s after late0 went: %v, want %v", Uplink, got, want)
-			}
-			if src, err := env.Probe(ctx, "udp", public4); err != nil || src.Addr() != newAddr {
-				t.Errorf("after late0 went: seen from %s (%v), want %s", src, err, newAddr)
-			}
-		})
-	}
+		// It goes away again: forgotten, its pins (tcx) removed, the uplink untouched.
+		if err := IPBatch(ctx, env.Node, "link del late0\n"); err != nil {
+			t.Fatal(err)
+		}
+		if err := env.Agent.WaitLog(ctx, 1, "a former uplink is left"); err != nil {
+			t.Fatal(err)
+		}
+		var pins []string
+		links, err := os.ReadDir(filepath.Join(env.PinRoot(), "links"))
+		if err != nil && !os.IsNotExist(err) {
+			t.Fatal(err)
+		}
+		for _, l := range links {
+			pins = append(pins, l.Name())
+		}
+		var wantPins []string
+		if mode == tc.ModeTCX {
+			idx := env.UplinkIndex(t)
+			wantPins = []string{fmt.Sprintf("%d-egress", idx), fmt.Sprintf("%d-ingress", idx)}
+		}
+		if !slices.Equal(pins, wantPins) {
+			t.Errorf("link pins after late0 went: %v, want %v", pins, wantPins)
+		}
+		if got, _ := env.UplinkPrograms(t); !slices.Equal(got, want) {
+			t.Errorf("programs on %s after late0 went: %v, want %v", Uplink, got, want)
+		}
+		if src, err := env.Probe(ctx, "udp", public4); err != nil || src.Addr() != newAddr {
+			t.Errorf("after late0 went: seen from %s (%v), want %s", src, err, newAddr)
+		}
+	})
 }
 
 // TestAutoFallback: --backend auto uses iptables, and says why, when --bpffs is not a BPF
@@ -569,8 +541,7 @@ func TestAutoFallback(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 	defer cancel()
-	env := NewEnv(ctx, t, agentBin, nil)
-	ipt.Prepare(ctx, t, env)
+	env := NewBackendEnv(ctx, t, ipt, nil)
 	notBPF := t.TempDir()
 	env.AgentFlags = []string{"--bpffs=" + notBPF}
 	env.SetGood("", true)

@@ -43,84 +43,77 @@ var healTookRE = regexp.MustCompile(`what=(\S+) took=(\S+)`)
 // traffic is masqueraded as before.
 func TestDriftHealed(t *testing.T) {
 	const cfg = "resyncInterval: 1h\n"
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			if len(b.Damages) == 0 || slices.ContainsFunc(b.Damages, func(d Damage) bool { return len(d.What) == 0 }) {
-				t.Fatalf("backend %s: no damages, or a damage without kinds", b.Name)
+	eachBackend(t, backends(), nil, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		if len(b.Damages) == 0 || slices.ContainsFunc(b.Damages, func(d Damage) bool { return len(d.What) == 0 }) {
+			t.Fatalf("backend %s: no damages, or a damage without kinds", b.Name)
+		}
+		ag := env.StartReady(ctx, t, b, cfg)
+		want := join(expect(Masq, "8.8.8.8"), expect(Keep, "10.1.2.3"))
+		env.Check(ctx, t, want, nil)
+		counted := heals(ctx, t, ag)
+		for _, k := range b.DriftWhat {
+			if v, ok := counted[k]; !ok || v != 0 {
+				t.Fatalf("heals_total{what=%q} = %v (present %v) before any damage, want a 0 series", k, v, ok)
 			}
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, nil)
-			ag := env.StartReady(ctx, t, b, cfg)
-			want := join(expect(Masq, "8.8.8.8"), expect(Keep, "10.1.2.3"))
-			env.Check(ctx, t, want, nil)
-			counted := heals(ctx, t, ag)
-			for _, k := range b.DriftWhat {
-				if v, ok := counted[k]; !ok || v != 0 {
-					t.Fatalf("heals_total{what=%q} = %v (present %v) before any damage, want a 0 series", k, v, ok)
-				}
+		}
+		for _, d := range b.Damages {
+			logged := map[string]int{}
+			for _, k := range d.What {
+				logged[k] = ag.Count("drift healed", "what="+k+" ")
 			}
-			for _, d := range b.Damages {
-				logged := map[string]int{}
-				for _, k := range d.What {
-					logged[k] = ag.Count("drift healed", "what="+k+" ")
+			d.Do(ctx, t, env)
+			damaged := time.Now()
+			// The agent's log says when each kind was repaired (the test's own polls of the
+			// datapath would add their cost to the measure).
+			var took time.Duration
+			for _, k := range d.What {
+				counted[k]++
+				if err := ag.WaitLog(ctx, logged[k]+1, "drift healed", "what="+k+" "); err != nil {
+					t.Fatalf("%s: %v", d.Name, err)
 				}
-				d.Do(ctx, t, env)
-				damaged := time.Now()
-				// The agent's log says when each kind was repaired (the test's own polls of the
-				// datapath would add their cost to the measure).
-				var took time.Duration
-				for _, k := range d.What {
-					counted[k]++
-					if err := ag.WaitLog(ctx, logged[k]+1, "drift healed", "what="+k+" "); err != nil {
-						t.Fatalf("%s: %v", d.Name, err)
-					}
-					at, err := ag.LogTime(logged[k]+1, "drift healed", "what="+k+" ")
-					if err != nil {
-						t.Fatal(err)
-					}
-					took = max(took, at.Sub(damaged))
+				at, err := ag.LogTime(logged[k]+1, "drift healed", "what="+k+" ")
+				if err != nil {
+					t.Fatal(err)
 				}
-				if took > HealLimit {
-					t.Errorf("%s: repaired %v after the damage, more than %v", d.Name, took, HealLimit)
-				}
-				if !d.Repaired(ctx, t, env) {
-					t.Errorf("%s: the agent logged the heal, but the damage is still there", d.Name)
-				}
-				// The counter and the log line follow the repair by the agent's check after it.
-				var got map[string]float64
-				for deadline := time.Now().Add(HealLimit); ; time.Sleep(20 * time.Millisecond) {
-					if got = heals(ctx, t, ag); fmt.Sprint(got) == fmt.Sprint(counted) || time.Now().After(deadline) {
-						break
-					}
-				}
-				if fmt.Sprint(got) != fmt.Sprint(counted) {
-					t.Errorf("%s: heals_total %v, want %v", d.Name, got, counted)
-				}
-				agentTook := map[string]string{}
-				for _, m := range healTookRE.FindAllStringSubmatch(ag.Logs(), -1) {
-					agentTook[m[1]] = m[2] // the last heal of each kind
-				}
-				t.Logf("%s: repaired %v after the damage (found, then repaired in %v)", d.Name,
-					took.Round(time.Millisecond), agentTook[d.What[0]])
-				b.Verify(ctx, t, env)
-				if t.Failed() {
-					t.FailNow()
+				took = max(took, at.Sub(damaged))
+			}
+			if took > HealLimit {
+				t.Errorf("%s: repaired %v after the damage, more than %v", d.Name, took, HealLimit)
+			}
+			if !d.Repaired(ctx, t, env) {
+				t.Errorf("%s: the agent logged the heal, but the damage is still there", d.Name)
+			}
+			// The counter and the log line follow the repair by the agent's check after it.
+			var got map[string]float64
+			for deadline := time.Now().Add(HealLimit); ; time.Sleep(20 * time.Millisecond) {
+				if got = heals(ctx, t, ag); fmt.Sprint(got) == fmt.Sprint(counted) || time.Now().After(deadline) {
+					break
 				}
 			}
-			// Once more, later: each heal was logged exactly once.
-			time.Sleep(1500 * time.Millisecond)
-			for k, n := range counted {
-				if got := ag.Count("drift healed", "what="+k+" "); float64(got) != n {
-					t.Errorf("%d heal lines for %s, want %v", got, k, n)
-				}
+			if fmt.Sprint(got) != fmt.Sprint(counted) {
+				t.Errorf("%s: heals_total %v, want %v", d.Name, got, counted)
 			}
-			if n := ag.Count("drift persists"); n != 0 {
-				t.Errorf("%d lines about drift that persisted", n)
+			agentTook := map[string]string{}
+			for _, m := range healTookRE.FindAllStringSubmatch(ag.Logs(), -1) {
+				agentTook[m[1]] = m[2] // the last heal of each kind
 			}
-			env.Check(ctx, t, want, nil)
-		})
-	}
+			t.Logf("%s: repaired %v after the damage (found, then repaired in %v)", d.Name,
+				took.Round(time.Millisecond), agentTook[d.What[0]])
+			b.Verify(ctx, t, env)
+			if t.Failed() {
+				t.FailNow()
+			}
+		}
+		// Once more, later: each heal was logged exactly once.
+		time.Sleep(1500 * time.Millisecond)
+		for k, n := range counted {
+			if got := ag.Count("drift healed", "what="+k+" "); float64(got) != n {
+				t.Errorf("%d heal lines for %s, want %v", got, k, n)
+			}
+		}
+		if n := ag.Count("drift persists"); n != 0 {
+			t.Errorf("%d lines about drift that persisted", n)
+		}
+		env.Check(ctx, t, want, nil)
+	})
 }

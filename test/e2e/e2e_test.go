@@ -112,158 +112,139 @@ func TestScenarios(t *testing.T) {
 // TestLifecycle: SIGTERM leaves the datapath in place; a restart with a bad file keeps it and
 // stays unready; cleanup removes everything for both families, twice without error.
 func TestLifecycle(t *testing.T) {
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, []string{"--enable-ipv6"})
-			if err := env.Config.Write(seedNodeIdentity); err != nil {
-				t.Fatal(err)
-			}
-			env.SetGood(seedNodeIdentity, false)
-			masqueraded := join(expect(Masq, "8.8.8.8", "2001:4860:4860::8888"), expect(Keep, "10.1.2.3", "fd00::1"))
+	eachBackend(t, backends(), []string{"--enable-ipv6"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		masqueraded := join(expect(Masq, "8.8.8.8", "2001:4860:4860::8888"), expect(Keep, "10.1.2.3", "fd00::1"))
+		ag := env.StartReady(ctx, t, b, seedNodeIdentity)
+		if code, body, err := ag.Get(ctx, "/healthz"); err != nil || code != http.StatusOK {
+			t.Errorf("healthz = %d %q %v", code, body, err)
+		}
+		env.Check(ctx, t, masqueraded, nil)
 
-			ag := env.StartAgent(ctx, t, b)
-			if err := ag.WaitReady(ctx); err != nil {
-				t.Fatal(err)
-			}
-			if code, body, err := ag.Get(ctx, "/healthz"); err != nil || code != http.StatusOK {
-				t.Errorf("healthz = %d %q %v", code, body, err)
-			}
-			env.Check(ctx, t, masqueraded, nil)
+		// SIGTERM: a clean exit, and the datapath stays.
+		if err := ag.Stop(ctx); err != nil {
+			t.Fatalf("agent exit after SIGTERM: %v", err)
+		}
+		b.Verify(ctx, t, env)
+		env.Check(ctx, t, masqueraded, nil)
 
-			// SIGTERM: a clean exit, and the datapath stays.
-			if err := ag.Stop(ctx); err != nil {
-				t.Fatalf("agent exit after SIGTERM: %v", err)
-			}
-			b.Verify(ctx, t, env)
-			env.Check(ctx, t, masqueraded, nil)
+		// A restart with a bad file: not ready, nothing changed, the old policy still works.
+		if err := env.Config.Write("nonMasqueradeCIDRs: [10.0.0.0/33]\n"); err != nil {
+			t.Fatal(err)
+		}
+		ag = env.StartAgent(ctx, t, b)
+		if err := ag.WaitLog(ctx, 1, "config rejected"); err != nil {
+			t.Fatal(err)
+		}
+		code, body, err := ag.WaitServing(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if code != http.StatusServiceUnavailable || !strings.Contains(body, "10.0.0.0/33") {
+			t.Errorf("readyz with only a bad file = %d %q, want 503 naming the bad value", code, body)
+		}
+		b.Verify(ctx, t, env)
+		env.Check(ctx, t, masqueraded, nil)
+		if err := ag.Stop(ctx); err != nil {
+			t.Fatalf("agent exit after SIGTERM: %v", err)
+		}
 
-			// A restart with a bad file: not ready, nothing changed, the old policy still works.
-			if err := env.Config.Write("nonMasqueradeCIDRs: [10.0.0.0/33]\n"); err != nil {
-				t.Fatal(err)
-			}
-			ag = env.StartAgent(ctx, t, b)
-			if err := ag.WaitLog(ctx, 1, "config rejected"); err != nil {
-				t.Fatal(err)
-			}
-			code, body, err := ag.WaitServing(ctx)
+		// cleanup, without --enable-ipv6, removes IPv4 and IPv6; twice is fine. It gets the
+		// backend's own flags (--bpffs), as a DaemonSet's cleanup would.
+		for i := range 2 {
+			args := append(append([]string{"cleanup"}, b.Flags...), env.AgentFlags...)
+			out, err := NSExec(ctx, env.Node, "", agentBin, args...)
 			if err != nil {
-				t.Fatal(err)
+				t.Fatalf("cleanup #%d: %v", i+1, err)
 			}
-			if code != http.StatusServiceUnavailable || !strings.Contains(body, "10.0.0.0/33") {
-				t.Errorf("readyz with only a bad file = %d %q, want 503 naming the bad value", code, body)
-			}
-			b.Verify(ctx, t, env)
-			env.Check(ctx, t, masqueraded, nil)
-			if err := ag.Stop(ctx); err != nil {
-				t.Fatalf("agent exit after SIGTERM: %v", err)
-			}
-
-			// cleanup, without --enable-ipv6, removes IPv4 and IPv6; twice is fine. It gets the
-			// backend's own flags (--bpffs), as a DaemonSet's cleanup would.
-			for i := range 2 {
-				args := append(append([]string{"cleanup"}, b.Flags...), env.AgentFlags...)
-				out, err := NSExec(ctx, env.Node, "", agentBin, args...)
-				if err != nil {
-					t.Fatalf("cleanup #%d: %v", i+1, err)
-				}
-				t.Logf("cleanup #%d: %s", i+1, strings.TrimSpace(string(out)))
-				b.Gone(ctx, t, env)
-			}
-			env.Check(ctx, t, expect(Keep, "8.8.8.8", "2001:4860:4860::8888"), nil)
-		})
-	}
+			t.Logf("cleanup #%d: %s", i+1, strings.TrimSpace(string(out)))
+			b.Gone(ctx, t, env)
+		}
+		env.Check(ctx, t, expect(Keep, "8.8.8.8", "2001:4860:4860::8888"), nil)
+	})
 }
 
 // TestBadConfigAtStartup: with only a bad file, the agent installs nothing and is not ready;
 // the first good file is applied and makes it ready.
 func TestBadConfigAtStartup(t *testing.T) {
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, nil)
-			if err := env.Config.Write("masqOutBound: yes please\n"); err != nil {
-				t.Fatal(err)
-			}
-			ag := env.StartAgent(ctx, t, b)
-			if err := ag.WaitLog(ctx, 1, "config rejected"); err != nil {
-				t.Fatal(err)
-			}
-			code, body, err := ag.WaitServing(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if code != http.StatusServiceUnavailable || !strings.Contains(body, "yes please") {
-				t.Errorf("readyz = %d %q, want 503 naming the bad value", code, body)
-			}
-			b.Gone(ctx, t, env)
-			env.Check(ctx, t, expect(Keep, "8.8.8.8"), nil)
+	eachBackend(t, backends(), nil, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		if err := env.Config.Write("masqOutBound: yes please\n"); err != nil {
+			t.Fatal(err)
+		}
+		ag := env.StartAgent(ctx, t, b)
+		if err := ag.WaitLog(ctx, 1, "config rejected"); err != nil {
+			t.Fatal(err)
+		}
+		code, body, err := ag.WaitServing(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if code != http.StatusServiceUnavailable || !strings.Contains(body, "yes please") {
+			t.Errorf("readyz = %d %q, want 503 naming the bad value", code, body)
+		}
+		b.Gone(ctx, t, env)
+		env.Check(ctx, t, expect(Keep, "8.8.8.8"), nil)
 
-			if err := env.Config.Write("masqOutBound: true\n"); err != nil {
-				t.Fatal(err)
-			}
-			env.SetGood("masqOutBound: true\n", false)
-			if err := ag.WaitReady(ctx); err != nil {
-				t.Fatal(err)
-			}
-			env.Check(ctx, t, join(expect(Masq, "8.8.8.8"), expect(Keep, "10.1.2.3")), nil)
-			b.Verify(ctx, t, env)
-		})
-	}
+		if err := env.Config.Write("masqOutBound: true\n"); err != nil {
+			t.Fatal(err)
+		}
+		env.SetGood("masqOutBound: true\n", false)
+		if err := ag.WaitReady(ctx); err != nil {
+			t.Fatal(err)
+		}
+		env.Check(ctx, t, join(expect(Masq, "8.8.8.8"), expect(Keep, "10.1.2.3")), nil)
+		b.Verify(ctx, t, env)
+	})
 }
 
 // TestResyncHealsDrift: with the drift checks off, the datapath is damaged behind the agent's
 // back; the periodic resync re-applies the policy, and the check before it counts the heals.
 func TestResyncHealsDrift(t *testing.T) {
 	const cfg = "resyncInterval: 1s\n"
-	for _, b := range backends() {
+	eachBackend(t, backends(), nil, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		env.AgentFlags = append(env.AgentFlags, "--drift-check-interval=0")
+		ag := env.StartReady(ctx, t, b, cfg)
+		env.Check(ctx, t, expect(Masq, "8.8.8.8"), nil)
+		// Damage the datapath right after a resync, so that the next one is a whole interval
+		// away while the damage is observed.
+		resyncs := ag.Count("trigger=resync", "policy applied") + 1
+		if err := ag.WaitLog(ctx, resyncs, "trigger=resync", "policy applied"); err != nil {
+			t.Fatal(err)
+		}
+		b.Drift(ctx, t, env)
+		if got, _, err := env.Observe(ctx, "tcp", netip.MustParseAddr("8.8.8.8")); err != nil || got != Keep {
+			t.Fatalf("the drift did not take the policy out: %v %v", got, err)
+		}
+		if err := ag.WaitLog(ctx, resyncs+1, "trigger=resync", "policy applied"); err != nil {
+			t.Fatal(err)
+		}
+		env.Check(ctx, t, join(expect(Masq, "8.8.8.8"), expect(Keep, "10.1.2.3")), nil)
+		b.Verify(ctx, t, env)
+		got := heals(ctx, t, ag)
+		for _, k := range b.DriftWhat {
+			if got[k] != 1 || ag.Count("drift healed", "trigger=resync", "what="+k+" ") != 1 {
+				t.Errorf("heal of %s: counted %v, logged %d times by the resync; want once", k, got[k],
+					ag.Count("drift healed", "trigger=resync", "what="+k+" "))
+			}
+		}
+		if n := ag.Count("trigger=drift"); n != 0 {
+			t.Errorf("%d log lines of drift checks although they are off", n)
+		}
+	})
+}
+
+// eachBackend runs body for every backend of bs, as a parallel subtest named after it: with the
+// backend's tools required, ctx bounded by ScenarioTimeout and env the backend's topology
+// (NewBackendEnv with the policy flags). Tests that need another bound or no env write their
+// own loop.
+func eachBackend(t *testing.T, bs []Backend, flags []string, body func(ctx context.Context, t *testing.T, b Backend, env *Env)) {
+	t.Helper()
+	for _, b := range bs {
 		t.Run(b.Name, func(t *testing.T) {
 			t.Parallel()
 			requireBackend(t, b)
 			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 			defer cancel()
-			env := NewBackendEnv(ctx, t, b, nil)
-			if err := env.Config.Write(cfg); err != nil {
-				t.Fatal(err)
-			}
-			env.SetGood(cfg, false)
-			env.AgentFlags = append(env.AgentFlags, "--drift-check-interval=0")
-			ag := env.StartAgent(ctx, t, b)
-			if err := ag.WaitReady(ctx); err != nil {
-				t.Fatal(err)
-			}
-			env.Check(ctx, t, expect(Masq, "8.8.8.8"), nil)
-			// Damage the datapath right after a resync, so that the next one is a whole interval
-			// away while the damage is observed.
-			resyncs := ag.Count("trigger=resync", "policy applied") + 1
-			if err := ag.WaitLog(ctx, resyncs, "trigger=resync", "policy applied"); err != nil {
-				t.Fatal(err)
-			}
-			b.Drift(ctx, t, env)
-			if got, _, err := env.Observe(ctx, "tcp", netip.MustParseAddr("8.8.8.8")); err != nil || got != Keep {
-				t.Fatalf("the drift did not take the policy out: %v %v", got, err)
-			}
-			if err := ag.WaitLog(ctx, resyncs+1, "trigger=resync", "policy applied"); err != nil {
-				t.Fatal(err)
-			}
-			env.Check(ctx, t, join(expect(Masq, "8.8.8.8"), expect(Keep, "10.1.2.3")), nil)
-			b.Verify(ctx, t, env)
-			got := heals(ctx, t, ag)
-			for _, k := range b.DriftWhat {
-				if got[k] != 1 || ag.Count("drift healed", "trigger=resync", "what="+k+" ") != 1 {
-					t.Errorf("heal of %s: counted %v, logged %d times by the resync; want once", k, got[k],
-						ag.Count("drift healed", "trigger=resync", "what="+k+" "))
-				}
-			}
-			if n := ag.Count("trigger=drift"); n != 0 {
-				t.Errorf("%d log lines of drift checks although they are off", n)
-			}
+			body(ctx, t, b, NewBackendEnv(ctx, t, b, flags))
 		})
 	}
 }

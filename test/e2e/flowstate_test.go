@@ -18,7 +18,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
 
 // The NAT's flow-state promises (bpf/nat.h) with real traffic, on every backend: conntrack
@@ -128,7 +127,6 @@ func TestFloodsSpareIdleFlows(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 3*ScenarioTimeout)
 			defer cancel()
 			env := NewBackendEnv(ctx, t, b, nil)
-			env.SetGood("", true)
 			// The held flows stay idle through the floods, which take seconds here and can take
 			// minutes on a loaded machine: each backend's UDP idle timeout (conntrack's 30 s,
 			// the BPF datapath's 2 min) is set beyond the test's deadline, so that what the
@@ -136,10 +134,7 @@ func TestFloodsSpareIdleFlows(t *testing.T) {
 			if b.NAT {
 				env.AgentFlags = append(env.AgentFlags, "--nat-timeouts=udp=5m")
 			}
-			ag := env.StartAgent(ctx, t, b)
-			if err := ag.WaitReady(ctx); err != nil {
-				t.Fatal(err)
-			}
+			ag := env.StartReadyNoFile(ctx, t, b)
 			if !b.NAT {
 				for _, key := range []string{"nf_conntrack_udp_timeout", "nf_conntrack_udp_timeout_stream"} {
 					if err := WriteSysctl(env.Node, "net.netfilter."+key, "300"); err != nil {
@@ -263,53 +258,43 @@ func htons(v uint16) uint16 {
 // window but not at the next byte) do not shorten the connection's life: well after, it still
 // works from the same source.
 func TestBlindRSTKeepsMapping(t *testing.T) {
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, nil)
-			b.FastExpiry(ctx, t, env)
-			env.SetGood("", true)
-			if err := env.StartAgent(ctx, t, b).WaitReady(ctx); err != nil {
+	eachBackend(t, backends(), nil, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		b.FastExpiry(ctx, t, env)
+		env.StartReadyNoFile(ctx, t, b)
+		StartLineEcho(t, env.Ext, []netip.Addr{public4})
+		env.CutReturnRoutes(ctx, t)
+		c, err := DialLine(ctx, env.Pod, netip.AddrPort{}, public4)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		server := netip.AddrPortFrom(public4, LinePort)
+		var src netip.AddrPort
+		nat, seq := sniffFrom(t, env, server, func() {
+			if src, err = c.Exchange("first"); err != nil {
 				t.Fatal(err)
-			}
-			StartLineEcho(t, env.Ext, []netip.Addr{public4})
-			env.CutReturnRoutes(ctx, t)
-			c, err := DialLine(ctx, env.Pod, netip.AddrPort{}, public4)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			server := netip.AddrPortFrom(public4, LinePort)
-			var src netip.AddrPort
-			nat, seq := sniffFrom(t, env, server, func() {
-				if src, err = c.Exchange("first"); err != nil {
-					t.Fatal(err)
-				}
-			})
-			if nat != src {
-				t.Fatalf("sniffed segments to %s, the server saw %s", nat, src)
-			}
-			forge := env.NewForger(t)
-			for _, s := range []uint32{seq + 1<<31, seq + 1000} {
-				if err := forge.Send(forge.TCPFrame(server, nat, "R", s, 0)); err != nil {
-					t.Fatal(err)
-				}
-			}
-			time.Sleep(3 * time.Second) // closing flows expire after 1 s, swept every 200 ms
-			for i := range 3 {
-				got, err := c.Exchange("after-" + strconv.Itoa(i))
-				if err != nil {
-					t.Fatalf("after out-of-window RSTs: %v", err)
-				}
-				if got != src {
-					t.Fatalf("after out-of-window RSTs the connection is seen from %s, before from %s", got, src)
-				}
 			}
 		})
-	}
+		if nat != src {
+			t.Fatalf("sniffed segments to %s, the server saw %s", nat, src)
+		}
+		forge := env.NewForger(t)
+		for _, s := range []uint32{seq + 1<<31, seq + 1000} {
+			if err := forge.Send(forge.TCPFrame(server, nat, "R", s, 0)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		time.Sleep(3 * time.Second) // closing flows expire after 1 s, swept every 200 ms
+		for i := range 3 {
+			got, err := c.Exchange("after-" + strconv.Itoa(i))
+			if err != nil {
+				t.Fatalf("after out-of-window RSTs: %v", err)
+			}
+			if got != src {
+				t.Fatalf("after out-of-window RSTs the connection is seen from %s, before from %s", got, src)
+			}
+		}
+	})
 }
 
 // flipConfigs: 10.1.2.3 left alone (A), then masqueraded (B).
@@ -322,45 +307,38 @@ const (
 // source they started with, both ways of the flip; new ones follow the new policy.
 func TestPolicyFlipKeepsFlows(t *testing.T) {
 	dst := netip.MustParseAddr("10.1.2.3")
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, nil)
-			ag := env.StartReady(ctx, t, b, flipReturn)
-			StartLineEcho(t, env.Ext, []netip.Addr{dst})
-			flip := func(cfg string) {
-				t.Helper()
-				applied := ag.Count("trigger=config-change", "policy applied")
-				if err := env.Config.Write(cfg); err != nil {
-					t.Fatal(err)
-				}
-				if err := ag.WaitLog(ctx, applied+1, "trigger=config-change", "policy applied"); err != nil {
-					t.Fatal(err)
-				}
-				env.SetGood(cfg, false)
+	eachBackend(t, backends(), nil, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		ag := env.StartReady(ctx, t, b, flipReturn)
+		StartLineEcho(t, env.Ext, []netip.Addr{dst})
+		flip := func(cfg string) {
+			t.Helper()
+			applied := ag.Count("trigger=config-change", "policy applied")
+			if err := env.Config.Write(cfg); err != nil {
+				t.Fatal(err)
 			}
-			open := func(want netip.Addr) *heldFlow {
-				t.Helper()
-				f := holdFlows(ctx, t, env, dst)
-				if f.tcpSrc.Addr() != want || f.udpSrc.Addr() != want {
-					t.Fatalf("new flows seen from %s (tcp) and %s (udp), want %s", f.tcpSrc, f.udpSrc, want)
-				}
-				return f
+			if err := ag.WaitLog(ctx, applied+1, "trigger=config-change", "policy applied"); err != nil {
+				t.Fatal(err)
 			}
+			env.SetGood(cfg, false)
+		}
+		open := func(want netip.Addr) *heldFlow {
+			t.Helper()
+			f := holdFlows(ctx, t, env, dst)
+			if f.tcpSrc.Addr() != want || f.udpSrc.Addr() != want {
+				t.Fatalf("new flows seen from %s (tcp) and %s (udp), want %s", f.tcpSrc, f.udpSrc, want)
+			}
+			return f
+		}
 
-			left := open(PodAddr4)
-			flip(flipMasq)
-			left.check(t, "after the flip to MASQUERADE")
-			masqueraded := open(NodeAddr4)
-			flip(flipReturn)
-			left.check(t, "after the flip back")
-			masqueraded.check(t, "after the flip back")
-			open(PodAddr4)
-		})
-	}
+		left := open(PodAddr4)
+		flip(flipMasq)
+		left.check(t, "after the flip to MASQUERADE")
+		masqueraded := open(NodeAddr4)
+		flip(flipReturn)
+		left.check(t, "after the flip back")
+		masqueraded.check(t, "after the flip back")
+		open(PodAddr4)
+	})
 }
 
 // TestPortRange1024: with a 1,024-port --to-ports, 973 concurrent connections toward one
@@ -368,122 +346,100 @@ func TestPolicyFlipKeepsFlows(t *testing.T) {
 // SYN, counted; conntrack serves 972 of 973 in the same range).
 func TestPortRange1024(t *testing.T) {
 	const flows = 973
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, []string{"--to-ports=50000-51023"})
-			env.SetGood("", true)
-			ag := env.StartAgent(ctx, t, b)
-			if err := ag.WaitReady(ctx); err != nil {
-				t.Fatal(err)
-			}
-			StartLineEcho(t, env.Ext, []netip.Addr{public4})
-			env.CutReturnRoutes(ctx, t)
-			refused := b.Refusals(ctx, t, env)
-			conns := make([]*Conn, flows)
-			errs := make([]error, flows)
-			var wg sync.WaitGroup
-			sem := make(chan struct{}, 64)
-			for i := range flows {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					sem <- struct{}{}
-					defer func() { <-sem }()
-					// A SYN that finds no port is dropped and sent again a second later: give it
-					// three tries.
-					for try := 0; try < 3; try++ {
-						c, err := DialLine(ctx, env.Pod, netip.AddrPort{}, public4)
-						if err == nil {
-							if _, err = c.Exchange("hello"); err == nil {
-								conns[i] = c
-								return
-							}
-							c.Close()
+	eachBackend(t, backends(), []string{"--to-ports=50000-51023"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		env.StartReadyNoFile(ctx, t, b)
+		StartLineEcho(t, env.Ext, []netip.Addr{public4})
+		env.CutReturnRoutes(ctx, t)
+		refused := b.Refusals(ctx, t, env)
+		conns := make([]*Conn, flows)
+		errs := make([]error, flows)
+		var wg sync.WaitGroup
+		sem := make(chan struct{}, 64)
+		for i := range flows {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				sem <- struct{}{}
+				defer func() { <-sem }()
+				// A SYN that finds no port is dropped and sent again a second later: give it
+				// three tries.
+				for try := 0; try < 3; try++ {
+					c, err := DialLine(ctx, env.Pod, netip.AddrPort{}, public4)
+					if err == nil {
+						if _, err = c.Exchange("hello"); err == nil {
+							conns[i] = c
+							return
 						}
-						errs[i] = err
+						c.Close()
 					}
-				}()
-			}
-			wg.Wait()
-			connected := 0
-			ports := map[uint16]bool{}
-			for i, c := range conns {
-				if c == nil {
-					t.Errorf("connection %d: %v", i, errs[i])
-					continue
+					errs[i] = err
 				}
-				defer c.Close()
-				connected++
-				src, err := c.Exchange("again")
-				if err != nil || src.Port() < 50000 || src.Port() > 51023 || ports[src.Port()] {
-					t.Errorf("connection %d seen from %s (%v): want a port of its own in the range", i, src, err)
-				}
-				ports[src.Port()] = true
+			}()
+		}
+		wg.Wait()
+		connected := 0
+		ports := map[uint16]bool{}
+		for i, c := range conns {
+			if c == nil {
+				t.Errorf("connection %d: %v", i, errs[i])
+				continue
 			}
-			n := b.Refusals(ctx, t, env) - refused
-			t.Logf("%d of %d concurrent connections toward one endpoint connected; %v SYNs found no port", connected, flows, n)
-			if n > flows/100 {
-				t.Errorf("%v of %d connections found no port at first, want at most 1%%", n, flows)
+			defer c.Close()
+			connected++
+			src, err := c.Exchange("again")
+			if err != nil || src.Port() < 50000 || src.Port() > 51023 || ports[src.Port()] {
+				t.Errorf("connection %d seen from %s (%v): want a port of its own in the range", i, src, err)
 			}
-		})
-	}
+			ports[src.Port()] = true
+		}
+		n := b.Refusals(ctx, t, env) - refused
+		t.Logf("%d of %d concurrent connections toward one endpoint connected; %v SYNs found no port", connected, flows, n)
+		if n > flows/100 {
+			t.Errorf("%v of %d connections found no port at first, want at most 1%%", n, flows)
+		}
+	})
 }
 
 // TestEvictionOrder (BPF: --nat-max-entries is its table's size; conntrack's is the host's
 // sysctl, which tests leave alone): with the smallest tables, a flood of 20,000 unreplied flows
 // evicts none of the established ones, and none is left evictable.
 func TestEvictionOrder(t *testing.T) {
-	for _, b := range []Backend{BPFBackend(tc.ModeTCX), BPFBackend(tc.ModeTC)} {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, nil)
-			env.AgentFlags = append(env.AgentFlags, "--nat-max-entries=1024")
-			env.SetGood("", true)
-			ag := env.StartAgent(ctx, t, b)
-			if err := ag.WaitReady(ctx); err != nil {
-				t.Fatal(err)
-			}
-			StartLineEcho(t, env.Ext, []netip.Addr{public4})
-			env.CutReturnRoutes(ctx, t)
-			var held []*heldFlow
-			for range 50 { // 100 flows, 200 of the 1,024 confirmed entries
-				held = append(held, holdFlows(ctx, t, env, public4))
-			}
-			// One datagram each to ports where nothing listens: flows that are never answered, 40
-			// times as many as the unreplied table holds.
-			newMasq := func() float64 {
-				m, err := ag.Scrape(ctx)
-				if err != nil {
-					t.Fatal(err)
-				}
-				v, _ := m.Value("ip_masq_agent_datapath_events_total", Labels{"event": "new_masq"})
-				return v
-			}
-			before := newMasq()
-			if err := UDPFlows(ctx, env.Pod, LoadTarget, 2, 20_000); err != nil {
-				t.Fatal(err)
-			}
-			if n := newMasq() - before; n < 19_000 {
-				t.Fatalf("the flood opened %v flows, want nearly 20,000", n)
-			}
-			for i, h := range held {
-				h.check(t, "after the flood, held flow "+strconv.Itoa(i))
-			}
+	eachBackend(t, bpfBackends(), nil, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		env.AgentFlags = append(env.AgentFlags, "--nat-max-entries=1024")
+		ag := env.StartReadyNoFile(ctx, t, b)
+		StartLineEcho(t, env.Ext, []netip.Addr{public4})
+		env.CutReturnRoutes(ctx, t)
+		var held []*heldFlow
+		for range 50 { // 100 flows, 200 of the 1,024 confirmed entries
+			held = append(held, holdFlows(ctx, t, env, public4))
+		}
+		// One datagram each to ports where nothing listens: flows that are never answered, 40
+		// times as many as the unreplied table holds.
+		newMasq := func() float64 {
 			m, err := ag.Scrape(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if v, _ := m.Value("ip_masq_agent_nat_established_evictions_total", Labels{}); v != 0 {
-				t.Errorf("%v established flows left evictable", v)
-			}
-			t.Logf("after the flood: %v", m.Series("ip_masq_agent_nat_entries", Labels{"family": "ipv4"}))
-		})
-	}
+			v, _ := m.Value("ip_masq_agent_datapath_events_total", Labels{"event": "new_masq"})
+			return v
+		}
+		before := newMasq()
+		if err := UDPFlows(ctx, env.Pod, LoadTarget, 2, 20_000); err != nil {
+			t.Fatal(err)
+		}
+		if n := newMasq() - before; n < 19_000 {
+			t.Fatalf("the flood opened %v flows, want nearly 20,000", n)
+		}
+		for i, h := range held {
+			h.check(t, "after the flood, held flow "+strconv.Itoa(i))
+		}
+		m, err := ag.Scrape(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v, _ := m.Value("ip_masq_agent_nat_established_evictions_total", Labels{}); v != 0 {
+			t.Errorf("%v established flows left evictable", v)
+		}
+		t.Logf("after the flood: %v", m.Series("ip_masq_agent_nat_entries", Labels{"family": "ipv4"}))
+	})
 }

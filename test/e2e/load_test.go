@@ -30,10 +30,7 @@ func TestNATLoad(t *testing.T) {
 	env := NewEnv(ctx, t, agentBin, nil)
 	b.Prepare(ctx, t, env)
 	env.AgentFlags = append(env.AgentFlags, "--nat-sweep-interval="+sweepInterval.String(), "--nat-timeouts=udp="+udpTimeout.String())
-	env.SetGood("", true)
-	if err := env.StartAgent(ctx, t, b).WaitReady(ctx); err != nil {
-		t.Fatal(err)
-	}
+	env.StartReadyNoFile(ctx, t, b)
 	l := MeasureNATLoad(ctx, t, env, loadFlows, 1, udpTimeout)
 	t.Log(l)
 	if l.FirstExpired < udpTimeout {

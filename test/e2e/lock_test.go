@@ -64,120 +64,106 @@ func assertWaiting(ctx context.Context, t *testing.T, a *Agent, holder *Agent) {
 // round is masqueraded (the external host has no route back to the pod). An agent stopped
 // while it waits exits at once.
 func TestTwoAgents(t *testing.T) {
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, nil)
-			env.SetGood("", true)
-			StartLineEcho(t, env.Ext, []netip.Addr{public4})
+	eachBackend(t, backends(), nil, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		env.SetGood("", true)
+		StartLineEcho(t, env.Ext, []netip.Addr{public4})
 
-			// Both at once (same flags, same metrics address): one binds the lock first.
-			a1, a2 := env.StartAgent(ctx, t, b), env.StartAgent(ctx, t, b)
-			var holder, waiter *Agent
-			for holder == nil {
-				switch lockHolder(t, env).Pid {
-				case a1.Pid():
-					holder, waiter = a1, a2
-				case a2.Pid():
-					holder, waiter = a2, a1
-				default:
-					time.Sleep(5 * time.Millisecond)
-				}
-				if ctx.Err() != nil {
-					t.Fatal("neither agent took the node lock")
-				}
+		// Both at once (same flags, same metrics address): one binds the lock first.
+		a1, a2 := env.StartAgent(ctx, t, b), env.StartAgent(ctx, t, b)
+		var holder, waiter *Agent
+		for holder == nil {
+			switch lockHolder(t, env).Pid {
+			case a1.Pid():
+				holder, waiter = a1, a2
+			case a2.Pid():
+				holder, waiter = a2, a1
+			default:
+				time.Sleep(5 * time.Millisecond)
 			}
-			if err := holder.WaitReady(ctx); err != nil {
-				t.Fatal(err)
+			if ctx.Err() != nil {
+				t.Fatal("neither agent took the node lock")
 			}
-			assertWaiting(ctx, t, waiter, holder)
-			b.Verify(ctx, t, env)
+		}
+		if err := holder.WaitReady(ctx); err != nil {
+			t.Fatal(err)
+		}
+		assertWaiting(ctx, t, waiter, holder)
+		b.Verify(ctx, t, env)
 
-			env.CutReturnRoutes(ctx, t)
-			conns, seen := heldFlows(ctx, t, env, public4)
-			w := watchFlows(ctx, env, conns, seen)
-			time.Sleep(300 * time.Millisecond)
-			assertWaiting(ctx, t, waiter, holder)
+		env.CutReturnRoutes(ctx, t)
+		conns, seen := heldFlows(ctx, t, env, public4)
+		w := watchFlows(ctx, env, conns, seen)
+		time.Sleep(300 * time.Millisecond)
+		assertWaiting(ctx, t, waiter, holder)
 
-			// The holder stops as in a rollout; the waiting agent takes over.
-			if err := holder.Stop(ctx); err != nil {
-				t.Fatalf("holder exit after SIGTERM: %v", err)
-			}
-			took := waitHolder(ctx, t, env, waiter)
-			t.Logf("after SIGTERM: the waiting agent held the lock %v after the holder's exit", took)
-			if took > takeoverLimit {
-				t.Errorf("the takeover after SIGTERM took %v, more than %v", took, takeoverLimit)
-			}
-			if err := waiter.WaitReady(ctx); err != nil {
-				t.Fatal(err)
-			}
+		// The holder stops as in a rollout; the waiting agent takes over.
+		if err := holder.Stop(ctx); err != nil {
+			t.Fatalf("holder exit after SIGTERM: %v", err)
+		}
+		took := waitHolder(ctx, t, env, waiter)
+		t.Logf("after SIGTERM: the waiting agent held the lock %v after the holder's exit", took)
+		if took > takeoverLimit {
+			t.Errorf("the takeover after SIGTERM took %v, more than %v", took, takeoverLimit)
+		}
+		if err := waiter.WaitReady(ctx); err != nil {
+			t.Fatal(err)
+		}
 
-			// A third waits behind the new holder, which is killed: the kernel frees the lock.
-			third := env.StartAgent(ctx, t, b)
-			assertWaiting(ctx, t, third, waiter)
-			// A fourth, stopped while it waits, exits at once and changes nothing.
-			fourth := env.StartAgent(ctx, t, b)
-			assertWaiting(ctx, t, fourth, waiter)
-			if err := fourth.Stop(ctx); err != nil {
-				t.Errorf("an agent stopped while waiting: %v", err)
-			}
-			time.Sleep(200 * time.Millisecond)
-			if err := waiter.Kill(ctx); err != nil {
-				t.Fatal(err)
-			}
-			took = waitHolder(ctx, t, env, third)
-			t.Logf("after SIGKILL: the waiting agent held the lock %v after the holder's death", took)
-			if took > takeoverLimit {
-				t.Errorf("the takeover after SIGKILL took %v, more than %v", took, takeoverLimit)
-			}
-			if err := third.WaitReady(ctx); err != nil {
-				t.Fatal(err)
-			}
-			time.Sleep(300 * time.Millisecond)
-			w.stop(t, 20)
-			b.Verify(ctx, t, env)
-		})
-	}
+		// A third waits behind the new holder, which is killed: the kernel frees the lock.
+		third := env.StartAgent(ctx, t, b)
+		assertWaiting(ctx, t, third, waiter)
+		// A fourth, stopped while it waits, exits at once and changes nothing.
+		fourth := env.StartAgent(ctx, t, b)
+		assertWaiting(ctx, t, fourth, waiter)
+		if err := fourth.Stop(ctx); err != nil {
+			t.Errorf("an agent stopped while waiting: %v", err)
+		}
+		time.Sleep(200 * time.Millisecond)
+		if err := waiter.Kill(ctx); err != nil {
+			t.Fatal(err)
+		}
+		took = waitHolder(ctx, t, env, third)
+		t.Logf("after SIGKILL: the waiting agent held the lock %v after the holder's death", took)
+		if took > takeoverLimit {
+			t.Errorf("the takeover after SIGKILL took %v, more than %v", took, takeoverLimit)
+		}
+		if err := third.WaitReady(ctx); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(300 * time.Millisecond)
+		w.stop(t, 20)
+		b.Verify(ctx, t, env)
+	})
 }
 
 // TestCleanupBesideAgent: `cleanup` refuses to run while an agent holds the node lock, naming
 // the agent and leaving its datapath alone; with --force it removes everything anyway.
 func TestCleanupBesideAgent(t *testing.T) {
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			// No drift checks: the agent must not put back what the forced cleanup removes
-			// before the test has looked.
-			env := NewBackendEnv(ctx, t, b, nil)
-			env.AgentFlags = append(env.AgentFlags, "--drift-check-interval=0")
-			ag := env.StartReady(ctx, t, b, "")
+	eachBackend(t, backends(), nil, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		// No drift checks: the agent must not put back what the forced cleanup removes
+		// before the test has looked.
+		env.AgentFlags = append(env.AgentFlags, "--drift-check-interval=0")
+		ag := env.StartReady(ctx, t, b, "")
 
-			out, err := NSExec(ctx, env.Node, "", env.Bin, env.DatapathArgs("cleanup", b)...)
-			want := fmt.Sprintf("cleanup refused: the node lock is held by ip-masq-agent agent (pid %d,", ag.Pid())
-			if err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "pass --force") {
-				t.Fatalf("cleanup beside the agent: %v (%s), want it refused with %q", err, out, want)
-			}
-			b.Verify(ctx, t, env)
-			env.Check(ctx, t, expect(Masq, "8.8.8.8"), nil)
+		out, err := NSExec(ctx, env.Node, "", env.Bin, env.DatapathArgs("cleanup", b)...)
+		want := fmt.Sprintf("cleanup refused: the node lock is held by ip-masq-agent agent (pid %d,", ag.Pid())
+		if err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "pass --force") {
+			t.Fatalf("cleanup beside the agent: %v (%s), want it refused with %q", err, out, want)
+		}
+		b.Verify(ctx, t, env)
+		env.Check(ctx, t, expect(Masq, "8.8.8.8"), nil)
 
-			args := append([]string{"netns", "exec", env.Node, env.Bin}, append(env.DatapathArgs("cleanup", b), "--force")...)
-			out, err = exec.CommandContext(ctx, "ip", args...).CombinedOutput()
-			if err != nil {
-				t.Fatalf("cleanup --force: %v\n%s", err, out)
-			}
-			if !strings.Contains(string(out), "cleaning up under a running agent (--force)") {
-				t.Errorf("cleanup --force did not warn that an agent runs:\n%s", out)
-			}
-			b.Gone(ctx, t, env)
-			if exited, err := ag.Exited(); exited {
-				t.Errorf("the agent exited (%v)", err)
-			}
-		})
-	}
+		args := append([]string{"netns", "exec", env.Node, env.Bin}, append(env.DatapathArgs("cleanup", b), "--force")...)
+		out, err = exec.CommandContext(ctx, "ip", args...).CombinedOutput()
+		if err != nil {
+			t.Fatalf("cleanup --force: %v\n%s", err, out)
+		}
+		if !strings.Contains(string(out), "cleaning up under a running agent (--force)") {
+			t.Errorf("cleanup --force did not warn that an agent runs:\n%s", out)
+		}
+		b.Gone(ctx, t, env)
+		if exited, err := ag.Exited(); exited {
+			t.Errorf("the agent exited (%v)", err)
+		}
+	})
 }

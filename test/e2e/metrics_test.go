@@ -185,154 +185,147 @@ func dumpRules(ctx context.Context, t *testing.T, env *Env, b Backend) map[RuleK
 // counters; so does an agent restart; `dump`, run as a second process while the agent runs
 // and after it stopped, shows the same counters; and the agent's own metrics follow reloads.
 func TestMetrics(t *testing.T) {
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, []string{"--enable-ipv6"})
-			ag := env.StartReady(ctx, t, b, metricsConfigA)
+	eachBackend(t, backends(), []string{"--enable-ipv6"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		ag := env.StartReady(ctx, t, b, metricsConfigA)
 
-			// What runs, and the configuration in force.
-			m, err := ag.Scrape(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if v, ok := m.Value("ip_masq_agent_datapath_info", Labels{"backend": b.Info.Backend, "attach_mode": b.Info.AttachMode}); !ok || v != 1 {
-				t.Errorf("datapath_info: %v", m.Series("ip_masq_agent_datapath_info", nil))
-			}
-			if v, ok := m.Value("ip_masq_agent_config_info", Labels{"sha256": configHash(t, metricsConfigA)}); !ok || v != 1 {
-				t.Errorf("config_info %v, want the hash of configuration A", m.Series("ip_masq_agent_config_info", nil))
-			}
-			if len(m.Series("ip_masq_agent_build_info", nil)) != 1 {
-				t.Errorf("build_info %v", m.Series("ip_masq_agent_build_info", nil))
-			}
-			if hasNAT := m["ip_masq_agent_nat_entries"] != nil || m["ip_masq_agent_nat_port_allocation_retries_total"] != nil; hasNAT != b.NAT {
-				t.Errorf("NAT metrics exported: %v, want %v", hasNAT, b.NAT)
-			}
-			if h := m["ip_masq_agent_datapath_sync_duration_seconds"].GetMetric(); len(h) != 1 || h[0].GetHistogram().GetSampleCount() < 1 {
-				t.Errorf("sync duration histogram %v", h)
-			}
+		// What runs, and the configuration in force.
+		m, err := ag.Scrape(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v, ok := m.Value("ip_masq_agent_datapath_info", Labels{"backend": b.Info.Backend, "attach_mode": b.Info.AttachMode}); !ok || v != 1 {
+			t.Errorf("datapath_info: %v", m.Series("ip_masq_agent_datapath_info", nil))
+		}
+		if v, ok := m.Value("ip_masq_agent_config_info", Labels{"sha256": configHash(t, metricsConfigA)}); !ok || v != 1 {
+			t.Errorf("config_info %v, want the hash of configuration A", m.Series("ip_masq_agent_config_info", nil))
+		}
+		if len(m.Series("ip_masq_agent_build_info", nil)) != 1 {
+			t.Errorf("build_info %v", m.Series("ip_masq_agent_build_info", nil))
+		}
+		if hasNAT := m["ip_masq_agent_nat_entries"] != nil || m["ip_masq_agent_nat_port_allocation_retries_total"] != nil; hasNAT != b.NAT {
+			t.Errorf("NAT metrics exported: %v, want %v", hasNAT, b.NAT)
+		}
+		if h := m["ip_masq_agent_datapath_sync_duration_seconds"].GetMetric(); len(h) != 1 || h[0].GetHistogram().GetSampleCount() < 1 {
+			t.Errorf("sync duration histogram %v", h)
+		}
 
-			// Neighbours resolved before counting, so no datagram is lost to them.
-			for _, dst := range []string{"8.8.8.8", "2001:db8::1"} {
-				if _, err := env.Datagram(ctx, netip.MustParseAddr(dst), payload); err != nil {
-					t.Fatal(err)
-				}
-			}
-			hits := map[string]RuleKey{
-				"10.10.10.10": ruleMasqVIP, "10.1.2.3": rule10, "172.16.5.5": rule172, "8.8.8.8": ruleOut4,
-				"fd00::1": ruleFC00, "2001:db8::1": ruleOut6, "2001:4860:4860::8888": ruleOut6,
-			}
-			m0, err := ag.Scrape(ctx)
-			if err != nil {
+		// Neighbours resolved before counting, so no datagram is lost to them.
+		for _, dst := range []string{"8.8.8.8", "2001:db8::1"} {
+			if _, err := env.Datagram(ctx, netip.MustParseAddr(dst), payload); err != nil {
 				t.Fatal(err)
 			}
-			before := m0.Rules()
-			for _, k := range []RuleKey{ruleMasqVIP, ruleLinkLocal4, rule10, rule172, ruleOut4, ruleLinkLocal6, ruleFC00, ruleOut6} {
-				if _, ok := before[k]; !ok {
-					t.Errorf("no series for %s: %v", k, slices.Collect(maps.Keys(before)))
-				}
+		}
+		hits := map[string]RuleKey{
+			"10.10.10.10": ruleMasqVIP, "10.1.2.3": rule10, "172.16.5.5": rule172, "8.8.8.8": ruleOut4,
+			"fd00::1": ruleFC00, "2001:db8::1": ruleOut6, "2001:4860:4860::8888": ruleOut6,
+		}
+		m0, err := ag.Scrape(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		before := m0.Rules()
+		for _, k := range []RuleKey{ruleMasqVIP, ruleLinkLocal4, rule10, rule172, ruleOut4, ruleLinkLocal6, ruleFC00, ruleOut6} {
+			if _, ok := before[k]; !ok {
+				t.Errorf("no series for %s: %v", k, slices.Collect(maps.Keys(before)))
 			}
-			want := send(ctx, t, env, sends{"10.10.10.10": 3, "10.1.2.3": 2, "172.16.5.5": 1, "8.8.8.8": 4,
-				"fd00::1": 2, "2001:db8::1": 1, "2001:4860:4860::8888": 2}, hits)
-			m1, err := ag.Scrape(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			counted := m1.Rules()
-			checkGrowth(t, before, counted, want)
+		}
+		want := send(ctx, t, env, sends{"10.10.10.10": 3, "10.1.2.3": 2, "172.16.5.5": 1, "8.8.8.8": 4,
+			"fd00::1": 2, "2001:db8::1": 1, "2001:4860:4860::8888": 2}, hits)
+		m1, err := ag.Scrape(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		counted := m1.Rules()
+		checkGrowth(t, before, counted, want)
 
-			// dump, a second process, reads the same counters from the kernel.
-			dumped := dumpRules(ctx, t, env, b)
-			if len(dumped) != len(counted) {
-				t.Errorf("dump shows %d rules, /metrics %d", len(dumped), len(counted))
+		// dump, a second process, reads the same counters from the kernel.
+		dumped := dumpRules(ctx, t, env, b)
+		if len(dumped) != len(counted) {
+			t.Errorf("dump shows %d rules, /metrics %d", len(dumped), len(counted))
+		}
+		for k, d := range dumped {
+			if c, ok := counted[k]; !ok || (c != d && k != ruleLinkLocal6) {
+				t.Errorf("dump shows %s %v, /metrics %v", k, d, c)
 			}
-			for k, d := range dumped {
-				if c, ok := counted[k]; !ok || (c != d && k != ruleLinkLocal6) {
-					t.Errorf("dump shows %s %v, /metrics %v", k, d, c)
-				}
-			}
+		}
 
-			// A bad file is counted and changes nothing.
-			if err := env.Config.Write("masqueradeCIDRs: [10.10.10.10/24]\n"); err != nil {
-				t.Fatal(err)
-			}
-			scrapeUntil(ctx, t, ag, "the bad file counted", func(m Metrics) bool {
-				v, _ := m.Value("ip_masq_agent_config_reloads_total", Labels{"result": "invalid"})
-				return v == 1
-			})
-
-			// The reload: 10.0.0.0/8 stays (one place down), 10.10.10.10/32 becomes /24.
-			if err := env.Config.Write(metricsConfigB); err != nil {
-				t.Fatal(err)
-			}
-			env.SetGood(metricsConfigB, false)
-			m2 := scrapeUntil(ctx, t, ag, "configuration B in force", func(m Metrics) bool {
-				_, ok := m.Value("ip_masq_agent_config_info", Labels{"sha256": configHash(t, metricsConfigB)})
-				return ok
-			})
-			b.Verify(ctx, t, env)
-			reloaded := m2.Rules()
-			for _, k := range []RuleKey{ruleLinkLocal4, rule10, rule172, ruleOut4, ruleFC00, ruleOut6} {
-				if reloaded[k] != counted[k] {
-					t.Errorf("%s kept through the reload: %v, before it %v", k, reloaded[k], counted[k])
-				}
-			}
-			if c, ok := reloaded[ruleMasqVIP]; ok {
-				t.Errorf("the changed rule %s is still exported: %v", ruleMasqVIP, c)
-			}
-			for _, k := range []RuleKey{ruleMasqVIPNet, ruleMasq192} {
-				if c, ok := reloaded[k]; !ok || c != (RuleCount{}) {
-					t.Errorf("new rule %s: %v (exported %v), want zero", k, c, ok)
-				}
-			}
-			if v, _ := m2.Value("ip_masq_agent_config_reloads_total", Labels{"result": "success"}); v < 2 {
-				t.Errorf("successful reloads %v, want at least 2", v)
-			}
-			if v, _ := m2.Value("ip_masq_agent_config_last_reload_success_timestamp_seconds", Labels{}); v < float64(time.Now().Add(-time.Minute).Unix()) {
-				t.Errorf("last reload timestamp %v", v)
-			}
-
-			// Traffic after the reload counts on top.
-			hits["10.10.10.10"] = ruleMasqVIPNet
-			hits["192.168.1.1"] = ruleMasq192
-			want = send(ctx, t, env, sends{"10.10.10.10": 2, "10.1.2.3": 1, "192.168.1.1": 1}, hits)
-			m3, err := ag.Scrape(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			counted = m3.Rules()
-			checkGrowth(t, reloaded, counted, want)
-
-			// The agent stops: dump still reads the counters. A new agent keeps them.
-			if err := ag.Stop(ctx); err != nil {
-				t.Fatalf("agent exit after SIGTERM: %v", err)
-			}
-			dumped = dumpRules(ctx, t, env, b)
-			if len(dumped) != len(counted) {
-				t.Errorf("dump after the agent stopped shows %d rules, the last scrape %d", len(dumped), len(counted))
-			}
-			for k, d := range dumped {
-				if c, ok := counted[k]; !ok || (c != d && k != ruleLinkLocal6) {
-					t.Errorf("dump after the agent stopped shows %s %v, the last scrape %v", k, d, c)
-				}
-			}
-			ag = env.StartAgent(ctx, t, b)
-			if err := ag.WaitReady(ctx); err != nil {
-				t.Fatal(err)
-			}
-			m4, err := ag.Scrape(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			checkGrowth(t, counted, m4.Rules(), nil)
-			if v, _ := m4.Value("ip_masq_agent_scrape_errors_total", Labels{"source": "rules"}); v != 0 {
-				t.Errorf("scrape errors: %v", v)
-			}
-			b.Verify(ctx, t, env)
-			t.Logf("rules after the restart: %v", fmt.Sprint(m4.Rules()))
+		// A bad file is counted and changes nothing.
+		if err := env.Config.Write("masqueradeCIDRs: [10.10.10.10/24]\n"); err != nil {
+			t.Fatal(err)
+		}
+		scrapeUntil(ctx, t, ag, "the bad file counted", func(m Metrics) bool {
+			v, _ := m.Value("ip_masq_agent_config_reloads_total", Labels{"result": "invalid"})
+			return v == 1
 		})
-	}
+
+		// The reload: 10.0.0.0/8 stays (one place down), 10.10.10.10/32 becomes /24.
+		if err := env.Config.Write(metricsConfigB); err != nil {
+			t.Fatal(err)
+		}
+		env.SetGood(metricsConfigB, false)
+		m2 := scrapeUntil(ctx, t, ag, "configuration B in force", func(m Metrics) bool {
+			_, ok := m.Value("ip_masq_agent_config_info", Labels{"sha256": configHash(t, metricsConfigB)})
+			return ok
+		})
+		b.Verify(ctx, t, env)
+		reloaded := m2.Rules()
+		for _, k := range []RuleKey{ruleLinkLocal4, rule10, rule172, ruleOut4, ruleFC00, ruleOut6} {
+			if reloaded[k] != counted[k] {
+				t.Errorf("%s kept through the reload: %v, before it %v", k, reloaded[k], counted[k])
+			}
+		}
+		if c, ok := reloaded[ruleMasqVIP]; ok {
+			t.Errorf("the changed rule %s is still exported: %v", ruleMasqVIP, c)
+		}
+		for _, k := range []RuleKey{ruleMasqVIPNet, ruleMasq192} {
+			if c, ok := reloaded[k]; !ok || c != (RuleCount{}) {
+				t.Errorf("new rule %s: %v (exported %v), want zero", k, c, ok)
+			}
+		}
+		if v, _ := m2.Value("ip_masq_agent_config_reloads_total", Labels{"result": "success"}); v < 2 {
+			t.Errorf("successful reloads %v, want at least 2", v)
+		}
+		if v, _ := m2.Value("ip_masq_agent_config_last_reload_success_timestamp_seconds", Labels{}); v < float64(time.Now().Add(-time.Minute).Unix()) {
+			t.Errorf("last reload timestamp %v", v)
+		}
+
+		// Traffic after the reload counts on top.
+		hits["10.10.10.10"] = ruleMasqVIPNet
+		hits["192.168.1.1"] = ruleMasq192
+		want = send(ctx, t, env, sends{"10.10.10.10": 2, "10.1.2.3": 1, "192.168.1.1": 1}, hits)
+		m3, err := ag.Scrape(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		counted = m3.Rules()
+		checkGrowth(t, reloaded, counted, want)
+
+		// The agent stops: dump still reads the counters. A new agent keeps them.
+		if err := ag.Stop(ctx); err != nil {
+			t.Fatalf("agent exit after SIGTERM: %v", err)
+		}
+		dumped = dumpRules(ctx, t, env, b)
+		if len(dumped) != len(counted) {
+			t.Errorf("dump after the agent stopped shows %d rules, the last scrape %d", len(dumped), len(counted))
+		}
+		for k, d := range dumped {
+			if c, ok := counted[k]; !ok || (c != d && k != ruleLinkLocal6) {
+				t.Errorf("dump after the agent stopped shows %s %v, the last scrape %v", k, d, c)
+			}
+		}
+		ag = env.StartAgent(ctx, t, b)
+		if err := ag.WaitReady(ctx); err != nil {
+			t.Fatal(err)
+		}
+		m4, err := ag.Scrape(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkGrowth(t, counted, m4.Rules(), nil)
+		if v, _ := m4.Value("ip_masq_agent_scrape_errors_total", Labels{"source": "rules"}); v != 0 {
+			t.Errorf("scrape errors: %v", v)
+		}
+		b.Verify(ctx, t, env)
+		t.Logf("rules after the restart: %v", fmt.Sprint(m4.Rules()))
+	})
 }

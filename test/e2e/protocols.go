@@ -208,58 +208,38 @@ func (tp *Topology) RawProbeFrom(ctx context.Context, ns string, from netip.Addr
 		if proto == ProtoSCTP {
 			msg = sctpPacket(port, 38412, 0, sctpInit(tag, "probe"))
 		}
-		deadline, _ := ctx.Deadline()
-		buf := make([]byte, 2048)
-		// Ask again now and then: the first probe may be lost while neighbours resolve.
-		for time.Now().Before(deadline) {
-			if _, err := c.WriteTo(msg, &net.IPAddr{IP: dst.AsSlice()}); err != nil {
-				return err
+		return ask(ctx, c, msg, dst, func(in []byte) (bool, error) {
+			text := string(in)
+			if proto == ProtoGRE {
+				text = strings.TrimPrefix(text, "\x00\x00\x08\x00")
 			}
-			if err := c.SetReadDeadline(soon(deadline)); err != nil {
-				return err
+			if proto == ProtoSCTP {
+				typ, t, ok := sctpText(in)
+				if !ok || typ != 2 || binary.BigEndian.Uint16(in[2:]) != port || binary.BigEndian.Uint32(in[4:]) != tag {
+					return false, nil // not the INIT ACK for us (an ABORT from a kernel with SCTP)
+				}
+				if !sctpValid(in) {
+					return false, errors.New("the INIT ACK reached the pod with a bad CRC32c")
+				}
+				text = t
 			}
-			for {
-				n, _, err := c.ReadFrom(buf)
-				var ne net.Error
-				if errors.As(err, &ne) && ne.Timeout() {
-					break
+			s, ok := strings.CutPrefix(text, "from ")
+			if !ok {
+				if text == "bad crc" {
+					return false, errors.New("the external host got the INIT with a bad CRC32c")
 				}
-				if err != nil {
-					return err
-				}
-				text := string(buf[:n])
-				if proto == ProtoGRE {
-					text = strings.TrimPrefix(text, "\x00\x00\x08\x00")
-				}
-				if proto == ProtoSCTP {
-					typ, t, ok := sctpText(buf[:n])
-					in := buf[:n]
-					if !ok || typ != 2 || binary.BigEndian.Uint16(in[2:]) != port || binary.BigEndian.Uint32(in[4:]) != tag {
-						continue // not the INIT ACK for us (an ABORT from a kernel with SCTP)
-					}
-					if !sctpValid(in) {
-						return errors.New("the INIT ACK reached the pod with a bad CRC32c")
-					}
-					text = t
-				}
-				s, ok := strings.CutPrefix(text, "from ")
-				if !ok {
-					if text == "bad crc" {
-						return errors.New("the external host got the INIT with a bad CRC32c")
-					}
-					continue
-				}
-				if proto == ProtoSCTP {
-					got, err = netip.ParseAddrPort(s)
-				} else {
-					var a netip.Addr
-					a, err = netip.ParseAddr(s)
-					got = netip.AddrPortFrom(a, 0)
-				}
-				return err
+				return false, nil
 			}
-		}
-		return fmt.Errorf("no answer")
+			var err error
+			if proto == ProtoSCTP {
+				got, err = netip.ParseAddrPort(s)
+			} else {
+				var a netip.Addr
+				a, err = netip.ParseAddr(s)
+				got = netip.AddrPortFrom(a, 0)
+			}
+			return true, err
+		})
 	})
 	if err != nil {
 		return netip.AddrPort{}, fmt.Errorf("protocol %d probe %s -> %s: %w", proto, from, dst, err)
@@ -320,30 +300,10 @@ func (tp *Topology) ICMPTimestamp(ctx context.Context, dst netip.Addr) (netip.Ad
 			s = s&0xffff + s>>16
 		}
 		binary.BigEndian.PutUint16(req[2:], ^uint16(s))
-		deadline, _ := ctx.Deadline()
-		buf := make([]byte, 1500)
-		for time.Now().Before(deadline) {
-			if _, err := c.WriteTo(req, &net.IPAddr{IP: dst.AsSlice()}); err != nil {
-				return err
-			}
-			if err := c.SetReadDeadline(soon(deadline)); err != nil {
-				return err
-			}
-			for {
-				n, _, err := c.ReadFrom(buf)
-				var ne net.Error
-				if errors.As(err, &ne) && ne.Timeout() {
-					break
-				}
-				if err != nil {
-					return err
-				}
-				if n >= 20 && buf[0] == 14 && binary.BigEndian.Uint16(buf[4:]) == id {
-					return nil // the reply, with the pod's identifier
-				}
-			}
-		}
-		return errors.New("no timestamp reply")
+		return ask(ctx, c, req, dst, func(in []byte) (bool, error) {
+			// The reply, with the pod's identifier.
+			return len(in) >= 20 && in[0] == 14 && binary.BigEndian.Uint16(in[4:]) == id, nil
+		})
 	})
 	if err != nil {
 		return netip.Addr{}, fmt.Errorf("ICMP timestamp %s -> %s: %w", PodAddr4, dst, err)
@@ -417,6 +377,36 @@ func (tp *Topology) UDPWithDestOpts(ctx context.Context, dst netip.Addr) (netip.
 		return netip.AddrPort{}, fmt.Errorf("reply %q: %w", reply, err)
 	}
 	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), nil
+}
+
+// ask sends msg to dst over c and hands each packet c reads to answer until answer says it was
+// the answer or fails; with no answer it asks again every try (see soon), since the first may
+// be lost while neighbours resolve, until ctx's deadline.
+func ask(ctx context.Context, c net.PacketConn, msg []byte, dst netip.Addr, answer func([]byte) (bool, error)) error {
+	deadline, _ := ctx.Deadline()
+	buf := make([]byte, 2048)
+	for time.Now().Before(deadline) {
+		if _, err := c.WriteTo(msg, &net.IPAddr{IP: dst.AsSlice()}); err != nil {
+			return err
+		}
+		if err := c.SetReadDeadline(soon(deadline)); err != nil {
+			return err
+		}
+		for {
+			n, _, err := c.ReadFrom(buf)
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				break
+			}
+			if err != nil {
+				return err
+			}
+			if done, err := answer(buf[:n]); done || err != nil {
+				return err
+			}
+		}
+	}
+	return errors.New("no answer")
 }
 
 // soon is a read deadline for one try of a probe: 300 ms from now, or deadline if sooner.

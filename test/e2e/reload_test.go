@@ -42,67 +42,60 @@ func TestReloadUnderTraffic(t *testing.T) {
 		cidrs   = 1000
 	)
 	configs := reloadConfigs(cidrs)
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, nil)
-			ag := env.StartReady(ctx, t, b, configs[0])
+	eachBackend(t, backends(), nil, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		ag := env.StartReady(ctx, t, b, configs[0])
 
-			masq, keep := netip.MustParseAddr("8.8.8.8"), netip.MustParseAddr("10.1.2.3")
-			stop := make(chan struct{})
-			var wg sync.WaitGroup
-			var mu sync.Mutex
-			var failures []string
-			probes := 0
-			for _, w := range []struct {
-				dst  netip.Addr
-				want Want
-			}{{masq, Masq}, {keep, Keep}} {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					for {
-						select {
-						case <-stop:
-							return
-						default:
-						}
-						got, src, err := env.Observe(ctx, "tcp", w.dst)
-						mu.Lock()
-						probes++
-						if err != nil || got != w.want {
-							failures = append(failures, fmt.Sprintf("%s: %s: seen from %s (%s), want %s, %v",
-								time.Now().Format("15:04:05.000"), w.dst, src, got, w.want, err))
-						}
-						mu.Unlock()
+		masq, keep := netip.MustParseAddr("8.8.8.8"), netip.MustParseAddr("10.1.2.3")
+		stop := make(chan struct{})
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		var failures []string
+		probes := 0
+		for _, w := range []struct {
+			dst  netip.Addr
+			want Want
+		}{{masq, Masq}, {keep, Keep}} {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for {
+					select {
+					case <-stop:
+						return
+					default:
 					}
-				}()
-			}
-			for i := range reloads {
-				applied := ag.Count("policy applied")
-				cfg := configs[(i+1)%2]
-				if err := env.Config.Write(cfg); err != nil {
-					t.Fatal(err)
+					got, src, err := env.Observe(ctx, "tcp", w.dst)
+					mu.Lock()
+					probes++
+					if err != nil || got != w.want {
+						failures = append(failures, fmt.Sprintf("%s: %s: seen from %s (%s), want %s, %v",
+							time.Now().Format("15:04:05.000"), w.dst, src, got, w.want, err))
+					}
+					mu.Unlock()
 				}
-				env.SetGood(cfg, false)
-				if err := ag.WaitLog(ctx, applied+1, "policy applied"); err != nil {
-					t.Fatal(err)
-				}
-				t.Logf("reload %d applied at %s", i+1, time.Now().Format("15:04:05.000"))
+			}()
+		}
+		for i := range reloads {
+			applied := ag.Count("policy applied")
+			cfg := configs[(i+1)%2]
+			if err := env.Config.Write(cfg); err != nil {
+				t.Fatal(err)
 			}
-			close(stop)
-			wg.Wait()
-			for _, f := range failures {
-				t.Error(f)
+			env.SetGood(cfg, false)
+			if err := ag.WaitLog(ctx, applied+1, "policy applied"); err != nil {
+				t.Fatal(err)
 			}
-			if probes < 10*reloads {
-				t.Errorf("only %d connections during %d reloads", probes, reloads)
-			}
-			t.Logf("%d connections during %d reloads, %d saw another source", probes, reloads, len(failures))
-			b.Verify(ctx, t, env)
-		})
-	}
+			t.Logf("reload %d applied at %s", i+1, time.Now().Format("15:04:05.000"))
+		}
+		close(stop)
+		wg.Wait()
+		for _, f := range failures {
+			t.Error(f)
+		}
+		if probes < 10*reloads {
+			t.Errorf("only %d connections during %d reloads", probes, reloads)
+		}
+		t.Logf("%d connections during %d reloads, %d saw another source", probes, reloads, len(failures))
+		b.Verify(ctx, t, env)
+	})
 }

@@ -108,116 +108,109 @@ func (e *Env) policyRouting(ctx context.Context, t testing.TB, op, what string) 
 // rules appear (dump and ip_masq_agent_uplink_info list it) and stops being one, its programs
 // detached, as they go.
 func TestPolicyRoutedUplink(t *testing.T) {
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, []string{"--enable-ipv6"})
-			ag := env.StartReady(ctx, t, b, "nonMasqueradeCIDRs: [10.0.0.0/8, fd00::/8]\n")
-			env.addSecondUplink(ctx, t)
-			type probe struct{ dst, want netip.Addr }
-			// check probes until each destination is seen from want, over TCP and UDP: the agent
-			// follows the routes, so the first probes may still leave as before (a fresh
-			// 5-tuple each); within a few seconds every one must.
-			check := func(when string, probes []probe) {
-				t.Helper()
-				deadline := time.Now().Add(10 * time.Second)
-				for _, c := range probes {
-					for _, proto := range []string{"tcp", "udp"} {
-						var got netip.AddrPort
-						var err error
-						for {
-							got, err = env.Probe(ctx, proto, c.dst)
-							if err == nil && got.Addr() == c.want || time.Now().After(deadline) {
-								break
-							}
+	eachBackend(t, backends(), []string{"--enable-ipv6"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		ag := env.StartReady(ctx, t, b, "nonMasqueradeCIDRs: [10.0.0.0/8, fd00::/8]\n")
+		env.addSecondUplink(ctx, t)
+		type probe struct{ dst, want netip.Addr }
+		// check probes until each destination is seen from want, over TCP and UDP: the agent
+		// follows the routes, so the first probes may still leave as before (a fresh
+		// 5-tuple each); within a few seconds every one must.
+		check := func(when string, probes []probe) {
+			t.Helper()
+			deadline := time.Now().Add(10 * time.Second)
+			for _, c := range probes {
+				for _, proto := range []string{"tcp", "udp"} {
+					var got netip.AddrPort
+					var err error
+					for {
+						got, err = env.Probe(ctx, proto, c.dst)
+						if err == nil && got.Addr() == c.want || time.Now().After(deadline) {
+							break
 						}
-						if err != nil || got.Addr() != c.want {
-							t.Errorf("%s: %s to %s: the host saw %s (%v), want %s", when, proto, c.dst, got, err, c.want)
-						}
+					}
+					if err != nil || got.Addr() != c.want {
+						t.Errorf("%s: %s to %s: the host saw %s (%v), want %s", when, proto, c.dst, got, err, c.want)
 					}
 				}
 			}
+		}
 
-			// The routes alone: no rule selects table 100, so the default routes take the
-			// masqueraded destinations to the first external host.
-			env.policyRouting(ctx, t, "add", "routes")
-			check("table 100 without rules", []probe{{ext2Masq4, NodeAddr4}, {ext2Masq6, NodeAddr6}})
-			if b.NAT {
-				if err := env.Agent.WaitLog(ctx, 0, "programs attached"); err != nil {
-					t.Fatal(err)
-				}
-				if progs, _ := env.DevicePrograms(t, "uplink2"); len(progs) != 0 {
-					t.Errorf("uplink2 has programs while no rule selects its table: %v", progs)
-				}
-			}
-
-			// The rules: table 100 sends the destinations out of uplink2.
-			env.policyRouting(ctx, t, "add", "rules")
-			check("table 100 selected", []probe{{ext2Masq4, uplink2Addr4}, {ext2Masq6, uplink2Addr6}, {ext2Keep4, PodAddr4}, {ext2Keep6, PodAddr6}})
-			// The main uplink still masquerades.
-			env.Check(ctx, t, expect(Masq, "8.8.8.8", "2001:4860:4860::8888"), nil)
-			// A masquerade address must be one of the device its destinations leave by:
-			// uplink2's is not the default routes', the main uplink's not table 100's.
-			good := env.Good
-			for _, c := range []struct{ config, log string }{
-				{"masqueradeAddress: " + uplink2Addr4.String() + "\n",
-					"masqueradeAddress 10.97.0.1 is not an address of uplink, which 0.0.0.0/0 leaves by"},
-				{"masqueradeCIDRs: [{cidr: 198.18.0.0/15, address: " + NodeAddr4.String() + "}]\n",
-					"masqueradeCIDRs[0] 10.99.0.1 is not an address of uplink2, which 198.18.0.0/15 leaves by"},
-			} {
-				rejected := ag.Count("config rejected", c.log)
-				if err := env.Config.Write(good + c.config); err != nil {
-					t.Fatal(err)
-				}
-				if err := ag.WaitLog(ctx, rejected+1, "config rejected", c.log); err != nil {
-					t.Fatal(err)
-				}
-			}
-			if err := env.Config.Write(good); err != nil {
+		// The routes alone: no rule selects table 100, so the default routes take the
+		// masqueraded destinations to the first external host.
+		env.policyRouting(ctx, t, "add", "routes")
+		check("table 100 without rules", []probe{{ext2Masq4, NodeAddr4}, {ext2Masq6, NodeAddr6}})
+		if b.NAT {
+			if err := env.Agent.WaitLog(ctx, 0, "programs attached"); err != nil {
 				t.Fatal(err)
 			}
-			check("the rejected configurations", []probe{{ext2Masq4, uplink2Addr4}})
-			if b.NAT {
-				out, err := NSExec(ctx, env.Node, "", agentBin, append(env.DatapathArgs("dump", b), "--config="+env.Config.Path())...)
-				if err != nil {
-					t.Fatalf("dump: %v: %s", err, out)
-				}
-				for _, want := range []string{"route 198.18.0.0/15 table 100, route 2001:db8::/64 table 100  yes", "default route"} {
-					if !strings.Contains(string(out), want) {
-						t.Errorf("dump does not list %q:\n%s", want, out)
-					}
-				}
-				m, err := ag.Scrape(ctx)
-				if err != nil {
-					t.Fatal(err)
-				}
-				for dev, via := range map[string]string{Uplink: "default route", "uplink2": "route 198.18.0.0/15 table 100, route 2001:db8::/64 table 100"} {
-					if v, ok := m.Value("ip_masq_agent_uplink_info", Labels{"device": dev, "via": via, "covered": "true"}); !ok || v != 1 {
-						t.Errorf("uplink_info of %s via %q: %v %v, want 1; series %v", dev, via, v, ok, m.Series("ip_masq_agent_uplink_info", nil))
-					}
-				}
-				if progs, _ := env.DevicePrograms(t, "uplink2"); len(progs) < 2 {
-					t.Errorf("uplink2 runs %v, want our egress and ingress programs", progs)
-				}
+			if progs, _ := env.DevicePrograms(t, "uplink2"); len(progs) != 0 {
+				t.Errorf("uplink2 has programs while no rule selects its table: %v", progs)
 			}
+		}
 
-			// The rules removed: the default routes take the traffic back, and uplink2 is no
-			// uplink any more.
-			env.policyRouting(ctx, t, "del", "rules")
-			check("the rules removed", []probe{{ext2Masq4, NodeAddr4}, {ext2Masq6, NodeAddr6}})
-			if b.NAT {
-				if err := env.Agent.WaitLog(ctx, 1, "a former uplink is left: programs detached"); err != nil {
-					t.Fatal(err)
-				}
-				if progs, _ := env.DevicePrograms(t, "uplink2"); len(progs) != 0 {
-					t.Errorf("uplink2 still runs %v once no route of pod traffic leaves by it", progs)
+		// The rules: table 100 sends the destinations out of uplink2.
+		env.policyRouting(ctx, t, "add", "rules")
+		check("table 100 selected", []probe{{ext2Masq4, uplink2Addr4}, {ext2Masq6, uplink2Addr6}, {ext2Keep4, PodAddr4}, {ext2Keep6, PodAddr6}})
+		// The main uplink still masquerades.
+		env.Check(ctx, t, expect(Masq, "8.8.8.8", "2001:4860:4860::8888"), nil)
+		// A masquerade address must be one of the device its destinations leave by:
+		// uplink2's is not the default routes', the main uplink's not table 100's.
+		good := env.Good
+		for _, c := range []struct{ config, log string }{
+			{"masqueradeAddress: " + uplink2Addr4.String() + "\n",
+				"masqueradeAddress 10.97.0.1 is not an address of uplink, which 0.0.0.0/0 leaves by"},
+			{"masqueradeCIDRs: [{cidr: 198.18.0.0/15, address: " + NodeAddr4.String() + "}]\n",
+				"masqueradeCIDRs[0] 10.99.0.1 is not an address of uplink2, which 198.18.0.0/15 leaves by"},
+		} {
+			rejected := ag.Count("config rejected", c.log)
+			if err := env.Config.Write(good + c.config); err != nil {
+				t.Fatal(err)
+			}
+			if err := ag.WaitLog(ctx, rejected+1, "config rejected", c.log); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := env.Config.Write(good); err != nil {
+			t.Fatal(err)
+		}
+		check("the rejected configurations", []probe{{ext2Masq4, uplink2Addr4}})
+		if b.NAT {
+			out, err := NSExec(ctx, env.Node, "", agentBin, append(env.DatapathArgs("dump", b), "--config="+env.Config.Path())...)
+			if err != nil {
+				t.Fatalf("dump: %v: %s", err, out)
+			}
+			for _, want := range []string{"route 198.18.0.0/15 table 100, route 2001:db8::/64 table 100  yes", "default route"} {
+				if !strings.Contains(string(out), want) {
+					t.Errorf("dump does not list %q:\n%s", want, out)
 				}
 			}
-		})
-	}
+			m, err := ag.Scrape(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for dev, via := range map[string]string{Uplink: "default route", "uplink2": "route 198.18.0.0/15 table 100, route 2001:db8::/64 table 100"} {
+				if v, ok := m.Value("ip_masq_agent_uplink_info", Labels{"device": dev, "via": via, "covered": "true"}); !ok || v != 1 {
+					t.Errorf("uplink_info of %s via %q: %v %v, want 1; series %v", dev, via, v, ok, m.Series("ip_masq_agent_uplink_info", nil))
+				}
+			}
+			if progs, _ := env.DevicePrograms(t, "uplink2"); len(progs) < 2 {
+				t.Errorf("uplink2 runs %v, want our egress and ingress programs", progs)
+			}
+		}
+
+		// The rules removed: the default routes take the traffic back, and uplink2 is no
+		// uplink any more.
+		env.policyRouting(ctx, t, "del", "rules")
+		check("the rules removed", []probe{{ext2Masq4, NodeAddr4}, {ext2Masq6, NodeAddr6}})
+		if b.NAT {
+			if err := env.Agent.WaitLog(ctx, 1, "a former uplink is left: programs detached"); err != nil {
+				t.Fatal(err)
+			}
+			if progs, _ := env.DevicePrograms(t, "uplink2"); len(progs) != 0 {
+				t.Errorf("uplink2 still runs %v once no route of pod traffic leaves by it", progs)
+			}
+		}
+	})
 }
 
 // TestMasqueradedTowardPods: where the policy masquerades toward the pods themselves (IPv6
@@ -227,37 +220,30 @@ func TestPolicyRoutedUplink(t *testing.T) {
 // the pods' own flows keep working, their replies untouched. On BPF the device is an uplink by
 // its route.
 func TestMasqueradedTowardPods(t *testing.T) {
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, []string{"--enable-ipv6"})
-			env.StartReady(ctx, t, b, "masqOutBound: true\n")
-			StartLineEcho(t, env.Pod, []netip.Addr{PodAddr4, PodAddr6})
-			for _, c := range []struct{ from, pod, want netip.Addr }{{public4, PodAddr4, public4}, {public6, PodAddr6, PodGW6}} {
-				conn, err := DialLine(ctx, env.Ext, netip.AddrPortFrom(c.from, 0), c.pod)
-				if err != nil {
-					t.Fatalf("from %s to the pod: %v", c.from, err)
-				}
-				src, err := conn.Exchange("inbound")
-				conn.Close()
-				if err != nil || src.Addr() != c.want {
-					t.Errorf("from %s, the pod saw %s (%v), want %s", c.from, src, err, c.want)
-				}
-			}
-			env.Check(ctx, t, expect(Masq, "8.8.8.8", "2001:4860:4860::8888", "2001:db8::1"), nil)
-			if !b.NAT {
-				return
-			}
-			out, err := NSExec(ctx, env.Node, "", agentBin, append(env.DatapathArgs("dump", b), "--config="+env.Config.Path())...)
+	eachBackend(t, backends(), []string{"--enable-ipv6"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		env.StartReady(ctx, t, b, "masqOutBound: true\n")
+		StartLineEcho(t, env.Pod, []netip.Addr{PodAddr4, PodAddr6})
+		for _, c := range []struct{ from, pod, want netip.Addr }{{public4, PodAddr4, public4}, {public6, PodAddr6, PodGW6}} {
+			conn, err := DialLine(ctx, env.Ext, netip.AddrPortFrom(c.from, 0), c.pod)
 			if err != nil {
-				t.Fatalf("dump: %v: %s", err, out)
+				t.Fatalf("from %s to the pod: %v", c.from, err)
 			}
-			if !strings.Contains(string(out), "\npod0 ") || !strings.Contains(string(out), "route fd00:10:244:1::/64  yes") {
-				t.Errorf("dump does not list pod0 by its route to the pods:\n%s", out)
+			src, err := conn.Exchange("inbound")
+			conn.Close()
+			if err != nil || src.Addr() != c.want {
+				t.Errorf("from %s, the pod saw %s (%v), want %s", c.from, src, err, c.want)
 			}
-		})
-	}
+		}
+		env.Check(ctx, t, expect(Masq, "8.8.8.8", "2001:4860:4860::8888", "2001:db8::1"), nil)
+		if !b.NAT {
+			return
+		}
+		out, err := NSExec(ctx, env.Node, "", agentBin, append(env.DatapathArgs("dump", b), "--config="+env.Config.Path())...)
+		if err != nil {
+			t.Fatalf("dump: %v: %s", err, out)
+		}
+		if !strings.Contains(string(out), "\npod0 ") || !strings.Contains(string(out), "route fd00:10:244:1::/64  yes") {
+			t.Errorf("dump does not list pod0 by its route to the pods:\n%s", out)
+		}
+	})
 }

@@ -105,6 +105,19 @@ func (e *Env) StartReady(ctx context.Context, t testing.TB, b Backend, cfg strin
 		t.Fatal(err)
 	}
 	e.SetGood(cfg, false)
+	return e.startReady(ctx, t, b)
+}
+
+// StartReadyNoFile starts the agent for backend b without a config file (the defaults apply),
+// records that as the good configuration and waits until it is ready.
+func (e *Env) StartReadyNoFile(ctx context.Context, t testing.TB, b Backend) *Agent {
+	t.Helper()
+	e.SetGood("", true)
+	return e.startReady(ctx, t, b)
+}
+
+func (e *Env) startReady(ctx context.Context, t testing.TB, b Backend) *Agent {
+	t.Helper()
 	a := e.StartAgent(ctx, t, b)
 	if err := a.WaitReady(ctx); err != nil {
 		t.Fatalf("agent not ready: %v", err)

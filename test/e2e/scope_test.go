@@ -68,18 +68,11 @@ func checkChild(ctx context.Context, t *testing.T, env *Env, ns string, addr4, a
 // TestMacvlanChild: a macvlan child of the uplink (bridge mode, its own namespace and address on
 // the uplink's network) keeps its address and gets its replies, on every backend.
 func TestMacvlanChild(t *testing.T) {
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, []string{"--enable-ipv6"})
-			env.StartReady(ctx, t, b, "masqOutBound: true\n")
-			ns := env.addChild(ctx, t, "mv0", "link "+Uplink+" type macvlan mode bridge", childAddr4, childAddr6, ExtAddr4, ExtAddr6)
-			checkChild(ctx, t, env, ns, childAddr4, childAddr6)
-		})
-	}
+	eachBackend(t, backends(), []string{"--enable-ipv6"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		env.StartReady(ctx, t, b, "masqOutBound: true\n")
+		ns := env.addChild(ctx, t, "mv0", "link "+Uplink+" type macvlan mode bridge", childAddr4, childAddr6, ExtAddr4, ExtAddr6)
+		checkChild(ctx, t, env, ns, childAddr4, childAddr6)
+	})
 }
 
 // require8021q makes sure the kernel can create VLAN devices, loading 8021q if it must. A kernel
@@ -114,26 +107,19 @@ func require8021q(ctx context.Context, t *testing.T) {
 // network), on a VLAN of its own to the external host: its frames reach the uplink's hooks
 // tagged, keep their address and get their replies, on every backend.
 func TestVLANChild(t *testing.T) {
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			require8021q(ctx, t)
-			env := NewBackendEnv(ctx, t, b, []string{"--enable-ipv6"})
-			env.StartReady(ctx, t, b, "masqOutBound: true\n")
-			vlan4, vlan6 := netip.MustParseAddr("10.98.0.50"), netip.MustParseAddr("2001:db8:98::50")
-			gw4, gw6 := netip.MustParseAddr("10.98.0.2"), netip.MustParseAddr("2001:db8:98::2")
-			if err := IPBatch(ctx, env.Ext, fmt.Sprintf(`link add link eth0 name eth0.100 type vlan id 100
+	eachBackend(t, backends(), []string{"--enable-ipv6"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		require8021q(ctx, t)
+		env.StartReady(ctx, t, b, "masqOutBound: true\n")
+		vlan4, vlan6 := netip.MustParseAddr("10.98.0.50"), netip.MustParseAddr("2001:db8:98::50")
+		gw4, gw6 := netip.MustParseAddr("10.98.0.2"), netip.MustParseAddr("2001:db8:98::2")
+		if err := IPBatch(ctx, env.Ext, fmt.Sprintf(`link add link eth0 name eth0.100 type vlan id 100
 addr add %s/24 dev eth0.100
 addr add %s/64 dev eth0.100 nodad
 link set eth0.100 up
 `, gw4, gw6)); err != nil {
-				t.Fatal(err)
-			}
-			ns := env.addChild(ctx, t, Uplink+".100", "link "+Uplink+" type vlan id 100", vlan4, vlan6, gw4, gw6)
-			checkChild(ctx, t, env, ns, vlan4, vlan6)
-		})
-	}
+			t.Fatal(err)
+		}
+		ns := env.addChild(ctx, t, Uplink+".100", "link "+Uplink+" type vlan id 100", vlan4, vlan6, gw4, gw6)
+		checkChild(ctx, t, env, ns, vlan4, vlan6)
+	})
 }
