@@ -104,16 +104,6 @@ func unexplained(fam policy.Family, st *TableState, explained map[string]map[net
 	return out
 }
 
-func mapKeysOf[K comparable, V any](m map[K]V) func(func(K) bool) {
-	return func(yield func(K) bool) {
-		for k := range m {
-			if !yield(k) {
-				return
-			}
-		}
-	}
-}
-
 // parseSetName reads SetName back (the address of a masquerade address's set aside).
 func parseSetName(name string) (policy.Action, int, bool) {
 	var bits int
