@@ -193,8 +193,9 @@ type RuleCounter struct {
 	// Entry is the index within the config key the rule came from (policy.Rule.Entry), or -1
 	// for link-local and outbound rules and when unknown.
 	Entry int
-	// Address is the source a MASQUERADE rule rewrites to, where the reader can tell (the BPF
-	// datapath's tries); invalid for the uplink's address and when unknown.
+	// Address is the source a MASQUERADE rule rewrites to, as the datapath holds it (the BPF
+	// datapath's tries, the iptables chain's SNAT --to-source, the nftables chains' snat to);
+	// invalid for the uplink's address and when unknown.
 	Address netip.Addr
 	// Packets and Bytes are totals since the rule was installed (see Backend.Counters for what
 	// survives a reload). Bytes are IP packet lengths. A rule that the datapath splits into

@@ -374,9 +374,9 @@ func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) 
 
 // mapLines pairs the lines rendered for p with the live ones and sums the live counters per
 // rule. Each rendered line takes the first unused live line with the same text, so duplicate
-// rules each find their own line. A rule with any of its lines missing is not (fully)
-// installed and is left out; rest are the indexes of the live lines no reported rule took, in
-// chain order.
+// rules each find their own line; a masquerade rule's address is its live lines' --to-source. A
+// rule with any of its lines missing is not (fully) installed and is left out; rest are the
+// indexes of the live lines no reported rule took, in chain order.
 func mapLines(p *policy.Policy, fam policy.Family, chain string, live []SavedRule) (counters []datapath.RuleCounter, rest []int) {
 	lines := ChainLines(p, fam, chain)
 	pair := newPairing(live)
@@ -396,7 +396,7 @@ func mapLines(p *policy.Policy, fam policy.Family, chain string, live []SavedRul
 			k = len(counters)
 			index[l.Number] = k
 			counters = append(counters, datapath.RuleCounter{Family: fam, Rule: l.Number, Prefix: r.Prefix,
-				Action: r.Action, Origin: r.Origin, Entry: r.Entry})
+				Action: r.Action, Origin: r.Origin, Entry: r.Entry, Address: live[j].ToSource})
 		}
 		counters[k].Packets += live[j].Packets
 		counters[k].Bytes += live[j].Bytes

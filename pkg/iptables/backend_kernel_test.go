@@ -274,7 +274,46 @@ masqueradeCIDRs:
 						t.Errorf("an installed line the policy does not explain: %+v", c)
 					}
 				}
+				// dump reads each masquerade rule's address from its lines (--to-source): for the
+				// rules of the policy it is given, and for lines of no rule without one.
+				for _, given := range []*policy.Policy{p, nil} {
+					found, err := iptables.Inspect(ctx, iptables.ExecRunner{Prefix: []string{"ip", "netns", "exec", ns}}, iptables.DefaultChain, given)
+					if err != nil || len(found) != 1 || found[0].Mode() != mode {
+						t.Fatalf("inspect: %d installations (%v), want the %s one", len(found), err, mode)
+					}
+					dumped, err := found[0].Counters(ctx)
+					if err != nil {
+						t.Fatal(err)
+					}
+					addressed := 0
+					for _, c := range dumped {
+						if want := ruleAddress(p, c); c.Address != want {
+							t.Errorf("dump (policy given: %v): %s rule %d %s %s to %v, want %v", given != nil, c.Family, c.Rule, c.Action, c.Prefix, c.Address, want)
+						}
+						if c.Address.IsValid() {
+							addressed++
+						}
+					}
+					if addressed == 0 {
+						t.Errorf("dump (policy given: %v): no rule with an address: %+v", given != nil, dumped)
+					}
+				}
 			})
 		}
 	}
+}
+
+// ruleAddress is the masquerade address of the rule of p that counter c is: by its number, or
+// for a line of no rule, the first rule of its family with its prefix and action.
+func ruleAddress(p *policy.Policy, c datapath.RuleCounter) netip.Addr {
+	rules := p.Rules(c.Family)
+	if c.Rule > 0 {
+		return rules[c.Rule-1].Address
+	}
+	for _, r := range rules {
+		if r.Prefix == c.Prefix && r.Action == c.Action {
+			return r.Address
+		}
+	}
+	return netip.Addr{}
 }

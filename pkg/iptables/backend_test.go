@@ -542,6 +542,20 @@ COMMIT
 	if r := quoted.Rules[0]; r.Target != "RETURN" || r.Dst != netip.MustParsePrefix("10.0.0.1/32") || r.RandomFully {
 		t.Errorf("quoted comment read as options: %+v", r)
 	}
+	// SNAT's address, as Rule.toSource writes it: with ports, an IPv6 address in brackets; a
+	// range of addresses is no one address.
+	for to, want := range map[string]string{
+		"192.0.2.11": "192.0.2.11", "192.0.2.11:40000-40099": "192.0.2.11", "2001:db8::11": "2001:db8::11",
+		"[2001:db8::11]:40000-40099": "2001:db8::11", "192.0.2.11-192.0.2.19": "", "192.0.2.11-192.0.2.19:1024-2047": "",
+	} {
+		snat, err := iptables.ParseSave([]byte("*nat\n-A X -d 10.0.0.0/8 -j SNAT --to-source "+to+" --random-fully\nCOMMIT\n"), "nat")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := snat.Rules[0].ToSource; (want == "" && got.IsValid()) || (want != "" && got != netip.MustParseAddr(want)) {
+			t.Errorf("--to-source %s read as %v, want %q", to, got, want)
+		}
+	}
 	if refs := nat.RulesTargeting("IP-MASQ-AGENT"); len(refs) != 1 || refs[0].Packets != 1 {
 		t.Errorf("targeting %+v", refs)
 	}

@@ -144,9 +144,11 @@ func usesRandomFully(live []SavedRule) bool {
 }
 
 // unexplained describes a chain line that implements no rule of the policy: its destination
-// (every address when it has none) and whether it masquerades (MASQUERADE or SNAT) or not.
+// (every address when it has none), whether it masquerades (MASQUERADE or SNAT) or not, and
+// SNAT's address.
 func unexplained(fam policy.Family, r SavedRule) datapath.RuleCounter {
-	c := datapath.RuleCounter{Family: fam, Entry: -1, Action: policy.Return, Prefix: r.Dst, Packets: r.Packets, Bytes: r.Bytes}
+	c := datapath.RuleCounter{Family: fam, Entry: -1, Action: policy.Return, Prefix: r.Dst, Address: r.ToSource,
+		Packets: r.Packets, Bytes: r.Bytes}
 	if !c.Prefix.IsValid() {
 		c.Prefix = netip.PrefixFrom(netip.IPv4Unspecified(), 0)
 		if fam == policy.IPv6 {

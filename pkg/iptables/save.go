@@ -32,6 +32,9 @@ type SavedRule struct {
 	Dst netip.Prefix
 	// RandomFully is set when the target has the --random-fully option.
 	RandomFully bool
+	// ToSource is the address SNAT rewrites to (--to-source); invalid for other targets and
+	// for a range of addresses.
+	ToSource netip.Addr
 	// Packets and Bytes are the rule's counters when the dump was made with -c, else zero.
 	Packets, Bytes uint64
 }
@@ -146,13 +149,16 @@ func parseRuleLine(line string) (SavedRule, error) {
 		switch a {
 		case "--random-fully":
 			r.RandomFully = true
-		case "-j", "-g", "-d":
+		case "-j", "-g", "-d", "--to-source":
 			if i+1 == len(args) {
 				return r, fmt.Errorf("rule %q: %s without a value", line, a)
 			}
-			if a == "-d" {
+			switch a {
+			case "-d":
 				r.Dst = parseDst(args[i+1])
-			} else {
+			case "--to-source":
+				r.ToSource = parseToSource(args[i+1])
+			default:
 				r.Target = args[i+1]
 			}
 		}
@@ -192,6 +198,22 @@ func parseDst(v string) netip.Prefix {
 		return netip.PrefixFrom(addr, addr.BitLen())
 	}
 	return netip.Prefix{}
+}
+
+// parseToSource reads a --to-source value as iptables-save prints it (Rule.toSource): an
+// address, with a port range after a colon ("192.0.2.11:40000-40099", "[2001:db8::11]:40000-40099");
+// invalid for a range of addresses, which is no one address.
+func parseToSource(v string) netip.Addr {
+	if addr, err := netip.ParseAddr(v); err == nil {
+		return addr // without ports, IPv6 too
+	}
+	if rest, ok := strings.CutPrefix(v, "["); ok {
+		v, _, _ = strings.Cut(rest, "]")
+	} else {
+		v, _, _ = strings.Cut(v, ":")
+	}
+	addr, _ := netip.ParseAddr(v)
+	return addr
 }
 
 // splitArgs splits a rule's options as iptables-save writes them: separated by spaces, a value

@@ -630,6 +630,19 @@ func TestInspect(t *testing.T) {
 	}
 }
 
+// dump's counters carry each masquerade rule's address, as the fake's chains SNAT it: random
+// policies with masquerade addresses, with and without the policy given.
+func TestInspectAddresses(t *testing.T) {
+	f := nftablestest.New()
+	b := newBackend(t, f)
+	r := rand.New(rand.NewPCG(16, 4))
+	for i := range 8 {
+		p := compile(policytest.WithAddresses(r, policytest.Config(r, r.IntN(20))), i%2 == 0)
+		apply(t, b, p)
+		checkDumpAddresses(t, f.Kernel(), p)
+	}
+}
+
 // render prints the transaction that installs the table from nothing: the seeds' default
 // policy, IPv4 only without --enable-ipv6.
 func TestRenderAll(t *testing.T) {

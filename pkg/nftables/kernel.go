@@ -1,6 +1,7 @@
 package nftables
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"encoding/json"
@@ -95,6 +96,10 @@ type TableState struct {
 	// Chains holds, per chain that exists, a fingerprint of each of its rules: equal
 	// fingerprints from one Kernel mean equal rules.
 	Chains map[string][]string
+	// SNAT holds the address a masquerade set's lookup in the base chain, or the outbound rule
+	// (under CounterOutbound), rewrites to: the `snat to` of the chain it goes to. Absent where
+	// that chain masquerades to the uplink's address.
+	SNAT map[string]netip.Addr
 }
 
 // SetState is one set's elements.
@@ -201,7 +206,9 @@ func (NetlinkKernel) Table(ctx context.Context, fam policy.Family, elements bool
 	if t == nil {
 		return nil, nil
 	}
-	st := &TableState{Sets: map[string]*SetState{}, Chains: map[string][]string{}}
+	st := &TableState{Sets: map[string]*SetState{}, Chains: map[string][]string{}, SNAT: map[string]netip.Addr{}}
+	// Where the base chain's lookups go, and what each chain SNATs to: st.SNAT once all are read.
+	gotos, snatTo := map[string]string{}, map[string]netip.Addr{}
 	// The agent's chains by name: listing every chain of the family would read kube-proxy's
 	// thousands too. A chain that cannot be looked up is missing (the table could be listed;
 	// the rules of a chain that does not exist read as none). The SNAT chains are numbered
@@ -218,6 +225,13 @@ func (NetlinkKernel) Table(ctx context.Context, fam policy.Family, elements bool
 		prints := []string{}
 		for _, r := range rules {
 			prints = append(prints, fingerprint(ch, r))
+			if name == ChainPostrouting {
+				if key, to := lookupGoto(r.Exprs); key != "" && to != "" {
+					gotos[key] = to
+				}
+			} else if addr, ok := snatAddress(r.Exprs); ok {
+				snatTo[name] = addr
+			}
 		}
 		st.Chains[name] = prints
 		return true, nil
@@ -234,6 +248,11 @@ func (NetlinkKernel) Table(ctx context.Context, fam policy.Family, elements bool
 		}
 		if !found {
 			break
+		}
+	}
+	for key, chain := range gotos {
+		if addr, ok := snatTo[chain]; ok {
+			st.SNAT[key] = addr
 		}
 	}
 	// The element dumps on sockets whose reads take a full message each (see largeDumps).
@@ -286,6 +305,48 @@ func (NetlinkKernel) Table(ctx context.Context, fam policy.Family, elements bool
 		}
 	}
 	return st, nil
+}
+
+// lookupGoto reads a rule of the base chain: the set it looks the destination up in
+// (CounterOutbound for the outbound rule, whatever gate set it has) and the chain it goes to;
+// empty for what it does not have.
+func lookupGoto(exprs []expr.Any) (key, chain string) {
+	for _, e := range exprs {
+		switch e := e.(type) {
+		case *expr.Lookup:
+			if key == "" {
+				key = e.SetName
+			}
+		case *expr.Objref:
+			if e.Name == CounterOutbound {
+				key = CounterOutbound
+			}
+		case *expr.Verdict:
+			if e.Kind == expr.VerdictGoto {
+				chain = e.Chain
+			}
+		}
+	}
+	return key, chain
+}
+
+// snatAddress reads the address an SNAT rule rewrites to: the immediate its nat expression
+// takes the address from. ok is false for other rules and for a range of addresses.
+func snatAddress(exprs []expr.Any) (netip.Addr, bool) {
+	regs := map[uint32][]byte{}
+	for _, e := range exprs {
+		switch e := e.(type) {
+		case *expr.Immediate:
+			regs[e.Register] = e.Data
+		case *expr.NAT:
+			if e.Type != expr.NATTypeSourceNAT || e.RegAddrMin == 0 ||
+				(e.RegAddrMax != 0 && !bytes.Equal(regs[e.RegAddrMax], regs[e.RegAddrMin])) {
+				return netip.Addr{}, false
+			}
+			return netip.AddrFromSlice(regs[e.RegAddrMin])
+		}
+	}
+	return netip.Addr{}, false
 }
 
 // fingerprint is a rule's expressions and user data (its comment) as text: equal for equal

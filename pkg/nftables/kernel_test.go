@@ -2,6 +2,7 @@ package nftables_test
 
 import (
 	"context"
+	"maps"
 	"math/rand/v2"
 	"net/netip"
 	"os/exec"
@@ -94,7 +95,67 @@ func checkKernel(t *testing.T, p *policy.Policy) {
 		if (st.Outbound != nil) != (l.Outbound >= 0) {
 			t.Errorf("%s: outbound counter %v, outbound rule %d", fam, st.Outbound, l.Outbound)
 		}
+		// What each masquerade set's lookup, and the outbound rule, SNAT to, read back from the
+		// rules of the chains they go to.
+		wantSNAT := map[string]netip.Addr{}
+		for _, s := range l.Sets {
+			if s.Address.IsValid() {
+				wantSNAT[s.Name] = s.Address
+			}
+		}
+		if l.Outbound >= 0 && p.Rules(fam)[l.Outbound].Address.IsValid() {
+			wantSNAT[nftables.CounterOutbound] = p.Rules(fam)[l.Outbound].Address
+		}
+		if !maps.Equal(st.SNAT, wantSNAT) {
+			t.Errorf("%s: SNAT read back %v, want %v", fam, st.SNAT, wantSNAT)
+		}
 	}
+	checkDumpAddresses(t, nil, p)
+}
+
+// checkDumpAddresses checks the masquerade addresses of dump's counters (Inspect over kernel,
+// given p and given no policy) against the installed policy p.
+func checkDumpAddresses(t *testing.T, kernel nftables.Kernel, p *policy.Policy) {
+	t.Helper()
+	ctx := context.Background()
+	for _, given := range []*policy.Policy{p, nil} {
+		in, err := nftables.Inspect(ctx, kernel, given)
+		if err != nil || in == nil {
+			t.Fatalf("inspect: %v, %v", in, err)
+		}
+		cs, err := in.Counters(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range cs {
+			if want := dumpedAddress(p, c); c.Address != want {
+				t.Errorf("dump (policy given: %v): %s rule %d %s %s (%s) to %v, want %v",
+					given != nil, c.Family, c.Rule, c.Action, c.Prefix, c.Origin, c.Address, want)
+			}
+		}
+	}
+}
+
+// dumpedAddress is the address dump must show for counter c of the table of p: that of its rule
+// (by number; for a group of no rule, the first of its family, origin, prefix and action that
+// has elements), where the rule has elements or is the outbound rule. A rule that earlier ones
+// cover has no set to read an address from, and never matches.
+func dumpedAddress(p *policy.Policy, c datapath.RuleCounter) netip.Addr {
+	l := nftables.NewLayout(p, c.Family)
+	rules := p.Rules(c.Family)
+	read := func(i int) bool { return l.Pieces[i] > 0 || i == l.Outbound }
+	if c.Rule > 0 {
+		if !read(c.Rule - 1) {
+			return netip.Addr{}
+		}
+		return rules[c.Rule-1].Address
+	}
+	for i, r := range rules {
+		if r.Prefix == c.Prefix && r.Action == c.Action && r.Origin == c.Origin && read(i) {
+			return r.Address
+		}
+	}
+	return netip.Addr{}
 }
 
 // The backend against the kernel, through nft and netlink, in a namespace of its own: random

@@ -14,7 +14,8 @@ import (
 // countRules sums a table's element counters per rule of the layout l of p, and returns the
 // elements no rule of it explains, grouped by their comments, as counters of rule 0. A rule
 // with an element missing (or with another comment) is left out; the outbound rule counts in
-// the outbound counter.
+// the outbound counter. A masquerade rule's address is what the table SNATs its sets' (or the
+// outbound rule's) packets to.
 func countRules(p *policy.Policy, l *Layout, st *TableState) (counters, rest []datapath.RuleCounter) {
 	if st == nil {
 		return nil, nil
@@ -22,6 +23,7 @@ func countRules(p *policy.Policy, l *Layout, st *TableState) (counters, rest []d
 	rules := p.Rules(l.Family)
 	sums := make([]Count, len(rules))
 	found := make([]int, len(rules))
+	sets := make([]string, len(rules)) // a set of each rule's elements
 	explained := map[string]map[netip.Addr]bool{}
 	for _, e := range l.Elements {
 		live, ok := st.Sets[e.Set].elem(e.Key)
@@ -31,6 +33,7 @@ func countRules(p *policy.Policy, l *Layout, st *TableState) (counters, rest []d
 		sums[e.Rule].Packets += live.Count.Packets
 		sums[e.Rule].Bytes += live.Count.Bytes
 		found[e.Rule]++
+		sets[e.Rule] = e.Set
 		if explained[e.Set] == nil {
 			explained[e.Set] = map[netip.Addr]bool{}
 		}
@@ -43,11 +46,13 @@ func countRules(p *policy.Policy, l *Layout, st *TableState) (counters, rest []d
 				continue
 			}
 			c.Packets, c.Bytes = st.Outbound.Packets, st.Outbound.Bytes
+			c.Address = st.SNAT[CounterOutbound]
 		} else {
 			if found[i] != l.Pieces[i] {
 				continue
 			}
 			c.Packets, c.Bytes = sums[i].Packets, sums[i].Bytes
+			c.Address = st.SNAT[sets[i]]
 		}
 		counters = append(counters, c)
 	}
@@ -64,7 +69,7 @@ func (s *SetState) elem(key netip.Addr) (ElementState, bool) {
 
 // unexplained groups the elements not in explained by comment (an element whose comment the
 // agent did not write is a group of its own), and adds the outbound counter when no rule
-// explains it.
+// explains it; each with the address its packets are SNATed to.
 func unexplained(fam policy.Family, st *TableState, explained map[string]map[netip.Addr]bool, outbound bool) []datapath.RuleCounter {
 	var out []datapath.RuleCounter
 	index := map[string]int{}
@@ -75,7 +80,7 @@ func unexplained(fam policy.Family, st *TableState, explained map[string]map[net
 				continue
 			}
 			e := st.Sets[name].Elements[key]
-			c := datapath.RuleCounter{Family: fam, Entry: -1, Action: action, Prefix: netip.PrefixFrom(key, bits)}
+			c := datapath.RuleCounter{Family: fam, Entry: -1, Action: action, Prefix: netip.PrefixFrom(key, bits), Address: st.SNAT[name]}
 			if !ok {
 				c.Prefix = netip.PrefixFrom(key, key.BitLen())
 			}
@@ -99,7 +104,7 @@ func unexplained(fam policy.Family, st *TableState, explained map[string]map[net
 			all = netip.PrefixFrom(netip.IPv6Unspecified(), 0)
 		}
 		out = append(out, datapath.RuleCounter{Family: fam, Entry: -1, Action: policy.Masquerade, Prefix: all,
-			Origin: policy.OriginOutbound, Packets: st.Outbound.Packets, Bytes: st.Outbound.Bytes})
+			Origin: policy.OriginOutbound, Address: st.SNAT[CounterOutbound], Packets: st.Outbound.Packets, Bytes: st.Outbound.Bytes})
 	}
 	return out
 }

@@ -7,22 +7,25 @@ import (
 	"testing"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
 // TestMasqueradeAddressRemoved, on every backend: the masquerade address taken off the node
 // keeps the last good state (the datapath still masquerades to it) and the agent says so: the
 // log names it, /readyz fails naming it (/healthz does not), and
-// ip_masq_agent_masquerade_address_missing{address} is 1. A configuration naming another address
-// the node lacks is rejected meanwhile, naming it. Back on the node, the address is used again
-// and the agent is ready.
+// ip_masq_agent_masquerade_address_missing{address} is 1; `dump` shows the masqueradeCIDRs rule
+// still masquerading to it (to:ADDR, read from the datapath), before and after. A configuration
+// naming another address the node lacks is rejected meanwhile, naming it. Back on the node, the
+// address is used again and the agent is ready.
 func TestMasqueradeAddressRemoved(t *testing.T) {
 	eachBackend(t, backends(), []string{"--enable-ipv6"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
 		if err := env.AddAltAddresses(ctx); err != nil {
 			t.Fatal(err)
 		}
-		cfg := masqueradeAddresses + "nonMasqueradeCIDRs: [10.0.0.0/8]\n"
+		cfg := masqueradeAddresses + "masqueradeCIDRs: [10.10.10.10/32]\nnonMasqueradeCIDRs: [10.0.0.0/8]\n"
 		ag := env.StartReady(ctx, t, b, cfg)
-		env.Check(ctx, t, join(expect(Alt, "8.8.8.8", "2001:4860:4860::8888"), expect(Keep, "10.1.2.3")), nil)
+		env.Check(ctx, t, join(expect(Alt, "8.8.8.8", "10.10.10.10", "2001:4860:4860::8888"), expect(Keep, "10.1.2.3")), nil)
+		wantDumpedAddress(ctx, t, env, b)
 
 		if err := IPBatch(ctx, env.Node, "addr del "+NodeAlt4.String()+"/24 dev "+Uplink+"\n"); err != nil {
 			t.Fatal(err)
@@ -39,6 +42,7 @@ func TestMasqueradeAddressRemoved(t *testing.T) {
 		}
 		wantMissing(ctx, t, ag, "10.99.0.11")
 		b.Verify(ctx, t, env) // the last good state, masquerading to the address that is gone
+		wantDumpedAddress(ctx, t, env, b)
 		env.Check(ctx, t, expect(Alt, "2001:4860:4860::8888"), nil)
 
 		rejected := ag.Count("config rejected")
@@ -63,9 +67,32 @@ func TestMasqueradeAddressRemoved(t *testing.T) {
 			t.Fatal(err)
 		}
 		wantMissing(ctx, t, ag)
-		env.Check(ctx, t, join(expect(Alt, "8.8.8.8", "2001:4860:4860::8888"), expect(Keep, "10.1.2.3")), nil)
+		env.Check(ctx, t, join(expect(Alt, "8.8.8.8", "10.10.10.10", "2001:4860:4860::8888"), expect(Keep, "10.1.2.3")), nil)
 		b.Verify(ctx, t, env)
 	})
+}
+
+// wantDumpedAddress checks dump's rules for the test's configuration: the masqueradeCIDRs rule
+// masquerades to the family's masqueradeAddress (NodeAlt4), which every backend reads from what
+// it installed; no RETURN rule shows an address. (The outbound rule's address is the uplinks'
+// SNAT address on BPF, which dump leaves out there.)
+func wantDumpedAddress(ctx context.Context, t *testing.T, env *Env, b Backend) {
+	t.Helper()
+	found := false
+	for _, r := range dumpTable(ctx, t, env, b) {
+		switch {
+		case r.key.Origin == string(policy.OriginMasqueradeCIDRs):
+			found = true
+			if r.to != NodeAlt4 {
+				t.Errorf("dump: %s masquerades to %v, want to:%s", r.key, r.to, NodeAlt4)
+			}
+		case r.key.Action == policy.Return.String() && r.to.IsValid():
+			t.Errorf("dump: %s shows to:%s", r.key, r.to)
+		}
+	}
+	if !found {
+		t.Errorf("dump shows no masqueradeCIDRs rule")
+	}
 }
 
 // wantMissing waits until ip_masq_agent_masquerade_address_missing has a series of value 1 for

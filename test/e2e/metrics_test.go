@@ -143,15 +143,23 @@ func configHash(t *testing.T, doc string) string {
 	return agent.ConfigHash(cfg)
 }
 
-// dumpRules runs `dump` in the node, as a second process, and returns its rows by series.
-func dumpRules(ctx context.Context, t *testing.T, env *Env, b Backend) map[RuleKey]RuleCount {
+// dumpRow is a row of dump's rules: the rule's series, its counters and the address it
+// masquerades to (the to:ADDR column; invalid without one).
+type dumpRow struct {
+	key   RuleKey
+	count RuleCount
+	to    netip.Addr
+}
+
+// dumpTable runs `dump` in the node, as a second process, and returns the rows of its rules.
+func dumpTable(ctx context.Context, t *testing.T, env *Env, b Backend) []dumpRow {
 	t.Helper()
 	args := append(env.DatapathArgs("dump", b), "--config="+env.Config.Path())
 	out, err := NSExec(ctx, env.Node, "", env.Bin, args...)
 	if err != nil {
 		t.Fatalf("dump: %v\n%s", err, out)
 	}
-	rows := map[RuleKey]RuleCount{}
+	var rows []dumpRow
 	header := false
 	for _, l := range strings.Split(string(out), "\n") {
 		f := strings.Fields(l)
@@ -159,7 +167,7 @@ func dumpRules(ctx context.Context, t *testing.T, env *Env, b Backend) map[RuleK
 			header = true
 			continue
 		}
-		if !header || len(f) != 7 {
+		if !header || len(f) != 7 && (len(f) != 8 || !strings.HasPrefix(f[7], "to:")) {
 			continue
 		}
 		// ORIGIN is written as the rule's source (nonMasqueradeCIDRs[1]); the metrics' origin
@@ -167,15 +175,30 @@ func dumpRules(ctx context.Context, t *testing.T, env *Env, b Backend) map[RuleK
 		origin, _, _ := strings.Cut(f[4], "[")
 		packets, err1 := strconv.ParseFloat(f[5], 64)
 		bytes, err2 := strconv.ParseFloat(f[6], 64)
-		if err1 != nil || err2 != nil {
+		var to netip.Addr
+		var err3 error
+		if len(f) == 8 {
+			to, err3 = netip.ParseAddr(strings.TrimPrefix(f[7], "to:"))
+		}
+		if err1 != nil || err2 != nil || err3 != nil {
 			t.Fatalf("dump row %q", l)
 		}
-		rows[RuleKey{f[0], f[2], f[3], origin}] = RuleCount{packets, bytes}
+		rows = append(rows, dumpRow{RuleKey{f[0], f[2], f[3], origin}, RuleCount{packets, bytes}, to})
 	}
 	if len(rows) == 0 {
 		t.Fatalf("dump printed no rules:\n%s", out)
 	}
 	t.Logf("dump:\n%s", out)
+	return rows
+}
+
+// dumpRules is dumpTable's counters by series.
+func dumpRules(ctx context.Context, t *testing.T, env *Env, b Backend) map[RuleKey]RuleCount {
+	t.Helper()
+	rows := map[RuleKey]RuleCount{}
+	for _, r := range dumpTable(ctx, t, env, b) {
+		rows[r.key] = r.count
+	}
 	return rows
 }
 

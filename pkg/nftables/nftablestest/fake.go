@@ -186,11 +186,14 @@ func (f *Fake) TableState(fam policy.Family, elements bool) (*nftables.TableStat
 	if t == nil {
 		return nil, nil
 	}
-	st := &nftables.TableState{Sets: map[string]*nftables.SetState{}, Chains: map[string][]string{}}
+	st := &nftables.TableState{Sets: map[string]*nftables.SetState{}, Chains: map[string][]string{}, SNAT: map[string]netip.Addr{}}
 	for name, c := range t.Chains {
 		rules := []string{}
 		for _, r := range c.Rules {
 			rules = append(rules, r.Rule)
+			if name == nftables.ChainPostrouting {
+				f.noteSNAT(t, st, r.Rule)
+			}
 		}
 		st.Chains[name] = rules
 	}
@@ -215,6 +218,27 @@ func (f *Fake) TableState(fam policy.Family, elements bool) (*nftables.TableStat
 		st.Outbound = &c
 	}
 	return st, nil
+}
+
+// noteSNAT records in st.SNAT where a rule of the base chain (@SET ... goto CHAIN, or the
+// outbound counter's) goes, when that chain SNATs.
+func (f *Fake) noteSNAT(t *knftables.FakeTable, st *nftables.TableState, rule string) {
+	words := strings.Fields(rule)
+	key, chain := "", ""
+	for i, w := range words {
+		switch {
+		case strings.HasPrefix(w, "@") && key == "":
+			key = w[1:]
+		case w == strconv.Quote(nftables.CounterOutbound) && i > 0 && words[i-1] == "name":
+			key = nftables.CounterOutbound
+		case w == "goto" && i+1 < len(words):
+			chain = words[i+1]
+		}
+	}
+	v := Verdict{chain: chain}
+	if key != "" && chain != "" && f.masquerade(t, &v) == nil && v.Source.IsValid() {
+		st.SNAT[key] = v.Source
+	}
 }
 
 // kernel adapts the fake to nftables.Kernel.
