@@ -356,7 +356,7 @@ type connRun struct {
 // softirq time the machine spent meanwhile.
 func connRate(ctx context.Context, b *testing.B, bins binaries, e *e2e.Env) connRun {
 	b.Helper()
-	synBefore := tcpExt(ctx, b, e.Pod, "TCPSynRetrans")
+	synBefore := e2e.TCPExt(ctx, b, e.Pod, "TCPSynRetrans")
 	before := kernelCPU(b)
 	out, err := e2e.NSExec(ctx, e.Pod, "", bins.connrate, "run", "-target", netip.AddrPortFrom(target, connratePort).String(),
 		"-workers", strconv.Itoa(*workers), "-duration", duration.String())
@@ -364,7 +364,7 @@ func connRate(ctx context.Context, b *testing.B, bins binaries, e *e2e.Env) conn
 		b.Fatalf("connrate: %v", err)
 	}
 	cpu := kernelCPU(b) - before
-	synRetrans := tcpExt(ctx, b, e.Pod, "TCPSynRetrans") - synBefore
+	synRetrans := e2e.TCPExt(ctx, b, e.Pod, "TCPSynRetrans") - synBefore
 	var r connRun
 	if err := json.Unmarshal(out, &r); err != nil {
 		b.Fatalf("connrate output %q: %v", out, err)
@@ -374,32 +374,6 @@ func connRate(ctx context.Context, b *testing.B, bins binaries, e *e2e.Env) conn
 	}
 	r.CPUSeconds, r.SYNRetrans = cpu, synRetrans
 	return r
-}
-
-// tcpExt reads one TcpExt counter of namespace ns (/proc/net/netstat: a header line of names,
-// then a line of values).
-func tcpExt(ctx context.Context, b *testing.B, ns, name string) int64 {
-	b.Helper()
-	out, err := e2e.NSExec(ctx, ns, "", "cat", "/proc/net/netstat")
-	if err != nil {
-		b.Fatalf("read netstat of %s: %v", ns, err)
-	}
-	lines := strings.Split(string(out), "\n")
-	for i := 0; i+1 < len(lines); i++ {
-		names, values := strings.Fields(lines[i]), strings.Fields(lines[i+1])
-		if len(names) == 0 || names[0] != "TcpExt:" || len(values) != len(names) {
-			continue
-		}
-		if j := slices.Index(names, name); j > 0 {
-			v, err := strconv.ParseInt(values[j], 10, 64)
-			if err != nil {
-				b.Fatalf("netstat of %s: %s: %v", ns, name, err)
-			}
-			return v
-		}
-	}
-	b.Fatalf("netstat of %s: no TcpExt %s", ns, name)
-	return 0
 }
 
 // clearTimeWait closes the TIME_WAIT sockets of namespace ns (the external host), so that

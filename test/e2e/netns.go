@@ -14,7 +14,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
+	"testing"
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
@@ -61,4 +64,30 @@ func WriteSysctl(ns, key, value string) error {
 		}
 		return nil
 	})
+}
+
+// TCPExt reads one TcpExt counter of namespace ns (/proc/net/netstat: a header line of names,
+// then a line of values), such as TCPSynRetrans: the SYNs its sockets sent again.
+func TCPExt(ctx context.Context, tb testing.TB, ns, name string) int64 {
+	tb.Helper()
+	out, err := NSExec(ctx, ns, "", "cat", "/proc/net/netstat")
+	if err != nil {
+		tb.Fatalf("read netstat of %s: %v", ns, err)
+	}
+	lines := strings.Split(string(out), "\n")
+	for i := 0; i+1 < len(lines); i++ {
+		names, values := strings.Fields(lines[i]), strings.Fields(lines[i+1])
+		if len(names) == 0 || names[0] != "TcpExt:" || len(values) != len(names) {
+			continue
+		}
+		if j := slices.Index(names, name); j > 0 {
+			v, err := strconv.ParseInt(values[j], 10, 64)
+			if err != nil {
+				tb.Fatalf("netstat of %s: %s: %v", ns, name, err)
+			}
+			return v
+		}
+	}
+	tb.Fatalf("netstat of %s: no TcpExt %s", ns, name)
+	return 0
 }
