@@ -20,8 +20,10 @@ type NATLoad struct {
 	Entries, Rounds int
 	Fill            time.Duration
 	// FirstExpired is when, after the last round started, the first entry was gone; AllExpired
-	// when, after the last round ended, the last one was.
+	// when, after the last round ended (at LastSent), the last one was, as the polls of the
+	// agent's metrics saw it (their own time included).
 	FirstExpired, AllExpired time.Duration
+	LastSent                 time.Time
 	// Swept is how many UDP entries the sweep counted as removed meanwhile.
 	Swept float64
 	// RSSIdle is the agent's resident memory before the load, RSSMax the most seen while the
@@ -92,7 +94,7 @@ func MeasureNATLoad(ctx context.Context, tb testing.TB, env *Env, flows, sockets
 			}
 		}
 	}
-	l.Fill = sent.Sub(start)
+	l.Fill, l.LastSent = sent.Sub(start), sent
 	if l.Entries != 2*flows {
 		tb.Fatalf("%d UDP entries after %d rounds of %d flows, want %d", l.Entries, l.Rounds, flows, 2*flows)
 	}
