@@ -91,6 +91,22 @@ const floorKey = "TestRunFloor"
 
 var floorLine = regexp.MustCompile(`^BenchmarkTestRunFloor(?:-\d+)?\s+\d+\s+.*?([\d.]+) ns/pkt`)
 
+// connLine is BenchmarkConnection's: a "<ns> <step>-ns" metric per packet of one short
+// connection and "<ns> ns/conn", their sum. Its steps go into micro as connKey(step).
+var (
+	connLine   = regexp.MustCompile(`^BenchmarkConnection/cidrs=(\d+)(?:-\d+)?\s+\d+\s+(.*)$`)
+	metricPair = regexp.MustCompile(`([\d.]+) (\S+)`)
+)
+
+func connKey(step string) string { return "Connection:" + step }
+
+// connSteps are BenchmarkConnection's steps in the order the packets go.
+var connSteps = []struct{ key, title string }{
+	{"syn", "pod SYN (new flow)"}, {"synack", "SYN-ACK (first reply)"}, {"ack", "pod ACK (flow confirmed)"},
+	{"request", "pod request"}, {"response", "response"}, {"server-fin", "server FIN"},
+	{"pod-fin", "pod FIN"}, {"last-ack", "last ACK"},
+}
+
 func readMicro(path string) (micro, error) {
 	f, err := os.Open(path)
 	if err != nil {
@@ -103,6 +119,25 @@ func readMicro(path string) (micro, error) {
 		if g := floorLine.FindStringSubmatch(sc.Text()); g != nil {
 			v, _ := strconv.ParseFloat(g[1], 64)
 			m[floorKey] = map[int]float64{0: v}
+			continue
+		}
+		if g := connLine.FindStringSubmatch(sc.Text()); g != nil {
+			n, _ := strconv.Atoi(g[1])
+			for _, mp := range metricPair.FindAllStringSubmatch(g[2], -1) {
+				v, _ := strconv.ParseFloat(mp[1], 64)
+				key := ""
+				if step, ok := strings.CutSuffix(mp[2], "-ns"); ok {
+					key = connKey(step)
+				} else if mp[2] == "ns/conn" {
+					key = connKey("total")
+				}
+				if key != "" {
+					if m[key] == nil {
+						m[key] = map[int]float64{}
+					}
+					m[key][n] = v
+				}
+			}
 			continue
 		}
 		g := benchLine.FindStringSubmatch(sc.Text())
@@ -216,7 +251,7 @@ var microNames = []struct{ key, title string }{
 func sizes(m micro) []int {
 	var out []int
 	for key, byN := range m {
-		if key == floorKey {
+		if key == floorKey || strings.HasPrefix(key, connKey("")) {
 			continue
 		}
 		for n := range byN {
@@ -324,6 +359,30 @@ func writeControl(w *bytes.Buffer, c *control) {
 	fmt.Fprintln(w)
 }
 
+// writeConnection prints BenchmarkConnection: what each packet of one short connection costs.
+func writeConnection(w *bytes.Buffer, m micro) {
+	total := m[connKey("total")]
+	if total == nil {
+		return
+	}
+	ns := slices.Sorted(maps.Keys(total))
+	fmt.Fprintf(w, "### One short connection, packet by packet\n\n")
+	fmt.Fprintf(w, "BenchmarkConnection: the packets of a masqueraded TCP connection whose server closes first, as the\n")
+	fmt.Fprintf(w, "short-connection load below makes them, each through its program (ns, BPF_PROG_TEST_RUN, each with the floor).\n\n| packet |")
+	for _, n := range ns {
+		fmt.Fprintf(w, " %d CIDRs |", n)
+	}
+	fmt.Fprintf(w, "\n|---|%s\n", strings.Repeat("---|", len(ns)))
+	for _, st := range append(connSteps, struct{ key, title string }{"total", "**the connection**"}) {
+		fmt.Fprintf(w, "| %s |", st.title)
+		for _, n := range ns {
+			fmt.Fprintf(w, " %.0f |", m[connKey(st.key)][n])
+		}
+		fmt.Fprintln(w)
+	}
+	fmt.Fprintln(w)
+}
+
 // writePacketCost prints what the BPF programs cost per run on the uplink during the end-to-end
 // loads, from the kernel's run-time statistics.
 func writePacketCost(w *bytes.Buffer, r *results) {
@@ -393,6 +452,7 @@ func writeReport(w *bytes.Buffer, m micro, r *results, c *control) {
 		fmt.Fprintf(w, "which every figure above includes and no packet on the wire pays.\n")
 	}
 	fmt.Fprintf(w, "\n![cost vs CIDR count](bench-cost-vs-cidrs.png)\n\n")
+	writeConnection(w, m)
 	writePacketCost(w, r)
 
 	fmt.Fprintf(w, "## End to end, as a fraction of the limit\n\n")
