@@ -80,8 +80,18 @@ type results struct {
 	StartedAt time.Time `json:"started_at"`
 }
 
-// micro maps benchmark name -> CIDR count -> ns per packet.
+// micro maps benchmark name -> CIDR count -> ns per packet (the median of the runs).
 type micro map[string]map[int]float64
+
+// microRuns holds every run's value of micro (make bench runs them with -count).
+type microRuns map[string]map[int][]float64
+
+func (r microRuns) add(key string, n int, v float64) {
+	if r[key] == nil {
+		r[key] = map[int][]float64{}
+	}
+	r[key][n] = append(r[key][n], v)
+}
 
 var benchLine = regexp.MustCompile(`^Benchmark(\w+)/cidrs=(\d+)(?:-\d+)?\s+\d+\s+.*?([\d.]+) ns/pkt`)
 
@@ -107,18 +117,18 @@ var connSteps = []struct{ key, title string }{
 	{"pod-fin", "pod FIN"}, {"last-ack", "last ACK"},
 }
 
-func readMicro(path string) (micro, error) {
+func readMicro(path string) (micro, microRuns, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer f.Close()
-	m := micro{}
+	runs := microRuns{}
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
 		if g := floorLine.FindStringSubmatch(sc.Text()); g != nil {
 			v, _ := strconv.ParseFloat(g[1], 64)
-			m[floorKey] = map[int]float64{0: v}
+			runs.add(floorKey, 0, v)
 			continue
 		}
 		if g := connLine.FindStringSubmatch(sc.Text()); g != nil {
@@ -132,10 +142,7 @@ func readMicro(path string) (micro, error) {
 					key = connKey("total")
 				}
 				if key != "" {
-					if m[key] == nil {
-						m[key] = map[int]float64{}
-					}
-					m[key][n] = v
+					runs.add(key, n, v)
 				}
 			}
 			continue
@@ -146,12 +153,16 @@ func readMicro(path string) (micro, error) {
 		}
 		n, _ := strconv.Atoi(g[2])
 		v, _ := strconv.ParseFloat(g[3], 64)
-		if m[g[1]] == nil {
-			m[g[1]] = map[int]float64{}
-		}
-		m[g[1]][n] = v
+		runs.add(g[1], n, v)
 	}
-	return m, sc.Err()
+	m := micro{}
+	for key, byN := range runs {
+		m[key] = map[int]float64{}
+		for n, vs := range byN {
+			m[key][n] = median(vs)
+		}
+	}
+	return m, runs, sc.Err()
 }
 
 // control maps mode -> operation -> the ms per operation of each run, and commands per operation.
@@ -208,7 +219,7 @@ func median[T int64 | float64](xs []T) T {
 }
 
 func run(in, docs string) error {
-	m, err := readMicro(filepath.Join(in, "micro.txt"))
+	m, mr, err := readMicro(filepath.Join(in, "micro.txt"))
 	if err != nil {
 		return fmt.Errorf("micro benchmarks: %w", err)
 	}
@@ -228,7 +239,7 @@ func run(in, docs string) error {
 		return err
 	}
 	var md bytes.Buffer
-	writeReport(&md, m, &r, c)
+	writeReport(&md, m, mr, &r, c)
 	if err := os.WriteFile(filepath.Join(docs, "benchmarks.md"), md.Bytes(), 0o644); err != nil {
 		return err
 	}
@@ -421,7 +432,7 @@ func writePacketCost(w *bytes.Buffer, r *results) {
 	fmt.Fprintln(w)
 }
 
-func writeReport(w *bytes.Buffer, m micro, r *results, c *control) {
+func writeReport(w *bytes.Buffer, m micro, mr microRuns, r *results, c *control) {
 	fmt.Fprintf(w, "# Benchmarks\n\n")
 	fmt.Fprintf(w, "Measured by `make bench` on %s: %d CPUs (%s), kernel %s, %s. Every end-to-end number is the\n",
 		r.StartedAt.Format("2006-01-02"), r.Machine.CPUs, r.Machine.CPU, r.Machine.Kernel, r.Machine.Go)
@@ -429,7 +440,8 @@ func writeReport(w *bytes.Buffer, m micro, r *results, c *control) {
 	fmt.Fprintf(w, "Reproduce with `make bench` (root); the raw results land in `bin/bench/`.\n\n")
 
 	fmt.Fprintf(w, "## Datapath cost per packet (BPF_PROG_TEST_RUN)\n\n")
-	fmt.Fprintf(w, "ns per packet as the kernel measures one run of the program, by the number of non-masquerade CIDRs.\n\n")
+	fmt.Fprintf(w, "ns per packet as the kernel measures one run of the program, by the number of non-masquerade CIDRs:\n")
+	fmt.Fprintf(w, "the median of the benchmark's runs (each the mean of its packets), then (min-max) where it ran more than once.\n\n")
 	ns := sizes(m)
 	fmt.Fprintf(w, "| path |")
 	for _, n := range ns {
@@ -442,7 +454,12 @@ func writeReport(w *bytes.Buffer, m micro, r *results, c *control) {
 		}
 		fmt.Fprintf(w, "| %s |", b.title)
 		for _, n := range ns {
-			fmt.Fprintf(w, " %.1f |", m[b.key][n])
+			if vs := mr[b.key][n]; len(vs) > 1 {
+				lo, mid, hi := spread(vs)
+				fmt.Fprintf(w, " %.0f (%.0f-%.0f) |", mid, lo, hi)
+			} else {
+				fmt.Fprintf(w, " %.1f |", m[b.key][n])
+			}
 		}
 		fmt.Fprintln(w)
 	}
