@@ -310,17 +310,6 @@ func TestPolicyFlipKeepsFlows(t *testing.T) {
 	eachBackend(t, backends(), nil, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
 		ag := env.StartReady(ctx, t, b, flipReturn)
 		StartLineEcho(t, env.Ext, []netip.Addr{dst})
-		flip := func(cfg string) {
-			t.Helper()
-			applied := ag.Count("trigger=config-change", "policy applied")
-			if err := env.Config.Write(cfg); err != nil {
-				t.Fatal(err)
-			}
-			if err := ag.WaitLog(ctx, applied+1, "trigger=config-change", "policy applied"); err != nil {
-				t.Fatal(err)
-			}
-			env.SetGood(cfg, false)
-		}
 		open := func(want netip.Addr) *heldFlow {
 			t.Helper()
 			f := holdFlows(ctx, t, env, dst)
@@ -331,10 +320,10 @@ func TestPolicyFlipKeepsFlows(t *testing.T) {
 		}
 
 		left := open(PodAddr4)
-		flip(flipMasq)
+		reconfigure(ctx, t, env, ag, flipMasq)
 		left.check(t, "after the flip to MASQUERADE")
 		masqueraded := open(NodeAddr4)
-		flip(flipReturn)
+		reconfigure(ctx, t, env, ag, flipReturn)
 		left.check(t, "after the flip back")
 		masqueraded.check(t, "after the flip back")
 		open(PodAddr4)

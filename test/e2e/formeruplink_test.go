@@ -168,41 +168,34 @@ func reconfigure(ctx context.Context, t *testing.T, env *Env, ag *Agent, cfg str
 // device's address, keeps that source, as conntrack keeps its binding; a new one arrives from
 // its own address. On BPF the device drains meanwhile.
 func TestFormerUplinkPods(t *testing.T) {
-	for _, b := range backends() {
-		t.Run(b.Name, func(t *testing.T) {
-			t.Parallel()
-			requireBackend(t, b)
-			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
-			defer cancel()
-			env := NewBackendEnv(ctx, t, b, []string{"--enable-ipv6"})
-			ag := env.StartReady(ctx, t, b, "masqOutBound: true\n")
-			StartLineEcho(t, env.Pod, []netip.Addr{PodAddr6})
-			dial := func(when, line string, want netip.Addr) (*Conn, netip.AddrPort) {
-				t.Helper()
-				conn, err := DialLine(ctx, env.Ext, netip.AddrPortFrom(public6, 0), PodAddr6)
-				if err != nil {
-					t.Fatalf("%s: from %s to the pod: %v", when, public6, err)
-				}
-				t.Cleanup(func() { conn.Close() })
-				src, err := conn.Exchange(line)
-				if err != nil || src.Addr() != want {
-					t.Fatalf("%s: the pod saw %s (%v), want %s", when, src, err, want)
-				}
-				return conn, src
+	eachBackend(t, backends(), []string{"--enable-ipv6"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		ag := env.StartReady(ctx, t, b, "masqOutBound: true\n")
+		StartLineEcho(t, env.Pod, []netip.Addr{PodAddr6})
+		dial := func(when, line string, want netip.Addr) (*Conn, netip.AddrPort) {
+			t.Helper()
+			conn, err := DialLine(ctx, env.Ext, netip.AddrPortFrom(public6, 0), PodAddr6)
+			if err != nil {
+				t.Fatalf("%s: from %s to the pod: %v", when, public6, err)
 			}
-			conn, src := dial("masqueraded toward the pods", "masqueraded", PodGW6)
-			reconfigure(ctx, t, env, ag, "nonMasqueradeCIDRs: [10.0.0.0/8, fd00::/8]\nmasqOutBound: true\n")
-			for i := range 3 {
-				if got, err := conn.Exchange(fmt.Sprintf("kept-%d", i)); err != nil || got != src {
-					t.Fatalf("the open connection after the pods' network is kept: the pod saw %s (%v), before %s", got, err, src)
-				}
+			t.Cleanup(func() { conn.Close() })
+			src, err := conn.Exchange(line)
+			if err != nil || src.Addr() != want {
+				t.Fatalf("%s: the pod saw %s (%v), want %s", when, src, err, want)
 			}
-			dial("the pods' network kept", "kept", public6)
-			if b.NAT {
-				if err := ag.WaitLog(ctx, 1, "a former uplink drains", "pod0"); err != nil {
-					t.Fatal(err)
-				}
+			return conn, src
+		}
+		conn, src := dial("masqueraded toward the pods", "masqueraded", PodGW6)
+		reconfigure(ctx, t, env, ag, "nonMasqueradeCIDRs: [10.0.0.0/8, fd00::/8]\nmasqOutBound: true\n")
+		for i := range 3 {
+			if got, err := conn.Exchange(fmt.Sprintf("kept-%d", i)); err != nil || got != src {
+				t.Fatalf("the open connection after the pods' network is kept: the pod saw %s (%v), before %s", got, err, src)
 			}
-		})
-	}
+		}
+		dial("the pods' network kept", "kept", public6)
+		if b.NAT {
+			if err := ag.WaitLog(ctx, 1, "a former uplink drains", "pod0"); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
 }
