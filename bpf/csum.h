@@ -57,8 +57,8 @@ static __always_inline __u16 ip_csum_replace4(__u16 check, __be32 from, __be32 t
 /* ip4_store_addr writes an IPv4 address and the header checksum it changes in one direct access.
  * bpf_l3_csum_replace would do the same arithmetic behind a helper call (a sizeable share of an
  * established flow's cost where calls are dear: retpolines, SRSO's safe RET) and, like it, leaves
- * skb->csum alone: a header whose checksum follows its address sums to the same. A header out of
- * the linear data (never after parse's pull) takes the helpers. */
+ * skb->csum alone: a header whose checksum follows its address sums to the same. parse only
+ * accepts an IPv4 header in the linear data, so the bound below fails only if a helper moved it. */
 static __always_inline int ip4_store_addr(struct __sk_buff *skb, const int source, __be32 from, __be32 to)
 {
 	void *data, *data_end;
@@ -68,13 +68,8 @@ static __always_inline int ip4_store_addr(struct __sk_buff *skb, const int sourc
 	data = (void *)(long)skb->data;
 	data_end = (void *)(long)skb->data_end;
 	ip = data + ETH_HLEN;
-	if ((void *)(ip + 1) > data_end) {
-		if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), from, to, sizeof(__be32)) < 0)
-			return -1;
-		return bpf_skb_store_bytes(skb, ETH_HLEN + (source ? offsetof(struct iphdr, saddr)
-								   : offsetof(struct iphdr, daddr)),
-					   &to, sizeof(to), 0);
-	}
+	if ((void *)(ip + 1) > data_end)
+		return -1;
 	ip->check = ip_csum_replace4(ip->check, from, to);
 	if (source)
 		ip->saddr = to;

@@ -115,7 +115,7 @@ func checkKernel(t *testing.T, p *policy.Policy) {
 
 // checkDumpAddresses checks the masquerade addresses of dump's counters (Inspect over kernel,
 // given p and given no policy) against the installed policy p.
-func checkDumpAddresses(t *testing.T, kernel nftables.Kernel, p *policy.Policy) {
+func checkDumpAddresses(t *testing.T, kernel nftables.Kernel, p *policy.Policy) (addressed int) {
 	t.Helper()
 	ctx := context.Background()
 	for _, given := range []*policy.Policy{p, nil} {
@@ -132,8 +132,12 @@ func checkDumpAddresses(t *testing.T, kernel nftables.Kernel, p *policy.Policy) 
 				t.Errorf("dump (policy given: %v): %s rule %d %s %s (%s) to %v, want %v",
 					given != nil, c.Family, c.Rule, c.Action, c.Prefix, c.Origin, c.Address, want)
 			}
+			if c.Address.IsValid() {
+				addressed++
+			}
 		}
 	}
+	return addressed
 }
 
 // dumpedAddress is the address dump must show for counter c of the table of p: that of its rule
