@@ -93,45 +93,62 @@ func (r *Resolver) routeDevices() (map[int]map[int]route, []routeTo, error) {
 			out[idx][fam] = rt
 		}
 	}
+	err := r.unicastRoutes(func(fam, t int, dst netip.Prefix, rt netlink.Route) {
+		if dst.Bits() > 0 && !inScope(dst) {
+			return
+		}
+		src, _ := netip.AddrFromSlice(rt.Src)
+		hop := func(idx int, gw net.IP, via netlink.Destination) {
+			g, _ := netip.AddrFromSlice(gw)
+			g = g.Unmap()
+			c := route{src: src.Unmap(), gw: g, via: describe(dst, t), rank: rankOnLink}
+			switch {
+			case dst.Bits() == 0 && t == unix.RT_TABLE_MAIN:
+				c.rank = rankMainDefault
+			case g.IsValid(), via != nil:
+				c.rank = rankGateway
+			}
+			add(fam, idx, dst, c)
+		}
+		hop(rt.LinkIndex, rt.Gw, rt.Via)
+		for _, nh := range rt.MultiPath {
+			hop(nh.LinkIndex, nh.Gw, nh.Via)
+		}
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	return out, all, nil
+}
+
+// unicastRoutes calls fn with each unicast route (not unreachable, blackhole or local: those
+// have no device) of the tables the rules select, its family, table and destination.
+func (r *Resolver) unicastRoutes(fn func(fam, table int, dst netip.Prefix, rt netlink.Route)) error {
 	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
 		tables, err := r.routeTables(fam)
 		if err != nil {
-			return nil, nil, fmt.Errorf("list rules: %w", err)
+			return fmt.Errorf("list rules: %w", err)
 		}
 		for _, t := range tables {
 			routes, err := r.nl.RouteListFiltered(fam, &netlink.Route{Table: t}, netlink.RT_FILTER_TABLE)
 			if err != nil {
-				return nil, nil, fmt.Errorf("list routes of table %d: %w", t, err)
+				return fmt.Errorf("list routes of table %d: %w", t, err)
 			}
 			for _, rt := range routes {
-				if rt.Type != unix.RTN_UNICAST {
-					continue // unreachable, blackhole: no device
-				}
-				dst := prefixOf(fam, rt.Dst)
-				if dst.Bits() > 0 && !inScope(dst) {
-					continue
-				}
-				src, _ := netip.AddrFromSlice(rt.Src)
-				hop := func(idx int, gw net.IP, via netlink.Destination) {
-					g, _ := netip.AddrFromSlice(gw)
-					g = g.Unmap()
-					c := route{src: src.Unmap(), gw: g, via: describe(dst, t), rank: rankOnLink}
-					switch {
-					case dst.Bits() == 0 && t == unix.RT_TABLE_MAIN:
-						c.rank = rankMainDefault
-					case g.IsValid(), via != nil:
-						c.rank = rankGateway
-					}
-					add(fam, idx, dst, c)
-				}
-				hop(rt.LinkIndex, rt.Gw, rt.Via)
-				for _, nh := range rt.MultiPath {
-					hop(nh.LinkIndex, nh.Gw, nh.Via)
+				if rt.Type == unix.RTN_UNICAST {
+					fn(fam, t, prefixOf(fam, rt.Dst), rt)
 				}
 			}
 		}
 	}
-	return out, all, nil
+	return nil
+}
+
+// through tells whether rt leaves by the device of ifindex: its own, or one of a multipath
+// route's next hops (whose LinkIndex is 0).
+func through(rt netlink.Route, ifindex int) bool {
+	return rt.LinkIndex == ifindex ||
+		slices.ContainsFunc(rt.MultiPath, func(nh *netlink.NexthopInfo) bool { return nh.LinkIndex == ifindex })
 }
 
 // LeavesBy returns the uplinks that traffic toward all of dst leaves by: those of the most
@@ -214,7 +231,8 @@ type Device struct {
 	Up bool
 	// Addrs are its addresses that traffic can leave from (as Set.Addrs).
 	Addrs []netip.Addr
-	// Routes are the destinations of its unicast routes in the tables the rules select.
+	// Routes are the destinations of its unicast routes in the tables the rules select, with
+	// those of the multipath routes it is a next hop of.
 	Routes []netip.Prefix
 }
 
@@ -241,23 +259,13 @@ func (r *Resolver) Device(ctx context.Context, ifindex int) (Device, error) {
 		return Device{}, fmt.Errorf("list addresses of %s: %w", d.Name, err)
 	}
 	d.Addrs = usable(addrs)
-	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
-		tables, err := r.routeTables(fam)
-		if err != nil {
-			return Device{}, fmt.Errorf("list rules: %w", err)
+	err = r.unicastRoutes(func(_, _ int, dst netip.Prefix, rt netlink.Route) {
+		if through(rt, ifindex) {
+			d.Routes = append(d.Routes, dst)
 		}
-		for _, t := range tables {
-			routes, err := r.nl.RouteListFiltered(fam, &netlink.Route{Table: t, LinkIndex: ifindex},
-				netlink.RT_FILTER_TABLE|netlink.RT_FILTER_OIF)
-			if err != nil {
-				return Device{}, fmt.Errorf("list routes of table %d: %w", t, err)
-			}
-			for _, rt := range routes {
-				if rt.Type == unix.RTN_UNICAST {
-					d.Routes = append(d.Routes, prefixOf(fam, rt.Dst))
-				}
-			}
-		}
+	})
+	if err != nil {
+		return Device{}, err
 	}
 	return d, nil
 }

@@ -464,7 +464,8 @@ func TestWatchStopsQuietly(t *testing.T) {
 }
 
 // TestDevice: a device's usable addresses and the destinations of its routes in the tables the
-// rules select (not those of a table no rule selects); down, it is not Up; gone, it is nothing.
+// rules select (not those of a table no rule selects), multipath routes through it among them;
+// down, it is not Up; gone, it is nothing.
 func TestDevice(t *testing.T) {
 	ns := newNode(t)
 	ip(t, ns, `link add ext1 type veth peer name ext1p
@@ -474,6 +475,7 @@ addr add 203.0.113.10/24 dev ext1
 route add 198.18.0.0/15 via 203.0.113.1 dev ext1 table 100
 rule add to 198.18.0.0/15 table 100
 route add 100.101.0.0/16 via 203.0.113.1 dev ext1 table 300
+route add 198.20.0.0/16 nexthop via 192.0.2.1 dev up0 nexthop via 203.0.113.1 dev ext1
 `)
 	// device reads ext1, by the ifindex it had at first.
 	idx := 0
@@ -508,7 +510,7 @@ route add 100.101.0.0/16 via 203.0.113.1 dev ext1 table 300
 	if d.Name != "ext1" || !d.Up || !slices.Equal(d.Addrs, []netip.Addr{netip.MustParseAddr("203.0.113.10")}) {
 		t.Fatalf("ext1: %+v", d)
 	}
-	for addr, want := range map[string]bool{"198.19.0.1": true, "203.0.113.7": true, "100.101.0.1": false, "8.8.8.8": false} {
+	for addr, want := range map[string]bool{"198.19.0.1": true, "203.0.113.7": true, "198.20.0.1": true, "100.101.0.1": false, "8.8.8.8": false} {
 		if got := d.Reaches(netip.MustParseAddr(addr)); got != want {
 			t.Errorf("ext1 reaches %s: %v, want %v (routes %v)", addr, got, want, d.Routes)
 		}
