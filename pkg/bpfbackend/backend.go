@@ -507,12 +507,7 @@ func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, ups []uplink.
 	b.mu.Lock()
 	was := b.draining
 	b.mu.Unlock()
-	var draining []former
-	defer func() {
-		b.mu.Lock()
-		b.draining = draining
-		b.mu.Unlock()
-	}()
+	var draining []former // stored once all are seen: on an error, the former uplinks stay listed
 	progs := tc.Programs{Egress: dp.Egress(), Ingress: dp.Ingress()}
 	for _, i := range slices.Compact(slices.Sorted(slices.Values(append(slices.Collect(maps.Keys(snat)), pinned...)))) {
 		if slices.ContainsFunc(ups, func(u uplink.Uplink) bool { return u.Index == i }) {
@@ -548,6 +543,9 @@ func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, ups []uplink.
 		b.log.Info("a former uplink is left: programs detached, its flows flushed", "uplink", f.Name, "ifindex", i,
 			"why", why, "flushedEntries", n)
 	}
+	b.mu.Lock()
+	b.draining = draining
+	b.mu.Unlock()
 	return nil
 }
 
