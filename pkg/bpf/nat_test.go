@@ -283,7 +283,7 @@ func TestUplinkAddressChange(t *testing.T) {
 	if h.events()[Event(masqEventEV_DROP_NO_ADDR)] != drops+1 {
 		t.Fatalf("drop not counted")
 	}
-	if _, err := h.dp.RemoveUplink(testIfindex); err != nil {
+	if _, err := h.dp.RemoveUplinkHolding(testIfindex, nil); err != nil {
 		t.Fatal(err)
 	}
 	if _, ok, _ := h.dp.Uplink(testIfindex); ok {

@@ -117,15 +117,10 @@ func (d *Datapath) mac(ifindex int) (MAC, error) {
 	return v.Addr, nil
 }
 
-// RemoveUplink forgets a device and flushes the flows translated to its addresses.
-func (d *Datapath) RemoveUplink(ifindex int) (int, error) {
-	return d.RemoveUplinkHolding(ifindex, nil)
-}
-
-// RemoveUplinkHolding is RemoveUplink where held are addresses other uplinks still translate
-// to: their flows stay. A flow's entry does not say which device it left by, so flushing the
-// address of a device gone would take the flows of every other uplink sharing it (a
-// masqueradeAddress is every uplink's) with it.
+// RemoveUplinkHolding forgets a device and flushes the flows translated to its addresses, but
+// those of held, addresses other uplinks still translate to: their flows stay. A flow's entry
+// does not say which device it left by, so flushing the address of a device gone would take
+// the flows of every other uplink sharing it (a masqueradeAddress is every uplink's) with it.
 func (d *Datapath) RemoveUplinkHolding(ifindex int, held []netip.Addr) (int, error) {
 	old, ok, err := d.Uplink(ifindex)
 	if err != nil || !ok {
@@ -173,7 +168,7 @@ func (d *Datapath) Uplink(ifindex int) (Uplink, bool, error) {
 }
 
 // Uplinks reads the SNAT addresses of every device the maps hold, by ifindex: every device the
-// programs were attached to has an entry until RemoveUplink.
+// programs were attached to has an entry until RemoveUplinkHolding.
 func (d *Datapath) Uplinks() (map[int]Uplink, error) {
 	out := map[int]Uplink{}
 	if err := eachEntry(d.objs.UplinkSnat, func(idx uint32, v *masqUplink) { out[int(idx)] = uplinkOf(v) }); err != nil {

@@ -46,7 +46,7 @@ func TestUplinkAddressChangeHeld(t *testing.T) {
 
 // TestRemoveUplinkShared: two uplinks sharing an SNAT address (a masqueradeAddress is every
 // uplink's): removing one keeps the flows of the address the other still translates to, which
-// RemoveUplink flushes; MasqueradedFlows counts a flow once, by its remote end.
+// removing both flushes; MasqueradedFlows counts a flow once, by its remote end.
 func TestRemoveUplinkShared(t *testing.T) {
 	h := newHarness(t, defaultPolicy(false), LoadOptions{})
 	const other = 77 // a second uplink with the same address; the map takes any ifindex
