@@ -335,7 +335,7 @@ func verifyBPF(ctx context.Context, t testing.TB, env *Env, mode string) {
 	}
 
 	progs, _ := env.UplinkPrograms(t)
-	wantProgs := []Attached{{mode, "egress", "tc_egress"}, {mode, "ingress", "tc_ingress"}}
+	wantProgs := ourPrograms(mode)
 	if !slices.Equal(progs, wantProgs) {
 		t.Errorf("programs on %s: %v, want %v", Uplink, progs, wantProgs)
 	}
@@ -381,6 +381,12 @@ func bpfLeft(t testing.TB, env *Env) string {
 
 // ourProgram tells the agent's programs by name (bpf/masq.c's entry points).
 func ourProgram(name string) bool { return name == "tc_egress" || name == "tc_ingress" }
+
+// ourPrograms are the agent's programs on a device it attached them to in mode, as
+// DevicePrograms lists them.
+func ourPrograms(mode string) []Attached {
+	return []Attached{{mode, "egress", "tc_egress"}, {mode, "ingress", "tc_ingress"}}
+}
 
 // driftBPF damages the datapath as an admin might: the egress program is detached from the
 // uplink, and 10.0.0.0/8 is deleted from the non-masquerade trie.
@@ -499,7 +505,7 @@ func bpfDamages(mode string) []Damage {
 	programs := func(ctx context.Context, t testing.TB, env *Env) bool {
 		t.Helper()
 		got, _ := env.UplinkPrograms(t)
-		return slices.Equal(got, []Attached{{mode, "egress", "tc_egress"}, {mode, "ingress", "tc_ingress"}})
+		return slices.Equal(got, ourPrograms(mode))
 	}
 	tenSlash8 := netip.MustParsePrefix("10.0.0.0/8")
 	var natID, linkID uint32 // the pinned objects before their pins were removed

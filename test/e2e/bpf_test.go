@@ -488,7 +488,7 @@ func TestBPFFollowsUplinks(t *testing.T) {
 			t.Fatal(err)
 		}
 		mode := strings.TrimPrefix(b.Name, "bpf-")
-		want := []Attached{{mode, "egress", "tc_egress"}, {mode, "ingress", "tc_ingress"}}
+		want := ourPrograms(mode)
 		deadline := time.Now().Add(5 * time.Second)
 		for {
 			got, _ := env.DevicePrograms(t, "late0")

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -101,8 +102,9 @@ func TestFormerUplink(t *testing.T) {
 				if v, ok := m.Value("ip_masq_agent_uplink_info", Labels{"device": "uplink2", "via": "former uplink, draining", "covered": "true"}); !ok || v != 1 {
 					t.Errorf("uplink_info of uplink2: %v %v, want 1 draining; series %v", v, ok, m.Series("ip_masq_agent_uplink_info", nil))
 				}
-				if progs, _ := env.DevicePrograms(t, "uplink2"); len(progs) < 2 {
-					t.Errorf("uplink2 runs %v while it drains, want our egress and ingress programs", progs)
+				want := ourPrograms(strings.TrimPrefix(b.Name, "bpf-"))
+				if progs, _ := env.DevicePrograms(t, "uplink2"); !slices.Equal(progs, want) {
+					t.Errorf("uplink2 runs %v while it drains, want %v", progs, want)
 				}
 			}
 			if code, body, err := ag.Get(ctx, "/readyz"); err != nil || code != http.StatusOK {
