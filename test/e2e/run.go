@@ -126,6 +126,11 @@ func (e *Env) startReady(ctx context.Context, t testing.TB, b Backend) *Agent {
 	if err := a.WaitReady(ctx); err != nil {
 		t.Fatalf("agent not ready: %v", err)
 	}
+	// Readiness can be seen before the log line of the apply that made it: tests that count
+	// "policy applied" lines from here on must find it counted already.
+	if err := a.WaitLog(ctx, 1, "policy applied"); err != nil {
+		t.Fatalf("agent ready, but its first apply is not in its log: %v", err)
+	}
 	return a
 }
 
