@@ -170,6 +170,8 @@ func TestDriftUnenforced(t *testing.T) {
 	b.Damage()
 	r.waitStats(t, "the end of the bypass", func(s Stats) bool { return len(s.Unenforced) == 0 })
 	r.waitReady(t)
+	// The stats and readiness change a hair before the line about it is logged.
+	r.waitLog(t, "enforced everywhere again")
 	logs := r.log.String()
 	if n := countLines(logs, "not enforced everywhere", "bypassed"); n != 1 {
 		t.Errorf("%d lines about the bypass, want 1", n)
