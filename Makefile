@@ -22,7 +22,7 @@ TESTFLAGS ?= -count=1 -timeout 25m
 # Pinned clang flags for the BPF objects (read by the go:generate lines through the environment).
 export BPF_CFLAGS := -O2 -g -Wall -Werror -mcpu=v3
 
-.PHONY: all build image test unit e2e demo generate check-generate bench lint deps clean
+.PHONY: all build image test unit e2e demo generate check-generate bench lint deps clean k8s
 
 all: build
 
@@ -61,6 +61,24 @@ unit:
 DEMO_BACKEND ?= bpf
 demo: deps build
 	$(GO) run ./test/demo -bin $(BIN) -backend $(DEMO_BACKEND)
+
+## k8s: the Kubernetes components the cluster tests run, built from the Go module proxy by the
+## tools module in test/cluster/k8s (its own go.mod: k8s.io/kubernetes and its staging modules at
+## one version) and kept in bin/k8s/VERSION, so a version is built once. Cold: about 5 minutes.
+K8S_MODULE     := test/cluster/k8s
+K8S_VERSION    := $(shell awk '$$1 == "k8s.io/kubernetes" { print $$2 }' $(K8S_MODULE)/go.mod)
+K8S_BIN        := bin/k8s/$(K8S_VERSION)
+K8S_COMPONENTS := kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl
+K8S_LDFLAGS    := -s -w -X k8s.io/component-base/version.gitVersion=$(K8S_VERSION) \
+	-X k8s.io/component-base/version.gitMajor=$(word 1,$(subst ., ,$(K8S_VERSION:v%=%))) \
+	-X k8s.io/component-base/version.gitMinor=$(word 2,$(subst ., ,$(K8S_VERSION:v%=%))) \
+	-X k8s.io/client-go/pkg/version.gitVersion=$(K8S_VERSION)
+k8s: $(K8S_BIN)/.built
+$(K8S_BIN)/.built: $(K8S_MODULE)/go.mod $(K8S_MODULE)/go.sum
+	mkdir -p $(K8S_BIN)
+	cd $(K8S_MODULE) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(K8S_LDFLAGS)" \
+		-o $(CURDIR)/$(K8S_BIN)/ $(addprefix k8s.io/kubernetes/cmd/,$(K8S_COMPONENTS))
+	touch $@
 
 generate:
 	$(GO) generate ./...
