@@ -41,10 +41,11 @@ image: deps build
 	podman load --input $(IMAGE_OUT)
 
 ## test: every test, privileged ones included (run as root; CI=true makes a test that cannot run fail).
+## The cluster tests run the Kubernetes components make k8s builds (once per version).
 ## The container suite runs after the rest: its image builds (mmdebstrap, dpkg) take the machine's
 ## CPU and disk for a minute or more, which would slow the time-bound end-to-end tests beside it.
 CONTAINER_TESTS := ./test/container
-test: deps build
+test: deps build k8s
 	$(GO) test $(TESTFLAGS) $$($(GO) list ./... | grep -v -x -F $$($(GO) list $(CONTAINER_TESTS)))
 	$(GO) test $(TESTFLAGS) $(CONTAINER_TESTS)
 

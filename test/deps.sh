@@ -21,6 +21,13 @@ have mmdebstrap || need+=(mmdebstrap)
 have podman     || need+=(podman)
 have runc       || need+=(runc)
 [ -f /usr/share/containers/seccomp.json ] || need+=(golang-github-containers-common)
+# The cluster tests (internal/cluster, test/cluster): etcd for the API server's storage,
+# containerd (with runc, above) for the node's pods, the CNI plugins (bridge, host-local) for
+# their network, nsenter and unshare (util-linux) to run the node in its own namespaces.
+have etcd       || need+=(etcd-server)
+have containerd || need+=(containerd)
+[ -x /usr/lib/cni/bridge ] || need+=(containernetworking-plugins)
+have nsenter    || need+=(util-linux)
 # `deps.sh bench`: what make bench needs beyond the tests.
 if [ "${1:-}" = bench ]; then
 	have gnuplot || need+=(gnuplot-nox)
@@ -37,5 +44,12 @@ if ! have apt-get; then
 fi
 echo "installing: ${need[*]}"
 export DEBIAN_FRONTEND=noninteractive
+# Install services (containerd) without starting them: the tests run their own, in namespaces
+# of their own, never one on the host. policy-rc.d is the Debian way to say so.
+if [ ! -e /usr/sbin/policy-rc.d ]; then
+	printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+	chmod 0755 /usr/sbin/policy-rc.d
+	trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+fi
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null

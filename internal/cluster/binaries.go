@@ -1,0 +1,81 @@
+package cluster
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+)
+
+// BinEnv names the directory of the Kubernetes binaries when they are not where `make k8s`
+// puts them.
+const BinEnv = "IP_MASQ_AGENT_K8S_BIN"
+
+// toolsModule is the module that pins the Kubernetes release (test/cluster/k8s/go.mod), relative
+// to the repository's root.
+const toolsModule = "test/cluster/k8s/go.mod"
+
+// Binaries finds the Kubernetes components: $IP_MASQ_AGENT_K8S_BIN, or bin/k8s/VERSION of the
+// repository, VERSION being k8s.io/kubernetes's in the tools module, where `make k8s` builds
+// them. The error says how to build them.
+func Binaries() (string, error) {
+	dir := os.Getenv(BinEnv)
+	if dir == "" {
+		root, err := RepoRoot()
+		if err != nil {
+			return "", err
+		}
+		version, err := KubernetesVersion(root)
+		if err != nil {
+			return "", err
+		}
+		dir = filepath.Join(root, "bin", "k8s", version)
+	}
+	for _, name := range []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy", "kubectl"} {
+		if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
+			return "", fmt.Errorf("no %s in %s (make k8s builds the Kubernetes components): %w", name, dir, err)
+		}
+	}
+	return dir, nil
+}
+
+// RepoRoot is the repository's root: the nearest directory at or above the working directory
+// whose go.mod is the project's (go test runs a test in its package's directory).
+func RepoRoot() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for {
+		b, err := os.ReadFile(filepath.Join(dir, "go.mod"))
+		if err == nil && strings.HasPrefix(string(b), "module github.com/ip-masq-agent/ip-masq-agent\n") {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", errors.New("not inside the ip-masq-agent repository")
+		}
+		dir = parent
+	}
+}
+
+// KubernetesVersion is the Kubernetes release the tools module builds.
+func KubernetesVersion(root string) (string, error) {
+	f, err := os.Open(filepath.Join(root, toolsModule))
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if fields := strings.Fields(sc.Text()); len(fields) >= 2 && fields[0] == "k8s.io/kubernetes" {
+			return fields[1], nil
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return "", err
+	}
+	return "", fmt.Errorf("%s requires no k8s.io/kubernetes", toolsModule)
+}
