@@ -1,127 +1,131 @@
-// Package backends is the one list of the agent's datapath backends: for each, its name, how it
-// is built (and so whether it can run on this node, and why not), how it is removed (when
-// another backend displaces it, and by `cleanup`), and how `dump` reads what it installed; and
-// what --backend auto does with them. The command line takes every backend from here, so a new
-// backend is its own package plus one entry of All.
+// Package backends is the registry: the one list of the agent's datapath backends (each
+// package's datapath.Entry: its name, flags, how it is built, removed and read) and what
+// --backend auto does with them. The command line takes every backend from here, so a new
+// backend is its own package plus one line of All.
 package backends
 
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
 	"strings"
-	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nftables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/uplink"
 )
+
+// All are the backends, in the order --backend auto tries them: auto takes the first that fits
+// the node (Entry.Fits) and can run on it (whose New succeeds), and logs why it passed over the
+// ones before.
+var All = []datapath.Entry{bpfbackend.Entry, nftables.Entry, iptables.Entry}
 
 // Auto is the --backend value that lets the node choose.
 const Auto = "auto"
 
-// Options are what the command line gives the backends; each backend reads the fields it uses.
+// Options are what the command line gives the backends: the settings they share, and each
+// one's own.
 type Options struct {
-	// BPFFS is the BPF filesystem the BPF backend pins under (--bpffs).
-	BPFFS string
-	// Interfaces are the uplinks (--interfaces); empty means the devices of the default routes.
+	// Interfaces are the uplinks (--interfaces); empty means the devices pod traffic leaves by.
 	Interfaces []string
 	// EnableIPv6 is --enable-ipv6.
 	EnableIPv6 bool
-	// AttachMode, SweepInterval and Timeouts are the BPF backend's --attach-mode,
-	// --nat-sweep-interval and --nat-timeouts.
-	AttachMode    string
-	SweepInterval time.Duration
-	Timeouts      bpf.Timeouts
-	// NATEntries is the BPF backend's --nat-max-entries; 0 means bpf.DefaultNATEntries.
-	NATEntries uint32
-	// Chain is the iptables backend's chain (--masq-chain).
-	Chain string
-	// Runner runs the iptables tools; nil runs them on the node (tests give a fake).
-	Runner iptables.Runner
-	// NFTables are the nftables backend's nft and netlink; zero runs them on the node (tests
-	// give a fake). Its Logger is Logger.
-	NFTables nftables.Options
 	// Logger receives the backends' logs; nil discards them.
 	Logger *slog.Logger
+	// Settings are each backend's own (RegisterFlags); a backend without any gets the defaults
+	// of its flags.
+	Settings Settings
 }
 
-func (o Options) logger() *slog.Logger {
-	if o.Logger == nil {
-		return slog.New(slog.DiscardHandler)
+// Settings are the backends' own settings, by backend name.
+type Settings map[string]datapath.Settings
+
+// RegisterFlags registers every backend's own flags on fs, and returns the settings they parse
+// into. group is called around each backend's registration, with a title for its flags in the
+// help.
+func RegisterFlags(fs *flag.FlagSet, group func(title string, register func())) Settings {
+	s := Settings{}
+	for _, b := range All {
+		if b.Flags != nil {
+			group(b.Title+" backend", func() { s[b.Name] = b.Flags(fs) })
+		}
 	}
-	return o.Logger
+	return s
 }
 
-// Backend is one entry of the registry.
-type Backend struct {
-	// Name is the --backend value, as the backend's datapath.Backend.Name.
-	Name string
-	// Title names the datapath in messages: "the BPF datapath".
-	Title string
-	// AutoWhen says when auto takes this backend, for --backend's help ("when the kernel
-	// supports it"); the last backend of All takes what the others leave.
-	AutoWhen string
-	// Fits, when set, says whether auto may take the backend on this node (nil) or why not,
-	// beyond whether it can run at all (New); a backend named on the command line is not asked.
-	Fits func(ctx context.Context, o Options) error
-	// New builds the backend and installs nothing. It probes the node: its error says why the
-	// backend cannot run here.
-	New func(ctx context.Context, o Options) (datapath.Backend, error)
-	// Cleanup removes everything the backend installs, whatever process installed it and with
-	// whatever flags; absent state is not an error. It reports what it removed, in a line of
-	// `cleanup`'s output.
-	Cleanup func(ctx context.Context, o Options) (string, error)
-	// Read returns a Reader of each installation of the backend on the node, none when nothing
-	// is installed. p is the policy to explain the installed rules with (nil: unknown).
-	Read func(ctx context.Context, o Options, p *policy.Policy) ([]datapath.Reader, error)
-	// Absent says, when Read finds nothing, where it looked.
-	Absent func(o Options) string
-	// CountNote, when set, says what the backend's packet counters count, under dump's rules.
-	CountNote string
-	// Render, when set, is what `render` prints for the backend: the text of the transactions
-	// an apply of p from nothing runs. A backend without one has nothing textual to show.
-	Render func(p *policy.Policy, o Options) string
+// Check validates the options: --interfaces, and each backend's own settings.
+func (o Options) Check() error {
+	if err := uplink.CheckInterfaces(o.Interfaces); err != nil {
+		return err
+	}
+	return o.Settings.Check()
 }
 
-// All are the backends, in the order --backend auto tries them: auto takes the first that fits
-// the node (Fits) and can run on it (whose New succeeds), and logs why it passed over the ones
-// before.
-var All = []Backend{bpfBackend, nftablesBackend, iptablesBackend}
+// Check validates each backend's settings (the bounds of its flags).
+func (s Settings) Check() error {
+	for _, b := range All {
+		if own := s[b.Name]; own != nil {
+			if err := own.Check(); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// env is what b's functions are given under o.
+func (o Options) env(b datapath.Entry) datapath.Env {
+	e := datapath.Env{Interfaces: o.Interfaces, EnableIPv6: o.EnableIPv6, Logger: o.Logger, Own: o.Settings[b.Name]}
+	if e.Logger == nil {
+		e.Logger = slog.New(slog.DiscardHandler)
+	}
+	if e.Own == nil && b.Flags != nil {
+		e.Own = b.Flags(flag.NewFlagSet(b.Name, flag.ContinueOnError))
+	}
+	return e
+}
 
 // Lookup returns the backend named name.
-func Lookup(name string) (Backend, bool) {
+func Lookup(name string) (datapath.Entry, bool) {
 	for _, b := range All {
 		if b.Name == name {
 			return b, true
 		}
 	}
-	return Backend{}, false
+	return datapath.Entry{}, false
 }
 
 // Names are the backends' names, for messages: "bpf or iptables".
 func Names() string { return names(All) }
 
-func names(list []Backend) string {
+func names(list []datapath.Entry) string {
 	names := make([]string, len(list))
 	for i, b := range list {
 		names[i] = b.Name
 	}
-	if len(names) == 1 {
-		return names[0]
+	return orList(names)
+}
+
+// orList joins items as "a, b or c".
+func orList(items []string) string {
+	if len(items) == 1 {
+		return items[0]
 	}
-	return strings.Join(names[:len(names)-1], ", ") + " or " + names[len(names)-1]
+	return strings.Join(items[:len(items)-1], ", ") + " or " + items[len(items)-1]
 }
 
 // Usage is the help of --backend.
 func Usage() string { return usage(All) }
 
-func usage(list []Backend) string {
+func usage(list []datapath.Entry) string {
 	var auto []string
 	for i, b := range list {
 		if i == len(list)-1 {
@@ -131,6 +135,16 @@ func usage(list []Backend) string {
 		}
 	}
 	return fmt.Sprintf("datapath: %s (%s), %s", Auto, strings.Join(auto, ", "), names(list))
+}
+
+// Installs says what the backends install, for cleanup's description: "the BPF programs and
+// pins, the nftables tables, ...".
+func Installs() string {
+	var out []string
+	for _, b := range All {
+		out = append(out, b.Installs)
+	}
+	return strings.Join(out, ", ")
 }
 
 // CheckName checks a --backend value.
@@ -160,69 +174,114 @@ func (c *Chosen) Close() error {
 }
 
 // Choose builds the backend that name (a --backend value) selects. Auto tries All in order and
-// takes the first that fits and can run here, logging why it passed over the others; a named
-// backend that cannot run is an error.
+// takes the first that fits and can run here, else the first that runs of those it passed over
+// as unfit, logging why it passed over the others; a named backend that cannot run is an error.
 func Choose(ctx context.Context, name string, o Options) (*Chosen, error) {
 	if err := CheckName(name); err != nil {
 		return nil, err
 	}
-	log := o.logger().With("component", "backends")
 	candidates := All
 	if name != Auto {
 		b, _ := Lookup(name)
-		candidates = []Backend{b}
+		candidates = []datapath.Entry{b}
 	}
-	// passed are the backends auto passed over, and why, logged once it chose one.
-	type passed struct {
-		b     Backend
-		unfit bool
-		err   error
-	}
-	var skipped []passed
-	var err error
+	c := chooser{o: o, log: o.logger().With("component", "backends")}
+	var unfit []datapath.Entry
 	for _, b := range candidates {
 		if name == Auto && b.Fits != nil {
-			if err = b.Fits(ctx, o); err != nil {
-				skipped = append(skipped, passed{b, true, err})
+			if err := b.Fits(ctx, o.env(b)); err != nil {
+				c.passed = append(c.passed, passed{b, true, err})
+				unfit = append(unfit, b)
 				continue
 			}
 		}
-		var dp datapath.Backend
-		if dp, err = b.New(ctx, o); err != nil {
-			skipped = append(skipped, passed{b, false, err})
-			continue
+		if chosen := c.take(ctx, b); chosen != nil {
+			return chosen, nil
 		}
-		for _, s := range skipped {
-			if s.unfit {
-				log.Info(fmt.Sprintf("the %s datapath does not fit this node; using %s", s.b.Title, b.Name), "reason", s.err)
-			} else {
-				log.Warn(fmt.Sprintf("the %s datapath cannot run here; using %s", s.b.Title, b.Name), "reason", s.err)
-			}
-		}
-		attrs := []any{"backend", b.Name}
-		if r, ok := dp.(datapath.InfoReporter); ok && r.Info().AttachMode != datapath.AttachNone {
-			attrs = append(attrs, "attachMode", r.Info().AttachMode)
-		}
-		log.Info("datapath chosen", attrs...)
-		c := &Chosen{Backend: dp, Displace: others(b.Name, o)}
-		if ch, ok := dp.(interface{ Changes() <-chan string }); ok {
-			c.Changes = ch.Changes()
-		}
-		return c, nil
 	}
-	return nil, fmt.Errorf("backend %s: %w", candidates[len(candidates)-1].Name, err)
+	for _, b := range unfit {
+		if chosen := c.take(ctx, b); chosen != nil {
+			return chosen, nil
+		}
+	}
+	return nil, errors.Join(c.errs...)
+}
+
+// chooser is what Choose has tried.
+type chooser struct {
+	o      Options
+	log    *slog.Logger
+	passed []passed
+	errs   []error
+}
+
+// passed is a backend auto passed over, and why, logged once it chose one.
+type passed struct {
+	b     datapath.Entry
+	unfit bool
+	err   error
+}
+
+// take builds b: the backend chosen, with the backends passed over logged; or nil, with b
+// passed over and its error kept.
+func (c *chooser) take(ctx context.Context, b datapath.Entry) *Chosen {
+	dp, err := b.New(ctx, c.o.env(b))
+	if err != nil {
+		c.passed = append(c.passed, passed{b, false, err})
+		c.errs = append(c.errs, fmt.Errorf("backend %s: %w", b.Name, err))
+		return nil
+	}
+	// A backend that cannot run is a warning where auto would have taken it over b: one
+	// ahead of b in All. Those after b were tried only because b does not fit.
+	ahead := func(x datapath.Entry) bool {
+		return slices.IndexFunc(All, func(e datapath.Entry) bool { return e.Name == x.Name }) <
+			slices.IndexFunc(All, func(e datapath.Entry) bool { return e.Name == b.Name })
+	}
+	for _, s := range c.passed {
+		switch {
+		case s.b.Name == b.Name:
+		case s.unfit:
+			c.log.Info(fmt.Sprintf("the %s datapath does not fit this node; using %s", s.b.Title, b.Name), "reason", s.err)
+		case ahead(s.b):
+			c.log.Warn(fmt.Sprintf("the %s datapath cannot run here; using %s", s.b.Title, b.Name), "reason", s.err)
+		default:
+			c.log.Info(fmt.Sprintf("the %s datapath cannot run here; using %s", s.b.Title, b.Name), "reason", s.err)
+		}
+	}
+	for _, s := range c.passed {
+		if s.unfit && s.b.Name == b.Name {
+			c.log.Info(fmt.Sprintf("the %s datapath does not fit this node, but no backend that fits can run: using it", s.b.Title), "reason", s.err)
+		}
+	}
+	attrs := []any{"backend", b.Name}
+	if r, ok := dp.(datapath.InfoReporter); ok && r.Info().AttachMode != datapath.AttachNone {
+		attrs = append(attrs, "attachMode", r.Info().AttachMode)
+	}
+	c.log.Info("datapath chosen", attrs...)
+	chosen := &Chosen{Backend: dp, Displace: others(b.Name, c.o)}
+	if ch, ok := dp.(interface{ Changes() <-chan string }); ok {
+		chosen.Changes = ch.Changes()
+	}
+	return chosen
+}
+
+func (o Options) logger() *slog.Logger {
+	if o.Logger == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return o.Logger
 }
 
 // displaced is a backend another one displaces (agent.Displaced).
 type displaced struct {
-	b Backend
+	b datapath.Entry
 	o Options
 }
 
 func (d displaced) Name() string { return d.b.Name }
 
 func (d displaced) Cleanup(ctx context.Context) error {
-	_, err := d.b.Cleanup(ctx, d.o)
+	_, err := d.b.Cleanup(ctx, d.o.env(d.b))
 	return err
 }
 
@@ -248,7 +307,7 @@ type Report struct {
 func Cleanup(ctx context.Context, o Options) []Report {
 	out := make([]Report, len(All))
 	for i, b := range All {
-		removed, err := b.Cleanup(ctx, o)
+		removed, err := b.Cleanup(ctx, o.env(b))
 		out[i] = Report{Backend: b.Name, Removed: removed, Err: err}
 	}
 	return out
@@ -260,7 +319,7 @@ func Cleanup(ctx context.Context, o Options) []Report {
 func Installed(ctx context.Context, o Options, p *policy.Policy) (readers []datapath.Reader, absent []string, err error) {
 	var errs []error
 	for _, b := range All {
-		rs, err := b.Read(ctx, o, p)
+		rs, err := b.Read(ctx, o.env(b), p)
 		if err != nil {
 			errs = append(errs, err)
 		}
@@ -268,8 +327,33 @@ func Installed(ctx context.Context, o Options, p *policy.Policy) (readers []data
 	}
 	if len(readers) == 0 {
 		for _, b := range All {
-			absent = append(absent, b.Absent(o))
+			absent = append(absent, b.Absent(o.env(b)))
 		}
 	}
 	return readers, absent, errors.Join(errs...)
+}
+
+// Renderer is what `render` prints for the backend named name (Entry.Render), and false when
+// it has nothing textual to show.
+func Renderer(name string) (func(p *policy.Policy, o Options) string, bool) {
+	b, ok := Lookup(name)
+	if !ok || b.Render == nil {
+		return nil, false
+	}
+	return func(p *policy.Policy, o Options) string { return b.Render(p, o.env(b)) }, true
+}
+
+// RenderDefault is the backend `render` prints by default: the iptables payload, as the upstream
+// agent writes it.
+const RenderDefault = iptables.Name
+
+// Renderable names the backends Render prints: "iptables or nftables".
+func Renderable() string {
+	var list []string
+	for _, b := range All {
+		if b.Render != nil {
+			list = append(list, b.Name)
+		}
+	}
+	return orList(list)
 }

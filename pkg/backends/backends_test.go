@@ -12,7 +12,9 @@ import (
 
 	"sigs.k8s.io/knftables"
 
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables/iptablestest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nftables"
@@ -27,7 +29,7 @@ import (
 func TestEveryBackendIsComplete(t *testing.T) {
 	seen := map[string]bool{Auto: true}
 	for i, b := range All {
-		if b.Name == "" || b.Title == "" || b.New == nil || b.Cleanup == nil || b.Read == nil || b.Absent == nil {
+		if b.Name == "" || b.Title == "" || b.Installs == "" || b.New == nil || b.Cleanup == nil || b.Read == nil || b.Absent == nil {
 			t.Errorf("backend %d (%q) lacks a field: %+v", i, b.Name, b)
 		}
 		if i < len(All)-1 && b.AutoWhen == "" {
@@ -43,11 +45,11 @@ func TestEveryBackendIsComplete(t *testing.T) {
 func TestNamesAndUsage(t *testing.T) {
 	// The two backends the upstream-compatible help text was written for; a third one joins
 	// the lists the same way.
-	two := []Backend{bpfBackend, iptablesBackend}
+	two := []datapath.Entry{bpfbackend.Entry, iptables.Entry}
 	if got, want := usage(two), "datapath: auto (BPF when the kernel supports it, else iptables), bpf or iptables"; got != want {
 		t.Errorf("usage %q, want %q", got, want)
 	}
-	if got, want := names(append(two[:1:1], Backend{Name: "x"}, iptablesBackend)), "bpf, x or iptables"; got != want {
+	if got, want := names(append(two[:1:1], datapath.Entry{Name: "x"}, iptables.Entry)), "bpf, x or iptables"; got != want {
 		t.Errorf("names %q, want %q", got, want)
 	}
 	for _, b := range All {
@@ -87,10 +89,29 @@ func TestREADMEListsEveryBackend(t *testing.T) {
 
 func notBPFFS(t *testing.T) string { return t.TempDir() }
 
+// options are the backends' options on a node whose iptables tools ipt runs, whose nft and
+// netlink nft fakes, and whose --bpffs is bpffs.
+func options(bpffs string, ipt iptables.Runner, nft *nftables.Options) Options {
+	s := Settings{iptables.Name: &iptables.Settings{Runner: ipt}}
+	if nft != nil {
+		s[nftables.Name] = nft
+	}
+	if bpffs != "" {
+		s[bpfbackend.Name] = &bpfbackend.Settings{BPFFS: bpffs}
+	}
+	return Options{Settings: s}
+}
+
+func nftOptions(f *nftablestest.Fake) *nftables.Options {
+	o := f.Options()
+	return &o
+}
+
 func TestChooseAutoFallsBack(t *testing.T) {
 	var logs bytes.Buffer
 	f := iptablestest.New()
-	o := Options{BPFFS: notBPFFS(t), Runner: f, NFTables: nftablestest.New().Options(), Logger: slog.New(slog.NewTextHandler(&logs, nil))}
+	o := options(notBPFFS(t), f, nftOptions(nftablestest.New()))
+	o.Logger = slog.New(slog.NewTextHandler(&logs, nil))
 	c, err := Choose(context.Background(), Auto, o)
 	if err != nil {
 		t.Fatal(err)
@@ -113,7 +134,7 @@ func TestChooseAutoFallsBack(t *testing.T) {
 		t.Errorf("displaces %q, want every other backend: %q", displaced, want)
 	}
 	for _, want := range []string{"the BPF datapath cannot run here; using iptables", "is not a BPF filesystem",
-		"the nftables datapath does not fit this node; using iptables", "kube-proxy has no nftables table and the node has iptables",
+		"the nftables datapath does not fit this node; using iptables", "kube-proxy has no nftables table",
 		"datapath chosen", "backend=iptables"} {
 		if !strings.Contains(logs.String(), want) {
 			t.Errorf("logs lack %q:\n%s", want, logs.String())
@@ -127,7 +148,7 @@ func TestChooseAutoFallsBack(t *testing.T) {
 
 func TestChooseNamedBackendThatCannotRun(t *testing.T) {
 	dir := notBPFFS(t)
-	_, err := Choose(context.Background(), "bpf", Options{BPFFS: dir, Runner: iptablestest.New()})
+	_, err := Choose(context.Background(), "bpf", options(dir, iptablestest.New(), nil))
 	if err == nil || !strings.HasPrefix(err.Error(), "backend bpf: --bpffs "+dir+" is not a BPF filesystem") {
 		t.Errorf("err = %v", err)
 	}
@@ -137,7 +158,7 @@ func TestChooseNamedBackendThatCannotRun(t *testing.T) {
 	noNFT.NFT = func(policy.Family) (knftables.Interface, error) {
 		return nil, errors.New("could not find nftables binary")
 	}
-	_, err = Choose(context.Background(), Auto, Options{BPFFS: dir, Runner: f, NFTables: noNFT})
+	_, err = Choose(context.Background(), Auto, options(dir, f, &noNFT))
 	if err == nil || !strings.Contains(err.Error(), "backend iptables: no iptables tools found") {
 		t.Errorf("auto where nothing can run: err = %v", err)
 	}
@@ -163,7 +184,8 @@ func TestIptablesCleanup(t *testing.T) {
 	if err := b.Apply(ctx, installedPolicy(t)); err != nil {
 		t.Fatal(err)
 	}
-	o := Options{BPFFS: notBPFFS(t), Runner: f, Chain: "MY-CHAIN"}
+	o := options(notBPFFS(t), nil, nil)
+	o.Settings[iptables.Name] = &iptables.Settings{Runner: f, Chain: "MY-CHAIN"}
 	for _, d := range others("bpf", o) {
 		if d.Name() != iptables.Name {
 			continue // only the iptables backend has a fake here
@@ -175,13 +197,13 @@ func TestIptablesCleanup(t *testing.T) {
 	if f.NAT(iptables.ModeNFT, policy.IPv4).Has("MY-CHAIN") {
 		t.Error("the displaced iptables backend left its chain")
 	}
-	removed, err := iptablesBackend.Cleanup(ctx, o)
+	removed, err := iptables.Entry.Cleanup(ctx, o.env(iptables.Entry))
 	if err != nil || removed != "chain MY-CHAIN and its jumps are gone (IPv4 and IPv6, iptables-nft and iptables-legacy)" {
 		t.Errorf("cleanup: %q, %v", removed, err)
 	}
 
 	f.Installed = map[string]bool{}
-	removed, err = iptablesBackend.Cleanup(ctx, o)
+	removed, err = iptables.Entry.Cleanup(ctx, o.env(iptables.Entry))
 	if err != nil || !strings.HasPrefix(removed, "no tools, so no chain to remove (") || strings.Contains(removed, "\n") {
 		t.Errorf("cleanup without tools: %q, %v", removed, err)
 	}
@@ -190,12 +212,12 @@ func TestIptablesCleanup(t *testing.T) {
 func TestInstalled(t *testing.T) {
 	ctx := context.Background()
 	f := iptablestest.New()
-	o := Options{BPFFS: t.TempDir(), Runner: f, NFTables: nftablestest.New().Options()}
+	o := options(t.TempDir(), f, nftOptions(nftablestest.New()))
 	readers, absent, err := Installed(ctx, o, nil)
 	if err != nil || len(readers) != 0 {
 		t.Fatalf("nothing installed: %v, %v", readers, err)
 	}
-	if len(absent) != len(All) || !slices.Contains(absent, "nothing pinned under "+o.BPFFS+"/ip-masq-agent") ||
+	if len(absent) != len(All) || !slices.Contains(absent, "nothing pinned under "+o.Settings[bpfbackend.Name].(*bpfbackend.Settings).BPFFS+"/ip-masq-agent") ||
 		!slices.Contains(absent, "no IP-MASQ-AGENT chain in iptables-nft or iptables-legacy") {
 		t.Errorf("absent %q, want where each backend looked", absent)
 	}
@@ -230,7 +252,8 @@ func TestChooseAutoTakesNftables(t *testing.T) {
 			if tt.kubeProxy {
 				nft.Others = map[policy.Family][]string{policy.IPv6: {nftables.KubeProxyTable}}
 			}
-			o := Options{BPFFS: notBPFFS(t), Runner: f, NFTables: nft.Options(), Logger: slog.New(slog.NewTextHandler(&logs, nil))}
+			o := options(notBPFFS(t), f, nftOptions(nft))
+			o.Logger = slog.New(slog.NewTextHandler(&logs, nil))
 			c, err := Choose(context.Background(), Auto, o)
 			if err != nil {
 				t.Fatal(err)
@@ -245,8 +268,16 @@ func TestChooseAutoTakesNftables(t *testing.T) {
 			if !slices.Equal(displaced, []string{"bpf", "iptables"}) {
 				t.Errorf("displaces %q", displaced)
 			}
-			if !strings.Contains(logs.String(), "the BPF datapath cannot run here; using nftables") {
-				t.Errorf("logs:\n%s", logs.String())
+			want := []string{`level=WARN msg="the BPF datapath cannot run here; using nftables"`}
+			if !tt.iptables {
+				// nftables does not fit, but auto comes back to it: iptables cannot run either.
+				want = append(want, `level=INFO msg="the iptables datapath cannot run here; using nftables"`,
+					`level=INFO msg="the nftables datapath does not fit this node, but no backend that fits can run: using it" component=backends reason="kube-proxy has no nftables table"`)
+			}
+			for _, w := range want {
+				if !strings.Contains(logs.String(), w) {
+					t.Errorf("logs lack %s:\n%s", w, logs.String())
+				}
 			}
 			if len(nft.Runs) != 0 || nft.Table(policy.IPv4) != nil {
 				t.Errorf("choosing ran transactions: %v", nft.Runs)
@@ -267,26 +298,27 @@ func TestNftablesCleanup(t *testing.T) {
 	if err := b.Apply(ctx, policy.Compile(config.Default(config.Options{}), policy.Options{EnableIPv6: true})); err != nil {
 		t.Fatal(err)
 	}
-	o := Options{NFTables: nft.Options()}
-	removed, err := nftablesBackend.Cleanup(ctx, o)
+	o := options("", nil, nftOptions(nft))
+	removed, err := nftables.Entry.Cleanup(ctx, o.env(nftables.Entry))
 	if err != nil || removed != "table ip-masq-agent removed from ip and ip6" {
 		t.Errorf("cleanup: %q, %v", removed, err)
 	}
 	if nft.Table(policy.IPv4) != nil || nft.Table(policy.IPv6) != nil {
 		t.Error("cleanup left a table")
 	}
-	noNFT := o
-	noNFT.NFTables.NFT = func(policy.Family) (knftables.Interface, error) {
+	noNFTOpts := nft.Options()
+	noNFTOpts.NFT = func(policy.Family) (knftables.Interface, error) {
 		return nil, errors.New("could not find nftables binary")
 	}
-	removed, err = nftablesBackend.Cleanup(ctx, noNFT)
+	noNFT := options("", nil, &noNFTOpts)
+	removed, err = nftables.Entry.Cleanup(ctx, noNFT.env(nftables.Entry))
 	if err != nil || removed != "no ip-masq-agent table in nftables" {
 		t.Errorf("cleanup of nothing without nft: %q, %v", removed, err)
 	}
 	if err := b.Apply(ctx, policy.Compile(config.Default(config.Options{}), policy.Options{})); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := nftablesBackend.Cleanup(ctx, noNFT); err == nil || !strings.Contains(err.Error(), "could not find nftables binary") {
+	if _, err := nftables.Entry.Cleanup(ctx, noNFT.env(nftables.Entry)); err == nil || !strings.Contains(err.Error(), "could not find nftables binary") {
 		t.Errorf("cleanup of a table without nft: %v", err)
 	}
 }

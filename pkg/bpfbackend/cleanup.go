@@ -91,19 +91,3 @@ func Cleanup(ctx context.Context, bpffs string, log *slog.Logger) (Removed, erro
 	log.Info("BPF datapath removed", "attachments", len(removed), "linkPins", res.UnpinnedLinks, "pins", pinDir)
 	return res, nil
 }
-
-// Cleaner removes the BPF backend's state without loading anything: what another backend uses
-// to displace it (agent.Options.Displace).
-type Cleaner struct {
-	BPFFS  string
-	Logger *slog.Logger
-}
-
-// Name is the backend's name.
-func (c Cleaner) Name() string { return Name }
-
-// Cleanup removes the BPF datapath (see Cleanup).
-func (c Cleaner) Cleanup(ctx context.Context) error {
-	_, err := Cleanup(ctx, c.BPFFS, c.Logger)
-	return err
-}

@@ -10,11 +10,12 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
 
+// driftKinds are the kinds of drift CheckDrift reports that an apply repairs.
+var driftKinds = []string{datapath.DriftProgram, datapath.DriftPin, datapath.DriftTrie, datapath.DriftNATConfig,
+	datapath.DriftUplinkAddr}
+
 // DriftKinds implements datapath.DriftChecker.
-func (b *Backend) DriftKinds() []string {
-	return []string{datapath.DriftProgram, datapath.DriftPin, datapath.DriftTrie, datapath.DriftNATConfig,
-		datapath.DriftUplinkAddr}
-}
+func (b *Backend) DriftKinds() []string { return driftKinds }
 
 // CheckDrift implements datapath.DriftChecker, against what the last successful Apply
 // installed: the map pins (a stat each), both programs on every uplink (a query per hook) and

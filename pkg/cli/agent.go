@@ -2,59 +2,49 @@ package cli
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
-	"maps"
 	"net"
-	"slices"
 	"strings"
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/configwatch"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodeaddr"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodelock"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/uplink"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
 )
 
-// agentFlags are the flags of the agent itself, beyond the policy flags.
+// agentFlags are the flags of the agent itself: the policy flags, the datapath's (with each
+// backend's own) and the observability flags.
 type agentFlags struct {
 	policyFlags
+	backendFlags
 	backend        string
 	interfaces     string
 	metricsAddress string
-	bpffs          string
-	attachMode     string
 	verbosity      int
 	driftInterval  time.Duration
-	sweepInterval  time.Duration
-	natTimeouts    string
-	natMaxEntries  uint
 }
 
-func (f *agentFlags) register(fs *flag.FlagSet) {
+func (f *agentFlags) register(fs *flagSet) {
 	f.policyFlags.register(fs)
-	fs.StringVar(&f.backend, "backend", backends.Auto, backends.Usage())
-	fs.StringVar(&f.interfaces, "interfaces", "", "comma-separated uplinks to masquerade on, or devices written !name to leave out of the default: the devices of the default routes and of every route, in any table, toward a masqueraded destination")
-	fs.StringVar(&f.metricsAddress, "metrics-address", ":9743", "HOST:PORT serving /metrics, /healthz and /readyz; empty disables")
-	fs.StringVar(&f.bpffs, "bpffs", "/sys/fs/bpf", "BPF filesystem where maps and links are pinned")
-	fs.StringVar(&f.attachMode, "attach-mode", "auto", "how the BPF backend attaches its programs: auto (tcx where the kernel has it, else tc), tcx, or tc (clsact and cls_bpf)")
-	fs.DurationVar(&f.driftInterval, "drift-check-interval", agent.DefaultDriftInterval, "how often to check that the installed datapath is intact and repair it when not; 0 leaves the repair to the resync")
-	fs.DurationVar(&f.sweepInterval, "nat-sweep-interval", bpfbackend.DefaultSweepInterval, "how often the BPF backend removes idle NAT entries")
-	fs.UintVar(&f.natMaxEntries, "nat-max-entries", bpf.DefaultNATEntries, natMaxEntriesUsage())
-	fs.StringVar(&f.natTimeouts, "nat-timeouts", "", `idle timeouts of BPF NAT entries, overriding the defaults, e.g. "udp=30s,tcp-closing=10s" (keys: `+strings.Join(timeoutKeys(), ", ")+")")
-	// Accepted so that upstream manifests keep working: klog verbosity (4 and above log debug).
-	fs.IntVar(&f.verbosity, "v", 0, "log verbosity; 4 or more logs debug messages")
-	fs.Bool("logtostderr", true, "ignored: logs always go to stderr (accepted for upstream manifests)")
+	fs.group("datapath", func() {
+		fs.StringVar(&f.backend, "backend", backends.Auto, backends.Usage())
+		fs.StringVar(&f.interfaces, "interfaces", "", "comma-separated uplinks to masquerade on, or devices written !name to leave out of the default: the devices of the default routes and of every route, in any table, toward a masqueraded destination")
+		fs.DurationVar(&f.driftInterval, "drift-check-interval", agent.DefaultDriftInterval, "how often to check that the installed datapath is intact and repair it when not; 0 leaves the repair to the resync")
+	})
+	f.backendFlags.register(fs)
+	fs.group("observability", func() {
+		fs.StringVar(&f.metricsAddress, "metrics-address", ":9743", "HOST:PORT serving /metrics, /healthz and /readyz; empty disables")
+		// Accepted so that upstream manifests keep working: klog verbosity (4 and above log debug).
+		fs.IntVar(&f.verbosity, "v", 0, "log verbosity; 4 or more logs debug messages")
+		fs.Bool("logtostderr", true, "ignored: logs always go to stderr (accepted for upstream manifests)")
+	})
 }
 
 func (f *agentFlags) interfaceList() []string {
@@ -67,63 +57,11 @@ func (f *agentFlags) interfaceList() []string {
 	return out
 }
 
-// Bounds of --nat-max-entries: below the minimum a node runs out of room at once; the maximum
-// is about 4 GiB of kernel memory per family.
-const (
-	minNATEntries = 1024
-	maxNATEntries = 1 << 24
-)
-
-func natMaxEntriesUsage() string {
-	mib := func(n uint32, v6 bool) string { return fmt.Sprintf("%.0f MiB", float64(bpf.NATMemory(n, v6))/(1<<20)) }
-	return fmt.Sprintf("entries of each family's BPF table of flows that proved two-way, never evicted (two per flow), "+
-		"from %d to %d; flows not yet answered get half as many (evicted first) and kept RETURN verdicts a quarter. "+
-		"Preallocated kernel memory per family, %.0f bytes per entry for IPv4 and %.0f for IPv6: %s and %s at the default "+
-		"(IPv6 only with --enable-ipv6); a change carries the flows into tables of the new size", minNATEntries, maxNATEntries,
-		float64(bpf.NATMemory(1<<20, false))/(1<<20), float64(bpf.NATMemory(1<<20, true))/(1<<20),
-		mib(bpf.DefaultNATEntries, false), mib(bpf.DefaultNATEntries, true))
-}
-
-// timeoutFields are the keys of --nat-timeouts and the timeout each sets.
-func timeoutFields(t *bpf.Timeouts) map[string]*time.Duration {
-	return map[string]*time.Duration{
-		"tcp-established": &t.TCPEstablished, "tcp-opening": &t.TCPOpening, "tcp-closing": &t.TCPClosing,
-		"udp": &t.UDP, "icmp": &t.ICMP, "other": &t.Other,
-	}
-}
-
-func timeoutKeys() []string {
-	return slices.Sorted(maps.Keys(timeoutFields(&bpf.Timeouts{})))
-}
-
-// parseTimeouts reads --nat-timeouts: KEY=DURATION pairs, separated by commas, over the
-// defaults.
-func parseTimeouts(s string) (bpf.Timeouts, error) {
-	t := bpf.DefaultTimeouts
-	fields := timeoutFields(&t)
-	for _, kv := range strings.Split(s, ",") {
-		if kv = strings.TrimSpace(kv); kv == "" {
-			continue
-		}
-		k, v, ok := strings.Cut(kv, "=")
-		field, known := fields[strings.TrimSpace(k)]
-		if !ok || !known {
-			return t, fmt.Errorf("nat-timeouts: %q: want KEY=DURATION with KEY one of %s", kv, strings.Join(timeoutKeys(), ", "))
-		}
-		d, err := time.ParseDuration(strings.TrimSpace(v))
-		if err != nil || d <= 0 {
-			return t, fmt.Errorf("nat-timeouts: %q: want a positive duration such as 30s", kv)
-		}
-		*field = d
-	}
-	return t, nil
-}
-
 func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var af agentFlags
-	fs := newFlagSet("ip-masq-agent", "ip-masq-agent [flags]", stderr)
+	fs := newFlagSet(agentCommand, stderr)
 	af.register(fs)
-	pos, err := parseInterspersed(fs, args)
+	pos, err := parseInterspersed(fs.FlagSet, args)
 	if err != nil {
 		return err
 	}
@@ -217,28 +155,13 @@ func (f *agentFlags) agentBackendOptions() (backends.Options, error) {
 	if err := backends.CheckName(f.backend); err != nil {
 		return backends.Options{}, usageError{err}
 	}
-	if err := tc.CheckMode(f.attachMode); err != nil {
-		return backends.Options{}, usageError{err}
-	}
-	if err := uplink.CheckInterfaces(f.interfaceList()); err != nil {
-		return backends.Options{}, usageError{err}
-	}
-	if f.sweepInterval <= 0 {
-		return backends.Options{}, usageError{fmt.Errorf("nat-sweep-interval %v: must be positive", f.sweepInterval)}
-	}
 	if f.driftInterval < 0 {
 		return backends.Options{}, usageError{fmt.Errorf("drift-check-interval %v: must be positive, or 0 to turn the checks off", f.driftInterval)}
 	}
-	timeouts, err := parseTimeouts(f.natTimeouts)
-	if err != nil {
+	o := f.backendOptions(nil)
+	if err := o.Check(); err != nil {
 		return backends.Options{}, usageError{err}
 	}
-	if f.natMaxEntries < minNATEntries || f.natMaxEntries > maxNATEntries {
-		return backends.Options{}, usageError{fmt.Errorf("nat-max-entries %d: must be from %d to %d", f.natMaxEntries, minNATEntries, maxNATEntries)}
-	}
-	o := f.backendOptions(nil)
-	o.Timeouts = timeouts
-	o.NATEntries = uint32(f.natMaxEntries)
 	return o, nil
 }
 
@@ -261,10 +184,9 @@ func serveMetrics(ctx context.Context, a *agent.Agent, obs *metrics.Observer, dp
 	return ln, nil
 }
 
-// backendOptions are the flags the backends take, but --nat-timeouts (parsed by the agent).
+// backendOptions are what the backends take from the flags.
 func (f *agentFlags) backendOptions(log *slog.Logger) backends.Options {
-	return backends.Options{BPFFS: f.bpffs, Interfaces: f.interfaceList(), EnableIPv6: f.enableIPv6,
-		AttachMode: f.attachMode, SweepInterval: f.sweepInterval, Chain: f.masqChain, Logger: log}
+	return backends.Options{Interfaces: f.interfaceList(), EnableIPv6: f.enableIPv6, Logger: log, Settings: f.own}
 }
 
 // newLogger logs text to stderr; --v 4 or more adds debug messages, as klog's verbosity did.

@@ -4,9 +4,8 @@ import (
 	"os"
 	"strings"
 	"testing"
-	"time"
 
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 )
 
 // These cases fail before the agent touches anything; none of them may reach a datapath, since
@@ -20,7 +19,7 @@ func TestAgentCommandLineErrors(t *testing.T) {
 		{[]string{"--backend=bpf", "--bpffs=" + os.TempDir()}, 1, "is not a BPF filesystem"},
 		{[]string{"--backend=bpf", "--bpffs=/nonexistent/bpffs"}, 1, "--bpffs /nonexistent/bpffs: no such file or directory"},
 		{[]string{"--backend=bpf", "--attach-mode=xdp"}, 2, `attach mode "xdp": must be auto, tcx or tc`},
-		{[]string{"--backend", "ebpf"}, 2, `backend "ebpf": must be auto, bpf, nftables or iptables`},
+		{[]string{"--backend", "ebpf"}, 2, `backend "ebpf": must be auto, ` + backends.Names()},
 		{[]string{"--backend=bpf", "extra"}, 2, "the agent takes no arguments"},
 		{[]string{"--masq-chain=POSTROUTING"}, 2, "is a built-in chain"},
 		{[]string{"--to-ports=9-1"}, 2, "starts after it ends"},
@@ -56,20 +55,5 @@ func TestCleanupAcceptsAgentFlags(t *testing.T) {
 		if !strings.Contains(stderr, flag) {
 			t.Errorf("cleanup --help does not list %s:\n%s", flag, stderr)
 		}
-	}
-}
-
-func TestParseTimeouts(t *testing.T) {
-	got, err := parseTimeouts(" udp=30s, tcp-closing=1.5s,")
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := bpf.DefaultTimeouts
-	want.UDP, want.TCPClosing = 30*time.Second, 1500*time.Millisecond
-	if got != want {
-		t.Errorf("got %+v, want %+v", got, want)
-	}
-	if got, err := parseTimeouts(""); err != nil || got != bpf.DefaultTimeouts {
-		t.Errorf("empty: %+v %v, want the defaults", got, err)
 	}
 }

@@ -10,10 +10,10 @@ import (
 	"fmt"
 	"io"
 	"strings"
+	"text/tabwriter"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
 )
@@ -33,19 +33,40 @@ func ExitCode(err error) int {
 }
 
 type command struct {
-	name    string
-	summary string
+	name string
+	// args are the command's arguments in its usage line, summary what it does.
+	args, summary string
+	// example is one way to run it: its arguments after the program's name.
+	example string
 	run     func(ctx context.Context, args []string, stdout, stderr io.Writer) error
 }
 
+// agentCommand is the agent itself, what runs without a command name.
+var agentCommand = command{args: "[flags]", summary: "run the agent",
+	example: "--config=/etc/config/ip-masq-agent --backend=auto --enable-ipv6 --metrics-address=:9743"}
+
 func commands() []command {
 	return []command{
-		{"explain", "explain [flags] ADDR...   which rule decides each address, and why", runExplain},
-		{"render", "render [flags]            print what a backend would apply (--backend: iptables or nftables); nothing is applied", runRender},
-		{"dump", "dump [flags]              the installed rules with hit counters, and the NAT table", runDump},
-		{"cleanup", "cleanup [flags]           remove everything the agent installed (chains, BPF programs, pins)", runCleanup},
-		{"version", "version                   print the version", runVersion},
+		{"explain", "[flags] ADDR...", "which rule decides each address, and why",
+			"explain --config=/etc/config/ip-masq-agent 10.96.0.1 169.254.169.254 8.8.8.8", runExplain},
+		{"render", "[flags]", "print what a backend would apply (--backend: " + backends.Renderable() + "); nothing is applied",
+			"render --config=/etc/config/ip-masq-agent --backend=nftables --enable-ipv6", runRender},
+		{"dump", "[flags]", "the installed rules with hit counters, and the NAT table",
+			"dump --config=/etc/config/ip-masq-agent --top=5", runDump},
+		{"cleanup", "[flags]", "remove everything the agent installed (" + backends.Installs() + ")",
+			"cleanup --bpffs=/sys/fs/bpf --masq-chain=IP-MASQ-AGENT", runCleanup},
+		{"version", "", "print the version", "version", runVersion},
 	}
+}
+
+// command returns the command named name.
+func commandNamed(name string) command {
+	for _, c := range commands() {
+		if c.name == name {
+			return c
+		}
+	}
+	return agentCommand
 }
 
 // commandNames lists the subcommands: "explain, render, ...".
@@ -75,11 +96,13 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 }
 
 func printUsage(w io.Writer) {
-	fmt.Fprintln(w, "usage: ip-masq-agent [flags]          run the agent")
+	tw := tabwriter.NewWriter(w, 0, 4, 3, ' ', 0)
+	fmt.Fprintf(tw, "usage: ip-masq-agent %s\t%s\n", agentCommand.args, agentCommand.summary)
 	for _, c := range commands() {
-		fmt.Fprintf(w, "       ip-masq-agent %s\n", c.summary)
+		fmt.Fprintf(tw, "       ip-masq-agent %s %s\t%s\n", c.name, c.args, c.summary)
 	}
-	fmt.Fprintln(w, "\nrun 'ip-masq-agent COMMAND --help' for the flags of a command")
+	tw.Flush()
+	fmt.Fprintln(w, "\nrun 'ip-masq-agent COMMAND --help' for the flags of a command, and an example")
 }
 
 // policyFlags are the flags that decide the policy; the agent and every subcommand take them.
@@ -90,24 +113,21 @@ type policyFlags struct {
 	noMasqAllReservedRanges bool
 	randomFully             bool
 	toPorts                 string
-	masqChain               string
 }
 
-func (f *policyFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&f.configPath, "config", config.DefaultPath, "configuration file (YAML or JSON), or a directory whose --config-pattern files are merged; missing means the defaults")
-	fs.StringVar(&f.configPattern, "config-pattern", config.DefaultPattern, "in a --config directory, the files read and merged (a glob on file names)")
-	fs.BoolVar(&f.enableIPv6, "enable-ipv6", false, "also manage IPv6 traffic")
-	fs.BoolVar(&f.noMasqAllReservedRanges, "nomasq-all-reserved-ranges", false, "add all RFC reserved IPv4 ranges to the default nonMasqueradeCIDRs")
-	fs.BoolVar(&f.randomFully, "random-fully", true, "choose masquerade source ports fully at random")
-	fs.StringVar(&f.toPorts, "to-ports", "", `masquerade to these source ports only, e.g. "1024-29999,32768-65535" (tcp, udp, sctp; the BPF datapath also uses them for ICMP ids)`)
-	fs.StringVar(&f.masqChain, "masq-chain", iptables.DefaultChain, "name of the nat chain for the iptables backend")
+func (f *policyFlags) register(fs *flagSet) {
+	fs.group("configuration", func() {
+		fs.StringVar(&f.configPath, "config", config.DefaultPath, "configuration file (YAML or JSON), or a directory whose --config-pattern files are merged; missing means the defaults")
+		fs.StringVar(&f.configPattern, "config-pattern", config.DefaultPattern, "in a --config directory, the files read and merged (a glob on file names)")
+		fs.BoolVar(&f.enableIPv6, "enable-ipv6", false, "also manage IPv6 traffic")
+		fs.BoolVar(&f.noMasqAllReservedRanges, "nomasq-all-reserved-ranges", false, "add all RFC reserved IPv4 ranges to the default nonMasqueradeCIDRs")
+		fs.BoolVar(&f.randomFully, "random-fully", true, "choose masquerade source ports fully at random")
+		fs.StringVar(&f.toPorts, "to-ports", "", `masquerade to these source ports only, e.g. "1024-29999,32768-65535" (tcp, udp, sctp; the BPF datapath also uses them for ICMP ids)`)
+	})
 }
 
 // options validates the flags that do not depend on the file.
 func (f *policyFlags) options() (config.Options, policy.Options, error) {
-	if err := iptables.ValidateChain(f.masqChain); err != nil {
-		return config.Options{}, policy.Options{}, usageError{err}
-	}
 	ports, err := policy.ParsePortRanges(f.toPorts)
 	if err != nil {
 		return config.Options{}, policy.Options{}, usageError{err}
@@ -117,6 +137,21 @@ func (f *policyFlags) options() (config.Options, policy.Options, error) {
 	}
 	return config.Options{EnableIPv6: f.enableIPv6, NoMasqAllReservedRanges: f.noMasqAllReservedRanges, Pattern: f.configPattern},
 		policy.Options{EnableIPv6: f.enableIPv6, RandomFully: f.randomFully, ToPorts: ports}, nil
+}
+
+// backendFlags are the backends' own flags, each backend's registered by its registry entry.
+type backendFlags struct {
+	own backends.Settings
+}
+
+func (f *backendFlags) register(fs *flagSet) { f.own = backends.RegisterFlags(fs.FlagSet, fs.group) }
+
+// check validates the backends' flags.
+func (f *backendFlags) check() error {
+	if err := f.own.Check(); err != nil {
+		return usageError{err}
+	}
+	return nil
 }
 
 // load reads the configuration (a file or a directory) and compiles the policy.
@@ -165,19 +200,62 @@ func parseNoArgs(fs *flag.FlagSet, args []string) error {
 	return err
 }
 
-func newFlagSet(name, usage string, stderr io.Writer) *flag.FlagSet {
-	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+// flagSet is a command's flags, registered group by group, so that its help shows them by
+// concern, with the command's example.
+type flagSet struct {
+	*flag.FlagSet
+	groups []flagGroup
+}
+
+type flagGroup struct {
+	title string
+	names []string
+}
+
+func newFlagSet(c command, stderr io.Writer) *flagSet {
+	name := strings.TrimSpace("ip-masq-agent " + c.name)
+	fs := &flagSet{FlagSet: flag.NewFlagSet(name, flag.ContinueOnError)}
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "usage: %s\n\nflags:\n", usage)
-		fs.PrintDefaults()
+		fmt.Fprintf(stderr, "usage: %s %s\n%s\n\nexample:\n  ip-masq-agent %s\n", name, c.args, c.summary, c.example)
+		for _, g := range fs.groups {
+			fmt.Fprintf(stderr, "\n%s flags:\n", g.title)
+			fs.printDefaults(stderr, g.names)
+		}
 	}
 	return fs
 }
 
+// group registers flags (register), under title in the help.
+func (fs *flagSet) group(title string, register func()) {
+	before := map[string]bool{}
+	fs.VisitAll(func(f *flag.Flag) { before[f.Name] = true })
+	register()
+	g := flagGroup{title: title}
+	fs.VisitAll(func(f *flag.Flag) {
+		if !before[f.Name] {
+			g.names = append(g.names, f.Name)
+		}
+	})
+	fs.groups = append(fs.groups, g)
+}
+
+// printDefaults prints the named flags as flag.PrintDefaults does, with the defaults they were
+// registered with.
+func (fs *flagSet) printDefaults(w io.Writer, names []string) {
+	part := flag.NewFlagSet("", flag.ContinueOnError)
+	part.SetOutput(w)
+	for _, name := range names {
+		f := fs.Lookup(name)
+		part.Var(f.Value, f.Name, f.Usage)
+		part.Lookup(name).DefValue = f.DefValue
+	}
+	part.PrintDefaults()
+}
+
 func runVersion(_ context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("version", "ip-masq-agent version", stderr)
-	if _, err := parseInterspersed(fs, args); err != nil {
+	fs := newFlagSet(commandNamed("version"), stderr)
+	if _, err := parseInterspersed(fs.FlagSet, args); err != nil {
 		return err
 	}
 	fmt.Fprintln(stdout, version.String())
@@ -186,31 +264,28 @@ func runVersion(_ context.Context, args []string, stdout, stderr io.Writer) erro
 
 func runRender(_ context.Context, args []string, stdout, stderr io.Writer) error {
 	var pf policyFlags
-	fs := newFlagSet("render", "ip-masq-agent render [flags]", stderr)
+	var bf backendFlags
+	fs := newFlagSet(commandNamed("render"), stderr)
+	var backend string
+	fs.group("render", func() {
+		fs.StringVar(&backend, "backend", backends.RenderDefault, "the backend whose transactions to print: "+backends.Renderable())
+	})
 	pf.register(fs)
-	backend := fs.String("backend", iptables.Name, "the backend whose transactions to print: "+renderable())
-	if err := parseNoArgs(fs, args); err != nil {
+	bf.register(fs)
+	if err := parseNoArgs(fs.FlagSet, args); err != nil {
 		return err
 	}
-	b, ok := backends.Lookup(*backend)
-	if !ok || b.Render == nil {
-		return usageError{fmt.Errorf("render --backend %q: must be %s", *backend, renderable())}
+	render, ok := backends.Renderer(backend)
+	if !ok {
+		return usageError{fmt.Errorf("render --backend %q: must be %s", backend, backends.Renderable())}
+	}
+	if err := bf.check(); err != nil {
+		return err
 	}
 	p, err := pf.load()
 	if err != nil {
 		return err
 	}
-	_, err = io.WriteString(stdout, b.Render(p, backends.Options{Chain: pf.masqChain}))
+	_, err = io.WriteString(stdout, render(p, backends.Options{EnableIPv6: pf.enableIPv6, Settings: bf.own}))
 	return err
-}
-
-// renderable names the backends render can print: "iptables or nftables".
-func renderable() string {
-	var names []string
-	for _, b := range backends.All {
-		if b.Render != nil {
-			names = append(names, b.Name)
-		}
-	}
-	return strings.Join(names, " or ")
 }

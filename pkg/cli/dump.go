@@ -10,7 +10,6 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 )
 
 // defaultTop is how many of the busiest remote endpoints dump shows.
@@ -20,23 +19,29 @@ const defaultTop = 10
 // with a NAT table of its own, a summary of that table. It reads the kernel, not the agent, so
 // it works while the agent runs and after it stopped. It takes the agent's flags, so that the
 // DaemonSet's arguments can be reused: the configuration and policy flags say which rule each
-// installed one is (its origin), --masq-chain and --bpffs where to look.
+// installed one is (its origin), the backends' own flags where to look.
 func runDump(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var af agentFlags
-	fs := newFlagSet("dump", "ip-masq-agent dump [flags]", stderr)
+	fs := newFlagSet(commandNamed("dump"), stderr)
+	var top int
+	fs.group("dump", func() {
+		fs.IntVar(&top, "top", defaultTop, "how many of the busiest remote endpoints of the NAT table to show")
+	})
 	af.register(fs)
-	top := fs.Int("top", defaultTop, "how many of the busiest remote endpoints of the NAT table to show")
-	if err := parseNoArgs(fs, args); err != nil {
+	if err := parseNoArgs(fs.FlagSet, args); err != nil {
 		return err
 	}
 	if _, _, err := af.options(); err != nil {
 		return err
 	}
-	return dump(ctx, &af, *top, nil, stdout, stderr)
+	if err := af.backendFlags.check(); err != nil {
+		return err
+	}
+	return dump(ctx, &af, top, stdout, stderr)
 }
 
-// dump prints what is installed; runner runs the iptables tools (nil: on the node).
-func dump(ctx context.Context, af *agentFlags, top int, runner iptables.Runner, stdout, stderr io.Writer) error {
+// dump prints what is installed.
+func dump(ctx context.Context, af *agentFlags, top int, stdout, stderr io.Writer) error {
 	p, err := af.load()
 	if err != nil {
 		// The agent keeps the last good configuration; dump cannot know it, but the counters
@@ -44,9 +49,7 @@ func dump(ctx context.Context, af *agentFlags, top int, runner iptables.Runner, 
 		fmt.Fprintf(stderr, "warning: %v\nwarning: rules are shown without their origin\n", err)
 		p = nil
 	}
-	o := af.backendOptions(nil)
-	o.Runner = runner
-	readers, absent, findErr := backends.Installed(ctx, o, p)
+	readers, absent, findErr := backends.Installed(ctx, af.backendOptions(nil), p)
 	if len(readers) == 0 {
 		if findErr != nil {
 			return findErr
@@ -80,8 +83,8 @@ func writeReader(ctx context.Context, w io.Writer, r datapath.Reader, top int) e
 	if err := writeCounters(w, counters); err != nil {
 		return err
 	}
-	if b, ok := backends.Lookup(info.Backend); ok && b.CountNote != "" {
-		fmt.Fprintln(w, b.CountNote)
+	if b, ok := backends.Lookup(info.Backend); ok && b.Counts != "" {
+		fmt.Fprintf(w, "%s counts %s\n", b.Name, b.Counts)
 	}
 	if nat, ok := r.(datapath.NATReporter); ok {
 		sum, err := nat.NATSummary(ctx, top)

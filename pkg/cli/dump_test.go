@@ -58,18 +58,21 @@ func onlyRead(t *testing.T, f *iptablestest.Fake) {
 func dumpFlags(t *testing.T, args ...string) *agentFlags {
 	t.Helper()
 	var af agentFlags
-	fs := newFlagSet("dump", "dump", &bytes.Buffer{})
+	fs := newFlagSet(commandNamed("dump"), &bytes.Buffer{})
 	af.register(fs)
-	if _, err := parseInterspersed(fs, args); err != nil {
+	if _, err := parseInterspersed(fs.FlagSet, args); err != nil {
 		t.Fatal(err)
 	}
 	return &af
 }
 
+// runDumpWith runs dump on a node whose iptables tools r runs.
 func runDumpWith(t *testing.T, r iptables.Runner, args ...string) (string, string, error) {
 	t.Helper()
 	var out, errOut bytes.Buffer
-	err := dump(context.Background(), dumpFlags(t, args...), defaultTop, r, &out, &errOut)
+	af := dumpFlags(t, args...)
+	af.own[iptables.Name].(*iptables.Settings).Runner = r
+	err := dump(context.Background(), af, defaultTop, &out, &errOut)
 	return out.String(), errOut.String(), err
 }
 

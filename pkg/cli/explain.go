@@ -12,9 +12,11 @@ import (
 
 func runExplain(_ context.Context, args []string, stdout, stderr io.Writer) error {
 	var pf policyFlags
-	fs := newFlagSet("explain", "ip-masq-agent explain [flags] ADDR...", stderr)
+	var bf backendFlags
+	fs := newFlagSet(commandNamed("explain"), stderr)
 	pf.register(fs)
-	pos, err := parseInterspersed(fs, args)
+	bf.register(fs)
+	pos, err := parseInterspersed(fs.FlagSet, args)
 	if err != nil {
 		return err
 	}
@@ -28,6 +30,9 @@ func runExplain(_ context.Context, args []string, stdout, stderr io.Writer) erro
 			return usageError{fmt.Errorf("%q is not an IP address", s)}
 		}
 		addrs[i] = a
+	}
+	if err := bf.check(); err != nil {
+		return err
 	}
 	p, err := pf.load()
 	if err != nil {

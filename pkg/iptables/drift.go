@@ -10,8 +10,11 @@ import (
 
 var _ datapath.DriftChecker = (*Backend)(nil)
 
+// driftKinds are the kinds of drift CheckDrift reports.
+var driftKinds = []string{datapath.DriftChain, datapath.DriftJump}
+
 // DriftKinds implements datapath.DriftChecker.
-func (b *Backend) DriftKinds() []string { return []string{datapath.DriftChain, datapath.DriftJump} }
+func (b *Backend) DriftKinds() []string { return driftKinds }
 
 // CheckDrift implements datapath.DriftChecker: for each family the last Apply installed, the
 // chain must hold exactly the rendered lines and POSTROUTING exactly one jump to it. It reads just

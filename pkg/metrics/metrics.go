@@ -8,6 +8,7 @@
 package metrics
 
 import (
+	"cmp"
 	"context"
 	"log/slog"
 	"maps"
@@ -15,6 +16,7 @@ import (
 	"runtime"
 	"slices"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -23,6 +25,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
 )
@@ -98,7 +101,7 @@ func hookLabels(extra ...string) []string { return append([]string{"device", "di
 // of client_golang's standard collectors.
 func Definitions() []Definition {
 	return []Definition{
-		{RulePackets, "counter", ruleLabels, "Packets that matched the rule: on iptables the first packet of each new connection, on BPF every packet."},
+		{RulePackets, "counter", ruleLabels, "Packets that matched the rule, by backend: " + countsHelp() + "."},
 		{RuleBytes, "counter", ruleLabels, "Bytes (IP packet lengths) of the packets counted in " + RulePackets + "."},
 		{NATEntries, "gauge", []string{"family", "protocol", "state"}, "Entries in the BPF datapath's NAT tables (one per direction of a flow; one per flow for kept verdicts), by state: unreplied, established, closing, kept."},
 		{NATFillRatio, "gauge", []string{"family", "table"}, "How full each NAT table is (entries over capacity): confirmed (two-way flows, never evicted), unreplied (evicted first), keep (kept RETURN verdicts)."},
@@ -115,16 +118,46 @@ func Definitions() []Definition {
 		{AddressMissing, "gauge", []string{"address"}, "1 for each masquerade address that the configuration in force, or the last one read, names and no uplink of the node has; no series while all are there."},
 		{DatapathSyncDuration, "histogram", nil, "Time to apply the policy to the datapath, failed applies included."},
 		{DatapathSyncErrors, "counter", nil, "Applies of the policy that failed (each is retried)."},
-		{DatapathInfo, "gauge", []string{"backend", "attach_mode"}, "Always 1; the datapath backend and how its programs are attached (none for iptables)."},
+		{DatapathInfo, "gauge", []string{"backend", "attach_mode"}, "Always 1; the datapath backend and how its programs are attached (none for a backend without programs)."},
 		{DatapathRefused, "gauge", nil, "1 while the backend refuses to take over what is installed on the node (BPF: pinned maps of a layout newer than the agent's, or of one it does not know), which it leaves alone; the agent is then not ready and retries. 0 otherwise."},
 		{BuildInfo, "gauge", []string{"version", "revision", "goversion"}, "Always 1; the agent's version, VCS revision and Go version."},
 		{ScrapeErrors, "counter", []string{"source"}, "Scrapes whose read of the datapath failed, by source (rules, nat, hooks); the scrape then leaves those metrics out."},
-		{Heals, "counter", []string{"what"}, "Repairs of what was changed behind the agent's back, by kind: chain, jump (iptables); program, pin, trie, nat_config, uplink_addr (BPF)."},
+		{Heals, "counter", []string{"what"}, "Repairs of what was changed behind the agent's back, by kind: " + healsHelp() + "."},
 		{HookNeighbours, "gauge", hookLabels("position"), "Programs of other components on an uplink's tc hook (BPF), by position: ahead of ours (their verdict decides whether ours runs) or behind it (ours lets every packet through to them)."},
 		{HookBypassed, "gauge", hookLabels(), "1 while a program ahead of ours on the hook ends the chain, so that ours sees none of the device's packets and the policy is not enforced there (BPF); else 0."},
 		{HookBypasses, "counter", hookLabels(), "Times a program ahead of ours was found ending the chain on the hook (BPF), each logged once."},
 		{UplinkInfo, "gauge", []string{"device", "via", "covered"}, "Always 1, one series per device pod traffic can leave the node by (BPF): via is what makes it one (default route, a route and its table, --interfaces); covered is false where the programs do not run (a device without an Ethernet header), whose pod traffic is not masqueraded."},
 	}
+}
+
+// countsHelp says what each backend's rule counters count: "every packet (bpf); connections:
+// the first packet of each (nftables, iptables)".
+func countsHelp() string {
+	var counts []string
+	byCounts := map[string][]string{}
+	for _, b := range backends.All {
+		c := cmp.Or(b.Counts, "every packet")
+		if byCounts[c] == nil {
+			counts = append(counts, c)
+		}
+		byCounts[c] = append(byCounts[c], b.Name)
+	}
+	var parts []string
+	for _, c := range counts {
+		parts = append(parts, c+" ("+strings.Join(byCounts[c], ", ")+")")
+	}
+	return strings.Join(parts, "; ")
+}
+
+// healsHelp lists each backend's kinds of drift: "chain, jump (iptables); ...".
+func healsHelp() string {
+	var parts []string
+	for _, b := range backends.All {
+		if len(b.DriftKinds) > 0 {
+			parts = append(parts, strings.Join(b.DriftKinds, ", ")+" ("+b.Name+")")
+		}
+	}
+	return strings.Join(parts, "; ")
 }
 
 func definition(name string) Definition {

@@ -85,7 +85,7 @@ func TestRuleMetrics(t *testing.T) {
 	}}
 	c := NewCollector(Options{Backend: b})
 	want := `
-# HELP ip_masq_agent_rule_packets_total Packets that matched the rule: on iptables the first packet of each new connection, on BPF every packet.
+# HELP ip_masq_agent_rule_packets_total Packets that matched the rule, by backend: every packet (bpf); connections: the first packet of each (nftables, iptables).
 # TYPE ip_masq_agent_rule_packets_total counter
 ip_masq_agent_rule_packets_total{action="RETURN",cidr="169.254.0.0/16",family="ipv4",origin="link-local"} 1
 ip_masq_agent_rule_packets_total{action="RETURN",cidr="169.254.0.0/16",family="ipv4",origin="nonMasqueradeCIDRs"} 0
@@ -104,7 +104,7 @@ ip_masq_agent_rule_bytes_total{action="MASQUERADE",cidr="::/0",family="ipv6",ori
 # HELP ip_masq_agent_scrape_errors_total Scrapes whose read of the datapath failed, by source (rules, nat, hooks); the scrape then leaves those metrics out.
 # TYPE ip_masq_agent_scrape_errors_total counter
 ip_masq_agent_scrape_errors_total{source="rules"} 0
-# HELP ip_masq_agent_datapath_info Always 1; the datapath backend and how its programs are attached (none for iptables).
+# HELP ip_masq_agent_datapath_info Always 1; the datapath backend and how its programs are attached (none for a backend without programs).
 # TYPE ip_masq_agent_datapath_info gauge
 ip_masq_agent_datapath_info{attach_mode="none",backend="fake"} 1
 `
@@ -180,7 +180,7 @@ ip_masq_agent_drops_total{reason="rewrite"} 1
 # TYPE ip_masq_agent_nat_swept_entries_total counter
 ip_masq_agent_nat_swept_entries_total{protocol="tcp"} 40
 ip_masq_agent_nat_swept_entries_total{protocol="udp"} 12
-# HELP ip_masq_agent_datapath_info Always 1; the datapath backend and how its programs are attached (none for iptables).
+# HELP ip_masq_agent_datapath_info Always 1; the datapath backend and how its programs are attached (none for a backend without programs).
 # TYPE ip_masq_agent_datapath_info gauge
 ip_masq_agent_datapath_info{attach_mode="tcx",backend="bpf"} 1
 # HELP ip_masq_agent_scrape_errors_total Scrapes whose read of the datapath failed, by source (rules, nat, hooks); the scrape then leaves those metrics out.

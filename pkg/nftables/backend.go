@@ -501,10 +501,11 @@ func (b *Backend) cleanup(ctx context.Context) ([]string, error) {
 	return removed, errors.Join(errs...)
 }
 
+// driftKinds are the kinds of drift CheckDrift reports.
+var driftKinds = []string{datapath.DriftTable, datapath.DriftChain, datapath.DriftSet}
+
 // DriftKinds implements datapath.DriftChecker.
-func (b *Backend) DriftKinds() []string {
-	return []string{datapath.DriftTable, datapath.DriftChain, datapath.DriftSet}
-}
+func (b *Backend) DriftKinds() []string { return driftKinds }
 
 // walkShare is the share of the time the element walks of CheckDrift may take: after a walk
 // that took d, the next waits (1/walkShare - 1) d.
