@@ -22,7 +22,7 @@ TESTFLAGS ?= -count=1 -timeout 25m
 # Pinned clang flags for the BPF objects (read by the go:generate lines through the environment).
 export BPF_CFLAGS := -O2 -g -Wall -Werror -mcpu=v3
 
-.PHONY: all build image test unit e2e demo generate check-generate bench lint deps clean k8s
+.PHONY: all build image test unit e2e demo generate check-generate bench lint deps clean k8s cluster-up cluster-down
 
 all: build
 
@@ -80,6 +80,19 @@ $(K8S_BIN)/.built: $(K8S_MODULE)/go.mod $(K8S_MODULE)/go.sum
 	cd $(K8S_MODULE) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(K8S_LDFLAGS)" \
 		-o $(CURDIR)/$(K8S_BIN)/ $(addprefix k8s.io/kubernetes/cmd/,$(K8S_COMPONENTS))
 	touch $@
+
+## cluster-up: a single-node Kubernetes cluster (control plane, containerd, kubelet, kube-proxy,
+## bridge CNI) in namespaces of its own, as the cluster tests run it, until make cluster-down
+## (root). It imports $(IMAGE_OUT) into the node when make image made one.
+CLUSTER_DIR        ?= bin/cluster
+CLUSTER_PROXY_MODE ?= iptables
+cluster-up: deps build k8s
+	$(GO) run ./test/cluster/up -dir $(CLUSTER_DIR) -proxy-mode $(CLUSTER_PROXY_MODE) $(if $(wildcard $(IMAGE_OUT)),-image $(IMAGE_OUT))
+
+## cluster-down: tear down what make cluster-up runs, and wait until nothing of it is left
+cluster-down:
+	@pid=$$(cat $(CLUSTER_DIR)/pid 2>/dev/null) || { echo "no cluster is up ($(CLUSTER_DIR)/pid)"; exit 0; }; \
+	kill -TERM $$pid && while kill -0 $$pid 2>/dev/null; do sleep 0.5; done; echo "cluster down"
 
 generate:
 	$(GO) generate ./...

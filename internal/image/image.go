@@ -109,7 +109,7 @@ func Build(ctx context.Context, opts Options) (Result, error) {
 	if err := mmdebstrap(ctx, opts, rootfs); err != nil {
 		return Result{}, err
 	}
-	return pack(opts, rootfs)
+	return Pack(opts, rootfs)
 }
 
 // MachineSources returns this machine's apt sources of a Debian suite and its updates and
@@ -176,9 +176,11 @@ func mmdebstrap(ctx context.Context, opts Options, out string) error {
 	return nil
 }
 
-// pack writes the OCI archive: the root filesystem as the one layer, the image configuration,
-// the manifest, and the index naming it opts.Reference.
-func pack(opts Options, rootfs string) (Result, error) {
+// Pack writes the OCI archive at opts.Output: the root filesystem (a tar) as the one layer, the
+// image configuration (entrypoint opts.Spec.Binary, user opts.Spec.User), the manifest, and the
+// index naming it opts.Reference. Build packs what mmdebstrap made; the cluster tests pack a
+// pause image of one static binary.
+func Pack(opts Options, rootfs string) (Result, error) {
 	layer, size, err := fileDigest(rootfs)
 	if err != nil {
 		return Result{}, err

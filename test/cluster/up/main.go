@@ -1,0 +1,79 @@
+// Command up runs a single-node Kubernetes cluster on this machine (package cluster: etcd, the
+// API server, controller manager and scheduler, a node with containerd, the kubelet, kube-proxy
+// and bridge CNI), entirely in namespaces of its own, until it is told to stop (SIGINT,
+// SIGTERM: make cluster-down), then tears it down leaving nothing on the host. make cluster-up
+// runs it; it prints how to reach the cluster.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/cluster"
+)
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "cluster:", err)
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	dir := flag.String("dir", "bin/cluster", "the cluster's state (certificates, logs, kubeconfig); emptied first")
+	mode := flag.String("proxy-mode", "iptables", "kube-proxy's mode: iptables or nftables")
+	image := flag.String("image", "", "an OCI image archive to import into the node (make image writes bin/ip-masq-agent-image.tar)")
+	flag.Parse()
+	abs, err := filepath.Abs(*dir)
+	if err != nil {
+		return err
+	}
+	if err := os.RemoveAll(abs); err != nil {
+		return err
+	}
+	if err := os.MkdirAll(abs, 0o700); err != nil {
+		return err
+	}
+	var images []string
+	if *image != "" {
+		images = append(images, *image)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	start := time.Now()
+	c, err := cluster.New(ctx, cluster.ClusterOptions{ProxyMode: *mode, Dir: abs, Images: images})
+	if err != nil {
+		return err
+	}
+	pidFile := filepath.Join(abs, "pid")
+	if err := os.WriteFile(pidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+		return errors.Join(err, c.Close())
+	}
+	fmt.Printf(`cluster up in %.0f s (kube-proxy in %s mode); it lives in network namespaces, so run
+kubectl (or helm) inside the control plane's:
+
+  nsenter --net=/run/netns/%s %s/kubectl --kubeconfig=%s get nodes
+
+and commands on the node inside the node's namespaces (its network and mount namespace):
+
+  nsenter --net=/run/netns/%s --mount=/proc/%s/ns/mnt crictl ...   # or ctr, nft, iptables
+
+Logs are in %s/logs. make cluster-down (or Ctrl-C) tears it down.
+`, time.Since(start).Seconds(), *mode, c.Netns, c.Bin, c.Kubeconfig, c.Node, c.MountHolder(), abs)
+	<-ctx.Done()
+	fmt.Println("tearing the cluster down")
+	err = c.Close()
+	_ = os.Remove(pidFile)
+	if err != nil {
+		return err
+	}
+	return c.Gone()
+}
