@@ -286,19 +286,21 @@ struct nat_scratch {
 	__u32 pad;
 };
 
-/* Per CPU: a program runs to its end on one CPU, and neither hook runs inside the other there. */
+/* Per CPU: a program runs to its end on one CPU, and neither hook runs inside the other there.
+ * It holds nothing from one run to the next, so it is not pinned and no layout has it (pkg/bpf:
+ * scratchMaps): its fields may change in any build. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, 1);
 	__type(key, __u32);
 	__type(value, struct nat_scratch);
-} nat_scratch SEC(".maps");
+} cpu_scratch SEC(".maps");
 
 static __always_inline struct nat_scratch *scratch(void)
 {
 	__u32 zero = 0;
 
-	return bpf_map_lookup_elem(&nat_scratch, &zero);
+	return bpf_map_lookup_elem(&cpu_scratch, &zero);
 }
 
 /* tcp_wscale_at reads the window scale option from the len bytes of TCP options at off: 0 when

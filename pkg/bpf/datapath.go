@@ -254,11 +254,16 @@ func Load(opts LoadOptions) (*Datapath, error) {
 	}
 	var copts ebpf.CollectionOptions
 	if opts.PinPath != "" {
-		for _, m := range spec.Maps {
-			m.Pinning = ebpf.PinByName
+		for name, m := range spec.Maps {
+			if !scratchMaps[name] {
+				m.Pinning = ebpf.PinByName
+			}
 		}
 		copts.Maps.PinPath = opts.PinPath
 		if err := makePinDir(opts.PinPath, spec); err != nil {
+			return nil, err
+		}
+		if err := RemovePins(opts.PinPath, slices.Sorted(maps.Keys(scratchMaps))...); err != nil {
 			return nil, err
 		}
 	}
@@ -296,6 +301,9 @@ func makePinDir(dir string, spec *ebpf.CollectionSpec) error {
 		return fmt.Errorf("create pin directory: %w", err)
 	}
 	for name, ms := range spec.Maps {
+		if scratchMaps[name] {
+			continue
+		}
 		m, err := ebpf.NewMapWithOptions(ms, ebpf.MapOptions{PinPath: staging})
 		if err == nil && name == masqMapLayout {
 			err = m.Put(uint32(0), layoutRecord())
@@ -348,15 +356,25 @@ func (d *Datapath) Maps() map[string]*ebpf.Map {
 }
 
 // mapFields names the map fields of the generated objects by their ebpf tags (the maps'
-// names): the one list of the datapath's maps, as bpf2go wrote it from bpf/masq.c.
+// names): the one list of the datapath's maps, as bpf2go wrote it from bpf/masq.c, but for the
+// scratch maps.
 func (d *Datapath) mapFields() map[string]**ebpf.Map {
 	v := reflect.ValueOf(&d.objs.masqMaps).Elem()
 	out := make(map[string]**ebpf.Map, v.NumField())
 	for i := range v.NumField() {
-		out[v.Type().Field(i).Tag.Get("ebpf")] = v.Field(i).Addr().Interface().(**ebpf.Map)
+		if name := v.Type().Field(i).Tag.Get("ebpf"); !scratchMaps[name] {
+			out[name] = v.Field(i).Addr().Interface().(**ebpf.Map)
+		}
 	}
 	return out
 }
+
+// scratchMaps are the programs' per-CPU working space (bpf/nat.h: cpu_scratch): nothing in them
+// outlives a run of a program, so each load has its own, unpinned, and no layout has them (their
+// types may change in any build). Every other function of this package passes them over (Maps,
+// MapNames, the pins, the layouts). nat_scratch is the scratch that the builds of layout 5 before
+// this one pinned: Load removes its pin.
+var scratchMaps = map[string]bool{masqMapCpuScratch: true, "nat_scratch": true}
 
 // eachEntry calls fn with every entry of a map without per-CPU values: a batch lookup per few
 // hundred entries where the kernel can (a rule map of 32768 slots is read in a few syscalls),

@@ -414,7 +414,9 @@ func currentShapes() map[string]mapShape {
 	}
 	out := make(map[string]mapShape, len(spec.Maps))
 	for name, m := range spec.Maps {
-		out[name] = mapShape{m.Type, m.KeySize, m.ValueSize}
+		if !scratchMaps[name] {
+			out[name] = mapShape{m.Type, m.KeySize, m.ValueSize}
+		}
 	}
 	return out
 }

@@ -277,6 +277,7 @@ type masqUplinkMac struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	masqMapCpuScratch   = "cpu_scratch"
 	masqMapEventStats   = "event_stats"
 	masqMapFragV4       = "frag_v4"
 	masqMapFragV6       = "frag_v6"
@@ -290,7 +291,6 @@ const (
 	masqMapNatNewV4     = "nat_new_v4"
 	masqMapNatNewV6     = "nat_new_v6"
 	masqMapNatPorts     = "nat_ports"
-	masqMapNatScratch   = "nat_scratch"
 	masqMapNatV4        = "nat_v4"
 	masqMapNatV6        = "nat_v6"
 	masqMapNomasqV4     = "nomasq_v4"
@@ -356,6 +356,7 @@ type masqProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type masqMapSpecs struct {
+	CpuScratch   *ebpf.MapSpec `ebpf:"cpu_scratch"`
 	EventStats   *ebpf.MapSpec `ebpf:"event_stats"`
 	FragV4       *ebpf.MapSpec `ebpf:"frag_v4"`
 	FragV6       *ebpf.MapSpec `ebpf:"frag_v6"`
@@ -369,7 +370,6 @@ type masqMapSpecs struct {
 	NatNewV4     *ebpf.MapSpec `ebpf:"nat_new_v4"`
 	NatNewV6     *ebpf.MapSpec `ebpf:"nat_new_v6"`
 	NatPorts     *ebpf.MapSpec `ebpf:"nat_ports"`
-	NatScratch   *ebpf.MapSpec `ebpf:"nat_scratch"`
 	NatV4        *ebpf.MapSpec `ebpf:"nat_v4"`
 	NatV6        *ebpf.MapSpec `ebpf:"nat_v6"`
 	NomasqV4     *ebpf.MapSpec `ebpf:"nomasq_v4"`
@@ -409,6 +409,7 @@ func (o *masqObjects) Close() error {
 //
 // It can be passed to loadMasqObjects or ebpf.CollectionSpec.LoadAndAssign.
 type masqMaps struct {
+	CpuScratch   *ebpf.Map `ebpf:"cpu_scratch"`
 	EventStats   *ebpf.Map `ebpf:"event_stats"`
 	FragV4       *ebpf.Map `ebpf:"frag_v4"`
 	FragV6       *ebpf.Map `ebpf:"frag_v6"`
@@ -422,7 +423,6 @@ type masqMaps struct {
 	NatNewV4     *ebpf.Map `ebpf:"nat_new_v4"`
 	NatNewV6     *ebpf.Map `ebpf:"nat_new_v6"`
 	NatPorts     *ebpf.Map `ebpf:"nat_ports"`
-	NatScratch   *ebpf.Map `ebpf:"nat_scratch"`
 	NatV4        *ebpf.Map `ebpf:"nat_v4"`
 	NatV6        *ebpf.Map `ebpf:"nat_v6"`
 	NomasqV4     *ebpf.Map `ebpf:"nomasq_v4"`
@@ -438,6 +438,7 @@ type masqMaps struct {
 
 func (m *masqMaps) Close() error {
 	return _MasqClose(
+		m.CpuScratch,
 		m.EventStats,
 		m.FragV4,
 		m.FragV6,
@@ -451,7 +452,6 @@ func (m *masqMaps) Close() error {
 		m.NatNewV4,
 		m.NatNewV6,
 		m.NatPorts,
-		m.NatScratch,
 		m.NatV4,
 		m.NatV6,
 		m.NomasqV4,

@@ -363,3 +363,55 @@ func TestResizedMapsKeepFlows(t *testing.T) {
 	}
 	check(dp, "shrunk")
 }
+
+// TestScratchNotPinned: the programs' per-CPU scratch (scratchMaps) holds nothing from one run to
+// the next: no load pins it, and a load over the pins of an earlier build of this layout, which
+// pinned its scratch as nat_scratch, passes over that pin (Inspect) and removes it, keeping every
+// other map and the flows in them.
+func TestScratchNotPinned(t *testing.T) {
+	root := filepath.Join(testutil.MountBPFFS(t), "ip-masq-agent")
+	opts := LoadOptions{PinPath: LayoutDir(root), NATEntries: 1 << 12}
+	first, err := Load(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer first.Close()
+	h := &harness{t: t, dp: first}
+	if err := first.SyncPolicy(defaultPolicy(true)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := first.SetUplink(testIfindex, Uplink{IPv4: snat4, IPv6: snat6}); err != nil {
+		t.Fatal(err)
+	}
+	podEnd, dst := ap(pod4(1), 40000), ap(remote4, 443)
+	nat := h.established(podEnd, dst)
+	if got, want := pinNames(t, opts.PinPath), MapNames(); !slices.Equal(got, want) {
+		t.Fatalf("pins %v, want %v", got, want)
+	}
+	for name := range scratchMaps {
+		if slices.Contains(MapNames(), name) {
+			t.Errorf("MapNames lists the scratch map %s", name)
+		}
+	}
+
+	// What an earlier build of this layout left: its scratch, pinned.
+	pinMap(t, filepath.Join(opts.PinPath, "nat_scratch"), &ebpf.MapSpec{Type: ebpf.PerCPUArray, KeySize: 4, ValueSize: 312, MaxEntries: 1})
+	if pins, err := Inspect(root); err != nil || !pins.Current || len(pins.Sources) != 0 {
+		t.Fatalf("Inspect: %+v, %v", pins, err)
+	}
+	second, err := Load(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer second.Close()
+	if got, want := pinNames(t, opts.PinPath), MapNames(); !slices.Equal(got, want) {
+		t.Fatalf("pins after the second load %v, want %v", got, want)
+	}
+	h2 := &harness{t: t, dp: second, ns: h.ns}
+	if got := tupleOf(t, h2.mustPass(second.Egress(), tcpPacket(podEnd, dst, tcpACK, nil))).src; got != nat {
+		t.Fatalf("the flow leaves from %s after the second load, want %s", got, nat)
+	}
+	if got := tupleOf(t, h2.mustPass(second.Ingress(), tcpPacket(dst, nat, tcpACK, nil))).dst; got != podEnd {
+		t.Fatalf("its reply arrives at %s, want %s", got, podEnd)
+	}
+}
