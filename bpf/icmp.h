@@ -214,3 +214,24 @@ drop:
 	event_add(EV_DROP_REWRITE, 1);
 	return TC_ACT_SHOT;
 }
+
+/* icmp_error on the packet being handled (parse.h: packet), one global function per family: the verifier checks
+ * each once, for both directions. */
+static __always_inline int icmp_error_at(struct __sk_buff *skb, const int v6, __u32 dir)
+{
+	const struct pkt *p = packet();
+
+	if (!p)
+		return NOT_TRANSLATED;
+	return icmp_error(skb, p, v6, dir);
+}
+
+__attribute__((noinline)) int icmp_error_v4(struct __sk_buff *skb, __u32 dir)
+{
+	return icmp_error_at(skb, 0, dir);
+}
+
+__attribute__((noinline)) int icmp_error_v6(struct __sk_buff *skb, __u32 dir)
+{
+	return icmp_error_at(skb, 1, dir);
+}

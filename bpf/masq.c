@@ -11,7 +11,19 @@
  * are recorded so their replies leave untouched; ICMP errors quoting a flow are translated.
  * Scope: only what the node's IP stack sent or forwarded is masqueraded (bpf/scope.h); frames
  * that merely pass the uplink's hooks (VLAN-tagged, macvlan and ipvlan children's) pass.
- * bpf/nat.h has the flow-state design. */
+ * bpf/nat.h has the flow-state design.
+ *
+ * Where the verifier's work goes: it walks every path of a program, and the paths of inlined code
+ * multiply (each state a parse leaves, times each way a flow is found, times each rewrite). A
+ * global function (non-static, noinline) is checked once, for any arguments, whatever its callers'
+ * states: the entry points parse the packet into a per-CPU map (parse.h: packet), and each
+ * family's egress and ingress, its ICMP errors, later fragments, untranslatable packets, new
+ * mappings and rewrites run in global functions of their own (name_v4, name_v6), which find the
+ * packet there. A global function takes the skb and scalars only; what else it needs is in the
+ * per-CPU nat_scratch (nat.h: its fields say whose). The hot path (a packet of an established
+ * flow) makes two calls: its family's egress or ingress, and the rewrite. New code that adds paths
+ * goes into a global function of its own; TestVerifierComplexity prints the instructions checked
+ * and the headroom left. */
 
 #include <linux/bpf.h>
 #include <linux/pkt_cls.h>
@@ -28,15 +40,21 @@
 
 char __license[] SEC("license") = "Dual BSD/GPL";
 
-/* xlate rewrites the source (egress) or destination (ingress) to (to, to_port); fields that
- * already hold the value stay untouched. A failed helper leaves a half-rewritten packet,
- * which is dropped rather than sent. */
-static __always_inline int xlate(struct __sk_buff *skb, const struct pkt *p, const int v6, const int source,
-				 const __be32 *to, __be16 to_port)
+/* xlate rewrites the source (egress) or destination (ingress) of the packet being handled to
+ * (to, to_port), to being nat_scratch's; fields that already hold the value stay untouched. A
+ * failed helper leaves a half-rewritten packet, which is dropped rather than sent. */
+static __always_inline int xlate(struct __sk_buff *skb, const int v6, const int source, __be16 to_port)
 {
-	const __be32 *from = source ? p->saddr : p->daddr;
-	__be16 from_port = source ? p->sport : p->dport;
+	struct nat_scratch *s = scratch();
+	const struct pkt *p = packet();
+	const __be32 *from, *to;
+	__be16 from_port;
 
+	if (!s || !p)
+		goto drop;
+	to = s->to;
+	from = source ? p->saddr : p->daddr;
+	from_port = source ? p->sport : p->dport;
 	if (!addr_eq(v6, from, to) && rewrite_addr(skb, p, v6, source, from, to) < 0)
 		goto drop;
 	if (p->l4 != L4_NONE && from_port != to_port && rewrite_port(skb, p, source, from_port, to_port) < 0)
@@ -47,14 +65,42 @@ drop:
 	return TC_ACT_SHOT;
 }
 
+__attribute__((noinline)) int xlate_v4(struct __sk_buff *skb, __u32 source, __u32 to_port)
+{
+	return xlate(skb, 0, source, to_port);
+}
+
+__attribute__((noinline)) int xlate_v6(struct __sk_buff *skb, __u32 source, __u32 to_port)
+{
+	return xlate(skb, 1, source, to_port);
+}
+
+/* xlate_to copies to into nat_scratch and rewrites the packet to (to, to_port): xlate. */
+static __always_inline int xlate_to(struct __sk_buff *skb, const int v6, const int source, const __be32 *to,
+				    __be16 to_port)
+{
+	struct nat_scratch *s = scratch();
+
+	if (!s) {
+		event_add(EV_DROP_REWRITE, 1);
+		return TC_ACT_SHOT;
+	}
+	addr_copy(v6, s->to, to);
+	return v6 ? xlate_v6(skb, source, to_port) : xlate_v4(skb, source, to_port);
+}
+
 /* Later fragments: the flow is found through the first fragment's ports; NOT_TRANSLATED when
  * it is not. */
-static __always_inline int frag_later(struct __sk_buff *skb, struct pkt *p, const int v6, const int dir)
+static __always_inline int frag_later(struct __sk_buff *skb, const int v6, const int dir)
 {
-	struct frag_ports *fp = frag_lookup(v6, p, dir);
+	const struct pkt *p = packet();
+	struct frag_ports *fp;
 	union nat_key k;
 	struct nat_entry *e;
 
+	if (!p)
+		return NOT_TRANSLATED;
+	fp = frag_lookup(v6, p, dir);
 	if (!fp) {
 		event_add(EV_FRAG_MISS, 1);
 		return NOT_TRANSLATED;
@@ -65,7 +111,17 @@ static __always_inline int frag_later(struct __sk_buff *skb, struct pkt *p, cons
 		return NOT_TRANSLATED;
 	if (dir == DIR_EGRESS && e->kind == NAT_MASQ)
 		count_rule(e->slot, p->len);
-	return xlate(skb, p, v6, dir == DIR_EGRESS, WORDS(e->addr), e->port);
+	return xlate_to(skb, v6, dir == DIR_EGRESS, WORDS(e->addr), e->port);
+}
+
+__attribute__((noinline)) int frag_later_v4(struct __sk_buff *skb, __u32 dir)
+{
+	return frag_later(skb, 0, dir);
+}
+
+__attribute__((noinline)) int frag_later_v6(struct __sk_buff *skb, __u32 dir)
+{
+	return frag_later(skb, 1, dir);
 }
 
 static __always_inline const __be32 *uplink_addr(const struct uplink *u, const int v6)
@@ -212,19 +268,29 @@ static __always_inline int pod_decide(const struct pkt *p, const int v6, const s
 	return FLOW_NEW;
 }
 
-/* A packet of no known flow leaving: a host flow's reservation, or the policy's verdict, and the
- * new mapping either may need (the one place that allocates ports), to the rule's masquerade
- * address or else the uplink's (snat), written into to. A masqueraded flow that lost its port
- * (remap, to holding the address it was translated to) keeps its verdict, rule (slot) and
- * address, as conntrack keeps a flow's binding. */
-static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, const int v6,
-				      const union nat_key *k, __u64 now, const struct nat_config *cfg,
-				      const __be32 *snat, int remap, __u32 slot, __be32 *to)
+/* A packet of no known flow leaving (its key in nat_scratch): a host flow's reservation, or the
+ * policy's verdict, and the new mapping either may need (the one place that allocates ports), to
+ * the rule's masquerade address or else the uplink's, written into nat_scratch's to. A masqueraded
+ * flow that lost its port (remap, to holding the address it was translated to) keeps its verdict,
+ * rule (slot) and address, as conntrack keeps a flow's binding. */
+static __always_inline int egress_new(struct __sk_buff *skb, const int v6, __u64 now, int remap, __u32 slot)
 {
-	int host = snat && addr_eq(v6, p->saddr, snat), r;
-	const __be32 *rule_to = 0;
+	__u32 zero = 0;
+	const struct nat_config *cfg = bpf_map_lookup_elem(&nat_config, &zero);
+	struct nat_scratch *s = scratch();
+	const struct pkt *p = packet();
+	const __be32 *rule_to = 0, *snat;
+	const union nat_key *k;
 	struct nat_entry e;
+	__be32 *to;
+	int host, r;
 
+	if (!cfg || !s || !p)
+		return TC_NEXT;
+	k = &s->key;
+	to = s->to;
+	snat = snat_addr(skb, v6);
+	host = snat && addr_eq(v6, p->saddr, snat);
 	if (!from_node_stack(skb, p, v6, snat))
 		return TC_NEXT;
 	if (host)
@@ -247,7 +313,17 @@ static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, cons
 	event_add(host ? EV_HOST_REMAP : EV_NEW_MASQ, 1);
 	if (p->frag == FRAG_FIRST)
 		frag_remember(v6, p, DIR_EGRESS);
-	return xlate(skb, p, v6, 1, WORDS(e.addr), e.port);
+	return xlate_to(skb, v6, 1, WORDS(e.addr), e.port);
+}
+
+__attribute__((noinline)) int egress_new_v4(struct __sk_buff *skb, __u64 now, __u32 remap, __u32 slot)
+{
+	return egress_new(skb, 0, now, remap, slot);
+}
+
+__attribute__((noinline)) int egress_new_v6(struct __sk_buff *skb, __u64 now, __u32 remap, __u32 slot)
+{
+	return egress_new(skb, 1, now, remap, slot);
 }
 
 /* untranslatable: an egress packet the NAT cannot translate (parse.h: cut short, too many IPv6
@@ -255,13 +331,14 @@ static __always_inline int egress_new(struct __sk_buff *skb, struct pkt *p, cons
  * a later fragment of no known datagram). A pod's (forwarded by the node) to a destination the
  * policy masquerades is dropped and counted rather than sent with the pod's address; the node's
  * own carry the node's addresses, and pass, as do packets the policy leaves alone. */
-static __always_inline int untranslatable(struct __sk_buff *skb, const struct pkt *p, const int v6)
+static __always_inline int untranslatable(struct __sk_buff *skb, const int v6)
 {
 	__u32 zero = 0, slot;
 	const struct nat_config *cfg = bpf_map_lookup_elem(&nat_config, &zero);
+	const struct pkt *p = packet();
 	const struct family_cfg *fc;
 
-	if (!cfg)
+	if (!cfg || !p)
 		return TC_NEXT;
 	fc = family_cfg(cfg, v6);
 	if (!fc->enabled || !skb->ingress_ifindex || !from_node_stack(skb, p, v6, 0))
@@ -275,13 +352,32 @@ static __always_inline int untranslatable(struct __sk_buff *skb, const struct pk
 	return TC_ACT_SHOT;
 }
 
+__attribute__((noinline)) int untranslatable_v4(struct __sk_buff *skb)
+{
+	return untranslatable(skb, 0);
+}
+
+__attribute__((noinline)) int untranslatable_v6(struct __sk_buff *skb)
+{
+	return untranslatable(skb, 1);
+}
+
+/* The egress verdict of a packet that icmp_error or frag_later did not translate. */
+static __always_inline int untranslated(struct __sk_buff *skb, const int v6, int verdict)
+{
+	if (verdict != NOT_TRANSLATED)
+		return verdict;
+	return v6 ? untranslatable_v6(skb) : untranslatable_v4(skb);
+}
+
 /* A packet of a known flow leaving: its state recorded, then translated. FLOW_NEW when the flow
  * starts over (a closed connection reopened under another verdict), FLOW_REMAP (with *slot, and
- * its address in to) when its port was taken over. */
-static __always_inline int egress_known(struct __sk_buff *skb, struct pkt *p, const int v6, const int tbl,
-					const union nat_key *k, struct nat_entry *e, __u64 now, __u32 ifindex,
-					__u32 *remap_slot, __be32 *to)
+ * its address in nat_scratch's to) when its port was taken over. */
+static __always_inline int egress_known(struct __sk_buff *skb, const struct pkt *p, struct nat_scratch *s,
+					const int v6, const int tbl, struct nat_entry *e, __u64 now, __u32 ifindex,
+					__u32 *remap_slot)
 {
+	const union nat_key *k = &s->key;
 	__be16 to_port;
 	__u8 kind = e->kind;
 	__u32 slot = e->slot;
@@ -305,17 +401,13 @@ static __always_inline int egress_known(struct __sk_buff *skb, struct pkt *p, co
 				e->slot = slot = nslot;
 			reopen(v6, k, e);
 		} else {
-			struct nat_scratch *s = scratch();
-
-			if (s) {
-				partner_key(v6, &s->pk, k, e);
-				nat_del(v6, tbl, &s->pk);
-			}
+			partner_key(v6, &s->pk, k, e);
+			nat_del(v6, tbl, &s->pk);
 			nat_del(v6, tbl, k);
 			return FLOW_NEW;
 		}
 	}
-	addr_copy(v6, to, WORDS(e->addr));
+	addr_copy(v6, s->to, WORDS(e->addr));
 	to_port = e->port;
 	if (flow_seen(skb, v6, tbl, k, e, p, now) < 0) {
 		/* The LRU evicted this flow's ingress half and another flow owns its port now. */
@@ -328,50 +420,51 @@ static __always_inline int egress_known(struct __sk_buff *skb, struct pkt *p, co
 		count_rule(slot, p->len);
 	if (p->frag == FRAG_FIRST)
 		frag_remember(v6, p, DIR_EGRESS);
-	return xlate(skb, p, v6, 1, to, to_port);
+	return v6 ? xlate_v6(skb, 1, to_port) : xlate_v4(skb, 1, to_port);
 }
 
-static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const int v6, __u64 now)
+/* egress handles the packet being handled (parse_packet), leaving by the uplink. */
+static __always_inline int egress(struct __sk_buff *skb, const int v6, __u64 now)
 {
 	__u32 zero = 0, slot = NO_SLOT, ifindex = skb->ifindex;
 	const struct nat_config *cfg = bpf_map_lookup_elem(&nat_config, &zero);
+	struct nat_scratch *s = scratch();
+	const struct pkt *p = packet();
 	const __be32 *snat;
-	union nat_key k;
+	union nat_key *k;
 	struct nat_entry *e;
-	int verdict, tbl = NAT_CONFIRMED, remap = 0;
-	__be32 to[4] = {};
+	int tbl = NAT_CONFIRMED, remap = 0;
 
-	if (!cfg || !family_cfg(cfg, v6)->enabled)
+	if (!cfg || !s || !p || !family_cfg(cfg, v6)->enabled)
 		return TC_NEXT;
 	switch (p->l4) {
 	case L4_ICMP_ERROR:
-		verdict = icmp_error(skb, p, v6, DIR_EGRESS);
-		return verdict == NOT_TRANSLATED ? untranslatable(skb, p, v6) : verdict;
+		return untranslated(skb, v6, v6 ? icmp_error_v6(skb, DIR_EGRESS) : icmp_error_v4(skb, DIR_EGRESS));
 	case L4_NONE:
-		verdict = frag_later(skb, p, v6, DIR_EGRESS);
-		return verdict == NOT_TRANSLATED ? untranslatable(skb, p, v6) : verdict;
+		return untranslated(skb, v6, v6 ? frag_later_v6(skb, DIR_EGRESS) : frag_later_v4(skb, DIR_EGRESS));
 	case L4_UNTRACKED:
 	case L4_UNSAFE:
-		return untranslatable(skb, p, v6);
+		return v6 ? untranslatable_v6(skb) : untranslatable_v4(skb);
 	}
 
-	nat_key(v6, &k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_EGRESS);
-	e = nat_get(v6, NAT_CONFIRMED, &k);
+	k = &s->key;
+	nat_key(v6, k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_EGRESS);
+	e = nat_get(v6, NAT_CONFIRMED, k);
 	if (!e) {
 		/* Kept verdicts are of pod flows: a host's packet finds none. A SYN opens a new
 		 * connection, which follows the policy in force now. */
-		struct keep_entry *ke = keep_get(v6, &k);
+		struct keep_entry *ke = keep_get(v6, k);
 
 		if (ke) {
 			if (!tcp_is_syn(p))
 				return keep_packet(ke, p, now);
-			keep_del(v6, &k);
+			keep_del(v6, k);
 		}
 		tbl = NAT_UNREPLIED;
-		e = nat_get(v6, NAT_UNREPLIED, &k);
+		e = nat_get(v6, NAT_UNREPLIED, k);
 	}
 	if (e) {
-		int r = egress_known(skb, p, v6, tbl, &k, e, now, ifindex, &slot, to);
+		int r = egress_known(skb, p, s, v6, tbl, e, now, ifindex, &slot);
 
 		if (r == FLOW_REMAP)
 			remap = 1;
@@ -384,7 +477,17 @@ static __always_inline int egress(struct __sk_buff *skb, struct pkt *p, const in
 	if (!remap && snat && p->l4 != L4_ADDR && addr_eq(v6, p->saddr, snat) &&
 	    !port_in_ranges(cfg, bpf_ntohs(p->sport)))
 		return TC_NEXT;
-	return egress_new(skb, p, v6, &k, now, cfg, snat, remap, slot, to);
+	return v6 ? egress_new_v6(skb, now, remap, slot) : egress_new_v4(skb, now, remap, slot);
+}
+
+__attribute__((noinline)) int egress_v4(struct __sk_buff *skb, __u64 now)
+{
+	return egress(skb, 0, now);
+}
+
+__attribute__((noinline)) int egress_v6(struct __sk_buff *skb, __u64 now)
+{
+	return egress(skb, 1, now);
 }
 
 /* local_dest tells whether the destination of an inbound packet is behind this node: delivered
@@ -428,20 +531,28 @@ static __always_inline int is_opener(const struct pkt *p)
 	return 1;
 }
 
-/* A flow opened from outside toward an address behind the uplink (a pod): both halves recorded
- * as an identity mapping, so that its replies are never masqueraded. */
-static __always_inline int ingress_new(struct __sk_buff *skb, const struct pkt *p, const int v6,
-				       const struct nat_config *cfg, const union nat_key *k, __u64 now)
+/* A packet of no known flow arriving (its key in nat_scratch): a flow opened from outside toward
+ * an address behind the uplink (a pod) gets both halves recorded as an identity mapping, so that
+ * its replies are never masqueraded. */
+static __always_inline int ingress_new(struct __sk_buff *skb, const int v6, __u64 now)
 {
-	__u32 slot;
+	__u32 zero = 0, slot;
+	const struct pkt *p = packet();
+	const struct nat_config *cfg;
+	struct nat_scratch *s;
 	const __be32 *snat;
-	struct nat_entry e = {.port = p->dport, .kind = NAT_INBOUND, .slot = NO_SLOT, .last_seen = now,
-			      .wscale = NAT_WSCALE_UNKNOWN};
+	const union nat_key *k;
+	struct nat_entry e;
 	union nat_key ek;
 
 	/* The checks that need no map first: most packets of this path stop here. */
-	if (!is_opener(p))
+	if (!p || !is_opener(p))
 		return TC_NEXT;
+	cfg = bpf_map_lookup_elem(&nat_config, &zero);
+	s = scratch();
+	if (!cfg || !s)
+		return TC_NEXT;
+	k = &s->key;
 	snat = snat_addr(skb, v6);
 	if (snat && addr_eq(v6, p->daddr, snat))
 		return TC_NEXT; /* to the host itself: its replies are host flows */
@@ -453,6 +564,8 @@ static __always_inline int ingress_new(struct __sk_buff *skb, const struct pkt *
 		event_add(EV_INBOUND_NOT_LOCAL, 1);
 		return TC_NEXT;
 	}
+	e = (struct nat_entry){.port = p->dport, .kind = NAT_INBOUND, .slot = NO_SLOT, .last_seen = now,
+			       .wscale = NAT_WSCALE_UNKNOWN};
 	addr_copy(v6, WORDS_MUT(e.addr), p->daddr);
 	nat_key(v6, &ek, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_EGRESS);
 	if (nat_lookup(v6, &ek) || nat_put(v6, NAT_UNREPLIED, &ek, &e, BPF_NOEXIST) != 0)
@@ -467,16 +580,26 @@ static __always_inline int ingress_new(struct __sk_buff *skb, const struct pkt *
 	return TC_NEXT;
 }
 
-/* A packet of a known flow arriving: its state recorded, then translated back. */
-static __always_inline int ingress_known(struct __sk_buff *skb, struct pkt *p, const int v6, const int tbl,
-					 const union nat_key *k, struct nat_entry *e, __u64 now)
+__attribute__((noinline)) int ingress_new_v4(struct __sk_buff *skb, __u64 now)
 {
-	__be32 to[4] = {};
+	return ingress_new(skb, 0, now);
+}
+
+__attribute__((noinline)) int ingress_new_v6(struct __sk_buff *skb, __u64 now)
+{
+	return ingress_new(skb, 1, now);
+}
+
+/* A packet of a known flow arriving: its state recorded, then translated back. */
+static __always_inline int ingress_known(struct __sk_buff *skb, const struct pkt *p, struct nat_scratch *s,
+					 const int v6, const int tbl, struct nat_entry *e, __u64 now)
+{
+	const union nat_key *k = &s->key;
 	__be16 to_port;
 
 	if (is_reopen(p, e))
 		reopen(v6, k, e);
-	addr_copy(v6, to, WORDS(e->addr));
+	addr_copy(v6, s->to, WORDS(e->addr));
 	to_port = e->port;
 	if (flow_seen(skb, v6, tbl, k, e, p, now) < 0) {
 		/* Its egress key holds another mapping now: this half is an orphan holding a port. */
@@ -486,25 +609,30 @@ static __always_inline int ingress_known(struct __sk_buff *skb, struct pkt *p, c
 	}
 	if (p->frag == FRAG_FIRST)
 		frag_remember(v6, p, DIR_INGRESS);
-	return xlate(skb, p, v6, 0, to, to_port);
+	return v6 ? xlate_v6(skb, 0, to_port) : xlate_v4(skb, 0, to_port);
 }
 
-static __always_inline int ingress(struct __sk_buff *skb, struct pkt *p, const int v6, __u64 now)
+/* ingress handles the packet being handled (parse_packet), arriving by the uplink. */
+static __always_inline int ingress(struct __sk_buff *skb, const int v6, __u64 now)
 {
 	__u32 zero = 0;
 	const struct nat_config *cfg;
-	union nat_key k;
+	struct nat_scratch *s = scratch();
+	const struct pkt *p = packet();
+	union nat_key *k;
 	struct nat_entry *e;
 	int verdict, tbl = NAT_CONFIRMED;
 
+	if (!s || !p)
+		return TC_NEXT;
 	/* What ingress cannot translate is for the node's stack as it is: nothing leaks. A packet
 	 * with segments left in its IPv6 routing header is not at its destination yet. */
 	switch (p->l4) {
 	case L4_ICMP_ERROR:
-		verdict = icmp_error(skb, p, v6, DIR_INGRESS);
+		verdict = v6 ? icmp_error_v6(skb, DIR_INGRESS) : icmp_error_v4(skb, DIR_INGRESS);
 		return verdict == NOT_TRANSLATED ? TC_NEXT : verdict;
 	case L4_NONE:
-		verdict = frag_later(skb, p, v6, DIR_INGRESS);
+		verdict = v6 ? frag_later_v6(skb, DIR_INGRESS) : frag_later_v4(skb, DIR_INGRESS);
 		return verdict == NOT_TRANSLATED ? TC_NEXT : verdict;
 	case L4_UNTRACKED:
 	case L4_UNSAFE:
@@ -524,15 +652,26 @@ static __always_inline int ingress(struct __sk_buff *skb, struct pkt *p, const i
 		if (snat && addr_eq(v6, p->daddr, snat))
 			return TC_NEXT;
 	}
-	nat_key(v6, &k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_INGRESS);
-	e = nat_get(v6, NAT_CONFIRMED, &k);
+	k = &s->key;
+	nat_key(v6, k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_INGRESS);
+	e = nat_get(v6, NAT_CONFIRMED, k);
 	if (!e) {
 		tbl = NAT_UNREPLIED;
-		e = nat_get(v6, NAT_UNREPLIED, &k);
+		e = nat_get(v6, NAT_UNREPLIED, k);
 		if (!e)
-			return ingress_new(skb, p, v6, cfg, &k, now);
+			return v6 ? ingress_new_v6(skb, now) : ingress_new_v4(skb, now);
 	}
-	return ingress_known(skb, p, v6, tbl, &k, e, now);
+	return ingress_known(skb, p, s, v6, tbl, e, now);
+}
+
+__attribute__((noinline)) int ingress_v4(struct __sk_buff *skb, __u64 now)
+{
+	return ingress(skb, 0, now);
+}
+
+__attribute__((noinline)) int ingress_v6(struct __sk_buff *skb, __u64 now)
+{
+	return ingress(skb, 1, now);
 }
 
 /* hook_seen_mark records that the program ran on this device's hook (see hook_seen). */
@@ -549,16 +688,15 @@ SEC("tc")
 int tc_egress(struct __sk_buff *skb)
 {
 	__u64 now = bpf_ktime_get_ns();
-	struct pkt p = {};
 
 	hook_seen_mark(skb, DIR_EGRESS, now);
 	if (skb->vlan_present)
 		return TC_NEXT; /* a VLAN sub-interface's frame (bpf/scope.h) */
-	switch (parse(skb, &p)) {
+	switch (parse_packet(skb)) {
 	case 4:
-		return egress(skb, &p, 0, now);
+		return egress_v4(skb, now);
 	case 6:
-		return egress(skb, &p, 1, now);
+		return egress_v6(skb, now);
 	}
 	return TC_NEXT;
 }
@@ -567,18 +705,17 @@ SEC("tc")
 int tc_ingress(struct __sk_buff *skb)
 {
 	__u64 now = bpf_ktime_get_ns();
-	struct pkt p = {};
 
 	hook_seen_mark(skb, DIR_INGRESS, now);
 	/* A VLAN sub-interface's frame, or one for another host (a macvlan child), a broadcast or a
 	 * multicast: no reply to a flow of ours, and no flow to record. */
 	if (skb->vlan_present || skb->pkt_type != PACKET_HOST)
 		return TC_NEXT;
-	switch (parse(skb, &p)) {
+	switch (parse_packet(skb)) {
 	case 4:
-		return ingress(skb, &p, 0, now);
+		return ingress_v4(skb, now);
 	case 6:
-		return ingress(skb, &p, 1, now);
+		return ingress_v6(skb, now);
 	}
 	return TC_NEXT;
 }

@@ -275,7 +275,14 @@ static __always_inline int tcp_is_syn(const struct pkt *p)
  * its caller left in nat_scratch. What they are told of the packet: its TCP flags, and PF_TCP. */
 #define PF_TCP 0x100
 
+/* The per-CPU working space of a run of the programs: what the global functions are handed
+ * beyond their scalar arguments and the packet (parse.h: packet); a global function takes the skb
+ * and scalars only (pointers to other memory are Linux 5.12's). It holds nothing from one run to
+ * the next, so it is not pinned and no layout has it (pkg/bpf: scratchMaps): its fields may
+ * change freely. */
 struct nat_scratch {
+	union nat_key key; /* the packet's flow key, for egress_new_* and ingress_new_* */
+	__be32 to[4];     /* the address xlate_* writes, and egress_new_*'s */
 	union nat_key k;  /* the entry of the flow_slow_* and tcp_closing_* calls */
 	union nat_key pk; /* ... its partner's key */
 	struct nat_entry ne, pv; /* ... values being written */
@@ -286,9 +293,7 @@ struct nat_scratch {
 	__u32 pad;
 };
 
-/* Per CPU: a program runs to its end on one CPU, and neither hook runs inside the other there.
- * It holds nothing from one run to the next, so it is not pinned and no layout has it (pkg/bpf:
- * scratchMaps): its fields may change in any build. */
+/* Per CPU: a program runs to its end on one CPU, and neither hook runs inside the other there. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, 1);
@@ -692,38 +697,79 @@ static __always_inline int port_claim(const int v6, const union nat_key *rk, con
 	return 0;
 }
 
-/* nat_probe claims a port for the reply half in nat_scratch: orig first when it is not 0, then
- * NAT_SEQ_PROBES ports in a row from index start of the n ports, then random ones. Returns the probes it
- * took, 0 when every one found its port taken. */
-static __always_inline __u32 nat_probe(const int v6, __u32 n, __u32 start, __u32 orig)
+/* port_try claims the reply half's key in nat_scratch with port (host order): port_claim. One
+ * global function per family, so that the verifier checks a claim once rather than at each of
+ * the probes of nat_probe's loop, which it walks one by one. */
+static __always_inline int port_try(const int v6, __u32 port, __u32 precheck)
 {
 	struct nat_scratch *s = scratch();
 
+	if (!s)
+		return -1;
+	nat_key_set_dport(v6, &s->rk, bpf_htons(port));
+	return port_claim(v6, &s->rk, &s->rev, precheck);
+}
+
+__attribute__((noinline)) int port_try_v4(__u32 port, __u32 precheck)
+{
+	return port_try(0, port, precheck);
+}
+
+__attribute__((noinline)) int port_try_v6(__u32 port, __u32 precheck)
+{
+	return port_try(1, port, precheck);
+}
+
+/* nat_probe claims a port for the reply half in nat_scratch: orig first when it is not 0, then
+ * NAT_SEQ_PROBES ports in a row from index start of the n ports, then random ones. Returns the probes it
+ * took, 0 when every one found its port taken. The random probes have a loop of their own, whose
+ * state the verifier walks once per probe: one that holds only its counter. */
+static __always_inline __u32 nat_probe(const int v6, __u32 n, __u32 start, __u32 orig)
+{
+	struct nat_scratch *s = scratch();
+	__u32 tries = 0;
+
 	if (!s || n == 0 || n > NAT_PORTS_MAX)
 		return 0;
-	for (__u32 i = 0; i < NAT_PROBES; i++) {
-		__u32 seq = 0, idx, j = orig ? i - 1 : i;
-		__u16 port, *pp;
-
-		if (orig && i == 0) {
-			port = orig;
-		} else {
-			if (j < NAT_SEQ_PROBES) {
-				idx = (start + j) % n;
-				seq = j + 1;
-			} else {
-				idx = bpf_get_prandom_u32() % n;
-			}
-			pp = bpf_map_lookup_elem(&nat_ports, &idx);
-			if (!pp)
-				continue; /* cannot happen: idx < n <= NAT_PORTS_MAX */
-			port = *pp;
+	if (orig) {
+		tries++;
+		if ((v6 ? port_try_v6(orig, 0) : port_try_v4(orig, 0)) == 0) {
+			s->step = 0;
+			return tries;
 		}
-		nat_key_set_dport(v6, &s->rk, bpf_htons(port));
-		if (port_claim(v6, &s->rk, &s->rev, i > 0) == 0) {
-			/* The endpoint's next flow starts after this port (a random find moves it on). */
-			s->step = orig && i == 0 ? 0 : (seq ? seq : 1);
-			return i + 1;
+	}
+	for (__u32 j = 0; j < NAT_SEQ_PROBES; j++) {
+		__u32 idx = (start + j) % n;
+		__u16 *pp = bpf_map_lookup_elem(&nat_ports, &idx);
+
+		tries++;
+		if (!pp)
+			continue; /* cannot happen: idx < n <= NAT_PORTS_MAX */
+		if ((v6 ? port_try_v6(*pp, tries > 1) : port_try_v4(*pp, tries > 1)) == 0) {
+			/* The endpoint's next flow starts after this port. */
+			s->step = j + 1;
+			return tries;
+		}
+	}
+	for (__u32 i = 0; i < NAT_PROBES - NAT_SEQ_PROBES - 1; i++) {
+		__u32 idx = bpf_get_prandom_u32() % n;
+		__u16 *pp = bpf_map_lookup_elem(&nat_ports, &idx);
+
+		if (!pp)
+			continue;
+		if ((v6 ? port_try_v6(*pp, 1) : port_try_v4(*pp, 1)) == 0) {
+			s->step = 1; /* a random find moves the sequence on */
+			return tries + i + 1;
+		}
+	}
+	/* Without orig, one random probe more: NAT_PROBES in all either way. */
+	if (!orig) {
+		__u32 idx = bpf_get_prandom_u32() % n;
+		__u16 *pp = bpf_map_lookup_elem(&nat_ports, &idx);
+
+		if (pp && (v6 ? port_try_v6(*pp, 1) : port_try_v4(*pp, 1)) == 0) {
+			s->step = 1;
+			return NAT_PROBES;
 		}
 	}
 	return 0;

@@ -156,6 +156,23 @@ struct pkt {
 #define TCPF_RST 0x04
 #define TCPF_ACK 0x10
 
+/* The packet being handled, per CPU: the entry points parse it here (parse_packet), and the
+ * global functions they call, which take no pointer but the skb, read it here (see masq.c). Like
+ * the scratch (nat.h), it holds nothing from one run to the next: not pinned, in no layout. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct pkt);
+} cpu_packet SEC(".maps");
+
+static __always_inline struct pkt *packet(void)
+{
+	__u32 zero = 0;
+
+	return bpf_map_lookup_elem(&cpu_packet, &zero);
+}
+
 /* Enough linear data for Ethernet, the largest IPv4 header (or IPv6 with a fragment header)
  * and a TCP header. */
 #define PULL_LEN (ETH_HLEN + 60 + TCP_HLEN_MIN)
@@ -386,8 +403,18 @@ static __always_inline int ipv6_walk(struct __sk_buff *skb, struct pkt *p)
 	return 0;
 }
 
-/* parse fills p for an IPv4 (returns 4) or IPv6 (returns 6) packet, or returns a negative value
- * for a frame to pass unchanged (not IP, or an unusable IP header). */
+/* ipv6_walk on the packet being handled: a global function, which the verifier checks once
+ * rather than going on from each of the ways the walk ends. */
+__attribute__((noinline)) int ipv6_walk_at(struct __sk_buff *skb)
+{
+	struct pkt *p = packet();
+
+	return p ? ipv6_walk(skb, p) : -1;
+}
+
+/* parse fills p, the packet being handled (packet()), for an IPv4 (returns 4) or IPv6 (returns
+ * 6) packet, or returns a negative value for a frame to pass unchanged (not IP, or an unusable IP
+ * header). */
 static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 {
 	void *data = (void *)(long)skb->data;
@@ -465,7 +492,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 		__builtin_memcpy(p->daddr, &ip6->daddr, 16);
 		p->proto = ip6->nexthdr;
 		p->l4_off = ETH_HLEN + sizeof(*ip6);
-		if (ipv6_walk(skb, p) < 0) {
+		if (ipv6_walk_at(skb) < 0) {
 			p->l4 = L4_UNSAFE;
 			return 6;
 		}
@@ -477,4 +504,15 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 		return 6;
 	}
 	return -1;
+}
+
+/* parse_packet parses the packet into packet(): parse. */
+static __always_inline int parse_packet(struct __sk_buff *skb)
+{
+	struct pkt *p = packet();
+
+	if (!p)
+		return -1;
+	*p = (struct pkt){};
+	return parse(skb, p);
 }

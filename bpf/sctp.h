@@ -18,8 +18,10 @@
 #define CRC32C_ONE 0x80000000u /* x^0 */
 #define CRC32C_X8 0x00800000u  /* x^8: one zero byte */
 
-/* crc32c_mul multiplies a and b modulo P, both bit-reflected. */
-static __always_inline __u32 crc32c_mul(__u32 a, __u32 b)
+/* crc32c_mul multiplies a and b modulo P, both bit-reflected. A global function, which the
+ * verifier walks once rather than at each of sctp_crc_delta's 32 multiplications (a call costs a
+ * few ns beside the loop's 32 steps). */
+__attribute__((noinline)) __u32 crc32c_mul(__u32 a, __u32 b)
 {
 	__u32 p = 0;
 
@@ -33,8 +35,7 @@ static __always_inline __u32 crc32c_mul(__u32 a, __u32 b)
 
 /* sctp_crc_delta is the CRC change of a len-byte SCTP packet whose first 4 bytes (the ports) change
  * by d, as loaded little-endian from the packet: d times x^(8 len). A global function, which the
- * verifier checks once rather than at every place the NAT rewrites a port: its loops would
- * otherwise cost that many times. */
+ * verifier checks once rather than at every place the NAT rewrites a port. */
 __attribute__((noinline)) __u32 sctp_crc_delta(__u32 d, __u32 len)
 {
 	__u32 pw = CRC32C_ONE, sq = CRC32C_X8;
@@ -63,7 +64,12 @@ static __always_inline int sctp_rewrite_port(struct __sk_buff *skb, __u32 l4_off
 	if (len > 0xffff || bpf_skb_load_bytes(skb, l4_off, hdr, sizeof(hdr)) < 0)
 		return -1;
 	old = hdr[0];
-	__builtin_memcpy((__u8 *)hdr + (source ? 0 : 2), &to, sizeof(to));
+	/* Two stores rather than one at a computed offset, which clang may build by OR-ing the
+	 * offset into the stack pointer: pointer arithmetic the verifier refuses. */
+	if (source)
+		__builtin_memcpy(hdr, &to, sizeof(to));
+	else
+		__builtin_memcpy((__u8 *)hdr + 2, &to, sizeof(to));
 	hdr[2] ^= sctp_crc_delta(old ^ hdr[0], len);
 	if (bpf_skb_store_bytes(skb, l4_off, &hdr[0], 4, BPF_F_RECOMPUTE_CSUM) < 0)
 		return -1;

@@ -369,12 +369,12 @@ func (d *Datapath) mapFields() map[string]**ebpf.Map {
 	return out
 }
 
-// scratchMaps are the programs' per-CPU working space (bpf/nat.h: cpu_scratch): nothing in them
-// outlives a run of a program, so each load has its own, unpinned, and no layout has them (their
-// types may change in any build). Every other function of this package passes them over (Maps,
-// MapNames, the pins, the layouts). nat_scratch is the scratch that the builds of layout 5 before
-// this one pinned: Load removes its pin.
-var scratchMaps = map[string]bool{masqMapCpuScratch: true, "nat_scratch": true}
+// scratchMaps are the programs' per-CPU working space (bpf/parse.h: cpu_packet, bpf/nat.h:
+// cpu_scratch): nothing in them outlives a run of a program, so each load has its own, unpinned,
+// and no layout has them (their types may change in any build). Every other function of this
+// package passes them over (Maps, MapNames, the pins, the layouts). nat_scratch is the scratch
+// that the builds of layout 5 before this one pinned: Load removes its pin.
+var scratchMaps = map[string]bool{masqMapCpuPacket: true, masqMapCpuScratch: true, "nat_scratch": true}
 
 // eachEntry calls fn with every entry of a map without per-CPU values: a batch lookup per few
 // hundred entries where the kernel can (a rule map of 32768 slots is read in a few syscalls),

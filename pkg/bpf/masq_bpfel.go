@@ -208,8 +208,14 @@ const (
 )
 
 type masqNatScratch struct {
-	_ structs.HostLayout
-	K struct {
+	_   structs.HostLayout
+	Key struct {
+		_  structs.HostLayout
+		K4 masqNat4Key
+		_  [24]byte
+	}
+	To [4]uint32
+	K  struct {
 		_  structs.HostLayout
 		K4 masqNat4Key
 		_  [24]byte
@@ -230,6 +236,32 @@ type masqNatScratch struct {
 	Step uint32
 	Opt  [40]uint8
 	Pad  uint32
+}
+
+type masqPkt struct {
+	_           structs.HostLayout
+	Saddr       [4]uint32
+	Daddr       [4]uint32
+	Sport       uint16
+	Dport       uint16
+	L4Off       uint32
+	End         uint32
+	Len         uint32
+	Proto       uint8
+	L4          uint8
+	Frag        uint8
+	TcpFlags    uint8
+	EchoRequest uint8
+	Csum        uint8
+	CsumOff     uint8
+	_           [1]byte
+	FragId      uint32
+	Transit     uint8
+	TcpHlen     uint8
+	TcpWin      uint16
+	TcpSeq      uint32
+	TcpAck      uint32
+	TcpLen      uint32
 }
 
 type masqRuleOrigin uint8
@@ -277,6 +309,7 @@ type masqUplinkMac struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	masqMapCpuPacket    = "cpu_packet"
 	masqMapCpuScratch   = "cpu_scratch"
 	masqMapEventStats   = "event_stats"
 	masqMapFragV4       = "frag_v4"
@@ -356,6 +389,7 @@ type masqProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type masqMapSpecs struct {
+	CpuPacket    *ebpf.MapSpec `ebpf:"cpu_packet"`
 	CpuScratch   *ebpf.MapSpec `ebpf:"cpu_scratch"`
 	EventStats   *ebpf.MapSpec `ebpf:"event_stats"`
 	FragV4       *ebpf.MapSpec `ebpf:"frag_v4"`
@@ -409,6 +443,7 @@ func (o *masqObjects) Close() error {
 //
 // It can be passed to loadMasqObjects or ebpf.CollectionSpec.LoadAndAssign.
 type masqMaps struct {
+	CpuPacket    *ebpf.Map `ebpf:"cpu_packet"`
 	CpuScratch   *ebpf.Map `ebpf:"cpu_scratch"`
 	EventStats   *ebpf.Map `ebpf:"event_stats"`
 	FragV4       *ebpf.Map `ebpf:"frag_v4"`
@@ -438,6 +473,7 @@ type masqMaps struct {
 
 func (m *masqMaps) Close() error {
 	return _MasqClose(
+		m.CpuPacket,
 		m.CpuScratch,
 		m.EventStats,
 		m.FragV4,
