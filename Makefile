@@ -42,12 +42,13 @@ image: deps build
 
 ## test: every test, privileged ones included (run as root; CI=true makes a test that cannot run fail).
 ## The cluster tests run the Kubernetes components make k8s builds (once per version).
-## The container suite runs after the rest: its image builds (mmdebstrap, dpkg) take the machine's
-## CPU and disk for a minute or more, which would slow the time-bound end-to-end tests beside it.
-CONTAINER_TESTS := ./test/container
+## The container and cluster suites run after the rest, one package at a time: their image
+## builds (mmdebstrap, dpkg) and clusters take the machine's CPU and disk for minutes, which would
+## slow the time-bound end-to-end tests beside them.
+LATE_TESTS := ./test/container ./internal/cluster ./test/cluster
 test: deps build k8s
-	$(GO) test $(TESTFLAGS) $$($(GO) list ./... | grep -v -x -F $$($(GO) list $(CONTAINER_TESTS)))
-	$(GO) test $(TESTFLAGS) $(CONTAINER_TESTS)
+	$(GO) test $(TESTFLAGS) $$($(GO) list ./... | grep -v -x -F "$$($(GO) list $(LATE_TESTS))")
+	$(GO) test $(TESTFLAGS) -p 1 $(LATE_TESTS)
 
 ## e2e: the end-to-end suite only, against the binary in bin/ (root)
 e2e: deps build

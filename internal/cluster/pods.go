@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strconv"
@@ -22,25 +23,40 @@ import (
 // listeners), as a program in the pod would, so a pod needs no image but the pause one.
 
 // PodNetns returns a namespace file of the pod's network namespace: /proc/PID/ns/net of a
-// process in the pod's cgroup (the kubelet's cgroupfs driver names it pod<UID>).
+// process of the pod.
 func (c *Cluster) PodNetns(uid types.UID) (string, error) {
-	entries, err := os.ReadDir("/proc")
+	pid, err := c.PodProcess(uid, "")
 	if err != nil {
 		return "", err
 	}
+	return "/proc/" + strconv.Itoa(pid) + "/ns/net", nil
+}
+
+// PodProcess returns the pid of a process in the pod's cgroup (the kubelet's cgroupfs driver
+// names it pod<UID>) whose executable's name is exe (any process when exe is empty). Its
+// /proc/PID/root is the container's file system.
+func (c *Cluster) PodProcess(uid types.UID, exe string) (int, error) {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0, err
+	}
 	for _, e := range entries {
-		if _, err := strconv.Atoi(e.Name()); err != nil {
-			continue
-		}
-		b, err := os.ReadFile("/proc/" + e.Name() + "/cgroup")
+		pid, err := strconv.Atoi(e.Name())
 		if err != nil {
 			continue
 		}
-		if containsCgroup(string(b), c.CgroupRoot, "pod"+string(uid)) {
-			return "/proc/" + e.Name() + "/ns/net", nil
+		b, err := os.ReadFile("/proc/" + e.Name() + "/cgroup")
+		if err != nil || !containsCgroup(string(b), c.CgroupRoot, "pod"+string(uid)) {
+			continue
 		}
+		if exe != "" {
+			if l, err := os.Readlink("/proc/" + e.Name() + "/exe"); err != nil || filepath.Base(l) != exe {
+				continue
+			}
+		}
+		return pid, nil
 	}
-	return "", fmt.Errorf("no process of pod %s", uid)
+	return 0, fmt.Errorf("no process %q of pod %s", exe, uid)
 }
 
 // containsCgroup reports whether a /proc/PID/cgroup file's text names a cgroup below root

@@ -269,7 +269,9 @@ func comm(procDir string) string {
 	return strings.TrimSpace(strings.ReplaceAll(string(b), "\x00", " "))
 }
 
-// leftProcesses are the processes in one of the cluster's namespaces or cgroups.
+// leftProcesses are the processes in one of the cluster's namespaces or cgroups, but this one:
+// its threads enter the namespaces for the tests' sockets, and one the Go runtime cannot end
+// (the main thread) stays where it was until the test binary exits.
 func (c *Cluster) leftProcesses() []error {
 	var errs []error
 	entries, err := os.ReadDir("/proc")
@@ -277,7 +279,7 @@ func (c *Cluster) leftProcesses() []error {
 		return []error{err}
 	}
 	for _, e := range entries {
-		if _, err := strconv.Atoi(e.Name()); err != nil {
+		if pid, err := strconv.Atoi(e.Name()); err != nil || pid == os.Getpid() {
 			continue
 		}
 		dir := "/proc/" + e.Name()
