@@ -67,6 +67,18 @@ struct {
 	__type(value, __u16);
 } nat_ports SEC(".maps");
 
+/* Ports outside the NAT ranges that mappings still hold: those of an earlier --to-ports, kept by
+ * its flows until they end, as conntrack keeps a binding. A bitmap (port p is bit p % 64 of entry
+ * p / 64) that only userspace writes: replies to these ports are looked up and host flows on them
+ * recorded (port_mapped), but no new mapping gets one (nat_ports). A new map, so that no pinned
+ * layout changes. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, NAT_PORTS_MAX / 64);
+	__type(key, __u32);
+	__type(value, __u64);
+} held_ports SEC(".maps");
+
 /* SNAT addresses by uplink ifindex. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);

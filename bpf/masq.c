@@ -473,9 +473,11 @@ static __always_inline int egress(struct __sk_buff *skb, const int v6, __u64 now
 	}
 	snat = uplink_snat_of(ifindex, v6);
 	/* A host port outside the range is one no pod mapping can take: nothing to record (a
-	 * protocol without ports has one mapping per remote, which any pod flow could take). */
+	 * protocol without ports has one mapping per remote, which any pod flow could take). A
+	 * held port (port_held) is recorded: toward a remote a pod's flow holds it for, the host
+	 * flow moves off it. */
 	if (!remap && snat && p->l4 != L4_ADDR && addr_eq(v6, p->saddr, snat) &&
-	    !port_in_ranges(cfg, bpf_ntohs(p->sport)))
+	    !port_mapped(cfg, bpf_ntohs(p->sport)))
 		return TC_NEXT;
 	return v6 ? egress_new_v6(skb, now, remap, slot) : egress_new_v4(skb, now, remap, slot);
 }
@@ -645,11 +647,12 @@ static __always_inline int ingress(struct __sk_buff *skb, const int v6, __u64 no
 	if (!cfg || !family_cfg(cfg, v6)->enabled)
 		return TC_NEXT;
 	/* To the uplink address, only ports of the range can be a flow of ours (masqueraded, or a
-	 * host socket's recorded one): traffic to host services is not even looked up. */
+	 * host socket's recorded one), and those an earlier range's flows hold: traffic to host
+	 * services is not even looked up. */
 	if (p->l4 != L4_ADDR && !port_in_ranges(cfg, bpf_ntohs(p->dport))) {
 		const __be32 *snat = snat_addr(skb, v6);
 
-		if (snat && addr_eq(v6, p->daddr, snat))
+		if (snat && addr_eq(v6, p->daddr, snat) && !port_held(bpf_ntohs(p->dport)))
 			return TC_NEXT;
 	}
 	k = &s->key;

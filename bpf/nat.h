@@ -635,6 +635,22 @@ static __always_inline int port_in_ranges(const struct nat_config *cfg, __u16 po
 	return 0;
 }
 
+/* port_held: a port outside the ranges that a mapping of an earlier --to-ports still holds. */
+static __always_inline int port_held(__u16 port)
+{
+	__u32 k = port / 64;
+	const __u64 *w = bpf_map_lookup_elem(&held_ports, &k);
+
+	return w && (*w >> (port % 64)) & 1;
+}
+
+/* port_mapped: a port that a mapping to an uplink address may hold: one of the ranges, or one
+ * held since they changed. */
+static __always_inline int port_mapped(const struct nat_config *cfg, __u16 port)
+{
+	return port_in_ranges(cfg, port) || port_held(port);
+}
+
 /* endpoint_hash mixes a remote endpoint (address, port, protocol) with the node's secret
  * (murmur3's steps): where its port sequence starts and which port_turns slot it uses. */
 static __always_inline __u32 mix32(__u32 h, __u32 v)

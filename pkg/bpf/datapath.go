@@ -227,8 +227,11 @@ type Datapath struct {
 	// its content that lets a sync write only the difference.
 	slots *slotTable
 	tries []*trie
-	// ports are the ranges nat_ports holds.
-	ports policy.PortRanges
+	// ports are the ranges nat_ports holds; held the ports held_ports holds (heldports.go), and
+	// heldGen counts the syncs that held more of them.
+	ports   policy.PortRanges
+	held    portBits
+	heldGen uint64
 	// synced is the last policy written, with each rule's slot.
 	synced     *policy.Policy
 	syncedSlot map[*policy.Rule]uint32

@@ -314,6 +314,7 @@ const (
 	masqMapEventStats   = "event_stats"
 	masqMapFragV4       = "frag_v4"
 	masqMapFragV6       = "frag_v6"
+	masqMapHeldPorts    = "held_ports"
 	masqMapHookSeen     = "hook_seen"
 	masqMapKeepV4       = "keep_v4"
 	masqMapKeepV6       = "keep_v6"
@@ -394,6 +395,7 @@ type masqMapSpecs struct {
 	EventStats   *ebpf.MapSpec `ebpf:"event_stats"`
 	FragV4       *ebpf.MapSpec `ebpf:"frag_v4"`
 	FragV6       *ebpf.MapSpec `ebpf:"frag_v6"`
+	HeldPorts    *ebpf.MapSpec `ebpf:"held_ports"`
 	HookSeen     *ebpf.MapSpec `ebpf:"hook_seen"`
 	KeepV4       *ebpf.MapSpec `ebpf:"keep_v4"`
 	KeepV6       *ebpf.MapSpec `ebpf:"keep_v6"`
@@ -448,6 +450,7 @@ type masqMaps struct {
 	EventStats   *ebpf.Map `ebpf:"event_stats"`
 	FragV4       *ebpf.Map `ebpf:"frag_v4"`
 	FragV6       *ebpf.Map `ebpf:"frag_v6"`
+	HeldPorts    *ebpf.Map `ebpf:"held_ports"`
 	HookSeen     *ebpf.Map `ebpf:"hook_seen"`
 	KeepV4       *ebpf.Map `ebpf:"keep_v4"`
 	KeepV6       *ebpf.Map `ebpf:"keep_v6"`
@@ -478,6 +481,7 @@ func (m *masqMaps) Close() error {
 		m.EventStats,
 		m.FragV4,
 		m.FragV6,
+		m.HeldPorts,
 		m.HookSeen,
 		m.KeepV4,
 		m.KeepV6,

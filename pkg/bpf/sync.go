@@ -359,6 +359,9 @@ func (d *Datapath) deleteStale(want map[trieKind]map[trieKey]trieValue) error {
 // writeSettings writes the port table, then the outbound rules and NAT settings that say how
 // much of it counts, and returns the nat_config written.
 func (d *Datapath) writeSettings(pl *plan, slots []uint32) (masqNatConfig, error) {
+	if err := d.holdPorts(pl.ranges); err != nil {
+		return masqNatConfig{}, err
+	}
 	if err := d.writePorts(pl.ranges); err != nil {
 		return masqNatConfig{}, err
 	}
@@ -508,7 +511,7 @@ func (d *Datapath) recover() error {
 	return d.recoverTries()
 }
 
-// recoverTries reads back the tries and the port ranges.
+// recoverTries reads back the tries, the port ranges and the held ports.
 func (d *Datapath) recoverTries() error {
 	// The port table matches the ranges of nat_config when a sync wrote both.
 	var cfg masqNatConfig
@@ -521,6 +524,10 @@ func (d *Datapath) recoverTries() error {
 	d.ports = nil
 	for _, r := range cfg.Ranges[:min(int(cfg.Nranges), len(cfg.Ranges))] {
 		d.ports = append(d.ports, policy.PortRange{First: r.First, Last: r.Last})
+	}
+	d.held = portBits{}
+	if err := eachEntry(d.objs.HeldPorts, func(i uint32, w *uint64) { d.held[i] = *w }); err != nil {
+		return fmt.Errorf("read held_ports: %w", err)
 	}
 
 	d.tries = d.newTries()

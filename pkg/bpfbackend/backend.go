@@ -807,6 +807,7 @@ func (b *Backend) Close() error {
 func (b *Backend) sweepLoop(ctx context.Context) {
 	t := time.NewTicker(b.opts.SweepInterval)
 	defer t.Stop()
+	held := 0 // ports of earlier --to-ports ranges held, as last logged
 	for {
 		select {
 		case <-ctx.Done():
@@ -826,6 +827,26 @@ func (b *Backend) sweepLoop(ctx context.Context) {
 		if res.Flows > 0 || res.Orphans > 0 {
 			b.log.Debug("NAT sweep", "flows", res.Flows, "orphanEntries", res.Orphans, "took", time.Since(start))
 		}
+		held = b.trimHeldPorts(dp, held)
 		b.checkDraining(ctx, dp)
 	}
+}
+
+// trimHeldPorts lets go of the ports of earlier --to-ports ranges whose flows have ended (see
+// bpf.Datapath.TrimHeldPorts), says how many stay held when that changed from was, and returns
+// the new count.
+func (b *Backend) trimHeldPorts(dp *bpf.Datapath, was int) int {
+	n, err := dp.TrimHeldPorts()
+	if err != nil {
+		b.log.Warn("cannot release the ports of earlier --to-ports ranges", "error", err)
+		return was
+	}
+	switch {
+	case n == was:
+	case n == 0:
+		b.log.Info("the flows of earlier --to-ports ranges have ended: their ports are released")
+	default:
+		b.log.Info("ports of earlier --to-ports ranges stay held for their flows", "ports", n)
+	}
+	return n
 }
