@@ -122,12 +122,22 @@ func (r *Resolver) routeDevices() (map[int]map[int]route, []routeTo, error) {
 }
 
 // unicastRoutes calls fn with each unicast route (not unreachable, blackhole or local: those
-// have no device) of the tables the rules select, its family, table and destination.
+// have no device) of the tables the rules select, its family, table and destination; a route
+// that names a nexthop object comes with the object's next hops (nexthop.go).
 func (r *Resolver) unicastRoutes(fn func(fam, table int, dst netip.Prefix, rt netlink.Route)) error {
+	nhs, err := r.nexthops()
+	if err != nil {
+		return fmt.Errorf("list nexthop objects: %w", err)
+	}
 	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
 		tables, err := r.routeTables(fam)
 		if err != nil {
 			return fmt.Errorf("list rules: %w", err)
+		}
+		each := func(rt netlink.Route) {
+			if rt.Type == unix.RTN_UNICAST && slices.Contains(tables, rt.Table) {
+				fn(fam, rt.Table, prefixOf(fam, rt.Dst), rt)
+			}
 		}
 		for _, t := range tables {
 			routes, err := r.nl.RouteListFiltered(fam, &netlink.Route{Table: t}, netlink.RT_FILTER_TABLE)
@@ -135,10 +145,14 @@ func (r *Resolver) unicastRoutes(fn func(fam, table int, dst netip.Prefix, rt ne
 				return fmt.Errorf("list routes of table %d: %w", t, err)
 			}
 			for _, rt := range routes {
-				if rt.Type == unix.RTN_UNICAST {
-					fn(fam, t, prefixOf(fam, rt.Dst), rt)
-				}
+				each(rt)
 			}
+		}
+		if len(nhs) == 0 {
+			continue // no route can name one
+		}
+		if err := r.idRoutes(fam, nhs, each); err != nil {
+			return fmt.Errorf("list routes through nexthop objects: %w", err)
 		}
 	}
 	return nil

@@ -4,7 +4,8 @@
 // The uplinks are the devices pod traffic can leave the node by, as iptables' POSTROUTING
 // masquerades on whatever device a packet leaves by: those of the default routes, and those of
 // the routes toward a destination the policy may masquerade, in every table the node's rules
-// select (policy routing, a VPN, a route to one network); see routes.go. Routes toward
+// select (policy routing, a VPN, a route to one network); see routes.go, and nexthop.go for
+// routes through nexthop objects. Routes toward
 // networks the policy keeps (Resolver.SetScope) make no uplink. --interfaces names the uplinks
 // instead, or, with every entry written !name, takes devices out of that set.
 package uplink
@@ -21,6 +22,8 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
+	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 )
 
@@ -86,6 +89,8 @@ type Resolver struct {
 	excluded []string // --interfaces of !name entries: every route device but these
 	scope    atomic.Pointer[func(netip.Prefix) bool]
 	nl       *netlink.Handle
+	// raw is the socket of the requests the library has no call for (nexthop.go).
+	raw map[int]*nl.SocketHandle
 }
 
 // CheckInterfaces accepts what --interfaces may say: device names, or names each written !name
@@ -128,7 +133,26 @@ func NewResolver(spec []string) (*Resolver, error) {
 		h.Close()
 		return nil, fmt.Errorf("netlink: %w", err)
 	}
-	return &Resolver{names: names, excluded: excluded, nl: h}, nil
+	raw, err := rawSocket()
+	if err != nil {
+		h.Close()
+		return nil, fmt.Errorf("netlink: %w", err)
+	}
+	return &Resolver{names: names, excluded: excluded, nl: h, raw: map[int]*nl.SocketHandle{unix.NETLINK_ROUTE: raw}}, nil
+}
+
+// rawSocket is a route netlink socket in the calling thread's namespace, with netlinkTimeout.
+func rawSocket() (*nl.SocketHandle, error) {
+	s, err := nl.GetNetlinkSocketAt(netns.None(), netns.None(), unix.NETLINK_ROUTE)
+	if err != nil {
+		return nil, err
+	}
+	tv := unix.NsecToTimeval(netlinkTimeout.Nanoseconds())
+	if err := errors.Join(s.SetSendTimeout(&tv), s.SetReceiveTimeout(&tv)); err != nil {
+		s.Close()
+		return nil, err
+	}
+	return &nl.SocketHandle{Socket: s}, nil
 }
 
 // SetScope tells the resolver which destinations a route must reach to make an uplink, besides
@@ -136,8 +160,13 @@ func NewResolver(spec []string) (*Resolver, error) {
 // dst. Until it is set, only default routes make uplinks. Safe to call while Resolve runs.
 func (r *Resolver) SetScope(inScope func(dst netip.Prefix) bool) { r.scope.Store(&inScope) }
 
-// Close releases the netlink socket.
-func (r *Resolver) Close() { r.nl.Close() }
+// Close releases the netlink sockets.
+func (r *Resolver) Close() {
+	r.nl.Close()
+	for _, s := range r.raw {
+		s.Close()
+	}
+}
 
 // Resolve reads the uplinks and their addresses.
 //

@@ -524,3 +524,158 @@ route add 198.20.0.0/16 nexthop via 192.0.2.1 dev up0 nexthop via 203.0.113.1 de
 		t.Errorf("ext1 gone: %+v", d)
 	}
 }
+
+// compatOff turns net.ipv4.nexthop_compat_mode off in the namespace (its own sysctl): route
+// dumps and events then carry a nexthop object's id alone, as a node of a route daemon that
+// asks for it has them.
+func compatOff(t *testing.T, ns string) {
+	t.Helper()
+	done := make(chan error, 1)
+	inNetns(t, ns, func() { done <- os.WriteFile("/proc/sys/net/ipv4/nexthop_compat_mode", []byte("0"), 0o644) })
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
+
+// nexthopNode is newNode with its default routes through nexthop objects (1 and 2) and compat
+// mode off, and two more devices (ext1, ext2) for routes through groups of them.
+func nexthopNode(t *testing.T) string {
+	t.Helper()
+	ns := newNode(t)
+	compatOff(t, ns)
+	ip(t, ns, `link set lo up
+route del default dev up0
+route del ::/0 dev up0
+nexthop add id 1 via 192.0.2.1 dev up0
+nexthop add id 2 via 2001:db8:1::1 dev up0
+route add default nhid 1
+route add ::/0 nhid 2
+link add ext1 type veth peer name ext1p
+link set ext1 up
+link set ext1p up
+addr add 203.0.113.10/24 dev ext1
+addr add 2001:db8:2::10/64 dev ext1 nodad
+link add ext2 type veth peer name ext2p
+link set ext2 up
+link set ext2p up
+addr add 100.100.0.10/24 dev ext2
+addr add 2001:db8:3::10/64 dev ext2 nodad
+`)
+	return ns
+}
+
+// Routes through nexthop objects make uplinks with compat mode off, where a route dump names
+// the object alone: single ones (a default route per family), groups (IPv4 and IPv6, in a table
+// a rule selects too), a device alone (ext2's 203.0.114.0/24, which its group route outranks
+// in Via), an IPv6 gateway of an IPv4 route (BGP unnumbered); a blackhole makes none.
+func TestResolveNexthops(t *testing.T) {
+	ns := nexthopNode(t)
+	ip(t, ns, `nexthop add id 11 via 203.0.113.1 dev ext1
+nexthop add id 12 via 100.100.0.1 dev ext2
+nexthop add id 10 group 11/12
+route add 198.18.0.0/15 nhid 10
+nexthop add id 21 via 2001:db8:2::1 dev ext1
+nexthop add id 22 via 2001:db8:3::1 dev ext2
+nexthop add id 20 group 21/22
+route add 2001:db8:77::/64 nhid 20 table 100
+nexthop add id 30 blackhole
+route add 198.20.0.0/16 nhid 30
+nexthop add id 40 dev ext2
+route add 203.0.114.0/24 nhid 40
+nexthop add id 50 via fe80::1 dev ext1
+route add 100.101.0.0/16 nhid 50
+`)
+	ip6(t, ns, "rule add to 2001:db8:77::/64 table 100\n")
+	// The dumps carry the ids alone: what the test is about.
+	if out, err := exec.Command("ip", "-n", ns, "route", "show", "default").CombinedOutput(); err != nil || strings.Contains(string(out), "dev") {
+		t.Fatalf("with compat mode off, the default route shows %q (%v): want its nexthop id alone", out, err)
+	}
+	set := resolve(t, ns)
+	if len(set.Uplinks) != 1 {
+		t.Fatalf("without a scope, uplinks %+v: want up0 by its default routes", set.Uplinks)
+	}
+	u := set.Uplinks[0]
+	if u.Name != "up0" || u.IPv4 != netip.MustParseAddr("192.0.2.10") || u.IPv6 != netip.MustParseAddr("2001:db8:1::10") ||
+		!u.RoutedV4 || !u.RoutedV6 || u.Via != "default route" {
+		t.Fatalf("uplink %+v: want up0, 192.0.2.10 (in the gateway's subnet) and 2001:db8:1::10, by its default routes", u)
+	}
+	kept := netip.MustParsePrefix("10.0.0.0/8") // lan0's
+	set = resolveIn(t, ns, func(p netip.Prefix) bool { return !kept.Overlaps(p) || p.Bits() < kept.Bits() })
+	var got []string
+	for _, u := range set.Uplinks {
+		got = append(got, u.Name+": "+u.Via)
+	}
+	want := "up0: default route; ext1: route 100.101.0.0/16, route 2001:db8:77::/64 table 100; ext2: route 198.18.0.0/15, route 2001:db8:77::/64 table 100"
+	if strings.Join(got, "; ") != want {
+		t.Errorf("uplinks %q\nwant %q", strings.Join(got, "; "), want)
+	}
+	for dst, want := range map[string]string{"198.18.0.0/16": "ext1 ext2", "2001:db8:77::1/128": "ext1 ext2", "203.0.114.7/32": "ext2", "100.101.0.1/32": "ext1",
+		"198.20.0.1/32": "up0", "8.8.8.8/32": "up0", "2001:4860::/32": "up0"} {
+		var got []string
+		for _, u := range set.LeavesBy(netip.MustParsePrefix(dst)) {
+			got = append(got, u.Name)
+		}
+		if strings.Join(got, " ") != want {
+			t.Errorf("LeavesBy(%s) = %v, want %q", dst, got, want)
+		}
+	}
+}
+
+// Watch follows nexthop objects: with compat mode off, a default route's nexthop object moved to
+// another device, or removed, brings no route event, and still changes the uplinks.
+func TestWatchNexthops(t *testing.T) {
+	ns := nexthopNode(t)
+	changes, stop := startWatch(t, ns, nil)
+	defer stop()
+	time.Sleep(300 * time.Millisecond) // Watch's first look
+	want := func(what string, phrases ...string) {
+		t.Helper()
+		select {
+		case got := <-changes:
+			for _, p := range phrases {
+				if !strings.Contains(got, p) {
+					t.Fatalf("%s: change %q, want %q", what, got, p)
+				}
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s reported no change", what)
+		}
+	}
+	ip(t, ns, "nexthop replace id 1 via 203.0.113.1 dev ext1\n")
+	want("the IPv4 default route's nexthop moved to ext1", "uplink ext1 (ifindex", "appeared")
+	ip(t, ns, "nexthop replace id 2 via 2001:db8:2::1 dev ext1\n")
+	want("the IPv6 default route's nexthop moved to ext1", "uplink up0 is gone")
+	ip(t, ns, "nexthop del id 1\nnexthop del id 2\n")
+	want("the nexthops removed", "uplink ext1 is gone")
+}
+
+// Device sees the routes of a device through nexthop objects, of groups too.
+func TestDeviceNexthops(t *testing.T) {
+	ns := nexthopNode(t)
+	ip(t, ns, "nexthop add id 11 via 203.0.113.1 dev ext1\nnexthop add id 12 via 100.100.0.1 dev ext2\nnexthop add id 10 group 11/12\nroute add 198.18.0.0/15 nhid 10\n")
+	var d Device
+	var err error
+	done := make(chan struct{})
+	inNetns(t, ns, func() {
+		defer close(done)
+		var ifc *net.Interface
+		if ifc, err = net.InterfaceByName("ext2"); err != nil {
+			return
+		}
+		var r *Resolver
+		if r, err = NewResolver(nil); err != nil {
+			return
+		}
+		defer r.Close()
+		d, err = r.Device(context.Background(), ifc.Index)
+	})
+	<-done
+	if err != nil {
+		t.Fatal(err)
+	}
+	for addr, want := range map[string]bool{"198.19.0.1": true, "100.100.0.7": true, "8.8.8.8": false} {
+		if got := d.Reaches(netip.MustParseAddr(addr)); got != want {
+			t.Errorf("ext2 reaches %s: %v, want %v (routes %v)", addr, got, want, d.Routes)
+		}
+	}
+}

@@ -24,7 +24,7 @@ const (
 	resubscribeDelay = time.Second
 )
 
-// Watch follows link, address, route and rule events until ctx is done, and calls changed with a
+// Watch follows link, address, route, rule and nexthop events until ctx is done, and calls changed with a
 // short reason and the new resolution each time the resolved uplinks differ from the previous
 // one (the first one is made when Watch starts); changed must not block. A failed subscription
 // is renewed, and since events may have been missed, the uplinks are read again then.
@@ -67,9 +67,10 @@ type subscription struct {
 	links  chan netlink.LinkUpdate
 	addrs  chan netlink.AddrUpdate
 	routes chan netlink.RouteUpdate
-	// rules receives one value per batch of rule events (the library has no subscription of
-	// its own for them): which tables the rules select decides which routes count.
-	rules chan struct{}
+	// others receives one value per batch of rule and nexthop events, which the library has no
+	// subscription for: which tables the rules select decides which routes count, and a
+	// nexthop object's devices are those of the routes that name it (nexthop.go).
+	others chan struct{}
 }
 
 func subscribe(log *slog.Logger) *subscription {
@@ -104,18 +105,20 @@ func subscribe(log *slog.Logger) *subscription {
 		return fail("route", err)
 	}
 	s.routes = routes
-	rules, err := subscribeRules(s.done, onErr)
+	others, err := subscribeOthers(s.done, onErr)
 	if err != nil {
-		return fail("rule", err)
+		return fail("rule and nexthop", err)
 	}
-	s.rules = rules
+	s.others = others
 	return s
 }
 
-// subscribeRules subscribes to the IPv4 and IPv6 rule events, in the namespace of the calling
-// thread, until done is closed; the channel is closed when the subscription ends.
-func subscribeRules(done <-chan struct{}, onErr func(error)) (chan struct{}, error) {
-	sock, err := nl.Subscribe(unix.NETLINK_ROUTE, unix.RTNLGRP_IPV4_RULE, unix.RTNLGRP_IPV6_RULE)
+// subscribeOthers subscribes to the IPv4 and IPv6 rule events and the nexthop events, in the
+// namespace of the calling thread, until done is closed; the channel is closed when the
+// subscription ends. A kernel without nexthop objects (before 5.3) has no such group, and
+// ignores it.
+func subscribeOthers(done <-chan struct{}, onErr func(error)) (chan struct{}, error) {
+	sock, err := nl.Subscribe(unix.NETLINK_ROUTE, unix.RTNLGRP_IPV4_RULE, unix.RTNLGRP_IPV6_RULE, unix.RTNLGRP_NEXTHOP)
 	if err != nil {
 		return nil, err
 	}
@@ -154,7 +157,7 @@ func (s *subscription) close() {
 	default:
 		close(s.done)
 	}
-	for s.links != nil || s.addrs != nil || s.routes != nil || s.rules != nil {
+	for s.links != nil || s.addrs != nil || s.routes != nil || s.others != nil {
 		select {
 		case _, ok := <-s.links:
 			if !ok {
@@ -168,9 +171,9 @@ func (s *subscription) close() {
 			if !ok {
 				s.routes = nil
 			}
-		case _, ok := <-s.rules:
+		case _, ok := <-s.others:
 			if !ok {
-				s.rules = nil
+				s.others = nil
 			}
 		}
 	}
@@ -179,9 +182,9 @@ func (s *subscription) close() {
 // follow reads events until ctx is done or a subscription ends, and returns the last resolution.
 // Only events that can change the uplinks count: a device, or an address of a device, that is
 // an uplink (or would be one with an address), is named by --interfaces or has no Ethernet
-// header and routes of pod traffic; routes that can make one (Resolver.relevant); and rules. A
-// node's pods bring a stream of others (their veths and routes). While the last resolution
-// failed, every event counts.
+// header and routes of pod traffic; routes that can make one (Resolver.relevant); rules and
+// nexthop objects. A node's pods bring a stream of others (their veths and routes). While the
+// last resolution failed, every event counts.
 func follow(ctx context.Context, r *Resolver, s *subscription, last Set, resolved bool, changed func(string, Set), log *slog.Logger) (Set, bool) {
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
@@ -221,7 +224,7 @@ func follow(ctx context.Context, r *Resolver, s *subscription, last Set, resolve
 			if !resolved || r.relevant(u.Route) {
 				arm()
 			}
-		case _, ok := <-s.rules:
+		case _, ok := <-s.others:
 			if !ok {
 				return last, resolved
 			}
