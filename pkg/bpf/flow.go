@@ -10,31 +10,6 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
-// Timeouts say how long an idle flow is kept, by protocol and state.
-type Timeouts struct {
-	// TCPEstablished: both directions seen, no FIN or RST.
-	TCPEstablished time.Duration
-	// TCPOpening: only one direction seen yet (e.g. a SYN with no answer).
-	TCPOpening time.Duration
-	// TCPClosing: a FIN or RST seen. Long enough that a pod reusing its port after TIME_WAIT
-	// still finds its mapping (and the far side sees the same port again).
-	TCPClosing time.Duration
-	UDP        time.Duration
-	ICMP       time.Duration
-	// Other covers any protocol number the datapath may learn later.
-	Other time.Duration
-}
-
-// DefaultTimeouts are conntrack-like.
-var DefaultTimeouts = Timeouts{
-	TCPEstablished: 6 * time.Hour,
-	TCPOpening:     2 * time.Minute,
-	TCPClosing:     2 * time.Minute,
-	UDP:            2 * time.Minute,
-	ICMP:           30 * time.Second,
-	Other:          2 * time.Minute,
-}
-
 // FlowState is what a flow's two halves have seen.
 type FlowState uint8
 

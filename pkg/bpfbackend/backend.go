@@ -70,8 +70,13 @@ type Options struct {
 	Load bpf.LoadOptions
 	// SweepInterval is how often idle NAT entries are removed; zero means the default.
 	SweepInterval time.Duration
-	// Timeouts are the idle timeouts of the sweep; zero means bpf.DefaultTimeouts.
+	// Timeouts are the idle timeouts of the sweep that --nat-timeouts sets: each one set
+	// (nonzero) wins; the others are the node's own conntrack sysctls, read at every sweep, or
+	// else conntrack's defaults (bpf.ResolveTimeouts).
 	Timeouts bpf.Timeouts
+	// ConntrackDir is where the node's conntrack sysctls are; empty means
+	// bpf.ConntrackSysctlDir, those of the namespace the agent runs in.
+	ConntrackDir string
 	// Logger receives the backend's logs; nil discards them.
 	Logger *slog.Logger
 }
@@ -149,9 +154,6 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 	log := opts.Logger.With("component", "bpf")
 	if opts.SweepInterval <= 0 {
 		opts.SweepInterval = DefaultSweepInterval
-	}
-	if opts.Timeouts == (bpf.Timeouts{}) {
-		opts.Timeouts = bpf.DefaultTimeouts
 	}
 	if err := CheckBPFFS(opts.BPFFS); err != nil {
 		return nil, err
@@ -808,6 +810,8 @@ func (b *Backend) sweepLoop(ctx context.Context) {
 	t := time.NewTicker(b.opts.SweepInterval)
 	defer t.Stop()
 	held := 0 // ports of earlier --to-ports ranges held, as last logged
+	var timeouts bpf.Timeouts
+	b.timeouts(&timeouts)
 	for {
 		select {
 		case <-ctx.Done():
@@ -819,7 +823,7 @@ func (b *Backend) sweepLoop(ctx context.Context) {
 			continue
 		}
 		start := time.Now()
-		res, err := dp.Sweep(bpf.MonotonicNow(), b.opts.Timeouts)
+		res, err := dp.Sweep(bpf.MonotonicNow(), b.timeouts(&timeouts))
 		if err != nil {
 			b.log.Warn("NAT sweep failed", "error", err)
 			continue
@@ -830,6 +834,23 @@ func (b *Backend) sweepLoop(ctx context.Context) {
 		held = b.trimHeldPorts(dp, held)
 		b.checkDraining(ctx, dp)
 	}
+}
+
+// timeouts are the sweep's timeouts now, from the options and the node's conntrack sysctls
+// (bpf.ResolveTimeouts), logged when they differ from *last, which they replace. The sysctls are
+// read at every sweep, so that a change of them, or the nf_conntrack module loaded later (by
+// kube-proxy), applies here as it applies to conntrack.
+func (b *Backend) timeouts(last *bpf.Timeouts) bpf.Timeouts {
+	t, from := bpf.ResolveTimeouts(b.opts.Timeouts, cmp.Or(b.opts.ConntrackDir, bpf.ConntrackSysctlDir))
+	if t != *last {
+		var attrs []any
+		for _, k := range bpf.TimeoutKeys {
+			attrs = append(attrs, k.Name, fmt.Sprintf("%v (%s)", *k.Of(&t), from[k.Name]))
+		}
+		b.log.Info("NAT timeouts", attrs...)
+		*last = t
+	}
+	return t
 }
 
 // trimHeldPorts lets go of the ports of earlier --to-ports ranges whose flows have ended (see

@@ -86,7 +86,8 @@ func registerFlags(fs *flag.FlagSet) *Settings {
 	fs.StringVar(&s.AttachMode, "attach-mode", tc.ModeAuto, "how the BPF backend attaches its programs: auto (tcx where the kernel has it, else tc), tcx, or tc (clsact and cls_bpf)")
 	fs.DurationVar(&s.SweepInterval, "nat-sweep-interval", DefaultSweepInterval, "how often the BPF backend removes idle NAT entries")
 	fs.UintVar(&s.NATEntries, "nat-max-entries", bpf.DefaultNATEntries, natMaxEntriesUsage())
-	fs.StringVar(&s.NATTimeouts, "nat-timeouts", "", `idle timeouts of BPF NAT entries, overriding the defaults, e.g. "udp=30s,tcp-closing=10s" (keys: `+strings.Join(timeoutKeys(), ", ")+")")
+	fs.StringVar(&s.NATTimeouts, "nat-timeouts", "", `idle timeouts of BPF NAT entries, e.g. "udp=30s,tcp-closing=10s" (keys: `+strings.Join(timeoutKeys(), ", ")+"); "+
+		"each one not given is the node's own conntrack sysctl where the nf_conntrack module is loaded, else conntrack's default")
 	return s
 }
 
@@ -135,20 +136,21 @@ func settingsOf(e datapath.Env) *Settings {
 
 // timeoutFields are the keys of --nat-timeouts and the timeout each sets.
 func timeoutFields(t *bpf.Timeouts) map[string]*time.Duration {
-	return map[string]*time.Duration{
-		"tcp-established": &t.TCPEstablished, "tcp-opening": &t.TCPOpening, "tcp-closing": &t.TCPClosing,
-		"udp": &t.UDP, "icmp": &t.ICMP, "other": &t.Other,
+	out := make(map[string]*time.Duration, len(bpf.TimeoutKeys))
+	for _, k := range bpf.TimeoutKeys {
+		out[k.Name] = k.Of(t)
 	}
+	return out
 }
 
 func timeoutKeys() []string {
 	return slices.Sorted(maps.Keys(timeoutFields(&bpf.Timeouts{})))
 }
 
-// parseTimeouts reads --nat-timeouts: KEY=DURATION pairs, separated by commas, over the
-// defaults.
+// parseTimeouts reads --nat-timeouts: KEY=DURATION pairs, separated by commas. The timeouts it
+// leaves zero are the node's conntrack sysctls, or conntrack's defaults (bpf.ResolveTimeouts).
 func parseTimeouts(s string) (bpf.Timeouts, error) {
-	t := bpf.DefaultTimeouts
+	var t bpf.Timeouts
 	fields := timeoutFields(&t)
 	for _, kv := range strings.Split(s, ",") {
 		if kv = strings.TrimSpace(kv); kv == "" {
