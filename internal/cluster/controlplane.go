@@ -228,7 +228,9 @@ func (cp *ControlPlane) StartAPIServer(ctx context.Context) error {
 		"--service-account-signing-key-file="+filepath.Join(pki, "sa.key"),
 		"--service-cluster-ip-range="+strings.Join(cidrs, ","),
 		"--authorization-mode=Node,RBAC", "--allow-privileged=true", "--profiling=false",
-		"--shutdown-watch-termination-grace-period=2s")
+		"--shutdown-watch-termination-grace-period=2s",
+		// Logs, exec and port-forward reach the kubelet at the node's address: no DNS names it.
+		"--kubelet-preferred-address-types=InternalIP")
 	if err != nil {
 		return err
 	}

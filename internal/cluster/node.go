@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"testing"
@@ -41,6 +42,10 @@ type ClusterOptions struct {
 	Dir string
 	// Images are OCI archives to import into the node's containerd besides the pause image.
 	Images []string
+	// IptablesMode is the iptables the kubelet and kube-proxy run: "legacy" or "nft" (the
+	// iptables-legacy or iptables-nft commands as iptables), empty for the host's default.
+	// The agent's iptables backend follows the mode their rules are in.
+	IptablesMode string
 }
 
 // Cluster is a control plane and one node: the controller manager and the scheduler beside
@@ -55,6 +60,8 @@ type Cluster struct {
 	CgroupRoot string
 	// ProxyMode is kube-proxy's mode.
 	ProxyMode string
+	// iptablesEnv is the environment that makes the node's components run IptablesMode.
+	iptablesEnv []string
 
 	dir        string
 	trace      trace
@@ -118,6 +125,9 @@ func New(ctx context.Context, opts ClusterOptions) (_ *Cluster, err error) {
 		return nil, err
 	}
 	c.CgroupRoot = "/" + NetnsPrefix + cp.Netns[len(NetnsPrefix+"cp-"):]
+	if c.iptablesEnv, err = iptablesMode(c.dir, opts.IptablesMode); err != nil {
+		return nil, err
+	}
 	steps := []func(context.Context) error{
 		c.startControllers, c.wireNode, c.makeMountNamespace, c.startContainerd,
 		func(context.Context) error { return c.record() },
@@ -140,6 +150,31 @@ func New(ctx context.Context, opts ClusterOptions) (_ *Cluster, err error) {
 		}
 	}
 	return c, nil
+}
+
+// iptablesMode returns the environment in which iptables is iptables-MODE: a directory of
+// links first on PATH (what update-alternatives does for the whole host, done for the node's
+// components alone). An empty mode changes nothing.
+func iptablesMode(dir, mode string) ([]string, error) {
+	if mode == "" {
+		return nil, nil
+	}
+	bin := filepath.Join(dir, "iptables-"+mode)
+	if err := os.MkdirAll(bin, 0o755); err != nil {
+		return nil, err
+	}
+	for _, fam := range []string{"iptables", "ip6tables"} {
+		for _, suffix := range []string{"", "-save", "-restore"} {
+			target, err := exec.LookPath(fam + "-" + mode + suffix)
+			if err != nil {
+				return nil, fmt.Errorf("iptables mode %s: %w", mode, err)
+			}
+			if err := os.Symlink(target, filepath.Join(bin, fam+suffix)); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return []string{"PATH=" + bin + ":" + os.Getenv("PATH")}, nil
 }
 
 // kubeconfig issues a client certificate and writes its kubeconfig under the node's directory.
@@ -211,7 +246,8 @@ func (c *Cluster) wireNode(ctx context.Context) error {
 			return err
 		}
 	}
-	if _, err := c.Attach(ctx, c.Node, DefaultPodCIDR); err != nil {
+	// The control plane reaches the pods and the kubelet (logs, exec) through the link.
+	if _, err := c.Attach(ctx, c.Node, DefaultPodCIDR, netip.PrefixFrom(NodeAddress, 32)); err != nil {
 		return err
 	}
 	_, err = Namespaces{Net: netnsPath(c.Node)}.Run(ctx, cmdTimeout, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
@@ -285,7 +321,7 @@ func (c *Cluster) startKubelet(context.Context) error {
 
 func (c *Cluster) runKubelet(kubeconfig, conf string) error {
 	var err error
-	c.kubelet, err = startProcess("kubelet", c.logPath("kubelet"), c.NodeNamespaces(), nil,
+	c.kubelet, err = startProcess("kubelet", c.logPath("kubelet"), c.NodeNamespaces(), c.iptablesEnv,
 		filepath.Join(c.Bin, "kubelet"), "--config="+conf, "--kubeconfig="+kubeconfig,
 		"--hostname-override="+NodeName, "--node-ip="+NodeAddress.String(), "--v=1")
 	return err
@@ -308,7 +344,7 @@ func (c *Cluster) startProxy(context.Context) error {
 	if err := os.WriteFile(conf, []byte(kubeProxyConfig(c.ProxyMode, kc, NodeName, []netip.Prefix{DefaultPodCIDR})), 0o644); err != nil {
 		return err
 	}
-	c.proxy, err = startProcess("kube-proxy", c.logPath("kube-proxy"), c.NodeNamespaces(), nil,
+	c.proxy, err = startProcess("kube-proxy", c.logPath("kube-proxy"), c.NodeNamespaces(), c.iptablesEnv,
 		filepath.Join(c.Bin, "kube-proxy"), "--config="+conf)
 	return err
 }

@@ -57,6 +57,18 @@ var backends = []backend{
 	{name: "iptables", flag: "iptables", kind: "iptables"},
 }
 
+// nodes are the kinds of node the suite runs: kube-proxy in iptables mode with either
+// iptables (so the agent's iptables backend runs in both modes, following kube-proxy's rules),
+// and in nftables mode.
+var nodes = []struct {
+	name string
+	opts cluster.ClusterOptions
+}{
+	{"iptables-nft", cluster.ClusterOptions{ProxyMode: "iptables", IptablesMode: "nft"}},
+	{"iptables-legacy", cluster.ClusterOptions{ProxyMode: "iptables", IptablesMode: "legacy"}},
+	{"nftables", cluster.ClusterOptions{ProxyMode: "nftables"}},
+}
+
 // TestCluster brings a cluster up per kube-proxy mode and runs the agent in it, installed by
 // the kustomize base, then by the chart on each backend.
 func TestCluster(t *testing.T) {
@@ -64,14 +76,22 @@ func TestCluster(t *testing.T) {
 	start := time.Now()
 	img := buildAgentImage(t)
 	t.Logf("agent image built in %v", time.Since(start).Round(time.Second))
-	for _, mode := range cluster.ProxyModes {
-		t.Run("kube-proxy="+mode, func(t *testing.T) {
+	start = time.Now()
+	prev := buildPreviousImage(context.Background(), t, img)
+	t.Logf("the previous release's image (%s) built in %v", PreviousCommit, time.Since(start).Round(time.Second))
+	for i, n := range nodes {
+		t.Run("kube-proxy="+n.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 			defer cancel()
-			w := newWorld(ctx, t, mode, img)
-			t.Run("kustomize", func(t *testing.T) { w.kustomizeBase(ctx, t) })
+			w := newWorld(ctx, t, n.opts, img, prev)
+			// The ConfigMap's way to the datapath is the kubelet's and the agent's, whatever
+			// kube-proxy does: timed on the first node only, as it takes the kubelet a minute.
+			t.Run("kustomize", func(t *testing.T) { w.kustomizeBase(ctx, t, i == 0) })
 			for _, b := range backends {
 				t.Run("chart/"+b.name, func(t *testing.T) { w.chart(ctx, t, b) })
+			}
+			for _, b := range backends {
+				t.Run("rollout/"+b.name, func(t *testing.T) { w.rollout(ctx, t, b) })
 			}
 		})
 	}
@@ -82,11 +102,14 @@ type world struct {
 	c      *cluster.Cluster
 	client client // the client pod
 	podIP  netip.Addr
-	img    agentImage
-	svcs   *serviceWorld
+	img    agentImage // this tree's
+	prev   agentImage // the previous release's
+	// iptablesMode is the node's iptables, when the test chose it.
+	iptablesMode string
+	svcs         *serviceWorld
 }
 
-func newWorld(ctx context.Context, t *testing.T, mode string, img agentImage) *world {
+func newWorld(ctx context.Context, t *testing.T, opts cluster.ClusterOptions, img, prev agentImage) *world {
 	t.Helper()
 	start := time.Now()
 	var c *cluster.Cluster
@@ -99,8 +122,9 @@ func newWorld(ctx context.Context, t *testing.T, mode string, img agentImage) *w
 			t.Errorf("after teardown: %v", err)
 		}
 	})
-	c = cluster.Start(t, cluster.ClusterOptions{ProxyMode: mode, Images: []string{img.archive}})
-	t.Logf("cluster up (kube-proxy %s) in %v", mode, time.Since(start).Round(time.Millisecond))
+	opts.Images = []string{img.archive, prev.archive}
+	c = cluster.Start(t, opts)
+	t.Logf("cluster up (kube-proxy %s, iptables %q) in %v", opts.ProxyMode, opts.IptablesMode, time.Since(start).Round(time.Millisecond))
 	for _, a := range []netip.Addr{outsideMasq, outsideClient} {
 		if _, err := (cluster.Namespaces{}).Run(ctx, 10*time.Second, "ip", "-n", c.Outside, "addr", "add", a.String()+"/32", "dev", "lo"); err != nil {
 			t.Fatal(err)
@@ -118,14 +142,15 @@ func newWorld(ctx context.Context, t *testing.T, mode string, img agentImage) *w
 	if err != nil {
 		t.Fatal(err)
 	}
-	w := &world{c: c, img: img, client: client{name: "pod", nsPath: path}, podIP: netip.MustParseAddr(pod.Status.PodIP)}
+	w := &world{c: c, img: img, prev: prev, iptablesMode: opts.IptablesMode, client: client{name: "pod", nsPath: path}, podIP: netip.MustParseAddr(pod.Status.PodIP)}
 	w.svcs = w.setUpServices(ctx, t)
 	return w
 }
 
 // kustomizeBase applies deploy/base as it is (backend auto, the base's configuration), checks
-// the pods' traffic against explain, deletes it and runs deploy/cleanup.
-func (w *world) kustomizeBase(ctx context.Context, t *testing.T) {
+// the pods' traffic against explain (and, with editConfigMap, times a ConfigMap edit), deletes
+// it and runs deploy/cleanup.
+func (w *world) kustomizeBase(ctx context.Context, t *testing.T, editConfigMap bool) {
 	objs := kustomizeApply(ctx, t, w.c, "deploy/base")
 	waitDaemonSet(ctx, t, w.c, Release)
 	cm, err := w.c.Client.CoreV1().ConfigMaps(Namespace).Get(ctx, "ip-masq-agent", metav1.GetOptions{})
@@ -134,7 +159,9 @@ func (w *world) kustomizeBase(ctx context.Context, t *testing.T) {
 	}
 	w.checkMasquerade(ctx, t, cm.Data["config"])
 	t.Logf("agent (kustomize base, backend auto) on %s", installedKind(ctx, t, w.c))
-	t.Run("configmap-edit", func(t *testing.T) { w.editConfigMap(ctx, t, w.findAgent(ctx, t)) })
+	if editConfigMap {
+		t.Run("configmap-edit", func(t *testing.T) { w.editConfigMap(ctx, t, w.findAgent(ctx, t)) })
+	}
 	kustomizeDelete(ctx, t, w.c, objs)
 	waitNoPods(ctx, t, w.c, "app.kubernetes.io/name=ip-masq-agent")
 	cleanup := kustomizeApply(ctx, t, w.c, "deploy/cleanup")
@@ -149,21 +176,19 @@ func (w *world) kustomizeBase(ctx context.Context, t *testing.T) {
 // chart installs the chart on backend b, checks the datapath is b's and the pods' traffic is
 // what explain says, then uninstalls it and checks the cleanup DaemonSet left nothing.
 func (w *world) chart(ctx context.Context, t *testing.T, b backend) {
-	args := make([]any, len(b.args))
-	for i, a := range b.args {
-		args[i] = a
-	}
-	helmInstall(t, w.c, map[string]any{
-		"image":     map[string]any{"tag": w.img.version, "pullPolicy": "Never"},
-		"backend":   b.flag,
-		"extraArgs": args,
-		"config":    agentConfig,
-	})
+	helmInstall(t, w.c, w.values(b, w.img))
 	start := time.Now()
 	waitDaemonSet(ctx, t, w.c, Release)
 	t.Logf("agent ready %v after the install", time.Since(start).Round(time.Millisecond))
 	if kind := installedKind(ctx, t, w.c); kind != b.kind {
 		t.Errorf("the node has the %q datapath, want %s", kind, b.kind)
+	}
+	if mode := w.iptablesMode; b.kind == "iptables" && mode != "" {
+		// The agent follows kube-proxy's iptables.
+		out, err := w.c.NodeNamespaces().Run(ctx, 30*time.Second, "iptables-"+mode+"-save", "-t", "nat")
+		if err != nil || !strings.Contains(out, ":IP-MASQ-AGENT") {
+			t.Errorf("the agent's chain is not in iptables-%s, kube-proxy's (%v):\n%s", mode, err, out)
+		}
 	}
 	w.checkMasquerade(ctx, t, agentConfig)
 	t.Run("services", func(t *testing.T) { w.checkServices(ctx, t, w.svcs, b) })
@@ -337,6 +362,8 @@ func installedKind(ctx context.Context, t testing.TB, c *cluster.Cluster) string
 // agentImage is the image of this tree's agent, as make image builds it.
 type agentImage struct {
 	archive, version string
+	// tag is the image's tag in the repository image.Repository.
+	tag string
 }
 
 // ImageEnv names an archive of the agent's image (make image writes bin/ip-masq-agent-image.tar)
@@ -357,7 +384,7 @@ func buildAgentImage(t *testing.T) agentImage {
 	}
 	version := strings.TrimSpace(string(v))
 	if a := os.Getenv(ImageEnv); a != "" {
-		return agentImage{archive: a, version: version}
+		return agentImage{archive: a, version: version, tag: version}
 	}
 	out := filepath.Join(t.TempDir(), "agent.tar")
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
@@ -366,7 +393,7 @@ func buildAgentImage(t *testing.T) agentImage {
 		Reference: image.Repository + ":" + version, Epoch: time.Unix(1, 0), Output: out}); err != nil {
 		t.Fatal(err)
 	}
-	return agentImage{archive: out, version: version}
+	return agentImage{archive: out, version: version, tag: version}
 }
 
 // agentBin is the agent binary: $IP_MASQ_AGENT_BIN, else the repository's bin/ip-masq-agent

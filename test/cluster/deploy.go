@@ -13,6 +13,7 @@ import (
 	"helm.sh/helm/v3/pkg/action"
 	"helm.sh/helm/v3/pkg/chart"
 	"helm.sh/helm/v3/pkg/chart/loader"
+	"helm.sh/helm/v3/pkg/postrender"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -70,8 +71,9 @@ func loadChart(t testing.TB) *chart.Chart {
 	return ch
 }
 
-// helmInstall installs (or upgrades) the chart with values, as `helm upgrade --install` does.
-func helmInstall(t testing.TB, c *cluster.Cluster, values map[string]any) {
+// helmInstall installs (or upgrades) the chart with values, as `helm upgrade --install` does,
+// its manifests passed through post (when not nil) as `--post-renderer` does.
+func helmInstall(t testing.TB, c *cluster.Cluster, values map[string]any, post ...postrender.PostRenderer) {
 	t.Helper()
 	cfg := helmConfig(t, c)
 	ch := loadChart(t)
@@ -80,6 +82,9 @@ func helmInstall(t testing.TB, c *cluster.Cluster, values map[string]any) {
 	if _, err := hist.Run(Release); err == nil {
 		up := action.NewUpgrade(cfg)
 		up.Namespace, up.Timeout = Namespace, deployTimeout
+		if len(post) > 0 {
+			up.PostRenderer = post[0]
+		}
 		if _, err := up.Run(Release, ch, values); err != nil {
 			t.Fatalf("helm upgrade: %v", err)
 		}
@@ -87,8 +92,21 @@ func helmInstall(t testing.TB, c *cluster.Cluster, values map[string]any) {
 	}
 	install := action.NewInstall(cfg)
 	install.ReleaseName, install.Namespace, install.Timeout = Release, Namespace, deployTimeout
+	if len(post) > 0 {
+		install.PostRenderer = post[0]
+	}
 	if _, err := install.Run(ch, values); err != nil {
 		t.Fatalf("helm install: %v", err)
+	}
+}
+
+// helmRollback rolls the release back to its previous revision, as `helm rollback` does.
+func helmRollback(t testing.TB, c *cluster.Cluster) {
+	t.Helper()
+	rb := action.NewRollback(helmConfig(t, c))
+	rb.Timeout = deployTimeout
+	if err := rb.Run(Release); err != nil {
+		t.Fatalf("helm rollback: %v", err)
 	}
 }
 
