@@ -78,7 +78,7 @@ func TestCluster(t *testing.T) {
 	t.Logf("agent image built in %v", time.Since(start).Round(time.Second))
 	start = time.Now()
 	prev := buildPreviousImage(context.Background(), t, img)
-	t.Logf("the previous release's image (%s) built in %v", PreviousCommit, time.Since(start).Round(time.Second))
+	t.Logf("the previous release's image (%s) built in %v", PreviousTag, time.Since(start).Round(time.Second))
 	for i, n := range nodes {
 		t.Run("kube-proxy="+n.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)

@@ -18,10 +18,10 @@ import (
 
 // PreviousCommit stands for the previous release in the rolling-update tests: the repository
 // has no release tags yet, so it is the last commit before the cluster tests existed.
-const PreviousCommit = "2da51d5"
+const PreviousCommit = "2da51d507e60c04c5dc1c76900318cf01d58ee97"
 
 // PreviousTag is the previous release's image tag.
-const PreviousTag = "previous-" + PreviousCommit
+const PreviousTag = "previous-2da51d5"
 
 // buildPreviousImage builds the agent at PreviousCommit (a temporary git worktree of this
 // repository, removed afterwards) and makes its image from the current one: the same root
@@ -42,6 +42,10 @@ func buildPreviousImage(ctx context.Context, t *testing.T, current agentImage) a
 		if out, err := cmd.CombinedOutput(); err != nil {
 			t.Fatalf("git %s: %v: %s (the rolling-update tests need this repository's history)", strings.Join(args, " "), err, out)
 		}
+	}
+	// A shallow clone lacks the commit: fetch it from where the clone came from.
+	if exec.CommandContext(ctx, "git", "-C", root, "cat-file", "-e", PreviousCommit+"^{commit}").Run() != nil {
+		git("fetch", "--quiet", "origin", PreviousCommit)
 	}
 	git("worktree", "add", "--detach", src, PreviousCommit)
 	defer git("worktree", "remove", "--force", src)
