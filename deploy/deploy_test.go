@@ -70,6 +70,27 @@ type podMonitor struct {
 	} `json:"spec"`
 }
 
+// prometheusRule is the Prometheus Operator's PrometheusRule: its groups are a Prometheus rule
+// file, checked as promtool checks one (prometheusrule_test.go).
+type prometheusRule struct {
+	APIVersion string            `json:"apiVersion"`
+	Kind       string            `json:"kind"`
+	Metadata   metav1.ObjectMeta `json:"metadata"`
+	Spec       struct {
+		Groups []struct {
+			Name  string `json:"name"`
+			Rules []struct {
+				Record      string            `json:"record,omitempty"`
+				Alert       string            `json:"alert,omitempty"`
+				Expr        string            `json:"expr"`
+				For         string            `json:"for,omitempty"`
+				Labels      map[string]string `json:"labels,omitempty"`
+				Annotations map[string]string `json:"annotations,omitempty"`
+			} `json:"rules"`
+		} `json:"groups"`
+	} `json:"spec"`
+}
+
 type typeMeta struct {
 	APIVersion string `json:"apiVersion"`
 	Kind       string `json:"kind"`
@@ -123,6 +144,8 @@ func decode(doc []byte) (any, error) {
 		obj = &kustomization{}
 	case "monitoring.coreos.com/v1/PodMonitor":
 		obj = &podMonitor{}
+	case "monitoring.coreos.com/v1/PrometheusRule":
+		obj = &prometheusRule{}
 	default:
 		return nil, fmt.Errorf("unexpected kind %s %s", tm.APIVersion, tm.Kind)
 	}

@@ -311,6 +311,7 @@ func TestChartValues(t *testing.T) {
 		{"pod monitor interval", "metrics: {podMonitor: {enabled: true, interval: 10s}}", []string{"metrics.podMonitor.interval"},
 			monitoring("PodMonitor", func(o object) { set(o, "10s", "spec", "podMetricsEndpoints", 0, "interval") })},
 		{"dashboard", "metrics: {dashboard: {enabled: true}}", []string{"metrics.dashboard.enabled"}, monitoring("ConfigMap", nil)},
+		{"prometheus rule", "metrics: {prometheusRule: {enabled: true}}", []string{"metrics.prometheusRule.enabled"}, monitoring("PrometheusRule", nil)},
 		{"no cleanup hook", "cleanup: {enabled: false}", []string{"cleanup.enabled"}, func(t *testing.T, r, h objects) {
 			clear(h)
 		}},

@@ -145,6 +145,28 @@ type Stats struct {
 	// drift check found: while there are any, the policy is not enforced everywhere and
 	// /readyz fails. Nil when there are none.
 	Unenforced []string
+	// Persisting are the kinds of drift that the last apply meant to repair them did not (the
+	// next check tries again): something keeps changing the datapath. Nil when there are none.
+	Persisting []string
+	// Rejected says why the configuration the last reload found was rejected (it does not
+	// parse or validate, or names a masquerade address the node lacks), so that an older one, or
+	// none, is in force: the first problems, bounded (the log has them all). Empty once a reload
+	// finds a good one.
+	Rejected string
+	// NotReady says why /readyz fails; empty while it answers 200.
+	NotReady string
+}
+
+// maxRejectedLines bounds Stats.Rejected: a configuration of 10k bad CIDRs has 10k problems.
+const maxRejectedLines = 5
+
+// summary is err's message cut to its first maxRejectedLines lines (one problem each).
+func summary(err error) string {
+	lines := strings.Split(err.Error(), "\n")
+	if len(lines) <= maxRejectedLines {
+		return err.Error()
+	}
+	return strings.Join(lines[:maxRejectedLines], "\n") + fmt.Sprintf("\n(and %d more problems)", len(lines)-maxRejectedLines)
 }
 
 // ConfigHash is what Stats.ConfigSHA256 holds for a configuration.
@@ -223,6 +245,8 @@ func (a *Agent) Stats() Stats {
 	s := a.stats
 	s.Heals = maps.Clone(a.stats.Heals)
 	s.Unenforced = slices.Clone(a.stats.Unenforced)
+	s.Persisting = slices.Clone(a.stats.Persisting)
+	_, s.NotReady = a.readiness()
 	s.MissingAddresses = slices.Clone(a.stats.MissingAddresses)
 	return s
 }
@@ -451,6 +475,7 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, log *
 func (a *Agent) reject(ctx context.Context, st *loopState, why trigger, err error, log *slog.Logger, count *uint64) {
 	a.mu.Lock()
 	*count++
+	a.stats.Rejected = summary(err)
 	if !a.stats.Ready {
 		a.notReady = "no valid configuration yet: " + err.Error()
 	}
@@ -484,6 +509,9 @@ func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg conf
 	}
 	st.resync = cfg.ResyncInterval
 	hash := ConfigHash(cfg)
+	a.mu.Lock()
+	a.stats.Rejected = ""
+	a.mu.Unlock()
 	if (why == triggerChange || why == triggerAddress) && !st.failing() && p.Equal(st.applied) {
 		log.Debug("config unchanged; nothing to apply")
 		// The datapath implements this configuration too (it may differ in settings that do
@@ -642,6 +670,10 @@ func (a *Agent) checkDrift(ctx context.Context, st *loopState, log *slog.Logger)
 	kinds = a.unenforced(kinds, log)
 	if len(kinds) == 0 {
 		a.healed(st, nil, log) // repaired by an earlier apply whose own check failed
+		a.mu.Lock()
+		a.stats.Persisting = nil
+		a.mu.Unlock()
+		st.persisting = ""
 		return false
 	}
 	now := time.Now()
@@ -672,6 +704,9 @@ func (a *Agent) settleDrift(ctx context.Context, st *loopState, log *slog.Logger
 	}
 	left = a.unenforced(left, log)
 	a.healed(st, left, log)
+	a.mu.Lock()
+	a.stats.Persisting = slices.Clone(left)
+	a.mu.Unlock()
 	if len(left) == 0 {
 		st.persisting = ""
 		return
@@ -749,16 +784,22 @@ func (a *Agent) healthz(w http.ResponseWriter, _ *http.Request) {
 	fmt.Fprintln(w, "ok")
 }
 
+// readiness tells whether /readyz answers 200, and if not why; a.mu held.
+func (a *Agent) readiness() (bool, string) {
+	switch {
+	case !a.stats.Ready:
+		return false, a.notReady
+	case len(a.stats.Unenforced) > 0:
+		return false, "the policy is not enforced everywhere: " + strings.Join(a.stats.Unenforced, ", ") + " (see the log)"
+	case a.addrGone != "":
+		return false, "a masquerade address of the configuration in force is not on the node: " + a.addrGone
+	}
+	return true, ""
+}
+
 func (a *Agent) readyz(w http.ResponseWriter, _ *http.Request) {
 	a.mu.Lock()
-	ready, why := a.stats.Ready, a.notReady
-	if ready && len(a.stats.Unenforced) > 0 {
-		ready, why = false, "the policy is not enforced everywhere: "+strings.Join(a.stats.Unenforced, ", ")+
-			" (see the log)"
-	}
-	if ready && a.addrGone != "" {
-		ready, why = false, "a masquerade address of the configuration in force is not on the node: "+a.addrGone
-	}
+	ready, why := a.readiness()
 	a.mu.Unlock()
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 	if !ready {

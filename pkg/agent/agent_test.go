@@ -276,10 +276,40 @@ func TestBadConfigKeepsLastGood(t *testing.T) {
 	if code, _ := r.ready(t); code != http.StatusOK {
 		t.Errorf("a bad file after a good one made the agent unready: %d", code)
 	}
+	// The rejection is told, with the problem, while the good configuration stays ready.
+	if s := r.agent.Stats(); !strings.Contains(s.Rejected, `nonMasqueradeCIDRs[0]: "10.0.0.1/8": host bits are set`) || s.NotReady != "" {
+		t.Errorf("rejected %q, not ready %q", s.Rejected, s.NotReady)
+	}
 	// The next change is tried again.
 	cm.write("nonMasqueradeCIDRs: [172.16.0.0/12]\n")
 	if got := nonMasq(b.WaitApply(t)); fmt.Sprint(got) != "[172.16.0.0/12]" {
 		t.Fatalf("after the fix applied %v", got)
+	}
+	if s := r.agent.Stats(); s.Rejected != "" {
+		t.Errorf("still rejected after a good file: %q", s.Rejected)
+	}
+}
+
+// A configuration of many problems is told by its first ones in Stats, all of them in the log.
+func TestRejectedSummary(t *testing.T) {
+	cm := newConfigMap(t)
+	var cidrs []string
+	for i := range 12 {
+		cidrs = append(cidrs, fmt.Sprintf("10.%d.0.1/16", i))
+	}
+	cm.write("nonMasqueradeCIDRs: [" + strings.Join(cidrs, ", ") + "]\n")
+	b := &datapathtest.Backend{}
+	r := startAgent(t, cm.path(), b)
+	r.waitStats(t, "the rejection", func(s Stats) bool { return s.Rejected != "" })
+	s := r.agent.Stats()
+	if n := strings.Count(s.Rejected, "host bits are set"); n != maxRejectedLines || !strings.HasSuffix(s.Rejected, "(and 7 more problems)") {
+		t.Errorf("rejected (%d problems):\n%s", n, s.Rejected)
+	}
+	if !strings.Contains(s.NotReady, "no valid configuration yet") {
+		t.Errorf("not ready %q", s.NotReady)
+	}
+	if !strings.Contains(r.log.String(), "10.11.0.1/16") {
+		t.Error("the log lacks the last problem")
 	}
 }
 
@@ -299,6 +329,9 @@ func TestBadConfigAtStartup(t *testing.T) {
 	code, body := r.ready(t)
 	if code != http.StatusServiceUnavailable || !strings.Contains(body, `masqOutBound: "maybe"`) {
 		t.Errorf("readyz = %d %q, want 503 naming the bad value", code, body)
+	}
+	if s := r.agent.Stats(); !strings.Contains(body, s.NotReady) || s.NotReady == "" {
+		t.Errorf("stats say not ready because %q, readyz %q", s.NotReady, body)
 	}
 	cm.write("masqOutBound: false\n")
 	p := b.WaitApply(t)

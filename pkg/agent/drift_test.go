@@ -86,8 +86,14 @@ func TestDriftPersists(t *testing.T) {
 	if h := r.agent.Stats().Heals; len(h) != 0 {
 		t.Errorf("drift that persists was counted as healed: %v", h)
 	}
+	if p := r.agent.Stats().Persisting; !slices.Equal(p, []string{datapath.DriftProgram}) {
+		t.Errorf("persisting %q", p)
+	}
 	b.Stick()
 	r.waitStats(t, "the heal", func(s Stats) bool { return s.Heals[datapath.DriftProgram] == 1 })
+	if p := r.agent.Stats().Persisting; p != nil {
+		t.Errorf("persisting %q after the heal", p)
+	}
 	b.Drain()
 	b.NoApply(t, 100*time.Millisecond)
 	logs := r.log.String()

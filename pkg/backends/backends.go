@@ -163,6 +163,12 @@ type Chosen struct {
 	Displace []agent.Displaced
 	// Changes are the backend's events (such as uplink changes), nil when it has none.
 	Changes <-chan string
+	// Reason says why this backend runs: named by --backend, or what auto found of the
+	// backends it passed over.
+	Reason string
+	// CannotRun names the backends auto would have taken over this one but passed over because
+	// they cannot run on this node (not those that merely do not fit it): a fallback runs.
+	CannotRun []string
 }
 
 // Close releases what the backend holds (watchers, open maps); the datapath stays installed.
@@ -185,7 +191,7 @@ func Choose(ctx context.Context, name string, o Options) (*Chosen, error) {
 		b, _ := Lookup(name)
 		candidates = []datapath.Entry{b}
 	}
-	c := chooser{o: o, log: o.logger().With("component", "backends")}
+	c := chooser{o: o, log: o.logger().With("component", "backends"), auto: name == Auto}
 	var unfit []datapath.Entry
 	for _, b := range candidates {
 		if name == Auto && b.Fits != nil {
@@ -210,6 +216,7 @@ func Choose(ctx context.Context, name string, o Options) (*Chosen, error) {
 // chooser is what Choose has tried.
 type chooser struct {
 	o      Options
+	auto   bool
 	log    *slog.Logger
 	passed []passed
 	errs   []error
@@ -258,7 +265,26 @@ func (c *chooser) take(ctx context.Context, b datapath.Entry) *Chosen {
 		attrs = append(attrs, "attachMode", r.Info().AttachMode)
 	}
 	c.log.Info("datapath chosen", attrs...)
-	chosen := &Chosen{Backend: dp, Displace: others(b.Name, c.o)}
+	chosen := &Chosen{Backend: dp, Displace: others(b.Name, c.o), Reason: "--backend=" + b.Name}
+	if c.auto {
+		chosen.Reason = "auto: the first backend that fits and runs here"
+		var why []string
+		for _, s := range c.passed {
+			switch {
+			case s.b.Name == b.Name:
+			case s.unfit:
+				why = append(why, fmt.Sprintf("%s does not fit: %v", s.b.Name, s.err))
+			default:
+				why = append(why, fmt.Sprintf("%s cannot run: %v", s.b.Name, s.err))
+				if ahead(s.b) {
+					chosen.CannotRun = append(chosen.CannotRun, s.b.Name)
+				}
+			}
+		}
+		if len(why) > 0 {
+			chosen.Reason = "auto: " + strings.Join(why, "; ")
+		}
+	}
 	if ch, ok := dp.(interface{ Changes() <-chan string }); ok {
 		chosen.Changes = ch.Changes()
 	}

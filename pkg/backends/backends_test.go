@@ -140,6 +140,11 @@ func TestChooseAutoFallsBack(t *testing.T) {
 			t.Errorf("logs lack %q:\n%s", want, logs.String())
 		}
 	}
+	// The fallback is told, with why: BPF cannot run, nftables merely does not fit.
+	if !slices.Equal(c.CannotRun, []string{"bpf"}) || !strings.Contains(c.Reason, "bpf cannot run: ") ||
+		!strings.Contains(c.Reason, "nftables does not fit: kube-proxy has no nftables table") {
+		t.Errorf("cannot run %q, reason %q", c.CannotRun, c.Reason)
+	}
 	// Building a backend installs nothing.
 	if r := f.Restores(); len(r) != 0 {
 		t.Errorf("choosing ran restores %q", r)

@@ -12,7 +12,6 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/configwatch"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodeaddr"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodelock"
@@ -29,6 +28,7 @@ type agentFlags struct {
 	metricsAddress string
 	verbosity      int
 	driftInterval  time.Duration
+	ruleMetrics    int
 }
 
 func (f *agentFlags) register(fs *flagSet) {
@@ -41,6 +41,7 @@ func (f *agentFlags) register(fs *flagSet) {
 	f.backendFlags.register(fs)
 	fs.group("observability", func() {
 		fs.StringVar(&f.metricsAddress, "metrics-address", ":9743", "HOST:PORT serving /metrics, /healthz and /readyz; empty disables")
+		fs.IntVar(&f.ruleMetrics, "rule-metrics-limit", metrics.DefaultRuleSeries, "how many rules have series of their own in the per-rule metrics: a policy of more rules exports the busiest (every rule counts in the per-origin totals, and dump shows them all); 0 exports every rule, two series each")
 		// Accepted so that upstream manifests keep working: klog verbosity (4 and above log debug).
 		fs.IntVar(&f.verbosity, "v", 0, "log verbosity; 4 or more logs debug messages")
 		fs.Bool("logtostderr", true, "ignored: logs always go to stderr (accepted for upstream manifests)")
@@ -124,7 +125,8 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
-	ln, err := serveMetrics(ctx, a, obs, dp.Backend, af.metricsAddress, log)
+	ln, err := serveMetrics(ctx, a, metrics.Options{Backend: dp.Backend, Agent: a, Observer: obs, Logger: log, Fallback: dp.CannotRun,
+		RuleSeries: af.ruleSeries()}, af.metricsAddress)
 	if err != nil {
 		return err
 	}
@@ -155,6 +157,9 @@ func (f *agentFlags) agentBackendOptions() (backends.Options, error) {
 	if err := backends.CheckName(f.backend); err != nil {
 		return backends.Options{}, usageError{err}
 	}
+	if f.ruleMetrics < 0 {
+		return backends.Options{}, usageError{fmt.Errorf("rule-metrics-limit %d: must be 0 (every rule) or more", f.ruleMetrics)}
+	}
 	if f.driftInterval < 0 {
 		return backends.Options{}, usageError{fmt.Errorf("drift-check-interval %v: must be positive, or 0 to turn the checks off", f.driftInterval)}
 	}
@@ -165,15 +170,23 @@ func (f *agentFlags) agentBackendOptions() (backends.Options, error) {
 	return o, nil
 }
 
+// ruleSeries is metrics.Options.RuleSeries for --rule-metrics-limit.
+func (f *agentFlags) ruleSeries() int {
+	if f.ruleMetrics == 0 {
+		return -1 // every rule
+	}
+	return f.ruleMetrics
+}
+
 // serveMetrics adds /metrics to the agent's endpoint, with the applies obs records, and listens
 // on addr (none when empty). Listening before the loop starts makes a taken port an immediate,
 // clear error.
-func serveMetrics(ctx context.Context, a *agent.Agent, obs *metrics.Observer, dp datapath.Backend, addr string, log *slog.Logger) (net.Listener, error) {
-	reg, err := metrics.NewRegistry(metrics.Options{Backend: dp, Agent: a, Observer: obs, Logger: log})
+func serveMetrics(ctx context.Context, a *agent.Agent, opts metrics.Options, addr string) (net.Listener, error) {
+	reg, err := metrics.NewRegistry(opts)
 	if err != nil {
 		return nil, fmt.Errorf("metrics: %w", err)
 	}
-	a.Mux().Handle("GET /metrics", metrics.Handler(reg, log))
+	a.Mux().Handle("GET /metrics", metrics.Handler(reg, opts.Logger))
 	if addr == "" {
 		return nil, nil
 	}

@@ -65,7 +65,7 @@ func TestHelpGroupsFlags(t *testing.T) {
 	for group, names := range map[string][]string{
 		"configuration": {"config", "config-pattern", "enable-ipv6", "nomasq-all-reserved-ranges", "random-fully", "to-ports"},
 		"datapath":      {"backend", "drift-check-interval", "interfaces"},
-		"observability": {"logtostderr", "metrics-address", "v"},
+		"observability": {"logtostderr", "metrics-address", "rule-metrics-limit", "v"},
 	} {
 		if !slices.Equal(flags[group], names) {
 			t.Errorf("%s flags %q, want %q", group, flags[group], names)

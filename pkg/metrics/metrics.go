@@ -27,6 +27,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
 )
 
@@ -41,6 +42,9 @@ const DefaultReadTimeout = 5 * time.Second
 const (
 	RulePackets          = Namespace + "_rule_packets_total"
 	RuleBytes            = Namespace + "_rule_bytes_total"
+	OriginPackets        = Namespace + "_origin_packets_total"
+	OriginBytes          = Namespace + "_origin_bytes_total"
+	Rules                = Namespace + "_rules"
 	NATEntries           = Namespace + "_nat_entries"
 	NATFillRatio         = Namespace + "_nat_fill_ratio"
 	NATEvictable         = Namespace + "_nat_established_evictions_total"
@@ -53,6 +57,10 @@ const (
 	ConfigReloads        = Namespace + "_config_reloads_total"
 	ConfigLastReload     = Namespace + "_config_last_reload_success_timestamp_seconds"
 	ConfigInfo           = Namespace + "_config_info"
+	ConfigRejected       = Namespace + "_config_rejected"
+	Ready                = Namespace + "_ready"
+	DriftPersisting      = Namespace + "_drift_persisting"
+	DatapathFallback     = Namespace + "_datapath_fallback"
 	AddressMissing       = Namespace + "_masquerade_address_missing"
 	DatapathSyncDuration = Namespace + "_datapath_sync_duration_seconds"
 	DatapathSyncErrors   = Namespace + "_datapath_sync_errors_total"
@@ -92,7 +100,10 @@ type Definition struct {
 	Help   string
 }
 
-var ruleLabels = []string{"family", "action", "cidr", "origin"}
+var (
+	ruleLabels   = []string{"family", "action", "cidr", "origin"}
+	originLabels = []string{"family", "action", "origin"}
+)
 
 // hookLabels are the labels of the hook metrics: the uplink and the direction, then extra.
 func hookLabels(extra ...string) []string { return append([]string{"device", "direction"}, extra...) }
@@ -103,6 +114,9 @@ func Definitions() []Definition {
 	return []Definition{
 		{RulePackets, "counter", ruleLabels, "Packets that matched the rule, by backend: " + countsHelp() + "."},
 		{RuleBytes, "counter", ruleLabels, "Bytes (IP packet lengths) of the packets counted in " + RulePackets + "."},
+		{OriginPackets, "counter", originLabels, "Packets that matched the rules of each origin, every rule counted (" + RulePackets + " has series only for the busiest rules of a long policy); a removed rule's packets stay in its origin's total."},
+		{OriginBytes, "counter", originLabels, "Bytes of the packets counted in " + OriginPackets + "."},
+		{Rules, "gauge", []string{"family"}, "Rules of the policy in force, each counted in " + OriginPackets + "; those beyond --rule-metrics-limit have no " + RulePackets + " series."},
 		{NATEntries, "gauge", []string{"family", "protocol", "state"}, "Entries in the BPF datapath's NAT tables (one per direction of a flow; one per flow for kept verdicts), by state: unreplied, established, closing, kept."},
 		{NATFillRatio, "gauge", []string{"family", "table"}, "How full each NAT table is (entries over capacity): confirmed (two-way flows, never evicted), unreplied (evicted first), keep (kept RETURN verdicts)."},
 		{NATEvictable, "counter", nil, "Flows that proved two-way while the confirmed table was full, so that they stayed where entries are evicted: an upper bound on established flows evicted; 0 while --nat-max-entries has room."},
@@ -115,6 +129,10 @@ func Definitions() []Definition {
 		{ConfigReloads, "counter", []string{"result"}, "Reads of the config file by result: success (its policy is in the datapath), invalid (parse or validation failed; the last good configuration stays), address_missing (it names a masquerade address the node does not have; the last good configuration stays), apply_error."},
 		{ConfigLastReload, "gauge", nil, "Unix time of the last successful reload; 0 before the first."},
 		{ConfigInfo, "gauge", []string{"sha256"}, "Always 1; sha256 is the hash of the canonical form of the configuration in force."},
+		{ConfigRejected, "gauge", nil, "1 while the configuration the last reload found is rejected (it does not parse or validate, or names a masquerade address the node lacks), so that an older one, or none, is in force; else 0."},
+		{Ready, "gauge", nil, "1 while /readyz answers 200: a configuration is in the datapath, enforced everywhere, with its masquerade addresses on the node; else 0."},
+		{DriftPersisting, "gauge", []string{"what"}, "1 for each kind of drift that persists: one no apply can repair (a program ahead of ours ending the chain), or one the last repair did not fix (something keeps changing the datapath); no series while there is none."},
+		{DatapathFallback, "gauge", []string{"backend"}, "1 for each backend that --backend=auto passed over because it cannot run on this node (not because it does not fit), so that a fallback runs; no series otherwise."},
 		{AddressMissing, "gauge", []string{"address"}, "1 for each masquerade address that the configuration in force, or the last one read, names and no uplink of the node has; no series while all are there."},
 		{DatapathSyncDuration, "histogram", nil, "Time to apply the policy to the datapath, failed applies included."},
 		{DatapathSyncErrors, "counter", nil, "Applies of the policy that failed (each is retried)."},
@@ -216,6 +234,13 @@ type Options struct {
 	Logger *slog.Logger
 	// ReadTimeout bounds the datapath reads of one scrape; zero means DefaultReadTimeout.
 	ReadTimeout time.Duration
+	// Fallback names the backends that --backend=auto passed over because they cannot run on
+	// this node (backends.Chosen.CannotRun).
+	Fallback []string
+	// RuleSeries bounds the rules with series of their own (RulePackets, RuleBytes): a policy of
+	// more rules exports the busiest ones (see ruleTable.choose), and every rule counts in the
+	// per-origin totals. Zero means DefaultRuleSeries; less than zero, every rule.
+	RuleSeries int
 }
 
 // Collector is a prometheus.Collector that reads the backend and the agent at scrape time. It
@@ -225,6 +250,7 @@ type Collector struct {
 	log   *slog.Logger
 	descs map[string]*prometheus.Desc
 	build [3]string
+	rules *ruleTable
 	// Scrape errors by source, since the collector was created.
 	rulesErrors, natErrors, hookErrors atomic.Uint64
 }
@@ -236,12 +262,15 @@ func NewCollector(opts Options) *Collector {
 	if opts.ReadTimeout <= 0 {
 		opts.ReadTimeout = DefaultReadTimeout
 	}
+	if opts.RuleSeries == 0 {
+		opts.RuleSeries = DefaultRuleSeries
+	}
 	log := opts.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
 	c := &Collector{opts: opts, log: log.With("component", "metrics"), descs: map[string]*prometheus.Desc{},
-		build: [3]string{version.Version, version.Revision(), runtime.Version()}}
+		build: [3]string{version.Version, version.Revision(), runtime.Version()}, rules: newRuleTable(opts.RuleSeries)}
 	for _, d := range Definitions() {
 		if d.Name != DatapathSyncDuration { // the Observer's own
 			c.descs[d.Name] = prometheus.NewDesc(d.Name, d.Help, d.Labels, nil)
@@ -276,11 +305,10 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		info = r.Info()
 	}
 	gauge(DatapathInfo, 1, info.Backend, info.AttachMode)
-	refused := 0.0
-	if info.Refused != "" {
-		refused = 1
+	gauge(DatapathRefused, boolValue(info.Refused != ""))
+	for _, b := range c.opts.Fallback {
+		gauge(DatapathFallback, 1, b)
 	}
-	gauge(DatapathRefused, refused)
 
 	if c.opts.Agent != nil {
 		s := c.opts.Agent.Stats()
@@ -298,6 +326,11 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		gauge(ConfigLastReload, last)
 		if s.ConfigSHA256 != "" {
 			gauge(ConfigInfo, 1, s.ConfigSHA256)
+		}
+		gauge(ConfigRejected, boolValue(s.Rejected != ""))
+		gauge(Ready, boolValue(s.NotReady == ""))
+		for _, k := range slices.Compact(slices.Sorted(slices.Values(append(slices.Clone(s.Unenforced), s.Persisting...)))) {
+			gauge(DriftPersisting, 1, k)
 		}
 		counter(DatapathSyncErrors, s.ApplyErrors)
 		// Every kind the backend can heal is a series from the start, zero or not.
@@ -321,7 +354,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), c.opts.ReadTimeout)
 	defer cancel()
-	c.collectRules(ctx, counter)
+	c.collectRules(ctx, gauge, counter)
 	nat, hasNAT := c.opts.Backend.(datapath.NATReporter)
 	if hasNAT {
 		c.collectNAT(ctx, ch, nat, gauge, counter)
@@ -340,6 +373,13 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	if hasHooks {
 		counter(ScrapeErrors, c.hookErrors.Load(), SourceHooks)
 	}
+}
+
+func boolValue(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 func (c *Collector) collectHooks(ctx context.Context, r datapath.HookReporter, gauge func(string, float64, ...string), counter func(string, uint64, ...string)) {
@@ -373,32 +413,28 @@ func (c *Collector) collectUplinks(ctx context.Context, r datapath.UplinkReporte
 	}
 }
 
-// ruleSeries identifies one series of the per-rule metrics.
-type ruleSeries struct {
-	family, action, cidr, origin string
-}
-
-func (c *Collector) collectRules(ctx context.Context, counter func(string, uint64, ...string)) {
+func (c *Collector) collectRules(ctx context.Context, gauge func(string, float64, ...string), counter func(string, uint64, ...string)) {
 	rules, err := c.opts.Backend.Counters(ctx)
 	if err != nil {
 		c.rulesErrors.Add(1)
 		c.log.Warn("scrape: cannot read the rule counters; leaving them out", "error", err)
 		return
 	}
-	seen := make(map[ruleSeries]bool, len(rules))
-	for _, r := range rules {
-		if r.Origin == "" {
-			continue // not a rule of the agent's policy
+	s := c.rules.scrape(rules)
+	for _, r := range s.rules {
+		labels := []string{r.Family.String(), r.Action.String(), r.Prefix.String(), string(r.Origin)}
+		counter(RulePackets, r.Packets, labels...)
+		counter(RuleBytes, r.Bytes, labels...)
+	}
+	for _, o := range s.origins {
+		labels := []string{o.family.String(), o.action.String(), string(o.origin)}
+		counter(OriginPackets, o.packets, labels...)
+		counter(OriginBytes, o.bytes, labels...)
+	}
+	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		if n, ok := s.perFamily[fam]; ok {
+			gauge(Rules, float64(n), fam.String())
 		}
-		k := ruleSeries{r.Family.String(), r.Action.String(), r.Prefix.String(), string(r.Origin)}
-		// Identical rules would make one series twice. Only the first can match (first match
-		// wins), so it is the one reported.
-		if seen[k] {
-			continue
-		}
-		seen[k] = true
-		counter(RulePackets, r.Packets, k.family, k.action, k.cidr, k.origin)
-		counter(RuleBytes, r.Bytes, k.family, k.action, k.cidr, k.origin)
 	}
 }
 

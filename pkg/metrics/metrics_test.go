@@ -111,6 +111,31 @@ ip_masq_agent_datapath_info{attach_mode="none",backend="fake"} 1
 	if err := testutil.CollectAndCompare(c, strings.NewReader(want), RulePackets, RuleBytes, ScrapeErrors, DatapathInfo); err != nil {
 		t.Error(err)
 	}
+	// Every rule counts in its origin's total (the duplicate as the rule it repeats), and the
+	// rules are counted by family.
+	totals := `
+# HELP ip_masq_agent_origin_packets_total ` + helpOf(OriginPackets) + `
+# TYPE ip_masq_agent_origin_packets_total counter
+ip_masq_agent_origin_packets_total{action="RETURN",family="ipv4",origin="link-local"} 1
+ip_masq_agent_origin_packets_total{action="RETURN",family="ipv4",origin="nonMasqueradeCIDRs"} 7
+ip_masq_agent_origin_packets_total{action="MASQUERADE",family="ipv4",origin="outbound"} 3
+ip_masq_agent_origin_packets_total{action="RETURN",family="ipv6",origin="link-local"} 0
+ip_masq_agent_origin_packets_total{action="MASQUERADE",family="ipv6",origin="outbound"} 5
+# HELP ip_masq_agent_origin_bytes_total ` + helpOf(OriginBytes) + `
+# TYPE ip_masq_agent_origin_bytes_total counter
+ip_masq_agent_origin_bytes_total{action="RETURN",family="ipv4",origin="link-local"} 84
+ip_masq_agent_origin_bytes_total{action="RETURN",family="ipv4",origin="nonMasqueradeCIDRs"} 700
+ip_masq_agent_origin_bytes_total{action="MASQUERADE",family="ipv4",origin="outbound"} 180
+ip_masq_agent_origin_bytes_total{action="RETURN",family="ipv6",origin="link-local"} 0
+ip_masq_agent_origin_bytes_total{action="MASQUERADE",family="ipv6",origin="outbound"} 400
+# HELP ip_masq_agent_rules ` + helpOf(Rules) + `
+# TYPE ip_masq_agent_rules gauge
+ip_masq_agent_rules{family="ipv4"} 4
+ip_masq_agent_rules{family="ipv6"} 2
+`
+	if err := testutil.CollectAndCompare(c, strings.NewReader(totals), OriginPackets, OriginBytes, Rules); err != nil {
+		t.Error(err)
+	}
 	// Without the optional NAT interface there are no NAT series at all.
 	if n := testutil.CollectAndCount(c, NATEntries, NATFillRatio, NATEvictable, NATPortRetries, NATPortFailures, NATPortAttempts,
 		Drops, DatapathEvents, NATSwept); n != 0 {
@@ -272,6 +297,43 @@ ip_masq_agent_datapath_sync_duration_seconds_count 9
 		t.Error(err)
 	}
 
+	// Health: ready, no rejection, no drift that persists, no fallback.
+	health := `
+# HELP ip_masq_agent_config_rejected ` + helpOf(ConfigRejected) + `
+# TYPE ip_masq_agent_config_rejected gauge
+ip_masq_agent_config_rejected 0
+# HELP ip_masq_agent_ready ` + helpOf(Ready) + `
+# TYPE ip_masq_agent_ready gauge
+ip_masq_agent_ready 1
+`
+	if err := testutil.CollectAndCompare(c, strings.NewReader(health), ConfigRejected, Ready, DriftPersisting, DatapathFallback); err != nil {
+		t.Error(err)
+	}
+	// The same, unhealthy: a rejected configuration, drift no apply repairs beside drift an
+	// apply did not, and a fallback.
+	s.Rejected, s.NotReady = "config: masqOutBound: ...", "the policy is not enforced everywhere: bypassed"
+	s.Unenforced, s.Persisting = []string{datapath.DriftBypassed}, []string{datapath.DriftTrie, datapath.DriftBypassed}
+	c = NewCollector(Options{Backend: &datapathtest.Backend{}, Agent: fakeStats{s}, Fallback: []string{"bpf", "nftables"}})
+	health = `
+# HELP ip_masq_agent_config_rejected ` + helpOf(ConfigRejected) + `
+# TYPE ip_masq_agent_config_rejected gauge
+ip_masq_agent_config_rejected 1
+# HELP ip_masq_agent_ready ` + helpOf(Ready) + `
+# TYPE ip_masq_agent_ready gauge
+ip_masq_agent_ready 0
+# HELP ip_masq_agent_drift_persisting ` + helpOf(DriftPersisting) + `
+# TYPE ip_masq_agent_drift_persisting gauge
+ip_masq_agent_drift_persisting{what="bypassed"} 1
+ip_masq_agent_drift_persisting{what="trie"} 1
+# HELP ip_masq_agent_datapath_fallback ` + helpOf(DatapathFallback) + `
+# TYPE ip_masq_agent_datapath_fallback gauge
+ip_masq_agent_datapath_fallback{backend="bpf"} 1
+ip_masq_agent_datapath_fallback{backend="nftables"} 1
+`
+	if err := testutil.CollectAndCompare(c, strings.NewReader(health), ConfigRejected, Ready, DriftPersisting, DatapathFallback); err != nil {
+		t.Error(err)
+	}
+
 	// Before the first good reload: no config_info, a zero timestamp.
 	c = NewCollector(Options{Backend: &datapathtest.Backend{}, Agent: fakeStats{}})
 	if n := testutil.CollectAndCount(c, ConfigInfo); n != 0 {
@@ -382,7 +444,7 @@ func TestScrapeTimeReads(t *testing.T) {
 // Every metric follows Prometheus' naming conventions, and Names is exactly what is exported.
 func TestNamesAndLint(t *testing.T) {
 	s := agent.Stats{ConfigSHA256: strings.Repeat("0", 64), Heals: map[string]uint64{datapath.DriftTrie: 1},
-		MissingAddresses: []netip.Addr{netip.MustParseAddr("10.0.0.11")}}
+		MissingAddresses: []netip.Addr{netip.MustParseAddr("10.0.0.11")}, Persisting: []string{datapath.DriftTrie}}
 	b := &datapathtest.HookBackend{NATBackend: datapathtest.NATBackend{Installed: natInfo,
 		Backend: datapathtest.Backend{RuleCounters: []datapath.RuleCounter{rc(policy.IPv4, 1, "10.0.0.0/8", policy.Return, policy.OriginNonMasqueradeCIDRs, 0, 1, 60)}},
 		Stats: datapath.NATStats{Entries: []datapath.NATEntries{{Family: policy.IPv4, Protocol: "tcp", State: "established", Entries: 1}},
@@ -391,7 +453,7 @@ func TestNamesAndLint(t *testing.T) {
 			Events:       map[string]uint64{"drop_no_port": 0}, Drops: map[string]uint64{"no_port": 0}, Swept: map[string]uint64{"tcp": 0}},
 	}, Hook: []datapath.Hook{{Device: "eth0", Ifindex: 2, Direction: "egress"}},
 		Uplink: []datapath.Uplink{{Device: "eth0", Ifindex: 2, Via: "default route", Covered: true}}}
-	c := NewCollector(Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver()})
+	c := NewCollector(Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver(), Fallback: []string{"bpf"}})
 	problems, err := testutil.CollectAndLint(c)
 	if err != nil {
 		t.Fatal(err)
@@ -399,7 +461,7 @@ func TestNamesAndLint(t *testing.T) {
 	for _, p := range problems {
 		t.Errorf("lint: %s: %s", p.Metric, p.Text)
 	}
-	fams := scrape(t, newRegistry(t, Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver()}))
+	fams := scrape(t, newRegistry(t, Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver(), Fallback: []string{"bpf"}}))
 	var got []string
 	for name := range fams {
 		if strings.HasPrefix(name, Namespace+"_") {
