@@ -16,12 +16,16 @@ import (
 	"strings"
 	"testing"
 
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
@@ -91,6 +95,14 @@ type prometheusRule struct {
 	} `json:"spec"`
 }
 
+// ipMasqAgentConfig is an IPMasqAgentConfig: its spec is a configuration file's keys.
+type ipMasqAgentConfig struct {
+	APIVersion string            `json:"apiVersion"`
+	Kind       string            `json:"kind"`
+	Metadata   metav1.ObjectMeta `json:"metadata"`
+	Spec       map[string]any    `json:"spec"`
+}
+
 type typeMeta struct {
 	APIVersion string `json:"apiVersion"`
 	Kind       string `json:"kind"`
@@ -146,6 +158,24 @@ func decode(doc []byte) (any, error) {
 		obj = &podMonitor{}
 	case "monitoring.coreos.com/v1/PrometheusRule":
 		obj = &prometheusRule{}
+	case "v1/ServiceAccount":
+		obj = &corev1.ServiceAccount{}
+	case "apiextensions.k8s.io/v1/CustomResourceDefinition":
+		obj = &apiextensionsv1.CustomResourceDefinition{}
+	case "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy":
+		obj = &admissionregistrationv1.ValidatingAdmissionPolicy{}
+	case "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicyBinding":
+		obj = &admissionregistrationv1.ValidatingAdmissionPolicyBinding{}
+	case "rbac.authorization.k8s.io/v1/Role":
+		obj = &rbacv1.Role{}
+	case "rbac.authorization.k8s.io/v1/RoleBinding":
+		obj = &rbacv1.RoleBinding{}
+	case "rbac.authorization.k8s.io/v1/ClusterRole":
+		obj = &rbacv1.ClusterRole{}
+	case "rbac.authorization.k8s.io/v1/ClusterRoleBinding":
+		obj = &rbacv1.ClusterRoleBinding{}
+	case kube.Configs.APIVersion() + "/" + kube.Configs.Kind:
+		obj = &ipMasqAgentConfig{}
 	default:
 		return nil, fmt.Errorf("unexpected kind %s %s", tm.APIVersion, tm.Kind)
 	}
@@ -401,6 +431,10 @@ func TestConfigMapExamples(t *testing.T) {
 		"examples/configmap-masquerade-address.yaml": {"", []verdict{
 			{"203.0.113.7", M}, {"8.8.8.8", M}, {"10.1.2.3", R},
 		}},
+		// The defaults as an IPMasqAgentConfig (--config-source=crd): its spec is the file.
+		"examples/ipmasqagentconfig-defaults.yaml": {"", []verdict{
+			{"10.1.2.3", R}, {"169.254.169.254", R}, {"8.8.8.8", M},
+		}},
 		"examples/configmap-user.yaml": {"", []verdict{
 			{"100.64.1.1", R}, {"10.10.10.10", M}, // the user's
 			{"10.1.2.3", R}, {"192.168.1.1", R}, {"8.8.8.8", M}, // the platform's
@@ -416,9 +450,9 @@ func TestConfigMapExamples(t *testing.T) {
 	mergedWith := map[string]string{"examples/configmap-user.yaml": "base/configmap.yaml"}
 	for path, ex := range examples {
 		t.Run(path, func(t *testing.T) {
-			cm := one[*corev1.ConfigMap](t, all, path)
 			opts := config.Options{EnableIPv6: true}
-			cfg, err := config.Parse([]byte(cm.Data["config"]), opts)
+			doc, cm := exampleConfig(t, all[path])
+			cfg, err := config.Parse(doc, opts)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -453,6 +487,27 @@ func TestConfigMapExamples(t *testing.T) {
 			t.Errorf("example %s is not checked", m)
 		}
 	}
+}
+
+// exampleConfig is the configuration an example holds: a ConfigMap's config key, or an
+// IPMasqAgentConfig's spec (as the agent reads it, in JSON); and the ConfigMap, nil for the other.
+func exampleConfig(t *testing.T, objs []any) ([]byte, *corev1.ConfigMap) {
+	t.Helper()
+	if len(objs) != 1 {
+		t.Fatalf("%d documents, want 1", len(objs))
+	}
+	switch o := objs[0].(type) {
+	case *corev1.ConfigMap:
+		return []byte(o.Data[kube.ConfigMapKey]), o
+	case *ipMasqAgentConfig:
+		doc, err := json.Marshal(o.Spec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return doc, nil
+	}
+	t.Fatalf("an example of kind %T", objs[0])
+	return nil, nil
 }
 
 // projected merges ConfigMaps as the agent does when the config-directory overlay projects them

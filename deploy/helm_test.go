@@ -91,7 +91,7 @@ func helmTemplate(t *testing.T, values map[string]any) (release, hooks objects, 
 	t.Helper()
 	chart := loadChart(t)
 	install := action.NewInstall(&action.Configuration{Log: func(string, ...any) {}})
-	install.DryRun, install.ClientOnly, install.Replace = true, true, true
+	install.DryRun, install.ClientOnly, install.Replace, install.IncludeCRDs = true, true, true, true
 	install.ReleaseName, install.Namespace = "ip-masq-agent", namespace
 	rel, err := install.Run(chart, values)
 	if err != nil {
@@ -312,6 +312,20 @@ func TestChartValues(t *testing.T) {
 			monitoring("PodMonitor", func(o object) { set(o, "10s", "spec", "podMetricsEndpoints", 0, "interval") })},
 		{"dashboard", "metrics: {dashboard: {enabled: true}}", []string{"metrics.dashboard.enabled"}, monitoring("ConfigMap", nil)},
 		{"prometheus rule", "metrics: {prometheusRule: {enabled: true}}", []string{"metrics.prometheusRule.enabled"}, monitoring("PrometheusRule", nil)},
+		// The configuration from the API server, and each node's status: the overlay, RBAC and all.
+		{"config from the API server", "{configSource: configmap, nodeStatus: {enabled: true}}", []string{"configSource", "nodeStatus.enabled"},
+			func(t *testing.T, r, h objects) { maps.Copy(r, kustomize(t, "overlays/api-server")) }},
+		{"config from an IPMasqAgentConfig", "{configSource: crd, nodeStatus: {enabled: true}}", []string{"configSource", "nodeStatus.enabled"},
+			func(t *testing.T, r, h objects) {
+				clear(r)
+				maps.Copy(r, kustomize(t, "overlays/api-server-crd"))
+			}},
+		{"no admission policy", "admissionPolicy: {enabled: false}", []string{"admissionPolicy.enabled"}, func(t *testing.T, r, h objects) {
+			for _, name := range []string{"ip-masq-agent-configmap", "ip-masq-agent-config"} {
+				delete(r, "ValidatingAdmissionPolicy <nil>/"+name)
+				delete(r, "ValidatingAdmissionPolicyBinding <nil>/"+name)
+			}
+		}},
 		{"no cleanup hook", "cleanup: {enabled: false}", []string{"cleanup.enabled"}, func(t *testing.T, r, h objects) {
 			clear(h)
 		}},

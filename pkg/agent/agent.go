@@ -155,6 +155,10 @@ type Stats struct {
 	Rejected string
 	// NotReady says why /readyz fails; empty while it answers 200.
 	NotReady string
+	// ConfigRevision is the revision of the object the configuration in force was read from,
+	// RejectedRevision that of the rejected one (Rejected), for sources that read versioned
+	// objects (config.Revisioned); zero otherwise.
+	ConfigRevision, RejectedRevision config.Revision
 }
 
 // maxRejectedLines bounds Stats.Rejected: a configuration of 10k bad CIDRs has 10k problems.
@@ -319,6 +323,8 @@ type loopState struct {
 	// desiredHash is that configuration's ConfigHash.
 	desired     *policy.Policy
 	desiredHash string
+	// desiredRevision is the revision of the object desired was read from (config.Revisioned).
+	desiredRevision config.Revision
 	// applied is the policy the backend last applied successfully.
 	applied *policy.Policy
 	// backoff is the delay before the retry of a failed apply, zero while none failed.
@@ -458,7 +464,10 @@ func (a *Agent) next(ctx context.Context, st *loopState, w *waiter, log *slog.Lo
 func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, log *slog.Logger) {
 	cfg, err := a.opts.Source.Load()
 	switch {
-	case errors.Is(err, config.ErrUnsettled):
+	case errors.Is(err, config.ErrUnsettled), errors.Is(err, config.ErrUnavailable):
+		if errors.Is(err, config.ErrUnavailable) {
+			a.unavailable(err)
+		}
 		if st.desired != nil && why.reapplies() {
 			_ = a.apply(ctx, st, log, false) // the drift repair does not wait for the configuration
 		}
@@ -469,13 +478,30 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, log *
 	}
 }
 
+// unavailable records why no configuration could be read yet, for /readyz (the source logs it).
+func (a *Agent) unavailable(err error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if !a.stats.Ready {
+		a.notReady = err.Error()
+	}
+}
+
+// revision is the revision of what the source's last Load read (config.Revisioned).
+func (a *Agent) revision() config.Revision {
+	if r, ok := a.opts.Source.(config.Revisioned); ok {
+		return r.Revision()
+	}
+	return config.Revision{}
+}
+
 // reject counts a configuration that does not parse or validate (in count: Stats.ConfigErrors),
 // or names a masquerade address the node lacks (Stats.AddressErrors), and keeps the last good
 // one.
 func (a *Agent) reject(ctx context.Context, st *loopState, why trigger, err error, log *slog.Logger, count *uint64) {
 	a.mu.Lock()
 	*count++
-	a.stats.Rejected = summary(err)
+	a.stats.Rejected, a.stats.RejectedRevision = summary(err), a.revision()
 	if !a.stats.Ready {
 		a.notReady = "no valid configuration yet: " + err.Error()
 	}
@@ -508,22 +534,22 @@ func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg conf
 		return
 	}
 	st.resync = cfg.ResyncInterval
-	hash := ConfigHash(cfg)
+	hash, rev := ConfigHash(cfg), a.revision()
 	a.mu.Lock()
-	a.stats.Rejected = ""
+	a.stats.Rejected, a.stats.RejectedRevision = "", config.Revision{}
 	a.mu.Unlock()
 	if (why == triggerChange || why == triggerAddress) && !st.failing() && p.Equal(st.applied) {
 		log.Debug("config unchanged; nothing to apply")
 		// The datapath implements this configuration too (it may differ in settings that do
 		// not reach the datapath, such as resyncInterval): it is the one in force now.
-		st.desiredHash = hash
-		a.reloaded(hash)
+		st.desiredHash, st.desiredRevision = hash, rev
+		a.reloaded(hash, rev)
 		return
 	}
 	if changed {
 		log.Info("config changed", "path", a.opts.Source.String())
 	}
-	st.desired, st.desiredHash = p, hash
+	st.desired, st.desiredHash, st.desiredRevision = p, hash, rev
 	_ = a.apply(ctx, st, log, true)
 }
 
@@ -578,13 +604,14 @@ func missingAddresses(err error) []netip.Addr {
 	return nil
 }
 
-// reloaded counts a reload whose configuration, of the given hash, is in force already.
-func (a *Agent) reloaded(hash string) {
+// reloaded counts a reload whose configuration, of the given hash and revision, is in force
+// already.
+func (a *Agent) reloaded(hash string, rev config.Revision) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.stats.Reloads++
 	a.stats.LastReload = time.Now()
-	a.stats.ConfigSHA256 = hash
+	a.stats.ConfigSHA256, a.stats.ConfigRevision = hash, rev
 }
 
 // apply applies the desired policy and records the outcome, as a reload of the configuration
@@ -609,7 +636,7 @@ func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger, relo
 	a.mu.Lock()
 	a.stats.Applies++
 	a.stats.LastApply = time.Now()
-	a.stats.ConfigSHA256 = st.desiredHash
+	a.stats.ConfigSHA256, a.stats.ConfigRevision = st.desiredHash, st.desiredRevision
 	if reload {
 		a.stats.Reloads++
 		a.stats.LastReload = a.stats.LastApply

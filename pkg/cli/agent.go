@@ -11,7 +11,6 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/configwatch"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodeaddr"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodelock"
@@ -22,6 +21,8 @@ import (
 // backend's own) and the observability flags.
 type agentFlags struct {
 	policyFlags
+	sourceFlags
+	statusFlags
 	backendFlags
 	backend        string
 	interfaces     string
@@ -33,6 +34,7 @@ type agentFlags struct {
 
 func (f *agentFlags) register(fs *flagSet) {
 	f.policyFlags.register(fs)
+	fs.group("configuration", func() { f.sourceFlags.register(fs.FlagSet) })
 	fs.group("datapath", func() {
 		fs.StringVar(&f.backend, "backend", backends.Auto, backends.Usage())
 		fs.StringVar(&f.interfaces, "interfaces", "", "comma-separated uplinks to masquerade on, or devices written !name to leave out of the default: the devices of the default routes and of every route, in any table, toward a masqueraded destination")
@@ -41,6 +43,7 @@ func (f *agentFlags) register(fs *flagSet) {
 	f.backendFlags.register(fs)
 	fs.group("observability", func() {
 		fs.StringVar(&f.metricsAddress, "metrics-address", ":9743", "HOST:PORT serving /metrics, /healthz and /readyz; empty disables")
+		f.statusFlags.register(fs.FlagSet)
 		fs.IntVar(&f.ruleMetrics, "rule-metrics-limit", metrics.DefaultRuleSeries, "how many rules have series of their own in the per-rule metrics: a policy of more rules exports the busiest (every rule counts in the per-origin totals, and dump shows them all); 0 exports every rule, two series each")
 		// Accepted so that upstream manifests keep working: klog verbosity (4 and above log debug).
 		fs.IntVar(&f.verbosity, "v", 0, "log verbosity; 4 or more logs debug messages")
@@ -79,7 +82,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	log := newLogger(stderr, af.verbosity)
 	bo.Logger = log
-	log.Info("starting", "component", "cli", "version", version.String(), "config", af.configPath, "backend", af.backend)
+	log.Info("starting", "component", "cli", "version", version.String(), "config", af.configPath, "configSource", af.source, "backend", af.backend)
 	dp, err := backends.Choose(ctx, af.backend, bo)
 	if err != nil {
 		return err
@@ -100,7 +103,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	defer lock.Release()
-	src, err := configwatch.New(af.configPath, configwatch.Options{Config: copts, Logger: log})
+	src, err := af.open(af.configPath, copts, log)
 	if err != nil {
 		return err
 	}
@@ -125,11 +128,22 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
-	ln, err := serveMetrics(ctx, a, metrics.Options{Backend: dp.Backend, Agent: a, Observer: obs, Logger: log, Fallback: dp.CannotRun,
-		RuleSeries: af.ruleSeries()}, af.metricsAddress)
+	pub, err := af.publisher(a, dp, src.String(), log)
 	if err != nil {
 		return err
 	}
+	mo := metrics.Options{Backend: dp.Backend, Agent: a, Observer: obs, Logger: log, Fallback: dp.CannotRun,
+		RuleSeries: af.ruleSeries(), Source: src}
+	if pub != nil {
+		mo.Status = pub
+	}
+	ln, err := serveMetrics(ctx, a, mo, af.metricsAddress)
+	if err != nil {
+		return err
+	}
+	pubCtx, stopPub := context.WithCancel(ctx)
+	defer runPublisher(pubCtx, pub)()
+	defer stopPub()
 	return a.Run(ctx, ln)
 }
 
@@ -156,6 +170,12 @@ func acquireNodeLock(ctx context.Context, log *slog.Logger) (*nodelock.Lock, err
 func (f *agentFlags) agentBackendOptions() (backends.Options, error) {
 	if err := backends.CheckName(f.backend); err != nil {
 		return backends.Options{}, usageError{err}
+	}
+	if _, _, err := f.object(); err != nil {
+		return backends.Options{}, err
+	}
+	if err := f.statusFlags.check(); err != nil {
+		return backends.Options{}, err
 	}
 	if f.ruleMetrics < 0 {
 		return backends.Options{}, usageError{fmt.Errorf("rule-metrics-limit %d: must be 0 (every rule) or more", f.ruleMetrics)}

@@ -9,6 +9,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"text/tabwriter"
 
@@ -226,18 +227,21 @@ func newFlagSet(c command, stderr io.Writer) *flagSet {
 	return fs
 }
 
-// group registers flags (register), under title in the help.
+// group registers flags (register), under title in the help: added to the group of that title
+// when there is one already.
 func (fs *flagSet) group(title string, register func()) {
 	before := map[string]bool{}
 	fs.VisitAll(func(f *flag.Flag) { before[f.Name] = true })
 	register()
-	g := flagGroup{title: title}
+	i := slices.IndexFunc(fs.groups, func(g flagGroup) bool { return g.title == title })
+	if i < 0 {
+		fs.groups, i = append(fs.groups, flagGroup{title: title}), len(fs.groups)
+	}
 	fs.VisitAll(func(f *flag.Flag) {
 		if !before[f.Name] {
-			g.names = append(g.names, f.Name)
+			fs.groups[i].names = append(fs.groups[i].names, f.Name)
 		}
 	})
-	fs.groups = append(fs.groups, g)
 }
 
 // printDefaults prints the named flags as flag.PrintDefaults does, with the defaults they were

@@ -63,9 +63,9 @@ func TestHelpGroupsFlags(t *testing.T) {
 		t.Errorf("groups %q, want %q", titles, want)
 	}
 	for group, names := range map[string][]string{
-		"configuration": {"config", "config-pattern", "enable-ipv6", "nomasq-all-reserved-ranges", "random-fully", "to-ports"},
+		"configuration": {"config", "config-pattern", "config-source", "enable-ipv6", "kubeconfig", "nomasq-all-reserved-ranges", "random-fully", "to-ports"},
 		"datapath":      {"backend", "drift-check-interval", "interfaces"},
-		"observability": {"logtostderr", "metrics-address", "rule-metrics-limit", "v"},
+		"observability": {"logtostderr", "metrics-address", "node-name", "node-status", "node-status-delay", "rule-metrics-limit", "v"},
 	} {
 		if !slices.Equal(flags[group], names) {
 			t.Errorf("%s flags %q, want %q", group, flags[group], names)

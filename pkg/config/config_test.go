@@ -116,7 +116,6 @@ func TestParseEmptyListMeansNone(t *testing.T) {
 	}
 }
 
-// Every validation failure names the key, the bad value and what is wrong.
 func TestValidationErrors(t *testing.T) {
 	tests := []struct {
 		name  string

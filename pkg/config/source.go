@@ -25,3 +25,28 @@ type Source interface {
 
 // ErrUnsettled is what Source.Load returns, wrapped, while the configuration is being written.
 var ErrUnsettled = errors.New("the configuration is being written")
+
+// ErrUnavailable is what Source.Load returns, wrapped with why, while the source has no
+// configuration to give yet: one read from the API server before the server first answered,
+// or while it refuses. The source reports a change once it has one.
+var ErrUnavailable = errors.New("no configuration read yet")
+
+// Revision is the version of the object a configuration was read from: an API object's
+// resourceVersion, and its generation where the API server keeps one (custom resources).
+type Revision struct {
+	ResourceVersion string
+	Generation      int64
+}
+
+// Revisioned is implemented by sources that read versioned objects: Revision is that of what
+// the last Load read (zero for no object: the defaults).
+type Revisioned interface {
+	Revision() Revision
+}
+
+// Reachable is implemented by sources that can lose their way to the configuration (the API
+// server): Unreachable says why they cannot read it now, nil while they can. What they read
+// last stays what Load returns meanwhile.
+type Reachable interface {
+	Unreachable() error
+}

@@ -26,6 +26,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
@@ -61,6 +62,8 @@ const (
 	Ready                = Namespace + "_ready"
 	DriftPersisting      = Namespace + "_drift_persisting"
 	DatapathFallback     = Namespace + "_datapath_fallback"
+	SourceReachable      = Namespace + "_config_source_reachable"
+	StatusWrites         = Namespace + "_node_status_writes_total"
 	AddressMissing       = Namespace + "_masquerade_address_missing"
 	DatapathSyncDuration = Namespace + "_datapath_sync_duration_seconds"
 	DatapathSyncErrors   = Namespace + "_datapath_sync_errors_total"
@@ -82,6 +85,12 @@ const (
 	ReloadApplyError = "apply_error"
 	// ReloadAddressMissing: the configuration names a masquerade address the node lacks.
 	ReloadAddressMissing = "address_missing"
+)
+
+// Label values of StatusWrites' result.
+const (
+	WriteSuccess = "success"
+	WriteError   = "error"
 )
 
 // Label values of ScrapeErrors' source: which datapath read failed.
@@ -132,6 +141,8 @@ func Definitions() []Definition {
 		{ConfigRejected, "gauge", nil, "1 while the configuration the last reload found is rejected (it does not parse or validate, or names a masquerade address the node lacks), so that an older one, or none, is in force; else 0."},
 		{Ready, "gauge", nil, "1 while /readyz answers 200: a configuration is in the datapath, enforced everywhere, with its masquerade addresses on the node; else 0."},
 		{DriftPersisting, "gauge", []string{"what"}, "1 for each kind of drift that persists: one no apply can repair (a program ahead of ours ending the chain), or one the last repair did not fix (something keeps changing the datapath); no series while there is none."},
+		{SourceReachable, "gauge", nil, "1 while the configuration source reaches the configuration (the API server answers), 0 while not: the configuration in force stays, changes wait. Only for --config-source configmap or crd."},
+		{StatusWrites, "counter", []string{"result"}, "Writes of the node's IPMasqAgentNode status (--node-status), by result: success, error. None while nothing changes."},
 		{DatapathFallback, "gauge", []string{"backend"}, "1 for each backend that --backend=auto passed over because it cannot run on this node (not because it does not fit), so that a fallback runs; no series otherwise."},
 		{AddressMissing, "gauge", []string{"address"}, "1 for each masquerade address that the configuration in force, or the last one read, names and no uplink of the node has; no series while all are there."},
 		{DatapathSyncDuration, "histogram", nil, "Time to apply the policy to the datapath, failed applies included."},
@@ -234,6 +245,11 @@ type Options struct {
 	Logger *slog.Logger
 	// ReadTimeout bounds the datapath reads of one scrape; zero means DefaultReadTimeout.
 	ReadTimeout time.Duration
+	// Source is where the configuration comes from: one that can lose its way to it
+	// (config.Reachable) is reported in SourceReachable.
+	Source config.Source
+	// Status, when set, is the node status publisher, whose writes are counted.
+	Status interface{ Writes() (ok, failed uint64) }
 	// Fallback names the backends that --backend=auto passed over because they cannot run on
 	// this node (backends.Chosen.CannotRun).
 	Fallback []string
@@ -306,6 +322,14 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	gauge(DatapathInfo, 1, info.Backend, info.AttachMode)
 	gauge(DatapathRefused, boolValue(info.Refused != ""))
+	if r, ok := c.opts.Source.(config.Reachable); ok {
+		gauge(SourceReachable, boolValue(r.Unreachable() == nil))
+	}
+	if c.opts.Status != nil {
+		ok, failed := c.opts.Status.Writes()
+		counter(StatusWrites, ok, WriteSuccess)
+		counter(StatusWrites, failed, WriteError)
+	}
 	for _, b := range c.opts.Fallback {
 		gauge(DatapathFallback, 1, b)
 	}

@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/common/model"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath/datapathtest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -229,6 +230,42 @@ ip_masq_agent_datapath_events_total{event="port_retry"} 17
 `
 	if err := testutil.CollectAndCompare(c, strings.NewReader(events), DatapathEvents); err != nil {
 		t.Error(err)
+	}
+}
+
+// reachable is a configuration source that can lose its way (config.Reachable); err is why.
+type reachable struct {
+	config.Source
+	err error
+}
+
+func (r reachable) Unreachable() error { return r.err }
+
+// writes is a node status publisher's count of writes.
+type writes struct{ ok, failed uint64 }
+
+func (w writes) Writes() (uint64, uint64) { return w.ok, w.failed }
+
+// The API server's reach and the status writes are exported for the sources and publishers
+// that have them, and only then.
+func TestSourceAndStatusMetrics(t *testing.T) {
+	c := NewCollector(Options{Backend: &datapathtest.Backend{}, Source: reachable{err: errors.New("connection refused")},
+		Status: writes{ok: 3, failed: 1}})
+	want := `
+# HELP ip_masq_agent_config_source_reachable ` + helpOf(SourceReachable) + `
+# TYPE ip_masq_agent_config_source_reachable gauge
+ip_masq_agent_config_source_reachable 0
+# HELP ip_masq_agent_node_status_writes_total ` + helpOf(StatusWrites) + `
+# TYPE ip_masq_agent_node_status_writes_total counter
+ip_masq_agent_node_status_writes_total{result="error"} 1
+ip_masq_agent_node_status_writes_total{result="success"} 3
+`
+	if err := testutil.CollectAndCompare(c, strings.NewReader(want), SourceReachable, StatusWrites); err != nil {
+		t.Error(err)
+	}
+	c = NewCollector(Options{Backend: &datapathtest.Backend{}})
+	if n := testutil.CollectAndCount(c, SourceReachable, StatusWrites); n != 0 {
+		t.Errorf("%d series without an API source or a publisher", n)
 	}
 }
 
@@ -453,7 +490,8 @@ func TestNamesAndLint(t *testing.T) {
 			Events:       map[string]uint64{"drop_no_port": 0}, Drops: map[string]uint64{"no_port": 0}, Swept: map[string]uint64{"tcp": 0}},
 	}, Hook: []datapath.Hook{{Device: "eth0", Ifindex: 2, Direction: "egress"}},
 		Uplink: []datapath.Uplink{{Device: "eth0", Ifindex: 2, Via: "default route", Covered: true}}}
-	c := NewCollector(Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver(), Fallback: []string{"bpf"}})
+	c := NewCollector(Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver(), Fallback: []string{"bpf"},
+		Source: reachable{}, Status: writes{}})
 	problems, err := testutil.CollectAndLint(c)
 	if err != nil {
 		t.Fatal(err)
@@ -461,7 +499,8 @@ func TestNamesAndLint(t *testing.T) {
 	for _, p := range problems {
 		t.Errorf("lint: %s: %s", p.Metric, p.Text)
 	}
-	fams := scrape(t, newRegistry(t, Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver(), Fallback: []string{"bpf"}}))
+	fams := scrape(t, newRegistry(t, Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver(), Fallback: []string{"bpf"},
+		Source: reachable{}, Status: writes{}}))
 	var got []string
 	for name := range fams {
 		if strings.HasPrefix(name, Namespace+"_") {

@@ -170,7 +170,9 @@ func gvr(u *unstructured.Unstructured) schema.GroupVersionResource {
 	gv := u.GroupVersionKind().GroupVersion()
 	resources := map[string]string{"ConfigMap": "configmaps", "DaemonSet": "daemonsets", "Service": "services",
 		"ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings",
-		"ClusterRole": "clusterroles", "ClusterRoleBinding": "clusterrolebindings"}
+		"ClusterRole": "clusterroles", "ClusterRoleBinding": "clusterrolebindings",
+		"CustomResourceDefinition": "customresourcedefinitions", "ValidatingAdmissionPolicy": "validatingadmissionpolicies",
+		"ValidatingAdmissionPolicyBinding": "validatingadmissionpolicybindings"}
 	return gv.WithResource(resources[u.GetKind()])
 }
 

@@ -37,3 +37,24 @@ capabilities:
     - PERFMON
     - NET_RAW
 {{- end }}
+
+{{/* Whether the agent talks to the API server (a non-empty string when it does): to read its
+configuration or to write its node's status. */}}
+{{- define "ip-masq-agent.api" -}}
+{{- if or (ne .Values.configSource "file") .Values.nodeStatus.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The objects of a file of deploy/, one document each, in the release's namespace where they
+are namespaced: its ServiceAccount subjects and the ConfigMap policy's binding follow it. */}}
+{{- define "ip-masq-agent.objects" -}}
+{{- range $doc := splitList "\n---\n" (.root.Files.Get .file) }}
+{{- $o := fromYaml $doc }}
+{{- if $o.spec }}{{- with $o.spec.matchResources }}{{- with .namespaceSelector }}
+{{- $_ := set .matchLabels "kubernetes.io/metadata.name" $.root.Release.Namespace }}
+{{- end }}{{- end }}{{- end }}
+{{- range $o.subjects }}{{- $_ := set . "namespace" $.root.Release.Namespace }}{{- end }}
+{{- if has $o.kind (list "ServiceAccount" "Role" "RoleBinding") }}{{- $_ := set $o.metadata "namespace" $.root.Release.Namespace }}{{- end }}
+---
+{{ toYaml $o }}
+{{- end }}
+{{- end }}

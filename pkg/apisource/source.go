@@ -1,0 +1,328 @@
+// Package apisource reads the agent's configuration from the API server (config.Source): the
+// ip-masq-agent ConfigMap, or an IPMasqAgentConfig, each one named object watched through a
+// client-go informer. A change reaches the agent as the watch event arrives, where a ConfigMap
+// mounted as a file waits for the kubelet's sync (about a minute). While the API server cannot
+// be reached the informer's last copy stays what Load returns: the configuration in force stays,
+// and the source says so once, and again when the server answers.
+package apisource
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
+)
+
+// Kinds of object the source reads (the --config-source values besides "file").
+const (
+	KindConfigMap = "configmap"
+	KindConfig    = "crd"
+)
+
+// Object names what the source reads: a ConfigMap (its ConfigMapKey) or an IPMasqAgentConfig
+// (its spec).
+type Object struct {
+	Kind string
+	// Namespace is the ConfigMap's; an IPMasqAgentConfig is cluster-scoped.
+	Namespace, Name string
+}
+
+// ParseObject reads a --config-source value that names an API object: "configmap" or
+// "configmap:NAMESPACE/NAME" (default kube-system/ip-masq-agent), "crd" or "crd:NAME" (default
+// default).
+func ParseObject(s string) (Object, error) {
+	kind, name, named := strings.Cut(s, ":")
+	switch kind {
+	case KindConfigMap:
+		o := Object{Kind: kind, Namespace: kube.DefaultConfigMapNamespace, Name: kube.DefaultConfigMapName}
+		if named {
+			var ok bool
+			if o.Namespace, o.Name, ok = strings.Cut(name, "/"); !ok || o.Namespace == "" || o.Name == "" {
+				return Object{}, fmt.Errorf("config-source %q: want configmap:NAMESPACE/NAME", s)
+			}
+		}
+		return o, nil
+	case KindConfig:
+		o := Object{Kind: kind, Name: kube.DefaultConfigName}
+		if named {
+			if o.Name = name; name == "" || strings.Contains(name, "/") {
+				return Object{}, fmt.Errorf("config-source %q: want crd:NAME (IPMasqAgentConfigs are cluster-scoped)", s)
+			}
+		}
+		return o, nil
+	}
+	return Object{}, fmt.Errorf("config-source %q: want file, configmap[:NAMESPACE/NAME] or crd[:NAME]", s)
+}
+
+// String names the object as kubectl does: "configmap kube-system/ip-masq-agent",
+// "ipmasqagentconfig default".
+func (o Object) String() string {
+	if o.Kind == KindConfigMap {
+		return "configmap " + o.Namespace + "/" + o.Name
+	}
+	return strings.ToLower(kube.Configs.Kind) + " " + o.Name
+}
+
+// permission is the RBAC rule the source needs, for messages.
+func (o Object) permission() string {
+	if o.Kind == KindConfigMap {
+		return fmt.Sprintf("get, list and watch on configmaps %q in the namespace %s", o.Name, o.Namespace)
+	}
+	return fmt.Sprintf("get, list and watch on %s.%s %q", kube.Configs.Plural, kube.Group, o.Name)
+}
+
+// Options configure a Source.
+type Options struct {
+	// Config says how the configuration is read, as for a file.
+	Config config.Options
+	// Logger receives the source's logs; nil discards them.
+	Logger *slog.Logger
+}
+
+// Source is an API object as a config.Source.
+type Source struct {
+	obj  Object
+	lw   *cache.ListWatch
+	opts Options
+	log  *slog.Logger
+
+	mu       sync.Mutex
+	informer cache.SharedIndexInformer // nil before Watch
+	changes  chan struct{}
+	stopped  bool
+	// lost says why the API server cannot be read, nil while it answers.
+	lost     error
+	revision config.Revision // of the last Load
+}
+
+var (
+	_ config.Source     = (*Source)(nil)
+	_ config.Revisioned = (*Source)(nil)
+	_ config.Reachable  = (*Source)(nil)
+)
+
+// New returns the source of obj, read through the API server cfg names; it touches nothing
+// until Watch.
+func New(cfg *rest.Config, obj Object, opts Options) (*Source, error) {
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	s := &Source{obj: obj, opts: opts, log: log.With("component", "config", "source", obj.String()),
+		changes: make(chan struct{}, 1)}
+	// Only the one object: a field selector on its name, which RBAC's resourceNames allows.
+	only := func(o metav1.ListOptions) metav1.ListOptions {
+		o.FieldSelector = fields.OneTermEqualSelector("metadata.name", obj.Name).String()
+		return o
+	}
+	// The dynamic client, for the ConfigMap too: the typed one would bring every API group's
+	// types into the binary (20 MB).
+	c, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("API client: %w", err)
+	}
+	var res dynamic.ResourceInterface
+	switch obj.Kind {
+	case KindConfigMap:
+		res = c.Resource(configMaps).Namespace(obj.Namespace)
+	case KindConfig:
+		res = c.Resource(kube.Configs.GVR())
+	default:
+		return nil, fmt.Errorf("config source: unknown kind %q", obj.Kind)
+	}
+	// Every list and watch the informer makes tells whether the API server answers.
+	s.lw = &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			out, err := res.List(ctx, only(o))
+			s.answered(err)
+			return out, err
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			out, err := res.Watch(ctx, only(o))
+			s.answered(err)
+			return out, err
+		},
+	}
+	return s, nil
+}
+
+func (s *Source) String() string { return s.obj.String() }
+
+// Watch implements config.Source: it starts the informer, which lists the object and then
+// watches it. A change is reported at every event of the object, once the first list is in, and
+// whenever the API server stops or starts answering.
+func (s *Source) Watch(ctx context.Context) (<-chan struct{}, error) {
+	inf := cache.NewSharedIndexInformerWithOptions(s.lw, &unstructured.Unstructured{}, cache.SharedIndexInformerOptions{})
+	if err := inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
+		s.answered(err)
+	}); err != nil {
+		return nil, err
+	}
+	notify := func(any) { s.notify() }
+	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: notify,
+		UpdateFunc: func(_, obj any) { s.notify() }, DeleteFunc: notify}); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	s.informer = inf
+	s.mu.Unlock()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		inf.RunWithContext(ctx)
+	}()
+	go func() {
+		if cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
+			s.log.Info("watching the configuration through the API server")
+			s.notify()
+		}
+		<-done
+		s.mu.Lock()
+		s.stopped = true
+		close(s.changes)
+		s.mu.Unlock()
+	}()
+	return s.changes, nil
+}
+
+func (s *Source) notify() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.stopped {
+		return
+	}
+	select {
+	case s.changes <- struct{}{}:
+	default:
+	}
+}
+
+// answered records what a request to the API server found: an answer (err nil, or the
+// server's own word that a watch's version is too old, which a relist mends), or why there was
+// none. A loss is logged once, with what it calls for, and again when its reason changes; the
+// server's return once.
+func (s *Source) answered(err error) {
+	if err != nil && (apierrors.IsResourceExpired(err) || apierrors.IsGone(err)) {
+		err = nil
+	}
+	s.mu.Lock()
+	was := s.lost
+	s.lost = err
+	s.mu.Unlock()
+	switch {
+	case err == nil && was == nil:
+		return
+	case err == nil:
+		s.log.Info("the API server answers again; the configuration follows the object again", "was", was.Error())
+	case was != nil && apierrors.ReasonForError(err) == apierrors.ReasonForError(was):
+		return // the same trouble
+	default:
+		attrs := []any{"error", err}
+		if apierrors.IsForbidden(err) {
+			attrs = append(attrs, "need", s.obj.permission())
+		}
+		s.log.Warn("cannot read the configuration from the API server; the configuration in force stays until it answers", attrs...)
+	}
+	s.notify()
+}
+
+// Unreachable implements config.Reachable.
+func (s *Source) Unreachable() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.lost
+}
+
+// Revision implements config.Revisioned.
+func (s *Source) Revision() config.Revision {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.revision
+}
+
+// Load implements config.Source: the object as the informer last saw it. No object means the
+// defaults, as a missing file does; before the first list there is nothing to load yet.
+func (s *Source) Load() (config.Config, error) {
+	s.mu.Lock()
+	inf, lost := s.informer, s.lost
+	s.mu.Unlock()
+	if inf == nil || !inf.HasSynced() {
+		why := "waiting for the API server's first answer"
+		if lost != nil {
+			why = "the API server does not answer: " + lost.Error()
+			if apierrors.IsForbidden(lost) {
+				why += "; the agent needs " + s.obj.permission()
+			}
+		}
+		return config.Config{}, fmt.Errorf("%s: %w: %s", s.obj, config.ErrUnavailable, why)
+	}
+	key := s.obj.Name
+	if s.obj.Namespace != "" {
+		key = s.obj.Namespace + "/" + key
+	}
+	item, exists, err := inf.GetStore().GetByKey(key)
+	if err != nil {
+		return config.Config{}, fmt.Errorf("%s: %w", s.obj, err)
+	}
+	var doc []byte
+	var rev config.Revision
+	if exists {
+		if doc, rev, err = document(s.obj.Kind, item); err != nil {
+			return config.Config{}, fmt.Errorf("%s: %w", s.obj, err)
+		}
+	}
+	s.mu.Lock()
+	s.revision = rev
+	s.mu.Unlock()
+	if doc == nil {
+		return config.Default(s.opts.Config), nil
+	}
+	cfg, err := config.Parse(doc, s.opts.Config)
+	if err != nil {
+		return config.Config{}, fmt.Errorf("%s: %w", s.obj, err)
+	}
+	return cfg, nil
+}
+
+// configMaps are the core API's ConfigMaps.
+var configMaps = schema.GroupVersionResource{Version: "v1", Resource: "configmaps"}
+
+// document returns the configuration an object holds, nil for none (the defaults): a
+// ConfigMap's ConfigMapKey, an IPMasqAgentConfig's spec as JSON; and the object's revision.
+func document(kind string, item any) ([]byte, config.Revision, error) {
+	o, ok := item.(*unstructured.Unstructured)
+	if !ok {
+		return nil, config.Revision{}, fmt.Errorf("not an API object but a %T", item)
+	}
+	rev := config.Revision{ResourceVersion: o.GetResourceVersion(), Generation: o.GetGeneration()}
+	if kind == KindConfigMap {
+		rev.Generation = 0 // a ConfigMap has none
+		data, found, err := unstructured.NestedString(o.Object, "data", kube.ConfigMapKey)
+		if err != nil || !found {
+			return nil, rev, err
+		}
+		return []byte(data), rev, nil
+	}
+	spec, ok := o.Object["spec"]
+	if !ok || spec == nil {
+		return nil, rev, nil
+	}
+	doc, err := json.Marshal(spec)
+	return doc, rev, err
+}

@@ -1,0 +1,262 @@
+package apisource_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/client-go/dynamic"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/cluster"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/apisource"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
+)
+
+// wait bounds each wait for a change: a watch event arrives in milliseconds; the bound is for
+// the API server's restart and the informer's backoff after it.
+const wait = 60 * time.Second
+
+// logs is a log sink the test reads while the source writes.
+type logs struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *logs) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *logs) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// watching is a source being watched, with its log.
+type watching struct {
+	*apisource.Source
+	changes <-chan struct{}
+	log     *logs
+}
+
+func watch(ctx context.Context, t *testing.T, cp *cluster.ControlPlane, kubeconfig string, obj apisource.Object) *watching {
+	t.Helper()
+	cfg, err := cp.RESTConfig(kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &logs{}
+	src, err := apisource.New(cfg, obj, apisource.Options{Logger: slog.New(slog.NewTextHandler(l, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	changes, err := src.Watch(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cancel()
+		for range changes { // closed once the informer stopped
+		}
+		if t.Failed() {
+			t.Logf("source log:\n%s", l)
+		}
+	})
+	return &watching{Source: src, changes: changes, log: l}
+}
+
+// next waits for the source's next change report, and loads.
+func (w *watching) next(t *testing.T, what string) (config.Config, error) {
+	t.Helper()
+	select {
+	case _, ok := <-w.changes:
+		if !ok {
+			t.Fatalf("%s: the source stopped", what)
+		}
+	case <-time.After(wait):
+		t.Fatalf("%s: no change reported in %v", what, wait)
+	}
+	return w.Load()
+}
+
+// until loads at each change report until cond holds of what Load returns.
+func (w *watching) until(t *testing.T, what string, cond func(config.Config, error) bool) config.Config {
+	t.Helper()
+	deadline := time.Now().Add(wait)
+	for time.Now().Before(deadline) {
+		cfg, err := w.next(t, what)
+		if cond(cfg, err) {
+			return cfg
+		}
+	}
+	t.Fatalf("%s: not within %v", what, wait)
+	return config.Config{}
+}
+
+func nonMasq(cfg config.Config) string {
+	var s []string
+	for _, p := range cfg.NonMasqueradeCIDRs {
+		s = append(s, p.String())
+	}
+	return strings.Join(s, ",")
+}
+
+// The sources against a real API server: a ConfigMap and an IPMasqAgentConfig followed through
+// their changes, deletion and a bad document; an agent without permission told which it lacks;
+// the API server stopped and started under a source, which keeps what it read and says so.
+func TestSources(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	cp := cluster.StartControlPlane(t, cluster.Options{})
+	cms := cp.Client.CoreV1().ConfigMaps("kube-system")
+	cmObj := apisource.Object{Kind: apisource.KindConfigMap, Namespace: "kube-system", Name: kube.DefaultConfigMapName}
+
+	t.Run("configmap", func(t *testing.T) {
+		src := watch(ctx, t, cp, cp.Kubeconfig, cmObj)
+		if cfg, err := src.next(t, "the first list"); err != nil || nonMasq(cfg) != nonMasq(config.Default(config.Options{})) {
+			t.Fatalf("no ConfigMap: %v, %v; want the defaults", nonMasq(cfg), err)
+		}
+		cm, err := cms.Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: cmObj.Name},
+			Data: map[string]string{kube.ConfigMapKey: "nonMasqueradeCIDRs: [10.0.0.0/8]\n"}}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		src.until(t, "the ConfigMap's creation", func(cfg config.Config, err error) bool { return err == nil && nonMasq(cfg) == "10.0.0.0/8" })
+		if rev := src.Revision(); rev.ResourceVersion != cm.ResourceVersion || rev.Generation != 0 {
+			t.Errorf("revision %+v, the ConfigMap's is %s", rev, cm.ResourceVersion)
+		}
+		cm.Data[kube.ConfigMapKey] = "nonMasqueradeCIDRs: [10.0.0.1/8]\n"
+		if _, err := cms.Update(ctx, cm, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		src.until(t, "the bad document", func(_ config.Config, err error) bool {
+			return err != nil && strings.Contains(err.Error(), `configmap kube-system/ip-masq-agent: nonMasqueradeCIDRs[0]: "10.0.0.1/8": host bits are set`)
+		})
+		if err := cms.Delete(ctx, cmObj.Name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		src.until(t, "the deletion", func(cfg config.Config, err error) bool {
+			return err == nil && nonMasq(cfg) == nonMasq(config.Default(config.Options{}))
+		})
+		if rev := src.Revision(); rev != (config.Revision{}) {
+			t.Errorf("revision %+v of no object", rev)
+		}
+	})
+
+	t.Run("crd", func(t *testing.T) {
+		applyCRDs(ctx, t, cp)
+		res := dynamic.NewForConfigOrDie(cp.Config).Resource(kube.Configs.GVR())
+		obj := &unstructured.Unstructured{Object: map[string]any{"apiVersion": kube.Configs.APIVersion(), "kind": kube.Configs.Kind,
+			"metadata": map[string]any{"name": "one"}, "spec": map[string]any{"nonMasqueradeCIDRs": []any{"172.16.0.0/12"}, "masqOutBound": false}}}
+		if _, err := res.Create(ctx, obj, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		src := watch(ctx, t, cp, cp.Kubeconfig, apisource.Object{Kind: apisource.KindConfig, Name: "one"})
+		cfg := src.until(t, "the first list", func(cfg config.Config, err error) bool { return err == nil })
+		if nonMasq(cfg) != "172.16.0.0/12" || cfg.MasqOutBound {
+			t.Errorf("read %s, masqOutBound %v", nonMasq(cfg), cfg.MasqOutBound)
+		}
+		got, err := res.Get(ctx, "one", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := unstructured.SetNestedStringSlice(got.Object, []string{"192.168.0.0/16"}, "spec", "nonMasqueradeCIDRs"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := res.Update(ctx, got, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		src.until(t, "the edit", func(cfg config.Config, err error) bool { return err == nil && nonMasq(cfg) == "192.168.0.0/16" })
+		if rev := src.Revision(); rev.Generation != 2 {
+			t.Errorf("revision %+v after one edit, want generation 2", rev)
+		}
+	})
+
+	t.Run("no permission", func(t *testing.T) {
+		nobody, err := cp.UserKubeconfig("nobody")
+		if err != nil {
+			t.Fatal(err)
+		}
+		src := watch(ctx, t, cp, nobody, cmObj)
+		_, err = src.next(t, "the refusal")
+		for i := 0; i < 5 && err == nil; i++ {
+			_, err = src.next(t, "the refusal")
+		}
+		if !errors.Is(err, config.ErrUnavailable) || !strings.Contains(err.Error(), "forbidden") ||
+			!strings.Contains(err.Error(), `needs get, list and watch on configmaps "ip-masq-agent" in the namespace kube-system`) {
+			t.Errorf("Load: %v; want no configuration, naming the permission", err)
+		}
+		if n := strings.Count(src.log.String(), "cannot read the configuration from the API server"); n != 1 || !strings.Contains(src.log.String(), "need=") {
+			t.Errorf("%d lines about the refusal, want 1 saying what is needed", n)
+		}
+	})
+
+	t.Run("API server lost", func(t *testing.T) {
+		if _, err := cms.Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: cmObj.Name},
+			Data: map[string]string{kube.ConfigMapKey: "nonMasqueradeCIDRs: [10.0.0.0/8]\n"}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		src := watch(ctx, t, cp, cp.Kubeconfig, cmObj)
+		src.until(t, "the first list", func(cfg config.Config, err error) bool { return err == nil && nonMasq(cfg) == "10.0.0.0/8" })
+		if err := cp.StopAPIServer(); err != nil {
+			t.Fatal(err)
+		}
+		src.until(t, "the loss", func(config.Config, error) bool { return src.Unreachable() != nil })
+		if cfg, err := src.Load(); err != nil || nonMasq(cfg) != "10.0.0.0/8" {
+			t.Errorf("while the API server is gone: %s, %v; want what it read", nonMasq(cfg), err)
+		}
+		if err := cp.StartAPIServer(ctx); err != nil {
+			t.Fatal(err)
+		}
+		src.until(t, "the return", func(config.Config, error) bool { return src.Unreachable() == nil })
+		cm, err := cms.Get(ctx, cmObj.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cm.Data[kube.ConfigMapKey] = "nonMasqueradeCIDRs: [100.64.0.0/10]\n"
+		if _, err := cms.Update(ctx, cm, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		src.until(t, "an edit after the return", func(cfg config.Config, err error) bool { return err == nil && nonMasq(cfg) == "100.64.0.0/10" })
+		l := src.log.String()
+		if n := strings.Count(l, "cannot read the configuration from the API server; the configuration in force stays"); n != 1 {
+			t.Errorf("%d lines about the loss, want 1", n)
+		}
+		if n := strings.Count(l, "the API server answers again"); n != 1 {
+			t.Errorf("%d lines about the return, want 1", n)
+		}
+	})
+}
+
+// applyCRDs installs the project's CRDs (deploy/crds) and waits until they serve.
+func applyCRDs(ctx context.Context, t *testing.T, cp *cluster.ControlPlane) {
+	t.Helper()
+	root, err := cluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(root, "deploy", "crds")
+	if _, err := os.Stat(dir); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := cp.Kubectl(ctx, "apply", "-f", filepath.Join(dir, "ipmasqagentconfigs.yaml"), "-f", filepath.Join(dir, "ipmasqagentnodes.yaml")); err != nil {
+		t.Fatalf("kubectl apply: %v\n%s", err, out)
+	}
+	if out, err := cp.Kubectl(ctx, "wait", "--for=condition=Established", "--timeout=60s", "crd/"+kube.Configs.CRDName(), "crd/"+kube.Nodes.CRDName()); err != nil {
+		t.Fatalf("kubectl wait: %v\n%s", err, out)
+	}
+}
