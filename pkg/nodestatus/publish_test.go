@@ -151,7 +151,9 @@ func TestPublish(t *testing.T) {
 		t.Errorf("writes %d, failed %d; want 1 and 0", ok, failed)
 	}
 	// A rejected configuration: Degraded, with why.
-	st.set(func(s *agent.Stats) { s.Rejected = `configmap kube-system/ip-masq-agent: masqOutBound: "maybe": must be true or false` })
+	st.set(func(s *agent.Stats) {
+		s.Rejected = `configmap kube-system/ip-masq-agent: masqOutBound: "maybe": must be true or false`
+	})
 	o = statusOf(ctx, t, res, "node-a", "the rejection", func(o *unstructured.Unstructured) bool {
 		return field(o, "status", "state") == kube.StateDegraded
 	})

@@ -14,8 +14,6 @@ import (
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
 
 // agentBin is the agent binary under test, built once by TestMain (or given as
@@ -74,17 +72,8 @@ func runMain(m *testing.M) int {
 	return m.Run()
 }
 
-// backends are the datapaths the scenario table runs against. A new backend adds a Backend
-// value here; nothing else in the table changes.
-func backends() []Backend {
-	return []Backend{
-		IptablesBackend(iptables.ModeNFT),
-		IptablesBackend(iptables.ModeLegacy),
-		NftablesBackend(),
-		BPFBackend(tc.ModeTCX),
-		BPFBackend(tc.ModeTC),
-	}
-}
+// backends are the datapaths the scenario table runs against (Backends).
+func backends() []Backend { return Backends() }
 
 func requireBackend(t *testing.T, b Backend) {
 	t.Helper()
