@@ -7,12 +7,11 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
 
-	"golang.org/x/sys/unix"
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -73,26 +72,7 @@ func containsCgroup(procCgroup, root, podDir string) bool {
 
 // DoIn runs fn on an OS thread that has entered the network namespace whose file is path;
 // sockets fn makes belong to that namespace for good.
-func DoIn(path string, fn func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		// Never unlocked: the thread ends with the goroutine rather than run others in the
-		// wrong namespace.
-		runtime.LockOSThread()
-		f, err := os.Open(path)
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer f.Close()
-		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
-			errc <- fmt.Errorf("setns %s: %w", path, err)
-			return
-		}
-		errc <- fn()
-	}()
-	return <-errc
-}
+func DoIn(path string, fn func() error) error { return testutil.DoPath(path, fn) }
 
 // Dialer dials from inside the network namespace whose file is path, from the local
 // address laddr when it is valid.

@@ -55,14 +55,18 @@ func NewNetns(t testing.TB) string {
 }
 
 // enter moves the calling thread, which the caller has locked, into the named namespace.
-func enter(name string) error {
-	f, err := os.Open("/run/netns/" + name)
+func enter(name string) error { return enterPath("/run/netns/" + name) }
+
+// enterPath moves the calling thread, which the caller has locked, into the network namespace
+// whose file is path (a /run/netns name, or /proc/PID/ns/net).
+func enterPath(path string) error {
+	f, err := os.Open(path)
 	if err != nil {
-		return fmt.Errorf("open netns %s: %w", name, err)
+		return fmt.Errorf("open netns %s: %w", path, err)
 	}
 	defer f.Close()
 	if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
-		return fmt.Errorf("setns %s: %w", name, err)
+		return fmt.Errorf("setns %s: %w", path, err)
 	}
 	return nil
 }
@@ -70,17 +74,32 @@ func enter(name string) error {
 // Do runs fn on an OS thread that has entered the named namespace. Sockets fn creates belong to
 // that namespace for their whole life and may be used from any goroutine afterwards. fn runs on
 // a goroutine of its own, so it must not stop the test (t.Fatal); InNetns is for that.
-func Do(ns string, fn func() error) error {
+func Do(ns string, fn func() error) error { return DoPath("/run/netns/"+ns, fn) }
+
+// DoPath is Do for the namespace whose file is path. The thread returns to its own namespace
+// before it runs other goroutines; one that cannot return stays locked and ends with the
+// goroutine. Returning matters even though a locked goroutine's thread normally ends with it:
+// the process's main thread never ends, so Go keeps it, idle, wherever it was left, and
+// /proc/PID/ns/net (which is the main thread's) would name the test's namespace for good.
+func DoPath(path string, fn func() error) error {
 	errc := make(chan error, 1)
 	go func() {
-		// The thread stays locked so that it ends with this goroutine: a thread moved to another
-		// namespace must never run other goroutines.
 		runtime.LockOSThread()
-		if err := enter(ns); err != nil {
+		orig, err := os.Open(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()))
+		if err != nil {
+			errc <- fmt.Errorf("open own netns: %w", err)
+			return
+		}
+		defer orig.Close()
+		if err := enterPath(path); err != nil {
 			errc <- err
 			return
 		}
-		errc <- fn()
+		err = fn()
+		if unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET) == nil {
+			runtime.UnlockOSThread()
+		}
+		errc <- err
 	}()
 	return <-errc
 }
