@@ -308,9 +308,11 @@ static __always_inline int egress_new(struct __sk_buff *skb, const int v6, __u64
 		}
 		addr_copy(v6, to, snat);
 	}
-	if (nat_alloc(skb, v6, p, cfg, k, to, host ? NAT_HOST : NAT_MASQ, slot, now, &e) < 0)
+	r = nat_alloc(skb, v6, p, cfg, k, to, host ? NAT_HOST : NAT_MASQ, slot, now, &e);
+	if (r < 0)
 		return TC_ACT_SHOT;
-	event_add(host ? EV_HOST_REMAP : EV_NEW_MASQ, 1);
+	if (r == 0)
+		event_add(host ? EV_HOST_REMAP : EV_NEW_MASQ, 1);
 	if (p->frag == FRAG_FIRST)
 		frag_remember(v6, p, DIR_EGRESS);
 	return xlate_to(skb, v6, 1, WORDS(e.addr), e.port);
@@ -460,8 +462,7 @@ static __always_inline int egress(struct __sk_buff *skb, const int v6, __u64 now
 				return keep_packet(ke, p, now);
 			keep_del(v6, k);
 		}
-		tbl = NAT_UNREPLIED;
-		e = nat_get(v6, NAT_UNREPLIED, k);
+		e = nat_get_moved(v6, k, &tbl);
 	}
 	if (e) {
 		int r = egress_known(skb, p, s, v6, tbl, e, now, ifindex, &slot);
@@ -659,8 +660,7 @@ static __always_inline int ingress(struct __sk_buff *skb, const int v6, __u64 no
 	nat_key(v6, k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_INGRESS);
 	e = nat_get(v6, NAT_CONFIRMED, k);
 	if (!e) {
-		tbl = NAT_UNREPLIED;
-		e = nat_get(v6, NAT_UNREPLIED, k);
+		e = nat_get_moved(v6, k, &tbl);
 		if (!e)
 			return v6 ? ingress_new_v6(skb, now) : ingress_new_v4(skb, now);
 	}

@@ -21,6 +21,10 @@
  *              (counted: EV_CONFIRM_FULL), so a full table costs new flows, never established
  *              ones. The userspace sweep expires both, and under pressure expires closing flows
  *              first (conntrack's early_drop).
+ * A flow moves between them on one CPU while its packets may run on another: both halves enter
+ * nat_* before either leaves nat_new_*, and a lookup that misses both looks in nat_* once more
+ * (nat_get_moved), so no packet finds its flow in neither (confirm says how two CPUs confirming
+ * one flow share the move).
  * keep_* (LRU) records the pod flows that the policy left alone (RETURN), so that they keep that
  * verdict across a policy change until idle (TCP: closing once the pod sent a FIN or RST), as
  * conntrack's binding does; a SYN on a kept tuple opens a new connection, which follows the
@@ -89,6 +93,7 @@
 
 #define AF_INET 2
 #define AF_INET6 10
+#define EEXIST 17
 
 /* Which table of a family an entry is in. */
 enum nat_table {
@@ -135,6 +140,11 @@ static __always_inline void nat_key(const int v6, union nat_key *k, const __be32
 		__builtin_memcpy(k->k4.saddr, saddr, 4);
 		__builtin_memcpy(k->k4.daddr, daddr, 4);
 	}
+}
+
+static __always_inline __u8 key_dir(const int v6, const union nat_key *k)
+{
+	return v6 ? k->k6.dir : k->k4.dir;
 }
 
 /* The key's destination port (the NAT port of an ingress key), rewritten between claims. */
@@ -186,12 +196,29 @@ static __always_inline void nat_del(const int v6, const int tbl, const union nat
 	}
 }
 
-/* nat_lookup finds an entry in either table, confirmed flows first. */
+/* nat_get_moved is the entry at k after a lookup of the confirmed table missed it: in the
+ * unreplied table, or in the confirmed one after all, when another CPU confirmed the flow in
+ * between (confirm inserts a flow's halves into the confirmed table before it deletes them from
+ * the unreplied one, so a lookup that misses the unreplied entry finds the confirmed one). *tbl
+ * says where it was found. Only a packet of no flow pays the third lookup. */
+static __always_inline struct nat_entry *nat_get_moved(const int v6, const union nat_key *k, int *tbl)
+{
+	struct nat_entry *e = nat_get(v6, NAT_UNREPLIED, k);
+
+	*tbl = NAT_UNREPLIED;
+	if (e)
+		return e;
+	*tbl = NAT_CONFIRMED;
+	return nat_get(v6, NAT_CONFIRMED, k);
+}
+
+/* nat_lookup finds an entry in either table, confirmed flows first (nat_get_moved). */
 static __always_inline struct nat_entry *nat_lookup(const int v6, const union nat_key *k)
 {
 	struct nat_entry *e = nat_get(v6, NAT_CONFIRMED, k);
+	int tbl;
 
-	return e ? e : nat_get(v6, NAT_UNREPLIED, k);
+	return e ? e : nat_get_moved(v6, k, &tbl);
 }
 
 /* partner_key computes the key of the other half of the flow whose entry e sits at k. */
@@ -445,11 +472,16 @@ static __always_inline int first_reply(const int v6, struct nat_scratch *s, stru
 
 /* confirm moves the flow of e, which proved two-way, from nat_new_* to nat_*. When that table is
  * full the flow stays (and works) where it is, marked so that the next try waits for a refresh.
- * e is gone afterwards. Returns -1 when the other half's key holds another flow. */
+ * e is gone afterwards. Returns -1 when the other half's key holds another flow.
+ *
+ * Both halves go into nat_* before either leaves nat_new_* (nat_get_moved relies on it). Another
+ * CPU may be confirming the same flow, from either half: the CPU whose insert of e finds it there
+ * already leaves the move to the one that made it, which deletes the unreplied halves once both
+ * confirmed ones exist (theirs or ours); the CPU that inserted the egress half counts the flow. */
 static __always_inline int confirm(const int v6, struct nat_scratch *s, struct nat_entry *e, __u64 now)
 {
 	struct nat_entry *pe;
-	long err;
+	long err, perr = 0;
 
 	partner_key(v6, &s->pk, &s->k, e);
 	pe = nat_get(v6, NAT_UNREPLIED, &s->pk);
@@ -465,12 +497,16 @@ static __always_inline int confirm(const int v6, struct nat_scratch *s, struct n
 	s->ne.flags &= ~NAT_F_NOROOM;
 	s->pv.flags &= ~NAT_F_NOROOM;
 	err = nat_put(v6, NAT_CONFIRMED, &s->k, &s->ne, BPF_NOEXIST);
+	if (err == -EEXIST)
+		return 0; /* another CPU is moving the flow */
 	if (err == 0) {
-		err = nat_put(v6, NAT_CONFIRMED, &s->pk, &s->pv, BPF_NOEXIST);
-		if (err != 0 && err != -17 /* EEXIST: another CPU confirmed it */)
+		perr = nat_put(v6, NAT_CONFIRMED, &s->pk, &s->pv, BPF_NOEXIST);
+		if (perr != 0 && perr != -EEXIST) { /* EEXIST: another CPU inserted it */
 			nat_del(v6, NAT_CONFIRMED, &s->k);
+			err = perr;
+		}
 	}
-	if (err != 0 && err != -17) {
+	if (err != 0) {
 		if (!(e->flags & NAT_F_NOROOM)) /* each flow counts once */
 			event_add(EV_CONFIRM_FULL, 1);
 		e->flags |= NAT_F_NOROOM;
@@ -478,7 +514,8 @@ static __always_inline int confirm(const int v6, struct nat_scratch *s, struct n
 	}
 	nat_del(v6, NAT_UNREPLIED, &s->k);
 	nat_del(v6, NAT_UNREPLIED, &s->pk);
-	event_add(EV_CONFIRMED, 1);
+	if (key_dir(v6, &s->k) == DIR_EGRESS || perr == 0)
+		event_add(EV_CONFIRMED, 1);
 	return 0;
 }
 
@@ -842,7 +879,8 @@ static __always_inline int port_pick(const int v6, const struct pkt *p, const st
 
 /* nat_alloc creates both entries of a new flow translated to (to_addr, a port from the ranges),
  * in nat_new_*: the reply half first, whose claim (port_claim) owns the port toward that remote,
- * then the opener's half, which *out receives (tracked: the packet is its first). */
+ * then the opener's half, which *out receives (tracked: the packet is its first). Returns 1 when
+ * another CPU created the flow's mapping meanwhile, which *out then holds: the flow is not new. */
 static __always_inline int nat_alloc(struct __sk_buff *skb, const int v6, const struct pkt *p,
 				     const struct nat_config *cfg, const union nat_key *k, const __be32 *to_addr,
 				     __u8 kind, __u32 slot, __u64 now, struct nat_entry *out)
@@ -875,6 +913,7 @@ static __always_inline int nat_alloc(struct __sk_buff *skb, const int v6, const 
 		if (!e)
 			return -1;
 		*out = *e;
+		return 1;
 	}
 	return 0;
 }

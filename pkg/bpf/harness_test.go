@@ -10,14 +10,17 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"runtime"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/gopacket/gopacket"
 	"github.com/gopacket/gopacket/layers"
+	"golang.org/x/sys/unix"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
@@ -62,8 +65,12 @@ type harness struct {
 	ns *nsRunner
 }
 
-// nsRunner runs functions on a thread inside a network namespace, one at a time.
-type nsRunner struct{ work chan func() }
+// nsRunner runs functions on a thread inside a network namespace, one at a time (do), or on
+// threads of their own, one per CPU, at once (onCPUs).
+type nsRunner struct {
+	name string
+	work chan func()
+}
 
 // newNSRunner creates a namespace with the harness's routes and a thread inside it; both go when
 // the test ends.
@@ -90,7 +97,7 @@ route add 2001:db8:7777::/48 dev lo
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("harness namespace: %v: %s", err, out)
 	}
-	r := &nsRunner{work: make(chan func())}
+	r := &nsRunner{name: ns, work: make(chan func())}
 	ready := make(chan error, 1)
 	go func() {
 		_ = testutil.Do(ns, func() error {
@@ -119,6 +126,34 @@ func (r *nsRunner) do(f func()) {
 	done := make(chan struct{})
 	r.work <- func() { defer close(done); f() }
 	<-done
+}
+
+// onCPUs runs each fn at once on a thread of its own inside the namespace, the i-th pinned to
+// CPU i, and returns their errors joined once all have returned: BPF_PROG_TEST_RUN runs a program
+// on the CPU of its caller, so this is how two CPUs run the programs at the same time.
+func (r *nsRunner) onCPUs(t testing.TB, fns ...func() error) error {
+	t.Helper()
+	if n := runtime.NumCPU(); n < len(fns) {
+		testutil.Unavailable(t, "%d CPUs, the test needs %d", n, len(fns))
+	}
+	errs := make([]error, len(fns))
+	var wg sync.WaitGroup
+	for i, fn := range fns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = testutil.Do(r.name, func() error {
+				var set unix.CPUSet
+				set.Set(i)
+				if err := unix.SchedSetaffinity(0, &set); err != nil {
+					return fmt.Errorf("pin to CPU %d: %w", i, err)
+				}
+				return fn()
+			})
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
 }
 
 // ifindex is the index of a device of the namespace.
