@@ -182,6 +182,24 @@ static __always_inline int keep_packet(struct keep_entry *ke, const struct pkt *
 	return TC_NEXT;
 }
 
+/* keep_reply refreshes the kept verdict of the flow whose reply p is, if any, and tells whether it
+ * is one: conntrack refreshes a connection on either direction's packets, so a flow whose far side
+ * does the talking keeps its verdict while it talks. Only the pod's FIN or RST marks it closing
+ * (keep_packet): a kept flow has no window to tell the far side's plausible ones by. */
+static __always_inline int keep_reply(const int v6, const struct pkt *p, __u64 now)
+{
+	union nat_key ek;
+	struct keep_entry *ke;
+
+	nat_key(v6, &ek, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_EGRESS);
+	ke = keep_get(v6, &ek);
+	if (!ke)
+		return 0;
+	if (now - ke->last_seen >= REFRESH_NS)
+		ke->last_seen = now;
+	return 1;
+}
+
 /* inbound_orphan restores the egress half of an inbound flow that the LRU evicted, when the packet
  * at k is the pod's reply to it: the reply then leaves untouched instead of being masqueraded.
  * Returns 1 when it did. */
@@ -660,6 +678,9 @@ static __always_inline int ingress(struct __sk_buff *skb, const int v6, __u64 no
 	nat_key(v6, k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_INGRESS);
 	e = nat_get(v6, NAT_CONFIRMED, k);
 	if (!e) {
+		/* Kept verdicts, as egress finds them: a reply of a flow left alone finds no mapping. */
+		if (keep_reply(v6, p, now))
+			return TC_NEXT;
 		e = nat_get_moved(v6, k, &tbl);
 		if (!e)
 			return v6 ? ingress_new_v6(skb, now) : ingress_new_v4(skb, now);

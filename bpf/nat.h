@@ -27,8 +27,8 @@
  * one flow share the move).
  * keep_* (LRU) records the pod flows that the policy left alone (RETURN), so that they keep that
  * verdict across a policy change until idle (TCP: closing once the pod sent a FIN or RST), as
- * conntrack's binding does; a SYN on a kept tuple opens a new connection, which follows the
- * policy in force.
+ * conntrack's binding does; the packets of both directions refresh it. A SYN on a kept tuple
+ * opens a new connection, which follows the policy in force.
  *
  * What opens a flow:
  *   egress, pod source: a TCP SYN; any UDP datagram, ICMP query or packet of another protocol.

@@ -240,6 +240,20 @@ func BenchmarkEgressReturn(b *testing.B) {
 	}
 }
 
+// BenchmarkIngressReturn: a reply of a flow the policy leaves alone, as pod-to-pod traffic across
+// nodes is: no mapping, its kept verdict refreshed (keep_v4).
+func BenchmarkIngressReturn(b *testing.B) {
+	for _, n := range benchSizes {
+		b.Run(fmt.Sprintf("cidrs=%d", n), func(b *testing.B) {
+			h := benchHarness(b, n)
+			podEnd, dst := ap(pod4(1), 40000), ap(netip.MustParseAddr("10.20.30.40"), 443)
+			h.mustPass(h.dp.Egress(), tcpPacket(podEnd, dst, tcpSYN, nil))
+			reply := tcpPacket(dst, podEnd, tcpACK, make([]byte, 64))
+			measure(b, h, h.dp.Ingress(), tcNext, func(int) []byte { return reply })
+		})
+	}
+}
+
 // BenchmarkTestRunFloor: a program that returns TC_NEXT at once, measured as the paths above
 // are: what BPF_PROG_TEST_RUN itself adds to each run (a clock read and softirq masking inside
 // the timed span), which every ns/pkt above includes and no packet on the wire pays.

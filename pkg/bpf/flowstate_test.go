@@ -252,6 +252,77 @@ func flipPolicies() (ret, masq *policy.Policy) {
 	return ret, masq
 }
 
+// ageKept sets the last_seen of the kept verdict of the pod's flow (src, dst), as if its last
+// packet was that long ago.
+func (h *harness) ageKept(proto uint8, src, dst netip.AddrPort, ago time.Duration) {
+	h.t.Helper()
+	m := h.dp.objs.KeepV4
+	if src.Addr().Is6() {
+		m = h.dp.objs.KeepV6
+	}
+	k := natKey(Egress, proto, src, dst)
+	var v masqKeepEntry
+	if err := m.Lookup(k, &v); err != nil {
+		h.t.Fatalf("no kept verdict %s -> %s: %v", src, dst, err)
+	}
+	v.LastSeen = uint64(MonotonicNow() - ago)
+	if err := m.Put(k, &v); err != nil {
+		h.t.Fatal(err)
+	}
+}
+
+// TestKeptVerdictRefreshedByReplies: a flow the policy left alone whose far side does the talking
+// keeps its verdict: the far side's packets refresh it as the pod's do (conntrack refreshes a
+// connection on either direction's packets), so it outlives the idle timeout that the pod's own
+// last packet began, and a policy flip then leaves it alone. UDP and TCP, both families.
+func TestKeptVerdictRefreshedByReplies(t *testing.T) {
+	c := config.Default(config.Options{EnableIPv6: true})
+	c.NonMasqueradeCIDRs = append(c.NonMasqueradeCIDRs, netip.MustParsePrefix("fd12::/16"))
+	ret := policy.Compile(c, policy.Options{EnableIPv6: true, RandomFully: true})
+	c.MasqueradeCIDRs = []config.MasqueradeCIDR{{CIDR: netip.MustParsePrefix("10.0.0.0/8")}, {CIDR: netip.MustParsePrefix("fd12::/16")}}
+	masq := policy.Compile(c, policy.Options{EnableIPv6: true, RandomFully: true})
+	timeouts := Timeouts{TCPEstablished: time.Hour, TCPOpening: time.Minute, TCPClosing: time.Minute,
+		UDP: time.Minute, ICMP: time.Minute, Other: time.Minute}
+	for _, fam := range families {
+		t.Run(fam.name, func(t *testing.T) {
+			h := newHarness(t, ret, LoadOptions{})
+			dst := ap(netip.MustParseAddr("10.20.30.40"), 8080)
+			if fam.v6 {
+				dst = ap(netip.MustParseAddr("fd12::40"), 8080)
+			}
+			udpEnd, tcpEnd := ap(pod(fam.v6, 7), 41000), ap(pod(fam.v6, 8), 41001)
+			h.mustPass(h.dp.Egress(), udpPacket(udpEnd, dst, payload))
+			h.mustPass(h.dp.Egress(), tcpPacket(tcpEnd, dst, tcpSYN, nil))
+			h.mustPass(h.dp.Ingress(), tcpPacket(dst, tcpEnd, tcpSYN|tcpACK, nil))
+			h.mustPass(h.dp.Egress(), tcpPacket(tcpEnd, dst, tcpACK, nil))
+			// The pod's last packets were an idle timeout ago; the far side has talked since.
+			h.ageKept(unix.IPPROTO_UDP, udpEnd, dst, timeouts.UDP+time.Second)
+			h.ageKept(unix.IPPROTO_TCP, tcpEnd, dst, timeouts.TCPEstablished+time.Second)
+			for _, in := range [][]byte{udpPacket(dst, udpEnd, payload), tcpPacket(dst, tcpEnd, tcpACK, payload)} {
+				if got := tupleOf(t, h.mustPass(h.dp.Ingress(), in)).dst; got != udpEnd && got != tcpEnd {
+					t.Fatalf("the far side's packet arrived at %s", got)
+				}
+			}
+			if res, err := h.dp.Sweep(MonotonicNow(), timeouts); err != nil || res.Kept != 0 {
+				t.Fatalf("the sweep removed %d kept verdicts whose far side is talking (%v)", res.Kept, err)
+			}
+			if err := h.dp.SyncPolicy(masq); err != nil {
+				t.Fatal(err)
+			}
+			if got := tupleOf(t, h.mustPass(h.dp.Egress(), udpPacket(udpEnd, dst, payload))).src; got != udpEnd {
+				t.Errorf("the UDP flow left as %s after the flip, want the pod's %s", got, udpEnd)
+			}
+			ret, out := h.egress(tcpPacket(tcpEnd, dst, tcpACK, payload))
+			if ret != tcNext {
+				t.Fatalf("the TCP connection's packet got verdict %d after the flip", int32(ret))
+			}
+			if got := tupleOf(t, out).src; got != tcpEnd {
+				t.Errorf("the TCP connection left as %s after the flip, want the pod's %s", got, tcpEnd)
+			}
+		})
+	}
+}
+
 // TestPolicyFlipKeepsVerdict: a flow keeps the verdict it was created with when the policy
 // changes, TCP and UDP, both ways; new flows follow the new policy.
 func TestPolicyFlipKeepsVerdict(t *testing.T) {

@@ -257,6 +257,7 @@ var microNames = []struct{ key, title string }{
 	{"EgressNewFlow", "egress, new flow"},
 	{"IngressReverse", "ingress, reverse NAT"},
 	{"EgressReturn", "egress, RETURN (no NAT)"},
+	{"IngressReturn", "ingress, RETURN (no NAT)"},
 }
 
 func sizes(m micro) []int {
