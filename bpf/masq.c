@@ -427,6 +427,8 @@ static __always_inline int egress_known(struct __sk_buff *skb, const struct pkt 
 			return FLOW_NEW;
 		}
 	}
+	if (syn_from_replier(p, e))
+		return TC_NEXT; /* an inbound flow's pod, the only replier egress sees: untranslated */
 	addr_copy(v6, s->to, WORDS(e->addr));
 	to_port = e->port;
 	if (flow_seen(skb, v6, tbl, k, e, p, now) < 0) {
@@ -618,6 +620,10 @@ static __always_inline int ingress_known(struct __sk_buff *skb, const struct pkt
 	const union nat_key *k = &s->key;
 	__be16 to_port;
 
+	/* A remote's SYN on a mapping its pod opened and answered (or closed) reopens nothing toward
+	 * the pod: it reaches the node as it came, as conntrack leaves the invalid packet. */
+	if (syn_from_replier(p, e))
+		return TC_NEXT;
 	if (is_reopen(p, e))
 		reopen(v6, k, e);
 	addr_copy(v6, s->to, WORDS(e->addr));

@@ -47,7 +47,11 @@
  * TCP: each half records its direction's latest ACK, window and segment end, and from its SYN the
  * window scale. A FIN counts only within the window the receiver advertised, an RST only at the
  * receiver's next expected byte or right after the sender's last segment (a sender aborting) and
- * within that window, as conntrack's tcp_in_window: a blind RST leaves the flow established.
+ * within that window, as conntrack's tcp_in_window: a blind RST leaves the flow established. A
+ * SYN of the opener on a flow not closing (a new connection on the tuple of one it lost) passes;
+ * the SYN-ACK answering it starts the window state over (tcp_resync). A SYN of the other side
+ * once it answered, or once the flow closed, is conntrack's invalid: it changes nothing and is
+ * not translated (syn_from_replier). A closed flow's opener reopens it with a SYN (reopen).
  *
  * Other protocols are tracked as conntrack's UDP and generic trackers track them: a reply makes a
  * flow replied, the next packet after it confirms it, and idleness alone ends it. That covers
@@ -540,6 +544,26 @@ static __always_inline void tcp_closing(const int v6, struct nat_scratch *s, str
 		pe->flags |= f;
 }
 
+/* tcp_resync: a SYN-ACK from the side of e that did not open the flow, acknowledging exactly the
+ * end of the opener's latest segment, answers a SYN that opened a new connection on the flow's
+ * tuple (a new ISN, the old connection never seen closing; flow_seen lets it through): the window
+ * state starts over from the new handshake, as conntrack gets in sync from a SYN it ignored (its
+ * TCP_CONNTRACK_IGNORE case). e, at s->k, acknowledges this ack; the opener's acknowledgment, of
+ * the old connection, is forgotten until its next ACK. */
+static __always_inline void tcp_resync(const int v6, struct nat_scratch *s, struct nat_entry *e, __u32 ack)
+{
+	struct nat_entry *pe;
+
+	partner_key(v6, &s->pk, &s->k, e);
+	pe = nat_lookup(v6, &s->pk);
+	if (!pe || !points_back(v6, &s->k, pe) || !(pe->flags & NAT_F_ORIG) || pe->end != ack)
+		return;
+	e->ack = ack;
+	e->flags |= NAT_F_ACK;
+	pe->flags &= ~NAT_F_ACK;
+	event_add(EV_REOPEN, 1);
+}
+
 /* flow_slow: the first reply, the move of a flow that proved two-way to the confirmed table,
  * and the partner check of a refresh, for the entry at nat_scratch's k in table tbl. Returns -1
  * when the other half's key holds another flow, so that the entry belongs to a flow that is
@@ -601,6 +625,30 @@ __attribute__((noinline)) int tcp_closing_v6(__u32 tbl, __u32 seq, __u32 flags)
 	return 0;
 }
 
+static __always_inline void tcp_resync_at(const int v6, __u32 tbl, __u32 ack)
+{
+	struct nat_scratch *s = scratch();
+	struct nat_entry *e;
+
+	if (!s)
+		return;
+	e = nat_get(v6, tbl, &s->k);
+	if (e)
+		tcp_resync(v6, s, e, ack);
+}
+
+__attribute__((noinline)) int tcp_resync_v4(__u32 tbl, __u32 ack)
+{
+	tcp_resync_at(0, tbl, ack);
+	return 0;
+}
+
+__attribute__((noinline)) int tcp_resync_v6(__u32 tbl, __u32 ack)
+{
+	tcp_resync_at(1, tbl, ack);
+	return 0;
+}
+
 /* scratch_key leaves k in nat_scratch for the global functions; 0 when there is no scratch. */
 static __always_inline int scratch_key(const union nat_key *k)
 {
@@ -630,6 +678,15 @@ static __always_inline int flow_seen(struct __sk_buff *skb, const int v6, const 
 			else
 				tcp_closing_v4(tbl, p->tcp_seq, p->tcp_flags);
 		}
+		/* A SYN-ACK of the replying side after its first reply, acknowledging something new. */
+		if ((p->tcp_flags & (TCPF_SYN | TCPF_ACK | TCPF_RST)) == (TCPF_SYN | TCPF_ACK) &&
+		    (e->flags & (NAT_F_ORIG | NAT_F_REPLIED)) == NAT_F_REPLIED &&
+		    (!(e->flags & NAT_F_ACK) || p->tcp_ack != e->ack) && scratch_key(k)) {
+			if (v6)
+				tcp_resync_v6(tbl, p->tcp_ack);
+			else
+				tcp_resync_v4(tbl, p->tcp_ack);
+		}
 		tcp_track(skb, e, p);
 	}
 	refreshed = refresh(e, now);
@@ -638,6 +695,15 @@ static __always_inline int flow_seen(struct __sk_buff *skb, const int v6, const 
 	if (!scratch_key(k))
 		return 0;
 	return v6 ? flow_slow_v6(tbl, refreshed, pflags, now) : flow_slow_v4(tbl, refreshed, pflags, now);
+}
+
+/* syn_from_replier: a SYN (no ACK) from the side of e that did not open the flow, once that side
+ * answered or the flow closed. Conntrack's table has it invalid (a reply-direction SYN past
+ * SYN_SENT) and applies no NAT to it: it passes as it is, changing nothing. Only a simultaneous
+ * open (a flow still unreplied) has such a SYN. */
+static __always_inline int syn_from_replier(const struct pkt *p, const struct nat_entry *e)
+{
+	return tcp_is_syn(p) && !(e->flags & NAT_F_ORIG) && (e->flags & (NAT_F_REPLIED | NAT_F_FIN | NAT_F_RST));
 }
 
 /* is_reopen: a new SYN on a flow that was closed (a pod reusing its source port). */

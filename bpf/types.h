@@ -251,7 +251,7 @@ enum event {
 	EV_REALLOC,           /* a flow's port was taken over after eviction: new port allocated */
 	EV_ICMP_ERROR,        /* ICMP errors translated */
 	EV_FRAG_MISS,         /* later fragment without a known first fragment (untranslatable) */
-	EV_REOPEN,            /* closed TCP mapping reused by a new SYN of the same tuple */
+	EV_REOPEN,            /* TCP mapping reused by a new connection of its tuple (closed, or resynced) */
 	EV_DROP_UNTRANSLATABLE, /* dropped: a pod's packet to a masqueraded destination that the NAT
 				 * cannot translate (masq.c: untranslatable) */
 	EV_CONFIRMED,         /* flows that proved two-way, moved to the table that never evicts */

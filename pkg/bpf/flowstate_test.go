@@ -631,3 +631,107 @@ func TestReopenFollowsAddress(t *testing.T) {
 		t.Fatalf("reopened after the address changed, it left from %s, want %s", got, other)
 	}
 }
+
+// TestNewConnectionOnOldTuple: a new connection on the tuple of one never seen closing (the pod
+// lost it: a restart, a crash) gets the window state of its own handshake, so that its FINs
+// count and it closes; as conntrack, which ignores the SYN and gets in sync from the SYN-ACK that
+// answers it. The new ISNs lie behind the old connection's, where no acknowledgment of the old
+// one would ever move. Both families.
+func TestNewConnectionOnOldTuple(t *testing.T) {
+	h := newHarness(t, defaultPolicy(true), LoadOptions{})
+	for _, fam := range families {
+		t.Run(fam.name, func(t *testing.T) {
+			h.t = t
+			podEnd, dst := ap(pod(fam.v6, 41), 41000), ap(remote(fam.v6), 443)
+			nat := h.handshake(podEnd, dst)
+			h.mustPass(h.dp.Egress(), tcpSegment(podEnd, dst, seg{flags: tcpACK, seq: 1001, ack: 5001, win: 502, wscale: -1, payload: make([]byte, 100)}))
+			h.mustPass(h.dp.Ingress(), tcpSegment(dst, nat, seg{flags: tcpACK, seq: 5001, ack: 1101, win: 502, wscale: -1, payload: make([]byte, 100)}))
+			before := h.events()
+
+			const podISN, srvISN uint32 = 1<<32 + 1000 - 100_000, 1<<32 + 5000 - 200_000
+			out := tupleOf(t, h.mustPass(h.dp.Egress(), tcpSegment(podEnd, dst, seg{flags: tcpSYN, seq: podISN, win: 64240, wscale: 7})))
+			if out.src != nat {
+				t.Fatalf("the new connection's SYN left from %s, want the mapping %s", out.src, nat)
+			}
+			back := tupleOf(t, h.mustPass(h.dp.Ingress(), tcpSegment(dst, nat, seg{flags: tcpSYN | tcpACK, seq: srvISN, ack: podISN + 1, win: 65160, wscale: 8})))
+			if back.dst != podEnd {
+				t.Fatalf("the SYN-ACK arrived at %s, want %s", back.dst, podEnd)
+			}
+			h.mustPass(h.dp.Egress(), tcpSegment(podEnd, dst, seg{flags: tcpACK, seq: podISN + 1, ack: srvISN + 1, win: 502, wscale: -1}))
+			h.mustPass(h.dp.Ingress(), tcpSegment(dst, nat, seg{flags: tcpACK, seq: srvISN + 1, ack: podISN + 1, win: 502, wscale: -1, payload: make([]byte, 10)}))
+			// The server closes, then the pod.
+			h.mustPass(h.dp.Ingress(), tcpSegment(dst, nat, seg{flags: tcpFIN | tcpACK, seq: srvISN + 11, ack: podISN + 1, win: 502, wscale: -1}))
+			h.mustPass(h.dp.Egress(), tcpSegment(podEnd, dst, seg{flags: tcpFIN | tcpACK, seq: podISN + 1, ack: srvISN + 12, win: 502, wscale: -1}))
+			e, _ := h.entry(Egress, unix.IPPROTO_TCP, podEnd, dst)
+			r, _ := h.entry(Ingress, unix.IPPROTO_TCP, dst, nat)
+			if st := StateOf(e.Flags, r.Flags); st != StateClosing {
+				t.Errorf("after both FINs of the new connection the flow is %s", st)
+			}
+			after := h.events()
+			if n := after[Event(masqEventEV_TCP_OUT_OF_WINDOW)] - before[Event(masqEventEV_TCP_OUT_OF_WINDOW)]; n != 0 {
+				t.Errorf("%d of the new connection's FINs judged out of window", n)
+			}
+			if n := after[Event(masqEventEV_REOPEN)] - before[Event(masqEventEV_REOPEN)]; n != 1 {
+				t.Errorf("the new connection counted %d times in reopen, want 1", n)
+			}
+		})
+	}
+}
+
+// TestRemoteSYNReopensNothing: a remote's SYN on the mapping of a connection its pod opened
+// reaches the pod neither after an RST (or FINs) closed it nor while it lives, and changes
+// nothing: conntrack holds a SYN from the replying side invalid and applies no NAT to it. The pod
+// reopening the tuple still keeps its port, and the remote side of a connection from outside
+// still reopens its own. Both families.
+func TestRemoteSYNReopensNothing(t *testing.T) {
+	h := newHarness(t, defaultPolicy(true), LoadOptions{})
+	for _, fam := range families {
+		t.Run(fam.name, func(t *testing.T) {
+			h.t = t
+			remoteSYN := func(dst, nat netip.AddrPort) {
+				t.Helper()
+				before := h.events()[Event(masqEventEV_REOPEN)]
+				got := tupleOf(t, h.mustPass(h.dp.Ingress(), tcpSegment(dst, nat, seg{flags: tcpSYN, seq: 777, win: 64240, wscale: 7})))
+				if got.dst != nat {
+					t.Fatalf("the remote's SYN went on to %s, want it left at %s", got.dst, nat)
+				}
+				if n := h.events()[Event(masqEventEV_REOPEN)]; n != before {
+					t.Fatalf("the remote's SYN reopened the mapping")
+				}
+			}
+			podEnd, dst := ap(pod(fam.v6, 42), 42000), ap(remote(fam.v6), 443)
+			nat := h.handshake(podEnd, dst)
+			remoteSYN(dst, nat) // established
+			if e, _ := h.entry(Egress, unix.IPPROTO_TCP, podEnd, dst); StateOf(e.Flags, 0) != StateEstablished {
+				t.Fatalf("after the remote's SYN the flow is %s", StateOf(e.Flags, 0))
+			}
+			h.mustPass(h.dp.Egress(), tcpSegment(podEnd, dst, seg{flags: tcpRST, seq: 1001, wscale: -1}))
+			if e, _ := h.entry(Egress, unix.IPPROTO_TCP, podEnd, dst); StateOf(e.Flags, 0) != StateClosing {
+				t.Fatalf("the pod's RST left the flow %s", StateOf(e.Flags, 0))
+			}
+			remoteSYN(dst, nat) // closed
+			e, _ := h.entry(Egress, unix.IPPROTO_TCP, podEnd, dst)
+			r, _ := h.entry(Ingress, unix.IPPROTO_TCP, dst, nat)
+			if e.Flags&FlagOrig == 0 || r.Flags&FlagOrig != 0 || StateOf(e.Flags, r.Flags) != StateClosing {
+				t.Fatalf("the remote's SYN changed the closed flow: %v %v", e.Flags, r.Flags)
+			}
+			if again := h.handshake(podEnd, dst); again != nat {
+				t.Fatalf("the pod reopened the tuple from %s, want its mapping %s", again, nat)
+			}
+
+			// A connection from outside to the pod, closed by the remote's RST: its next SYN opens
+			// a connection toward the pod again.
+			client, server := ap(remote(fam.v6), 33000), ap(pod(fam.v6, 43), 8443)
+			h.mustPass(h.dp.Ingress(), tcpSegment(client, server, seg{flags: tcpSYN, seq: 100, win: 64240, wscale: 7}))
+			h.mustPass(h.dp.Egress(), tcpSegment(server, client, seg{flags: tcpSYN | tcpACK, seq: 900, ack: 101, win: 64240, wscale: 7}))
+			h.mustPass(h.dp.Ingress(), tcpSegment(client, server, seg{flags: tcpRST, seq: 101, wscale: -1}))
+			before := h.events()[Event(masqEventEV_REOPEN)]
+			if got := tupleOf(t, h.mustPass(h.dp.Ingress(), tcpSegment(client, server, seg{flags: tcpSYN, seq: 5000, win: 64240, wscale: 7}))).dst; got != server {
+				t.Fatalf("the client's new SYN arrived at %s, want %s", got, server)
+			}
+			if n := h.events()[Event(masqEventEV_REOPEN)]; n != before+1 {
+				t.Fatalf("the client's new SYN did not reopen its connection")
+			}
+		})
+	}
+}
