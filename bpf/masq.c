@@ -331,8 +331,6 @@ static __always_inline int egress_new(struct __sk_buff *skb, const int v6, __u64
 		return TC_ACT_SHOT;
 	if (r == 0)
 		event_add(host ? EV_HOST_REMAP : EV_NEW_MASQ, 1);
-	if (p->frag == FRAG_FIRST)
-		frag_remember(v6, p, DIR_EGRESS);
 	return xlate_to(skb, v6, 1, WORDS(e.addr), e.port);
 }
 
@@ -440,8 +438,6 @@ static __always_inline int egress_known(struct __sk_buff *skb, const struct pkt 
 	}
 	if (kind == NAT_MASQ)
 		count_rule(slot, p->len);
-	if (p->frag == FRAG_FIRST)
-		frag_remember(v6, p, DIR_EGRESS);
 	return v6 ? xlate_v6(skb, 1, to_port) : xlate_v4(skb, 1, to_port);
 }
 
@@ -471,6 +467,10 @@ static __always_inline int egress(struct __sk_buff *skb, const int v6, __u64 now
 
 	k = &s->key;
 	nat_key(v6, k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_EGRESS);
+	/* Every first fragment, whatever its flow: its later fragments then tell a datagram that
+	 * needs no translation from one whose first fragment was not seen (frag_miss). */
+	if (p->frag == FRAG_FIRST)
+		frag_remember(v6, p, DIR_EGRESS);
 	e = nat_get(v6, NAT_CONFIRMED, k);
 	if (!e) {
 		/* Kept verdicts are of pod flows: a host's packet finds none. A SYN opens a new
@@ -598,8 +598,6 @@ static __always_inline int ingress_new(struct __sk_buff *skb, const int v6, __u6
 		tcp_track(skb, &e, p);
 	nat_put(v6, NAT_UNREPLIED, k, &e, BPF_NOEXIST);
 	event_add(EV_INBOUND_FLOW, 1);
-	if (p->frag == FRAG_FIRST)
-		frag_remember(v6, p, DIR_INGRESS);
 	return TC_NEXT;
 }
 
@@ -634,8 +632,6 @@ static __always_inline int ingress_known(struct __sk_buff *skb, const struct pkt
 		event_add(EV_ORPHAN, 1);
 		return TC_NEXT;
 	}
-	if (p->frag == FRAG_FIRST)
-		frag_remember(v6, p, DIR_INGRESS);
 	return v6 ? xlate_v6(skb, 0, to_port) : xlate_v4(skb, 0, to_port);
 }
 
@@ -671,6 +667,8 @@ static __always_inline int ingress(struct __sk_buff *skb, const int v6, __u64 no
 	cfg = bpf_map_lookup_elem(&nat_config, &zero);
 	if (!cfg || !family_cfg(cfg, v6)->enabled)
 		return TC_NEXT;
+	if (p->frag == FRAG_FIRST)
+		frag_remember(v6, p, DIR_INGRESS); /* whatever its flow, as egress */
 	/* To the uplink address, only ports of the range can be a flow of ours (masqueraded, or a
 	 * host socket's recorded one), and those an earlier range's flows hold: traffic to host
 	 * services is not even looked up. */

@@ -178,3 +178,48 @@ func tupleOfFragment(frame []byte) (addrs struct{ src, dst netip.Addr }) {
 func withPayload(b builder, src, dst netip.AddrPort, data []byte, out bool) []byte {
 	return b.make(src, dst, data, !out)
 }
+
+// TestFragMissOnlyWhenFirstUnseen: later fragments of datagrams that need no translation (a pod's
+// to a RETURN destination and its answer, the node's own from the uplink address and to it) pass
+// untouched without counting frag_miss: every first fragment is remembered, whatever its flow,
+// so frag_miss counts only the later fragments whose first fragment was not seen. IPv4 and IPv6.
+func TestFragMissOnlyWhenFirstUnseen(t *testing.T) {
+	h := newHarness(t, defaultPolicy(true), LoadOptions{})
+	for _, fam := range families {
+		t.Run(fam.name, func(t *testing.T) {
+			h.t = t
+			keep := ap(netip.MustParseAddr("10.2.3.4"), 53)
+			if fam.v6 {
+				keep = ap(netip.MustParseAddr("fe80::7"), 53) // link-local: left alone by default
+			}
+			podEnd, node, far := ap(pod(fam.v6, 630), 5330), ap(snatFor(keep.Addr()), 5331), ap(remote(fam.v6), 53)
+			big := bytes.Repeat([]byte("needs no NAT "), 400)
+			for _, c := range []struct {
+				name    string
+				ingress bool
+				dg      []byte
+				ctx     skbContext
+			}{
+				{"a pod's datagram to a RETURN destination", false, udpPacket(podEnd, keep, big), forwarded},
+				{"its answer", true, udpPacket(keep, podEnd, big), forwarded},
+				{"the node's datagram from the uplink address", false, udpPacket(node, far, big), skbContext{}},
+				{"a datagram to the node's uplink address", true, udpPacket(far, node, big), forwarded},
+			} {
+				prog := h.dp.Egress()
+				if c.ingress {
+					prog = h.dp.Ingress()
+				}
+				before := h.events()[Event(masqEventEV_FRAG_MISS)]
+				for i, f := range fragment(c.dg, 1448) {
+					ret, out := h.runCtx(t, prog, f, c.ctx)
+					if ret != tcNext || !bytes.Equal(out[:len(f)], f) {
+						t.Fatalf("%s: fragment %d: verdict %d, changed %v, want it passed untouched", c.name, i, int32(ret), !bytes.Equal(out[:len(f)], f))
+					}
+				}
+				if n := h.events()[Event(masqEventEV_FRAG_MISS)] - before; n != 0 {
+					t.Errorf("%s: %d frag_miss counted, want none", c.name, n)
+				}
+			}
+		})
+	}
+}
