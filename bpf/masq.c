@@ -493,13 +493,19 @@ static __always_inline int egress(struct __sk_buff *skb, const int v6, __u64 now
 			return r;
 	}
 	snat = uplink_snat_of(ifindex, v6);
-	/* A host port outside the range is one no pod mapping can take: nothing to record (a
-	 * protocol without ports has one mapping per remote, which any pod flow could take). A
-	 * held port (port_held) is recorded: toward a remote a pod's flow holds it for, the host
-	 * flow moves off it. */
-	if (!remap && snat && p->l4 != L4_ADDR && addr_eq(v6, p->saddr, snat) &&
-	    !port_mapped(cfg, bpf_ntohs(p->sport)))
-		return TC_NEXT;
+	if (!remap && snat && addr_eq(v6, p->saddr, snat)) {
+		/* A host port outside the range is one no pod mapping can take: nothing to record (a
+		 * protocol without ports has one mapping per remote, which any pod flow could take). A
+		 * held port (port_held) is recorded: toward a remote a pod's flow holds it for, the
+		 * host flow moves off it. */
+		if (p->l4 != L4_ADDR && !port_mapped(cfg, bpf_ntohs(p->sport)))
+			return TC_NEXT;
+		/* A host listener's SYN-ACK answers a connection opened from outside, which the host's
+		 * next packet records once the far side completed the handshake: a SYN flood at a
+		 * listener on a port of the range costs the table nothing. */
+		if (tcp_is_synack(p))
+			return TC_NEXT;
+	}
 	return v6 ? egress_new_v6(skb, now, remap, slot) : egress_new_v4(skb, now, remap, slot);
 }
 

@@ -36,8 +36,9 @@
  *     masqueraded destination belongs to a connection whose state is gone: no mapping can serve
  *     it, and it is dropped (drop_untranslatable) rather than sent with the pod's address;
  *   egress, host source (the uplink address): any packet whose source port lies in the NAT range,
- *     the only ports a pod mapping could collide with. Ingress packets to the uplink address
- *     outside the range are not looked up at all;
+ *     the only ports a pod mapping could collide with, but a SYN-ACK (a listener's answer to a
+ *     connection from outside, recorded by its next packet: a SYN flood at it makes nothing).
+ *     Ingress packets to the uplink address outside the range are not looked up at all;
  *   ingress: a TCP SYN, UDP datagram (UDP has no opening packet: as conntrack, any datagram) or
  *     echo request addressed to this host (PACKET_HOST), from a remote the policy masquerades
  *     (replies to others leave untouched anyway), toward an address behind this node: delivered
@@ -299,6 +300,11 @@ static __always_inline int refresh(struct nat_entry *e, __u64 now)
 static __always_inline int tcp_is_syn(const struct pkt *p)
 {
 	return p->proto == IPPROTO_TCP && (p->tcp_flags & (TCPF_SYN | TCPF_ACK | TCPF_RST)) == TCPF_SYN;
+}
+
+static __always_inline int tcp_is_synack(const struct pkt *p)
+{
+	return p->proto == IPPROTO_TCP && (p->tcp_flags & (TCPF_SYN | TCPF_ACK | TCPF_RST)) == (TCPF_SYN | TCPF_ACK);
 }
 
 /* The rare steps of a known flow's packet run in global functions, which the verifier checks
@@ -679,8 +685,7 @@ static __always_inline int flow_seen(struct __sk_buff *skb, const int v6, const 
 				tcp_closing_v4(tbl, p->tcp_seq, p->tcp_flags);
 		}
 		/* A SYN-ACK of the replying side after its first reply, acknowledging something new. */
-		if ((p->tcp_flags & (TCPF_SYN | TCPF_ACK | TCPF_RST)) == (TCPF_SYN | TCPF_ACK) &&
-		    (e->flags & (NAT_F_ORIG | NAT_F_REPLIED)) == NAT_F_REPLIED &&
+		if (tcp_is_synack(p) && (e->flags & (NAT_F_ORIG | NAT_F_REPLIED)) == NAT_F_REPLIED &&
 		    (!(e->flags & NAT_F_ACK) || p->tcp_ack != e->ack) && scratch_key(k)) {
 			if (v6)
 				tcp_resync_v6(tbl, p->tcp_ack);

@@ -119,6 +119,52 @@ func TestHostRepliesStayOutOfTheTable(t *testing.T) {
 	}
 }
 
+// TestHostListenerFloodSparesPods: a SYN flood at a host listener on a port inside the NAT range
+// (the range is Linux's ephemeral range by default) costs the table nothing: the host's SYN-ACKs
+// answer connections opened from outside, recorded by the host's next packet once the far side
+// completed the handshake. The pods' flows being opened meanwhile keep their mappings, where the
+// flood's entries (two per SYN-ACK) used to evict them from the unreplied table. Conntrack makes
+// an entry per SYN and, full, drops unassured ones (early_drop) or the new SYN.
+func TestHostListenerFloodSparesPods(t *testing.T) {
+	h := newHarness(t, defaultPolicy(true), LoadOptions{NATEntries: 1 << 12}) // 2048 unreplied
+	for _, fam := range families {
+		t.Run(fam.name, func(t *testing.T) {
+			h.t = t
+			f := policy.FamilyOf(remote(fam.v6))
+			listener := ap(snatFor(remote(fam.v6)), 40000)
+			var pending []netip.AddrPort
+			for i := range 100 {
+				podEnd := ap(pod(fam.v6, 700+i), 43000)
+				h.mustPass(h.dp.Egress(), tcpPacket(podEnd, ap(remote(fam.v6), 443), tcpSYN, nil))
+				pending = append(pending, podEnd)
+			}
+			before := h.countEntries(f)
+			for i := range 5000 {
+				client := ap(remote(fam.v6), uint16(10000+i))
+				h.mustPass(h.dp.Ingress(), tcpPacket(client, listener, tcpSYN, nil))
+				h.mustPass(h.dp.Egress(), tcpPacket(listener, client, tcpSYN|tcpACK, nil))
+			}
+			if n := h.countEntries(f) - before; n != 0 {
+				t.Errorf("5000 SYNs at a host listener of the range and their SYN-ACKs made %d entries, want none", n)
+			}
+			for _, podEnd := range pending {
+				if _, ok := h.entry(Egress, unix.IPPROTO_TCP, podEnd, ap(remote(fam.v6), 443)); !ok {
+					t.Fatalf("the flood evicted the pod flow being opened from %s", podEnd)
+				}
+			}
+			// A client that completes the handshake: the host's next packet records the flow.
+			client := ap(remote(fam.v6), 9999)
+			h.mustPass(h.dp.Ingress(), tcpPacket(client, listener, tcpSYN, nil))
+			h.mustPass(h.dp.Egress(), tcpPacket(listener, client, tcpSYN|tcpACK, nil))
+			h.mustPass(h.dp.Ingress(), tcpPacket(client, listener, tcpACK, payload))
+			h.mustPass(h.dp.Egress(), tcpPacket(listener, client, tcpACK, payload))
+			if e, ok := h.entry(Egress, unix.IPPROTO_TCP, listener, client); !ok || e.Kind != KindHost {
+				t.Fatalf("the listener's connection is not recorded after the handshake: %+v", e)
+			}
+		})
+	}
+}
+
 // TestInboundOnlyByOpenersTowardLocalAddresses: only a connection-opening packet (TCP SYN, UDP
 // datagram, echo request) toward an address behind the node (routed out another device than the
 // one it came by, another uplink included) opens an inbound flow: stray ACKs toward a pod and
