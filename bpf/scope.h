@@ -75,17 +75,48 @@ static __always_inline int source_mac_is(const struct __sk_buff *skb, const __u8
 	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2];
 }
 
+/* routes_back tells whether the source of a packet the node received on device iif and routed out
+ * here, by the uplink, is routed back by that device (the FIB's answer for a packet to it arriving there): a
+ * reverse path check, which the packets the node forwards from its pods pass, and those of a
+ * macvlan child that routes (received by a device of its own namespace, whose ifindex means
+ * nothing here) fail, but where that ifindex is a device of the node that routes the child's
+ * source. A packet received on the uplink itself is not a pod's. */
+static __always_inline int routes_back(struct __sk_buff *skb, const struct pkt *p, const int v6, __u32 iif,
+				       __u32 uplink)
+{
+	struct bpf_fib_lookup fib = {.ifindex = iif};
+	long rc;
+
+	if (iif == uplink)
+		return 0;
+	if (v6) {
+		fib.family = AF_INET6;
+		__builtin_memcpy(fib.ipv6_dst, p->saddr, 16);
+	} else {
+		fib.family = AF_INET;
+		fib.ipv4_dst = p->saddr[0];
+	}
+	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	return (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH) && fib.ifindex == iif;
+}
+
 /* from_node_stack tells whether the node's IP stack sent or forwarded the first packet of a new
  * flow leaving by the uplink (see the top of the file); snat is the uplink's address of the
- * family, if any. A device whose MAC userspace did not record is not checked for it. */
+ * family, if any. A device whose MAC userspace did not record is not checked for it. A frame of
+ * another source MAC is bridged onto the uplink (a macvlan child's), or the node's own while the
+ * uplink's MAC changed and userspace has not followed yet (a bond failing over with
+ * fail_over_mac=active takes its new active slave's MAC): what the node forwarded then passes the
+ * reverse path check, so that no pod's new flow leaves with its address meanwhile. */
 static __always_inline int from_node_stack(struct __sk_buff *skb, const struct pkt *p, const int v6,
 					   const __be32 *snat)
 {
-	__u32 ifindex = skb->ifindex;
+	__u32 ifindex = skb->ifindex, iif;
 	const struct uplink_mac *mac = bpf_map_lookup_elem(&uplink_macs, &ifindex);
 
-	if (mac && !source_mac_is(skb, mac->addr))
-		return 0; /* bridged onto the uplink: a macvlan child's */
+	if (mac && !source_mac_is(skb, mac->addr)) {
+		iif = skb->ingress_ifindex;
+		return iif && routes_back(skb, p, v6, iif, ifindex);
+	}
 	if (skb->ingress_ifindex)
 		return 1; /* received by a device of the node and routed out here */
 	if (snat && addr_eq(v6, p->saddr, snat))

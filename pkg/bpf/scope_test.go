@@ -28,7 +28,10 @@ import (
 
 var (
 	uplinkMAC = net.HardwareAddr{2, 0, 0, 0, 0, 0xa}
-	childMAC  = net.HardwareAddr{2, 0, 0, 0, 0, 0xc} // a macvlan child's
+	// failedOver is the uplink's MAC after a bond failed over (fail_over_mac=active: its new
+	// active slave's), before the agent followed it into uplink_macs.
+	failedOver = net.HardwareAddr{2, 0, 0, 0, 0, 0xb}
+	childMAC   = net.HardwareAddr{2, 0, 0, 0, 0, 0xc} // a macvlan child's
 	// nodeOther4 and nodeOther6 are addresses of the node that are not the uplink's (on lo).
 	nodeOther4 = netip.MustParseAddr("10.77.0.1")
 	nodeOther6 = netip.MustParseAddr("fd77::1")
@@ -41,10 +44,12 @@ type scopeEnv struct {
 	*harness
 	ns     string
 	uplink int // ifindex of the namespace's uplink
+	pods   int // ifindex of the device the pod networks are routed by
 }
 
 // newScopeEnv builds the namespace (uplink veth "up0" with uplinkMAC and the SNAT addresses,
-// the node's other addresses on lo, forwarding on) and a harness whose uplink is up0.
+// the node's other addresses on lo, the pod networks routed by "pods", forwarding on) and a
+// harness whose uplink is up0.
 func newScopeEnv(t *testing.T) *scopeEnv {
 	t.Helper()
 	testutil.RequirePrivileged(t, "ip")
@@ -59,6 +64,11 @@ link set up0 up
 link set up1 up
 route add default via 192.0.2.254 dev up0
 route add default via 2001:db8::fe dev up0
+link add pods type veth peer name pods1
+link set pods up
+link set pods1 up
+route add 10.1.0.0/16 dev pods
+route add fd00::/16 dev pods
 `, nodeOther4, nodeOther6, uplinkMAC, snat4, snat6)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -74,11 +84,13 @@ route add default via 2001:db8::fe dev up0
 				t.Fatal(err)
 			}
 		}
-		ifc, err := net.InterfaceByName("up0")
-		if err != nil {
-			t.Fatal(err)
+		for dev, idx := range map[string]*int{"up0": &env.uplink, "pods": &env.pods} {
+			ifc, err := net.InterfaceByName(dev)
+			if err != nil {
+				t.Fatal(err)
+			}
+			*idx = ifc.Index
 		}
-		env.uplink = ifc.Index
 	})
 	if _, err := env.dp.SetUplink(env.uplink, Uplink{IPv4: snat4, IPv6: snat6, MAC: MACOf(uplinkMAC)}); err != nil {
 		t.Fatal(err)
@@ -120,7 +132,9 @@ func (e *scopeEnv) entries(t *testing.T) int {
 // TestScope: only what the node's IP stack forwarded or sent from one of its own addresses is
 // masqueraded; a macvlan child's frame (another source MAC), an ipvlan child's and a packet
 // socket's (the uplink's MAC, nothing received, a source the node does not own) pass untouched
-// and open no flow; ingress translates only frames addressed to the uplink.
+// and open no flow; ingress translates only frames addressed to the uplink. While the uplink's
+// MAC changed under uplink_macs (a bond failing over), what the node forwarded from its pods,
+// whose source routes back by the device it came in on, is still masqueraded.
 func TestScope(t *testing.T) {
 	e := newScopeEnv(t)
 	remoteEnd := func(v6 bool) netip.AddrPort { return ap(remote(v6), 53) }
@@ -132,7 +146,7 @@ func TestScope(t *testing.T) {
 				nodeOther, stranger = nodeOther6, stranger6
 			}
 			uplinkAddr := snatFor(pod(fam.v6, 1))
-			for _, c := range []struct {
+			for i, c := range []struct {
 				name string
 				src  netip.Addr
 				mac  net.HardwareAddr
@@ -147,10 +161,12 @@ func TestScope(t *testing.T) {
 				{"node packet from the uplink address (host flow)", uplinkAddr, uplinkMAC, 0, false, 0},
 				{"macvlan child", stranger, childMAC, 0, false, 0},
 				{"macvlan child that routes (received in its namespace)", pod(fam.v6, 2), childMAC, 7, false, 0},
+				{"macvlan child that routes, received by a device numbered as the uplink", pod(fam.v6, 2), childMAC, uint32(e.uplink), false, 0},
+				{"forwarded pod packet, the uplink's MAC changed (bond failover)", pod(fam.v6, 3), failedOver, uint32(e.pods), true, 2},
 				{"ipvlan child (l2 mode)", stranger, uplinkMAC, 0, false, 0},
 			} {
 				before := e.entries(t)
-				in := withMACs(udpPacket(ap(c.src, 5353), remoteEnd(fam.v6), payload), c.mac, net.HardwareAddr{2, 0, 0, 0, 0, 0xe})
+				in := withMACs(udpPacket(ap(c.src, 5400+uint16(i)), remoteEnd(fam.v6), payload), c.mac, net.HardwareAddr{2, 0, 0, 0, 0, 0xe})
 				ret, out := e.run(t, e.dp.Egress(), in, c.iif)
 				if ret != tcNext {
 					t.Fatalf("%s: verdict %d", c.name, int32(ret))

@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"net"
 	"net/netip"
 	"os/exec"
 	"strings"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 )
 
 // Secondary networks (Multus): children of the uplink in namespaces of their own, with addresses
@@ -122,4 +124,62 @@ link set eth0.100 up
 		ns := env.addChild(ctx, t, Uplink+".100", "link "+Uplink+" type vlan id 100", vlan4, vlan6, gw4, gw6)
 		checkChild(ctx, t, env, ns, vlan4, vlan6)
 	})
+}
+
+// TestUplinkMACChange: the uplink takes another MAC address, as a bond does when it fails over
+// with fail_over_mac=active (its new active slave's): the pod's new flows right after it are
+// masqueraded, on every backend, where the BPF scope check once took them, until the agent
+// followed the change, for frames bridged onto the uplink and let them leave with the pod's
+// address; the agent then records the new MAC.
+func TestUplinkMACChange(t *testing.T) {
+	const failedOver = "02:00:00:0b:0b:01"
+	eachBackend(t, backends(), []string{"--enable-ipv6"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		env.StartReady(ctx, t, b, "masqOutBound: true\n")
+		dsts := []netip.Addr{netip.MustParseAddr("8.8.8.8"), netip.MustParseAddr("2001:4860:4860::8888")}
+		if err := IPBatch(ctx, env.Node, "link set "+Uplink+" address "+failedOver+"\n"); err != nil {
+			t.Fatal(err)
+		}
+		// The external host learns the new MAC as a bond's gratuitous ARP would teach it.
+		if err := IPBatch(ctx, env.Ext, "neigh flush all\n"); err != nil {
+			t.Fatal(err)
+		}
+		for start := time.Now(); time.Since(start) < 500*time.Millisecond; {
+			for _, dst := range dsts {
+				want, src, err := env.Observe(ctx, "udp", dst)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if want != Masq {
+					t.Fatalf("%v after the MAC change, a new flow to %s left as %s, want masqueraded", time.Since(start), dst, src)
+				}
+			}
+		}
+		if !b.NAT { // the BPF datapath's scope check is the only one with a MAC
+			return
+		}
+		want := bpf.MACOf(mustMAC(t, failedOver))
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			dp, err := bpf.OpenPinnedReadOnly(env.PinDir())
+			if err != nil {
+				t.Fatal(err)
+			}
+			u, _, err := dp.Uplink(env.UplinkIndex(t))
+			dp.Close()
+			if err == nil && u.MAC == want {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("uplink_macs holds %s (%v), want the new MAC %s", u.MAC, err, want)
+			}
+		}
+	})
+}
+
+func mustMAC(t testing.TB, s string) net.HardwareAddr {
+	t.Helper()
+	hw, err := net.ParseMAC(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return hw
 }
