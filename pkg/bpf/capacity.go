@@ -3,8 +3,6 @@ package bpf
 import (
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"unsafe"
 
 	"github.com/cilium/ebpf"
@@ -69,17 +67,36 @@ func CapacityFor(n int) uint32 {
 	return c
 }
 
-// PinnedRuleCapacity returns the MaxRules of the maps pinned in dir, or 0 when none are pinned.
-func PinnedRuleCapacity(dir string) (uint32, error) {
-	m, err := ebpf.LoadPinnedMap(filepath.Join(dir, masqMapRuleSlots), &ebpf.LoadPinOptions{ReadOnly: true})
-	if errors.Is(err, os.ErrNotExist) {
-		return 0, nil
+// Grow returns a datapath whose rule maps can hold a sync of p: d itself where they can, else one
+// loaded over the same pins with larger rule maps (CapacityFor), every other map kept (the NAT
+// tables with their flows), that continues d's slot assignment and counters (AdoptRuleSlots).
+// The programs still attached keep using d's rule maps until the caller replaces them with the
+// new ones, so traffic always meets a complete rule set; then the caller closes d.
+func (d *Datapath) Grow(p *policy.Policy) (*Datapath, error) {
+	need, err := d.SlotsNeeded(p)
+	if err != nil || need <= d.RuleCapacity() {
+		return d, err
 	}
+	lopts := d.opts
+	lopts.MaxRules = CapacityFor(need)
+	resized, err := CheckPins(lopts)
 	if err != nil {
-		return 0, fmt.Errorf("open pinned %s: %w", masqMapRuleSlots, err)
+		return nil, err
 	}
-	defer m.Close()
-	return m.MaxEntries(), nil
+	for _, m := range resized {
+		if err := RemovePins(lopts.PinPath, m.Map); err != nil {
+			return nil, err
+		}
+	}
+	bigger, err := Load(lopts)
+	if err != nil {
+		return nil, err
+	}
+	if err := bigger.AdoptRuleSlots(d); err != nil {
+		bigger.Close()
+		return nil, err
+	}
+	return bigger, nil
 }
 
 // AdoptRuleSlots copies from's counter slot assignment and counters into d, slot for slot, so

@@ -12,11 +12,8 @@ import (
 	"io/fs"
 	"maps"
 	"os"
-	"path/filepath"
 	"reflect"
 	"slices"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -96,94 +93,6 @@ func (o LoadOptions) spec() (*ebpf.CollectionSpec, error) {
 	m.KeepV4.MaxEntries, m.KeepV6.MaxEntries = keepEntries(o.NATEntries), keepEntries(o.NATEntriesV6)
 	m.FragV4.MaxEntries, m.FragV6.MaxEntries = o.FragEntries, o.FragEntries
 	return spec, nil
-}
-
-// PinMismatch is a map pinned under LoadOptions.PinPath whose layout differs from what Load
-// would create (another size, key or value), so Load cannot reuse it.
-type PinMismatch struct {
-	Map string
-	// Reason says what differs, e.g. "MaxEntries: 1024 changed to 262144".
-	Reason string
-}
-
-// CheckPins compares the maps pinned under opts.PinPath with those Load(opts) would create, and
-// returns the ones that differ. A map that is not pinned is not a mismatch: Load creates it.
-// Removing the pins of the mismatches (RemovePins), or setting them aside so that a migration
-// carries their entries (SetAside), lets Load replace just those maps, keeping the rest.
-func CheckPins(opts LoadOptions) ([]PinMismatch, error) {
-	opts = opts.withDefaults()
-	if opts.PinPath == "" {
-		return nil, nil
-	}
-	spec, err := opts.spec()
-	if err != nil {
-		return nil, err
-	}
-	var out []PinMismatch
-	for _, name := range MapNames() {
-		m, err := ebpf.LoadPinnedMap(filepath.Join(opts.PinPath, name), nil)
-		if errors.Is(err, fs.ErrNotExist) {
-			continue
-		}
-		if err != nil {
-			return nil, fmt.Errorf("open pinned map %s: %w", name, err)
-		}
-		cerr := spec.Maps[name].Compatible(m)
-		m.Close()
-		if errors.Is(cerr, ebpf.ErrMapIncompatible) {
-			out = append(out, PinMismatch{Map: name, Reason: strings.TrimSuffix(cerr.Error(), ": "+ebpf.ErrMapIncompatible.Error())})
-		} else if cerr != nil {
-			return nil, fmt.Errorf("compare pinned map %s: %w", name, cerr)
-		}
-	}
-	return out, nil
-}
-
-// RemovePins removes the pins of the named maps under dir; pins already gone are fine. Maps
-// still in use (by attached programs) live on until those let go of them.
-func RemovePins(dir string, names ...string) error {
-	for _, name := range names {
-		if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			return fmt.Errorf("remove pin of %s: %w", name, err)
-		}
-	}
-	return nil
-}
-
-// CarriedOnResize tells whether the entries of a map whose size changed are carried into the
-// new one (SetAside): the flow state's (NAT tables, kept verdicts, fragments). The other maps
-// whose size can change are the policy's, which a sync writes again, and the rule counters,
-// which a policy that outgrows them carries itself (AdoptRuleSlots).
-func CarriedOnResize(name string) bool {
-	return carried[name] == carryFlows || carried[name] == carryEntries
-}
-
-// SetAside moves the pins of the named maps of dir, a layout directory (LayoutDir), into a
-// directory of resized maps beside it, <dir>-resized-<k> with the first k not in use, and
-// returns that directory. Load then makes those maps anew, and Inspect reports the directory as
-// a source of dir's layout, whose entries a migration carries into the new maps before it
-// removes it; the programs attached meanwhile keep the set-aside maps, as with an older
-// layout's. A directory of resized maps is never written to again: maps set aside later, even
-// of the same names, go to a directory of their own, merged after it.
-func SetAside(dir string, names ...string) (string, error) {
-	to := ""
-	for k := 1; ; k++ {
-		to = dir + "-resized-" + strconv.Itoa(k)
-		if _, err := os.Stat(to); errors.Is(err, fs.ErrNotExist) {
-			break
-		} else if err != nil {
-			return "", fmt.Errorf("set aside resized maps: %w", err)
-		}
-	}
-	if err := os.Mkdir(to, 0o700); err != nil {
-		return "", fmt.Errorf("set aside resized maps: %w", err)
-	}
-	for _, name := range names {
-		if err := os.Rename(filepath.Join(dir, name), filepath.Join(to, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			return to, fmt.Errorf("set aside resized map %s: %w", name, err)
-		}
-	}
-	return to, nil
 }
 
 // MapNames lists the names of every map of the datapath (its pins' file names), sorted.
@@ -414,36 +323,3 @@ func eachEntry[K, V any](m *ebpf.Map, fn func(K, *V)) error {
 
 // entryBatch is how many entries eachEntry reads per syscall.
 const entryBatch = 1024
-
-// OpenPinned opens the maps a datapath pinned in dir (LoadOptions.PinPath), without loading
-// programs and without creating anything: for readers in another process, such as `dump`. It
-// fails with an error wrapping fs.ErrNotExist when a map is not pinned there. Egress and
-// Ingress return nil on the result; everything that reads or writes maps works.
-func OpenPinned(dir string) (*Datapath, error) { return openPinned(dir, nil) }
-
-// OpenPinnedReadOnly is OpenPinned with read-only map descriptors: every reader works, every
-// writer fails. It is what a process that only reports (`dump`) should use.
-func OpenPinnedReadOnly(dir string) (*Datapath, error) {
-	return openPinned(dir, &ebpf.LoadPinOptions{ReadOnly: true})
-}
-
-func openPinned(dir string, pinOpts *ebpf.LoadPinOptions) (*Datapath, error) {
-	d := &Datapath{opts: LoadOptions{PinPath: dir}}
-	for name, field := range d.mapFields() {
-		m, err := ebpf.LoadPinnedMap(filepath.Join(dir, name), pinOpts)
-		if err != nil {
-			d.objs.Close()
-			return nil, fmt.Errorf("open pinned map %s: %w", name, err)
-		}
-		*field = m
-	}
-	d.opts.MaxRules = d.objs.RuleSlots.MaxEntries()
-	d.opts.NATEntries = d.objs.NatV4.MaxEntries()
-	d.opts.NATEntriesV6 = d.objs.NatV6.MaxEntries()
-	d.opts.FragEntries = d.objs.FragV4.MaxEntries()
-	if err := d.recover(); err != nil {
-		d.objs.Close()
-		return nil, err
-	}
-	return d, nil
-}

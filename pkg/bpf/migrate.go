@@ -5,7 +5,9 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io/fs"
 	"maps"
+	"os"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -30,9 +32,20 @@ import (
 //     (flows, fragments, counts), then the old pins go.
 //
 // A flow merged into a table that holds it already keeps the entry seen last (its flags
-// combined when both were seen within the same second); an entry of another flow under the same
-// key gives way to the one merged, and its other half goes with it. Merging again is harmless,
-// so a migration interrupted anywhere (the agent killed) is simply done again by the next agent.
+// combined when both were seen within the same second). Where the table holds another flow
+// under the key of a half merged, or under the key of its other half, the flow seen last keeps
+// the keys: an older one gives way with its other half; a newer one stays, and the half merged
+// is left out. Merging again is harmless, so a migration interrupted anywhere (the agent
+// killed) is simply done again by the next agent.
+//
+// Killed after the swap, an agent leaves this build's maps in use by its programs and the old
+// ones frozen: the next agent finds the migration swapped, by the mark the first one made right
+// before it swapped (swappedMark). Its passes then
+// carry only what the new programs may lack: the flows and fragments the old programs made
+// before the swap that no newer entry displaced. The rule slots, uplinks, totals and counters
+// are the new maps' already (they were carried before the swap, and the new programs count
+// into them); only the growth of the old counters after its first pass is added by Finish,
+// should an old program still run somewhere.
 
 // refreshInterval is how much older than the time a packet touched it a NAT entry's last_seen
 // can be (C: REFRESH_NS): an entry touched since a moment has a last_seen no older than that
@@ -42,6 +55,11 @@ const refreshInterval = time.Second
 // Migration is a migration whose first pass is done (Datapath.Migrate).
 type Migration struct {
 	sources []*source
+	// mark is the mark of a swapped migration (swappedMark); swapped tells that it was there
+	// when the migration began (an earlier agent swapped the programs and was stopped before it
+	// finished), or that the caller made it (Swapping).
+	mark    string
+	swapped bool
 	// since: the entries the old programs touched from then on are carried again by the next
 	// pass.
 	since time.Duration
@@ -81,10 +99,15 @@ func (m *Migration) Sources() []Source {
 func (d *Datapath) Migrate(srcs []Source) (*Migration, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	m := &Migration{since: MonotonicNow() - refreshInterval, Entries: map[string]int{}}
+	m := &Migration{since: MonotonicNow() - refreshInterval, Entries: map[string]int{}, mark: swappedMark(d.opts.PinPath)}
 	fresh, err := d.natEmpty()
 	if err != nil {
 		return nil, err
+	}
+	if _, err := os.Stat(m.mark); err == nil {
+		m.swapped = true
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("migrate: %w", err)
 	}
 	for _, s := range srcs {
 		src, err := openSource(s)
@@ -108,12 +131,40 @@ func (d *Datapath) Migrate(srcs []Source) (*Migration, error) {
 }
 
 // CatchUp carries the flows and fragments the old programs made or touched since the last pass:
-// call it right before the swap. d is the datapath in use (see Finish).
+// call it right before the swap. d is the datapath in use (see Finish). Once swapped, it does
+// nothing: the old programs no longer run.
 func (m *Migration) CatchUp(d *Datapath) error {
+	if m.swapped {
+		return nil
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return m.pass(d, passCatchUp)
 }
+
+// Swapping, called right before this build's programs replace the old ones, marks the
+// migration swapped (swappedMark): an agent stopped from then on before Finish leaves the mark
+// to the next one, whose passes then take the old maps for frozen. An apply that fails after
+// the swap finishes the migration at the next one, as swapped.
+func (m *Migration) Swapping() error {
+	if m.swapped {
+		return nil
+	}
+	if err := os.Mkdir(m.mark, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
+		return fmt.Errorf("mark the migration swapped: %w", err)
+	}
+	m.swapped = true
+	return nil
+}
+
+// swappedMark is the mark of a migration into the maps of dir (LayoutDir) whose programs may
+// have replaced the old ones: a directory beside dir, which Inspect and the agents of every
+// layout pass over, made right before the swap and removed once the migration is finished.
+func swappedMark(dir string) string { return dir + "-swapped" }
+
+// Resumed tells that the migration was found swapped: an earlier agent replaced the old
+// programs and was stopped before it finished.
+func (m *Migration) Resumed() bool { return m.swapped }
 
 // Finish, once d's programs run wherever the old ones did, carries what the old programs did
 // since the last pass, and removes the sources' pins. d is the datapath now in use (it may be
@@ -129,6 +180,9 @@ func (m *Migration) Finish(d *Datapath) error {
 		if err := src.remove(); err != nil {
 			return err
 		}
+	}
+	if err := os.Remove(m.mark); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("remove the mark of the swap: %w", err)
 	}
 	m.close()
 	return nil
@@ -199,11 +253,12 @@ func (m *Migration) carry(d *Datapath, src *source, p pass, fresh bool) error {
 			switch {
 			case kind == carryOnce && p != passFirst, kind == carryCounters && p == passCatchUp:
 			case kind == carryOnce && name == masqMapRuleSlots:
-				n, err = d.carrySlots(src, mp, from, fresh)
+				n, err = d.carrySlots(src, mp, from, fresh, m.swapped)
+			case kind == carryOnce && m.swapped:
 			case kind == carryOnce, kind == carryEntries:
-				n, err = copyEntries(mp, dst, name, from)
+				n, err = copyEntries(mp, dst, name, from, m.swapped)
 			case kind == carryCounters:
-				n, err = d.carryCounters(src, mp, dst, name, from, p == passFinal)
+				n, err = d.carryCounters(src, mp, dst, name, from, p == passFinal, m.swapped)
 			case kind == carryFlows:
 				since := time.Duration(0)
 				if p != passFirst {
@@ -223,12 +278,19 @@ func (m *Migration) carry(d *Datapath, src *source, p pass, fresh bool) error {
 }
 
 // copyEntries writes every entry of src (of layout from) into dst, converted: what dst held
-// under the same keys is replaced, the rest kept.
-func copyEntries(src, dst *ebpf.Map, name string, from int) (int, error) {
+// under the same keys is replaced, the rest kept; with keep (the migration is swapped, dst in
+// use), what dst holds is kept.
+func copyEntries(src, dst *ebpf.Map, name string, from int, keep bool) (int, error) {
+	flags := ebpf.UpdateAny
+	if keep {
+		flags = ebpf.UpdateNoExist
+	}
 	n := 0
 	err := walkRaw(src, func(k, v []byte) error {
 		k, v = upgrade(name, from, k, v)
-		if err := dst.Put(k, v); err != nil {
+		if err := dst.Update(k, v, flags); errors.Is(err, ebpf.ErrKeyExist) {
+			return nil
+		} else if err != nil {
 			return err
 		}
 		if nonZero(v) {
@@ -243,8 +305,9 @@ func copyEntries(src, dst *ebpf.Map, name string, from int) (int, error) {
 // are freed. When d's maps held flows already (a migration done before, or the maps of an agent
 // of this layout before a rollback), the flows that name a slot are renamed to the slot their
 // rule has in the source's assignment, or to none where the source has no such rule, so that
-// they keep counting into their rule.
-func (d *Datapath) carrySlots(src *source, mp *ebpf.Map, from int, fresh bool) (int, error) {
+// they keep counting into their rule. Swapped, d's assignment stands (its programs count by
+// it), and the source's is only read, for its counters (carryCounters).
+func (d *Datapath) carrySlots(src *source, mp *ebpf.Map, from int, fresh, swapped bool) (int, error) {
 	src.slots = map[uint32]slotKey{}
 	var values []masqRuleSlot
 	var keys []uint32
@@ -257,7 +320,7 @@ func (d *Datapath) carrySlots(src *source, mp *ebpf.Map, from int, fresh bool) (
 		}
 		return nil
 	})
-	if err != nil {
+	if err != nil || swapped {
 		return 0, err
 	}
 	if max := d.objs.RuleSlots.MaxEntries(); len(keys) > 0 && slices.Max(keys) >= max {
@@ -312,11 +375,13 @@ func (d *Datapath) readSlots() (map[uint32]slotKey, error) {
 	return out, err
 }
 
-// carryCounters, in the first pass, sets d's counters to the source's and remembers them; after
-// the swap, it adds what the source's counters grew by since: for rule counters, to the slots
-// whose rule is the one the source's slot counted. Rule counters are read for the slots the
-// source assigned only (a free slot's are zeroed when it is assigned), a lookup each.
-func (d *Datapath) carryCounters(src *source, mp, dst *ebpf.Map, name string, from int, after bool) (int, error) {
+// carryCounters, in the first pass, sets d's counters to the source's and remembers them (only
+// remembers them when swapped: d's hold the source's and what the new programs counted since);
+// after the swap, it adds what the source's counters grew by since the last time: for rule
+// counters, to the slots whose rule is the one the source's slot counted. Rule counters are read
+// for the slots the source assigned only (a free slot's are zeroed when it is assigned), a
+// lookup each.
+func (d *Datapath) carryCounters(src *source, mp, dst *ebpf.Map, name string, from int, after, swapped bool) (int, error) {
 	var keys []uint32
 	if name == masqMapRuleStats {
 		keys = slices.Sorted(maps.Keys(src.slots))
@@ -351,6 +416,9 @@ func (d *Datapath) carryCounters(src *source, mp, dst *ebpf.Map, name string, fr
 		}
 		if !after {
 			seen[key] = vs
+			if swapped {
+				continue
+			}
 			if slices.ContainsFunc(vs, nonZero) {
 				n++
 			}
@@ -366,6 +434,7 @@ func (d *Datapath) carryCounters(src *source, mp, dst *ebpf.Map, name string, fr
 		if err != nil {
 			return n, err
 		}
+		seen[key] = vs // a Finish done again adds only what grew since
 		if grown {
 			n++
 		}
@@ -577,36 +646,29 @@ func (t natTableOf[K]) merge(m *ebpf.Map, keys []K, vals []masqNatEntry) (noRoom
 			return noRoom, fmt.Errorf("merge nat entry: %w", err)
 		}
 		err := m.Lookup(k, &cur)
+		held := err == nil
+		if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return noRoom, fmt.Errorf("merge nat entry: %w", err)
+		}
+		if newer, err := t.newerFlowHolds(*k, &v, held, &cur); err != nil {
+			return noRoom, err
+		} else if newer {
+			continue
+		}
 		switch {
-		case errors.Is(err, ebpf.ErrKeyNotExist):
-			err = m.Update(k, &v, ebpf.UpdateNoExist)
-			if errors.Is(err, ebpf.ErrKeyExist) {
-				err = nil // a packet made it meanwhile: the new programs' entry stands
-			} else if errors.Is(err, unix.E2BIG) && m == t.confirmed {
-				v.Flags |= masqNatFlagsNAT_F_NOROOM
-				err = t.unreplied.Update(k, &v, ebpf.UpdateNoExist)
-				if errors.Is(err, ebpf.ErrKeyExist) {
-					err = nil
-				} else if err == nil {
-					noRoom++
-				}
+		case !held:
+			var full bool
+			full, err = t.insert(m, k, &v)
+			if full {
+				noRoom++
 			}
-		case err != nil:
 		case cur.Addr == v.Addr && cur.Port == v.Port:
 			if merged := mergeEntry(cur, v); merged != cur {
 				err = m.Put(k, &merged)
 			}
 		default:
-			// Another flow's entry under this key: it gives way, with its other half.
-			if pk, _, paired, perr := t.lookupPartner(*k, &cur); perr != nil {
-				err = perr
-			} else if paired {
-				for _, tm := range t.tables() {
-					if derr := tm.Delete(&pk); derr != nil && !errors.Is(derr, ebpf.ErrKeyNotExist) {
-						err = derr
-					}
-				}
-			}
+			// An older flow's entry under this key: it gives way, with its other half.
+			err = t.giveWay(*k, &cur)
 			if err == nil {
 				err = m.Put(k, &v)
 			}
@@ -616,6 +678,56 @@ func (t natTableOf[K]) merge(m *ebpf.Map, keys []K, vals []masqNatEntry) (noRoom
 		}
 	}
 	return noRoom, nil
+}
+
+// newerFlowHolds tells whether the tables hold, under k (cur, when held) or under the key of v's
+// other half, an entry of another flow seen later than v: that flow keeps its keys (it is the
+// live one, as after the swap when v is an old program's frozen entry), and v is left out.
+func (t natTableOf[K]) newerFlowHolds(k K, v *masqNatEntry, held bool, cur *masqNatEntry) (bool, error) {
+	if held && (cur.Addr != v.Addr || cur.Port != v.Port) && cur.LastSeen > v.LastSeen {
+		return true, nil
+	}
+	kt := k.tuple()
+	pk := k.withTuple(kt.partner(v))
+	var pv masqNatEntry
+	found, _, err := t.lookup(&pk, &pv)
+	if err != nil || !found {
+		return false, err
+	}
+	return !kt.pointedBy(&pv) && pv.LastSeen > v.LastSeen, nil
+}
+
+// insert adds v at k in m, where a packet may have made an entry meanwhile (the new programs'
+// entry then stands); full tells that the confirmed table had no room, so that v went to the
+// unreplied one, marked as the datapath marks such a flow.
+func (t natTableOf[K]) insert(m *ebpf.Map, k *K, v *masqNatEntry) (full bool, err error) {
+	err = m.Update(k, v, ebpf.UpdateNoExist)
+	if errors.Is(err, ebpf.ErrKeyExist) {
+		return false, nil
+	}
+	if !errors.Is(err, unix.E2BIG) || m != t.confirmed {
+		return false, err
+	}
+	v.Flags |= masqNatFlagsNAT_F_NOROOM
+	err = t.unreplied.Update(k, v, ebpf.UpdateNoExist)
+	if errors.Is(err, ebpf.ErrKeyExist) {
+		return false, nil
+	}
+	return err == nil, err
+}
+
+// giveWay removes the other half of the flow whose entry cur sits at k, from either table.
+func (t natTableOf[K]) giveWay(k K, cur *masqNatEntry) error {
+	pk, _, paired, err := t.lookupPartner(k, cur)
+	if err != nil || !paired {
+		return err
+	}
+	for _, tm := range t.tables() {
+		if err := tm.Delete(&pk); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return err
+		}
+	}
+	return nil
 }
 
 // mergeEntry is the entry a table keeps of two of one flow: the one seen last, with both

@@ -616,3 +616,134 @@ func pinNames(t *testing.T, dir string) []string {
 	}
 	return out
 }
+
+// outboundPackets are the packets the IPv4 outbound rule counted.
+func outboundPackets(t *testing.T, dp *Datapath) uint64 {
+	t.Helper()
+	rules, err := dp.InstalledRules()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rules {
+		if r.Family == policy.IPv4 && r.Origin == policy.OriginOutbound {
+			return r.Packets
+		}
+	}
+	t.Fatal("no outbound rule installed")
+	return 0
+}
+
+// TestMigrateAfterTheSwap: an agent killed after it swapped the programs and before it finished
+// the migration leaves the old maps frozen and this layout's in use. The next agent takes the
+// new maps for the live ones: a flow the new programs opened keeps its mapping and its replies,
+// even where the frozen maps hold another pod's flow under the same reply key (its port then
+// free again for the new programs), and the counters keep what the new programs counted. A
+// flow held through it all keeps its mapping, and Finish leaves this layout's maps alone.
+func TestMigrateAfterTheSwap(t *testing.T) {
+	root := filepath.Join(testutil.MountBPFFS(t), "ip-masq-agent")
+	from := Layout - 1
+	old, err := bpftest.Load(from, root, bpftest.Options{Uplink: testIfindex, SNAT4: snat4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Close()
+	h := &harness{t: t}
+	peer := ap(remote4, 53)
+	held := ap(pod4(1), 1000)
+	heldSeen := tupleOf(t, h.passOld(old.Egress(), udpPacket(held, peer, nil)))
+	h.passOld(old.Ingress(), udpPacket(peer, heldSeen.src, nil))
+
+	// The first agent: the first pass, the catch-up, the mark, the swap.
+	pins, err := Inspect(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lopts := LoadOptions{PinPath: LayoutDir(root), NATEntries: 1 << 12, MaxRules: 64}
+	dp, err := Load(lopts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mig, err := dp.Migrate(pins.Sources)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if mig.Resumed() {
+		t.Error("a migration nobody swapped yet is resumed")
+	}
+	if err := dp.SyncPolicy(defaultPolicy(true)); err != nil {
+		t.Fatal(err)
+	}
+	if err := mig.CatchUp(dp); err != nil {
+		t.Fatal(err)
+	}
+	if err := mig.Swapping(); err != nil {
+		t.Fatal(err)
+	}
+	// Right before the swap, the old programs open a flow no pass carries.
+	stale := ap(pod4(2), 2000)
+	staleSeen := tupleOf(t, h.passOld(old.Egress(), udpPacket(stale, peer, nil)))
+	// Swapped: the new programs, whose only port is that flow's, map another pod's flow to
+	// the peer there, which the frozen maps hold for the first pod.
+	c, err := config.Parse(nil, config.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := staleSeen.src.Port()
+	onePort := policy.Compile(c, policy.Options{RandomFully: true, ToPorts: policy.PortRanges{{First: port, Last: port}}})
+	if err := dp.SyncPolicy(onePort); err != nil {
+		t.Fatal(err)
+	}
+	h.dp = dp
+	live := ap(pod4(3), 3000)
+	liveSeen := tupleOf(t, h.mustPass(dp.Egress(), udpPacket(live, peer, nil)))
+	if liveSeen.src != staleSeen.src {
+		t.Fatalf("the new programs mapped the new flow to %s, want the frozen flow's %s", liveSeen.src, staleSeen.src)
+	}
+	for range 3 {
+		h.mustPass(dp.Egress(), udpPacket(live, peer, nil))
+	}
+	counted := outboundPackets(t, dp)
+	dp.Close() // killed before Finish
+
+	// The next agent, over the same pins.
+	pins, err = Inspect(root)
+	if err != nil || !pins.Current || len(pins.Sources) != 1 {
+		t.Fatalf("after the kill Inspect finds %+v, %v", pins, err)
+	}
+	dp, err = Load(lopts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dp.Close()
+	if mig, err = dp.Migrate(pins.Sources); err != nil {
+		t.Fatal(err)
+	}
+	if !mig.Resumed() {
+		t.Error("the migration of an agent killed after the swap is not resumed")
+	}
+	if err := dp.SyncPolicy(onePort); err != nil {
+		t.Fatal(err)
+	}
+	if got := outboundPackets(t, dp); got != counted {
+		t.Errorf("the outbound rule counted %d packets after the second agent's first pass, %d before", got, counted)
+	}
+	h.dp = dp
+	if back := tupleOf(t, h.mustPass(dp.Ingress(), udpPacket(peer, liveSeen.src, nil))); back.dst != live {
+		t.Errorf("the reply to the new programs' flow goes to %s, want its pod %s (the frozen flow's is %s)", back.dst, live, stale)
+	}
+	if got := tupleOf(t, h.mustPass(dp.Egress(), udpPacket(live, peer, nil))); got != liveSeen {
+		t.Errorf("the new programs' flow now leaves as %s, before as %s", got, liveSeen)
+	}
+	if got := tupleOf(t, h.mustPass(dp.Egress(), udpPacket(held, peer, nil))); got != heldSeen {
+		t.Errorf("the held flow now leaves as %s, before as %s", got, heldSeen)
+	}
+	if err := mig.Finish(dp); err != nil {
+		t.Fatal(err)
+	}
+	if got := pinNames(t, root); !slices.Equal(got, []string{filepath.Base(LayoutDir(root))}) {
+		t.Errorf("after Finish the root holds %v, want only %s", got, filepath.Base(LayoutDir(root)))
+	}
+	if got := outboundPackets(t, dp); got != counted+2 {
+		t.Errorf("the outbound rule counted %d packets after Finish, want %d", got, counted+2)
+	}
+}

@@ -272,7 +272,7 @@ func TestResizedMapsKeepFlows(t *testing.T) {
 		}
 		var names []string
 		for _, m := range mm {
-			if !CarriedOnResize(m.Map) {
+			if !carriedOnResize(m.Map) {
 				t.Fatalf("%s (%s) would not be carried", m.Map, m.Reason)
 			}
 			names = append(names, m.Map)

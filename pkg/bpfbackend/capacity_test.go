@@ -105,9 +105,14 @@ func TestRuleMapsGrow(t *testing.T) {
 		if c := counterOf(t, b, last); c.Packets != 1 || c.Action != policy.Return {
 			t.Errorf("the last new rule: %+v, want 1 packet, RETURN", c)
 		}
-		if pinned, err := bpf.PinnedRuleCapacity(b.pinDir); err != nil || pinned != bpf.CapacityFor(n+5) {
-			t.Errorf("pinned capacity %d (%v), want %d", pinned, err, bpf.CapacityFor(n+5))
+		pinned, err := bpf.OpenPinnedReadOnly(b.pinDir)
+		if err != nil {
+			t.Fatal(err)
 		}
+		if pinned.RuleCapacity() != int(bpf.CapacityFor(n+5)) {
+			t.Errorf("pinned capacity %d, want %d", pinned.RuleCapacity(), bpf.CapacityFor(n+5))
+		}
+		pinned.Close()
 		// The programs on the uplink are the grown datapath's: they see its counters.
 		for _, a := range []struct {
 			typ  ebpf.AttachType

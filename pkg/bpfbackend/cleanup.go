@@ -9,29 +9,10 @@ import (
 	"os"
 	"path/filepath"
 
-	"golang.org/x/sys/unix"
-
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/sandbox"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
-
-// bpfFSMagic is the statfs magic of a BPF filesystem (BPF_FS_MAGIC).
-const bpfFSMagic = 0xcafe4a11
-
-// CheckBPFFS checks that dir is a writable BPF filesystem.
-func CheckBPFFS(dir string) error {
-	var st unix.Statfs_t
-	if err := unix.Statfs(dir, &st); err != nil {
-		return fmt.Errorf("--bpffs %s: %w", dir, err)
-	}
-	if uint32(st.Type) != bpfFSMagic {
-		return fmt.Errorf("--bpffs %s is not a BPF filesystem (filesystem magic %#x); mount one there (mount -t bpf bpf %s) or give another --bpffs", dir, uint32(st.Type), dir)
-	}
-	if err := unix.Access(dir, unix.W_OK); err != nil {
-		return fmt.Errorf("--bpffs %s is not writable: %w", dir, err)
-	}
-	return nil
-}
 
 // Removed says what Cleanup removed.
 type Removed struct {
@@ -75,14 +56,8 @@ func Cleanup(ctx context.Context, bpffs string, log *slog.Logger) (Removed, erro
 	if err != nil {
 		return res, fmt.Errorf("remove BPF programs: %w", err)
 	}
-	if _, err := os.Stat(pinDir); errors.Is(err, fs.ErrNotExist) {
-		return res, nil
-	}
-	if err := CheckBPFFS(bpffs); err != nil {
-		return res, fmt.Errorf("leave %s alone: %w", pinDir, err)
-	}
-	if err := os.RemoveAll(pinDir); err != nil {
-		return res, fmt.Errorf("remove BPF pins: %w", err)
+	if removed, err := bpf.RemovePinned(pinDir); err != nil || !removed {
+		return res, err
 	}
 	res.PinDir = pinDir
 	if res.BPFDenied != nil {

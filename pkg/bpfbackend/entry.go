@@ -122,8 +122,8 @@ func (s *Settings) Check() error {
 
 // options are the backend's Options under e.
 func (s *Settings) options(e datapath.Env) Options {
-	return Options{BPFFS: s.BPFFS, Interfaces: e.Interfaces, EnableIPv6: e.EnableIPv6, AttachMode: s.AttachMode,
-		SweepInterval: s.SweepInterval, Timeouts: s.Timeouts, Load: bpf.LoadOptions{NATEntries: uint32(s.NATEntries)}, Logger: e.Logger}
+	return Options{BPFFS: s.BPFFS, Interfaces: e.Interfaces, AttachMode: s.AttachMode,
+		SweepInterval: s.SweepInterval, Timeouts: s.Timeouts, NATEntries: uint32(s.NATEntries), Logger: e.Logger}
 }
 
 // settingsOf are e's settings of this backend; none are the defaults.

@@ -3,11 +3,13 @@ package bpfbackend
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 	"strings"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/uplink"
 )
 
@@ -26,6 +28,103 @@ import (
 // too. The NAT entries do not record the device a flow left by, so a flow counts for a former
 // uplink when it is masqueraded to the device's SNAT address and the device has a route toward
 // its remote end; the per-packet path is unchanged.
+
+// dropStale removes our programs and SNAT addresses from devices that are not uplinks any more:
+// the devices uplink_snat holds (every device the programs were attached to got an entry there)
+// and those with a tcx link pin. Other devices are not looked at, so an apply costs the same on
+// a node with thousands of pod devices; cleanup looks at them all. A former uplink whose flows
+// still use it drains instead (former.go): it keeps the programs, attached again if they went,
+// and the SNAT addresses still on it. The flows of an address another uplink still has (held)
+// are never flushed.
+func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, ups []uplink.Uplink, held []netip.Addr) error {
+	snat, err := dp.Uplinks()
+	if err != nil {
+		return err
+	}
+	pinned, err := b.attach.Pinned()
+	if err != nil {
+		return err
+	}
+	b.mu.Lock()
+	was := b.draining
+	b.mu.Unlock()
+	var draining []former // stored once all are seen: on an error, the former uplinks stay listed
+	progs := tc.Programs{Egress: dp.Egress(), Ingress: dp.Ingress()}
+	for _, i := range slices.Compact(slices.Sorted(slices.Values(append(slices.Collect(maps.Keys(snat)), pinned...)))) {
+		if slices.ContainsFunc(ups, func(u uplink.Uplink) bool { return u.Index == i }) {
+			continue
+		}
+		cur, ok := snat[i]
+		f, why, err := assessFormer(ctx, dp, b.resolve, i, cur, ok)
+		if err != nil {
+			return err
+		}
+		before := slices.ContainsFunc(was, func(w former) bool { return w.Index == i })
+		if why == "" {
+			if _, err := dp.SetUplinkHolding(i, f.snatOf(), held); err != nil {
+				return err
+			}
+			if err := b.attachTo(ctx, f.Uplink, progs, true); err != nil {
+				return fmt.Errorf("attach to %s: %w", f.Name, err)
+			}
+			draining = append(draining, f)
+			if !before {
+				b.log.Info("a former uplink drains: it keeps the programs while flows masqueraded out of it last, as conntrack keeps their bindings",
+					"uplink", f.String(), "flows", f.flows)
+			}
+			continue
+		}
+		if err := b.attach.Detach(ctx, i); err != nil {
+			return err
+		}
+		n, err := dp.RemoveUplinkHolding(i, held)
+		if err != nil {
+			return err
+		}
+		b.log.Info("a former uplink is left: programs detached, its flows flushed", "uplink", f.Name, "ifindex", i,
+			"why", why, "flushedEntries", n)
+	}
+	b.mu.Lock()
+	b.draining = draining
+	b.mu.Unlock()
+	return nil
+}
+
+// checkDraining, after a sweep, asks for an apply when a former uplink that drains is to go: its
+// flows are over, or its device or address went (which the uplink watcher does not follow, the
+// device being no uplink).
+func (b *Backend) checkDraining(ctx context.Context, dp *bpf.Datapath) {
+	b.mu.Lock()
+	draining := b.draining
+	b.mu.Unlock()
+	if len(draining) == 0 {
+		return
+	}
+	res, err := uplink.NewResolver(nil)
+	if err != nil {
+		b.log.Warn("cannot check the former uplinks", "error", err)
+		return
+	}
+	defer res.Close()
+	for _, f := range draining {
+		why, err := func() (string, error) {
+			cur, ok, err := dp.Uplink(f.Index)
+			if err != nil {
+				return "", err
+			}
+			_, why, err := assessFormer(ctx, dp, res, f.Index, cur, ok)
+			return why, err
+		}()
+		if err != nil {
+			b.log.Warn("cannot check a former uplink", "uplink", f.Name, "error", err)
+			continue
+		}
+		if why != "" {
+			b.askApply("former uplink " + f.Name + ": " + why)
+			return
+		}
+	}
+}
 
 // viaDraining is the Via of a former uplink that drains (datapath.Uplink).
 const viaDraining = "former uplink, draining"

@@ -3,9 +3,7 @@ package bpfbackend
 import (
 	"cmp"
 	"context"
-	"errors"
 	"fmt"
-	"io/fs"
 	"maps"
 	"net"
 	"net/netip"
@@ -48,31 +46,14 @@ var (
 // agent, a newer one's belong to a newer agent (and dump).
 func OpenReader(bpffs string, interfaces []string, p *policy.Policy) (*Reader, error) {
 	root := filepath.Join(bpffs, PinDir)
-	entries, err := os.ReadDir(root)
-	if errors.Is(err, fs.ErrNotExist) || err == nil && len(entries) == 0 {
-		return nil, nil
-	}
+	dp, err := bpf.OpenReadOnly(root)
 	if err != nil {
-		return nil, fmt.Errorf("read BPF pins: %w", err)
-	}
-	fail := func(err error) (*Reader, error) {
 		return nil, fmt.Errorf("read the BPF datapath pinned under %s: %w", root, err)
 	}
-	if err := CheckBPFFS(bpffs); err != nil {
-		return fail(err)
-	}
-	pins, err := bpf.Inspect(root)
-	if err != nil {
-		return fail(err)
-	}
-	if !pins.Current && len(pins.Sources) > 0 {
-		return fail(fmt.Errorf("%s: the next agent migrates them to layout %d, which this dump reads", pins.Sources[len(pins.Sources)-1], bpf.Layout))
+	if dp == nil {
+		return nil, nil
 	}
 	dir := bpf.LayoutDir(root)
-	dp, err := bpf.OpenPinnedReadOnly(dir)
-	if err != nil {
-		return fail(err)
-	}
 	// tcx links are pinned; clsact filters are not.
 	mode := tc.ModeTC
 	if links, err := os.ReadDir(filepath.Join(root, LinkDir)); err == nil && len(links) > 0 {
@@ -125,55 +106,10 @@ func (r *Reader) Hooks(ctx context.Context) ([]datapath.Hook, error) {
 	return readHooks(ctx, r.dp, r.mode, r.pinDir, installedUplinks(r.dp))
 }
 
-// Counters implements datapath.Reader: the installed rules with their counters, mapped to the
-// configuration's rules by family, prefix, action and origin (identical rules in order);
-// installed rules the configuration lacks follow those of their family with Rule 0.
+// Counters implements datapath.Reader: the installed rules with their counters, as the
+// configuration the reader was given explains them (ruleCounters).
 func (r *Reader) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
-	if err := ctx.Err(); err != nil {
-		return nil, err
-	}
-	installed, err := r.dp.InstalledRules()
-	if err != nil {
-		return nil, err
-	}
-	type key struct {
-		fam    policy.Family
-		prefix netip.Prefix
-		action policy.Action
-		origin policy.Origin
-		dup    int
-	}
-	byKey := map[key]bpf.InstalledRule{}
-	for _, ir := range installed {
-		byKey[key{ir.Family, ir.Prefix, ir.Action, ir.Origin, ir.Dup}] = ir
-	}
-	var out []datapath.RuleCounter
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		if r.p != nil && r.p.Enabled(fam) {
-			seen := map[key]int{}
-			for i, rule := range r.p.Rules(fam) {
-				k := key{fam, rule.Prefix, rule.Action, rule.Origin, 0}
-				k.dup = seen[k]
-				seen[k]++
-				ir, ok := byKey[k]
-				if !ok {
-					continue // not installed (yet): left out rather than shown as zero
-				}
-				delete(byKey, k)
-				out = append(out, datapath.RuleCounter{Family: fam, Rule: i + 1, Prefix: rule.Prefix,
-					Action: rule.Action, Origin: rule.Origin, Entry: rule.Entry, Address: ir.Address, Packets: ir.Packets, Bytes: ir.Bytes})
-			}
-		}
-		for _, ir := range installed {
-			k := key{ir.Family, ir.Prefix, ir.Action, ir.Origin, ir.Dup}
-			if _, ok := byKey[k]; !ok || ir.Family != fam {
-				continue
-			}
-			out = append(out, datapath.RuleCounter{Family: fam, Rule: 0, Prefix: ir.Prefix, Action: ir.Action,
-				Origin: ir.Origin, Entry: -1, Address: ir.Address, Packets: ir.Packets, Bytes: ir.Bytes})
-		}
-	}
-	return out, nil
+	return ruleCounters(ctx, r.dp, r.p, true)
 }
 
 // NATStats implements datapath.NATReporter.

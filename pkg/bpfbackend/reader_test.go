@@ -53,14 +53,14 @@ func loadPinned(t *testing.T, bpffs string, p *policy.Policy) *bpf.Datapath {
 
 func TestCheckBPFFS(t *testing.T) {
 	bpffs := testutil.MountBPFFS(t)
-	if err := CheckBPFFS(bpffs); err != nil {
+	if err := bpf.CheckBPFFS(bpffs); err != nil {
 		t.Errorf("a bpffs: %v", err)
 	}
 	plain := t.TempDir()
-	if err := CheckBPFFS(plain); err == nil || !strings.Contains(err.Error(), plain+" is not a BPF filesystem") {
+	if err := bpf.CheckBPFFS(plain); err == nil || !strings.Contains(err.Error(), plain+" is not a BPF filesystem") {
 		t.Errorf("a plain directory: %v", err)
 	}
-	if err := CheckBPFFS(filepath.Join(plain, "none")); !errors.Is(err, os.ErrNotExist) {
+	if err := bpf.CheckBPFFS(filepath.Join(plain, "none")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("a missing directory: %v", err)
 	}
 }

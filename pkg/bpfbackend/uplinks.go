@@ -1,11 +1,18 @@
 package bpfbackend
 
 import (
+	"cmp"
 	"context"
+	"errors"
+	"fmt"
+	"net/netip"
 	"slices"
+	"strings"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/uplink"
 )
 
@@ -13,6 +20,153 @@ var (
 	_ datapath.UplinkReporter = (*Backend)(nil)
 	_ datapath.UplinkReporter = (*Reader)(nil)
 )
+
+// Changes carries uplink changes (an uplink appeared or went away, an address changed); each one
+// should lead to an Apply, which installs the uplinks as the watcher last read them
+// (agent.Options.Changes).
+func (b *Backend) Changes() <-chan string { return b.changes }
+
+// uplinksChanged is what the watcher calls with each change: the next Apply uses cur, and is
+// asked for through Changes. While a reason waits there, later ones are dropped: the Apply it
+// leads to uses the newest resolution anyway.
+func (b *Backend) uplinksChanged(reason string, cur uplink.Set) {
+	b.watched.Store(&cur)
+	b.askApply(reason)
+}
+
+// askApply asks for an Apply through Changes, for reason.
+func (b *Backend) askApply(reason string) {
+	select {
+	case b.changes <- reason:
+	default:
+	}
+}
+
+// resolveUplinks returns the uplinks under p: as the watcher read them when it last saw them
+// change, if no Apply used that yet and p is the policy in force, else read now. Routes make
+// uplinks where p may masquerade their destination. Having none is an error.
+func (b *Backend) resolveUplinks(ctx context.Context, p *policy.Policy) (uplink.Set, error) {
+	b.resolve.SetScope(p.MayMasquerade)
+	b.watchRes.SetScope(p.MayMasquerade)
+	set := b.watched.Swap(nil)
+	if set == nil || !p.Equal(b.lastApplied) {
+		cur, err := b.resolve.Resolve(ctx)
+		if err != nil {
+			return uplink.Set{}, err
+		}
+		set = &cur
+	}
+	if len(set.Missing) > 0 && !slices.Equal(set.Missing, b.missing) {
+		b.log.Warn("uplinks named by --interfaces do not exist (yet); they are attached when they appear", "missing", set.Missing)
+	}
+	b.missing = set.Missing
+	b.mu.Lock()
+	was := b.unsupported
+	b.unsupported = set.Unsupported
+	b.mu.Unlock()
+	if names := uplinkNames(set.Unsupported); len(names) > 0 && !slices.Equal(names, uplinkNames(was)) {
+		b.log.Warn("devices that pod traffic leaves by have no Ethernet header, which the programs cannot parse: "+
+			"pod traffic leaving by them is not masqueraded (use the iptables or nftables backend on such a node)",
+			"devices", names)
+	}
+	if len(set.Uplinks) == 0 {
+		if len(b.opts.Interfaces) > 0 && !strings.HasPrefix(b.opts.Interfaces[0], "!") {
+			return uplink.Set{}, fmt.Errorf("no uplink: none of --interfaces %s exists", strings.Join(b.opts.Interfaces, ","))
+		}
+		return uplink.Set{}, errors.New("no uplink: no default route, and no route toward a masqueraded destination")
+	}
+	return *set, nil
+}
+
+// snatAddrs is what uplink_snat (and uplink_macs) hold for u under p: for each family, p's
+// masquerade address when it has one, else u's own; IPv6 only where p masquerades IPv6. A
+// masquerade address is thus every uplink's, as iptables' SNAT rule applies to every device
+// (the agent checked it is one of the node's uplinks'), and host flows from it keep their ports
+// as they do from an uplink's own address.
+func snatAddrs(u uplink.Uplink, p *policy.Policy) bpf.Uplink {
+	addrs := bpf.Uplink{IPv4: cmp.Or(p.MasqueradeAddress, u.IPv4), MAC: u.MAC}
+	if p.Enabled(policy.IPv6) {
+		addrs.IPv6 = cmp.Or(p.MasqueradeAddressIPv6, u.IPv6)
+	}
+	return addrs
+}
+
+// heldAddrs are the addresses of the uplinks of set: the flows translated to one of them are not
+// flushed when another uplink stops using it.
+func heldAddrs(set uplink.Set) []netip.Addr {
+	var held []netip.Addr
+	for _, addrs := range set.Addrs {
+		held = append(held, addrs...)
+	}
+	return held
+}
+
+// install writes each uplink's SNAT addresses and attaches the programs to it: the swap of a
+// migration, which catches up first. changed tells that the uplinks differ from the last
+// Apply's: a missing address is then warned about. The flows of an SNAT address the policy no
+// longer uses, but that is still one of the uplinks' (held: a masqueradeAddress changed), keep
+// it, as conntrack's do; an address gone takes its flows.
+func (b *Backend) install(ctx context.Context, dp *bpf.Datapath, p *policy.Policy, set uplink.Set, held []netip.Addr, changed bool) error {
+	if b.migration != nil {
+		// The old programs still run: what they did during the migration's first pass goes in
+		// right before the swap.
+		if err := b.migration.CatchUp(dp); err != nil {
+			return fmt.Errorf("migration: %w", err)
+		}
+		if err := b.migration.Swapping(); err != nil {
+			return fmt.Errorf("migration: %w", err)
+		}
+	}
+	ups := set.Uplinks
+	progs := tc.Programs{Egress: dp.Egress(), Ingress: dp.Ingress()}
+	b.mu.Lock()
+	attached := b.uplinks
+	b.mu.Unlock()
+	for _, u := range ups {
+		if changed {
+			b.warnNoAddress(u, p)
+		}
+		flushed, err := dp.SetUplinkHolding(u.Index, snatAddrs(u, p), held)
+		if err != nil {
+			return err
+		}
+		if flushed > 0 {
+			b.log.Info("uplink address changed; flows of the old address flushed", "uplink", u.Name, "entries", flushed)
+		}
+		if err := b.attachTo(ctx, u, progs, slices.Contains(attached, u)); err != nil {
+			return fmt.Errorf("attach to %s: %w", u.Name, err)
+		}
+	}
+	return nil
+}
+
+// attachTo makes the uplink run the programs. One that the last successful Apply attached to
+// (before) and that still runs them, pins included, is left alone after that check (a query
+// per hook: no netlink in tcx mode): attaching again would also look for what the other attach
+// mode left on the device, which only an earlier process can have left and which that Apply
+// removed. In tcx mode this spares every uplink four netlink requests per apply.
+func (b *Backend) attachTo(ctx context.Context, u uplink.Uplink, progs tc.Programs, before bool) error {
+	if before {
+		st, err := b.attach.Check(ctx, u.Index, progs)
+		if err == nil && st.Runs && st.Pinned {
+			return nil
+		}
+	}
+	return b.attach.Attach(ctx, u.Index, progs)
+}
+
+// warnNoAddress warns when an uplink lacks the address of a family it is expected to carry: a
+// device named by --interfaces either family, one found by its routes the families of its
+// routes.
+func (b *Backend) warnNoAddress(u uplink.Uplink, p *policy.Policy) {
+	named, snat := u.Via == uplink.ViaInterfaces, snatAddrs(u, p)
+	if (named || u.RoutedV4) && !snat.IPv4.IsValid() {
+		b.log.Warn("uplink has no IPv4 address: its masqueraded IPv4 traffic is dropped", "uplink", u.Name)
+	}
+	if p.Enabled(policy.IPv6) && (named || u.RoutedV6) && !snat.IPv6.IsValid() {
+		b.log.Warn("uplink has no global IPv6 address: its masqueraded IPv6 traffic is dropped", "uplink", u.Name)
+	}
+}
 
 // Uplinks implements datapath.UplinkReporter: the uplinks the last Apply attached to, the former
 // uplinks that drain, and the devices without an Ethernet header it found pod traffic routed

@@ -134,14 +134,7 @@ func TestUpgradeFromLayout(t *testing.T) {
 						t.Errorf("layout %d's programs still run on the uplink: %v", from, ids)
 					}
 				}
-				entries, err := os.ReadDir(env.PinRoot())
-				if err != nil {
-					t.Fatal(err)
-				}
-				var names []string
-				for _, e := range entries {
-					names = append(names, e.Name())
-				}
+				names := pinNames(t, env.PinRoot())
 				want := []string{filepath.Base(env.PinDir())}
 				if mode == tc.ModeTCX {
 					want = append([]string{bpfbackend.LinkDir}, want...)
@@ -152,6 +145,136 @@ func TestUpgradeFromLayout(t *testing.T) {
 			})
 		}
 	}
+}
+
+// A step of a migration an agent is killed at (TestUpgradeInterrupted).
+type migrationStep int
+
+const (
+	// beforeSwap: the first pass and the catch-up are done; the old programs run.
+	beforeSwap migrationStep = iota
+	// afterSwap: this layout's programs replaced the old ones on the uplink.
+	afterSwap
+	// beforeFinish: as afterSwap, and the new programs carried traffic of their own (new flows)
+	// before the agent finished.
+	beforeFinish
+)
+
+func (s migrationStep) String() string {
+	return [...]string{"before the swap", "after the swap", "before finish"}[s]
+}
+
+// killedAgent leaves on the node what an agent of this build migrating from the old layout
+// leaves when it is killed at step: its maps opened over the pins (bpf.Open: the migration's
+// first pass), the policy and the uplink written, the catch-up done, and from afterSwap on the
+// migration marked swapped and its programs attached to the uplink, as Apply does them. Nothing
+// finishes the migration.
+func killedAgent(ctx context.Context, t *testing.T, env *Env, mode string, step migrationStep) {
+	t.Helper()
+	p := env.GoodPolicy(t)
+	idx, mac := env.UplinkIndex(t), env.UplinkMAC(t)
+	err := testutil.Do(env.Node, func() error {
+		opened, err := bpf.Open(env.PinRoot(), bpf.OpenOptions{Policy: p})
+		if err != nil {
+			return err
+		}
+		defer opened.Close()
+		if opened.Migration == nil {
+			return fmt.Errorf("nothing to migrate under %s", env.PinRoot())
+		}
+		if err := opened.SyncPolicy(p); err != nil {
+			return err
+		}
+		if _, err := opened.SetUplink(idx, bpf.Uplink{IPv4: NodeAddr4, MAC: mac}); err != nil {
+			return err
+		}
+		if err := opened.Migration.CatchUp(opened.Datapath); err != nil || step == beforeSwap {
+			return err
+		}
+		if err := opened.Migration.Swapping(); err != nil {
+			return err
+		}
+		m, err := tc.NewManager(mode, bpfbackend.AttachOptions(env.BPFFS(), nil))
+		if err != nil {
+			return err
+		}
+		defer m.Close()
+		return m.Attach(ctx, idx, tc.Programs{Egress: opened.Egress(), Ingress: opened.Ingress()})
+	})
+	if err != nil {
+		t.Fatalf("the agent killed %s: %v", step, err)
+	}
+}
+
+// TestUpgradeInterrupted, in both attach modes: an agent upgrading the node from the previous
+// layout is killed at each step of the migration (before the swap, right after it, before it
+// finished while the new programs carried flows of their own), with a TCP connection and a UDP
+// flow open through the old programs (and, before finish, a second pair through the new ones;
+// the external host has no route back to the pod). The next agent finishes the migration:
+// every held flow keeps its source and works throughout, new connections are masqueraded, and
+// the datapath ends as this layout's alone.
+func TestUpgradeInterrupted(t *testing.T) {
+	from := bpf.Layout - 1
+	for _, step := range []migrationStep{beforeSwap, afterSwap, beforeFinish} {
+		for _, b := range bpfBackends() {
+			t.Run(fmt.Sprintf("%s/%s", strings.ReplaceAll(step.String(), " ", "-"), b.Name), func(t *testing.T) {
+				t.Parallel()
+				requireBackend(t, b)
+				ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+				defer cancel()
+				mode := strings.TrimPrefix(b.Name, "bpf-")
+				env := NewBackendEnv(ctx, t, b, nil)
+				env.SetGood("", true)
+				installOld(ctx, t, env, mode, from, false)
+				StartLineEcho(t, env.Ext, []netip.Addr{public4})
+				env.CutReturnRoutes(ctx, t)
+				conns, seen := heldFlows(ctx, t, env, public4)
+				killedAgent(ctx, t, env, mode, step)
+				if step == beforeFinish {
+					more, moreSeen := heldFlows(ctx, t, env, public4)
+					conns, seen = append(conns, more...), append(seen, moreSeen...)
+				}
+				w := watchFlows(ctx, env, conns, seen)
+				time.Sleep(200 * time.Millisecond)
+
+				ag := env.StartAgent(ctx, t, b)
+				if err := ag.WaitReady(ctx); err != nil {
+					t.Fatal(err)
+				}
+				if err := ag.WaitLog(ctx, 1, "migration finished"); err != nil {
+					t.Fatal(err)
+				}
+				resumed := ag.Count("resuming a migration whose agent stopped after the swap") == 1
+				if resumed != (step != beforeSwap) {
+					t.Errorf("killed %s, the next agent resumed the migration: %v\n%s", step, resumed, ag.Logs())
+				}
+				time.Sleep(300 * time.Millisecond)
+				w.stop(t, 10)
+				b.Verify(ctx, t, env)
+				want := []string{filepath.Base(env.PinDir())}
+				if mode == tc.ModeTCX {
+					want = append([]string{bpfbackend.LinkDir}, want...)
+				}
+				if names := pinNames(t, env.PinRoot()); !slices.Equal(names, want) {
+					t.Errorf("after the migration the pin root holds %v, want %v", names, want)
+				}
+			})
+		}
+	}
+}
+
+// pinNames lists the names under dir.
+func pinNames(t *testing.T, dir string) []string {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range entries {
+		names = append(names, e.Name())
+	}
+	return names
 }
 
 // TestRefuseNewerLayout: over the datapath of a newer agent (maps of a layout newer than this

@@ -1,0 +1,352 @@
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+)
+
+// The lifecycle of the pinned datapath, in one place: Open is what an agent does when it starts
+// (its layout's maps, at the sizes asked, taking over what earlier agents pinned), Grow what it
+// does when a policy outgrows the rule maps, OpenReadOnly what `dump` does, RemovePinned what
+// `cleanup` does. layout.go says what a layout is, migrate.go how entries are carried.
+
+// smallIPv6Entries sizes the IPv6 NAT tables when the policy does not enable IPv6: the programs
+// then record no IPv6 flow, and the tables are preallocated (the default size is ~33 MB).
+const smallIPv6Entries = 1024
+
+// OpenOptions say how large an opened datapath's maps are; zero values are LoadOptions'
+// defaults.
+type OpenOptions struct {
+	// NATEntries and FragEntries are LoadOptions'; the IPv6 tables are as large only where
+	// Policy enables IPv6, else small.
+	NATEntries  uint32
+	FragEntries uint32
+	// MaxRules sizes the rule maps; zero keeps the pinned maps' size, or makes room for
+	// Policy's rules where nothing is pinned (Grow makes more room later).
+	MaxRules uint32
+	// Policy is the policy the datapath is opened for.
+	Policy *policy.Policy
+}
+
+// Opened is a datapath Open loaded, and what Open found and did, for the caller to report.
+type Opened struct {
+	*Datapath
+	// Migration is the migration of what older layouts (or maps set aside as resized) held,
+	// its first pass done; nil when there was nothing to migrate. The caller swaps the programs,
+	// then finishes it (Migration.Finish).
+	Migration *Migration
+	// Resized are the pinned maps of this layout that had other sizes, replaced by new ones;
+	// Carried are those of them whose entries Migration carries (the flow state's), the others
+	// start over (the policy's, written again by the next sync).
+	Resized []PinMismatch
+	Carried []string
+	// Loaded and Migrated are how long loading and the migration's first pass took.
+	Loaded, Migrated time.Duration
+}
+
+// Open loads the datapath over what is pinned under root (<bpffs>/ip-masq-agent): the maps of
+// this build's layout (LayoutDir) are reused, and the entries of older layouts' pins are
+// migrated into them (the first pass: see Migrate). Pins of a layout this agent does not know
+// are refused (an error wrapping ErrUnknownLayout) before anything is touched: they may be a
+// newer agent's. Pinned maps of this layout but other sizes (the NAT tables after their size
+// changed, the IPv6 ones after IPv6 was enabled) are replaced, and only they: the flow state's
+// are set aside and migrated into the new ones, as an older layout's are (every flow keeps its
+// mapping); the policy's are written again by the next sync, and the rule counters start over
+// unless a policy that outgrew them carries them (Grow). The programs still attached keep using
+// the old maps until the caller replaces them, so traffic never meets empty maps.
+func Open(root string, o OpenOptions) (*Opened, error) {
+	pins, err := Inspect(root)
+	if err != nil {
+		return nil, err
+	}
+	lopts, err := o.loadOptions(pins)
+	if err != nil {
+		return nil, err
+	}
+	opened := &Opened{}
+	if opened.Resized, err = CheckPins(lopts); err != nil {
+		return nil, err
+	}
+	if aside, err := replaceResized(lopts.PinPath, opened); err != nil {
+		return nil, err
+	} else if aside {
+		if pins, err = Inspect(root); err != nil {
+			return nil, err
+		}
+	}
+	start := time.Now()
+	if opened.Datapath, err = Load(lopts); err != nil {
+		return nil, err
+	}
+	opened.Loaded = time.Since(start)
+	if len(pins.Sources) == 0 {
+		// A migration finished but for its mark.
+		if err := os.Remove(swappedMark(lopts.PinPath)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			opened.Close()
+			return nil, fmt.Errorf("remove the mark of a finished migration: %w", err)
+		}
+	} else {
+		start = time.Now()
+		if opened.Migration, err = opened.Migrate(pins.Sources); err != nil {
+			opened.Close()
+			return nil, err
+		}
+		opened.Migrated = time.Since(start)
+	}
+	return opened, nil
+}
+
+// loadOptions are the LoadOptions of o over pins: the rule maps as large as the largest pinned,
+// else large enough for the policy.
+func (o OpenOptions) loadOptions(pins Pins) (LoadOptions, error) {
+	lopts := LoadOptions{PinPath: LayoutDir(pins.Root), MaxRules: o.MaxRules, NATEntries: o.NATEntries, FragEntries: o.FragEntries}
+	if o.Policy == nil || !o.Policy.Enabled(policy.IPv6) {
+		lopts.NATEntriesV6 = smallIPv6Entries
+	}
+	if lopts.MaxRules != 0 {
+		return lopts, nil
+	}
+	dirs := []string{lopts.PinPath}
+	for _, src := range pins.Sources {
+		dirs = append(dirs, src.Dir)
+	}
+	for _, dir := range dirs {
+		pinned, err := pinnedRuleCapacity(dir)
+		if err != nil {
+			return lopts, err
+		}
+		lopts.MaxRules = max(lopts.MaxRules, pinned)
+	}
+	if lopts.MaxRules == 0 && o.Policy != nil {
+		lopts.MaxRules = CapacityFor(len(o.Policy.IPv4) + len(o.Policy.IPv6))
+	}
+	return lopts, nil
+}
+
+// replaceResized makes Load make anew the maps of opened.Resized: the flow state's are set
+// aside (SetAside) for a migration to carry, which it tells, the others' pins removed.
+func replaceResized(dir string, opened *Opened) (aside bool, err error) {
+	var dropped []string
+	for _, m := range opened.Resized {
+		if carriedOnResize(m.Map) {
+			opened.Carried = append(opened.Carried, m.Map)
+		} else {
+			dropped = append(dropped, m.Map)
+		}
+	}
+	if len(opened.Carried) > 0 {
+		if _, err := SetAside(dir, opened.Carried...); err != nil {
+			return false, err
+		}
+	}
+	return len(opened.Carried) > 0, RemovePins(dir, dropped...)
+}
+
+// pinnedRuleCapacity returns the MaxRules of the maps pinned in dir, or 0 when none are pinned.
+func pinnedRuleCapacity(dir string) (uint32, error) {
+	m, err := ebpf.LoadPinnedMap(filepath.Join(dir, masqMapRuleSlots), &ebpf.LoadPinOptions{ReadOnly: true})
+	if errors.Is(err, os.ErrNotExist) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("open pinned %s: %w", masqMapRuleSlots, err)
+	}
+	defer m.Close()
+	return m.MaxEntries(), nil
+}
+
+// PinMismatch is a map pinned under LoadOptions.PinPath whose layout differs from what Load
+// would create (another size, key or value), so Load cannot reuse it.
+type PinMismatch struct {
+	Map string
+	// Reason says what differs, e.g. "MaxEntries: 1024 changed to 262144".
+	Reason string
+}
+
+// CheckPins compares the maps pinned under opts.PinPath with those Load(opts) would create, and
+// returns the ones that differ. A map that is not pinned is not a mismatch: Load creates it.
+// Removing the pins of the mismatches (RemovePins), or setting them aside so that a migration
+// carries their entries (SetAside), lets Load replace just those maps, keeping the rest.
+func CheckPins(opts LoadOptions) ([]PinMismatch, error) {
+	opts = opts.withDefaults()
+	if opts.PinPath == "" {
+		return nil, nil
+	}
+	spec, err := opts.spec()
+	if err != nil {
+		return nil, err
+	}
+	var out []PinMismatch
+	for _, name := range MapNames() {
+		m, err := ebpf.LoadPinnedMap(filepath.Join(opts.PinPath, name), nil)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("open pinned map %s: %w", name, err)
+		}
+		cerr := spec.Maps[name].Compatible(m)
+		m.Close()
+		if errors.Is(cerr, ebpf.ErrMapIncompatible) {
+			out = append(out, PinMismatch{Map: name, Reason: strings.TrimSuffix(cerr.Error(), ": "+ebpf.ErrMapIncompatible.Error())})
+		} else if cerr != nil {
+			return nil, fmt.Errorf("compare pinned map %s: %w", name, cerr)
+		}
+	}
+	return out, nil
+}
+
+// RemovePins removes the pins of the named maps under dir; pins already gone are fine. Maps
+// still in use (by attached programs) live on until those let go of them.
+func RemovePins(dir string, names ...string) error {
+	for _, name := range names {
+		if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("remove pin of %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// carriedOnResize tells whether the entries of a map whose size changed are carried into the
+// new one (SetAside): the flow state's (NAT tables, kept verdicts, fragments). The other maps
+// whose size can change are the policy's, which a sync writes again, and the rule counters,
+// which a policy that outgrows them carries itself (Grow).
+func carriedOnResize(name string) bool {
+	return carried[name] == carryFlows || carried[name] == carryEntries
+}
+
+// SetAside moves the pins of the named maps of dir, a layout directory (LayoutDir), into a
+// directory of resized maps beside it, <dir>-resized-<k> with the first k not in use, and
+// returns that directory. Load then makes those maps anew, and Inspect reports the directory as
+// a source of dir's layout, whose entries a migration carries into the new maps before it
+// removes it; the programs attached meanwhile keep the set-aside maps, as with an older
+// layout's. A directory of resized maps is never written to again: maps set aside later, even
+// of the same names, go to a directory of their own, merged after it.
+func SetAside(dir string, names ...string) (string, error) {
+	to := ""
+	for k := 1; ; k++ {
+		to = dir + "-resized-" + strconv.Itoa(k)
+		if _, err := os.Stat(to); errors.Is(err, fs.ErrNotExist) {
+			break
+		} else if err != nil {
+			return "", fmt.Errorf("set aside resized maps: %w", err)
+		}
+	}
+	if err := os.Mkdir(to, 0o700); err != nil {
+		return "", fmt.Errorf("set aside resized maps: %w", err)
+	}
+	for _, name := range names {
+		if err := os.Rename(filepath.Join(dir, name), filepath.Join(to, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return to, fmt.Errorf("set aside resized map %s: %w", name, err)
+		}
+	}
+	return to, nil
+}
+
+// ErrOtherLayout is the error of OpenReadOnly for pins of another layout than this build's:
+// an older layout's are migrated by the next agent, a newer one's belong to a newer agent.
+var ErrOtherLayout = errors.New("pinned maps of another layout")
+
+// OpenReadOnly opens the datapath pinned under root for a reader in another process (`dump`):
+// its maps through read-only descriptors, no program loaded, nothing created or changed. It
+// returns nil and no error when nothing is pinned there, and an error wrapping ErrOtherLayout
+// (or ErrUnknownLayout) for the pins of another layout.
+func OpenReadOnly(root string) (*Datapath, error) {
+	entries, err := os.ReadDir(root)
+	if errors.Is(err, fs.ErrNotExist) || err == nil && len(entries) == 0 {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read BPF pins: %w", err)
+	}
+	if err := CheckBPFFS(filepath.Dir(root)); err != nil {
+		return nil, err
+	}
+	pins, err := Inspect(root)
+	if err != nil {
+		return nil, err
+	}
+	if !pins.Current && len(pins.Sources) > 0 {
+		return nil, fmt.Errorf("%w: %s: the next agent migrates them to layout %d, which this build reads",
+			ErrOtherLayout, pins.Sources[len(pins.Sources)-1], Layout)
+	}
+	return OpenPinnedReadOnly(LayoutDir(root))
+}
+
+// OpenPinned opens the maps a datapath pinned in dir (LoadOptions.PinPath), without loading
+// programs and without creating anything. It fails with an error wrapping fs.ErrNotExist when a
+// map is not pinned there. Egress and Ingress return nil on the result; everything that reads
+// or writes maps works.
+func OpenPinned(dir string) (*Datapath, error) { return openPinned(dir, nil) }
+
+// OpenPinnedReadOnly is OpenPinned with read-only map descriptors: every reader works, every
+// writer fails.
+func OpenPinnedReadOnly(dir string) (*Datapath, error) {
+	return openPinned(dir, &ebpf.LoadPinOptions{ReadOnly: true})
+}
+
+func openPinned(dir string, pinOpts *ebpf.LoadPinOptions) (*Datapath, error) {
+	d := &Datapath{opts: LoadOptions{PinPath: dir}}
+	for name, field := range d.mapFields() {
+		m, err := ebpf.LoadPinnedMap(filepath.Join(dir, name), pinOpts)
+		if err != nil {
+			d.objs.Close()
+			return nil, fmt.Errorf("open pinned map %s: %w", name, err)
+		}
+		*field = m
+	}
+	d.opts.MaxRules = d.objs.RuleSlots.MaxEntries()
+	d.opts.NATEntries = d.objs.NatV4.MaxEntries()
+	d.opts.NATEntriesV6 = d.objs.NatV6.MaxEntries()
+	d.opts.FragEntries = d.objs.FragV4.MaxEntries()
+	if err := d.recover(); err != nil {
+		d.objs.Close()
+		return nil, err
+	}
+	return d, nil
+}
+
+// RemovePinned removes every pin under root, the maps of every layout with them (they live on
+// while programs or descriptors hold them), and tells whether there was anything. Pins are
+// touched only where root is on a BPF filesystem.
+func RemovePinned(root string) (bool, error) {
+	if _, err := os.Stat(root); errors.Is(err, fs.ErrNotExist) {
+		return false, nil
+	}
+	if err := CheckBPFFS(filepath.Dir(root)); err != nil {
+		return false, fmt.Errorf("leave %s alone: %w", root, err)
+	}
+	if err := os.RemoveAll(root); err != nil {
+		return false, fmt.Errorf("remove BPF pins: %w", err)
+	}
+	return true, nil
+}
+
+// bpfFSMagic is the statfs magic of a BPF filesystem (BPF_FS_MAGIC).
+const bpfFSMagic = 0xcafe4a11
+
+// CheckBPFFS checks that dir is a writable BPF filesystem.
+func CheckBPFFS(dir string) error {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return fmt.Errorf("--bpffs %s: %w", dir, err)
+	}
+	if uint32(st.Type) != bpfFSMagic {
+		return fmt.Errorf("--bpffs %s is not a BPF filesystem (filesystem magic %#x); mount one there (mount -t bpf bpf %s) or give another --bpffs", dir, uint32(st.Type), dir)
+	}
+	if err := unix.Access(dir, unix.W_OK); err != nil {
+		return fmt.Errorf("--bpffs %s is not writable: %w", dir, err)
+	}
+	return nil
+}
