@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io/fs"
 	"maps"
+	"math"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -231,6 +232,10 @@ type Source struct {
 
 func (s Source) legacy() bool { return s.Layout < firstDirLayout }
 
+// Newer tells that the source is the pins of a layout newer than this build's, which a migration
+// removes unread (OpenOptions.ReplaceNewer).
+func (s Source) Newer() bool { return s.Layout > Layout }
+
 // Resized tells that the source holds maps of this build's layout set aside because their size
 // changed (SetAside), rather than an older layout's.
 func (s Source) Resized() bool { return s.resized > 0 }
@@ -246,16 +251,35 @@ type Pins struct {
 	Current bool
 	// Sources are the pins of older layouts and the maps set aside as resized, in the order a
 	// migration merges them: older layout directories first (each before the maps set aside
-	// from it, in the order they were), legacy pins at the root last. Their entries win a
-	// conflict with what was merged before: the legacy pins, which only an older agent started
-	// after a newer one (a rollback) can have made, are the newest.
+	// from it, in the order they were), legacy pins at the root last (which only an older agent
+	// started after a newer one, a rollback, can have made). Where two hold one key, the flow
+	// seen last keeps it (see migrate.go).
 	Sources []Source
+	// Newer are the directories of layouts newer than this build's (a newer agent's, found
+	// after a rollback), which Inspect refuses and OpenOptions.ReplaceNewer replaces; none of
+	// their maps is read.
+	Newer []Source
 }
 
 // Inspect reads what is pinned under root (<bpffs>/ip-masq-agent), changing nothing. It fails
-// with an error wrapping ErrUnknownLayout for pins of a layout newer than Layout, or whose
-// layout it cannot tell. A root that does not exist holds nothing.
+// with an error wrapping ErrUnknownLayout for pins of a layout newer than Layout (Pins.Newer
+// lists them), or whose layout it cannot tell. A root that does not exist holds nothing.
 func Inspect(root string) (Pins, error) {
+	pins, err := inspect(root)
+	if err == nil && len(pins.Newer) > 0 {
+		err = refuseNewer(pins.Newer[0])
+	}
+	return pins, err
+}
+
+// refuseNewer is the error of pins of a newer layout.
+func refuseNewer(src Source) error {
+	return fmt.Errorf("%w: %s holds layout %d, newer than this agent's %d: a newer agent's state, left alone",
+		ErrUnknownLayout, src.Dir, src.Layout, Layout)
+}
+
+// inspect is Inspect with the pins of newer layouts listed, not refused.
+func inspect(root string) (Pins, error) {
 	pins := Pins{Root: root}
 	entries, err := os.ReadDir(root)
 	if errors.Is(err, fs.ErrNotExist) {
@@ -279,33 +303,14 @@ func Inspect(root string) (Pins, error) {
 			}
 			continue
 		}
-		m := layoutDirName.FindStringSubmatch(name)
-		resized := resizedDirName.FindStringSubmatch(name)
-		if m == nil && resized == nil || !e.IsDir() {
-			continue // the links' directory, a staging directory, anything else
-		}
-		if resized != nil {
-			m = resized
-		}
-		n, err := strconv.Atoi(m[1])
+		src, ok, err := layoutDir(root, e)
 		switch {
-		case err != nil || n > Layout:
-			return pins, fmt.Errorf("%w: %s holds layout %s, newer than this agent's %d: a newer agent's state, left alone",
-				ErrUnknownLayout, filepath.Join(root, name), m[1], Layout)
-		case n < firstDirLayout:
-			return pins, fmt.Errorf("%w: %s: layout %d never had a directory", ErrUnknownLayout, filepath.Join(root, name), n)
-		}
-		src, err := inspectDir(filepath.Join(root, name), n)
-		if err != nil {
+		case err != nil:
 			return pins, err
-		}
-		switch {
-		case resized != nil:
-			if src.resized, err = strconv.Atoi(resized[2]); err != nil {
-				return pins, fmt.Errorf("%w: %s: %v", ErrUnknownLayout, filepath.Join(root, name), err)
-			}
-			dirs = append(dirs, src)
-		case n == Layout:
+		case !ok: // the links' directory, a staging directory, anything else
+		case src.Layout > Layout:
+			pins.Newer = append(pins.Newer, src)
+		case src.Layout == Layout && !src.Resized():
 			pins.Current = true
 		default:
 			dirs = append(dirs, src)
@@ -317,6 +322,36 @@ func Inspect(root string) (Pins, error) {
 		pins.Sources = append(pins.Sources, legacy)
 	}
 	return pins, nil
+}
+
+// layoutDir reads the entry e of root when it is the directory of a layout (vN) or of maps set
+// aside as resized (vN-resized-k): ok false when it is neither. A newer layout's is not read.
+func layoutDir(root string, e fs.DirEntry) (src Source, ok bool, err error) {
+	name := e.Name()
+	m := layoutDirName.FindStringSubmatch(name)
+	resized := resizedDirName.FindStringSubmatch(name)
+	if m == nil && resized == nil || !e.IsDir() {
+		return Source{}, false, nil
+	}
+	src = Source{Dir: filepath.Join(root, name), layouts: map[string]int{}}
+	if resized != nil {
+		m = resized
+		if src.resized, err = strconv.Atoi(resized[2]); err != nil {
+			return src, false, fmt.Errorf("%w: %s: %v", ErrUnknownLayout, src.Dir, err)
+		}
+	}
+	if src.Layout, err = strconv.Atoi(m[1]); err != nil {
+		src.Layout = math.MaxInt // too large a number: newer than any
+	}
+	switch {
+	case src.Layout > Layout:
+		return src, true, nil
+	case src.Layout < firstDirLayout:
+		return src, false, fmt.Errorf("%w: %s: layout %d never had a directory", ErrUnknownLayout, src.Dir, src.Layout)
+	}
+	read, err := inspectDir(src.Dir, src.Layout)
+	read.resized = src.resized
+	return read, err == nil, err
 }
 
 // legacyLayout tells the layout of a map pinned at the root by its shape: the newest legacy

@@ -747,3 +747,49 @@ func TestMigrateAfterTheSwap(t *testing.T) {
 		t.Errorf("the outbound rule counted %d packets after Finish, want %d", got, counted+2)
 	}
 }
+
+// TestOpenReplacesNewer: Open refuses the pins of a newer layout, changing nothing; with
+// ReplaceNewer it opens this layout's maps empty beside them, carries nothing of them, and
+// Finish removes them.
+func TestOpenReplacesNewer(t *testing.T) {
+	root := filepath.Join(testutil.MountBPFFS(t), "ip-masq-agent")
+	newer, err := bpftest.Newer(root, bpftest.Options{Uplink: testIfindex, SNAT4: snat4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer newer.Close()
+	h := &harness{t: t}
+	h.passOld(newer.Egress(), udpPacket(ap(pod4(1), 1000), ap(remote4, 53), nil))
+	before := pinsUnder(t, root)
+	p := defaultPolicy(true)
+	if _, err := Open(root, OpenOptions{Policy: p}); !errors.Is(err, ErrUnknownLayout) {
+		t.Fatalf("Open over a newer layout: %v, want ErrUnknownLayout", err)
+	}
+	if after := pinsUnder(t, root); !slices.Equal(before, after) {
+		t.Fatalf("the refusal changed the pins:\nbefore %v\nafter  %v", before, after)
+	}
+	opened, err := Open(root, OpenOptions{Policy: p, ReplaceNewer: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer opened.Close()
+	newerDir := filepath.Join(root, fmt.Sprintf("v%d", Layout+1))
+	if len(opened.Replaced) != 1 || opened.Replaced[0].Dir != newerDir || opened.Migration == nil {
+		t.Fatalf("replaced %v, migration %v; want %s replaced", opened.Replaced, opened.Migration, newerDir)
+	}
+	if n := rawEntries(t, opened.objs.NatV4) + rawEntries(t, opened.objs.NatNewV4); n != 0 {
+		t.Errorf("%d NAT entries carried from a layout this build cannot read", n)
+	}
+	if err := opened.SyncPolicy(p); err != nil {
+		t.Fatal(err)
+	}
+	if err := opened.Migration.Swapping(); err != nil {
+		t.Fatal(err)
+	}
+	if err := opened.Migration.Finish(opened.Datapath); err != nil {
+		t.Fatal(err)
+	}
+	if got := pinNames(t, root); !slices.Equal(got, []string{filepath.Base(LayoutDir(root))}) {
+		t.Errorf("after Finish the root holds %v, want only %s", got, filepath.Base(LayoutDir(root)))
+	}
+}

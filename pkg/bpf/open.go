@@ -37,6 +37,10 @@ type OpenOptions struct {
 	MaxRules uint32
 	// Policy is the policy the datapath is opened for.
 	Policy *policy.Policy
+	// ReplaceNewer takes over the pins of layouts newer than this build's (a rollback) rather
+	// than refusing them: their maps, which this build cannot read, are removed once Finish
+	// runs, and their flows are lost.
+	ReplaceNewer bool
 }
 
 // Opened is a datapath Open loaded, and what Open found and did, for the caller to report.
@@ -51,6 +55,8 @@ type Opened struct {
 	// start over (the policy's, written again by the next sync).
 	Resized []PinMismatch
 	Carried []string
+	// Replaced are the pins of newer layouts that Migration removes, unread (ReplaceNewer).
+	Replaced []Source
 	// Loaded and Migrated are how long loading and the migration's first pass took.
 	Loaded, Migrated time.Duration
 }
@@ -64,9 +70,14 @@ type Opened struct {
 // are set aside and migrated into the new ones, as an older layout's are (every flow keeps its
 // mapping); the policy's are written again by the next sync, and the rule counters start over
 // unless a policy that outgrew them carries them (Grow). The programs still attached keep using
-// the old maps until the caller replaces them, so traffic never meets empty maps.
+// the old maps until the caller replaces them, so traffic never meets empty maps. With
+// o.ReplaceNewer the pins of newer layouts are taken over instead of refused: nothing of them
+// is carried, and Migration removes them.
 func Open(root string, o OpenOptions) (*Opened, error) {
-	pins, err := Inspect(root)
+	pins, err := inspect(root)
+	if err == nil && len(pins.Newer) > 0 && !o.ReplaceNewer {
+		err = refuseNewer(pins.Newer[0])
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -81,16 +92,17 @@ func Open(root string, o OpenOptions) (*Opened, error) {
 	if aside, err := replaceResized(lopts.PinPath, opened); err != nil {
 		return nil, err
 	} else if aside {
-		if pins, err = Inspect(root); err != nil {
+		if pins, err = inspect(root); err != nil {
 			return nil, err
 		}
 	}
+	opened.Replaced = pins.Newer
 	start := time.Now()
 	if opened.Datapath, err = Load(lopts); err != nil {
 		return nil, err
 	}
 	opened.Loaded = time.Since(start)
-	if len(pins.Sources) == 0 {
+	if sources := append(pins.Sources, pins.Newer...); len(sources) == 0 {
 		// A migration finished but for its mark.
 		if err := os.Remove(swappedMark(lopts.PinPath)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			opened.Close()
@@ -98,7 +110,7 @@ func Open(root string, o OpenOptions) (*Opened, error) {
 		}
 	} else {
 		start = time.Now()
-		if opened.Migration, err = opened.Migrate(pins.Sources); err != nil {
+		if opened.Migration, err = opened.Migrate(sources); err != nil {
 			opened.Close()
 			return nil, err
 		}

@@ -61,6 +61,9 @@ type Options struct {
 	AttachMode string
 	// NATEntries sizes each family's confirmed NAT table (bpf.LoadOptions); zero is the default.
 	NATEntries uint32
+	// ReplaceNewer takes over the pins of a newer layout instead of refusing them
+	// (bpf.OpenOptions.ReplaceNewer).
+	ReplaceNewer bool
 	// SweepInterval is how often idle NAT entries are removed; zero means the default.
 	SweepInterval time.Duration
 	// Timeouts are the idle timeouts of the sweep that --nat-timeouts sets: each one set

@@ -68,6 +68,8 @@ type Settings struct {
 	// NATTimeouts is --nat-timeouts, which Check parses into Timeouts.
 	NATTimeouts string
 	Timeouts    bpf.Timeouts
+	// ReplaceNewer is --replace-newer-layout.
+	ReplaceNewer bool
 }
 
 // DefaultBPFFS is the default --bpffs: where the node mounts its BPF filesystem.
@@ -88,6 +90,8 @@ func registerFlags(fs *flag.FlagSet) *Settings {
 	fs.UintVar(&s.NATEntries, "nat-max-entries", bpf.DefaultNATEntries, natMaxEntriesUsage())
 	fs.StringVar(&s.NATTimeouts, "nat-timeouts", "", `idle timeouts of BPF NAT entries, e.g. "udp=30s,tcp-closing=10s" (keys: `+strings.Join(timeoutKeys(), ", ")+"); "+
 		"each one not given is the node's own conntrack sysctl where the nf_conntrack module is loaded, else conntrack's default")
+	fs.BoolVar(&s.ReplaceNewer, "replace-newer-layout", false, "the way back from a rollback: take over the BPF datapath of a newer agent (pinned maps of a newer layout), "+
+		"which this agent otherwise refuses and leaves alone; its programs are replaced in place and its maps removed, and the flows they held are lost")
 	return s
 }
 
@@ -123,7 +127,7 @@ func (s *Settings) Check() error {
 // options are the backend's Options under e.
 func (s *Settings) options(e datapath.Env) Options {
 	return Options{BPFFS: s.BPFFS, Interfaces: e.Interfaces, AttachMode: s.AttachMode,
-		SweepInterval: s.SweepInterval, Timeouts: s.Timeouts, NATEntries: uint32(s.NATEntries), Logger: e.Logger}
+		SweepInterval: s.SweepInterval, Timeouts: s.Timeouts, NATEntries: uint32(s.NATEntries), ReplaceNewer: s.ReplaceNewer, Logger: e.Logger}
 }
 
 // settingsOf are e's settings of this backend; none are the defaults.

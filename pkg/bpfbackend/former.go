@@ -45,6 +45,17 @@ func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, ups []uplink.
 	if err != nil {
 		return err
 	}
+	if b.migration != nil && slices.ContainsFunc(b.migration.Sources(), bpf.Source.Newer) {
+		// The newer agent's uplinks are in maps this agent cannot read: its programs are
+		// looked for on every device, once.
+		all, err := b.attach.List(ctx)
+		if err != nil {
+			return err
+		}
+		for _, a := range all {
+			pinned = append(pinned, a.Ifindex)
+		}
+	}
 	b.mu.Lock()
 	was := b.draining
 	b.mu.Unlock()

@@ -55,11 +55,11 @@ func (b *Backend) datapathFor(p *policy.Policy) (*bpf.Datapath, error) {
 // refusal of pins this agent must leave alone (Info says so until an open succeeds), maps
 // replaced for their size, a migration begun.
 func (b *Backend) open(p *policy.Policy) (*bpf.Opened, error) {
-	opened, err := bpf.Open(b.pinRoot, bpf.OpenOptions{NATEntries: b.opts.NATEntries, Policy: p})
+	opened, err := bpf.Open(b.pinRoot, bpf.OpenOptions{NATEntries: b.opts.NATEntries, Policy: p, ReplaceNewer: b.opts.ReplaceNewer})
 	refused := ""
 	if errors.Is(err, bpf.ErrUnknownLayout) {
 		refused = err.Error()
-		err = fmt.Errorf("%w: %w; nothing was changed (roll the agent forward, or run cleanup to start over without them)", datapath.ErrRefused, err)
+		err = fmt.Errorf("%w: %w; nothing was changed (roll the agent forward, or replace them: --replace-newer-layout)", datapath.ErrRefused, err)
 	}
 	b.mu.Lock()
 	if refused != "" && b.refused == "" {
@@ -81,6 +81,10 @@ func (b *Backend) open(p *policy.Policy) (*bpf.Opened, error) {
 		b.log.Warn("pinned maps have other sizes; replacing them, the flow state's carried into the new ones",
 			"maps", why, "carried", opened.Carried, "startOver", dropped)
 	}
+	if len(opened.Replaced) > 0 {
+		b.log.Warn("replacing the pinned maps of a newer layout (--replace-newer-layout): this agent's programs take their place, and the flows they held are lost",
+			"pins", fmt.Sprint(opened.Replaced))
+	}
 	if mig := opened.Migration; mig != nil {
 		b.logMigration(mig, opened.Migrated)
 	}
@@ -95,7 +99,10 @@ func (b *Backend) open(p *policy.Policy) (*bpf.Opened, error) {
 
 // logMigration reports the first pass of a migration.
 func (b *Backend) logMigration(mig *bpf.Migration, took time.Duration) {
-	srcs := mig.Sources()
+	srcs := slices.DeleteFunc(mig.Sources(), bpf.Source.Newer) // replaced, not migrated
+	if len(srcs) == 0 {
+		return
+	}
 	msg := "migrating the pinned maps of an older layout; their programs run until this agent's replace them"
 	if !slices.ContainsFunc(srcs, func(s bpf.Source) bool { return !s.Resized() }) {
 		msg = "carrying the entries of the resized maps into the new ones; the old ones serve the programs until this agent's replace them"

@@ -341,3 +341,65 @@ func pinState(t *testing.T, dir string) []string {
 	}
 	return st
 }
+
+// TestReplaceNewerLayout: the way back from a rollback across layouts. Over the datapath of a
+// newer agent (maps of a newer layout, their programs on the uplink, a connection open through
+// them), an agent started with --replace-newer-layout takes it over instead of refusing it: it
+// says so, its programs replace the newer ones in place (every new connection meanwhile is
+// masqueraded), it becomes ready and manages the node (the datapath is its policy's), and only
+// this layout's pins are left. The newer agent's flows are lost, as documented; none leaves with
+// the pod's address.
+func TestReplaceNewerLayout(t *testing.T) {
+	for _, b := range bpfBackends() {
+		t.Run(b.Name, func(t *testing.T) {
+			requireBackend(t, b)
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
+			defer cancel()
+			mode := strings.TrimPrefix(b.Name, "bpf-")
+			env := NewBackendEnv(ctx, t, b, nil)
+			env.SetGood("", true)
+			newer := installOld(ctx, t, env, mode, 0, true)
+			StartLineEcho(t, env.Ext, []netip.Addr{public4})
+			env.CutReturnRoutes(ctx, t)
+			heldFlows(ctx, t, env, public4)
+			w := watchFlows(ctx, env, nil, nil)
+
+			b.Flags = append(slices.Clip(b.Flags), "--replace-newer-layout")
+			ag := env.StartAgent(ctx, t, b)
+			if err := ag.WaitReady(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := ag.WaitLog(ctx, 1, "migration finished"); err != nil {
+				t.Fatal(err)
+			}
+			pins := filepath.Join(env.PinRoot(), fmt.Sprintf("v%d", bpf.Layout+1))
+			if ag.Count("replacing the pinned maps of a newer layout", pins) != 1 || ag.Count("refusing") != 0 {
+				t.Errorf("the agent did not say it replaces the newer layout's pins:\n%s", ag.Logs())
+			}
+			time.Sleep(300 * time.Millisecond)
+			w.stop(t, 10)
+			b.Verify(ctx, t, env)
+			if mode == tc.ModeTCX {
+				ids := programIDs(t, env)
+				if slices.Contains(ids, progID(t, newer.Egress())) || slices.Contains(ids, progID(t, newer.Ingress())) {
+					t.Errorf("the newer agent's programs still run on the uplink: %v", ids)
+				}
+			}
+			want := []string{filepath.Base(env.PinDir())}
+			if mode == tc.ModeTCX {
+				want = append([]string{bpfbackend.LinkDir}, want...)
+			}
+			if names := pinNames(t, env.PinRoot()); !slices.Equal(names, want) {
+				t.Errorf("after the takeover the pin root holds %v, want %v", names, want)
+			}
+			m, err := ag.Scrape(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if v, ok := m.Value("ip_masq_agent_datapath_refused", Labels{}); !ok || v != 0 {
+				t.Errorf("ip_masq_agent_datapath_refused = %v (%v), want 0", v, ok)
+			}
+		})
+	}
+}
