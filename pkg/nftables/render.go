@@ -286,17 +286,9 @@ type steps struct {
 // chain that both layouts have differs (then one transaction must change them, update).
 //
 // Every state the steps leave decides every packet as old does or as l does, never partly
-// one and partly the other:
-//
-//   - prepare declares what l adds (sets, still empty; SNAT chains; the outbound counter) and
-//     makes the base chain the transition's (see transition): lookups in empty sets and a
-//     closed gate match nothing, so it still decides as old;
-//   - the element batch, one kernel transaction, empties the sets l does not keep, changes the
-//     others' elements, fills the new ones, and swaps the gates: from then on the chain decides
-//     as l;
-//   - finish makes the base chain l's and deletes what l does not have (sets, by now empty
-//     and no longer looked up; SNAT chains; the gates; the outbound counter): the lookups it
-//     removes matched nothing any more.
+// one and partly the other: prepare (declareTransition) still decides as old, the element
+// batch (swapElements) makes the chain decide as l, and finish (dropLeftovers) removes what
+// matched nothing any more.
 func phased(nft knftables.Interface, p *policy.Policy, l, old *Layout, cur *installed) (steps, bool) {
 	if cur.table && !slices.Equal(old.Masq, l.Masq) {
 		return steps{}, false
@@ -306,93 +298,131 @@ func phased(nft knftables.Interface, p *policy.Policy, l, old *Layout, cur *inst
 			return steps{}, false
 		}
 	}
-	d := diffElements(p, l, cur)
-	st := steps{want: d.want, added: len(d.add), deleted: d.deleted}
+	t := phase{l: l, old: old, cur: cur, d: diffElements(p, l, cur), zero: netip.PrefixFrom(maxAddr(l.Family), 0).Masked().Addr()}
 	// The gates in use: the old one starts open, the new one closed.
-	var gates []string
 	if outboundChanges(old, l) {
 		if old.Outbound >= 0 {
-			gates = append(gates, gateOld)
+			t.gates = append(t.gates, gateOld)
 		}
 		if l.Outbound >= 0 {
-			gates = append(gates, gateNew)
+			t.gates = append(t.gates, gateNew)
 		}
 	}
-	fresh := !cur.table || len(gates) > 0 || d.want.outbound && !cur.outbound
+	st := steps{want: t.d.want, added: len(t.d.add), deleted: t.d.deleted}
+	st.prepare, t.chain = t.declareTransition(nft)
+	st.elements = t.swapElements()
+	st.finish = t.dropLeftovers(nft)
+	return st, true
+}
+
+// phase is what the steps of phased are made of.
+type phase struct {
+	l, old *Layout
+	cur    *installed
+	d      *elementDiff
+	// gates are the outbound gates in use (gateOld, gateNew); zero is the family's 0.0.0.0
+	// or ::, the one element of an open gate.
+	gates []string
+	zero  netip.Addr
+	// chain is the base chain's rules after prepare.
+	chain []string
+}
+
+// declareTransition is prepare: it declares what l adds (sets, still empty; SNAT chains; the
+// outbound counter; the gates, the old one open) and makes the base chain the transition's (see
+// transition). Lookups in empty sets and a closed gate match nothing, so the chain still
+// decides as old. Nil when l adds nothing, and then the base chain stays old's.
+func (t phase) declareTransition(nft knftables.Interface) (*knftables.Transaction, []string) {
+	cur, l, d := t.cur, t.l, t.d
+	fresh := !cur.table || len(t.gates) > 0 || d.want.outbound && !cur.outbound
 	for _, s := range l.Sets {
 		fresh = fresh || !cur.sets[s.Name]
 	}
 	for name := range d.want.snat {
 		fresh = fresh || !cur.snat[name]
 	}
-	zero := netip.PrefixFrom(maxAddr(l.Family), 0).Masked().Addr()
-
-	chain := old.Postrouting
-	if fresh {
-		tx := nft.NewTransaction()
-		declare(tx, l, d.want)
-		declareSets(tx, l)
-		for _, g := range gates {
-			tx.Add(&knftables.Set{Name: g, Type: addrType(l.Family)})
-			tx.Flush(&knftables.Set{Name: g})
-			if g == gateOld {
-				tx.Add(&knftables.Element{Set: g, Key: []string{zero.String()}})
-			}
-		}
-		if !cur.table {
-			addRules(tx, ChainMasq, l.Masq)
-		}
-		for _, c := range l.SNAT {
-			if !cur.snat[c.Name] {
-				addRules(tx, c.Name, c.Rules)
-			}
-		}
-		chain = transition(old, l)
-		if cur.table {
-			tx.Flush(&knftables.Chain{Name: ChainPostrouting})
-		}
-		addRules(tx, ChainPostrouting, chain)
-		st.prepare = tx
+	if !fresh {
+		return nil, t.old.Postrouting
 	}
+	tx := nft.NewTransaction()
+	declare(tx, l, d.want)
+	declareSets(tx, l)
+	for _, g := range t.gates {
+		tx.Add(&knftables.Set{Name: g, Type: addrType(l.Family)})
+		tx.Flush(&knftables.Set{Name: g})
+		if g == gateOld {
+			tx.Add(&knftables.Element{Set: g, Key: []string{t.zero.String()}})
+		}
+	}
+	if !cur.table {
+		addRules(tx, ChainMasq, l.Masq)
+	}
+	for _, c := range l.SNAT {
+		if !cur.snat[c.Name] {
+			addRules(tx, c.Name, c.Rules)
+		}
+	}
+	chain := transition(t.old, l)
+	if cur.table {
+		tx.Flush(&knftables.Chain{Name: ChainPostrouting})
+	}
+	addRules(tx, ChainPostrouting, chain)
+	return tx, chain
+}
 
-	// The batch: the sets that go or start over emptied, then each set's deletions, then its
-	// additions, then the gates swapped.
-	drop := func(name string) bool { return !d.want.sets[name] && !slices.Contains(gates, name) }
-	for _, name := range slices.Sorted(maps.Keys(cur.sets)) {
-		if drop(name) || d.empty[name] {
-			st.elements = append(st.elements, SetChange{Set: name, Flush: true})
+// dropped tells whether a set of cur goes: l does not keep it, and it is no gate.
+func (t phase) dropped(name string) bool {
+	return !t.d.want.sets[name] && !slices.Contains(t.gates, name)
+}
+
+// swapElements is the element batch, one kernel transaction: it empties the sets l does not
+// keep or that start over, changes the others' elements (deletions, then additions), fills the
+// new ones, and swaps the gates. From then on the chain decides as l.
+func (t phase) swapElements() []SetChange {
+	d := t.d
+	var out []SetChange
+	for _, name := range slices.Sorted(maps.Keys(t.cur.sets)) {
+		if t.dropped(name) || d.empty[name] {
+			out = append(out, SetChange{Set: name, Flush: true})
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(d.del)) {
-		st.elements = append(st.elements, SetChange{Set: name, Delete: d.del[name]})
+		out = append(out, SetChange{Set: name, Delete: d.del[name]})
 	}
 	adds := map[string][]NewElement{}
 	for _, e := range d.add {
 		adds[e.Set] = append(adds[e.Set], NewElement{Key: e.Key, Comment: d.comment[e.Rule]})
 	}
-	for _, s := range l.Sets {
+	for _, s := range t.l.Sets {
 		if len(adds[s.Name]) > 0 {
-			st.elements = append(st.elements, SetChange{Set: s.Name, Add: adds[s.Name]})
+			out = append(out, SetChange{Set: s.Name, Add: adds[s.Name]})
 		}
 	}
-	for _, g := range gates {
+	for _, g := range t.gates {
 		if g == gateOld {
-			st.elements = append(st.elements, SetChange{Set: g, Delete: []netip.Addr{zero}})
+			out = append(out, SetChange{Set: g, Delete: []netip.Addr{t.zero}})
 		} else {
-			st.elements = append(st.elements, SetChange{Set: g, Add: []NewElement{{Key: zero}}})
+			out = append(out, SetChange{Set: g, Add: []NewElement{{Key: t.zero}}})
 		}
 	}
+	return out
+}
 
+// dropLeftovers is finish: it makes the base chain l's and deletes what l does not have (sets,
+// by now empty and no longer looked up; SNAT chains; the gates; the outbound counter): the
+// lookups it removes matched nothing any more. Nil when there is nothing to do.
+func (t phase) dropLeftovers(nft knftables.Interface) *knftables.Transaction {
+	cur, d := t.cur, t.d
 	tx := nft.NewTransaction()
-	if !slices.Equal(chain, l.Postrouting) {
+	if !slices.Equal(t.chain, t.l.Postrouting) {
 		tx.Flush(&knftables.Chain{Name: ChainPostrouting})
-		addRules(tx, ChainPostrouting, l.Postrouting)
+		addRules(tx, ChainPostrouting, t.l.Postrouting)
 	}
-	for _, g := range gates {
+	for _, g := range t.gates {
 		tx.Delete(&knftables.Set{Name: g})
 	}
 	for _, name := range slices.Sorted(maps.Keys(cur.sets)) {
-		if drop(name) {
+		if t.dropped(name) {
 			tx.Delete(&knftables.Set{Name: name})
 		}
 	}
@@ -405,10 +435,10 @@ func phased(nft knftables.Interface, p *policy.Policy, l, old *Layout, cur *inst
 	if cur.outbound && !d.want.outbound {
 		tx.Delete(&knftables.Counter{Name: CounterOutbound})
 	}
-	if tx.NumOperations() > 0 {
-		st.finish = tx
+	if tx.NumOperations() == 0 {
+		return nil
 	}
-	return st, true
+	return tx
 }
 
 // changedRules returns the comments of the rules of the layout whose elements differ from
