@@ -128,3 +128,21 @@ func InNetns(t testing.TB, name string, fn func()) {
 	}()
 	fn()
 }
+
+// ipBatchTimeout bounds an `ip -batch` run.
+const ipBatchTimeout = 20 * time.Second
+
+// IPBatch runs ip commands (one per line, without the leading "ip") inside the named namespace,
+// as one `ip -n NS -batch -`; opts go before -n (such as "-6": IPv6 rules need it, which a
+// batch line cannot say). Its error carries ip's output and the batch.
+func IPBatch(ctx context.Context, ns, batch string, opts ...string) error {
+	ctx, cancel := context.WithTimeout(ctx, ipBatchTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "ip", append(opts, "-n", ns, "-batch", "-")...)
+	cmd.Stdin = strings.NewReader(batch)
+	cmd.WaitDelay = time.Second
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("ip %s -n %s -batch: %w: %s\n%s", strings.Join(opts, " "), ns, err, strings.TrimSpace(string(out)), batch)
+	}
+	return nil
+}

@@ -132,16 +132,13 @@ func (r *running) ready(t *testing.T) (int, string) {
 // backend's Apply returned.
 func (r *running) waitReady(t *testing.T) {
 	t.Helper()
-	deadline := time.Now().Add(waitFor)
-	for {
-		code, body := r.ready(t)
-		if code == http.StatusOK {
-			return
+	if err := testutil.Poll(waitFor, time.Millisecond, func() error {
+		if code, body := r.ready(t); code != http.StatusOK {
+			return testutil.NotYet("ready: %d %q", code, body)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("not ready: %d %q", code, body)
-		}
-		time.Sleep(time.Millisecond)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -259,13 +256,7 @@ func TestBadConfigKeepsLastGood(t *testing.T) {
 	b.WaitApply(t)
 
 	cm.write("nonMasqueradeCIDRs: [10.0.0.1/8]\n")
-	deadline := time.Now().Add(waitFor)
-	for r.agent.Stats().ConfigErrors == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("the bad file was not noticed")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	r.waitStats(t, "the bad file noticed", func(s Stats) bool { return s.ConfigErrors > 0 })
 	b.NoApply(t, 200*time.Millisecond)
 	logs := r.log.String()
 	for _, want := range []string{"config rejected; the last good configuration stays in force", `10.0.0.1/8`, "host bits are set"} {
@@ -318,13 +309,7 @@ func TestBadConfigAtStartup(t *testing.T) {
 	cm.write("masqOutBound: maybe\n")
 	b := &datapathtest.Backend{}
 	r := startAgent(t, cm.path(), b)
-	deadline := time.Now().Add(waitFor)
-	for r.agent.Stats().ConfigErrors == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("the bad file was not noticed")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	r.waitStats(t, "the bad file noticed", func(s Stats) bool { return s.ConfigErrors > 0 })
 	b.NoApply(t, 200*time.Millisecond)
 	code, body := r.ready(t)
 	if code != http.StatusServiceUnavailable || !strings.Contains(body, `masqOutBound: "maybe"`) {
@@ -389,13 +374,7 @@ func TestApplyFailureNotReady(t *testing.T) {
 	b := &datapathtest.Backend{}
 	b.FailApplies(1 << 30)
 	r := startAgent(t, filepath.Join(t.TempDir(), "none"), b, func(o *Options) { o.RetryMin, o.RetryMax = time.Hour, time.Hour })
-	deadline := time.Now().Add(waitFor)
-	for r.agent.Stats().ApplyErrors == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("no apply attempt")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	r.waitStats(t, "an apply attempt", func(s Stats) bool { return s.ApplyErrors > 0 })
 	if code, body := r.ready(t); code != http.StatusServiceUnavailable || !strings.Contains(body, "apply failed") {
 		t.Errorf("readyz = %d %q", code, body)
 	}
@@ -416,21 +395,19 @@ func TestShutdownLeavesDatapath(t *testing.T) {
 	go func() { done <- a.Run(ctx, ln) }()
 	b.WaitApply(t)
 	// Ready follows the apply by a hair.
-	deadline := time.Now().Add(waitFor)
-	for {
+	if err := testutil.Poll(waitFor, time.Millisecond, func() error {
 		resp, err := http.Get("http://" + ln.Addr().String() + "/readyz")
 		if err != nil {
-			t.Fatal(err)
+			return err
 		}
 		body, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		if resp.StatusCode == http.StatusOK {
-			break
+		if resp.StatusCode != http.StatusOK {
+			return testutil.NotYet("readyz over HTTP = %d %q", resp.StatusCode, body)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("readyz over HTTP = %d %q", resp.StatusCode, body)
-		}
-		time.Sleep(time.Millisecond)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
 	cancel()
 	select {
@@ -472,17 +449,16 @@ func TestDatapathEventReapplies(t *testing.T) {
 // waitStats waits until the agent's stats satisfy cond, and returns them.
 func (r *running) waitStats(t *testing.T, what string, cond func(Stats) bool) Stats {
 	t.Helper()
-	deadline := time.Now().Add(waitFor)
-	for {
-		s := r.agent.Stats()
-		if cond(s) {
-			return s
+	var s Stats
+	if err := testutil.Poll(waitFor, time.Millisecond, func() error {
+		if s = r.agent.Stats(); !cond(s) {
+			return testutil.NotYet("%s: stats %+v", what, s)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("waiting for %s: stats %+v", what, s)
-		}
-		time.Sleep(time.Millisecond)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
+	return s
 }
 
 func hashOf(t *testing.T, doc string) string {

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath/datapathtest"
 )
 
@@ -28,12 +29,13 @@ func TestDisplaceAfterFirstApply(t *testing.T) {
 	r.waitReady(t)
 	// The first removal fails; the next apply (a resync) retries it.
 	b.WaitApply(t)
-	deadline := time.Now().Add(waitFor)
-	for other.Cleanups() < 2 {
-		if time.Now().After(deadline) {
-			t.Fatalf("the failed removal was not retried: %d calls", other.Cleanups())
+	if err := testutil.Poll(waitFor, time.Millisecond, func() error {
+		if n := other.Cleanups(); n < 2 {
+			return testutil.NotYet("the failed removal retried: %d calls", n)
 		}
-		time.Sleep(time.Millisecond)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
 	// Once removed, never again.
 	b.WaitApply(t)

@@ -50,12 +50,13 @@ func wantNonMasq(t *testing.T, b *datapathtest.Backend, want string) {
 // waitLog waits for the agent to log want.
 func (r *running) waitLog(t *testing.T, want string) {
 	t.Helper()
-	deadline := time.Now().Add(waitFor)
-	for !strings.Contains(r.log.String(), want) {
-		if time.Now().After(deadline) {
-			t.Fatalf("the agent never logged %q", want)
+	if err := testutil.Poll(waitFor, time.Millisecond, func() error {
+		if !strings.Contains(r.log.String(), want) {
+			return testutil.NotYet("the agent to log %q", want)
 		}
-		time.Sleep(time.Millisecond)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
 }
 

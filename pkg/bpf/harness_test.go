@@ -9,13 +9,10 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"os/exec"
 	"runtime"
 	"slices"
-	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/gopacket/gopacket"
@@ -77,10 +74,7 @@ type nsRunner struct {
 func newNSRunner(t testing.TB) *nsRunner {
 	t.Helper()
 	ns := testutil.NewNetns(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, "ip", "-n", ns, "-batch", "-")
-	cmd.Stdin = strings.NewReader(`link set lo up
+	if err := testutil.IPBatch(context.Background(), ns, `link set lo up
 link add up0 type veth peer name up0-peer
 link set up0 up
 link set up0-peer up
@@ -93,9 +87,8 @@ route add 10.1.0.0/16 dev pods
 route add fd00::/16 dev pods
 route add 203.0.113.0/24 dev lo
 route add 2001:db8:7777::/48 dev lo
-`)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("harness namespace: %v: %s", err, out)
+`); err != nil {
+		t.Fatalf("harness namespace: %v", err)
 	}
 	r := &nsRunner{name: ns, work: make(chan func())}
 	ready := make(chan error, 1)

@@ -7,11 +7,8 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strings"
 	"testing"
-	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
@@ -70,12 +67,8 @@ link set pods1 up
 route add 10.1.0.0/16 dev pods
 route add fd00::/16 dev pods
 `, nodeOther4, nodeOther6, uplinkMAC, snat4, snat6)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, "ip", "-n", ns, "-batch", "-")
-	cmd.Stdin = strings.NewReader(batch)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("ip -batch: %v: %s", err, out)
+	if err := testutil.IPBatch(context.Background(), ns, batch); err != nil {
+		t.Fatal(err)
 	}
 	env := &scopeEnv{harness: newHarness(t, defaultPolicy(false), LoadOptions{}), ns: ns}
 	testutil.InNetns(t, ns, func() {

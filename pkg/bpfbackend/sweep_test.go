@@ -46,19 +46,14 @@ func TestSweepLoop(t *testing.T) {
 		cancel()
 		<-done
 	}()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		st, err = b.NATStats(context.Background())
-		if err != nil {
-			t.Fatal(err)
+	if err := testutil.Poll(5*time.Second, 20*time.Millisecond, func() error {
+		st, err := b.NATStats(context.Background())
+		if err == nil && (len(st.Entries) > 0 || st.Swept["udp"] != 6) {
+			return testutil.NotYet("the sweep to remove the idle flows: %+v", st)
 		}
-		if len(st.Entries) == 0 && st.Swept["udp"] == 6 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the sweep did not remove the idle flows: %+v", st)
-		}
-		time.Sleep(20 * time.Millisecond)
+		return err
+	}); err != nil {
+		t.Fatal(err)
 	}
 }
 

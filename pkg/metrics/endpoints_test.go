@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/configwatch"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath/datapathtest"
@@ -72,15 +73,13 @@ func TestEndpointsServeOnlyTheirPaths(t *testing.T) {
 		body, _ := io.ReadAll(resp.Body)
 		return resp.StatusCode, string(body)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if code, _ := get(http.MethodGet, "/readyz"); code == http.StatusOK {
-			break
+	if err := testutil.Poll(10*time.Second, 5*time.Millisecond, func() error {
+		if code, body := get(http.MethodGet, "/readyz"); code != http.StatusOK {
+			return testutil.NotYet("ready: %d %q", code, body)
 		}
-		if time.Now().After(deadline) {
-			t.Fatal("never ready")
-		}
-		time.Sleep(5 * time.Millisecond)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
 
 	for path, want := range map[string]int{

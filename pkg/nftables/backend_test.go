@@ -13,6 +13,7 @@ import (
 
 	"sigs.k8s.io/knftables"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nftables"
@@ -487,10 +488,13 @@ func TestWalkMissesAreLookedUp(t *testing.T) {
 	}
 	// The element walk is due at most every so often; the check finds the damage by then.
 	var kinds []string
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && len(kinds) == 0; {
-		if kinds, err = b.CheckDrift(ctx); err != nil {
-			t.Fatal(err)
+	if err := testutil.Poll(5*time.Second, 0, func() error {
+		if kinds, err = b.CheckDrift(ctx); err == nil && len(kinds) == 0 {
+			return testutil.NotYet("a drift")
 		}
+		return err
+	}); err != nil && !errors.Is(err, testutil.ErrNotYet) {
+		t.Fatal(err)
 	}
 	if !slices.Equal(kinds, []string{datapath.DriftSet}) {
 		t.Errorf("an element gone: drift %v", kinds)

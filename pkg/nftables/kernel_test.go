@@ -2,6 +2,7 @@ package nftables_test
 
 import (
 	"context"
+	"errors"
 	"maps"
 	"math/rand/v2"
 	"net/netip"
@@ -219,10 +220,13 @@ func TestKernel(t *testing.T) {
 			}
 			// The element walk is due at most every so often; the check finds the damage by then.
 			var kinds []string
-			for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && len(kinds) == 0; {
-				if kinds, err = b.CheckDrift(ctx); err != nil {
-					t.Fatal(err)
+			if err := testutil.Poll(5*time.Second, 0, func() error {
+				if kinds, err = b.CheckDrift(ctx); err == nil && len(kinds) == 0 {
+					return testutil.NotYet("a drift")
 				}
+				return err
+			}); err != nil && !errors.Is(err, testutil.ErrNotYet) {
+				t.Fatal(err)
 			}
 			if !slices.Equal(kinds, d.what) {
 				t.Errorf("nft %s: drift %v, want %v", strings.Join(d.args, " "), kinds, d.what)

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
-	"os/exec"
 	"runtime"
 	"strings"
 	"testing"
@@ -88,12 +87,8 @@ func goInNetns(t *testing.T, ns string, fn func()) <-chan error {
 
 func ip(t *testing.T, ns, batch string) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, "ip", "-n", ns, "-batch", "-")
-	cmd.Stdin = strings.NewReader(batch)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("ip -batch: %v: %s", err, out)
+	if err := testutil.IPBatch(context.Background(), ns, batch); err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -34,12 +34,8 @@ func ip6(t *testing.T, ns string, batch string) {
 
 func ipArgs(t *testing.T, ns string, opts []string, batch string) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, "ip", append(opts, "-n", ns, "-batch", "-")...)
-	cmd.Stdin = strings.NewReader(batch)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("ip -batch: %v: %s\n%s", err, out, batch)
+	if err := testutil.IPBatch(context.Background(), ns, batch, opts...); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -383,9 +379,7 @@ func TestWatch(t *testing.T) {
 		defer close(churned)
 		for i := 0; churnCtx.Err() == nil; i++ {
 			batch := fmt.Sprintf("link add churn%d type veth peer name churnp%d\nlink set churn%d up\nlink del churn%d\n", i, i, i, i)
-			cmd := exec.CommandContext(churnCtx, "ip", "-n", ns, "-batch", "-")
-			cmd.Stdin = strings.NewReader(batch)
-			_ = cmd.Run()
+			_ = testutil.IPBatch(churnCtx, ns, batch)
 		}
 	}()
 	defer func() { stopChurn(); <-churned }()

@@ -180,7 +180,7 @@ func (sb *sandbox) build(ctx context.Context) error {
 		fmt.Fprintf(&node, "link add %s type veth peer name eth0 netns %s\n", p.name, sb.pods[p.name])
 		fmt.Fprintf(&node, "addr add %s/24 dev %s\nlink set %s up\n", p.gateway, p.name, p.name)
 	}
-	if err := e2e.IPBatch(ctx, sb.node, node.String()); err != nil {
+	if err := testutil.IPBatch(ctx, sb.node, node.String()); err != nil {
 		return fmt.Errorf("node: %w", err)
 	}
 	if err := e2e.WriteSysctl(sb.node, "net.ipv4.ip_forward", "1"); err != nil {
@@ -188,7 +188,7 @@ func (sb *sandbox) build(ctx context.Context) error {
 	}
 	for _, p := range pods {
 		batch := fmt.Sprintf("link set lo up\naddr add %s/24 dev eth0\nlink set eth0 up\nroute add default via %s dev eth0\n", p.addr, p.gateway)
-		if err := e2e.IPBatch(ctx, sb.pods[p.name], batch); err != nil {
+		if err := testutil.IPBatch(ctx, sb.pods[p.name], batch); err != nil {
 			return fmt.Errorf("%s: %w", p.name, err)
 		}
 	}
@@ -199,7 +199,7 @@ func (sb *sandbox) build(ctx context.Context) error {
 	for _, d := range destinations {
 		fmt.Fprintf(&ext, "addr add %s/32 dev lo\n", d)
 	}
-	if err := e2e.IPBatch(ctx, sb.ext, ext.String()); err != nil {
+	if err := testutil.IPBatch(ctx, sb.ext, ext.String()); err != nil {
 		return fmt.Errorf("external host: %w", err)
 	}
 	stop, err := e2e.StartEcho(sb.ext, destinations, echoPort)

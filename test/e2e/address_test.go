@@ -8,6 +8,8 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
 // TestMasqueradeAddressRemoved, on every backend: the masquerade address taken off the node
@@ -27,7 +29,7 @@ func TestMasqueradeAddressRemoved(t *testing.T) {
 		env.Check(ctx, t, join(expect(Alt, "8.8.8.8", "10.10.10.10", "2001:4860:4860::8888"), expect(Keep, "10.1.2.3")), nil)
 		wantDumpedAddress(ctx, t, env, b)
 
-		if err := IPBatch(ctx, env.Node, "addr del "+NodeAlt4.String()+"/24 dev "+Uplink+"\n"); err != nil {
+		if err := testutil.IPBatch(ctx, env.Node, "addr del "+NodeAlt4.String()+"/24 dev "+Uplink+"\n"); err != nil {
 			t.Fatal(err)
 		}
 		if err := ag.WaitLog(ctx, 1, "a masquerade address of the configuration in force is not on the node",
@@ -60,7 +62,7 @@ func TestMasqueradeAddressRemoved(t *testing.T) {
 			t.Fatal(err)
 		}
 		wantMissing(ctx, t, ag, "10.99.0.11")
-		if err := IPBatch(ctx, env.Node, "addr add "+NodeAlt4.String()+"/24 dev "+Uplink+"\n"); err != nil {
+		if err := testutil.IPBatch(ctx, env.Node, "addr add "+NodeAlt4.String()+"/24 dev "+Uplink+"\n"); err != nil {
 			t.Fatal(err)
 		}
 		if err := ag.WaitReady(ctx); err != nil {

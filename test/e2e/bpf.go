@@ -130,6 +130,9 @@ func (e *Env) UplinkMAC(t testing.TB) bpf.MAC {
 	return mac
 }
 
+// nomasqV4 is the name of the IPv4 non-masquerade trie's pin.
+var _, nomasqV4 = bpf.TrieMaps(policy.IPv4)
+
 // PinRoot is the agent's pin directory, and PinDir where it pins the maps of its layout.
 func (e *Env) PinRoot() string { return filepath.Join(e.BPFFS(), bpfbackend.PinDir) }
 func (e *Env) PinDir() string  { return bpf.LayoutDir(e.PinRoot()) }
@@ -270,10 +273,7 @@ func verifyBPF(ctx context.Context, t testing.TB, env *Env, mode string) {
 	}
 	wantRules := map[ruleKey]bool{}
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		masq, nomasq := "masq_v4", "nomasq_v4"
-		if fam == policy.IPv6 {
-			masq, nomasq = "masq_v6", "nomasq_v6"
-		}
+		masq, nomasq := bpf.TrieMaps(fam)
 		want[masq], want[nomasq] = []netip.Prefix{}, []netip.Prefix{}
 		if !p.Enabled(fam) {
 			continue
@@ -395,7 +395,7 @@ func driftBPF(t testing.TB, env *Env, mode string) {
 	if err := detachEgress(env, mode); err != nil {
 		t.Fatalf("drift: %v", err)
 	}
-	if err := deleteTrieEntry(env, "nomasq_v4", netip.MustParsePrefix("10.0.0.0/8")); err != nil {
+	if err := deleteTrieEntry(env, nomasqV4, netip.MustParsePrefix("10.0.0.0/8")); err != nil {
 		t.Fatalf("drift: %v", err)
 	}
 }
@@ -509,7 +509,7 @@ func bpfDamages(mode string) []Damage {
 	}
 	tenSlash8 := netip.MustParsePrefix("10.0.0.0/8")
 	var natID, linkID uint32 // the pinned objects before their pins were removed
-	natPin := func(env *Env) string { return filepath.Join(env.PinDir(), "nat_v4") }
+	natPin := func(env *Env) string { return filepath.Join(env.PinDir(), bpf.MapNATv4) }
 	linkPin := func(t testing.TB, env *Env) string {
 		return filepath.Join(env.PinRoot(), bpfbackend.LinkDir, fmt.Sprintf("%d-ingress", env.UplinkIndex(t)))
 	}
@@ -522,12 +522,12 @@ func bpfDamages(mode string) []Damage {
 			}},
 		{Name: "trie entry deleted", What: []string{datapath.DriftTrie},
 			Do: func(ctx context.Context, t testing.TB, env *Env) {
-				if err := deleteTrieEntry(env, "nomasq_v4", tenSlash8); err != nil {
+				if err := deleteTrieEntry(env, nomasqV4, tenSlash8); err != nil {
 					t.Fatalf("damage: %v", err)
 				}
 			},
 			Repaired: func(ctx context.Context, t testing.TB, env *Env) bool {
-				return slices.Contains(TriePrefixes(t, filepath.Join(env.PinDir(), "nomasq_v4")), tenSlash8)
+				return slices.Contains(TriePrefixes(t, filepath.Join(env.PinDir(), nomasqV4)), tenSlash8)
 			}},
 		{Name: "map pin removed", What: []string{datapath.DriftPin},
 			Do: func(ctx context.Context, t testing.TB, env *Env) {
@@ -545,7 +545,7 @@ func bpfDamages(mode string) []Damage {
 			}},
 		{Name: "uplink address deleted", What: []string{datapath.DriftUplinkAddr},
 			Do: func(ctx context.Context, t testing.TB, env *Env) {
-				m, err := ebpf.LoadPinnedMap(filepath.Join(env.PinDir(), "uplink_snat"), nil)
+				m, err := ebpf.LoadPinnedMap(filepath.Join(env.PinDir(), bpf.MapUplinkSNAT), nil)
 				if err != nil {
 					t.Fatalf("damage: %v", err)
 				}

@@ -335,7 +335,7 @@ func TestBPFMapResized(t *testing.T) {
 	env.CutReturnRoutes(ctx, t)
 	natV6 := func() uint32 {
 		t.Helper()
-		m, err := ebpf.LoadPinnedMap(filepath.Join(env.PinDir(), "nat_v6"), &ebpf.LoadPinOptions{ReadOnly: true})
+		m, err := ebpf.LoadPinnedMap(filepath.Join(env.PinDir(), bpf.MapNATv6), &ebpf.LoadPinOptions{ReadOnly: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -366,7 +366,7 @@ func TestBPFMapResized(t *testing.T) {
 	if err := ag.WaitLog(ctx, 1, "migration finished"); err != nil {
 		t.Fatalf("the migration of the resized maps is not reported: %v\n%s", err, ag.Logs())
 	}
-	if ag.Count("pinned maps have other sizes", "nat_v6: MaxEntries") != 1 || ag.Count("nat_v4") != 0 {
+	if ag.Count("pinned maps have other sizes", bpf.MapNATv6+": MaxEntries") != 1 || ag.Count(bpf.MapNATv4) != 0 {
 		t.Errorf("the size change was not reported for nat_v6 alone:\n%s", ag.Logs())
 	}
 	if n := natV6(); n != 1<<18 {
@@ -408,11 +408,11 @@ func TestBPFNATResizeKeepsFlows(t *testing.T) {
 				if err := ag.WaitLog(ctx, 1, "migration finished"); err != nil {
 					t.Fatalf("size %d: the migration of the resized maps is not reported: %v\n%s", size, err, ag.Logs())
 				}
-				if ag.Count("pinned maps have other sizes", "nat_v4: MaxEntries") != 1 {
+				if ag.Count("pinned maps have other sizes", bpf.MapNATv4+": MaxEntries") != 1 {
 					t.Errorf("size %d: the resize is not reported:\n%s", size, ag.Logs())
 				}
 				held.check(t, "at "+strconv.Itoa(size)+" entries")
-				m, err := ebpf.LoadPinnedMap(filepath.Join(env.PinDir(), "nat_v4"), &ebpf.LoadPinOptions{ReadOnly: true})
+				m, err := ebpf.LoadPinnedMap(filepath.Join(env.PinDir(), bpf.MapNATv4), &ebpf.LoadPinOptions{ReadOnly: true})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -454,7 +454,7 @@ func TestBPFFollowsUplinks(t *testing.T) {
 			t.Fatal(err)
 		}
 		events := env.Agent.Count("datapath event")
-		if err := IPBatch(ctx, env.Node, fmt.Sprintf("addr add %s/24 dev %s\naddr del %s/24 dev %s\n", newAddr, Uplink, NodeAddr4, Uplink)); err != nil {
+		if err := testutil.IPBatch(ctx, env.Node, fmt.Sprintf("addr add %s/24 dev %s\naddr del %s/24 dev %s\n", newAddr, Uplink, NodeAddr4, Uplink)); err != nil {
 			t.Fatal(err)
 		}
 		if err := env.Agent.WaitLog(ctx, events+1, "datapath event", "10.99.0.1 -> 10.99.0.7"); err != nil {
@@ -481,7 +481,7 @@ func TestBPFFollowsUplinks(t *testing.T) {
 		}
 
 		// The named device appears.
-		if err := IPBatch(ctx, env.Node, fmt.Sprintf("link add late0 type veth peer name late1 netns %s\naddr add 192.0.2.10/24 dev late0\nlink set late0 up\n", env.Ext)); err != nil {
+		if err := testutil.IPBatch(ctx, env.Node, fmt.Sprintf("link add late0 type veth peer name late1 netns %s\naddr add 192.0.2.10/24 dev late0\nlink set late0 up\n", env.Ext)); err != nil {
 			t.Fatal(err)
 		}
 		if err := env.Agent.WaitLog(ctx, 1, "datapath event", "late0", "appeared"); err != nil {
@@ -489,20 +489,17 @@ func TestBPFFollowsUplinks(t *testing.T) {
 		}
 		mode := strings.TrimPrefix(b.Name, "bpf-")
 		want := ourPrograms(mode)
-		deadline := time.Now().Add(5 * time.Second)
-		for {
-			got, _ := env.DevicePrograms(t, "late0")
-			if slices.Equal(got, want) {
-				break
+		if err := testutil.Poll(5*time.Second, 10*time.Millisecond, func() error {
+			if got, _ := env.DevicePrograms(t, "late0"); !slices.Equal(got, want) {
+				return testutil.NotYet("programs on late0: %v, want %v", got, want)
 			}
-			if time.Now().After(deadline) {
-				t.Fatalf("programs on late0: %v, want %v", got, want)
-			}
-			time.Sleep(10 * time.Millisecond)
+			return nil
+		}); err != nil {
+			t.Fatal(err)
 		}
 
 		// It goes away again: forgotten, its pins (tcx) removed, the uplink untouched.
-		if err := IPBatch(ctx, env.Node, "link del late0\n"); err != nil {
+		if err := testutil.IPBatch(ctx, env.Node, "link del late0\n"); err != nil {
 			t.Fatal(err)
 		}
 		if err := env.Agent.WaitLog(ctx, 1, "a former uplink is left"); err != nil {

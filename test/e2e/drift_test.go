@@ -7,6 +7,8 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
 // HealLimit is how soon after a damage the datapath must be whole again (issue 9: within 2 s).
@@ -84,14 +86,13 @@ func TestDriftHealed(t *testing.T) {
 				t.Errorf("%s: the agent logged the heal, but the damage is still there", d.Name)
 			}
 			// The counter and the log line follow the repair by the agent's check after it.
-			var got map[string]float64
-			for deadline := time.Now().Add(HealLimit); ; time.Sleep(20 * time.Millisecond) {
-				if got = heals(ctx, t, ag); fmt.Sprint(got) == fmt.Sprint(counted) || time.Now().After(deadline) {
-					break
+			if err := testutil.Poll(HealLimit, 20*time.Millisecond, func() error {
+				if got := heals(ctx, t, ag); fmt.Sprint(got) != fmt.Sprint(counted) {
+					return testutil.NotYet("heals_total %v, want %v", got, counted)
 				}
-			}
-			if fmt.Sprint(got) != fmt.Sprint(counted) {
-				t.Errorf("%s: heals_total %v, want %v", d.Name, got, counted)
+				return nil
+			}); err != nil {
+				t.Errorf("%s: %v", d.Name, err)
 			}
 			agentTook := map[string]string{}
 			for _, m := range healTookRE.FindAllStringSubmatch(ag.Logs(), -1) {

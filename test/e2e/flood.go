@@ -30,7 +30,7 @@ var SpoofNet4 = netip.MustParsePrefix("100.127.0.0/16")
 // stays inside the topology.
 func (tp *Topology) OwnSpoofNet(ctx context.Context, t testing.TB) {
 	t.Helper()
-	if err := IPBatch(ctx, tp.Ext, fmt.Sprintf("addr add %s dev lo\n", netip.PrefixFrom(SpoofNet4.Addr().Next(), SpoofNet4.Bits()))); err != nil {
+	if err := testutil.IPBatch(ctx, tp.Ext, fmt.Sprintf("addr add %s dev lo\n", netip.PrefixFrom(SpoofNet4.Addr().Next(), SpoofNet4.Bits()))); err != nil {
 		t.Fatalf("own %s: %v", SpoofNet4, err)
 	}
 }

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
 // The policies of TestFormerUplink: 198.18.0.0/15, which table 100 sends out of uplink2, is
@@ -49,16 +51,14 @@ func TestFormerUplink(t *testing.T) {
 			// agent follows the routes within a second or so.
 			seen := func(when string, dst, want netip.Addr) {
 				t.Helper()
-				deadline := time.Now().Add(10 * time.Second)
 				for _, proto := range []string{"tcp", "udp"} {
-					for {
-						got, err := env.Probe(ctx, proto, dst)
-						if err == nil && got.Addr() == want {
-							break
+					if err := testutil.Poll(10*time.Second, 0, func() error {
+						if got, err := env.Probe(ctx, proto, dst); err != nil || got.Addr() != want {
+							return testutil.NotYet("the host to see %s from %s, saw %s (%v)", proto, want, got, err)
 						}
-						if time.Now().After(deadline) {
-							t.Fatalf("%s: %s to %s: the host saw %s (%v), want %s", when, proto, dst, got, err, want)
-						}
+						return nil
+					}); err != nil {
+						t.Fatalf("%s: %s to %s: %v", when, proto, dst, err)
 					}
 				}
 			}
@@ -112,7 +112,7 @@ func TestFormerUplink(t *testing.T) {
 			}
 
 			// The address goes: the bindings with it (the kernel takes the device's routes too).
-			if err := IPBatch(ctx, env.Node, "addr del "+uplink2Addr4.String()+"/24 dev uplink2\n"); err != nil {
+			if err := testutil.IPBatch(ctx, env.Node, "addr del "+uplink2Addr4.String()+"/24 dev uplink2\n"); err != nil {
 				t.Fatal(err)
 			}
 			if b.NAT {
@@ -136,7 +136,7 @@ func TestFormerUplink(t *testing.T) {
 					back += fmt.Sprintf("route add %s via %s dev uplink2 table 100\n", r.dst, r.gw)
 				}
 			}
-			if err := IPBatch(ctx, env.Node, back); err != nil {
+			if err := testutil.IPBatch(ctx, env.Node, back); err != nil {
 				t.Fatal(err)
 			}
 			seen("the address back", ext2Masq4, PodAddr4)

@@ -6,6 +6,8 @@ import (
 	"net/netip"
 	"testing"
 	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
 // LoadTarget is where the NAT load goes: an address of the external host that the default
@@ -86,32 +88,34 @@ func MeasureNATLoad(ctx context.Context, tb testing.TB, env *Env, flows, sockets
 		}
 		sent = time.Now()
 		// The last datagrams may still be on their way through the node.
-		for deadline := time.Now().Add(time.Second); ; time.Sleep(100 * time.Millisecond) {
+		_ = testutil.Poll(time.Second, 100*time.Millisecond, func() error {
 			e, _ := udpNAT(ctx, tb, ag)
 			sample()
-			if l.Entries = int(e); l.Entries == 2*flows || time.Now().After(deadline) {
-				break
+			if l.Entries = int(e); l.Entries != 2*flows {
+				return testutil.NotYet("%d UDP entries", 2*flows)
 			}
-		}
+			return nil
+		})
 	}
 	l.Fill, l.LastSent = sent.Sub(start), sent
 	if l.Entries != 2*flows {
 		tb.Fatalf("%d UDP entries after %d rounds of %d flows, want %d", l.Entries, l.Rounds, flows, 2*flows)
 	}
-	for deadline := time.Now().Add(time.Minute); ; time.Sleep(100 * time.Millisecond) {
+	if err := testutil.Poll(time.Minute, 100*time.Millisecond, func() error {
 		e, swept := udpNAT(ctx, tb, ag)
 		sample()
 		if int(e) < 2*flows && l.FirstExpired == 0 {
 			l.FirstExpired = time.Since(round)
 		}
-		if e == 0 {
-			l.AllExpired, l.Swept = time.Since(sent), swept-swept0
-			return l
+		if e > 0 {
+			return testutil.NotYet("no UDP entry left after the flows ended (timeout %v), %v left", udpTimeout, e)
 		}
-		if time.Now().After(deadline) {
-			tb.Fatalf("%v UDP entries left a minute after the flows ended (timeout %v)", e, udpTimeout)
-		}
+		l.AllExpired, l.Swept = time.Since(sent), swept-swept0
+		return nil
+	}); err != nil {
+		tb.Fatal(err)
 	}
+	return l
 }
 
 // NATSteady is what MeasureSteadyNAT saw.

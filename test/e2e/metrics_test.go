@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -118,20 +119,17 @@ func cmpKey(a, b RuleKey) int { return strings.Compare(a.String(), b.String()) }
 // scrapeUntil scrapes until cond holds.
 func scrapeUntil(ctx context.Context, t *testing.T, ag *Agent, what string, cond func(Metrics) bool) Metrics {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		m, err := ag.Scrape(ctx)
-		if err != nil {
-			t.Fatal(err)
+	var m Metrics
+	if err := testutil.Poll(10*time.Second, 10*time.Millisecond, func() error {
+		var err error
+		if m, err = ag.Scrape(ctx); err != nil || cond(m) {
+			return err
 		}
-		if cond(m) {
-			return m
-		}
-		if time.Now().After(deadline) || ctx.Err() != nil {
-			t.Fatalf("waiting for %s: last scrape had %v", what, m.Series("ip_masq_agent_config_reloads_total", nil))
-		}
-		time.Sleep(10 * time.Millisecond)
+		return testutil.NotYet("%s: the scrape had %v", what, m.Series("ip_masq_agent_config_reloads_total", nil))
+	}); err != nil {
+		t.Fatal(err)
 	}
+	return m
 }
 
 func configHash(t *testing.T, doc string) string {

@@ -43,12 +43,6 @@ func run(ctx context.Context, stdin string, name string, args ...string) ([]byte
 	return stdout.Bytes(), nil
 }
 
-// IPBatch runs ip commands (one per line, without the leading "ip") inside a namespace.
-func IPBatch(ctx context.Context, ns, batch string) error {
-	_, err := run(ctx, batch, "ip", "-n", ns, "-batch", "-")
-	return err
-}
-
 // NSExec runs a command inside a namespace (ip netns exec) and returns its standard output.
 func NSExec(ctx context.Context, ns string, stdin string, name string, args ...string) ([]byte, error) {
 	return run(ctx, stdin, "ip", append([]string{"netns", "exec", ns, name}, args...)...)

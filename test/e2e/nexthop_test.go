@@ -6,6 +6,8 @@ import (
 	"net/netip"
 	"testing"
 	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
 // TestNexthopUplink: a node whose default routes go through nexthop objects (as a route daemon
@@ -20,7 +22,7 @@ func TestNexthopUplink(t *testing.T) {
 		if err := WriteSysctl(env.Node, "net.ipv4.nexthop_compat_mode", "0"); err != nil {
 			t.Fatal(err)
 		}
-		if err := IPBatch(ctx, env.Node, fmt.Sprintf(`nexthop add id 1 via %s dev %s
+		if err := testutil.IPBatch(ctx, env.Node, fmt.Sprintf(`nexthop add id 1 via %s dev %s
 nexthop add id 3 group 1
 nexthop add id 2 via %s dev %s
 route replace default nhid 3
@@ -38,7 +40,7 @@ route replace ::/0 nhid 2
 		// The nexthops move to uplink2: its external host (which has ext2Masq4 and ext2Masq6,
 		// as the first one does) sees them from uplink2's addresses.
 		env.addSecondUplink(ctx, t)
-		if err := IPBatch(ctx, env.Node, fmt.Sprintf("nexthop replace id 1 via %s dev uplink2\nnexthop replace id 2 via %s dev uplink2\n",
+		if err := testutil.IPBatch(ctx, env.Node, fmt.Sprintf("nexthop replace id 1 via %s dev uplink2\nnexthop replace id 2 via %s dev uplink2\n",
 			ext2Addr4, ext2Addr6)); err != nil {
 			t.Fatal(err)
 		}

@@ -35,7 +35,7 @@ func (tp *Topology) addSecondUplink(ctx context.Context, t testing.TB) string {
 	if err := WriteSysctl(ns, "net.ipv6.conf.all.accept_dad", "0"); err != nil {
 		t.Fatal(err)
 	}
-	if err := IPBatch(ctx, tp.Node, fmt.Sprintf(`link add uplink2 type veth peer name eth0 netns %s
+	if err := testutil.IPBatch(ctx, tp.Node, fmt.Sprintf(`link add uplink2 type veth peer name eth0 netns %s
 addr add %s/24 dev uplink2
 addr add %s/64 dev uplink2 nodad
 link set uplink2 up
@@ -56,7 +56,7 @@ link set eth0 up
 route add %s via %s dev eth0
 route add %s via %s dev eth0
 `, ext2Addr4, ext2Addr6, PodNet4, uplink2Addr4, PodNet6, uplink2Addr6)
-	if err := IPBatch(ctx, ns, b.String()); err != nil {
+	if err := testutil.IPBatch(ctx, ns, b.String()); err != nil {
 		t.Fatal(err)
 	}
 	stop, err := StartEcho(ns, []netip.Addr{ext2Masq4, ext2Masq6, ext2Keep4, ext2Keep6}, EchoPort)
@@ -94,8 +94,8 @@ func (e *Env) policyRouting(ctx context.Context, t testing.TB, op, what string) 
 	}
 	// IPv6 rules need -6, which a batch line cannot say.
 	for _, batch := range []struct{ family, lines string }{{"-4", v4.String()}, {"-6", v6.String()}} {
-		if out, err := run(ctx, batch.lines, "ip", batch.family, "-n", e.Node, "-batch", "-"); err != nil {
-			t.Fatalf("%s %s: %v: %s", op, what, err, out)
+		if err := testutil.IPBatch(ctx, e.Node, batch.lines, batch.family); err != nil {
+			t.Fatalf("%s %s: %v", op, what, err)
 		}
 	}
 }

@@ -31,10 +31,10 @@ func (tp *Topology) addChild(ctx context.Context, t testing.TB, dev, linkArgs st
 	if err := WriteSysctl(ns, "net.ipv6.conf.all.accept_dad", "0"); err != nil {
 		t.Fatal(err)
 	}
-	if err := IPBatch(ctx, tp.Node, fmt.Sprintf("link add %s %s\nlink set %s netns %s\n", dev, linkArgs, dev, ns)); err != nil {
+	if err := testutil.IPBatch(ctx, tp.Node, fmt.Sprintf("link add %s %s\nlink set %s netns %s\n", dev, linkArgs, dev, ns)); err != nil {
 		t.Fatalf("add %s: %v", dev, err)
 	}
-	if err := IPBatch(ctx, ns, fmt.Sprintf(`link set lo up
+	if err := testutil.IPBatch(ctx, ns, fmt.Sprintf(`link set lo up
 addr add %s/24 dev %s
 addr add %s/64 dev %s nodad
 link set %s up
@@ -85,7 +85,7 @@ func require8021q(ctx context.Context, t *testing.T) {
 	t.Helper()
 	try := func() error {
 		ns := testutil.NewNetns(t)
-		return IPBatch(ctx, ns, "link add probe0 type dummy\nlink add link probe0 name probe0.7 type vlan id 7\n")
+		return testutil.IPBatch(ctx, ns, "link add probe0 type dummy\nlink add link probe0 name probe0.7 type vlan id 7\n")
 	}
 	err := try()
 	if err == nil {
@@ -114,7 +114,7 @@ func TestVLANChild(t *testing.T) {
 		env.StartReady(ctx, t, b, "masqOutBound: true\n")
 		vlan4, vlan6 := netip.MustParseAddr("10.98.0.50"), netip.MustParseAddr("2001:db8:98::50")
 		gw4, gw6 := netip.MustParseAddr("10.98.0.2"), netip.MustParseAddr("2001:db8:98::2")
-		if err := IPBatch(ctx, env.Ext, fmt.Sprintf(`link add link eth0 name eth0.100 type vlan id 100
+		if err := testutil.IPBatch(ctx, env.Ext, fmt.Sprintf(`link add link eth0 name eth0.100 type vlan id 100
 addr add %s/24 dev eth0.100
 addr add %s/64 dev eth0.100 nodad
 link set eth0.100 up
@@ -136,11 +136,11 @@ func TestUplinkMACChange(t *testing.T) {
 	eachBackend(t, backends(), []string{"--enable-ipv6"}, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
 		env.StartReady(ctx, t, b, "masqOutBound: true\n")
 		dsts := []netip.Addr{netip.MustParseAddr("8.8.8.8"), netip.MustParseAddr("2001:4860:4860::8888")}
-		if err := IPBatch(ctx, env.Node, "link set "+Uplink+" address "+failedOver+"\n"); err != nil {
+		if err := testutil.IPBatch(ctx, env.Node, "link set "+Uplink+" address "+failedOver+"\n"); err != nil {
 			t.Fatal(err)
 		}
 		// The external host learns the new MAC as a bond's gratuitous ARP would teach it.
-		if err := IPBatch(ctx, env.Ext, "neigh flush all\n"); err != nil {
+		if err := testutil.IPBatch(ctx, env.Ext, "neigh flush all\n"); err != nil {
 			t.Fatal(err)
 		}
 		for start := time.Now(); time.Since(start) < 500*time.Millisecond; {

@@ -75,16 +75,13 @@ func TestWithoutBPFSyscall(t *testing.T) {
 		}
 		// Nothing held the links but their pins, so the programs go with them: shortly after,
 		// since the kernel frees a link whose last reference went in a work item of its own.
-		for deadline := time.Now().Add(5 * time.Second); ; {
-			s := bpfLeft(t, env)
-			if s == "" {
-				break
+		if err := testutil.Poll(5*time.Second, 10*time.Millisecond, func() error {
+			if s := bpfLeft(t, env); s != "" {
+				return testutil.NotYet("nothing left after cleanup: %s", s)
 			}
-			if time.Now().After(deadline) {
-				t.Errorf("left 5 s after cleanup: %s", s)
-				break
-			}
-			time.Sleep(10 * time.Millisecond)
+			return nil
+		}); err != nil {
+			t.Error(err)
 		}
 		t.Logf("cleanup: %s", strings.TrimSpace(string(out)))
 	})

@@ -132,7 +132,7 @@ link set %s up
 route add default via %s dev %s
 route add default via %s dev %s
 `, tp.Pod, Uplink, tp.Ext, PodGW4, PodGW6, NodeAddr4, Uplink, NodeAddr6, Uplink, Uplink, ExtAddr4, Uplink, ExtAddr6, Uplink)
-	if err := IPBatch(ctx, tp.Node, node); err != nil {
+	if err := testutil.IPBatch(ctx, tp.Node, node); err != nil {
 		return err
 	}
 	pod := fmt.Sprintf(`addr add %s/24 dev eth0
@@ -141,7 +141,7 @@ link set eth0 up
 route add default via %s dev eth0
 route add default via %s dev eth0
 `, PodAddr4, PodAddr6, PodGW4, PodGW6)
-	if err := IPBatch(ctx, tp.Pod, pod); err != nil {
+	if err := testutil.IPBatch(ctx, tp.Pod, pod); err != nil {
 		return err
 	}
 	// Return routes for the pod network only: a reply to an address that was not masqueraded
@@ -152,7 +152,7 @@ link set eth0 up
 route add %s via %s dev eth0
 route add %s via %s dev eth0
 `, ExtAddr4, ExtAddr6, PodNet4, NodeAddr4, PodNet6, NodeAddr6)
-	if err := IPBatch(ctx, tp.Ext, ext.String()); err != nil {
+	if err := testutil.IPBatch(ctx, tp.Ext, ext.String()); err != nil {
 		return err
 	}
 	if err := WriteSysctl(tp.Node, "net.ipv4.ip_forward", "1"); err != nil {
@@ -172,7 +172,7 @@ func NodeAddr(fam policy.Family) netip.Addr {
 // AddAltAddresses gives the node's uplink its second addresses, NodeAlt4 and NodeAlt6: a node
 // with two addresses on its uplink.
 func (tp *Topology) AddAltAddresses(ctx context.Context) error {
-	return IPBatch(ctx, tp.Node, fmt.Sprintf("addr add %s/24 dev %s\naddr add %s/64 dev %s nodad preferred_lft 0\n",
+	return testutil.IPBatch(ctx, tp.Node, fmt.Sprintf("addr add %s/24 dev %s\naddr add %s/64 dev %s nodad preferred_lft 0\n",
 		NodeAlt4, Uplink, NodeAlt6, Uplink))
 }
 

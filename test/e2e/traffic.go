@@ -34,14 +34,14 @@ func (tp *Topology) AddPod(ctx context.Context, t testing.TB, index int) (ns str
 		t.Fatal(err)
 	}
 	dev := fmt.Sprintf("pod%d", index)
-	if err := IPBatch(ctx, tp.Node, fmt.Sprintf(`link add %s type veth peer name eth0 netns %s
+	if err := testutil.IPBatch(ctx, tp.Node, fmt.Sprintf(`link add %s type veth peer name eth0 netns %s
 addr add %s/24 dev %s
 addr add %s/64 dev %s nodad
 link set %s up
 `, dev, ns, gw4, dev, gw6, dev, dev)); err != nil {
 		t.Fatalf("add pod: %v", err)
 	}
-	if err := IPBatch(ctx, ns, fmt.Sprintf(`link set lo up
+	if err := testutil.IPBatch(ctx, ns, fmt.Sprintf(`link set lo up
 addr add %s/24 dev eth0
 addr add %s/64 dev eth0 nodad
 link set eth0 up
@@ -58,7 +58,7 @@ route add default via %s dev eth0
 // translation back). RestoreReturnRoutes puts them back.
 func (tp *Topology) CutReturnRoutes(ctx context.Context, t testing.TB) {
 	t.Helper()
-	if err := IPBatch(ctx, tp.Ext, fmt.Sprintf("route del %s\nroute del %s\n", PodNet4, PodNet6)); err != nil {
+	if err := testutil.IPBatch(ctx, tp.Ext, fmt.Sprintf("route del %s\nroute del %s\n", PodNet4, PodNet6)); err != nil {
 		t.Fatalf("cut return routes: %v", err)
 	}
 }
@@ -66,7 +66,7 @@ func (tp *Topology) CutReturnRoutes(ctx context.Context, t testing.TB) {
 // RestoreReturnRoutes undoes CutReturnRoutes.
 func (tp *Topology) RestoreReturnRoutes(ctx context.Context, t testing.TB) {
 	t.Helper()
-	if err := IPBatch(ctx, tp.Ext, fmt.Sprintf("route add %s via %s dev eth0\nroute add %s via %s dev eth0\n",
+	if err := testutil.IPBatch(ctx, tp.Ext, fmt.Sprintf("route add %s via %s dev eth0\nroute add %s via %s dev eth0\n",
 		PodNet4, NodeAddr4, PodNet6, NodeAddr6)); err != nil {
 		t.Fatalf("restore return routes: %v", err)
 	}
