@@ -2,7 +2,7 @@
 // engine (package bpf) with its maps pinned under <bpffs>/ip-masq-agent/v<layout>/ (migrating
 // what an agent of an older layout pinned there, refusing a newer one's), attaches the programs
 // to the uplinks (package tc), follows the uplinks and their addresses (package uplink), writes
-// each policy into the maps and expires idle NAT entries. A Reader reads what it pinned from
+// each policy into the maps and expires idle NAT entries. Installed reads what it pinned from
 // another process (`dump`); Cleanup removes everything it installed.
 package bpfbackend
 

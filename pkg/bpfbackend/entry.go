@@ -46,7 +46,7 @@ var Entry = datapath.Entry{
 	},
 	Read: func(_ context.Context, e datapath.Env, p *policy.Policy) ([]datapath.Reader, error) {
 		// Opens the pinned maps read-only: no program loaded, no map created.
-		r, err := OpenReader(settingsOf(e).BPFFS, e.Interfaces, p)
+		r, err := Inspect(settingsOf(e).BPFFS, e.Interfaces, p)
 		if err != nil || r == nil {
 			return nil, err
 		}

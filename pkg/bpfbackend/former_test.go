@@ -56,7 +56,7 @@ func formerNode(t *testing.T) netlink.Link {
 
 // TestFormerUplinkDrains: a device that a policy change makes no uplink (its route's
 // destinations now kept) while a flow masqueraded out of it is open keeps the programs and its
-// SNAT address, and is listed as draining (Uplinks, the Reader's dump, the drift check); once
+// SNAT address, and is listed as draining (Uplinks, the dump's Installed, the drift check); once
 // the flow is over it is detached. One whose address goes is detached at once with its flows,
 // the sweep asking for the apply that does it.
 func TestFormerUplinkDrains(t *testing.T) {
@@ -156,7 +156,7 @@ func TestFormerUplinkDrains(t *testing.T) {
 		if v, _ := via(); v != viaDraining {
 			t.Errorf("up1 after an apply that failed: via %q, want it still draining", v)
 		}
-		r, err := OpenReader(bpffs, nil, keep)
+		r, err := Inspect(bpffs, nil, keep)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -221,12 +221,12 @@ func sortHooks(hs []datapath.Hook) {
 	})
 }
 
-// readerPause is how long a Reader waits between its two samples of a hook with a program
+// readerPause is how long Installed.Hooks waits between its two samples of a hook with a program
 // ahead of ours: longer than the stamp's lag twice, so that a program of ours that runs is seen
 // running.
 const readerPause = 3 * bpf.HookRefresh
 
-// readHooks is Reader.Hooks: a sample of each uplink's hooks, and where a program runs ahead of
+// readHooks is Installed.Hooks: a sample of each uplink's hooks, and where a program runs ahead of
 // ours a second one readerPause later, to tell whether ours is bypassed.
 func readHooks(ctx context.Context, dp *bpf.Datapath, mode, pinDir string, ups []uplink.Uplink) ([]datapath.Hook, error) {
 	m, err := tc.NewManager(mode, tcOptions(pinDir, slog.New(slog.DiscardHandler)))

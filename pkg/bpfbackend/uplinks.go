@@ -18,7 +18,7 @@ import (
 
 var (
 	_ datapath.UplinkReporter = (*Backend)(nil)
-	_ datapath.UplinkReporter = (*Reader)(nil)
+	_ datapath.UplinkReporter = (*Installed)(nil)
 )
 
 // Changes carries uplink changes (an uplink appeared or went away, an address changed); each one
@@ -183,7 +183,7 @@ func (b *Backend) Uplinks(ctx context.Context) ([]datapath.Uplink, error) {
 // Uplinks implements datapath.UplinkReporter: the uplinks as the routes (and the interfaces the
 // reader was given) make them now, against those the programs are attached to; an attached
 // device that is no uplink now drains while its flows last (as the agent judges it: former.go).
-func (r *Reader) Uplinks(ctx context.Context) ([]datapath.Uplink, error) {
+func (r *Installed) Uplinks(ctx context.Context) ([]datapath.Uplink, error) {
 	res, err := uplink.NewResolver(r.interfaces)
 	if err != nil {
 		return nil, err

@@ -86,14 +86,14 @@ func rows(cs []datapath.RuleCounter) []row {
 // rule is such a rule.
 func TestReaderCounters(t *testing.T) {
 	bpffs := testutil.MountBPFFS(t)
-	if r, err := OpenReader(bpffs, nil, nil); r != nil || err != nil {
+	if r, err := Inspect(bpffs, nil, nil); r != nil || err != nil {
 		t.Fatalf("nothing pinned: %v %v", r, err)
 	}
 	installed := compile(t, "masqueradeCIDRs: [{cidr: 10.10.0.0/16, address: 192.0.2.11}]\nnonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]\n", true)
 	loadPinned(t, bpffs, installed)
 
 	given := compile(t, "nonMasqueradeCIDRs: [192.168.0.0/16, 10.0.0.0/8]\n", false)
-	r, err := OpenReader(bpffs, nil, given)
+	r, err := Inspect(bpffs, nil, given)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -121,7 +121,7 @@ func TestReaderCounters(t *testing.T) {
 		t.Errorf("info %+v", info)
 	}
 
-	r2, err := OpenReader(bpffs, nil, nil)
+	r2, err := Inspect(bpffs, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -189,7 +189,7 @@ func runOn(t *testing.T, prog *ebpf.Program, frame []byte, ifindex int) []byte {
 }
 
 // TestNATReports: the NAT metrics and the dump summary of a datapath with two flows, one of them
-// answered, read through a Reader; sweep totals and drops come from their maps.
+// answered, read through Installed; sweep totals and drops come from their maps.
 func TestNATReports(t *testing.T) {
 	bpffs := testutil.MountBPFFS(t)
 	dp := loadPinned(t, bpffs, compile(t, "", false))
@@ -208,7 +208,7 @@ func TestNATReports(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	r, err := OpenReader(bpffs, nil, nil)
+	r, err := Inspect(bpffs, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -21,9 +21,10 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/uplink"
 )
 
-// Reader reads a BPF datapath pinned under <bpffs>/ip-masq-agent/ (its layout's directory) from
-// any process, through read-only map descriptors: it never changes what it reads.
-type Reader struct {
+// Installed reads a BPF datapath pinned under <bpffs>/ip-masq-agent/ (its layout's directory)
+// from any process, through read-only map descriptors: it never changes what it reads. It is the
+// BPF backend's installed-state reader, as iptables.Installed and nftables.Installed are theirs.
+type Installed struct {
 	dp     *bpf.Datapath
 	p      *policy.Policy
 	info   datapath.Info
@@ -34,17 +35,17 @@ type Reader struct {
 }
 
 var (
-	_ datapath.Reader       = (*Reader)(nil)
-	_ datapath.NATReporter  = (*Reader)(nil)
-	_ datapath.HookReporter = (*Reader)(nil)
+	_ datapath.Reader       = (*Installed)(nil)
+	_ datapath.NATReporter  = (*Installed)(nil)
+	_ datapath.HookReporter = (*Installed)(nil)
 )
 
-// OpenReader opens what is pinned under bpffs, or returns nil and no error when nothing is.
+// Inspect opens what is pinned under bpffs, or returns nil and no error when nothing is.
 // p, the configuration the reader is given (nil when it has none), says which configured rule
 // each installed one is, and, with interfaces (--interfaces), which devices are uplinks. Pins
 // of another layout than this build's are not read: an older layout's are migrated by the next
 // agent, a newer one's belong to a newer agent (and dump).
-func OpenReader(bpffs string, interfaces []string, p *policy.Policy) (*Reader, error) {
+func Inspect(bpffs string, interfaces []string, p *policy.Policy) (*Installed, error) {
 	root := filepath.Join(bpffs, PinDir)
 	dp, err := bpf.OpenReadOnly(root)
 	if err != nil {
@@ -59,15 +60,15 @@ func OpenReader(bpffs string, interfaces []string, p *policy.Policy) (*Reader, e
 	if links, err := os.ReadDir(filepath.Join(root, LinkDir)); err == nil && len(links) > 0 {
 		mode = tc.ModeTCX
 	}
-	return &Reader{dp: dp, p: p, info: readInfo(dp, dir, mode), mode: mode, pinDir: dir, interfaces: interfaces}, nil
+	return &Installed{dp: dp, p: p, info: readInfo(dp, dir, mode), mode: mode, pinDir: dir, interfaces: interfaces}, nil
 }
 
 // Close releases the descriptors.
-func (r *Reader) Close() error { return r.dp.Close() }
+func (r *Installed) Close() error { return r.dp.Close() }
 
 // Info implements datapath.InfoReporter: the attach mode as the pins tell it, and the uplinks
 // the maps held when the reader was opened.
-func (r *Reader) Info() datapath.Info { return r.info }
+func (r *Installed) Info() datapath.Info { return r.info }
 
 // readInfo reads what Info reports.
 func readInfo(dp *bpf.Datapath, pinDir, mode string) datapath.Info {
@@ -102,23 +103,23 @@ func installedUplinks(dp *bpf.Datapath) []uplink.Uplink {
 // Hooks implements datapath.HookReporter: the programs of others on each uplink's hooks, and,
 // where one runs ahead of ours, whether ours is bypassed (which takes two samples of the hook,
 // a fraction of a second apart).
-func (r *Reader) Hooks(ctx context.Context) ([]datapath.Hook, error) {
+func (r *Installed) Hooks(ctx context.Context) ([]datapath.Hook, error) {
 	return readHooks(ctx, r.dp, r.mode, r.pinDir, installedUplinks(r.dp))
 }
 
 // Counters implements datapath.Reader: the installed rules with their counters, as the
 // configuration the reader was given explains them (ruleCounters).
-func (r *Reader) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
+func (r *Installed) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
 	return ruleCounters(ctx, r.dp, r.p, true)
 }
 
 // NATStats implements datapath.NATReporter.
-func (r *Reader) NATStats(ctx context.Context) (datapath.NATStats, error) {
+func (r *Installed) NATStats(ctx context.Context) (datapath.NATStats, error) {
 	return natStats(ctx, r.dp)
 }
 
 // NATSummary implements datapath.NATReporter.
-func (r *Reader) NATSummary(ctx context.Context, top int) (datapath.NATSummary, error) {
+func (r *Installed) NATSummary(ctx context.Context, top int) (datapath.NATSummary, error) {
 	return natSummary(ctx, r.dp, top)
 }
 
