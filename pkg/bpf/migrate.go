@@ -614,7 +614,8 @@ func flowFlags(kt natTuple, kind Kind, own, partner Flags, paired bool) Flags {
 	return f
 }
 
-func putBatch[K any](m *ebpf.Map, keys []K, vals []masqNatEntry) error {
+// putBatch writes the entries keys[i], vals[i] into m: in one batch where the kernel can.
+func putBatch[K, V any](m *ebpf.Map, keys []K, vals []V) error {
 	_, err := m.BatchUpdate(keys, vals, nil)
 	if !errors.Is(err, ebpf.ErrNotSupported) {
 		return err

@@ -211,16 +211,7 @@ func (o lpmOps[K, V]) put(m *ebpf.Map, prefixes []trieKey, tvals []trieValue) er
 	for i, v := range tvals {
 		vals[i] = zero.withValue(v)
 	}
-	_, err := m.BatchUpdate(keys, vals, nil)
-	if !errors.Is(err, ebpf.ErrNotSupported) {
-		return err
-	}
-	for i := range keys {
-		if err := m.Put(&keys[i], &vals[i]); err != nil {
-			return err
-		}
-	}
-	return nil
+	return putBatch(m, keys, vals)
 }
 
 func (o lpmOps[K, V]) delete(m *ebpf.Map, prefixes []trieKey) error {

@@ -51,6 +51,20 @@ func (f *agentFlags) register(fs *flagSet) {
 	})
 }
 
+// parseAgentFlags parses the arguments of the command named name, which takes the agent's flags
+// (so that the DaemonSet's arguments can be reused) and its own, which own registers, and no
+// positional argument; the backends' flags are checked.
+func parseAgentFlags(name string, args []string, stderr io.Writer, own func(fs *flagSet)) (*agentFlags, error) {
+	var af agentFlags
+	fs := newFlagSet(commandNamed(name), stderr)
+	fs.group(name, func() { own(fs) })
+	af.register(fs)
+	if err := parseNoArgs(fs.FlagSet, args); err != nil {
+		return nil, err
+	}
+	return &af, af.backendFlags.check()
+}
+
 func (f *agentFlags) interfaceList() []string {
 	var out []string
 	for _, s := range strings.Split(f.interfaces, ",") {

@@ -20,17 +20,11 @@ import (
 // an agent holds it: removing a running agent's datapath would only last until its drift check
 // put it back, or, worse, leave it half removed. --force runs it anyway.
 func runCleanup(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	var af agentFlags
-	fs := newFlagSet(commandNamed("cleanup"), stderr)
 	var force bool
-	fs.group("cleanup", func() {
+	af, err := parseAgentFlags("cleanup", args, stderr, func(fs *flagSet) {
 		fs.BoolVar(&force, "force", false, "remove everything even while an agent runs on the node (it holds the node lock)")
 	})
-	af.register(fs)
-	if err := parseNoArgs(fs.FlagSet, args); err != nil {
-		return err
-	}
-	if err := af.backendFlags.check(); err != nil {
+	if err != nil {
 		return err
 	}
 	log := newLogger(stderr, af.verbosity)

@@ -21,23 +21,17 @@ const defaultTop = 10
 // DaemonSet's arguments can be reused: the configuration and policy flags say which rule each
 // installed one is (its origin), the backends' own flags where to look.
 func runDump(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	var af agentFlags
-	fs := newFlagSet(commandNamed("dump"), stderr)
 	var top int
-	fs.group("dump", func() {
+	af, err := parseAgentFlags("dump", args, stderr, func(fs *flagSet) {
 		fs.IntVar(&top, "top", defaultTop, "how many of the busiest remote endpoints of the NAT table to show")
 	})
-	af.register(fs)
-	if err := parseNoArgs(fs.FlagSet, args); err != nil {
+	if err != nil {
 		return err
 	}
 	if _, _, err := af.options(); err != nil {
 		return err
 	}
-	if err := af.backendFlags.check(); err != nil {
-		return err
-	}
-	return dump(ctx, &af, top, stdout, stderr)
+	return dump(ctx, af, top, stdout, stderr)
 }
 
 // dump prints what is installed.
