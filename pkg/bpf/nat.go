@@ -254,3 +254,242 @@ func (t natTableOf[K]) deleteKeys(keys []natTuple) error {
 	}
 	return nil
 }
+
+// The NAT tables as the maps hold them: keys of two layouts (masqNat4Key, masqNat6Key) over one
+// value (masqNatEntry), and the walk that reads them in batches. Everything that reads the
+// tables goes through natTuple, so that a key's fields, a flow's partner and what the datapath
+// calls "points back" are written once for both families (bpf/nat.h has the C side), and a
+// NATEntry is only what decode makes of them.
+
+// natTuple is a NAT key's fields, for either family (IPv4 in the first 4 bytes of src and dst);
+// addresses and ports in network byte order, as the key holds them.
+type natTuple struct {
+	v6           bool
+	dir          Direction
+	proto        uint8
+	src, dst     [16]byte
+	sport, dport uint16
+}
+
+// rawNATKey is a NAT table key as the map holds it (masqNat4Key, masqNat6Key).
+type rawNATKey[K any] interface {
+	comparable
+	tuple() natTuple
+	// withTuple is the key of this layout holding t (the receiver's fields are not used).
+	withTuple(t natTuple) K
+}
+
+func (k masqNat4Key) tuple() natTuple {
+	t := natTuple{dir: Direction(k.Dir), proto: k.Proto, sport: k.Sport, dport: k.Dport}
+	copy(t.src[:], k.Saddr[:])
+	copy(t.dst[:], k.Daddr[:])
+	return t
+}
+
+func (k masqNat6Key) tuple() natTuple {
+	return natTuple{v6: true, dir: Direction(k.Dir), proto: k.Proto, src: k.Saddr, dst: k.Daddr,
+		sport: k.Sport, dport: k.Dport}
+}
+
+func (masqNat4Key) withTuple(t natTuple) masqNat4Key {
+	return masqNat4Key{Saddr: [4]byte(t.src[:4]), Daddr: [4]byte(t.dst[:4]), Sport: t.sport, Dport: t.dport, Proto: t.proto, Dir: masqNatDir(t.dir)}
+}
+
+func (masqNat6Key) withTuple(t natTuple) masqNat6Key {
+	return masqNat6Key{Saddr: t.src, Daddr: t.dst, Sport: t.sport, Dport: t.dport, Proto: t.proto, Dir: masqNatDir(t.dir)}
+}
+
+// keyTuple is the tuple of an entry's key (dir, proto, src, dst).
+func keyTuple(dir Direction, proto uint8, src, dst netip.AddrPort) natTuple {
+	return natTuple{v6: !src.Addr().Is4(), dir: dir, proto: proto, src: addrBytes(src.Addr()), dst: addrBytes(dst.Addr()),
+		sport: htons(src.Port()), dport: htons(dst.Port())}
+}
+
+// key is the map key holding t, of its family's layout.
+func (t natTuple) key() any {
+	if t.v6 {
+		return masqNat6Key{}.withTuple(t)
+	}
+	return masqNat4Key{}.withTuple(t)
+}
+
+// natKey is the map key of an entry's (dir, proto, src, dst).
+func natKey(dir Direction, proto uint8, src, dst netip.AddrPort) any {
+	return keyTuple(dir, proto, src, dst).key()
+}
+
+// decode is the entry v found under t.
+func (t natTuple) decode(v *masqNatEntry) NATEntry {
+	return NATEntry{
+		Dir: t.dir, Proto: t.proto,
+		Src:  netip.AddrPortFrom(bytesAddr(t.v6, t.src), ntohs(t.sport)),
+		Dst:  netip.AddrPortFrom(bytesAddr(t.v6, t.dst), ntohs(t.dport)),
+		To:   netip.AddrPortFrom(bytesAddr(t.v6, v.Addr), ntohs(v.Port)),
+		Kind: Kind(v.Kind), Flags: Flags(v.Flags), Slot: v.Slot,
+		LastSeen: time.Duration(v.LastSeen),
+	}
+}
+
+// partner is the key of the other half of the flow whose entry v sits at t (C: partner_key):
+//
+//	egress  {s, d, sp, dp} -> {A, P}  partner: ingress {d, A, dp, P}
+//	ingress {s, d, sp, dp} -> {A, P}  partner: egress  {A, s, P, sp}
+func (t natTuple) partner(v *masqNatEntry) natTuple {
+	p := natTuple{v6: t.v6, proto: t.proto}
+	if t.dir == Egress {
+		p.dir, p.src, p.dst, p.sport, p.dport = Ingress, t.dst, v.Addr, t.dport, v.Port
+	} else {
+		p.dir, p.src, p.dst, p.sport, p.dport = Egress, v.Addr, t.src, v.Port, t.sport
+	}
+	return p
+}
+
+// pointedBy tells whether pv, found at t's partner key, is the other half of t's flow rather
+// than of a flow that took the key over after an eviction (C: points_back): its translation
+// leads back to t's own side.
+func (t natTuple) pointedBy(pv *masqNatEntry) bool {
+	addr, port := t.src, t.sport
+	if t.dir == Ingress {
+		addr, port = t.dst, t.dport
+	}
+	if !t.v6 {
+		return [4]byte(pv.Addr[:4]) == [4]byte(addr[:4]) && pv.Port == port
+	}
+	return pv.Addr == addr && pv.Port == port
+}
+
+// lookupPartner reads the other half of the flow whose entry v sits at k, from either table
+// (confirmed first, as the datapath looks). ok is false when that half is gone or belongs to
+// another flow.
+func (t natTableOf[K]) lookupPartner(k K, v *masqNatEntry) (pk K, pv masqNatEntry, ok bool, err error) {
+	pk, pv, ok, _, err = t.lookupPartnerIn(k, v)
+	return pk, pv, ok, err
+}
+
+// lookupPartnerIn is lookupPartner that also tells which table holds the partner.
+func (t natTableOf[K]) lookupPartnerIn(k K, v *masqNatEntry) (pk K, pv masqNatEntry, ok bool, tbl Table, err error) {
+	kt := k.tuple()
+	pk = k.withTuple(kt.partner(v))
+	found, confirmed, err := t.lookup(&pk, &pv)
+	if err != nil || !found {
+		return pk, pv, false, 0, err
+	}
+	tbl = TableUnreplied
+	if confirmed {
+		tbl = TableConfirmed
+	}
+	return pk, pv, kt.pointedBy(&pv), tbl, nil
+}
+
+// lookup reads the entry at k from either table, confirmed first, and tells which held it.
+func (t natTableOf[K]) lookup(k *K, v *masqNatEntry) (found, confirmed bool, err error) {
+	for i, m := range t.tables() {
+		err := m.Lookup(k, v)
+		if err == nil {
+			return true, i == 0, nil
+		}
+		if !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return false, false, fmt.Errorf("lookup nat entry: %w", err)
+		}
+	}
+	return false, false, nil
+}
+
+// natTable is one family's NAT tables, wrapped with the operations of its key layout.
+type natTable interface {
+	natMigrator
+	tables() [2]*ebpf.Map
+	entries(fn func(NATEntry) bool) error
+	count(fn func(proto uint8, table Table, flags Flags)) error
+	flows(fn func(Flow) bool) error
+	sweep(now time.Duration, t Timeouts, res *SweepResult, swept map[uint8]uint64) (confirmed int, err error)
+	lookupEntry(t natTuple) (NATEntry, bool, error)
+	deleteKeys(keys []natTuple) error
+	maxEntries(tbl Table) uint32
+}
+
+// natTableOf implements natTable for the key layout K: a family's tables of confirmed and of
+// unreplied flows (both halves of a flow are in the same one, but for a moment while the
+// datapath confirms it) and its table of kept RETURN verdicts.
+type natTableOf[K rawNATKey[K]] struct{ confirmed, unreplied, keep *ebpf.Map }
+
+// tables are the flow tables, confirmed first.
+func (t natTableOf[K]) tables() [2]*ebpf.Map { return [2]*ebpf.Map{t.confirmed, t.unreplied} }
+
+func (d *Datapath) natTable(fam policy.Family) natTable {
+	if fam == policy.IPv6 {
+		return natTableOf[masqNat6Key]{d.objs.NatV6, d.objs.NatNewV6, d.objs.KeepV6}
+	}
+	return natTableOf[masqNat4Key]{d.objs.NatV4, d.objs.NatNewV4, d.objs.KeepV4}
+}
+
+// natBatch is how many entries one batch lookup reads: a full default table (262144 entries)
+// is then 64 syscalls, and the buffers stay a few hundred KiB.
+const natBatch = 4096
+
+// walkNAT calls fn with the entries of a NAT table a batch at a time, until fn returns false:
+// keys[:n] and vals[:n] hold the batch, valid only during the call. It reads with
+// BPF_MAP_LOOKUP_BATCH, bucket by bucket, so that a table the programs change meanwhile is
+// still walked once (an entry added or removed during the walk may be missed); kernels without
+// batch operations are walked key by key.
+func walkNAT[K, V any](m *ebpf.Map, fn func(keys []K, vals []V, n int) bool) error {
+	keys, vals := make([]K, natBatch), make([]V, natBatch)
+	var cursor ebpf.MapBatchCursor
+	for {
+		n, err := m.BatchLookup(&cursor, keys, vals, nil)
+		if errors.Is(err, ebpf.ErrNotSupported) {
+			return walkNATByKey(m, keys, vals, fn)
+		}
+		done := errors.Is(err, ebpf.ErrKeyNotExist)
+		if err != nil && !done {
+			return err
+		}
+		if n > 0 && !fn(keys, vals, n) {
+			return nil
+		}
+		if done {
+			return nil
+		}
+	}
+}
+
+// walkNATByKey is walkNAT with one syscall per key, for kernels before 5.6.
+func walkNATByKey[K, V any](m *ebpf.Map, keys []K, vals []V, fn func(keys []K, vals []V, n int) bool) error {
+	it := m.Iterate()
+	n := 0
+	for it.Next(&keys[n], &vals[n]) {
+		if n++; n == len(keys) {
+			if !fn(keys, vals, n) {
+				return nil
+			}
+			n = 0
+		}
+	}
+	if err := it.Err(); err != nil {
+		return err
+	}
+	if n > 0 {
+		fn(keys, vals, n)
+	}
+	return nil
+}
+
+// each is walkNAT over both flow tables, confirmed first, one entry at a time.
+func (t natTableOf[K]) each(fn func(K, *masqNatEntry, Table) bool) error {
+	for i, m := range t.tables() {
+		stop := false
+		err := walkNAT(m, func(keys []K, vals []masqNatEntry, n int) bool {
+			for j := range n {
+				if !fn(keys[j], &vals[j], Table(i)) {
+					stop = true
+					return false
+				}
+			}
+			return true
+		})
+		if err != nil || stop {
+			return err
+		}
+	}
+	return nil
+}

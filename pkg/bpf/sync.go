@@ -402,6 +402,24 @@ func (d *Datapath) freeSlots(slots []uint32) error {
 	return nil
 }
 
+// SlotsNeeded returns how many counter slots a SyncPolicy of p holds at its peak: the rules that
+// stay and the rules it adds, while the rules it removes still hold theirs.
+func (d *Datapath) SlotsNeeded(p *policy.Policy) (int, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	pl, err := d.planFor(p)
+	if err != nil {
+		return 0, err
+	}
+	n := len(d.slots.byKey)
+	for _, k := range pl.keys {
+		if _, ok := d.slots.byKey[k]; !ok {
+			n++
+		}
+	}
+	return n, nil
+}
+
 // planFor returns the plan of p, computed once for the policy last asked about: SlotsNeeded and
 // the SyncPolicy after it plan the same policy, and a 100k-rule plan costs a fifth of a second.
 // d.mu must be held.

@@ -17,13 +17,28 @@ import (
 // them), grown when a policy outgrows the rule maps, synced with each policy, and the migration
 // finished once the programs are swapped.
 
-// mapsFor returns the datapath, opened by the first Apply, with p in its maps.
+// mapsFor returns the datapath, opened by the first Apply, with p in its maps: the pins that
+// are gone pinned again, and p written.
 func (b *Backend) mapsFor(p *policy.Policy) (*bpf.Datapath, error) {
 	dp, err := b.datapathFor(p)
 	if err != nil {
 		return nil, err
 	}
-	return dp, b.syncPolicy(dp, p)
+	if repinned, err := dp.Repin(); err != nil {
+		return nil, err
+	} else if len(repinned) > 0 {
+		b.log.Warn("map pins were missing; pinned again", "maps", repinned)
+	}
+	// Re-applying the policy in force (a resync, a retry, a drift repair) first re-reads the
+	// tries, so that entries changed behind the agent's back are written again. A new policy
+	// (a config change) skips the re-read, which costs a syscall per entry: drift in between is
+	// the drift check's to find, and its repair re-applies this policy.
+	if p.Equal(b.lastApplied) {
+		if err := dp.Refresh(); err != nil {
+			return nil, fmt.Errorf("read the maps: %w", err)
+		}
+	}
+	return dp, dp.SyncPolicy(p)
 }
 
 // datapathFor returns the datapath, opened by the first Apply, with rule maps that can hold p.
@@ -138,23 +153,4 @@ func (b *Backend) finishMigration(dp *bpf.Datapath) error {
 		"from", fmt.Sprint(b.migration.Sources()), "caughtUp", caught, "took", time.Since(start))
 	b.migration = nil
 	return nil
-}
-
-// syncPolicy pins again the maps whose pins are gone, and writes p into the maps.
-func (b *Backend) syncPolicy(dp *bpf.Datapath, p *policy.Policy) error {
-	if repinned, err := dp.Repin(); err != nil {
-		return err
-	} else if len(repinned) > 0 {
-		b.log.Warn("map pins were missing; pinned again", "maps", repinned)
-	}
-	// Re-applying the policy in force (a resync, a retry, a drift repair) first re-reads the
-	// tries, so that entries changed behind the agent's back are written again. A new policy
-	// (a config change) skips the re-read, which costs a syscall per entry: drift in between is
-	// the drift check's to find, and its repair re-applies this policy.
-	if p.Equal(b.lastApplied) {
-		if err := dp.Refresh(); err != nil {
-			return fmt.Errorf("read the maps: %w", err)
-		}
-	}
-	return dp.SyncPolicy(p)
 }

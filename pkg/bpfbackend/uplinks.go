@@ -123,10 +123,11 @@ func (b *Backend) install(ctx context.Context, dp *bpf.Datapath, p *policy.Polic
 	attached := b.uplinks
 	b.mu.Unlock()
 	for _, u := range ups {
+		snat := snatAddrs(u, p)
 		if changed {
-			b.warnNoAddress(u, p)
+			b.warnNoAddress(u, p, snat)
 		}
-		flushed, err := dp.SetUplinkHolding(u.Index, snatAddrs(u, p), held)
+		flushed, err := dp.SetUplinkHolding(u.Index, snat, held)
 		if err != nil {
 			return err
 		}
@@ -155,11 +156,11 @@ func (b *Backend) attachTo(ctx context.Context, u uplink.Uplink, progs tc.Progra
 	return b.attach.Attach(ctx, u.Index, progs)
 }
 
-// warnNoAddress warns when an uplink lacks the address of a family it is expected to carry: a
-// device named by --interfaces either family, one found by its routes the families of its
-// routes.
-func (b *Backend) warnNoAddress(u uplink.Uplink, p *policy.Policy) {
-	named, snat := u.Via == uplink.ViaInterfaces, snatAddrs(u, p)
+// warnNoAddress warns when an uplink lacks the SNAT address (snat) of a family it is expected to
+// carry: a device named by --interfaces either family, one found by its routes the families of
+// its routes.
+func (b *Backend) warnNoAddress(u uplink.Uplink, p *policy.Policy, snat bpf.Uplink) {
+	named := u.Via == uplink.ViaInterfaces
 	if (named || u.RoutedV4) && !snat.IPv4.IsValid() {
 		b.log.Warn("uplink has no IPv4 address: its masqueraded IPv4 traffic is dropped", "uplink", u.Name)
 	}
