@@ -196,13 +196,47 @@ func (r *Resolver) resolve(ctx context.Context) (Set, error) {
 	if err := ctx.Err(); err != nil {
 		return Set{}, err
 	}
-	// One dump per family: the library lists every address of the namespace for any device's
-	// (and filters them itself), so asking per device would repeat the dump.
+	addrs, err := r.addresses()
+	if err != nil {
+		return Set{}, err
+	}
+	routes, to, err := r.routeDevices()
+	if err != nil {
+		return Set{}, err
+	}
+	set := Set{routes: to}
+	links, err := r.candidates(routes, &set)
+	if err != nil {
+		return Set{}, err
+	}
+	set.Addrs = make(map[int][]netip.Addr, len(links))
+	for _, l := range links {
+		u, ok := r.uplinkOf(l, routes, addrs, &set)
+		switch {
+		case !ok:
+		case l.Attrs().EncapType != "ether":
+			set.Unsupported = append(set.Unsupported, u)
+		default:
+			set.Uplinks = append(set.Uplinks, u)
+			set.Addrs[u.Index] = usable(addrs[u.Index][unix.AF_INET], addrs[u.Index][unix.AF_INET6])
+		}
+	}
+	for _, us := range []*[]Uplink{&set.Uplinks, &set.Unsupported} {
+		slices.SortFunc(*us, func(a, b Uplink) int { return a.Index - b.Index })
+		*us = slices.CompactFunc(*us, func(a, b Uplink) bool { return a.Index == b.Index })
+	}
+	return set, nil
+}
+
+// addresses are the namespace's addresses by ifindex and family: one dump per family, as the
+// library lists every address of the namespace for any device's (and filters them itself), so
+// asking per device would repeat the dump.
+func (r *Resolver) addresses() (map[int]map[int][]netlink.Addr, error) {
 	addrs := map[int]map[int][]netlink.Addr{}
 	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
 		all, err := r.nl.AddrList(nil, fam)
 		if err != nil {
-			return Set{}, fmt.Errorf("list addresses: %w", err)
+			return nil, fmt.Errorf("list addresses: %w", err)
 		}
 		for _, a := range all {
 			if addrs[a.LinkIndex] == nil {
@@ -211,11 +245,12 @@ func (r *Resolver) resolve(ctx context.Context) (Set, error) {
 			addrs[a.LinkIndex][fam] = append(addrs[a.LinkIndex][fam], a)
 		}
 	}
-	routes, to, err := r.routeDevices()
-	if err != nil {
-		return Set{}, err
-	}
-	set := Set{routes: to}
+	return addrs, nil
+}
+
+// candidates are the devices that may be uplinks: those --interfaces names (the ones that do
+// not exist go to set.Missing), else the devices of the routes, but loopback and those left out.
+func (r *Resolver) candidates(routes map[int]map[int]route, set *Set) ([]netlink.Link, error) {
 	var links []netlink.Link
 	if len(r.names) > 0 {
 		for _, name := range r.names {
@@ -226,69 +261,63 @@ func (r *Resolver) resolve(ctx context.Context) (Set, error) {
 				continue
 			}
 			if err != nil {
-				return Set{}, fmt.Errorf("find device %s: %w", name, err)
+				return nil, fmt.Errorf("find device %s: %w", name, err)
 			}
 			links = append(links, l)
 		}
-	} else {
-		for _, idx := range sortedKeys(routes) {
-			l, err := r.nl.LinkByIndex(idx)
-			var nf netlink.LinkNotFoundError
-			if errors.As(err, &nf) {
-				continue // gone meanwhile
-			}
-			if err != nil {
-				return Set{}, fmt.Errorf("find device of ifindex %d: %w", idx, err)
-			}
-			if l.Attrs().EncapType == "loopback" || slices.Contains(r.excluded, l.Attrs().Name) {
-				continue
-			}
-			links = append(links, l)
-		}
+		return links, nil
 	}
-	set.Addrs = make(map[int][]netip.Addr, len(links))
-	for _, l := range links {
-		u := Uplink{Name: l.Attrs().Name, Index: l.Attrs().Index, Via: ViaInterfaces}
-		if hw := l.Attrs().HardwareAddr; len(hw) == len(u.MAC) {
-			copy(u.MAC[:], hw)
+	for _, idx := range sortedKeys(routes) {
+		l, err := r.nl.LinkByIndex(idx)
+		var nf netlink.LinkNotFoundError
+		if errors.As(err, &nf) {
+			continue // gone meanwhile
 		}
-		var via []string
-		for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
-			rt, routed := routes[u.Index][fam]
-			a := primary(fam, addrs[u.Index][fam], rt)
-			if routed && rt.rank != rankMainDefault && !a.IsValid() {
-				// A route beyond the main default makes no uplink of a device without an
-				// address of its family (a pod's veth): there is nothing to masquerade behind.
-				routed = false
-				set.waiting = append(set.waiting, u.Index)
-			}
-			if routed {
-				via = append(via, rt.via)
-			}
-			if fam == unix.AF_INET {
-				u.IPv4, u.RoutedV4 = a, routed
-			} else {
-				u.IPv6, u.RoutedV6 = a, routed
-			}
+		if err != nil {
+			return nil, fmt.Errorf("find device of ifindex %d: %w", idx, err)
 		}
-		if len(r.names) == 0 {
-			if len(via) == 0 {
-				continue
-			}
-			u.Via = strings.Join(slices.Compact(via), ", ")
-		}
-		if l.Attrs().EncapType != "ether" {
-			set.Unsupported = append(set.Unsupported, u)
+		if l.Attrs().EncapType == "loopback" || slices.Contains(r.excluded, l.Attrs().Name) {
 			continue
 		}
-		set.Uplinks = append(set.Uplinks, u)
-		set.Addrs[u.Index] = usable(addrs[u.Index][unix.AF_INET], addrs[u.Index][unix.AF_INET6])
+		links = append(links, l)
 	}
-	for _, us := range []*[]Uplink{&set.Uplinks, &set.Unsupported} {
-		slices.SortFunc(*us, func(a, b Uplink) int { return a.Index - b.Index })
-		*us = slices.CompactFunc(*us, func(a, b Uplink) bool { return a.Index == b.Index })
+	return links, nil
+}
+
+// uplinkOf is the uplink device l makes, with its primary address of each family and what
+// makes it one, and false when nothing does (a device of the routes whose routes, beyond the
+// main default, have no address of their family to masquerade behind: set.waiting).
+func (r *Resolver) uplinkOf(l netlink.Link, routes map[int]map[int]route, addrs map[int]map[int][]netlink.Addr, set *Set) (Uplink, bool) {
+	u := Uplink{Name: l.Attrs().Name, Index: l.Attrs().Index, Via: ViaInterfaces}
+	if hw := l.Attrs().HardwareAddr; len(hw) == len(u.MAC) {
+		copy(u.MAC[:], hw)
 	}
-	return set, nil
+	var via []string
+	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
+		rt, routed := routes[u.Index][fam]
+		a := primary(fam, addrs[u.Index][fam], rt)
+		if routed && rt.rank != rankMainDefault && !a.IsValid() {
+			// A route beyond the main default makes no uplink of a device without an
+			// address of its family (a pod's veth): there is nothing to masquerade behind.
+			routed = false
+			set.waiting = append(set.waiting, u.Index)
+		}
+		if routed {
+			via = append(via, rt.via)
+		}
+		if fam == unix.AF_INET {
+			u.IPv4, u.RoutedV4 = a, routed
+		} else {
+			u.IPv6, u.RoutedV6 = a, routed
+		}
+	}
+	if len(r.names) == 0 {
+		if len(via) == 0 {
+			return u, false
+		}
+		u.Via = strings.Join(slices.Compact(via), ", ")
+	}
+	return u, true
 }
 
 // usable returns the addresses traffic can leave from (see Set.Addrs).
