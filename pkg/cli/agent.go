@@ -11,9 +11,11 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodeaddr"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodelock"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
 )
 
@@ -121,9 +123,18 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
-	addrs, err := nodeaddr.New(af.interfaceList(), log)
+	addrs, stopWatch, err := watchNodeAddresses(ctx, af.interfaceList(), log)
 	if err != nil {
 		return err
+	}
+	defer stopWatch()
+	return af.serve(ctx, dp, src, popts, addrs, log)
+}
+
+// watchNodeAddresses follows the node's addresses (nodeaddr) until stop is called.
+func watchNodeAddresses(ctx context.Context, interfaces []string, log *slog.Logger) (addrs *nodeaddr.Checker, stop func(), err error) {
+	if addrs, err = nodeaddr.New(interfaces, log); err != nil {
+		return nil, nil, err
 	}
 	watchCtx, stopWatch := context.WithCancel(ctx)
 	watched := make(chan struct{})
@@ -131,11 +142,16 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		defer close(watched)
 		addrs.Watch(watchCtx)
 	}()
-	defer func() {
+	return addrs, func() {
 		stopWatch()
 		<-watched
 		addrs.Close()
-	}()
+	}, nil
+}
+
+// serve runs the agent over the chosen datapath until ctx ends: its loop, the status it
+// publishes, and its endpoint with the metrics.
+func (af *agentFlags) serve(ctx context.Context, dp *backends.Chosen, src config.Source, popts policy.Options, addrs *nodeaddr.Checker, log *slog.Logger) error {
 	obs := metrics.NewObserver()
 	a, err := agent.New(agent.Options{Source: src, PolicyOptions: popts, Backend: dp.Backend, Logger: log,
 		Observer: obs, Changes: dp.Changes, Displace: dp.Displace, DriftInterval: af.driftInterval, Addresses: addrs})

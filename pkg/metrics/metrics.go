@@ -315,7 +315,19 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.descs[name], prometheus.CounterValue, float64(v), labels...)
 	}
 	gauge(BuildInfo, 1, c.build[:]...)
+	c.collectSetup(gauge, counter)
+	if c.opts.Agent != nil {
+		c.collectAgent(c.opts.Agent.Stats(), gauge, counter)
+	}
+	if c.opts.Observer != nil {
+		c.opts.Observer.syncDuration.Collect(ch)
+	}
+	c.collectReads(ch, gauge, counter)
+}
 
+// collectSetup collects what the process runs: the datapath, the configuration's source, the
+// status writes and the backends auto passed over.
+func (c *Collector) collectSetup(gauge func(string, float64, ...string), counter func(string, uint64, ...string)) {
 	info := datapath.Info{Backend: c.opts.Backend.Name(), AttachMode: datapath.AttachNone}
 	if r, ok := c.opts.Backend.(datapath.InfoReporter); ok {
 		info = r.Info()
@@ -333,49 +345,50 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	for _, b := range c.opts.Fallback {
 		gauge(DatapathFallback, 1, b)
 	}
+}
 
-	if c.opts.Agent != nil {
-		s := c.opts.Agent.Stats()
-		counter(ConfigReloads, s.Reloads, ReloadSuccess)
-		counter(ConfigReloads, s.ConfigErrors, ReloadInvalid)
-		counter(ConfigReloads, s.ReloadApplyErrors, ReloadApplyError)
-		counter(ConfigReloads, s.AddressErrors, ReloadAddressMissing)
-		for _, a := range s.MissingAddresses {
-			gauge(AddressMissing, 1, a.String())
-		}
-		var last float64
-		if !s.LastReload.IsZero() {
-			last = float64(s.LastReload.UnixNano()) / 1e9
-		}
-		gauge(ConfigLastReload, last)
-		if s.ConfigSHA256 != "" {
-			gauge(ConfigInfo, 1, s.ConfigSHA256)
-		}
-		gauge(ConfigRejected, boolValue(s.Rejected != ""))
-		gauge(Ready, boolValue(s.NotReady == ""))
-		for _, k := range slices.Compact(slices.Sorted(slices.Values(append(slices.Clone(s.Unenforced), s.Persisting...)))) {
-			gauge(DriftPersisting, 1, k)
-		}
-		counter(DatapathSyncErrors, s.ApplyErrors)
-		// Every kind the backend can heal is a series from the start, zero or not.
-		heals := maps.Clone(s.Heals)
-		if heals == nil {
-			heals = map[string]uint64{}
-		}
-		if dc, ok := c.opts.Backend.(datapath.DriftChecker); ok {
-			for _, k := range dc.DriftKinds() {
-				heals[k] += 0
-			}
-		}
-		for _, k := range slices.Sorted(maps.Keys(heals)) {
-			counter(Heals, heals[k], k)
+// collectAgent collects the agent's stats s: reloads, the configuration in force, readiness,
+// drift and heals.
+func (c *Collector) collectAgent(s agent.Stats, gauge func(string, float64, ...string), counter func(string, uint64, ...string)) {
+	counter(ConfigReloads, s.Reloads, ReloadSuccess)
+	counter(ConfigReloads, s.ConfigErrors, ReloadInvalid)
+	counter(ConfigReloads, s.ReloadApplyErrors, ReloadApplyError)
+	counter(ConfigReloads, s.AddressErrors, ReloadAddressMissing)
+	for _, a := range s.MissingAddresses {
+		gauge(AddressMissing, 1, a.String())
+	}
+	var last float64
+	if !s.LastReload.IsZero() {
+		last = float64(s.LastReload.UnixNano()) / 1e9
+	}
+	gauge(ConfigLastReload, last)
+	if s.ConfigSHA256 != "" {
+		gauge(ConfigInfo, 1, s.ConfigSHA256)
+	}
+	gauge(ConfigRejected, boolValue(s.Rejected != ""))
+	gauge(Ready, boolValue(s.NotReady == ""))
+	for _, k := range slices.Compact(slices.Sorted(slices.Values(append(slices.Clone(s.Unenforced), s.Persisting...)))) {
+		gauge(DriftPersisting, 1, k)
+	}
+	counter(DatapathSyncErrors, s.ApplyErrors)
+	// Every kind the backend can heal is a series from the start, zero or not.
+	heals := maps.Clone(s.Heals)
+	if heals == nil {
+		heals = map[string]uint64{}
+	}
+	if dc, ok := c.opts.Backend.(datapath.DriftChecker); ok {
+		for _, k := range dc.DriftKinds() {
+			heals[k] += 0
 		}
 	}
-
-	if c.opts.Observer != nil {
-		c.opts.Observer.syncDuration.Collect(ch)
+	for _, k := range slices.Sorted(maps.Keys(heals)) {
+		counter(Heals, heals[k], k)
 	}
+}
 
+// collectReads collects what is read from the datapath at each scrape, within ReadTimeout: the
+// rules' counters, the NAT table, the hooks and the uplinks, and the reads that failed.
+func (c *Collector) collectReads(ch chan<- prometheus.Metric, gauge func(string, float64, ...string), counter func(string, uint64, ...string)) {
 	ctx, cancel := context.WithTimeout(context.Background(), c.opts.ReadTimeout)
 	defer cancel()
 	c.collectRules(ctx, gauge, counter)
