@@ -368,3 +368,19 @@ func ProtocolName(proto uint8) string {
 	}
 	return "other"
 }
+
+// Republished is how a backend publishes what an apply installed for one family to the readers
+// that run meanwhile (Counters, a scrape): a copy of m with fam's value v, or without fam when v
+// is nil. The map is replaced, never modified, so a reader's copy stays valid.
+func Republished[V any](m map[policy.Family]*V, fam policy.Family, v *V) map[policy.Family]*V {
+	next := make(map[policy.Family]*V, len(m)+1)
+	for f, x := range m {
+		if f != fam {
+			next[f] = x
+		}
+	}
+	if v != nil {
+		next[fam] = v
+	}
+	return next
+}

@@ -172,20 +172,11 @@ func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 // publish records the policy a family now holds (nil: none), for Counters and CheckDrift.
 // Counters must match what is installed, also when a later family fails, and a scrape during
 // Apply must see each family's current policy: so each family is published as soon as its
-// transaction succeeded. The map is replaced, never modified, so a reader's copy stays valid.
+// transaction succeeded (datapath.Republished).
 func (b *Backend) publish(fam policy.Family, p *policy.Policy) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	next := make(map[policy.Family]*policy.Policy, len(families))
-	for f, ap := range b.applied {
-		if f != fam {
-			next[f] = ap
-		}
-	}
-	if p != nil {
-		next[fam] = p
-	}
-	b.applied = next
+	b.applied = datapath.Republished(b.applied, fam, p)
 }
 
 // eachApplied calls fn for each family the last Apply installed, in family order, with its

@@ -190,16 +190,7 @@ func (b *Backend) appliedFamilies() []policy.Family {
 func (b *Backend) publish(fam policy.Family, a *appliedFamily) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	next := map[policy.Family]*appliedFamily{}
-	for f, x := range b.applied {
-		if f != fam {
-			next[f] = x
-		}
-	}
-	if a != nil {
-		next[fam] = a
-	}
-	b.applied = next
+	b.applied = datapath.Republished(b.applied, fam, a)
 }
 
 // Apply implements datapath.Backend: per family, the changes from the table as this process
