@@ -90,10 +90,12 @@ CLUSTER_PROXY_MODE ?= iptables
 cluster-up: deps build k8s
 	$(GO) run ./test/cluster/up -dir $(CLUSTER_DIR) -proxy-mode $(CLUSTER_PROXY_MODE) $(if $(wildcard $(IMAGE_OUT)),-image $(IMAGE_OUT))
 
-## cluster-down: tear down what make cluster-up runs, and wait until nothing of it is left
+## cluster-down: tear down what make cluster-up runs, and wait until nothing of it is left; then
+## remove what dead runs (a killed cluster-up, a test binary killed by its timeout) left
 cluster-down:
-	@pid=$$(cat $(CLUSTER_DIR)/pid 2>/dev/null) || { echo "no cluster is up ($(CLUSTER_DIR)/pid)"; exit 0; }; \
-	kill -TERM $$pid && while kill -0 $$pid 2>/dev/null; do sleep 0.5; done; echo "cluster down"
+	@pid=$$(cat $(CLUSTER_DIR)/pid 2>/dev/null) || { echo "no cluster is up ($(CLUSTER_DIR)/pid)"; }; \
+	if [ -n "$$pid" ] && kill -TERM $$pid 2>/dev/null; then while kill -0 $$pid 2>/dev/null; do sleep 0.5; done; echo "cluster down"; fi
+	$(GO) run ./test/cluster/up -reap
 
 generate:
 	$(GO) generate ./...

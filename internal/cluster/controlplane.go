@@ -78,14 +78,14 @@ type ControlPlane struct {
 	Client kubernetes.Interface
 
 	opts      Options
-	ownDir    bool
+	run       *run
 	etcd      *Process
 	apiserver *Process
 	attached  []string // namespaces Attach connected, by index
 }
 
 // StartControlPlane starts a control plane for the test and tears it down when the test ends,
-// logging the components' logs if the test failed. Outside CI, a machine without root, etcd or
+// logging the components' logs if the test failed. It first removes what dead runs left (Reap). Outside CI, a machine without root, etcd or
 // the Kubernetes binaries skips the test; in CI it fails.
 func StartControlPlane(t testing.TB, opts Options) *ControlPlane {
 	t.Helper()
@@ -93,6 +93,7 @@ func StartControlPlane(t testing.TB, opts Options) *ControlPlane {
 	if _, err := Binaries(); err != nil {
 		testutil.Unavailable(t, "%v", err)
 	}
+	reapT(t)
 	cp, err := NewControlPlane(context.Background(), opts)
 	if err != nil {
 		t.Fatal(err)
@@ -118,13 +119,14 @@ func NewControlPlane(ctx context.Context, opts Options) (_ *ControlPlane, err er
 	if len(opts.ServiceCIDRs) == 0 {
 		opts.ServiceCIDRs = []netip.Prefix{DefaultServiceCIDR}
 	}
-	cp := &ControlPlane{Bin: bin, Dir: opts.Dir, opts: opts,
+	r, err := newRun()
+	if err != nil {
+		return nil, err
+	}
+	cp := &ControlPlane{Bin: bin, Dir: opts.Dir, opts: opts, run: r,
 		URL: "https://" + net.JoinHostPort(APIAddress.String(), strconv.Itoa(APIPort))}
 	if cp.Dir == "" {
-		if cp.Dir, err = os.MkdirTemp("", "ipmasq-k8s-"); err != nil {
-			return nil, err
-		}
-		cp.ownDir = true
+		cp.Dir = r.dir
 	}
 	defer func() {
 		if err != nil {
@@ -136,7 +138,7 @@ func NewControlPlane(ctx context.Context, opts Options) (_ *ControlPlane, err er
 			return nil, err
 		}
 	}
-	if cp.Netns, err = newNetns(ctx, "cp"); err != nil {
+	if cp.Netns, err = r.newNetns(ctx, "cp"); err != nil {
 		return nil, err
 	}
 	if _, err := ip(ctx, "-n", cp.Netns, "addr", "add", APIAddress.String()+"/32", "dev", "lo"); err != nil {
@@ -372,8 +374,15 @@ func (cp *ControlPlane) AttachT(t testing.TB, ns string, routes ...netip.Prefix)
 }
 
 // Close stops the API server and etcd, deletes the namespace (and with it every Attach pair)
-// and removes the state directory if it was its own.
+// and removes the run directory (the state directory, unless Options named one). After a
+// failed teardown the run directory stays, for a later run's Reap.
 func (cp *ControlPlane) Close() error {
+	err := cp.teardown()
+	return errors.Join(err, cp.run.end(err == nil))
+}
+
+// teardown stops the components and deletes the namespace.
+func (cp *ControlPlane) teardown() error {
 	var errs []error
 	for _, p := range []*Process{cp.apiserver, cp.etcd} {
 		if p != nil {
@@ -382,9 +391,6 @@ func (cp *ControlPlane) Close() error {
 	}
 	if cp.Netns != "" {
 		errs = append(errs, testutil.DeleteNetns(context.Background(), cp.Netns))
-	}
-	if cp.ownDir {
-		errs = append(errs, os.RemoveAll(cp.Dir))
 	}
 	return errors.Join(errs...)
 }

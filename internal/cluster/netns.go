@@ -2,8 +2,6 @@ package cluster
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"fmt"
 	"net"
 	"net/netip"
@@ -19,14 +17,9 @@ const NetnsPrefix = "ipmasq-k8s-"
 // cmdTimeout bounds each ip, nsenter or ctr command the harness runs.
 const cmdTimeout = 30 * time.Second
 
-// newNetns creates a network namespace named NetnsPrefix+role+a random suffix with its loopback
-// up.
-func newNetns(ctx context.Context, role string) (string, error) {
-	var b [3]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		return "", err
-	}
-	name := NetnsPrefix + role + "-" + hex.EncodeToString(b[:])
+// newNetns creates the run's network namespace of a role (run.netnsName) with its loopback up.
+func (r *run) newNetns(ctx context.Context, role string) (string, error) {
+	name := r.netnsName(role)
 	if err := testutil.CreateNetns(ctx, name); err != nil {
 		return "", err
 	}

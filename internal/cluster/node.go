@@ -73,10 +73,11 @@ type Cluster struct {
 }
 
 // Start brings a cluster up for the test and tears it down when the test ends; see
-// StartControlPlane for what a machine without the tools does.
+// StartControlPlane for what a machine without the tools does and for Reap.
 func Start(t testing.TB, opts ClusterOptions) *Cluster {
 	t.Helper()
 	Require(t)
+	reapT(t)
 	c, err := New(context.Background(), opts)
 	if err != nil {
 		t.Fatal(err)
@@ -124,7 +125,7 @@ func New(ctx context.Context, opts ClusterOptions) (_ *Cluster, err error) {
 	if err := os.MkdirAll(filepath.Join(c.dir, "cni"), 0o755); err != nil {
 		return nil, err
 	}
-	c.CgroupRoot = "/" + NetnsPrefix + cp.Netns[len(NetnsPrefix+"cp-"):]
+	c.CgroupRoot = cp.run.cgroupRoot()
 	if c.iptablesEnv, err = iptablesMode(c.dir, opts.IptablesMode); err != nil {
 		return nil, err
 	}
@@ -228,10 +229,10 @@ func (c *Cluster) startControllers(context.Context) error {
 // control plane, and forwarding on.
 func (c *Cluster) wireNode(ctx context.Context) error {
 	var err error
-	if c.Node, err = newNetns(ctx, "node"); err != nil {
+	if c.Node, err = c.run.newNetns(ctx, "node"); err != nil {
 		return err
 	}
-	if c.Outside, err = newNetns(ctx, "out"); err != nil {
+	if c.Outside, err = c.run.newNetns(ctx, "out"); err != nil {
 		return err
 	}
 	l := Link{NsA: c.Outside, NameA: "eth0", NsB: c.Node, NameB: "eth0", Net: NodeNet}
@@ -401,8 +402,15 @@ func poll(ctx context.Context, what string, p *Process, cond func() error) error
 
 // Close tears the cluster down: the node's components, then every process left in the node's
 // namespaces or cgroups (the pods' processes, containerd's shims), the cgroups, the mount
-// namespace, the network namespaces, the control plane.
+// namespace, the network namespaces, the control plane; then it notes what processes are left
+// in them (for Gone). After a failed teardown the run directory stays, for a later run's Reap.
 func (c *Cluster) Close() error {
+	err := c.teardown()
+	c.trace.checkLeft()
+	return errors.Join(err, c.run.end(err == nil && len(c.trace.left) == 0))
+}
+
+func (c *Cluster) teardown() error {
 	var errs []error
 	for _, p := range []*Process{c.proxy, c.kubelet, c.containerd} {
 		if p != nil {
@@ -423,7 +431,7 @@ func (c *Cluster) Close() error {
 			errs = append(errs, testutil.DeleteNetns(context.Background(), ns))
 		}
 	}
-	errs = append(errs, c.ControlPlane.Close())
+	errs = append(errs, c.ControlPlane.teardown())
 	return errors.Join(errs...)
 }
 

@@ -18,17 +18,52 @@ import (
 // ends none of them. Teardown finds them by what they share with the node (its network or
 // mount namespace, or a cgroup below its root) and kills them by PID, then removes the cgroups.
 
-// nodeProcesses are the processes, other than skip, in the node's network or mount namespace
-// or in a cgroup below its cgroup root.
-func (c *Cluster) nodeProcesses(skip int) ([]int, error) {
-	netLink, err := nsLink(netnsPath(c.Node), "net")
+// holder keeps namespaces alive by open files on them. The kernel hands a freed namespace's
+// inode number to the next namespace made (another test's, a moment later), so a number names
+// one namespace only while the namespace is held: then a process whose /proc/PID/ns/KIND reads
+// a held link is in that namespace, not in a later one.
+type holder struct {
+	files []*os.File
+	links []string // "net:[INODE]", "mnt:[INODE]"
+}
+
+// hold opens the namespace file path (/run/netns/NAME, /proc/PID/ns/mnt) of a kind (net, mnt).
+func (h *holder) hold(path, kind string) error {
+	f, err := os.Open(path)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	mntLink := ""
-	if c.mnt != nil {
-		mntLink, _ = os.Readlink(c.mnt.path())
+	var st syscall.Stat_t
+	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
+		f.Close()
+		return fmt.Errorf("stat %s: %w", path, err)
 	}
+	h.files = append(h.files, f)
+	h.links = append(h.links, fmt.Sprintf("%s:[%d]", kind, st.Ino))
+	return nil
+}
+
+// release closes the files: the namespaces may go.
+func (h *holder) release() {
+	for _, f := range h.files {
+		f.Close()
+	}
+	h.files, h.links = nil, nil
+}
+
+// in is the held namespace the process /proc/PID (dir) is in, empty when none.
+func (h *holder) in(dir string) string {
+	for _, kind := range []string{"net", "mnt"} {
+		if l, _ := os.Readlink(dir + "/ns/" + kind); l != "" && slices.Contains(h.links, l) {
+			return l
+		}
+	}
+	return ""
+}
+
+// processes are the processes, other than this one and skip, in a held namespace or in a
+// cgroup at or below root.
+func (h *holder) processes(root string, skip int) ([]int, error) {
 	entries, err := os.ReadDir("/proc")
 	if err != nil {
 		return nil, err
@@ -40,28 +75,11 @@ func (c *Cluster) nodeProcesses(skip int) ([]int, error) {
 			continue
 		}
 		dir := "/proc/" + e.Name()
-		if l, _ := os.Readlink(dir + "/ns/net"); l == netLink {
-			pids = append(pids, pid)
-			continue
-		}
-		if l, _ := os.Readlink(dir + "/ns/mnt"); mntLink != "" && l == mntLink {
-			pids = append(pids, pid)
-			continue
-		}
-		if inCgroup(dir+"/cgroup", c.CgroupRoot) {
+		if h.in(dir) != "" || inCgroup(dir+"/cgroup", root) {
 			pids = append(pids, pid)
 		}
 	}
 	return pids, nil
-}
-
-// nsLink is what /proc/PID/ns/KIND reads for the namespace whose file is path ("net:[INODE]").
-func nsLink(path, kind string) (string, error) {
-	var st syscall.Stat_t
-	if err := syscall.Stat(path, &st); err != nil {
-		return "", err
-	}
-	return fmt.Sprintf("%s:[%d]", kind, st.Ino), nil
 }
 
 // inCgroup reports whether a /proc/PID/cgroup file names a cgroup at or below root in any
@@ -80,29 +98,41 @@ func inCgroup(file, root string) bool {
 	return false
 }
 
-// killLeftovers kills the node's processes (but the mount namespace's holder) until none is
-// left, then removes the cgroups below the cgroup root.
-func (c *Cluster) killLeftovers() error {
-	skip := 0
-	if c.mnt != nil {
-		skip = c.mnt.holder.Pid()
-	}
+// killAll kills the processes list finds, by PID, until it finds none.
+func killAll(list func() ([]int, error)) error {
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		pids, err := c.nodeProcesses(skip)
-		if err != nil {
+		pids, err := list()
+		if err != nil || len(pids) == 0 {
 			return err
 		}
-		if len(pids) == 0 {
-			break
-		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("processes of the node survive SIGKILL: %v", pids)
+			return fmt.Errorf("processes survive SIGKILL: %v", pids)
 		}
 		for _, pid := range pids {
 			_ = syscall.Kill(pid, syscall.SIGKILL)
 		}
 		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// killLeftovers kills the processes in the node's network or mount namespace or below its
+// cgroup root (but the mount namespace's holder) until none is left, then removes the cgroups.
+func (c *Cluster) killLeftovers() error {
+	var h holder
+	defer h.release()
+	if err := h.hold(netnsPath(c.Node), "net"); err != nil {
+		return err
+	}
+	skip := 0
+	if c.mnt != nil {
+		skip = c.mnt.holder.Pid()
+		if err := h.hold(c.mnt.path(), "mnt"); err != nil {
+			return err
+		}
+	}
+	if err := killAll(func() ([]int, error) { return h.processes(c.CgroupRoot, skip) }); err != nil {
+		return fmt.Errorf("the node's processes: %w", err)
 	}
 	return removeCgroups(c.CgroupRoot)
 }
@@ -164,12 +194,15 @@ var hostPaths = []string{"/var/lib/kubelet", "/var/lib/containerd", "/run/contai
 	"/var/log/containers", "/var/lib/cni", "/run/runc", "/opt/containerd", "/var/run/kubernetes"}
 
 // trace is what identifies a cluster on the host, recorded while it runs, so that Gone can
-// look for it once the namespaces' files are gone.
+// look for it once the namespaces' files are gone. The namespaces themselves are held from
+// record until the end of Close, which looks for processes left in them (see holder).
 type trace struct {
 	netns      []string // network namespace names
-	links      []string // "net:[INODE]", "mnt:[INODE]" of its namespaces
+	held       holder   // the network namespaces and the node's mount namespace
+	left       []error  // processes Close found left in them
 	cgroupRoot string
-	dir        string
+	dir        string          // the state directory
+	runDir     string          // the run directory (see run)
 	hostPaths  map[string]bool // which of hostPaths the host had before
 }
 
@@ -187,24 +220,59 @@ func existing(paths []string) map[string]bool {
 func (c *Cluster) record() error {
 	c.trace.netns = []string{c.Netns, c.Node, c.Outside}
 	for _, ns := range c.trace.netns {
-		l, err := nsLink(netnsPath(ns), "net")
-		if err != nil {
+		if err := c.trace.held.hold(netnsPath(ns), "net"); err != nil {
 			return err
 		}
-		c.trace.links = append(c.trace.links, l)
 	}
-	l, err := os.Readlink(c.mnt.path())
-	if err != nil {
+	if err := c.trace.held.hold(c.mnt.path(), "mnt"); err != nil {
 		return err
 	}
-	c.trace.links = append(c.trace.links, l)
-	c.trace.cgroupRoot, c.trace.dir = c.CgroupRoot, c.Dir
+	c.trace.cgroupRoot, c.trace.dir, c.trace.runDir = c.CgroupRoot, c.Dir, c.run.dir
 	return nil
 }
 
+// checkLeft notes, at the end of Close, the processes left in the cluster's namespaces or
+// cgroups, and releases the namespaces. A process killed a moment ago may still be on its way
+// out: it is given a few seconds.
+func (t *trace) checkLeft() {
+	defer t.held.release()
+	if t.cgroupRoot == "" {
+		return // never recorded
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		if t.left = t.leftProcesses(); len(t.left) == 0 || time.Now().After(deadline) {
+			return
+		}
+	}
+}
+
+// leftProcesses are the processes in one of the cluster's namespaces or cgroups, but this one:
+// its threads enter the namespaces for the tests' sockets, and one the Go runtime cannot end
+// (the main thread) stays where it was until the test binary exits.
+func (t *trace) leftProcesses() []error {
+	var errs []error
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return []error{err}
+	}
+	for _, e := range entries {
+		if pid, err := strconv.Atoi(e.Name()); err != nil || pid == os.Getpid() {
+			continue
+		}
+		dir := "/proc/" + e.Name()
+		if l := t.held.in(dir); l != "" {
+			errs = append(errs, fmt.Errorf("process %s (%s) is left in the cluster's namespace %s", e.Name(), comm(dir), l))
+		}
+		if inCgroup(dir+"/cgroup", t.cgroupRoot) {
+			errs = append(errs, fmt.Errorf("process %s (%s) is left in cgroup %s", e.Name(), comm(dir), t.cgroupRoot))
+		}
+	}
+	return errs
+}
+
 // Gone checks, after Close, that nothing of the cluster is left on the host: no network
-// namespace, no process in one of its namespaces or cgroups, no cgroup, no mount, no state
-// directory, no host path of a kubelet or containerd that the host did not have before.
+// namespace, no process in one of its namespaces or cgroups, no cgroup, no mount, no state or
+// run directory, no host path of a kubelet or containerd that the host did not have before.
 func (c *Cluster) Gone() error {
 	var errs []error
 	for _, ns := range c.trace.netns {
@@ -212,22 +280,15 @@ func (c *Cluster) Gone() error {
 			errs = append(errs, fmt.Errorf("network namespace %s is left", ns))
 		}
 	}
-	// A process killed a moment ago may still be on its way out.
-	var left []error
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		if left = c.leftProcesses(); len(left) == 0 || time.Now().After(deadline) {
-			break
-		}
-	}
-	errs = append(errs, left...)
+	errs = append(errs, c.trace.left...)
 	if dirs := cgroupDirs(c.trace.cgroupRoot); len(dirs) > 0 {
 		errs = append(errs, fmt.Errorf("cgroups are left: %v", dirs))
 	}
 	if mi, err := os.ReadFile("/proc/self/mountinfo"); err == nil && strings.Contains(string(mi), c.trace.dir) {
 		errs = append(errs, fmt.Errorf("a mount of %s is left", c.trace.dir))
 	}
-	if _, err := os.Lstat(c.trace.dir); err == nil && c.ownDir {
-		errs = append(errs, fmt.Errorf("the state directory %s is left", c.trace.dir))
+	if _, err := os.Lstat(c.trace.runDir); err == nil {
+		errs = append(errs, fmt.Errorf("the run directory %s is left", c.trace.runDir))
 	}
 	for _, p := range hostPaths {
 		if _, err := os.Lstat(p); err == nil && !c.trace.hostPaths[p] {
@@ -267,30 +328,4 @@ func makeCgroups(root string) error {
 func comm(procDir string) string {
 	b, _ := os.ReadFile(procDir + "/cmdline")
 	return strings.TrimSpace(strings.ReplaceAll(string(b), "\x00", " "))
-}
-
-// leftProcesses are the processes in one of the cluster's namespaces or cgroups, but this one:
-// its threads enter the namespaces for the tests' sockets, and one the Go runtime cannot end
-// (the main thread) stays where it was until the test binary exits.
-func (c *Cluster) leftProcesses() []error {
-	var errs []error
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return []error{err}
-	}
-	for _, e := range entries {
-		if pid, err := strconv.Atoi(e.Name()); err != nil || pid == os.Getpid() {
-			continue
-		}
-		dir := "/proc/" + e.Name()
-		for _, kind := range []string{"net", "mnt"} {
-			if l, _ := os.Readlink(dir + "/ns/" + kind); slices.Contains(c.trace.links, l) {
-				errs = append(errs, fmt.Errorf("process %s (%s) is left in the cluster's namespace %s", e.Name(), comm(dir), l))
-			}
-		}
-		if inCgroup(dir+"/cgroup", c.trace.cgroupRoot) {
-			errs = append(errs, fmt.Errorf("process %s (%s) is left in cgroup %s", e.Name(), comm(dir), c.trace.cgroupRoot))
-		}
-	}
-	return errs
 }

@@ -2,7 +2,8 @@
 // API server, controller manager and scheduler, a node with containerd, the kubelet, kube-proxy
 // and bridge CNI), entirely in namespaces of its own, until it is told to stop (SIGINT,
 // SIGTERM: make cluster-down), then tears it down leaving nothing on the host. make cluster-up
-// runs it; it prints how to reach the cluster.
+// runs it; it prints how to reach the cluster. With -reap it only removes what dead runs left
+// (a killed test binary's or cluster-up's clusters; see cluster.Reap), as make cluster-down does.
 package main
 
 import (
@@ -31,7 +32,11 @@ func run() error {
 	dir := flag.String("dir", "bin/cluster", "the cluster's state (certificates, logs, kubeconfig); emptied first")
 	mode := flag.String("proxy-mode", "iptables", "kube-proxy's mode: iptables or nftables")
 	image := flag.String("image", "", "an OCI image archive to import into the node (make image writes bin/ip-masq-agent-image.tar)")
+	reapOnly := flag.Bool("reap", false, "only remove what dead runs left, then exit")
 	flag.Parse()
+	if err := reap(); err != nil || *reapOnly {
+		return err
+	}
 	abs, err := filepath.Abs(*dir)
 	if err != nil {
 		return err
@@ -76,4 +81,13 @@ Logs are in %s/logs. make cluster-down (or Ctrl-C) tears it down.
 		return err
 	}
 	return c.Gone()
+}
+
+// reap removes what dead runs left and says so.
+func reap() error {
+	reaped, err := cluster.Reap(context.Background())
+	for _, id := range reaped {
+		fmt.Printf("removed the leftovers of dead run %s\n", id)
+	}
+	return err
 }
