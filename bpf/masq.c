@@ -3,8 +3,8 @@
 /* The ip-masq-agent SNAT engine: tc programs for the egress and ingress of an uplink.
  *
  * Egress: a packet of a known flow is translated from the NAT table at once. A new flow from
- * the uplink's own address is a host flow: recorded (when its port is one a pod mapping could
- * take) so no pod mapping takes its port. Any other new flow is classified by the policy tries;
+ * one of the node's own addresses is a host flow: never translated, recorded (when its port is
+ * one a pod mapping could take) so no pod mapping takes its port. Any other new flow is classified by the policy tries;
  * MASQUERADE gets a mapping to the rule's masquerade address (the trie value's), else the uplink's,
  * and a port from the NAT range.
  * Ingress: replies to a mapping are translated back; new flows toward addresses behind the node
@@ -122,26 +122,6 @@ __attribute__((noinline)) int frag_later_v4(struct __sk_buff *skb, __u32 dir)
 __attribute__((noinline)) int frag_later_v6(struct __sk_buff *skb, __u32 dir)
 {
 	return frag_later(skb, 1, dir);
-}
-
-static __always_inline const __be32 *uplink_addr(const struct uplink *u, const int v6)
-{
-	if (!u || !(v6 ? u->has_v6 : u->has_v4))
-		return 0;
-	return v6 ? WORDS(u->v6) : WORDS(u->v4);
-}
-
-/* The uplink's SNAT address of the family: snat_addr of the packet's device, uplink_snat_of of
- * an ifindex read once (a second read of skb->ifindex along one path can come out of clang as a
- * load through a moved context pointer, which the verifier refuses). */
-static __always_inline const __be32 *uplink_snat_of(__u32 ifindex, const int v6)
-{
-	return uplink_addr(bpf_map_lookup_elem(&uplink_snat, &ifindex), v6);
-}
-
-static __always_inline const __be32 *snat_addr(const struct __sk_buff *skb, const int v6)
-{
-	return uplink_snat_of(skb->ifindex, v6);
 }
 
 static __always_inline struct keep_entry *keep_get(const int v6, const union nat_key *k)
@@ -286,9 +266,10 @@ static __always_inline int pod_decide(const struct pkt *p, const int v6, const s
 	return FLOW_NEW;
 }
 
-/* A packet of no known flow leaving (its key in nat_scratch): a host flow's reservation, or the
- * policy's verdict, and the new mapping either may need (the one place that allocates ports), to
- * the rule's masquerade address or else the uplink's, written into nat_scratch's to. A masqueraded
+/* A packet of no known flow leaving (its key in nat_scratch): a host flow's reservation (from any
+ * of the node's addresses: bpf/scope.h), or the policy's verdict, and the new mapping either may
+ * need (the one place that allocates ports), to the host's own address, the rule's masquerade
+ * address or else the uplink's, written into nat_scratch's to. A masqueraded
  * flow that lost its port (remap, to holding the address it was translated to) keeps its verdict,
  * rule (slot) and address, as conntrack keeps a flow's binding. */
 static __always_inline int egress_new(struct __sk_buff *skb, const int v6, __u64 now, int remap, __u32 slot)
@@ -301,15 +282,21 @@ static __always_inline int egress_new(struct __sk_buff *skb, const int v6, __u64
 	const union nat_key *k;
 	struct nat_entry e;
 	__be32 *to;
-	int host, r;
+	int origin, host, r;
 
 	if (!cfg || !s || !p)
 		return TC_NEXT;
 	k = &s->key;
 	to = s->to;
 	snat = snat_addr(skb, v6);
-	host = snat && addr_eq(v6, p->saddr, snat);
-	if (!from_node_stack(skb, p, v6, snat))
+	origin = from_node_stack(skb, p, v6, snat);
+	if (origin == FROM_ELSEWHERE)
+		return TC_NEXT;
+	host = origin == FROM_HOST;
+	/* A host listener's SYN-ACK answers a connection opened from outside, which the host's next
+	 * packet records once the far side completed the handshake: a SYN flood at a listener on a
+	 * port of the range costs the table nothing. */
+	if (host && !remap && tcp_is_synack(p))
 		return TC_NEXT;
 	if (host)
 		r = host_reserve(skb, p, v6, k, now);
@@ -317,7 +304,9 @@ static __always_inline int egress_new(struct __sk_buff *skb, const int v6, __u64
 		r = remap ? FLOW_NEW : pod_decide(p, v6, cfg, k, now, &slot, &rule_to);
 	if (r != FLOW_NEW)
 		return r;
-	if (host || !remap) {
+	if (host) {
+		addr_copy(v6, to, p->saddr); /* a host flow keeps its address, on another port */
+	} else if (!remap) {
 		if (rule_to)
 			snat = rule_to;
 		if (!snat) {
@@ -359,7 +348,7 @@ static __always_inline int untranslatable(struct __sk_buff *skb, const int v6)
 	if (!cfg || !p)
 		return TC_NEXT;
 	fc = family_cfg(cfg, v6);
-	if (!fc->enabled || !skb->ingress_ifindex || !from_node_stack(skb, p, v6, 0))
+	if (!fc->enabled || !skb->ingress_ifindex || from_node_stack(skb, p, v6, snat_addr(skb, v6)) != FROM_POD)
 		return TC_NEXT;
 	if (classify(v6, p->daddr, fc, &slot) == ACTION_RETURN) {
 		count_rule(slot, p->len);
@@ -441,6 +430,37 @@ static __always_inline int egress_known(struct __sk_buff *skb, const struct pkt 
 	return v6 ? xlate_v6(skb, 1, to_port) : xlate_v4(skb, 1, to_port);
 }
 
+/* node_sent tells whether the packet being handled, sent by the node, comes from one of its
+ * addresses: a global function per family, so that the FIB lookup's request stays off its
+ * caller's stack. */
+static __always_inline int node_sent(struct __sk_buff *skb, const int v6)
+{
+	const struct pkt *p = packet();
+
+	return p && from_node_stack(skb, p, v6, 0) == FROM_HOST;
+}
+
+__attribute__((noinline)) int node_sent_v4(struct __sk_buff *skb)
+{
+	return node_sent(skb, 0);
+}
+
+__attribute__((noinline)) int node_sent_v6(struct __sk_buff *skb)
+{
+	return node_sent(skb, 1);
+}
+
+/* host_source tells whether the packet is the node's own, from one of its addresses: the uplink's
+ * (snat) needs no FIB lookup, and a packet the node forwarded is a pod's. */
+static __always_inline int host_source(struct __sk_buff *skb, const struct pkt *p, const int v6, const __be32 *snat)
+{
+	if (snat && addr_eq(v6, p->saddr, snat))
+		return 1;
+	if (skb->ingress_ifindex)
+		return 0;
+	return v6 ? node_sent_v6(skb) : node_sent_v4(skb);
+}
+
 /* egress handles the packet being handled (parse_packet), leaving by the uplink. */
 static __always_inline int egress(struct __sk_buff *skb, const int v6, __u64 now)
 {
@@ -465,12 +485,19 @@ static __always_inline int egress(struct __sk_buff *skb, const int v6, __u64 now
 		return v6 ? untranslatable_v6(skb) : untranslatable_v4(skb);
 	}
 
-	k = &s->key;
-	nat_key(v6, k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_EGRESS);
 	/* Every first fragment, whatever its flow: its later fragments then tell a datagram that
 	 * needs no translation from one whose first fragment was not seen (frag_miss). */
 	if (p->frag == FRAG_FIRST)
 		frag_remember(v6, p, DIR_EGRESS);
+	snat = uplink_snat_of(ifindex, v6);
+	/* A host port outside the range is one no pod mapping can take: host traffic there, from
+	 * any of the node's addresses, is neither looked up nor recorded (a protocol without ports
+	 * has one mapping per remote, which any pod flow could take). A held port (port_held) is
+	 * recorded: toward a remote a pod's flow holds it for, the host flow moves off it. */
+	if (p->l4 != L4_ADDR && host_source(skb, p, v6, snat) && !port_mapped(cfg, bpf_ntohs(p->sport)))
+		return TC_NEXT;
+	k = &s->key;
+	nat_key(v6, k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_EGRESS);
 	e = nat_get(v6, NAT_CONFIRMED, k);
 	if (!e) {
 		/* Kept verdicts are of pod flows: a host's packet finds none. A SYN opens a new
@@ -491,20 +518,6 @@ static __always_inline int egress(struct __sk_buff *skb, const int v6, __u64 now
 			remap = 1;
 		else if (r != FLOW_NEW)
 			return r;
-	}
-	snat = uplink_snat_of(ifindex, v6);
-	if (!remap && snat && addr_eq(v6, p->saddr, snat)) {
-		/* A host port outside the range is one no pod mapping can take: nothing to record (a
-		 * protocol without ports has one mapping per remote, which any pod flow could take). A
-		 * held port (port_held) is recorded: toward a remote a pod's flow holds it for, the
-		 * host flow moves off it. */
-		if (p->l4 != L4_ADDR && !port_mapped(cfg, bpf_ntohs(p->sport)))
-			return TC_NEXT;
-		/* A host listener's SYN-ACK answers a connection opened from outside, which the host's
-		 * next packet records once the far side completed the handshake: a SYN flood at a
-		 * listener on a port of the range costs the table nothing. */
-		if (tcp_is_synack(p))
-			return TC_NEXT;
 	}
 	return v6 ? egress_new_v6(skb, now, remap, slot) : egress_new_v4(skb, now, remap, slot);
 }

@@ -35,10 +35,11 @@
  *     MASQUERADE: a mapping; RETURN: a keep record. Any other TCP packet of no known flow to a
  *     masqueraded destination belongs to a connection whose state is gone: no mapping can serve
  *     it, and it is dropped (drop_untranslatable) rather than sent with the pod's address;
- *   egress, host source (the uplink address): any packet whose source port lies in the NAT range,
- *     the only ports a pod mapping could collide with, but a SYN-ACK (a listener's answer to a
- *     connection from outside, recorded by its next packet: a SYN flood at it makes nothing).
- *     Ingress packets to the uplink address outside the range are not looked up at all;
+ *   egress, host source (any address of the node: bpf/scope.h): any packet whose source port lies
+ *     in the NAT range, the only ports a pod mapping could collide with, but a SYN-ACK (a
+ *     listener's answer to a connection from outside, recorded by its next packet: a SYN flood at
+ *     it makes nothing); host traffic is never translated otherwise. Ingress packets to the
+ *     uplink address outside the range are not looked up at all;
  *   ingress: a TCP SYN, UDP datagram (UDP has no opening packet: as conntrack, any datagram) or
  *     echo request addressed to this host (PACKET_HOST), from a remote the policy masquerades
  *     (replies to others leave untouched anyway), toward an address behind this node: delivered

@@ -23,6 +23,12 @@
  * ipvlan in L3 and L3S mode routes its children's packets through the node's POSTROUTING, where
  * iptables masquerades them; at tc they look like L2 mode's, and are left untouched too.
  *
+ * What the node sends from any of its own addresses is host traffic, as from the uplink's: never
+ * translated (bar a port a pod mapping holds), whatever the datapath saw of its flow. Its
+ * requests may have come by a device without the programs, or before they ran; conntrack saw
+ * them, the programs cannot have. A new flow from another address of the node keeps it, where
+ * MASQUERADE would rewrite it to the uplink's.
+ *
  * The scope is decided when a flow is created, as conntrack decides a connection's NAT on its
  * first packet; later packets follow the flow's NAT entry. */
 #pragma once
@@ -38,25 +44,45 @@
 #define AF_INET 2
 #define AF_INET6 10
 
-/* node_owns tells whether the packet's source is an address of the node: a local route (the
- * FIB says a packet to it would not be forwarded). The unspecified address (a DHCP client's) is
- * nobody's. The FIB says "not forwarded" of an address it has no route to at all too, which a
- * node with a default route has for none; and a lookup the kernel refuses (forwarding off on the
- * uplink) tells nothing: either way the source counts as the node's, and the packet is treated
- * as it was before the scope check. */
-static __always_inline int node_owns(struct __sk_buff *skb, const struct pkt *p, const int v6)
+static __always_inline const __be32 *uplink_addr(const struct uplink *u, const int v6)
+{
+	if (!u || !(v6 ? u->has_v6 : u->has_v4))
+		return 0;
+	return v6 ? WORDS(u->v6) : WORDS(u->v4);
+}
+
+/* The uplink's SNAT address of the family: snat_addr of the packet's device, uplink_snat_of of
+ * an ifindex read once (a second read of skb->ifindex along one path can come out of clang as a
+ * load through a moved context pointer, which the verifier refuses). */
+static __always_inline const __be32 *uplink_snat_of(__u32 ifindex, const int v6)
+{
+	return uplink_addr(bpf_map_lookup_elem(&uplink_snat, &ifindex), v6);
+}
+
+static __always_inline const __be32 *snat_addr(const struct __sk_buff *skb, const int v6)
+{
+	return uplink_snat_of(skb->ifindex, v6);
+}
+
+/* node_owns tells whether addr is an address of the node: a local route (the FIB says a packet
+ * to it would not be forwarded). The unspecified address (a DHCP client's) is nobody's. The FIB
+ * says "not forwarded" of an address it has no route to at all too, which a node with a default
+ * route has for none; and a lookup the kernel refuses (forwarding off on the uplink) tells
+ * nothing: either way the address counts as the node's (for a source: host traffic, which stays
+ * as it is). */
+static __always_inline int node_owns(struct __sk_buff *skb, const __be32 *addr, const int v6)
 {
 	struct bpf_fib_lookup fib = {.ifindex = skb->ifindex};
 	long rc;
 
-	if (!(p->saddr[0] | p->saddr[1] | p->saddr[2] | p->saddr[3]))
-		return 0; /* 0.0.0.0 or :: (IPv4 keeps the rest zero) */
+	if (!(addr[0] | (v6 ? addr[1] | addr[2] | addr[3] : 0)))
+		return 0; /* 0.0.0.0 or :: */
 	if (v6) {
 		fib.family = AF_INET6;
-		__builtin_memcpy(fib.ipv6_dst, p->saddr, 16);
+		__builtin_memcpy(fib.ipv6_dst, addr, 16);
 	} else {
 		fib.family = AF_INET;
-		fib.ipv4_dst = p->saddr[0];
+		fib.ipv4_dst = addr[0];
 	}
 	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
 	return rc == BPF_FIB_LKUP_RET_NOT_FWDED || rc == BPF_FIB_LKUP_RET_FWD_DISABLED || rc < 0;
@@ -100,13 +126,22 @@ static __always_inline int routes_back(struct __sk_buff *skb, const struct pkt *
 	return (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH) && fib.ifindex == iif;
 }
 
-/* from_node_stack tells whether the node's IP stack sent or forwarded the first packet of a new
- * flow leaving by the uplink (see the top of the file); snat is the uplink's address of the
- * family, if any. A device whose MAC userspace did not record is not checked for it. A frame of
- * another source MAC is bridged onto the uplink (a macvlan child's), or the node's own while the
- * uplink's MAC changed and userspace has not followed yet (a bond failing over with
- * fail_over_mac=active takes its new active slave's MAC): what the node forwarded then passes the
- * reverse path check, so that no pod's new flow leaves with its address meanwhile. */
+/* Where a packet leaving by the uplink comes from (from_node_stack). */
+enum origin {
+	FROM_ELSEWHERE = 0, /* not the node's stack: a macvlan or ipvlan child's, a packet socket's */
+	FROM_POD = 1,       /* received by a device of the node and routed out here: a pod's */
+	FROM_HOST = 2,      /* sent by the node from one of its own addresses: host traffic, on any
+			     * of them (a VIP, a secondary address, another device's) as on the
+			     * uplink's */
+};
+
+/* from_node_stack tells where the first packet of a new flow leaving by the uplink comes from
+ * (see the top of the file); snat is the uplink's address of the family, if any. A device whose
+ * MAC userspace did not record is not checked for it. A frame of another source MAC is bridged
+ * onto the uplink (a macvlan child's), or the node's own while the uplink's MAC changed and
+ * userspace has not followed yet (a bond failing over with fail_over_mac=active takes its new
+ * active slave's MAC): what the node forwarded then passes the reverse path check, so that no
+ * pod's new flow leaves with its address meanwhile. */
 static __always_inline int from_node_stack(struct __sk_buff *skb, const struct pkt *p, const int v6,
 					   const __be32 *snat)
 {
@@ -115,11 +150,11 @@ static __always_inline int from_node_stack(struct __sk_buff *skb, const struct p
 
 	if (mac && !source_mac_is(skb, mac->addr)) {
 		iif = skb->ingress_ifindex;
-		return iif && routes_back(skb, p, v6, iif, ifindex);
+		return iif && routes_back(skb, p, v6, iif, ifindex) ? FROM_POD : FROM_ELSEWHERE;
 	}
-	if (skb->ingress_ifindex)
-		return 1; /* received by a device of the node and routed out here */
 	if (snat && addr_eq(v6, p->saddr, snat))
-		return 1;
-	return node_owns(skb, p, v6); /* sent by the node, from one of its addresses */
+		return FROM_HOST; /* the uplink's address, sent or (a DNAT's reply) forwarded */
+	if (skb->ingress_ifindex)
+		return FROM_POD; /* received by a device of the node and routed out here */
+	return node_owns(skb, p->saddr, v6) ? FROM_HOST : FROM_ELSEWHERE;
 }

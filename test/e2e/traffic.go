@@ -78,6 +78,18 @@ func (tp *Topology) RestoreReturnRoutes(ctx context.Context, t testing.TB) {
 // when the test ends.
 func StartLineEcho(t testing.TB, ns string, addrs []netip.Addr) {
 	t.Helper()
+	startLineEcho(t, ns, true, addrs)
+}
+
+// StartLineEchoUDP starts the UDP servers of StartLineEcho alone, on addrs: for addresses the
+// namespace gets after its TCP server started.
+func StartLineEchoUDP(t testing.TB, ns string, addrs []netip.Addr) {
+	t.Helper()
+	startLineEcho(t, ns, false, addrs)
+}
+
+func startLineEcho(t testing.TB, ns string, withTCP bool, addrs []netip.Addr) {
+	t.Helper()
 	var closers []func() error
 	var wg sync.WaitGroup
 	t.Cleanup(func() {
@@ -87,44 +99,13 @@ func StartLineEcho(t testing.TB, ns string, addrs []netip.Addr) {
 		wg.Wait()
 	})
 	err := testutil.Do(ns, func() error {
-		ln, err := net.Listen("tcp", fmt.Sprintf(":%d", LinePort))
-		if err != nil {
-			return err
+		if withTCP {
+			closeTCP, err := lineEchoTCP(&wg)
+			if err != nil {
+				return err
+			}
+			closers = append(closers, closeTCP)
 		}
-		var mu sync.Mutex
-		conns := map[net.Conn]bool{}
-		closers = append(closers, ln.Close, func() error {
-			mu.Lock()
-			defer mu.Unlock()
-			for c := range conns {
-				c.Close()
-			}
-			return nil
-		})
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				c, err := ln.Accept()
-				if err != nil {
-					return
-				}
-				mu.Lock()
-				conns[c] = true
-				mu.Unlock()
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					defer c.Close()
-					sc := bufio.NewScanner(c)
-					for sc.Scan() {
-						if _, err := fmt.Fprintf(c, "from %s %s\n", c.RemoteAddr(), sc.Text()); err != nil {
-							return
-						}
-					}
-				}()
-			}
-		}()
 		for _, a := range addrs {
 			pc, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(a, LinePort)))
 			if err != nil {
@@ -152,6 +133,50 @@ func StartLineEcho(t testing.TB, ns string, addrs []netip.Addr) {
 	}
 }
 
+// lineEchoTCP starts the line echo's TCP server on every address of the calling thread's
+// namespace, its goroutines counted in wg; the returned function stops it and its connections.
+func lineEchoTCP(wg *sync.WaitGroup) (func() error, error) {
+	ln, err := net.Listen("tcp", fmt.Sprintf(":%d", LinePort))
+	if err != nil {
+		return nil, err
+	}
+	var mu sync.Mutex
+	conns := map[net.Conn]bool{}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns[c] = true
+			mu.Unlock()
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				sc := bufio.NewScanner(c)
+				for sc.Scan() {
+					if _, err := fmt.Fprintf(c, "from %s %s\n", c.RemoteAddr(), sc.Text()); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return func() error {
+		err := ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for c := range conns {
+			c.Close()
+		}
+		return err
+	}, nil
+}
+
 // Conn is a TCP connection, or a UDP flow (a connected socket), to a StartLineEcho server,
 // held open across steps of a test.
 type Conn struct {
@@ -163,39 +188,39 @@ type Conn struct {
 // DialLine connects from local (an address of ns; port 0 picks one) to the line echo server
 // at dst.
 func DialLine(ctx context.Context, ns string, local netip.AddrPort, dst netip.Addr) (*Conn, error) {
-	var c net.Conn
-	err := testutil.Do(ns, func() error {
-		d := net.Dialer{Timeout: probeWindow}
-		if local.IsValid() {
-			d.LocalAddr = net.TCPAddrFromAddrPort(local)
-		}
-		var err error
-		c, err = d.DialContext(ctx, "tcp", netip.AddrPortFrom(dst, LinePort).String())
-		return err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("connect %s -> %s:%d: %w", local, dst, LinePort, err)
-	}
-	return &Conn{c: c, rd: bufio.NewReader(c)}, nil
+	return Dial(ctx, ns, "tcp", local, netip.AddrPortFrom(dst, LinePort))
 }
 
 // DialLineUDP opens a UDP flow from local (an address of ns; port 0 picks one) to the line echo
 // server at dst: a connected socket, so that every exchange is the same flow.
 func DialLineUDP(ctx context.Context, ns string, local netip.AddrPort, dst netip.Addr) (*Conn, error) {
+	return Dial(ctx, ns, "udp", local, netip.AddrPortFrom(dst, LinePort))
+}
+
+// Dial connects over proto ("tcp" or "udp") from local (an address of ns; port 0 picks one) to
+// a line echo server reached at dst, such as a Service address that kube-proxy's rules send
+// there. A UDP flow is a connected socket: it takes only answers from dst.
+func Dial(ctx context.Context, ns, proto string, local, dst netip.AddrPort) (*Conn, error) {
 	var c net.Conn
 	err := testutil.Do(ns, func() error {
-		d := net.Dialer{}
+		d := net.Dialer{Timeout: probeWindow}
 		if local.IsValid() {
-			d.LocalAddr = net.UDPAddrFromAddrPort(local)
+			d.LocalAddr = net.TCPAddrFromAddrPort(local)
+			if proto == "udp" {
+				d.LocalAddr = net.UDPAddrFromAddrPort(local)
+			}
 		}
 		var err error
-		c, err = d.DialContext(ctx, "udp", netip.AddrPortFrom(dst, LinePort).String())
+		c, err = d.DialContext(ctx, proto, dst.String())
 		return err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("udp %s -> %s:%d: %w", local, dst, LinePort, err)
+		return nil, fmt.Errorf("%s %s -> %s: %w", proto, local, dst, err)
 	}
-	return &Conn{c: c, udp: true}, nil
+	if proto == "udp" {
+		return &Conn{c: c, udp: true}, nil
+	}
+	return &Conn{c: c, rd: bufio.NewReader(c)}, nil
 }
 
 // Exchange sends a line and returns the source the server saw. Over UDP the line is sent again
@@ -442,3 +467,34 @@ func (u *UDPLine) Exchange(line string) (netip.AddrPort, error) {
 
 // Close closes the socket.
 func (u *UDPLine) Close() error { return u.c.Close() }
+
+// connProbe is one connection to a line echo server reached at dst (a Service address that
+// kube-proxy's rules send to a pod, a host socket) from a client address of ns; want is the
+// source the server must see, given the client's own end (PodGW when kube-proxy masquerades it).
+type connProbe struct {
+	what string
+	ns   string
+	from netip.Addr
+	dst  netip.AddrPort
+	want func(local netip.AddrPort) netip.Addr
+}
+
+// run connects, exchanges two lines, and returns what went wrong ("" when nothing did): the
+// answers must come from dst (a connected socket takes no other) and name the source want says.
+func (p connProbe) run(ctx context.Context, proto string) string {
+	c, err := Dial(ctx, p.ns, proto, netip.AddrPortFrom(p.from, 0), p.dst)
+	if err != nil {
+		return err.Error()
+	}
+	defer c.Close()
+	for i := range 2 {
+		seen, err := c.Exchange(fmt.Sprintf("%s-%d", proto, i))
+		if err != nil {
+			return fmt.Sprintf("%s: %v", p.what, err)
+		}
+		if want := p.want(c.Local()); seen.Addr() != want {
+			return fmt.Sprintf("%s: the pod saw %s, want %s", p.what, seen, want)
+		}
+	}
+	return ""
+}
