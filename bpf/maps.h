@@ -195,6 +195,25 @@ struct {
 	__type(value, struct frag_ports);
 } frag_v6 SEC(".maps");
 
+/* Connections opened from outside toward an address that the node neither owns nor routes behind
+ * it, held by the key of their replies as they leave (egress), until one leaves: then the node's
+ * stack translated the destination to an address behind it (kube-proxy's DNAT of a load-balancer
+ * or external IP to a pod), and the flow becomes an inbound one. The value is the opener's half
+ * as ingress would have recorded it. Least recently used first out. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct nat4_key);
+	__type(value, struct nat_entry);
+} inbound_v4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct nat6_key);
+	__type(value, struct nat_entry);
+} inbound_v6 SEC(".maps");
+
 /* Drop and event counters by reason (enum event). */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);

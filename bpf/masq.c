@@ -8,7 +8,8 @@
  * MASQUERADE gets a mapping to the rule's masquerade address (the trie value's), else the uplink's,
  * and a port from the NAT range.
  * Ingress: replies to a mapping are translated back; new flows toward addresses behind the node
- * are recorded so their replies leave untouched; ICMP errors quoting a flow are translated.
+ * are recorded so their replies leave untouched (and toward others, once a reply shows the node
+ * translated them); ICMP errors quoting a flow are translated.
  * Scope: only what the node's IP stack sent or forwarded is masqueraded (bpf/scope.h); frames
  * that merely pass the uplink's hooks (VLAN-tagged, macvlan and ipvlan children's) pass.
  * bpf/nat.h has the flow-state design.
@@ -201,6 +202,70 @@ static __always_inline int inbound_orphan(const int v6, const struct pkt *p, con
 	return 1;
 }
 
+/* The inbound openers toward addresses not behind the node (inbound_v4/v6), by their replies'
+ * egress key. */
+static __always_inline struct nat_entry *inbound_get(const int v6, const union nat_key *k)
+{
+	if (v6)
+		return bpf_map_lookup_elem(&inbound_v6, &k->k6);
+	return bpf_map_lookup_elem(&inbound_v4, &k->k4);
+}
+
+static __always_inline void inbound_hold(const int v6, const union nat_key *k, const struct nat_entry *e)
+{
+	if (v6)
+		bpf_map_update_elem(&inbound_v6, &k->k6, e, BPF_ANY);
+	else
+		bpf_map_update_elem(&inbound_v4, &k->k4, e, BPF_ANY);
+}
+
+static __always_inline void inbound_del(const int v6, const union nat_key *k)
+{
+	if (v6)
+		bpf_map_delete_elem(&inbound_v6, &k->k6);
+	else
+		bpf_map_delete_elem(&inbound_v4, &k->k4);
+}
+
+/* How long an inbound opener waits for its reply: conntrack's longest wait for an unanswered
+ * connection (nf_conntrack_tcp_timeout_syn_sent). */
+#define INBOUND_WAIT_NS (120 * 1000000000ULL)
+
+/* inbound_translated: the packet at k, which leaves with a source address that is not behind the
+ * node, is the reply to an opener that ingress held for it (inbound_v4/v6): the node's stack
+ * translated that opener's destination to an address behind the node (kube-proxy's DNAT, whose
+ * conntrack translates the reply back). The flow becomes an inbound one, both halves recorded as
+ * ingress records one toward a pod, with this reply seen; the reply leaves untouched. Returns 1
+ * when it did. */
+static __always_inline int inbound_translated(struct __sk_buff *skb, const int v6, const struct pkt *p,
+					      const union nat_key *k, __u64 now)
+{
+	struct nat_scratch *s = scratch();
+	struct nat_entry *held = inbound_get(v6, k);
+
+	if (!s || !held)
+		return 0;
+	if (now - held->last_seen > INBOUND_WAIT_NS) {
+		inbound_del(v6, k);
+		return 0;
+	}
+	s->ne = *held;
+	s->ne.flags |= NAT_F_REPLIED;
+	inbound_del(v6, k);
+	nat_key(v6, &s->pk, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_INGRESS);
+	if (nat_lookup(v6, &s->pk) || nat_put(v6, NAT_UNREPLIED, &s->pk, &s->ne, BPF_NOEXIST) != 0)
+		return 0; /* that tuple has another flow now */
+	partner_value(v6, &s->pk, &s->ne, &s->pv, now);
+	if (p->proto == IPPROTO_TCP)
+		tcp_track(skb, &s->pv, p);
+	if (nat_put(v6, NAT_UNREPLIED, k, &s->pv, BPF_NOEXIST) != 0) {
+		nat_del(v6, NAT_UNREPLIED, &s->pk);
+		return 0;
+	}
+	event_add(EV_INBOUND_FLOW, 1);
+	return 1;
+}
+
 /* What the helpers below return besides a verdict: FLOW_NEW, a packet that opens a flow needing a
  * new mapping; FLOW_REMAP, a packet of a masqueraded flow that lost its port and needs another. */
 #define FLOW_NEW 0x100
@@ -245,8 +310,9 @@ static __always_inline int host_reserve(struct __sk_buff *skb, const struct pkt 
  * TCP SYN opens a TCP mapping: any other TCP packet to a masqueraded destination belongs to a
  * connection whose state is gone (or that began before the agent), which no mapping can serve,
  * and is dropped rather than sent with the pod's address. */
-static __always_inline int pod_decide(const struct pkt *p, const int v6, const struct nat_config *cfg,
-				      const union nat_key *k, __u64 now, __u32 *slot, const __be32 **to)
+static __always_inline int pod_decide(struct __sk_buff *skb, const struct pkt *p, const int v6,
+				      const struct nat_config *cfg, const union nat_key *k, __u64 now, __u32 *slot,
+				      const __be32 **to)
 {
 	if (p->l4 == L4_ECHO && !p->echo_request)
 		return TC_NEXT; /* an echo reply opens nothing */
@@ -256,7 +322,7 @@ static __always_inline int pod_decide(const struct pkt *p, const int v6, const s
 		return TC_NEXT;
 	}
 	/* Inbound flows exist only toward remotes the policy masquerades. */
-	if (!tcp_is_syn(p) && inbound_orphan(v6, p, k, now))
+	if (!tcp_is_syn(p) && (inbound_orphan(v6, p, k, now) || inbound_translated(skb, v6, p, k, now)))
 		return TC_NEXT;
 	count_rule(*slot, p->len);
 	if (p->proto == IPPROTO_TCP && !tcp_is_syn(p)) {
@@ -301,7 +367,7 @@ static __always_inline int egress_new(struct __sk_buff *skb, const int v6, __u64
 	if (host)
 		r = host_reserve(skb, p, v6, k, now);
 	else
-		r = remap ? FLOW_NEW : pod_decide(p, v6, cfg, k, now, &slot, &rule_to);
+		r = remap ? FLOW_NEW : pod_decide(skb, p, v6, cfg, k, now, &slot, &rule_to);
 	if (r != FLOW_NEW)
 		return r;
 	if (host) {
@@ -602,14 +668,20 @@ static __always_inline int ingress_new(struct __sk_buff *skb, const int v6, __u6
 	 * any other remote leave untouched anyway. */
 	if (classify(v6, p->saddr, family_cfg(cfg, v6), &slot) != ACTION_MASQUERADE)
 		return TC_NEXT;
-	if (!local_dest(skb, p, v6)) {
-		event_add(EV_INBOUND_NOT_LOCAL, 1);
-		return TC_NEXT;
-	}
 	e = (struct nat_entry){.port = p->dport, .kind = NAT_INBOUND, .slot = NO_SLOT, .last_seen = now,
 			       .wscale = NAT_WSCALE_UNKNOWN};
 	addr_copy(v6, WORDS_MUT(e.addr), p->daddr);
 	nat_key(v6, &ek, p->daddr, p->saddr, p->dport, p->sport, p->proto, DIR_EGRESS);
+	if (!local_dest(skb, p, v6)) {
+		/* Not behind the node by its routes: held by its replies' key until one leaves, which
+		 * tells that the node's stack translated the destination (inbound_translated). */
+		e.flags = NAT_F_ORIG;
+		if (p->proto == IPPROTO_TCP)
+			tcp_track(skb, &e, p);
+		inbound_hold(v6, &ek, &e);
+		event_add(EV_INBOUND_NOT_LOCAL, 1);
+		return TC_NEXT;
+	}
 	if (nat_lookup(v6, &ek) || nat_put(v6, NAT_UNREPLIED, &ek, &e, BPF_NOEXIST) != 0)
 		return TC_NEXT; /* that tuple already has a flow */
 	e.flags = NAT_F_ORIG;

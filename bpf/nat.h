@@ -44,7 +44,11 @@
  *     echo request addressed to this host (PACKET_HOST), from a remote the policy masquerades
  *     (replies to others leave untouched anyway), toward an address behind this node: delivered
  *     here, or routed out another device than the one it came by (bpf_fib_lookup, the kernel's own
- *     answer, so pod routes need no copy in a map).
+ *     answer, so pod routes need no copy in a map). One toward an address that is not behind the
+ *     node by its routes is held aside (inbound_v4/v6) by its replies' key: when a reply leaves,
+ *     the node's stack translated the destination to an address behind it (kube-proxy's DNAT of a
+ *     Service address it does not own, whose conntrack translates the reply back), and the flow
+ *     becomes an inbound one (masq.c: inbound_translated).
  *
  * TCP: each half records its direction's latest ACK, window and segment end, and from its SYN the
  * window scale. A FIN counts only within the window the receiver advertised, an RST only at the

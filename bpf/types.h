@@ -258,7 +258,8 @@ enum event {
 	EV_CONFIRM_FULL,      /* flows that proved two-way but found that table full: left evictable */
 	EV_TCP_OUT_OF_WINDOW, /* TCP FIN or RST outside what the receiver would accept: ignored */
 	EV_KEEP_RETURN,       /* pod flows left alone by the policy: their verdict kept */
-	EV_INBOUND_NOT_LOCAL, /* inbound openers toward an address not behind this node: nothing recorded */
+	EV_INBOUND_NOT_LOCAL, /* inbound openers toward an address not behind this node by its routes: held
+			       * aside until a reply shows the node translated it (inbound_v4/v6) */
 	EV_ORPHAN,            /* reply halves whose flow took another mapping: removed, port freed */
 	EV_MAX,
 };

@@ -154,6 +154,20 @@ func BenchmarkEgressNewFlow(b *testing.B) {
 	}
 }
 
+// BenchmarkEgressNewDatagram: the first datagram of a masqueraded UDP flow: as a new TCP flow's
+// SYN, and the look-ups a datagram of no known flow makes besides, for a connection from outside
+// whose egress half was evicted and for one to an address the node translated (inbound_v4).
+func BenchmarkEgressNewDatagram(b *testing.B) {
+	for _, n := range benchSizes {
+		b.Run(fmt.Sprintf("cidrs=%d", n), func(b *testing.B) {
+			h := benchHarness(b, n)
+			measure(b, h, h.dp.Egress(), tcNext, func(i int) []byte {
+				return udpPacket(ap(pod4(i>>14), uint16(1024+i&0x3fff)), ap(remoteN(i), 53), payload)
+			})
+		})
+	}
+}
+
 // BenchmarkConnection: every packet of a short masqueraded TCP connection whose server closes
 // first, as the end-to-end short-connection load makes them, each step's cost reported on its
 // own: the SYN (the new flow), the SYN-ACK (its first reply), the handshake's ACK (the move to the

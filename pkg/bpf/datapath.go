@@ -36,6 +36,10 @@ const minSideEntries = 1024
 func unrepliedEntries(n uint32) uint32 { return max(n/2, minSideEntries) }
 func keepEntries(n uint32) uint32      { return max(n/4, minSideEntries) }
 
+// inboundEntries sizes the table of connections from outside that wait for a reply to show the
+// node translated their destination (bpf/maps.h: inbound_v4): n/16, at least minSideEntries.
+func inboundEntries(n uint32) uint32 { return max(n/16, minSideEntries) }
+
 // LoadOptions size the maps; they are fixed once the maps exist.
 type LoadOptions struct {
 	// MaxRules is the number of rule counter slots, shared by both families; it bounds the rules
@@ -92,6 +96,7 @@ func (o LoadOptions) spec() (*ebpf.CollectionSpec, error) {
 	m.NatNewV4.MaxEntries, m.NatNewV6.MaxEntries = unrepliedEntries(o.NATEntries), unrepliedEntries(o.NATEntriesV6)
 	m.KeepV4.MaxEntries, m.KeepV6.MaxEntries = keepEntries(o.NATEntries), keepEntries(o.NATEntriesV6)
 	m.FragV4.MaxEntries, m.FragV6.MaxEntries = o.FragEntries, o.FragEntries
+	m.InboundV4.MaxEntries, m.InboundV6.MaxEntries = inboundEntries(o.NATEntries), inboundEntries(o.NATEntriesV6)
 	return spec, nil
 }
 

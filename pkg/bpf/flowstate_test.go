@@ -168,7 +168,8 @@ func TestHostListenerFloodSparesPods(t *testing.T) {
 // TestInboundOnlyByOpenersTowardLocalAddresses: only a connection-opening packet (TCP SYN, UDP
 // datagram, echo request) toward an address behind the node (routed out another device than the
 // one it came by, another uplink included) opens an inbound flow: stray ACKs toward a pod and
-// anything toward an address routed back out the device it came by create nothing.
+// anything toward an address routed back out the device it came by create no flow (an opener of
+// those waits aside for a reply: TestRepliesOfServicesOnOutsideAddresses).
 func TestInboundOnlyByOpenersTowardLocalAddresses(t *testing.T) {
 	h := newHarness(t, defaultPolicy(true), LoadOptions{})
 	for _, fam := range families {
@@ -620,8 +621,8 @@ func TestEvictionSparesEstablished(t *testing.T) {
 func TestNATMemory(t *testing.T) {
 	const n = 1 << 16
 	h := newHarness(t, nil, LoadOptions{NATEntries: n, NATEntriesV6: n})
-	maps := map[bool][]*ebpf.Map{false: {h.dp.objs.NatV4, h.dp.objs.NatNewV4, h.dp.objs.KeepV4},
-		true: {h.dp.objs.NatV6, h.dp.objs.NatNewV6, h.dp.objs.KeepV6}}
+	maps := map[bool][]*ebpf.Map{false: {h.dp.objs.NatV4, h.dp.objs.NatNewV4, h.dp.objs.KeepV4, h.dp.objs.InboundV4},
+		true: {h.dp.objs.NatV6, h.dp.objs.NatNewV6, h.dp.objs.KeepV6, h.dp.objs.InboundV6}}
 	for v6, ms := range maps {
 		var got uint64
 		for _, m := range ms {

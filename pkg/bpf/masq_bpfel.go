@@ -316,6 +316,8 @@ const (
 	masqMapFragV6       = "frag_v6"
 	masqMapHeldPorts    = "held_ports"
 	masqMapHookSeen     = "hook_seen"
+	masqMapInboundV4    = "inbound_v4"
+	masqMapInboundV6    = "inbound_v6"
 	masqMapKeepV4       = "keep_v4"
 	masqMapKeepV6       = "keep_v6"
 	masqMapLayout       = "layout"
@@ -397,6 +399,8 @@ type masqMapSpecs struct {
 	FragV6       *ebpf.MapSpec `ebpf:"frag_v6"`
 	HeldPorts    *ebpf.MapSpec `ebpf:"held_ports"`
 	HookSeen     *ebpf.MapSpec `ebpf:"hook_seen"`
+	InboundV4    *ebpf.MapSpec `ebpf:"inbound_v4"`
+	InboundV6    *ebpf.MapSpec `ebpf:"inbound_v6"`
 	KeepV4       *ebpf.MapSpec `ebpf:"keep_v4"`
 	KeepV6       *ebpf.MapSpec `ebpf:"keep_v6"`
 	Layout       *ebpf.MapSpec `ebpf:"layout"`
@@ -452,6 +456,8 @@ type masqMaps struct {
 	FragV6       *ebpf.Map `ebpf:"frag_v6"`
 	HeldPorts    *ebpf.Map `ebpf:"held_ports"`
 	HookSeen     *ebpf.Map `ebpf:"hook_seen"`
+	InboundV4    *ebpf.Map `ebpf:"inbound_v4"`
+	InboundV6    *ebpf.Map `ebpf:"inbound_v6"`
 	KeepV4       *ebpf.Map `ebpf:"keep_v4"`
 	KeepV6       *ebpf.Map `ebpf:"keep_v6"`
 	Layout       *ebpf.Map `ebpf:"layout"`
@@ -483,6 +489,8 @@ func (m *masqMaps) Close() error {
 		m.FragV6,
 		m.HeldPorts,
 		m.HookSeen,
+		m.InboundV4,
+		m.InboundV6,
 		m.KeepV4,
 		m.KeepV6,
 		m.Layout,

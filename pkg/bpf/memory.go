@@ -20,12 +20,13 @@ func htabBytes(entries uint32, key, value uintptr) uint64 {
 }
 
 // NATMemory is the kernel memory, in bytes, of one family's NAT tables when LoadOptions sizes its
-// confirmed table at n entries (the unreplied and keep tables follow from n).
+// confirmed table at n entries (the unreplied, keep and inbound tables follow from n).
 func NATMemory(n uint32, v6 bool) uint64 {
 	key := unsafe.Sizeof(masqNat4Key{})
 	if v6 {
 		key = unsafe.Sizeof(masqNat6Key{})
 	}
 	value, keep := unsafe.Sizeof(masqNatEntry{}), unsafe.Sizeof(masqKeepEntry{})
-	return htabBytes(n, key, value) + htabBytes(unrepliedEntries(n), key, value) + htabBytes(keepEntries(n), key, keep)
+	return htabBytes(n, key, value) + htabBytes(unrepliedEntries(n), key, value) + htabBytes(keepEntries(n), key, keep) +
+		htabBytes(inboundEntries(n), key, value)
 }

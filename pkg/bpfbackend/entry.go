@@ -98,7 +98,8 @@ func registerFlags(fs *flag.FlagSet) *Settings {
 func natMaxEntriesUsage() string {
 	mib := func(n uint32, v6 bool) string { return fmt.Sprintf("%.0f MiB", float64(bpf.NATMemory(n, v6))/(1<<20)) }
 	return fmt.Sprintf("entries of each family's BPF table of flows that proved two-way, never evicted (two per flow), "+
-		"from %d to %d; flows not yet answered get half as many (evicted first) and kept RETURN verdicts a quarter. "+
+		"from %d to %d; flows not yet answered get half as many (evicted first), kept RETURN verdicts a quarter and "+
+		"connections from outside waiting for a reply a sixteenth. "+
 		"Preallocated kernel memory per family, %.0f bytes per entry for IPv4 and %.0f for IPv6: %s and %s at the default "+
 		"(IPv6 only with --enable-ipv6); a change carries the flows into tables of the new size", minNATEntries, maxNATEntries,
 		float64(bpf.NATMemory(1<<20, false))/(1<<20), float64(bpf.NATMemory(1<<20, true))/(1<<20),

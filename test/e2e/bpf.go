@@ -36,11 +36,12 @@ import (
 // policy of the last good configuration.
 func BPFBackend(mode string) Backend {
 	return Backend{
-		Name:  "bpf-" + mode,
-		Flags: []string{"--backend=bpf", "--attach-mode=" + mode},
-		Tools: []string{"iptables-nft-save", "iptables-legacy-save", "ip6tables-nft-save", "ip6tables-legacy-save"},
-		Info:  datapath.Info{Backend: bpfbackend.Name, AttachMode: mode},
-		NAT:   true,
+		Name:     "bpf-" + mode,
+		Flags:    []string{"--backend=bpf", "--attach-mode=" + mode},
+		Tools:    []string{"iptables-nft-save", "iptables-legacy-save", "ip6tables-nft-save", "ip6tables-legacy-save"},
+		Iptables: iptables.ModeNFT,
+		Info:     datapath.Info{Backend: bpfbackend.Name, AttachMode: mode},
+		NAT:      true,
 		Prepare: func(ctx context.Context, t testing.TB, env *Env) {
 			t.Helper()
 			env.AgentFlags = append(env.AgentFlags, "--bpffs="+MountBPFFS(t))

@@ -18,10 +18,11 @@ import (
 // to follow.
 func IptablesBackend(mode iptables.Mode) Backend {
 	b := Backend{
-		Name:  "iptables-" + string(mode),
-		Flags: []string{"--backend=iptables"},
-		Tools: []string{"iptables-" + string(mode) + "-restore", "ip6tables-" + string(mode) + "-restore"},
-		Info:  datapath.Info{Backend: iptables.Name, AttachMode: datapath.AttachNone},
+		Name:     "iptables-" + string(mode),
+		Flags:    []string{"--backend=iptables"},
+		Tools:    []string{"iptables-" + string(mode) + "-restore", "ip6tables-" + string(mode) + "-restore"},
+		Iptables: mode,
+		Info:     datapath.Info{Backend: iptables.Name, AttachMode: datapath.AttachNone},
 		Verify: func(ctx context.Context, t testing.TB, env *Env) {
 			t.Helper()
 			verifyIptables(ctx, t, env, mode)

@@ -21,6 +21,7 @@ func NftablesBackend() Backend {
 		Name:       "nftables",
 		Flags:      []string{"--backend=nftables"},
 		Tools:      []string{"nft"},
+		Iptables:   iptables.ModeNFT,
 		Info:       datapath.Info{Backend: nftables.Name, AttachMode: datapath.AttachNone},
 		Prepare:    prepareKubeProxyNftables,
 		Refusals:   ipt.Refusals,

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
@@ -34,6 +35,9 @@ type Backend struct {
 	Flags []string
 	// Tools must be on PATH for the backend's tests.
 	Tools []string
+	// Iptables is the iptables variant of the node's other tenants (kube-proxy's iptables
+	// mode): the backend's own for the iptables backends, else nft.
+	Iptables iptables.Mode
 	// Prepare, when set, readies the node before the agent starts.
 	Prepare func(ctx context.Context, t testing.TB, env *Env)
 	// Verify checks that what the agent installed in the node equals the policy of env's last
