@@ -195,6 +195,34 @@ struct {
 	__type(value, struct frag_ports);
 } frag_v6 SEC(".maps");
 
+/* Later fragments held until their datagram's first fragment comes (bpf/frag.h). Allocated as
+ * they are held, so that the room costs nothing unused; the userspace sweep removes what waited
+ * longer than the kernel's reassembly would. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct frag4_held_key);
+	__type(value, struct frag_held);
+} frag_held_v4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct frag6_held_key);
+	__type(value, struct frag_held);
+} frag_held_v6 SEC(".maps");
+
+/* An empty held fragment, which a new one is made from (its bytes are written in place): it
+ * holds nothing, so it is not pinned and no layout has it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct frag_held);
+} frag_blank SEC(".maps");
+
 /* Connections opened from outside toward an address that the node neither owns nor routes behind
  * it, held by the key of their replies as they leave (egress), until one leaves: then the node's
  * stack translated the destination to an address behind it (kube-proxy's DNAT of a load-balancer

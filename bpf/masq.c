@@ -9,7 +9,7 @@
  * and a port from the NAT range.
  * Ingress: replies to a mapping are translated back; new flows toward addresses behind the node
  * are recorded so their replies leave untouched (and toward others, once a reply shows the node
- * translated them); ICMP errors quoting a flow are translated.
+ * translated them); ICMP errors quoting a flow are translated. Fragments in any order: bpf/frag.h.
  * Scope: only what the node's IP stack sent or forwarded is masqueraded (bpf/scope.h); frames
  * that merely pass the uplink's hooks (VLAN-tagged, macvlan and ipvlan children's) pass.
  * bpf/nat.h has the flow-state design.
@@ -38,6 +38,7 @@
 #include "nat.h"
 #include "icmp.h"
 #include "scope.h"
+#include "frag.h"
 
 char __license[] SEC("license") = "Dual BSD/GPL";
 
@@ -91,7 +92,7 @@ static __always_inline int xlate_to(struct __sk_buff *skb, const int v6, const i
 }
 
 /* Later fragments: the flow is found through the first fragment's ports; NOT_TRANSLATED when
- * it is not. */
+ * it is not, FRAG_UNSEEN when the first fragment was not seen (bpf/frag.h). */
 static __always_inline int frag_later(struct __sk_buff *skb, const int v6, const int dir)
 {
 	const struct pkt *p = packet();
@@ -102,10 +103,8 @@ static __always_inline int frag_later(struct __sk_buff *skb, const int v6, const
 	if (!p)
 		return NOT_TRANSLATED;
 	fp = frag_lookup(v6, p, dir);
-	if (!fp) {
-		event_add(EV_FRAG_MISS, 1);
-		return NOT_TRANSLATED;
-	}
+	if (!fp)
+		return FRAG_UNSEEN;
 	nat_key(v6, &k, p->saddr, p->daddr, fp->sport, fp->dport, p->proto, dir);
 	e = nat_lookup(v6, &k);
 	if (!e)
@@ -435,6 +434,42 @@ __attribute__((noinline)) int untranslatable_v6(struct __sk_buff *skb)
 	return untranslatable(skb, 1);
 }
 
+/* frag_first remembers a first fragment's ports for its later fragments, whatever its flow (they
+ * then tell a datagram that needs no translation from one whose first fragment was not seen), and
+ * sends its held later fragments again after it (bpf/frag.h): NOT_HELD when there were none, and
+ * the packet goes on. A global function per family: the key it builds stays off its callers'
+ * stacks. */
+static __always_inline int frag_first(struct __sk_buff *skb, const int v6, __u8 dir)
+{
+	const struct pkt *p = packet();
+
+	if (!p)
+		return NOT_HELD;
+	frag_remember(v6, p, dir);
+	return v6 ? frag_release_v6(skb, dir) : frag_release_v4(skb, dir);
+}
+
+__attribute__((noinline)) int frag_first_v4(struct __sk_buff *skb, __u32 dir)
+{
+	return frag_first(skb, 0, dir);
+}
+
+__attribute__((noinline)) int frag_first_v6(struct __sk_buff *skb, __u32 dir)
+{
+	return frag_first(skb, 1, dir);
+}
+
+/* frag_next translates a later fragment by its datagram's flow, or holds it until the first
+ * fragment comes (bpf/frag.h); NOT_TRANSLATED for the caller to decide. */
+static __always_inline int frag_next(struct __sk_buff *skb, const int v6, __u8 dir, __u64 now)
+{
+	int verdict = v6 ? frag_later_v6(skb, dir) : frag_later_v4(skb, dir);
+
+	if (verdict == FRAG_UNSEEN)
+		verdict = v6 ? frag_wait_v6(skb, dir, now) : frag_wait_v4(skb, dir, now);
+	return verdict;
+}
+
 /* The egress verdict of a packet that icmp_error or frag_later did not translate. */
 static __always_inline int untranslated(struct __sk_buff *skb, const int v6, int verdict)
 {
@@ -541,20 +576,22 @@ static __always_inline int egress(struct __sk_buff *skb, const int v6, __u64 now
 
 	if (!cfg || !s || !p || !family_cfg(cfg, v6)->enabled)
 		return TC_NEXT;
+	if (p->frag == FRAG_FIRST) {
+		int verdict = v6 ? frag_first_v6(skb, DIR_EGRESS) : frag_first_v4(skb, DIR_EGRESS);
+
+		if (verdict != NOT_HELD)
+			return verdict;
+	}
 	switch (p->l4) {
 	case L4_ICMP_ERROR:
 		return untranslated(skb, v6, v6 ? icmp_error_v6(skb, DIR_EGRESS) : icmp_error_v4(skb, DIR_EGRESS));
 	case L4_NONE:
-		return untranslated(skb, v6, v6 ? frag_later_v6(skb, DIR_EGRESS) : frag_later_v4(skb, DIR_EGRESS));
+		return untranslated(skb, v6, frag_next(skb, v6, DIR_EGRESS, now));
 	case L4_UNTRACKED:
 	case L4_UNSAFE:
 		return v6 ? untranslatable_v6(skb) : untranslatable_v4(skb);
 	}
 
-	/* Every first fragment, whatever its flow: its later fragments then tell a datagram that
-	 * needs no translation from one whose first fragment was not seen (frag_miss). */
-	if (p->frag == FRAG_FIRST)
-		frag_remember(v6, p, DIR_EGRESS);
 	snat = uplink_snat_of(ifindex, v6);
 	/* A host port outside the range is one no pod mapping can take: host traffic there, from
 	 * any of the node's addresses, is neither looked up nor recorded (a protocol without ports
@@ -737,8 +774,14 @@ static __always_inline int ingress(struct __sk_buff *skb, const int v6, __u64 no
 	struct nat_entry *e;
 	int verdict, tbl = NAT_CONFIRMED;
 
-	if (!s || !p)
+	cfg = bpf_map_lookup_elem(&nat_config, &zero);
+	if (!s || !p || !cfg || !family_cfg(cfg, v6)->enabled)
 		return TC_NEXT;
+	if (p->frag == FRAG_FIRST) {
+		verdict = v6 ? frag_first_v6(skb, DIR_INGRESS) : frag_first_v4(skb, DIR_INGRESS);
+		if (verdict != NOT_HELD)
+			return verdict;
+	}
 	/* What ingress cannot translate is for the node's stack as it is: nothing leaks. A packet
 	 * with segments left in its IPv6 routing header is not at its destination yet. */
 	switch (p->l4) {
@@ -746,7 +789,7 @@ static __always_inline int ingress(struct __sk_buff *skb, const int v6, __u64 no
 		verdict = v6 ? icmp_error_v6(skb, DIR_INGRESS) : icmp_error_v4(skb, DIR_INGRESS);
 		return verdict == NOT_TRANSLATED ? TC_NEXT : verdict;
 	case L4_NONE:
-		verdict = v6 ? frag_later_v6(skb, DIR_INGRESS) : frag_later_v4(skb, DIR_INGRESS);
+		verdict = frag_next(skb, v6, DIR_INGRESS, now);
 		return verdict == NOT_TRANSLATED ? TC_NEXT : verdict;
 	case L4_UNTRACKED:
 	case L4_UNSAFE:
@@ -754,12 +797,6 @@ static __always_inline int ingress(struct __sk_buff *skb, const int v6, __u64 no
 	}
 	if (p->transit)
 		return TC_NEXT;
-
-	cfg = bpf_map_lookup_elem(&nat_config, &zero);
-	if (!cfg || !family_cfg(cfg, v6)->enabled)
-		return TC_NEXT;
-	if (p->frag == FRAG_FIRST)
-		frag_remember(v6, p, DIR_INGRESS); /* whatever its flow, as egress */
 	/* To the uplink address, only ports of the range can be a flow of ours (masqueraded, or a
 	 * host socket's recorded one), and those an earlier range's flows hold: traffic to host
 	 * services is not even looked up. */

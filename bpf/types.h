@@ -227,6 +227,34 @@ struct frag_ports {
 	__be16 dport;
 };
 
+/* Later fragments that come before their datagram's first fragment are held, their bytes kept,
+ * until it comes (bpf/frag.h): up to FRAG_HELD_SLOTS of a datagram, each of at most
+ * FRAG_HELD_BYTES (its Ethernet frame: a 9000-byte MTU's fits), for as long as the kernel's own
+ * reassembly would wait (the userspace sweep removes older ones: pkg/bpf FragHoldTimeout). The
+ * key is the datagram's and the fragment's slot. */
+#define FRAG_HELD_SLOTS 64
+#define FRAG_HELD_BYTES 9216
+
+struct frag4_held_key {
+	struct frag4_key dgram;
+	__u8 slot;
+	__u8 pad[3];
+};
+
+struct frag6_held_key {
+	struct frag6_key dgram;
+	__u8 slot;
+	__u8 pad[3];
+};
+
+struct frag_held {
+	__u64 held_at; /* bpf_ktime_get_ns */
+	__u16 len;     /* bytes of data in use; 0 while being written */
+	__u8 releasing; /* slot 0: the datagram's first fragment came, its held ones are being sent */
+	__u8 pad[5];
+	__u8 data[FRAG_HELD_BYTES];
+};
+
 /* The layout record (layout, entry 0), written by userspace when it creates the maps: which
  * layout of the pinned maps this is, for the agent that finds them pinned (pkg/bpf/layout.go). */
 #define LAYOUT_MAGIC "ip-masq-agent"
@@ -250,7 +278,8 @@ enum event {
 	EV_REPAIR,            /* a flow's missing half (evicted) re-created from the other */
 	EV_REALLOC,           /* a flow's port was taken over after eviction: new port allocated */
 	EV_ICMP_ERROR,        /* ICMP errors translated */
-	EV_FRAG_MISS,         /* later fragment without a known first fragment (untranslatable) */
+	EV_FRAG_MISS,         /* later fragment that needed its first fragment's flow and found no room to wait
+			       * for it (bpf/frag.h): untranslatable */
 	EV_REOPEN,            /* TCP mapping reused by a new connection of its tuple (closed, or resynced) */
 	EV_DROP_UNTRANSLATABLE, /* dropped: a pod's packet to a masqueraded destination that the NAT
 				 * cannot translate (masq.c: untranslatable) */

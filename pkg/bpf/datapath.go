@@ -40,6 +40,11 @@ func keepEntries(n uint32) uint32      { return max(n/4, minSideEntries) }
 // node translated their destination (bpf/maps.h: inbound_v4): n/16, at least minSideEntries.
 func inboundEntries(n uint32) uint32 { return max(n/16, minSideEntries) }
 
+// heldEntries sizes each family's room for later fragments that wait for their first one (bpf/
+// frag.h), from the fragment table's size: 256 at the default. It is allocated as fragments are
+// held, up to FRAG_HELD_BYTES each.
+func heldEntries(frag uint32) uint32 { return max(frag/32, 8) }
+
 // LoadOptions size the maps; they are fixed once the maps exist.
 type LoadOptions struct {
 	// MaxRules is the number of rule counter slots, shared by both families; it bounds the rules
@@ -96,6 +101,7 @@ func (o LoadOptions) spec() (*ebpf.CollectionSpec, error) {
 	m.NatNewV4.MaxEntries, m.NatNewV6.MaxEntries = unrepliedEntries(o.NATEntries), unrepliedEntries(o.NATEntriesV6)
 	m.KeepV4.MaxEntries, m.KeepV6.MaxEntries = keepEntries(o.NATEntries), keepEntries(o.NATEntriesV6)
 	m.FragV4.MaxEntries, m.FragV6.MaxEntries = o.FragEntries, o.FragEntries
+	m.FragHeldV4.MaxEntries, m.FragHeldV6.MaxEntries = heldEntries(o.FragEntries), heldEntries(o.FragEntries)
 	m.InboundV4.MaxEntries, m.InboundV6.MaxEntries = inboundEntries(o.NATEntries), inboundEntries(o.NATEntriesV6)
 	return spec, nil
 }
@@ -287,11 +293,12 @@ func (d *Datapath) mapFields() map[string]**ebpf.Map {
 }
 
 // scratchMaps are the programs' per-CPU working space (bpf/parse.h: cpu_packet, bpf/nat.h:
-// cpu_scratch): nothing in them outlives a run of a program, so each load has its own, unpinned,
+// cpu_scratch) and the empty held fragment new ones are made from (bpf/maps.h: frag_blank):
+// nothing in them outlives a run of a program, so each load has its own, unpinned,
 // and no layout has them (their types may change in any build). Every other function of this
 // package passes them over (Maps, MapNames, the pins, the layouts). nat_scratch is the scratch
 // that the builds of layout 5 before this one pinned: Load removes its pin.
-var scratchMaps = map[string]bool{masqMapCpuPacket: true, masqMapCpuScratch: true, "nat_scratch": true}
+var scratchMaps = map[string]bool{masqMapCpuPacket: true, masqMapCpuScratch: true, masqMapFragBlank: true, "nat_scratch": true}
 
 // eachEntry calls fn with every entry of a map without per-CPU values: a batch lookup per few
 // hundred entries where the kernel can (a rule map of 32768 slots is read in a few syscalls),

@@ -168,8 +168,7 @@ func TestHostListenerFloodSparesPods(t *testing.T) {
 // TestInboundOnlyByOpenersTowardLocalAddresses: only a connection-opening packet (TCP SYN, UDP
 // datagram, echo request) toward an address behind the node (routed out another device than the
 // one it came by, another uplink included) opens an inbound flow: stray ACKs toward a pod and
-// anything toward an address routed back out the device it came by create no flow (an opener of
-// those waits aside for a reply: TestRepliesOfServicesOnOutsideAddresses).
+// anything toward an address routed back out the device it came by create nothing.
 func TestInboundOnlyByOpenersTowardLocalAddresses(t *testing.T) {
 	h := newHarness(t, defaultPolicy(true), LoadOptions{})
 	for _, fam := range families {

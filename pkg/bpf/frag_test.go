@@ -3,8 +3,16 @@ package bpf
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"net/netip"
+	"slices"
 	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
 // fragment splits the IP packet of an Ethernet frame (IPv4 without options, or IPv6 without
@@ -141,25 +149,37 @@ func TestFragments(t *testing.T) {
 					t.Fatalf("answer arrives as %s, want %s -> %s", tu, dst, podEnd)
 				}
 
-				// A later fragment of a datagram whose first fragment was never seen passes as is.
+				// A later fragment of a datagram whose first fragment was never seen: held when it
+				// is for the node (the NAT end), where a mapping may want it; toward a pod
+				// (routed on) it needs nothing, and passes as is. Neither is a miss.
 				misses := h.events()[Event(masqEventEV_FRAG_MISS)]
-				stray := fragment(withPayload(b, dst, nat, big, false), 1448)[1]
-				if fam.v6 {
-					stray[14+40+4] ^= 0xff // another datagram id
-				} else {
-					binary.BigEndian.PutUint16(stray[14+4:], 0x4321)
-					stray[14+10], stray[14+11] = 0, 0
-					binary.BigEndian.PutUint16(stray[14+10:], ^fold(sum16(stray[14:14+20], 0)))
+				stray := withFragID(fragment(withPayload(b, dst, nat, big, false), 1448)[1], 0x4321)
+				if ret, _ := h.ingress(stray); ret != tcActShot {
+					t.Fatalf("stray fragment for the node: verdict %d, want it held", int32(ret))
 				}
-				if out := h.mustPass(h.dp.Ingress(), stray); !bytes.Equal(out, stray) {
-					t.Fatalf("stray fragment rewritten")
+				toPod := fragment(withPayload(b, dst, podEnd, big, false), 1448)[1]
+				if out := h.mustPass(h.dp.Ingress(), toPod); !bytes.Equal(out, toPod) {
+					t.Fatalf("stray fragment toward a pod rewritten")
 				}
-				if h.events()[Event(masqEventEV_FRAG_MISS)] != misses+1 {
-					t.Fatalf("stray fragment not counted")
+				if n := h.events()[Event(masqEventEV_FRAG_MISS)] - misses; n != 0 {
+					t.Fatalf("stray fragments counted %d frag_miss", n)
 				}
 			})
 		}
 	}
+}
+
+// withFragID is a fragment of another datagram: its id set to id.
+func withFragID(frag []byte, id uint16) []byte {
+	f := append([]byte(nil), frag...)
+	if f[14]>>4 == 6 {
+		binary.BigEndian.PutUint32(f[14+40+4:], uint32(id))
+		return f
+	}
+	binary.BigEndian.PutUint16(f[14+4:], id)
+	f[14+10], f[14+11] = 0, 0
+	binary.BigEndian.PutUint16(f[14+10:], ^fold(sum16(f[14:14+20], 0)))
+	return f
 }
 
 // tupleOfFragment reads the addresses of any IP packet, fragment or not.
@@ -182,7 +202,8 @@ func withPayload(b builder, src, dst netip.AddrPort, data []byte, out bool) []by
 // TestFragMissOnlyWhenFirstUnseen: later fragments of datagrams that need no translation (a pod's
 // to a RETURN destination and its answer, the node's own from the uplink address and to it) pass
 // untouched without counting frag_miss: every first fragment is remembered, whatever its flow,
-// so frag_miss counts only the later fragments whose first fragment was not seen. IPv4 and IPv6.
+// so frag_miss counts only later fragments that needed their first fragment's flow and could not
+// wait for it (TestFragmentHoldBounds). IPv4 and IPv6.
 func TestFragMissOnlyWhenFirstUnseen(t *testing.T) {
 	h := newHarness(t, defaultPolicy(true), LoadOptions{})
 	for _, fam := range families {
@@ -219,6 +240,217 @@ func TestFragMissOnlyWhenFirstUnseen(t *testing.T) {
 				if n := h.events()[Event(masqEventEV_FRAG_MISS)] - before; n != 0 {
 					t.Errorf("%s: %d frag_miss counted, want none", c.name, n)
 				}
+			}
+		})
+	}
+}
+
+// loCapture records the frames lo of the harness's namespace sends (the copies a program sends
+// again to the device of BPF_PROG_TEST_RUN, which is lo) or receives.
+type loCapture struct {
+	h  *harness
+	fd int
+}
+
+func (h *harness) captureLo(t *testing.T) *loCapture {
+	t.Helper()
+	c := &loCapture{h: h}
+	var err error
+	h.ns.do(func() {
+		if c.fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ALL))); err != nil {
+			return
+		}
+		tv := unix.NsecToTimeval(int64(50 * time.Millisecond))
+		if err = unix.SetsockoptTimeval(c.fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
+			return
+		}
+		err = unix.Bind(c.fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: testIfindex})
+	})
+	if err != nil {
+		t.Fatalf("capture on lo: %v", err)
+	}
+	t.Cleanup(func() { unix.Close(c.fd) })
+	return c
+}
+
+// frames returns the frames captured so far that lo sent (outgoing) or received.
+func (c *loCapture) frames(t *testing.T, outgoing bool) [][]byte {
+	t.Helper()
+	var out [][]byte
+	buf := make([]byte, 65536)
+	for {
+		n, from, err := unix.Recvfrom(c.fd, buf, 0)
+		if errors.Is(err, unix.EAGAIN) {
+			return out
+		}
+		if err != nil {
+			t.Fatalf("capture on lo: %v", err)
+		}
+		if ll, ok := from.(*unix.SockaddrLinklayer); ok && (ll.Pkttype == unix.PACKET_OUTGOING) == outgoing {
+			out = append(out, append([]byte(nil), buf[:n]...))
+		}
+	}
+}
+
+// TestFragmentsAnyOrder: a datagram whose later fragments arrive before its first is translated
+// whole, both ways, IPv4 and IPv6: the later fragments are held (dropped from the hook, their
+// bytes kept) until the first comes, which the programs then send to the hook again followed by
+// the held ones (here, to lo: the copies are captured and run again, as the hook runs them).
+// No fragment of a pod's datagram leaves with the pod's address.
+func TestFragmentsAnyOrder(t *testing.T) {
+	h := newHarness(t, defaultPolicy(true), LoadOptions{})
+	capture := h.captureLo(t)
+	for _, fam := range families {
+		t.Run(fam.name, func(t *testing.T) {
+			h.t = t
+			podEnd, dst := ap(pod(fam.v6, 610), 5310), ap(remote(fam.v6), 53)
+			query := udpPacket(podEnd, dst, bytes.Repeat([]byte("fragmented datagram "), 200))
+			sent := h.lastFirst(t, capture, h.dp.Egress(), fragment(query, 1448), true)
+			for i, f := range sent {
+				if got := tupleOfFragment(f).src; got != snatFor(podEnd.Addr()) {
+					t.Fatalf("egress fragment %d leaves from %s, want %s", i, got, snatFor(podEnd.Addr()))
+				}
+			}
+			whole := reassembleAny(t, sent)
+			nat := tupleOf(t, whole).src
+			answer := udpPacket(dst, nat, bytes.Repeat([]byte("large answer "), 300))
+			got := h.lastFirst(t, capture, h.dp.Ingress(), fragment(answer, 1448), false)
+			whole = reassembleAny(t, got)
+			if tu := tupleOf(t, whole); tu.dst != podEnd || tu.src != dst {
+				t.Fatalf("answer arrives as %s, want %s -> %s", tu, dst, podEnd)
+			}
+		})
+	}
+}
+
+// lastFirst runs prog on the fragments last first: each later fragment must be held (dropped
+// from the hook), and the first one sent again to the hook with the held ones after it (then
+// dropped itself). It runs prog on those copies as the hook would, and returns what they became.
+func (h *harness) lastFirst(t *testing.T, c *loCapture, prog *ebpf.Program, frags [][]byte, outgoing bool) [][]byte {
+	t.Helper()
+	c.frames(t, outgoing) // nothing before
+	for i := len(frags) - 1; i > 0; i-- {
+		if ret, _ := h.run(t, prog, frags[i]); ret != tcActShot {
+			t.Fatalf("%s: fragment %d before the first: verdict %d, want it held", prog, i, int32(ret))
+		}
+	}
+	if ret, _ := h.run(t, prog, frags[0]); ret != tcActShot {
+		t.Fatalf("%s: the first fragment after the held ones: verdict %d, want its copy sent again", prog, int32(ret))
+	}
+	again := c.frames(t, outgoing)
+	want := append([][]byte{frags[0]}, Reversed(frags[1:])...)
+	if len(again) != len(want) {
+		t.Fatalf("%s: %d frames sent again, want %d (the first fragment, then the held ones)", prog, len(again), len(want))
+	}
+	var out [][]byte
+	for i, f := range again {
+		if !bytes.Equal(f, want[i]) {
+			t.Fatalf("%s: frame %d sent again is not fragment %d as it came:\n%s", prog, i, i, describe(f))
+		}
+		out = append(out, h.mustPass(prog, f)[:len(f)])
+	}
+	return out
+}
+
+// Reversed is frags last first.
+func Reversed(frags [][]byte) [][]byte {
+	out := make([][]byte, len(frags))
+	for i, f := range frags {
+		out[len(frags)-1-i] = f
+	}
+	return out
+}
+
+// reassembleAny joins fragments in any order into one Ethernet frame, by their offsets.
+func reassembleAny(t *testing.T, frags [][]byte) []byte {
+	t.Helper()
+	sorted := slices.Clone(frags)
+	slices.SortFunc(sorted, func(a, b []byte) int { return fragOffset(a) - fragOffset(b) })
+	whole := reassemble(t, sorted)
+	if err := verifyChecksums(whole); err != nil {
+		t.Fatalf("reassembled datagram: %v", err)
+	}
+	return whole
+}
+
+// fragOffset is a fragment's offset in its datagram, in bytes.
+func fragOffset(f []byte) int {
+	if f[14]>>4 == 6 {
+		return int(binary.BigEndian.Uint16(f[14+40+2:]) &^ 7)
+	}
+	return int(binary.BigEndian.Uint16(f[14+6:])&0x1fff) * 8
+}
+
+// heldCount counts a family's held fragments.
+func (h *harness) heldCount(fam policy.Family) int {
+	h.t.Helper()
+	var n int
+	var err error
+	if fam == policy.IPv6 {
+		n, _, err = scanHeld[masqFrag6HeldKey](h.dp.objs.FragHeldV6, 0, 0)
+	} else {
+		n, _, err = scanHeld[masqFrag4HeldKey](h.dp.objs.FragHeldV4, 0, 0)
+	}
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	return n
+}
+
+// TestFragmentHoldBounds: the room for held fragments is bounded (8 a family here): a pod's later
+// fragment that finds none is dropped as untranslatable (never sent with the pod's address) and
+// counted as frag_miss, and an answer's passes untranslated, counted too. The sweep removes
+// what waited longer than the kernel's reassembly would (30 s for IPv4, 60 s for IPv6), which
+// makes room again.
+func TestFragmentHoldBounds(t *testing.T) {
+	h := newHarness(t, defaultPolicy(true), LoadOptions{FragEntries: 64})
+	const room = 8 // heldEntries(64)
+	for _, fam := range families {
+		t.Run(fam.name, func(t *testing.T) {
+			h.t = t
+			f := policy.FamilyOf(remote(fam.v6))
+			podEnd, dst := ap(pod(fam.v6, 630), 5330), ap(remote(fam.v6), 53)
+			later := fragment(udpPacket(podEnd, dst, bytes.Repeat([]byte("held "), 600)), 1448)[1]
+			for i := range room {
+				if ret, _ := h.egress(withFragID(later, uint16(0x6000+i))); ret != tcActShot {
+					t.Fatalf("stray %d: verdict %d, want it held", i, int32(ret))
+				}
+			}
+			if n := h.heldCount(f); n != room {
+				t.Fatalf("%d fragments held, want %d", n, room)
+			}
+			ev := h.events()
+			if ret, _ := h.egress(withFragID(later, 0x6100)); ret != tcActShot {
+				t.Fatalf("a pod's fragment with no room: verdict %d, want a drop", int32(ret))
+			}
+			answer := fragment(udpPacket(dst, ap(snatFor(dst.Addr()), 40000), bytes.Repeat([]byte("held "), 600)), 1448)[1]
+			if out := h.mustPass(h.dp.Ingress(), answer); !bytes.Equal(out, answer) {
+				t.Fatalf("an answer's fragment with no room was rewritten")
+			}
+			after := h.events()
+			if d := after[Event(masqEventEV_DROP_UNTRANSLATABLE)] - ev[Event(masqEventEV_DROP_UNTRANSLATABLE)]; d != 1 {
+				t.Errorf("%d untranslatable drops, want 1", d)
+			}
+			if d := after[Event(masqEventEV_FRAG_MISS)] - ev[Event(masqEventEV_FRAG_MISS)]; d != 2 {
+				t.Errorf("%d frag_miss, want 2", d)
+			}
+
+			timeout := FragHoldTimeout(f)
+			res, err := h.dp.Sweep(MonotonicNow()+timeout-5*time.Second, DefaultTimeouts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if n := h.heldCount(f); n != room {
+				t.Fatalf("a sweep before the timeout left %d held fragments, want %d (removed %d)", n, room, res.Fragments)
+			}
+			if res, err = h.dp.Sweep(MonotonicNow()+timeout+time.Second, DefaultTimeouts); err != nil {
+				t.Fatal(err)
+			}
+			if n := h.heldCount(f); n != 0 || res.Fragments < room {
+				t.Fatalf("a sweep after the timeout left %d held fragments (removed %d)", n, res.Fragments)
+			}
+			if ret, _ := h.egress(withFragID(later, 0x6200)); ret != tcActShot || h.heldCount(f) != 1 {
+				t.Fatalf("after the sweep: verdict %d, %d held, want one held", int32(ret), h.heldCount(f))
 			}
 		})
 	}

@@ -542,6 +542,7 @@ type fragKeyT struct {
 type fuzzState struct {
 	nat  map[natKeyT]NATEntry
 	frag map[fragKeyT][2]uint16 // source and destination port
+	held map[fragKeyT]bool      // datagrams with a later fragment held in slot 0 (bpf/frag.h)
 	// inbound are the egress keys of the replies that openers toward an address not behind the
 	// node wait for (inbound_v4/v6).
 	inbound map[natKeyT]bool
@@ -570,11 +571,15 @@ func (fz *fuzzRun) reset() {
 	if err := deleteAll[masqFrag6Key, masqFragPorts](fz.h.dp.objs.FragV6); err != nil {
 		fz.t.Fatal(err)
 	}
-	if err := deleteAll[masqNat4Key, masqNatEntry](fz.h.dp.objs.InboundV4); err != nil {
-		fz.t.Fatal(err)
-	}
-	if err := deleteAll[masqNat6Key, masqNatEntry](fz.h.dp.objs.InboundV6); err != nil {
-		fz.t.Fatal(err)
+	for _, err := range []error{
+		deleteAll[masqFrag4HeldKey, masqFragHeld](fz.h.dp.objs.FragHeldV4),
+		deleteAll[masqFrag6HeldKey, masqFragHeld](fz.h.dp.objs.FragHeldV6),
+		deleteAll[masqNat4Key, masqNatEntry](fz.h.dp.objs.InboundV4),
+		deleteAll[masqNat6Key, masqNatEntry](fz.h.dp.objs.InboundV6),
+	} {
+		if err != nil {
+			fz.t.Fatal(err)
+		}
 	}
 }
 
@@ -599,8 +604,8 @@ func deleteAll[K, V any](m *ebpf.Map) error {
 
 func (fz *fuzzRun) state() fuzzState {
 	fz.t.Helper()
-	s := fuzzState{nat: map[natKeyT]NATEntry{}, frag: map[fragKeyT][2]uint16{}, inbound: map[natKeyT]bool{},
-		slots: map[uint32][2]uint64{}}
+	s := fuzzState{nat: map[natKeyT]NATEntry{}, frag: map[fragKeyT][2]uint16{}, held: map[fragKeyT]bool{},
+		inbound: map[natKeyT]bool{}, slots: map[uint32][2]uint64{}}
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 		err := fz.h.dp.NATEntries(fam, func(e NATEntry) bool {
 			s.nat[natKeyT{e.Dir, e.Proto, e.Src, e.Dst}] = e
@@ -620,6 +625,19 @@ func (fz *fuzzRun) state() fuzzState {
 	for it := fz.h.dp.objs.FragV6.Iterate(); it.Next(&k6, &v); {
 		s.frag[fragKeyT{Direction(k6.Dir), k6.Proto, netip.AddrFrom16(k6.Saddr), netip.AddrFrom16(k6.Daddr), k6.Id}] =
 			[2]uint16{ntohs(v.Sport), ntohs(v.Dport)}
+	}
+	var h4 masqFrag4HeldKey
+	var h6 masqFrag6HeldKey
+	var hv masqFragHeld
+	for it := fz.h.dp.objs.FragHeldV4.Iterate(); it.Next(&h4, &hv); {
+		if d := h4.Dgram; h4.Slot == 0 {
+			s.held[fragKeyT{Direction(d.Dir), d.Proto, netip.AddrFrom4(d.Saddr), netip.AddrFrom4(d.Daddr), uint32(d.Id)}] = true
+		}
+	}
+	for it := fz.h.dp.objs.FragHeldV6.Iterate(); it.Next(&h6, &hv); {
+		if d := h6.Dgram; h6.Slot == 0 {
+			s.held[fragKeyT{Direction(d.Dir), d.Proto, netip.AddrFrom16(d.Saddr), netip.AddrFrom16(d.Daddr), d.Id}] = true
+		}
 	}
 	var n4 masqNat4Key
 	var n6 masqNat6Key
@@ -664,6 +682,11 @@ type expectation struct {
 	// untranslatable: a pod's packet the NAT cannot translate, to a masqueraded destination: it
 	// must be dropped (counted as untranslatable). No other drop is expected.
 	untranslatable bool
+	// held: a later fragment whose first fragment was not seen, kept until it comes (bpf/
+	// frag.h): dropped from the hook, counted nowhere. released: a first fragment whose
+	// datagram had held fragments: its copy and theirs were sent to the hook again, and it is
+	// dropped (its bytes are the last held fragment's then).
+	held, released bool
 	// slot is the counter slot the packet counts on, or noSlot.
 	slot uint32
 }
@@ -695,12 +718,20 @@ func (fz *fuzzRun) expect(p fuzzPacket, frame []byte, ingress bool, pre fuzzStat
 	case !fz.pol.enabled(p.v6):
 		return pass("IPv6 is not enabled")
 	}
+	snat, hasSNAT := fz.pol.snat(p.v6)
+	// The datagram's held fragments go first (bpf/frag.h).
+	if p.first && pre.held[fragKeyT{dir, p.proto, p.src, p.dst, p.fragID}] {
+		return expectation{released: true, why: "first fragment of a datagram with held fragments", slot: noSlot}
+	}
 	// untranslatable: what the NAT cannot translate passes on ingress; on egress a pod's (every
 	// test packet is forwarded, and the test uplink has no MAC to check) to a masqueraded
-	// destination is dropped (masq.c's untranslatable).
+	// destination is dropped (masq.c's untranslatable); the uplink's own address is a host's.
 	untranslatable := func(why string) expectation {
 		if ingress {
 			return pass(why)
+		}
+		if hasSNAT && p.src == snat {
+			return pass(why + ", from the uplink's address")
 		}
 		act, rule := fz.pol.verdict(p.v6, p.dst)
 		x := expectation{why: why, slot: fz.slotOf(rule)}
@@ -711,7 +742,6 @@ func (fz *fuzzRun) expect(p fuzzPacket, frame []byte, ingress bool, pre fuzzStat
 		x.untranslatable = true
 		return x
 	}
-	snat, hasSNAT := fz.pol.snat(p.v6)
 	// side is what a translation rewrites: the source on egress, the destination on ingress.
 	side := netip.AddrPortFrom(p.src, p.sport)
 	if ingress {
@@ -750,6 +780,10 @@ func (fz *fuzzRun) expect(p fuzzPacket, frame []byte, ingress bool, pre fuzzStat
 	case pktLater:
 		ports, ok := pre.frag[fragKeyT{dir, p.proto, p.src, p.dst, p.fragID}]
 		if !ok {
+			// Held when it may need translation: a pod's on egress, one for the node on ingress.
+			if (!ingress && !(hasSNAT && p.src == snat)) || (ingress && ((hasSNAT && p.dst == snat) || harnessOwns(p.dst))) {
+				return expectation{held: true, why: "later fragment of no known datagram: held", slot: noSlot}
+			}
 			return untranslatable("later fragment of no known datagram")
 		}
 		e, ok := pre.nat[natKeyT{dir, p.proto, netip.AddrPortFrom(p.src, ports[0]), netip.AddrPortFrom(p.dst, ports[1])}]
@@ -876,6 +910,9 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) []byte
 		}
 	}
 	switch {
+	case (x.held || x.released) && (ret != tcActShot || drops != 0):
+		fail("verdict %d with %d drop counts, want it dropped from the hook uncounted", ret, drops)
+	case x.held || x.released:
 	case x.noAddr && ret != tcActShot:
 		fail("passed (verdict %d), want a drop for want of an uplink address", ret)
 	case x.noPort && ret != tcActShot:
@@ -916,6 +953,12 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) []byte
 		}
 	}
 
+	if x.held || x.released {
+		if len(post.nat) != len(pre.nat) {
+			fail("a fragment held or sent again changed the NAT table from %d to %d entries", len(pre.nat), len(post.nat))
+		}
+		return out
+	}
 	// Bytes.
 	if len(out) != len(in) {
 		fail("length %d became %d", len(in), len(out))
@@ -1210,6 +1253,9 @@ func fuzzSeeds(fp fuzzPolicy) []fuzzSeed {
 		add(seedAEgress|seedReply, frags[0], nil)
 		add(seedAEgress|seedError, frags[0], nil)
 		add(seedAEgress|seedReply, frags[1], nil)
+		// Fragments in any order: a later one before the first, both ways (bpf/frag.h).
+		add(seedAEgress, frags[1], frags[0])
+		add3(seedAEgress|seedBIngress|seedCIngress, udpPacket(podEnd, ap(remote(v6), 53), payload), rfrags[1], rfrags[0])
 		// A connection from outside to a Service address routed back out the uplink (203.0.113.0/24
 		// and 2001:db8:7777::/48 in the harness), which the node's stack DNATs to a pod: its reply.
 		svc := ap(serviceAddr(v6), 80)
@@ -1280,4 +1326,11 @@ func withIPLength(frame []byte, n int) []byte {
 	f[14+10], f[14+11] = 0, 0
 	binary.BigEndian.PutUint16(f[14+10:], ^fold(sum16(f[14:14+20], 0)))
 	return f
+}
+
+// harnessOwns tells whether the FIB of the harness's namespace (which has no address but lo's)
+// takes addr for the node's own, as the programs' node_owns asks it: loopback, and IPv6 multicast
+// (its local routes).
+func harnessOwns(a netip.Addr) bool {
+	return a.IsLoopback() || (a.Is6() && a.IsMulticast())
 }

@@ -47,6 +47,13 @@ const (
 	masqEventEV_MAX                 masqEvent = 21
 )
 
+type masqFrag4HeldKey struct {
+	_     structs.HostLayout
+	Dgram masqFrag4Key
+	Slot  uint8
+	Pad   [3]uint8
+}
+
 type masqFrag4Key struct {
 	_     structs.HostLayout
 	Saddr [4]uint8
@@ -54,6 +61,13 @@ type masqFrag4Key struct {
 	Id    uint16
 	Proto uint8
 	Dir   masqNatDir
+}
+
+type masqFrag6HeldKey struct {
+	_     structs.HostLayout
+	Dgram masqFrag6Key
+	Slot  uint8
+	Pad   [3]uint8
 }
 
 type masqFrag6Key struct {
@@ -64,6 +78,15 @@ type masqFrag6Key struct {
 	Proto uint8
 	Dir   masqNatDir
 	Pad   [2]uint8
+}
+
+type masqFragHeld struct {
+	_         structs.HostLayout
+	HeldAt    uint64
+	Len       uint16
+	Releasing uint8
+	Pad       [5]uint8
+	Data      [9216]uint8
 }
 
 type masqFragPorts struct {
@@ -312,6 +335,9 @@ const (
 	masqMapCpuPacket    = "cpu_packet"
 	masqMapCpuScratch   = "cpu_scratch"
 	masqMapEventStats   = "event_stats"
+	masqMapFragBlank    = "frag_blank"
+	masqMapFragHeldV4   = "frag_held_v4"
+	masqMapFragHeldV6   = "frag_held_v6"
 	masqMapFragV4       = "frag_v4"
 	masqMapFragV6       = "frag_v6"
 	masqMapHeldPorts    = "held_ports"
@@ -395,6 +421,9 @@ type masqMapSpecs struct {
 	CpuPacket    *ebpf.MapSpec `ebpf:"cpu_packet"`
 	CpuScratch   *ebpf.MapSpec `ebpf:"cpu_scratch"`
 	EventStats   *ebpf.MapSpec `ebpf:"event_stats"`
+	FragBlank    *ebpf.MapSpec `ebpf:"frag_blank"`
+	FragHeldV4   *ebpf.MapSpec `ebpf:"frag_held_v4"`
+	FragHeldV6   *ebpf.MapSpec `ebpf:"frag_held_v6"`
 	FragV4       *ebpf.MapSpec `ebpf:"frag_v4"`
 	FragV6       *ebpf.MapSpec `ebpf:"frag_v6"`
 	HeldPorts    *ebpf.MapSpec `ebpf:"held_ports"`
@@ -452,6 +481,9 @@ type masqMaps struct {
 	CpuPacket    *ebpf.Map `ebpf:"cpu_packet"`
 	CpuScratch   *ebpf.Map `ebpf:"cpu_scratch"`
 	EventStats   *ebpf.Map `ebpf:"event_stats"`
+	FragBlank    *ebpf.Map `ebpf:"frag_blank"`
+	FragHeldV4   *ebpf.Map `ebpf:"frag_held_v4"`
+	FragHeldV6   *ebpf.Map `ebpf:"frag_held_v6"`
 	FragV4       *ebpf.Map `ebpf:"frag_v4"`
 	FragV6       *ebpf.Map `ebpf:"frag_v6"`
 	HeldPorts    *ebpf.Map `ebpf:"held_ports"`
@@ -485,6 +517,9 @@ func (m *masqMaps) Close() error {
 		m.CpuPacket,
 		m.CpuScratch,
 		m.EventStats,
+		m.FragBlank,
+		m.FragHeldV4,
+		m.FragHeldV6,
 		m.FragV4,
 		m.FragV6,
 		m.HeldPorts,

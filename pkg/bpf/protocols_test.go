@@ -45,17 +45,21 @@ func TestUntranslatable(t *testing.T) {
 			errType = 1
 		}
 		big := bytes.Repeat([]byte("fragmented datagram "), 40)
-		later := fragment(udpPacket(ap(src.Addr(), 40001), dst, big), 256)[1]
+		// A later fragment whose first fragment was dropped (untranslatable): its datagram is
+		// known, its flow is not. One that comes before its first fragment is held instead
+		// (TestFragmentsAnyOrder).
+		sctpFrags := fragment(sctpPacket(ap(src.Addr(), 40001), dst, big), 256)
+		later := sctpFrags[1]
 		cases := map[string][]byte{
-			"tcp header cut by the frame":      tcp[:14+ihl+12],
-			"udp header cut by the frame":      udp[:14+ihl+6],
-			"tcp header cut by the IP length":  withIPLength(tcp, ihl+8),
-			"an ICMP type conntrack ignores":   untracked,
-			"ICMP error quoting no flow":       icmpErrorPacket(src.Addr(), dst.Addr(), errType, 3, 0, udpPacket(dst, ap(src.Addr(), 999), nil)),
-			"ICMP error with a short quote":    icmpErrorPacket(src.Addr(), dst.Addr(), errType, 3, 0, udp)[:14+ihl+8+10],
-			"later fragment of no datagram":    later,
-			"first fragment of SCTP":           fragment(sctpPacket(src, dst, big), 256)[0],
-			"SCTP header cut by the IP length": withIPLength(sctpPacket(src, dst, nil), ihl+10),
+			"tcp header cut by the frame":       tcp[:14+ihl+12],
+			"udp header cut by the frame":       udp[:14+ihl+6],
+			"tcp header cut by the IP length":   withIPLength(tcp, ihl+8),
+			"an ICMP type conntrack ignores":    untracked,
+			"ICMP error quoting no flow":        icmpErrorPacket(src.Addr(), dst.Addr(), errType, 3, 0, udpPacket(dst, ap(src.Addr(), 999), nil)),
+			"ICMP error with a short quote":     icmpErrorPacket(src.Addr(), dst.Addr(), errType, 3, 0, udp)[:14+ihl+8+10],
+			"later fragment of a dropped first": later,
+			"first fragment of SCTP":            fragment(sctpPacket(src, dst, big), 256)[0],
+			"SCTP header cut by the IP length":  withIPLength(sctpPacket(src, dst, nil), ihl+10),
 		}
 		if fam.v6 {
 			cases["more extension headers than walked"] = nExt6(udp, ipv6ExtMax+1)
@@ -67,8 +71,13 @@ func TestUntranslatable(t *testing.T) {
 		for name, frame := range cases {
 			t.Run(fam.name+"/"+name, func(t *testing.T) {
 				h.t = t
-				if p := parseFuzz(frame); p.kind == pktPorts && name != "later fragment of no datagram" {
+				if p := parseFuzz(frame); p.kind == pktPorts {
 					t.Fatalf("the model parses it as translatable: %+v", p)
+				}
+				if name == "later fragment of a dropped first" {
+					if ret, _ := h.egress(sctpFrags[0]); ret != tcActShot {
+						t.Fatalf("the SCTP first fragment: verdict %d, want a drop", int32(ret))
+					}
 				}
 				before := h.events()[Event(masqEventEV_DROP_UNTRANSLATABLE)]
 				if ret, _ := h.egress(frame); ret != tcActShot {

@@ -13,9 +13,10 @@ import (
 
 // SweepResult counts what a sweep removed.
 type SweepResult struct {
-	Flows   int // flows whose both halves were removed
-	Orphans int // halves whose partner was gone or belonged to another flow
-	Kept    int // RETURN verdicts of idle flows (the keep tables)
+	Flows     int // flows whose both halves were removed
+	Orphans   int // halves whose partner was gone or belonged to another flow
+	Kept      int // RETURN verdicts of idle flows (the keep tables)
+	Fragments int // held fragments whose first fragment did not come in time (FragHoldTimeout)
 }
 
 // Pressure: when a sweep finds a family's table of confirmed flows at least pressureFill full,
@@ -28,7 +29,8 @@ const (
 )
 
 // Sweep removes the flows idle for longer than their timeout at time now (MonotonicNow), both
-// halves together, from both flow tables of each family, and the kept verdicts of idle flows. A
+// halves together, from both flow tables of each family, the kept verdicts of idle flows, and
+// the held fragments that waited too long for their first fragment (FragHoldTimeout). A
 // flow's state and idle time combine its two halves; a half without its partner (evicted, or its
 // key taken over) expires by its own.
 //
@@ -57,7 +59,8 @@ func (d *Datapath) Sweep(now time.Duration, t Timeouts) (res SweepResult, err er
 		}
 		d.confirmedSeen[i].Store(int64(n))
 	}
-	return res, nil
+	res.Fragments, err = d.sweepHeld(now)
+	return res, err
 }
 
 // sweep is Sweep on one family's tables; it returns how many entries the confirmed table held.

@@ -377,8 +377,9 @@ func (b *Backend) sweepLoop(ctx context.Context) {
 			b.log.Warn("NAT sweep failed", "error", err)
 			continue
 		}
-		if res.Flows > 0 || res.Orphans > 0 {
-			b.log.Debug("NAT sweep", "flows", res.Flows, "orphanEntries", res.Orphans, "took", time.Since(start))
+		if res.Flows > 0 || res.Orphans > 0 || res.Fragments > 0 {
+			b.log.Debug("NAT sweep", "flows", res.Flows, "orphanEntries", res.Orphans, "heldFragments", res.Fragments,
+				"took", time.Since(start))
 		}
 		held = b.trimHeldPorts(dp, held)
 		b.checkDraining(ctx, dp)

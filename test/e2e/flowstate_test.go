@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"net"
 	"net/http"
@@ -245,12 +244,6 @@ func sniffFrom(t *testing.T, env *Env, server netip.AddrPort, exchange func()) (
 		t.Fatalf("no segment from %s to the node seen", server)
 	}
 	return to, next
-}
-
-func htons(v uint16) uint16 {
-	var b [2]byte
-	binary.BigEndian.PutUint16(b[:], v)
-	return binary.NativeEndian.Uint16(b[:])
 }
 
 // TestBlindRSTKeepsMapping: with closing flows expiring after a second, RSTs from outside that
