@@ -793,3 +793,73 @@ func TestOpenReplacesNewer(t *testing.T) {
 		t.Errorf("after Finish the root holds %v, want only %s", got, filepath.Base(LayoutDir(root)))
 	}
 }
+
+// TestOpenAddsMapsOfItsLayout: a new map is no new layout. What an earlier build of this layout
+// pinned (its fixture, which lacks the maps added since, such as inbound_v4/v6 and
+// frag_held_v4/v6), at the sizes this build asks for, is reused as it is: nothing is migrated or
+// set aside, the maps it lacks are created beside its pins, and every flow its programs made
+// keeps its mapping through this build's programs.
+func TestOpenAddsMapsOfItsLayout(t *testing.T) {
+	root := filepath.Join(testutil.MountBPFFS(t), "ip-masq-agent")
+	oopts := OpenOptions{NATEntries: 1 << 12, FragEntries: 256, MaxRules: 64, Policy: defaultPolicy(true)}
+	lopts, err := oopts.loadOptions(Pins{Root: root})
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec, err := lopts.withDefaults().spec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sizes := map[string]uint32{}
+	for name, m := range spec.Maps {
+		sizes[name] = m.MaxEntries
+	}
+	old, err := bpftest.Load(Layout, root, bpftest.Options{IPv6: true, Uplink: testIfindex, SNAT4: snat4, SNAT6: snat6, Sizes: sizes})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Close()
+	var added []string
+	for _, name := range MapNames() {
+		if _, ok := old.Coll.Maps[name]; !ok {
+			added = append(added, name)
+		}
+	}
+	t.Logf("maps this build adds to layout %d's fixture: %v", Layout, added)
+
+	h := &harness{t: t}
+	flows := masqFlows()
+	for _, f := range flows {
+		f.seen = tupleOf(t, h.passOld(old.Egress(), f.out(f.pod, f.peer)))
+		if back := tupleOf(t, h.passOld(old.Ingress(), f.back(f.seen.dst, f.seen.src))); back.dst != f.pod {
+			t.Fatalf("%s: the old programs translated the reply to %s", f.name, back)
+		}
+	}
+
+	opened, err := Open(root, oopts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer opened.Close()
+	if len(opened.Resized) > 0 || opened.Migration != nil {
+		t.Fatalf("Open replaced %v and migrated %v, want the fixture's maps reused as they are", opened.Resized, opened.Migration)
+	}
+	if got, want := pinNames(t, LayoutDir(root)), MapNames(); !slices.Equal(got, want) {
+		t.Errorf("pins %v, want every map of this build: %v", got, want)
+	}
+	if err := opened.SyncPolicy(defaultPolicy(true)); err != nil {
+		t.Fatal(err)
+	}
+	h.dp = opened.Datapath
+	for _, f := range flows {
+		if got := tupleOf(t, h.mustPass(opened.Egress(), f.out(f.pod, f.peer))); got != f.seen {
+			t.Errorf("%s: the new programs translate to %s, the old ones did to %s", f.name, got, f.seen)
+		}
+		if back := tupleOf(t, h.mustPass(opened.Ingress(), f.back(f.seen.dst, f.seen.src))); back.dst != f.pod {
+			t.Errorf("%s: the reply arrives as %s, want it toward %s", f.name, back, f.pod)
+		}
+	}
+	if ev := h.events(); ev[Event(masqEventEV_NEW_MASQ)] != uint64(len(flows)) {
+		t.Errorf("%d mappings in all, want the old programs' %d and none since", ev[Event(masqEventEV_NEW_MASQ)], len(flows))
+	}
+}

@@ -74,6 +74,9 @@ func PinDir(root string, layout int) string {
 type Options struct {
 	// NATEntries sizes each NAT table; MaxRules the rule maps. Zero: small defaults.
 	NATEntries, MaxRules uint32
+	// Sizes, when set, gives maps their max_entries by name, over the sizes above (an agent's
+	// own sizes, so that a build of the current layout finds every pin it can reuse).
+	Sizes map[string]uint32
 	// IPv6 enables IPv6 (the default policy's IPv6 rules).
 	IPv6 bool
 	// Uplink is the ifindex whose SNAT addresses SNAT4 and SNAT6 (when valid) are written.
@@ -124,6 +127,9 @@ func load(layout, as int, root string, o Options) (*Old, error) {
 			m.MaxEntries = o.NATEntries
 		case "frag_v4", "frag_v6":
 			m.MaxEntries = 256
+		}
+		if n, ok := o.Sizes[name]; ok {
+			m.MaxEntries = n
 		}
 		m.Pinning = ebpf.PinByName
 	}
