@@ -259,7 +259,7 @@ func TestDaemonSetInvariants(t *testing.T) {
 		}
 	}
 	// seccomp: chosen here, not left to each kubelet's --seccomp-default; one profile for the
-	// pod (docs/deploy.md, Seccomp, says which runtimes allow BPF under it).
+	// pod (docs/install.md, Seccomp, says which runtimes allow BPF under it).
 	if psc := spec.SecurityContext; psc == nil || psc.SeccompProfile == nil || psc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
 		t.Errorf("pod securityContext %+v: want seccompProfile RuntimeDefault, explicitly", spec.SecurityContext)
 	}

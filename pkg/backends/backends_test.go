@@ -5,13 +5,13 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"os"
 	"slices"
 	"strings"
 	"testing"
 
 	"sigs.k8s.io/knftables"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/markdown"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
@@ -65,24 +65,24 @@ func TestNamesAndUsage(t *testing.T) {
 	}
 }
 
-// The README's --backend row names every backend.
-func TestREADMEListsEveryBackend(t *testing.T) {
-	readme, err := os.ReadFile("../../README.md")
+// docs/reference.md's row of the agent's --backend names every backend.
+func TestReferenceListsEveryBackend(t *testing.T) {
+	doc, err := markdown.Read("docs/reference.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	var row string
-	for _, l := range strings.Split(string(readme), "\n") {
-		if strings.HasPrefix(l, "| `--backend` |") {
-			row = l
+	for _, cells := range markdown.Rows(doc) {
+		if len(cells) == 4 && cells[0] == "`--backend`" && strings.Contains(cells[2], "agent") {
+			row = cells[3]
 		}
 	}
 	if row == "" {
-		t.Fatal("README has no --backend row")
+		t.Fatal("docs/reference.md has no --backend row of the agent")
 	}
 	for _, b := range All {
 		if !strings.Contains(row, "`"+b.Name+"`") {
-			t.Errorf("README's --backend row does not name %s: %s", b.Name, row)
+			t.Errorf("docs/reference.md's --backend row does not name %s: %s", b.Name, row)
 		}
 	}
 }

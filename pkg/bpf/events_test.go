@@ -2,38 +2,36 @@ package bpf
 
 import (
 	"fmt"
-	"os"
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/markdown"
 )
 
-// The README's table of datapath events lists every event of enum event, in its order, and
-// nothing else.
-func TestREADMEListsEveryEvent(t *testing.T) {
-	data, err := os.ReadFile("../../README.md")
+// docs/reference.md's table of datapath events lists every event of enum event, in its order,
+// and nothing else.
+func TestReferenceListsEveryEvent(t *testing.T) {
+	doc, err := markdown.Read("docs/reference.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, section, ok := strings.Cut(string(data), "\n### Datapath events\n")
+	section, ok := markdown.Section(doc, "## Datapath events")
 	if !ok {
-		t.Fatal("README has no Datapath events section")
+		t.Fatal("docs/reference.md has no Datapath events section")
 	}
-	section, _, _ = strings.Cut(section, "\n#")
 	var listed []string
-	for _, line := range strings.Split(section, "\n") {
-		cells := strings.Split(line, "|")
-		if len(cells) < 3 || !strings.HasPrefix(strings.TrimSpace(cells[1]), "`") {
-			continue
+	for _, cells := range markdown.Rows(section) {
+		if strings.HasPrefix(cells[0], "`") {
+			listed = append(listed, strings.Trim(cells[0], "`"))
 		}
-		listed = append(listed, strings.Trim(strings.TrimSpace(cells[1]), "`"))
 	}
 	var want []string
 	for _, e := range Events() {
 		want = append(want, e.String())
 	}
 	if !slices.Equal(listed, want) {
-		t.Errorf("README lists the events %q, the datapath counts %q", listed, want)
+		t.Errorf("docs/reference.md lists the events %q, the datapath counts %q", listed, want)
 	}
 }
 

@@ -3,11 +3,12 @@ package config
 import (
 	"fmt"
 	"net/netip"
-	"os"
 	"reflect"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/markdown"
 )
 
 // Keys and Config describe the same keys: every field of Config is the value of exactly one key.
@@ -62,25 +63,15 @@ func TestCanonicalForm(t *testing.T) {
 // The README's configuration table lists every key, in the order of Keys, with its type, its
 // default (which the key's decoder reads back as the default) and its meaning.
 func TestREADMEListsEveryKey(t *testing.T) {
-	data, err := os.ReadFile("../../README.md")
+	readme, err := markdown.Read("README.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, section, ok := strings.Cut(string(data), "\n## Configuration\n")
+	section, ok := markdown.Section(readme, "## Configuration")
 	if !ok {
 		t.Fatal("README has no Configuration section")
 	}
-	section, _, _ = strings.Cut(section, "\n#")
-	var rows [][]string
-	for _, line := range strings.Split(section, "\n") {
-		if strings.HasPrefix(line, "| `") {
-			cells := strings.Split(strings.Trim(line, "|"), "|")
-			for i := range cells {
-				cells[i] = strings.TrimSpace(cells[i])
-			}
-			rows = append(rows, cells)
-		}
-	}
+	rows := markdown.Rows(section)
 	if len(rows) != len(Keys) {
 		t.Errorf("README lists %d keys, Keys has %d", len(rows), len(Keys))
 	}

@@ -3,7 +3,7 @@
 // Prometheus scrapes (no polling loop), from the backend and from the agent's Stats; an
 // Observer records the agent's applies as they happen.
 //
-// Every metric name starts with Namespace. Definitions lists them all; the README's Metrics
+// Every metric name starts with Namespace. Definitions lists them all; docs/reference.md's Metrics
 // section documents each, and a test keeps the two in step.
 package metrics
 
@@ -133,7 +133,7 @@ func Definitions() []Definition {
 		{NATPortFailures, "counter", nil, "New flows that found no free source port within the probes (each one a dropped packet)."},
 		{NATPortAttempts, "histogram", nil, "Probes that successful source port allocations took."},
 		{Drops, "counter", []string{"reason"}, "Packets the BPF datapath dropped, by reason: no_port, no_addr (the uplink has no address of the family), rewrite (a rewrite failed), untranslatable (a pod's packet the NAT cannot translate, to a masqueraded destination)."},
-		{DatapathEvents, "counter", []string{"event"}, "Events the BPF datapath counted, by event (the README lists them): new mappings, port retries, repairs, drops (drop_*, by reason also in " + Drops + ") and more."},
+		{DatapathEvents, "counter", []string{"event"}, "Events the BPF datapath counted, by event (docs/reference.md lists them): new mappings, port retries, repairs, drops (drop_*, by reason also in " + Drops + ") and more."},
 		{NATSwept, "counter", []string{"protocol"}, "NAT table entries the periodic sweep removed as idle."},
 		{ConfigReloads, "counter", []string{"result"}, "Reads of the config file by result: success (its policy is in the datapath), invalid (parse or validation failed; the last good configuration stays), address_missing (it names a masquerade address the node does not have; the last good configuration stays), apply_error."},
 		{ConfigLastReload, "gauge", nil, "Unix time of the last successful reload; 0 before the first."},

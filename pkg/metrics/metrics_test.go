@@ -7,7 +7,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -20,6 +19,7 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/markdown"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
@@ -560,51 +560,51 @@ func TestObserverBuckets(t *testing.T) {
 	}
 }
 
-// The README's Metrics section lists every metric with exactly its labels, and nothing else.
-func TestREADMEListsEveryMetric(t *testing.T) {
-	data, err := os.ReadFile("../../README.md")
+// docs/reference.md's Metrics section lists every metric with exactly its labels, and nothing
+// else.
+func TestReferenceListsEveryMetric(t *testing.T) {
+	const page = "docs/reference.md"
+	doc, err := markdown.Read(page)
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, section, ok := strings.Cut(string(data), "\n## Metrics\n")
+	section, ok := markdown.Section(doc, "## Metrics")
 	if !ok {
-		t.Fatal("README has no Metrics section")
+		t.Fatalf("%s has no Metrics section", page)
 	}
-	section, _, _ = strings.Cut(section, "\n## ")
 	rows := map[string][]string{} // metric -> labels
-	for _, line := range strings.Split(section, "\n") {
-		cells := strings.Split(line, "|")
-		if len(cells) < 5 || !strings.HasPrefix(strings.TrimSpace(cells[1]), "`"+Namespace) {
+	for _, cells := range markdown.Rows(section) {
+		if len(cells) < 4 || !strings.HasPrefix(cells[0], "`"+Namespace) {
 			continue
 		}
-		name := strings.Trim(strings.TrimSpace(cells[1]), "`")
+		name := strings.Trim(cells[0], "`")
 		var labels []string
-		for _, l := range strings.Split(cells[3], ",") {
+		for _, l := range strings.Split(cells[2], ",") {
 			if l = strings.Trim(strings.TrimSpace(l), "`"); l != "" {
 				labels = append(labels, l)
 			}
 		}
 		if _, dup := rows[name]; dup {
-			t.Errorf("README lists %s twice", name)
+			t.Errorf("%s lists %s twice", page, name)
 		}
 		rows[name] = labels
-		if typ := strings.TrimSpace(cells[2]); !slices.ContainsFunc(Definitions(), func(d Definition) bool { return d.Name == name && d.Type == typ }) {
-			t.Errorf("README: %s is a %q, which no definition says", name, typ)
+		if typ := cells[1]; !slices.ContainsFunc(Definitions(), func(d Definition) bool { return d.Name == name && d.Type == typ }) {
+			t.Errorf("%s: %s is a %q, which no definition says", page, name, typ)
 		}
 	}
 	for _, d := range Definitions() {
 		labels, ok := rows[d.Name]
 		if !ok {
-			t.Errorf("README does not list %s", d.Name)
+			t.Errorf("%s does not list %s: add a row to its Metrics table", page, d.Name)
 			continue
 		}
 		if !slices.Equal(labels, d.Labels) {
-			t.Errorf("README lists %s with labels %q, it has %q", d.Name, labels, d.Labels)
+			t.Errorf("%s lists %s with labels %q, it has %q", page, d.Name, labels, d.Labels)
 		}
 		delete(rows, d.Name)
 	}
 	for name := range rows {
-		t.Errorf("README lists %s, which the agent does not export", name)
+		t.Errorf("%s lists %s, which the agent does not export", page, name)
 	}
 }
 

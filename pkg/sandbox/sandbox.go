@@ -115,7 +115,7 @@ func (e *DeniedError) Error() string {
 			"that answers bpf(2) with %s before the kernel sees it, so MEMLOCK is not the cause; "+
 			"run the container with a seccomp profile that allows bpf(2) with CAP_BPF and perf_event_open(2) with CAP_PERFMON: "+
 			"the RuntimeDefault of containerd 1.6.9+ and Docker 23+ does, that of podman and CRI-O (containers-common) does not, "+
-			"deploy/seccomp/ip-masq-agent.json does (docs/deploy.md, Seccomp)",
+			"deploy/seccomp/ip-masq-agent.json does (docs/install.md, Seccomp)",
 			SeccompFilter, unix.ErrnoName(e.Errno))
 	} else {
 		msg = fmt.Sprintf("bpf(2) is refused before the kernel's BPF code sees it (%s for any command, and no seccomp filter: a security module such as SELinux?)",

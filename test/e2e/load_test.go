@@ -12,7 +12,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
 
-// loadFlows is TestNATLoad's size; BenchmarkNATLoad in test/bench runs 100k (see the README).
+// loadFlows is TestNATLoad's size; BenchmarkNATLoad in test/bench runs 100k (see docs/operations.md, Sizing the NAT table).
 const loadFlows = 20_000
 
 // TestNATLoad: 20k concurrent masqueraded UDP flows (40k NAT entries) through the BPF agent.

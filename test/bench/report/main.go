@@ -604,7 +604,7 @@ func writeReport(w *bytes.Buffer, m micro, mr microRuns, r *results, c *control)
 		if a.Mode == "nftables" && a.CIDRs == 100000 {
 			goal(fmt.Sprintf("100k-CIDR config live in < 1 s on nftables (%s)", a.Kind), fmt.Sprintf("%.2f s", a.Seconds), a.Seconds < 1)
 		}
-		// A changed config is live within a second on every backend (docs/deploy.md); BPF's
+		// A changed config is live within a second on every backend (docs/configuration.md); BPF's
 		// goal above is tighter.
 		if a.Mode != "bpf" && a.CIDRs == 10000 {
 			goal(fmt.Sprintf("10k-CIDR config live in < 1 s on %s (%s)", a.Mode, a.Kind), fmt.Sprintf("%.2f s", a.Seconds), a.Seconds < 1)
