@@ -21,6 +21,9 @@ import (
 // run, and what it prints must be the lines below it.
 var runnable = []string{"explain", "render"}
 
+// invalid marks a yaml block that shows a configuration that must not parse.
+const invalid = "invalid"
+
 // An example names its configuration in the comment right above its code block:
 //
 //	<!-- example: defaults -->                           the built-in defaults (no file)
@@ -29,6 +32,9 @@ var runnable = []string{"explain", "render"}
 //	<!-- example: a=deploy/base/configmap.yaml b=above --> a config directory of files a and b
 //
 // A yaml block or file that is a ConfigMap stands for its config key, as the kubelet mounts it.
+// A command that fails shows what the binary prints then, "ip-masq-agent: " and the error,
+// with the --config path the page names. A yaml block that shows a bad configuration says so:
+// <!-- example: invalid --> (TestConfigurationsParse then expects it not to parse).
 func TestExamplesPrintWhatThePagesShow(t *testing.T) {
 	for _, page := range pages(t) {
 		text := read(t, page)
@@ -39,6 +45,8 @@ func TestExamplesPrintWhatThePagesShow(t *testing.T) {
 		for i, b := range blocks {
 			cmds := commands(b.Body)
 			switch {
+			case b.Lang == "yaml" && b.Example == invalid:
+				continue
 			case len(cmds) == 0 && b.Example != "":
 				t.Errorf("%s:%d: an example comment on a block that runs no %s", page, b.Line, strings.Join(runnable, " or "))
 				continue
@@ -180,24 +188,32 @@ func configText(doc string) (string, error) {
 	return "", fmt.Errorf("a %s is no configuration", obj.Kind)
 }
 
-// run runs an example's command against cfg, in place of the --config it names.
+// run runs an example's command against cfg, in place of the --config it names, and returns
+// what the binary prints: its output, or "ip-masq-agent: " and the error it fails with.
 func run(args []string, cfg string) (string, error) {
 	cmd := []string{args[0], "--config", cfg}
+	named := config.DefaultPath
 	for i := 1; i < len(args); i++ {
 		switch a := args[i]; {
-		case a == "--config":
+		case a == "--config" && i+1 < len(args):
+			named = args[i+1]
 			i++
 		case strings.HasPrefix(a, "--config="):
+			named = strings.TrimPrefix(a, "--config=")
 		default:
 			cmd = append(cmd, a)
 		}
 	}
 	var stdout, stderr bytes.Buffer
-	if err := cli.Run(context.Background(), cmd, &stdout, &stderr); err != nil {
+	out := ""
+	switch err := cli.Run(context.Background(), cmd, &stdout, &stderr); {
+	case err != nil && cli.ExitCode(err) == 2: // a mistake of the example's command line
 		return "", fmt.Errorf("%w (%s)", err, strings.TrimSpace(stderr.String()))
+	case err != nil:
+		out = "ip-masq-agent: " + strings.ReplaceAll(err.Error(), cfg, named) // as main prints it
 	}
 	var lines []string
-	for _, l := range strings.Split(strings.TrimRight(stdout.String(), "\n"), "\n") {
+	for _, l := range strings.Split(strings.TrimRight(stdout.String()+out, "\n"), "\n") {
 		lines = append(lines, strings.TrimRight(l, " "))
 	}
 	return strings.Join(lines, "\n"), nil
@@ -221,7 +237,11 @@ func TestConfigurationsParse(t *testing.T) {
 				t.Errorf("%s:%d: %v", page, b.Line, err)
 				continue
 			}
-			if _, err := config.Parse([]byte(text), config.Options{EnableIPv6: true}); err != nil {
+			_, err = config.Parse([]byte(text), config.Options{EnableIPv6: true})
+			switch {
+			case b.Example == invalid && err == nil:
+				t.Errorf("%s:%d: a configuration shown as invalid parses", page, b.Line)
+			case b.Example != invalid && err != nil:
 				t.Errorf("%s:%d: the configuration does not parse: %v", page, b.Line, err)
 			}
 			n++

@@ -24,10 +24,12 @@ const agentCommand = "agent"
 // helpFlag is one flag as a command's --help shows it.
 type helpFlag struct {
 	name, def string // def: "" where --help shows no default (a zero value)
+	group     string // the title of the group it is listed under: "BPF backend" for "BPF backend flags:"
 }
 
 var (
 	flagLineRE = regexp.MustCompile(`^\s+--?([a-z0-9][a-z0-9-]*)\b`)
+	groupRE    = regexp.MustCompile(`^(\S.*) flags:$`)
 	defaultRE  = regexp.MustCompile(`\(default (.*)\)\s*$`)
 )
 
@@ -57,10 +59,19 @@ func help(t *testing.T, command string) map[string]helpFlag {
 		}
 		flags[cur.name] = *cur
 	}
+	group := ""
 	for _, l := range strings.Split(stdout.String()+stderr.String(), "\n") {
+		if m := groupRE.FindStringSubmatch(l); m != nil {
+			group = m[1]
+		}
 		if m := flagLineRE.FindStringSubmatch(l); m != nil {
 			done()
-			cur, block = &helpFlag{name: m[1]}, []string{l}
+			cur, block = &helpFlag{name: m[1], group: group}, []string{l}
+			continue
+		}
+		if strings.TrimSpace(l) == "" || !strings.HasPrefix(l, " ") && !strings.HasPrefix(l, "\t") {
+			done() // a blank line or a heading ends the flag's text
+			cur = nil
 			continue
 		}
 		block = append(block, strings.TrimSpace(l))
@@ -102,34 +113,43 @@ func TestReferenceListsEveryCommand(t *testing.T) {
 	}
 }
 
-// The reference's flag table lists, for each command, exactly the flags its --help shows, with
-// their defaults.
+// The reference's flag tables list, for each command, exactly the flags its --help shows, with
+// their defaults, each under the heading of its --help group ("### BPF backend flags").
 func TestReferenceListsEveryFlag(t *testing.T) {
 	section, ok := markdown.Section(read(t, reference), "## Flags")
 	if !ok {
 		t.Fatalf("%s has no Flags section", reference)
 	}
-	type row struct{ def string }
-	listed := map[string]map[string]row{} // command -> flag -> row
-	for _, cells := range markdown.Rows(section) {
-		if len(cells) != 4 || !strings.HasPrefix(cells[0], "`--") {
-			t.Errorf("%s, Flags: row %q: want 4 cells: flag, default, commands, meaning", reference, cells)
-			continue
-		}
-		name := strings.TrimPrefix(strings.Trim(cells[0], "`"), "--")
-		def, err := tableDefault(cells[1])
-		if err != nil {
-			t.Errorf("%s, Flags: --%s: %v", reference, name, err)
-		}
-		for _, c := range strings.Split(cells[2], ",") {
-			c = strings.TrimSpace(c)
-			if listed[c] == nil {
-				listed[c] = map[string]row{}
+	type row struct{ def, heading string }
+	listed := map[string]map[string]row{}   // command -> flag -> row
+	parts := map[string]string{"": section} // heading -> its text; "": the section's
+	if first := strings.Index(section, "\n### "); first >= 0 {
+		parts[""] = section[:first]
+	}
+	for _, h := range markdown.Headings(section) {
+		parts[strings.TrimPrefix(h, "### ")], _ = markdown.Section(section, h)
+	}
+	for heading, text := range parts {
+		for _, cells := range markdown.Rows(text) {
+			if len(cells) != 4 || !strings.HasPrefix(cells[0], "`--") {
+				t.Errorf("%s, Flags: row %q: want 4 cells: flag, default, commands, meaning", reference, cells)
+				continue
 			}
-			if _, dup := listed[c][name]; dup {
-				t.Errorf("%s, Flags: --%s of %s listed twice", reference, name, c)
+			name := strings.TrimPrefix(strings.Trim(cells[0], "`"), "--")
+			def, err := tableDefault(cells[1])
+			if err != nil {
+				t.Errorf("%s, Flags: --%s: %v", reference, name, err)
 			}
-			listed[c][name] = row{def}
+			for _, c := range strings.Split(cells[2], ",") {
+				c = strings.TrimSpace(c)
+				if listed[c] == nil {
+					listed[c] = map[string]row{}
+				}
+				if _, dup := listed[c][name]; dup {
+					t.Errorf("%s, Flags: --%s of %s listed twice", reference, name, c)
+				}
+				listed[c][name] = row{def, heading}
+			}
 		}
 	}
 	commands := append([]string{agentCommand}, subcommands(t)...)
@@ -141,13 +161,17 @@ func TestReferenceListsEveryFlag(t *testing.T) {
 	for _, c := range commands {
 		flags := help(t, c)
 		for _, name := range slices.Sorted(maps.Keys(flags)) {
+			f := flags[name]
 			r, ok := listed[c][name]
 			if !ok {
 				t.Errorf("%s, Flags: %s's --%s is not listed (its commands column must name %s)", reference, c, name, c)
 				continue
 			}
-			if want := flags[name].def; r.def != want && !(want == "" && zero(r.def)) {
-				t.Errorf("%s, Flags: %s's --%s defaults to %q, the table says %q", reference, c, name, want, r.def)
+			if r.def != f.def && !(f.def == "" && zero(r.def)) {
+				t.Errorf("%s, Flags: %s's --%s defaults to %q, the table says %q", reference, c, name, f.def, r.def)
+			}
+			if want := f.group + " flags"; f.group != "" && !strings.EqualFold(r.heading, want) {
+				t.Errorf("%s, Flags: %s's --%s is under %q, --help lists it under %q", reference, c, name, r.heading, want)
 			}
 		}
 		for name := range listed[c] {
