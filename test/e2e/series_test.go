@@ -22,17 +22,17 @@ func manyCIDRs(n int) string {
 	return b.String()
 }
 
-// seriesBound reads the documented bound of a node's series from the README's Metrics section:
-// the row of the series table for the given number of CIDRs, default limit.
+// seriesBound reads the documented bound of a node's series from docs/reference.md's Metrics
+// section: the row of the series table for the given number of CIDRs, default limit.
 func seriesBound(t *testing.T, cidrs string) int {
 	t.Helper()
-	data, err := os.ReadFile("../../README.md")
+	data, err := os.ReadFile("../../docs/reference.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	row := regexp.MustCompile(`(?m)^\| ` + regexp.QuoteMeta(cidrs) + ` \| at most ([0-9,]+) \|`).FindSubmatch(data)
 	if row == nil {
-		t.Fatalf("the README has no row of series for %s CIDRs", cidrs)
+		t.Fatalf("docs/reference.md has no row of series for %s CIDRs", cidrs)
 	}
 	n, err := strconv.Atoi(strings.ReplaceAll(string(row[1]), ",", ""))
 	if err != nil {
@@ -41,9 +41,9 @@ func seriesBound(t *testing.T, cidrs string) int {
 	return n
 }
 
-// TestSeriesPerNode: at 10k CIDRs a node's /metrics holds no more series than the README says,
-// on every backend: the per-rule series are bounded by default (--rule-metrics-limit), and the
-// per-origin totals count every rule. It prints what it counted.
+// TestSeriesPerNode: at 10k CIDRs a node's /metrics holds no more series than docs/reference.md
+// says, on every backend: the per-rule series are bounded by default (--rule-metrics-limit), and
+// the per-origin totals count every rule. It prints what it counted.
 func TestSeriesPerNode(t *testing.T) {
 	const cidrs = 10_000
 	cfg := manyCIDRs(cidrs)
@@ -74,7 +74,7 @@ func TestSeriesPerNode(t *testing.T) {
 		t.Logf("%s, %d CIDRs: %d series per node (%d ip_masq_agent_*, %d of them per rule), %d bytes a scrape",
 			b.Name, cidrs, all, own, perRule, len(body))
 		if all > bound {
-			t.Errorf("%d series, the README says at most %d", all, bound)
+			t.Errorf("%d series, docs/reference.md says at most %d", all, bound)
 		}
 		if v, _ := m.Value("ip_masq_agent_rules", Labels{"family": "ipv4"}); v != cidrs+2 {
 			t.Errorf("ipv4 rules %v, want %d (the CIDRs, link-local and outbound)", v, cidrs+2)
