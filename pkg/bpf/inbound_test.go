@@ -3,9 +3,12 @@ package bpf
 import (
 	"bytes"
 	"net/netip"
+	"path/filepath"
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
 // Services on addresses the node does not own: kube-proxy DNATs them to a pod, and its conntrack
@@ -63,5 +66,55 @@ func TestRepliesOfServicesOnOutsideAddresses(t *testing.T) {
 				t.Fatalf("a datagram from the Service address that answers nothing left from %s, want %s", got, snatFor(svc))
 			}
 		})
+	}
+}
+
+// TestResizeKeepsPendingInbound: a connection to a Service address that waits for its first
+// reply (inbound_v4, inbound_v6) when --nat-max-entries changes is carried into the new tables
+// with the flows: the pod's SYN-ACK after the resize still leaves untouched.
+func TestResizeKeepsPendingInbound(t *testing.T) {
+	root := filepath.Join(testutil.MountBPFFS(t), "ip-masq-agent")
+	h := newHarness(t, nil, LoadOptions{})
+	h.dp.Close()
+	p := defaultPolicy(true)
+	open := func(entries uint32) *Datapath {
+		t.Helper()
+		o, err := Open(root, OpenOptions{NATEntries: entries, Policy: p})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { o.Close() })
+		if o.Migration != nil {
+			if err := o.Migration.Finish(o.Datapath); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := o.SyncPolicy(p); err != nil {
+			t.Fatal(err)
+		}
+		for _, idx := range []int{testIfindex, h.ns.ifindex(t, "up0")} {
+			if _, err := o.SetUplink(idx, Uplink{IPv4: snat4, IPv6: snat6}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return o.Datapath
+	}
+	// inbound tables of n/16 entries: 1<<15 makes them larger than the smallest (minSideEntries).
+	h.dp = open(1 << 12)
+	for _, fam := range families {
+		h.t = t
+		h.mustPass(h.dp.Ingress(), tcpSegment(ap(remote(fam.v6), 40000), ap(serviceAddr(fam.v6), 80), seg{flags: tcpSYN, seq: 100, win: 64240, wscale: 7}))
+	}
+	h.dp.Close()
+	h.dp = open(1 << 15)
+	if got := h.dp.objs.InboundV4.MaxEntries(); got != inboundEntries(1<<15) {
+		t.Fatalf("inbound_v4 holds %d entries after the resize, want %d", got, inboundEntries(1<<15))
+	}
+	for _, fam := range families {
+		synack := tcpSegment(ap(serviceAddr(fam.v6), 80), ap(remote(fam.v6), 40000), seg{flags: tcpSYN | tcpACK, seq: 900, ack: 101, win: 65160, wscale: 7})
+		if ret, out := h.egress(synack); ret != tcNext || !bytes.Equal(out[:len(synack)], synack) {
+			t.Fatalf("%s: the pod's SYN-ACK after the resize: verdict %d, changed %v, want it passed untouched",
+				fam.name, int32(ret), !bytes.Equal(out[:len(synack)], synack))
+		}
 	}
 }

@@ -194,7 +194,7 @@ const (
 	// entries the old programs made or refreshed since each pass once more, right before the
 	// swap (Migration.CatchUp) and after it (Migration.Finish).
 	carryFlows carry = iota + 1
-	// carryEntries: copied in every pass (the fragment tables).
+	// carryEntries: copied in every pass (the fragment tables, the openers waiting for a reply).
 	carryEntries
 	// carryOnce: what only userspace writes, copied before the swap (the rule slots, the
 	// uplinks' addresses, the sweep totals).
@@ -212,6 +212,9 @@ var carried = map[string]carry{
 	masqMapKeepV4: carryEntries, masqMapKeepV6: carryEntries, masqMapPortTurns: carryOnce,
 	masqMapPortAttempts: carryCounters,
 	masqMapFragV4:       carryEntries, masqMapFragV6: carryEntries,
+	// Connections from outside that wait for their first reply (issue 25 item 1): up to 2
+	// minutes of openers, whose replies would be taken for new pod flows if they were lost.
+	masqMapInboundV4: carryEntries, masqMapInboundV6: carryEntries,
 	masqMapRuleSlots: carryOnce, masqMapUplinkSnat: carryOnce, masqMapSweepStats: carryOnce,
 	masqMapRuleStats: carryCounters, masqMapEventStats: carryCounters,
 }

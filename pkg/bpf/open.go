@@ -336,9 +336,9 @@ func RemovePins(dir string, names ...string) error {
 }
 
 // carriedOnResize tells whether the entries of a map whose size changed are carried into the
-// new one (SetAside): the flow state's (NAT tables, kept verdicts, fragments). The other maps
-// whose size can change are the policy's, which a sync writes again, and the rule counters,
-// which a policy that outgrows them carries itself (Grow).
+// new one (SetAside): the flow state's (NAT tables, kept verdicts, fragments, inbound openers).
+// The other maps whose size can change are the policy's, which a sync writes again, and the rule
+// counters, which a policy that outgrows them carries itself (Grow).
 func carriedOnResize(name string) bool {
 	return carried[name] == carryFlows || carried[name] == carryEntries
 }
