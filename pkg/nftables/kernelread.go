@@ -69,13 +69,9 @@ func generationRequest() netlink.Message {
 
 // TableNames implements Kernel.
 func (NetlinkKernel) TableNames(_ context.Context, fam policy.Family) ([]string, error) {
-	c, err := gnft.New()
+	_, tables, err := listTables(fam)
 	if err != nil {
-		return nil, fmt.Errorf("netlink: %w", err)
-	}
-	tables, err := c.ListTablesOfFamily(tableFamily(fam))
-	if err != nil {
-		return nil, fmt.Errorf("list %s tables: %w", nftFamily(fam), err)
+		return nil, err
 	}
 	var out []string
 	for _, t := range tables {
@@ -100,6 +96,19 @@ func (NetlinkKernel) Table(ctx context.Context, fam policy.Family, elements bool
 	return r.st, r.readOutbound()
 }
 
+// listTables lists the family's tables, on a connection of its own.
+func listTables(fam policy.Family) (*gnft.Conn, []*gnft.Table, error) {
+	c, err := gnft.New()
+	if err != nil {
+		return nil, nil, fmt.Errorf("netlink: %w", err)
+	}
+	tables, err := c.ListTablesOfFamily(tableFamily(fam))
+	if err != nil {
+		return nil, nil, fmt.Errorf("list %s tables: %w", nftFamily(fam), err)
+	}
+	return c, tables, nil
+}
+
 // tableReader reads the agent's table of one family.
 type tableReader struct {
 	c   *gnft.Conn
@@ -110,13 +119,9 @@ type tableReader struct {
 
 // openTable finds the family's table of the agent: nil when there is none.
 func openTable(fam policy.Family) (*tableReader, error) {
-	c, err := gnft.New()
+	c, tables, err := listTables(fam)
 	if err != nil {
-		return nil, fmt.Errorf("netlink: %w", err)
-	}
-	tables, err := c.ListTablesOfFamily(tableFamily(fam))
-	if err != nil {
-		return nil, fmt.Errorf("list %s tables: %w", nftFamily(fam), err)
+		return nil, err
 	}
 	for _, t := range tables {
 		if t.Name == TableName {
@@ -462,21 +467,7 @@ func decodeElement(data []byte) (netip.Addr, ElementState, error) {
 	if len(data) < 4 {
 		return el.key, el.state, fmt.Errorf("an element answer of %d bytes", len(data))
 	}
-	err := decodeAttrs(data[4:], func(ad *netlink.AttributeDecoder) error {
-		for ad.Next() {
-			if ad.Type() == unix.NFTA_SET_ELEM_LIST_ELEMENTS {
-				ad.Do(nested(func(ad *netlink.AttributeDecoder) error {
-					for ad.Next() {
-						if ad.Type() == unix.NFTA_LIST_ELEM {
-							ad.Do(nested(el.decode))
-						}
-					}
-					return nil
-				}))
-			}
-		}
-		return nil
-	})
+	err := decodeAttrs(data[4:], within(unix.NFTA_SET_ELEM_LIST_ELEMENTS, within(unix.NFTA_LIST_ELEM, el.decode)))
 	if err != nil {
 		return el.key, el.state, err
 	}
@@ -509,14 +500,7 @@ func (el *element) decode(ad *netlink.AttributeDecoder) error {
 		case unix.NFTA_SET_ELEM_USERDATA:
 			el.state.Comment, _ = userdata.GetString(ad.Bytes(), userdata.NFTNL_UDATA_SET_ELEM_COMMENT)
 		case unix.NFTA_SET_ELEM_EXPR:
-			ad.Do(nested(func(ad *netlink.AttributeDecoder) error {
-				for ad.Next() {
-					if ad.Type() == unix.NFTA_EXPR_DATA {
-						ad.Do(nested(el.decodeCounter))
-					}
-				}
-				return nil
-			}))
+			ad.Do(nested(within(unix.NFTA_EXPR_DATA, el.decodeCounter)))
 		}
 	}
 	return nil
@@ -552,6 +536,18 @@ func decodeAttrs(b []byte, f func(ad *netlink.AttributeDecoder) error) error {
 // nested is decodeAttrs as an AttributeDecoder.Do of a nested attribute.
 func nested(f func(ad *netlink.AttributeDecoder) error) func([]byte) error {
 	return func(b []byte) error { return decodeAttrs(b, f) }
+}
+
+// within decodes the nested attributes of type typ with f, and passes over the others.
+func within(typ uint16, f func(ad *netlink.AttributeDecoder) error) func(ad *netlink.AttributeDecoder) error {
+	return func(ad *netlink.AttributeDecoder) error {
+		for ad.Next() {
+			if ad.Type() == typ {
+				ad.Do(nested(f))
+			}
+		}
+		return nil
+	}
 }
 
 // dumpMessage is the largest message the kernel fills for a dump (32 KB less its overhead).
