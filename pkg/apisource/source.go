@@ -104,8 +104,7 @@ type Source struct {
 
 	mu       sync.Mutex
 	informer cache.SharedIndexInformer // nil before Watch
-	changes  chan struct{}
-	stopped  bool
+	changes  *config.Changes
 	// lost says why the API server cannot be read, nil while it answers.
 	lost     error
 	revision config.Revision // of the last Load
@@ -125,7 +124,7 @@ func New(cfg *rest.Config, obj Object, opts Options) (*Source, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	s := &Source{obj: obj, opts: opts, log: log.With("component", "config", "source", obj.String()),
-		changes: make(chan struct{}, 1)}
+		changes: config.NewChanges()}
 	// Only the one object: a field selector on its name, which RBAC's resourceNames allows.
 	only := func(o metav1.ListOptions) metav1.ListOptions {
 		o.FieldSelector = fields.OneTermEqualSelector("metadata.name", obj.Name).String()
@@ -174,9 +173,9 @@ func (s *Source) Watch(ctx context.Context) (<-chan struct{}, error) {
 	}); err != nil {
 		return nil, err
 	}
-	notify := func(any) { s.notify() }
+	notify := func(any) { s.changes.Notify() }
 	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: notify,
-		UpdateFunc: func(_, obj any) { s.notify() }, DeleteFunc: notify}); err != nil {
+		UpdateFunc: func(_, obj any) { s.changes.Notify() }, DeleteFunc: notify}); err != nil {
 		return nil, err
 	}
 	s.mu.Lock()
@@ -190,27 +189,12 @@ func (s *Source) Watch(ctx context.Context) (<-chan struct{}, error) {
 	go func() {
 		if cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
 			s.log.Info("watching the configuration through the API server")
-			s.notify()
+			s.changes.Notify()
 		}
 		<-done
-		s.mu.Lock()
-		s.stopped = true
-		close(s.changes)
-		s.mu.Unlock()
+		s.changes.Stop()
 	}()
-	return s.changes, nil
-}
-
-func (s *Source) notify() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.stopped {
-		return
-	}
-	select {
-	case s.changes <- struct{}{}:
-	default:
-	}
+	return s.changes.C(), nil
 }
 
 // answered records what a request to the API server found: an answer (err nil, or the
@@ -239,7 +223,7 @@ func (s *Source) answered(err error) {
 		}
 		s.log.Warn("cannot read the configuration from the API server; the configuration in force stays until it answers", attrs...)
 	}
-	s.notify()
+	s.changes.Notify()
 }
 
 // Unreachable implements config.Reachable.

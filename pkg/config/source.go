@@ -3,6 +3,7 @@ package config
 import (
 	"context"
 	"errors"
+	"sync"
 )
 
 // Source is where the agent's configuration comes from: a file (configwatch.File) or any other
@@ -21,6 +22,42 @@ type Source interface {
 	Load() (Config, error)
 	// String names the source for logs, such as the file's path.
 	String() string
+}
+
+// Changes is the channel a Source's Watch returns, and how the source fills it: one pending
+// report stands for any number, and Stop closes it once the source has stopped (a report after
+// that is dropped). Safe for concurrent use.
+type Changes struct {
+	mu      sync.Mutex
+	c       chan struct{}
+	stopped bool
+}
+
+// NewChanges returns an open channel of changes.
+func NewChanges() *Changes { return &Changes{c: make(chan struct{}, 1)} }
+
+// C is the channel Watch returns.
+func (c *Changes) C() <-chan struct{} { return c.c }
+
+// Notify reports a change.
+func (c *Changes) Notify() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.stopped {
+		return
+	}
+	select {
+	case c.c <- struct{}{}:
+	default:
+	}
+}
+
+// Stop closes the channel; it is called once.
+func (c *Changes) Stop() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.stopped = true
+	close(c.c)
 }
 
 // ErrUnsettled is what Source.Load returns, wrapped, while the configuration is being written.

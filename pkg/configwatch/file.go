@@ -56,8 +56,7 @@ type watched struct {
 
 	mu      sync.Mutex
 	w       *dirWatcher // nil before Watch
-	changes chan struct{}
-	stopped bool
+	changes *config.Changes
 	// settle reads again a file that was being written.
 	settle *time.Timer
 }
@@ -76,8 +75,8 @@ func newWatched(sel selection, opts Options) *watched {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	w := &watched{sel: sel, opts: opts, log: log.With("component", "config"), changes: make(chan struct{}, 1)}
-	w.settle = time.AfterFunc(time.Hour, w.notify)
+	w := &watched{sel: sel, opts: opts, log: log.With("component", "config"), changes: config.NewChanges()}
+	w.settle = time.AfterFunc(time.Hour, w.changes.Notify)
 	w.settle.Stop()
 	return w
 }
@@ -157,7 +156,7 @@ func (s *watched) Watch(ctx context.Context) (<-chan struct{}, error) {
 	s.w = w
 	s.mu.Unlock()
 	go s.watch(ctx, w)
-	return s.changes, nil
+	return s.changes.C(), nil
 }
 
 // watch turns the directory's events into changes: a ConfigMap swap at once, anything else once
@@ -167,11 +166,8 @@ func (s *watched) watch(ctx context.Context, w *dirWatcher) {
 	debounce.Stop()
 	defer func() {
 		debounce.Stop()
-		s.mu.Lock()
-		s.stopped = true
 		s.settle.Stop()
-		close(s.changes)
-		s.mu.Unlock()
+		s.changes.Stop()
 		w.close()
 	}()
 	for {
@@ -196,7 +192,7 @@ func (s *watched) watch(ctx context.Context, w *dirWatcher) {
 			s.log.Debug("config directory changed", "event", ev.String())
 			if swapped {
 				debounce.Stop()
-				s.notify()
+				s.changes.Notify()
 			} else {
 				debounce.Reset(s.opts.Debounce)
 			}
@@ -205,21 +201,8 @@ func (s *watched) watch(ctx context.Context, w *dirWatcher) {
 			s.log.Warn("config directory watch error; re-reading the configuration", "error", err)
 			debounce.Reset(s.opts.Debounce)
 		case <-debounce.C:
-			s.notify()
+			s.changes.Notify()
 		}
-	}
-}
-
-// notify reports a change; one pending report stands for any number.
-func (s *watched) notify() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.stopped {
-		return
-	}
-	select {
-	case s.changes <- struct{}{}:
-	default:
 	}
 }
 
