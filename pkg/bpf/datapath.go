@@ -7,11 +7,8 @@
 package bpf
 
 import (
-	"errors"
 	"fmt"
-	"io/fs"
 	"maps"
-	"os"
 	"reflect"
 	"slices"
 	"sync"
@@ -21,90 +18,6 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
-
-// Defaults of LoadOptions.
-const (
-	DefaultNATEntries  = 1 << 18
-	DefaultFragEntries = 8192
-)
-
-// Next to a confirmed table of n entries, the table of unreplied flows has n/2 and the table of
-// kept verdicts (one entry per flow) n/4, never fewer than minSideEntries: a flood of unanswered
-// flows churns through the room of the unreplied, while the confirmed keep theirs.
-const minSideEntries = 1024
-
-func unrepliedEntries(n uint32) uint32 { return max(n/2, minSideEntries) }
-func keepEntries(n uint32) uint32      { return max(n/4, minSideEntries) }
-
-// inboundEntries sizes the table of connections from outside that wait for a reply to show the
-// node translated their destination (bpf/maps.h: inbound_v4): n/16, at least minSideEntries.
-func inboundEntries(n uint32) uint32 { return max(n/16, minSideEntries) }
-
-// heldEntries sizes each family's room for later fragments that wait for their first one (bpf/
-// frag.h), from the fragment table's size: 256 at the default. It is allocated as fragments are
-// held, up to FRAG_HELD_BYTES each.
-func heldEntries(frag uint32) uint32 { return max(frag/32, 8) }
-
-// LoadOptions size the maps; they are fixed once the maps exist.
-type LoadOptions struct {
-	// MaxRules is the number of rule counter slots, shared by both families; it bounds the rules
-	// of a policy (SyncPolicy fails beyond it) and the capacity of each trie.
-	MaxRules uint32
-	// NATEntries is the size of each family's table of confirmed flows, which nothing evicts
-	// (a flow takes two entries, one per direction); the table of unreplied flows gets half as
-	// many, the table of kept verdicts a quarter. NATMemory says what they cost.
-	NATEntries uint32
-	// NATEntriesV6, when set, sizes the IPv6 tables instead of NATEntries: the tables are
-	// preallocated, so a node without IPv6 masquerading can keep them small.
-	NATEntriesV6 uint32
-	// FragEntries bounds, per family, the datagrams whose later fragments can be translated at
-	// once.
-	FragEntries uint32
-	// PinPath, when set, pins every map by name in that directory (on a bpffs) and reuses maps
-	// already pinned there, so an agent restart keeps flows, rules and counters. Reusing fails
-	// with an error wrapping ebpf.ErrMapIncompatible when the pinned maps have other sizes. A
-	// directory that does not exist is made whole, with every map and the layout record, in a
-	// staging directory renamed into place (see LayoutDir for the one the agent uses).
-	PinPath string
-}
-
-func (o LoadOptions) withDefaults() LoadOptions {
-	if o.MaxRules == 0 {
-		o.MaxRules = DefaultMaxRules()
-	}
-	if o.NATEntries == 0 {
-		o.NATEntries = DefaultNATEntries
-	}
-	if o.FragEntries == 0 {
-		o.FragEntries = DefaultFragEntries
-	}
-	if o.NATEntriesV6 == 0 {
-		o.NATEntriesV6 = o.NATEntries
-	}
-	return o
-}
-
-// spec is the collection spec with the maps sized by o (which has its defaults).
-func (o LoadOptions) spec() (*ebpf.CollectionSpec, error) {
-	spec, err := loadMasq()
-	if err != nil {
-		return nil, fmt.Errorf("load bpf spec: %w", err)
-	}
-	var m masqMapSpecs
-	if err := spec.Assign(&m); err != nil {
-		return nil, fmt.Errorf("load bpf spec: %w", err)
-	}
-	for _, rules := range []*ebpf.MapSpec{m.MasqV4, m.NomasqV4, m.MasqV6, m.NomasqV6, m.RuleStats, m.RuleSlots} {
-		rules.MaxEntries = o.MaxRules
-	}
-	m.NatV4.MaxEntries, m.NatV6.MaxEntries = o.NATEntries, o.NATEntriesV6
-	m.NatNewV4.MaxEntries, m.NatNewV6.MaxEntries = unrepliedEntries(o.NATEntries), unrepliedEntries(o.NATEntriesV6)
-	m.KeepV4.MaxEntries, m.KeepV6.MaxEntries = keepEntries(o.NATEntries), keepEntries(o.NATEntriesV6)
-	m.FragV4.MaxEntries, m.FragV6.MaxEntries = o.FragEntries, o.FragEntries
-	m.FragHeldV4.MaxEntries, m.FragHeldV6.MaxEntries = heldEntries(o.FragEntries), heldEntries(o.FragEntries)
-	m.InboundV4.MaxEntries, m.InboundV6.MaxEntries = inboundEntries(o.NATEntries), inboundEntries(o.NATEntriesV6)
-	return spec, nil
-}
 
 // MapNames lists the names of every map of the datapath (its pins' file names), sorted.
 func MapNames() []string {
@@ -168,82 +81,6 @@ type Datapath struct {
 	confirmedSeen [2]atomic.Int64
 }
 
-// Load creates (or, with PinPath, reuses) the maps and loads both programs.
-func Load(opts LoadOptions) (*Datapath, error) {
-	opts = opts.withDefaults()
-	spec, err := opts.spec()
-	if err != nil {
-		return nil, err
-	}
-	var copts ebpf.CollectionOptions
-	if opts.PinPath != "" {
-		for name, m := range spec.Maps {
-			if !scratchMaps[name] {
-				m.Pinning = ebpf.PinByName
-			}
-		}
-		copts.Maps.PinPath = opts.PinPath
-		if err := makePinDir(opts.PinPath, spec); err != nil {
-			return nil, err
-		}
-		if err := RemovePins(opts.PinPath, slices.Sorted(maps.Keys(scratchMaps))...); err != nil {
-			return nil, err
-		}
-	}
-	d := &Datapath{opts: opts}
-	if err := spec.LoadAndAssign(&d.objs, &copts); err != nil {
-		var verr *ebpf.VerifierError
-		if errors.As(err, &verr) {
-			return nil, fmt.Errorf("load bpf objects: %+v", verr)
-		}
-		return nil, fmt.Errorf("load bpf objects: %w", err)
-	}
-	if err := d.objs.Layout.Put(uint32(0), layoutRecord()); err != nil {
-		d.objs.Close()
-		return nil, fmt.Errorf("write the layout record: %w", err)
-	}
-	if err := d.recover(); err != nil {
-		d.objs.Close()
-		return nil, err
-	}
-	return d, nil
-}
-
-// makePinDir makes dir, when it does not exist, with every map of spec pinned in it and the
-// layout record written: in a staging directory renamed into place, so that the directory
-// appears whole or not at all (a staging directory left by a crash is never used).
-func makePinDir(dir string, spec *ebpf.CollectionSpec) error {
-	if _, err := os.Stat(dir); !errors.Is(err, fs.ErrNotExist) {
-		return err // there already (or unreadable)
-	}
-	staging := stagingDir(dir)
-	if err := os.RemoveAll(staging); err != nil {
-		return fmt.Errorf("remove the staging directory of an earlier attempt: %w", err)
-	}
-	if err := os.MkdirAll(staging, 0o700); err != nil {
-		return fmt.Errorf("create pin directory: %w", err)
-	}
-	for name, ms := range spec.Maps {
-		if scratchMaps[name] {
-			continue
-		}
-		m, err := ebpf.NewMapWithOptions(ms, ebpf.MapOptions{PinPath: staging})
-		if err == nil && name == masqMapLayout {
-			err = m.Put(uint32(0), layoutRecord())
-		}
-		if m != nil {
-			m.Close()
-		}
-		if err != nil {
-			return fmt.Errorf("create map %s: %w", name, err)
-		}
-	}
-	if err := os.Rename(staging, dir); err != nil {
-		return fmt.Errorf("move the new maps' pins into place: %w", err)
-	}
-	return nil
-}
-
 // Close releases the programs and maps (pinned maps stay in the bpffs).
 func (d *Datapath) Close() error {
 	if err := d.objs.Close(); err != nil {
@@ -299,39 +136,3 @@ func (d *Datapath) mapFields() map[string]**ebpf.Map {
 // package passes them over (Maps, MapNames, the pins, the layouts). nat_scratch is the scratch
 // that the builds of layout 5 before this one pinned: Load removes its pin.
 var scratchMaps = map[string]bool{masqMapCpuPacket: true, masqMapCpuScratch: true, masqMapFragBlank: true, "nat_scratch": true}
-
-// eachEntry calls fn with every entry of a map without per-CPU values: a batch lookup per few
-// hundred entries where the kernel can (a rule map of 32768 slots is read in a few syscalls),
-// else a syscall per entry.
-func eachEntry[K, V any](m *ebpf.Map, fn func(K, *V)) error {
-	keys, vals := make([]K, entryBatch), make([]V, entryBatch)
-	var cursor ebpf.MapBatchCursor
-	for {
-		n, err := m.BatchLookup(&cursor, keys, vals, nil)
-		if errors.Is(err, ebpf.ErrNotSupported) {
-			break
-		}
-		done := errors.Is(err, ebpf.ErrKeyNotExist)
-		if err != nil && !done {
-			return err
-		}
-		for i := range n {
-			fn(keys[i], &vals[i])
-		}
-		if done {
-			return nil
-		}
-	}
-	var (
-		k K
-		v V
-	)
-	it := m.Iterate()
-	for it.Next(&k, &v) {
-		fn(k, &v)
-	}
-	return it.Err()
-}
-
-// entryBatch is how many entries eachEntry reads per syscall.
-const entryBatch = 1024

@@ -495,6 +495,42 @@ func putArray[V any](m *ebpf.Map, keys []uint32, values []V) error {
 	return nil
 }
 
+// eachEntry calls fn with every entry of a map without per-CPU values: a batch lookup per few
+// hundred entries where the kernel can (a rule map of 32768 slots is read in a few syscalls),
+// else a syscall per entry.
+func eachEntry[K, V any](m *ebpf.Map, fn func(K, *V)) error {
+	keys, vals := make([]K, entryBatch), make([]V, entryBatch)
+	var cursor ebpf.MapBatchCursor
+	for {
+		n, err := m.BatchLookup(&cursor, keys, vals, nil)
+		if errors.Is(err, ebpf.ErrNotSupported) {
+			break
+		}
+		done := errors.Is(err, ebpf.ErrKeyNotExist)
+		if err != nil && !done {
+			return err
+		}
+		for i := range n {
+			fn(keys[i], &vals[i])
+		}
+		if done {
+			return nil
+		}
+	}
+	var (
+		k K
+		v V
+	)
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		fn(k, &v)
+	}
+	return it.Err()
+}
+
+// entryBatch is how many entries eachEntry reads per syscall.
+const entryBatch = 1024
+
 // Refresh re-reads what decides verdicts (the tries and the port table) instead of trusting
 // what this process last wrote, so that the next SyncPolicy also repairs entries changed or
 // removed behind its back (drift). The counter slots stay as this process assigned them: their
