@@ -18,8 +18,9 @@ static __always_inline const struct family_cfg *family_cfg(const struct nat_conf
 	return v6 ? &cfg->v6 : &cfg->v4;
 }
 
-/* snat_of is the masquerade address a trie value holds for its addresses (a rule's own), or 0
- * when it holds none (all zero: the uplink's address is used). */
+/* snat_of is the masquerade address an address field holds (a trie value's: its rule's own; a
+ * family_cfg's: the family's masqueradeAddress), IPv4 in the first word, or 0 when it holds none
+ * (all zero). */
 static __always_inline const __be32 *snat_of(const int v6, const __u8 *snat)
 {
 	const __be32 *w = (const __be32 *)snat;
@@ -32,7 +33,8 @@ static __always_inline const __be32 *snat_of(const int v6, const __u8 *snat)
 /* classify_snat returns the action for a new flow to daddr, as the trie entry that matches holds
  * it (or the outbound rule), and sets *slot to the deciding rule's counter slot (NO_SLOT at the
  * end of the chain) and, where snat is given, *snat to the masquerade address the entry holds (0:
- * none, the uplink's). The address comes with the lookup that decides: no other map is read. */
+ * none: the family's or the uplink's, uplink_snat_of). The address comes with the lookup that
+ * decides: no other map is read. */
 static __always_inline __u8 classify_snat(const int v6, const __be32 *daddr, const struct family_cfg *fc,
 					  __u32 *slot, const __be32 **snat)
 {

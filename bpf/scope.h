@@ -40,6 +40,7 @@
 #include "maps.h"
 #include "nat.h"
 #include "parse.h"
+#include "policy.h"
 
 #define AF_INET 2
 #define AF_INET6 10
@@ -51,12 +52,18 @@ static __always_inline const __be32 *uplink_addr(const struct uplink *u, const i
 	return v6 ? WORDS(u->v6) : WORDS(u->v4);
 }
 
-/* The uplink's SNAT address of the family: snat_addr of the packet's device, uplink_snat_of of
- * an ifindex read once (a second read of skb->ifindex along one path can come out of clang as a
- * load through a moved context pointer, which the verifier refuses). */
+/* The SNAT address of the family on an uplink, the one reader of the masquerade address: the
+ * family's masqueradeAddress (nat_config's family_cfg.snat), else the uplink's own (uplink_snat).
+ * snat_addr of the packet's device, uplink_snat_of of an ifindex read once (a second read of
+ * skb->ifindex along one path can come out of clang as a load through a moved context pointer,
+ * which the verifier refuses). */
 static __always_inline const __be32 *uplink_snat_of(__u32 ifindex, const int v6)
 {
-	return uplink_addr(bpf_map_lookup_elem(&uplink_snat, &ifindex), v6);
+	__u32 zero = 0;
+	const struct nat_config *cfg = bpf_map_lookup_elem(&nat_config, &zero);
+	const __be32 *masq = cfg ? snat_of(v6, family_cfg(cfg, v6)->snat) : 0;
+
+	return masq ? masq : uplink_addr(bpf_map_lookup_elem(&uplink_snat, &ifindex), v6);
 }
 
 static __always_inline const __be32 *snat_addr(const struct __sk_buff *skb, const int v6)

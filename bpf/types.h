@@ -35,8 +35,10 @@ struct lpm6_key {
 /* Value of the LPM tries, for the addresses whose longest match is this entry: the verdict, and
  * the counter slot of the rule a first-match chain decides them by (the first rule among this
  * prefix and the shorter prefixes of the same trie that contain it). snat is the masquerade
- * address of that rule (a masqueradeCIDRs entry's own, or the family's masqueradeAddress), which
- * a new masqueraded flow is translated to; all zero means the uplink's (uplink_snat). */
+ * address of that rule where it is the rule's own (a masqueradeCIDRs entry's, other than the
+ * family's masqueradeAddress), which a new masqueraded flow is translated to; all zero means the
+ * family's or the uplink's (bpf/scope.h: uplink_snat_of). Earlier agents wrote the family's
+ * masqueradeAddress here too, which gives the same address. */
 struct lpm4_val {
 	__u32 slot;
 	enum action action;
@@ -51,8 +53,10 @@ struct lpm6_val {
 	__u8 snat[16] ADDR_WORDS;
 };
 
-/* Per family settings: the outbound rule (rule 4 of the chain). snat is reserved (IPv4 in the
- * first 4 bytes), written zero: a family's masquerade address is every uplink's, in uplink_snat. */
+/* Per family settings: the outbound rule (rule 4 of the chain), and snat, the family's
+ * masqueradeAddress (IPv4 in the first 4 bytes; all zero: none, each uplink's own address): the
+ * one place the programs read it (bpf/scope.h: uplink_snat_of), for every uplink. Agents before
+ * this one wrote it zero, and the address into uplink_snat. */
 struct family_cfg {
 	__u8 enabled;  /* 0: the family is left alone (e.g. IPv6 without --enable-ipv6) */
 	enum action outbound; /* for destinations no trie matched */
@@ -81,7 +85,11 @@ struct nat_config {
 	struct port_range ranges[MAX_PORT_RANGES]; /* as configured, for port_in_ranges and dumps */
 };
 
-/* The SNAT addresses of an uplink (uplink_snat, keyed by ifindex). */
+/* The SNAT addresses of an uplink (uplink_snat, keyed by ifindex): its own, or the family's
+ * masqueradeAddress where there is one. The programs read the latter in nat_config, first; it is
+ * written here too for the programs of earlier builds of this layout (attached during an upgrade
+ * or after a rollback), which read it here, and the agent flushes the flows of an address when it
+ * changes here. */
 struct uplink {
 	__u8 v4[4] ADDR_WORDS;
 	__u8 v6[16] ADDR_WORDS;

@@ -141,3 +141,65 @@ func TestRemapKeepsAddress(t *testing.T) {
 		t.Fatalf("second flow's reply arrives at %s", back.dst)
 	}
 }
+
+// TestMasqueradeAddressHome: a family's masqueradeAddress has one home in the maps, nat_config's
+// family_cfg.snat, where the programs read it. With the uplinks' entries holding their own
+// addresses only, the flows of the outbound rule and of a masqueradeCIDRs entry without an
+// address of its own leave from the family's masqueradeAddress, an entry's own address still
+// wins, and the replies come back to the pods. The tries hold no address but the entry's own,
+// and the installed rules show each masquerade rule's address, the outbound rules' too.
+func TestMasqueradeAddressHome(t *testing.T) {
+	addr := netip.MustParseAddr
+	masq4, masq6, own := addr("192.0.2.21"), addr("2001:db8::21"), addr("192.0.2.22")
+	netOwn, netFamily := netip.MustParsePrefix("198.51.100.0/24"), netip.MustParsePrefix("203.0.113.0/24")
+	cfg := config.Config{MasqOutBound: true, MasqOutBoundIPv6: true, MasqueradeAddress: masq4, MasqueradeAddressIPv6: masq6,
+		MasqueradeCIDRs: []config.MasqueradeCIDR{{CIDR: netOwn, Address: own}, {CIDR: netFamily}}}
+	h := newHarness(t, policy.Compile(cfg, policy.Options{EnableIPv6: true, RandomFully: true}), LoadOptions{})
+	// The harness gave the uplinks their own addresses, snat4 and snat6, and nothing else.
+	for i, c := range []struct{ dst, from netip.Addr }{
+		{remote4, own}, {addr("203.0.113.9"), masq4}, {addr("8.8.8.8"), masq4}, {remote6, masq6},
+	} {
+		pod := ap(pod4(i+1), 1000)
+		if c.dst.Is6() {
+			pod = ap(pod6(i+1), 1000)
+		}
+		dst := ap(c.dst, 53)
+		out := tupleOf(t, h.mustPass(h.dp.Egress(), udpPacket(pod, dst, payload)))
+		if out.src.Addr() != c.from || out.dst != dst {
+			t.Errorf("%s -> %s leaves as %s, want from %s", pod, dst, out, c.from)
+			continue
+		}
+		if back := tupleOf(t, h.mustPass(h.dp.Ingress(), udpPacket(dst, out.src, payload))); back.src != dst || back.dst != pod {
+			t.Errorf("the reply to %s arrives as %s, want %s -> %s", out.src, back, dst, pod)
+		}
+	}
+
+	// What the maps hold, read back from them.
+	if err := h.dp.Refresh(); err != nil {
+		t.Fatal(err)
+	}
+	for _, tr := range h.dp.tries {
+		for prefix, v := range tr.held {
+			if v.snat.IsValid() && (prefix != netOwn || v.snat != own) {
+				t.Errorf("trie %v holds %s for %s; only %s's own address belongs there", tr.trieKind, v.snat, prefix, netOwn)
+			}
+		}
+	}
+	rules, err := h.dp.InstalledRules()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[netip.Prefix]netip.Addr{netOwn: own, netFamily: masq4,
+		netip.MustParsePrefix("0.0.0.0/0"): masq4, netip.MustParsePrefix("::/0"): masq6}
+	for _, r := range rules {
+		if w, ok := want[r.Prefix]; ok && r.Action == policy.Masquerade {
+			if r.Address != w {
+				t.Errorf("installed %s rule %s (%s) masquerades to %v, want %s", r.Family, r.Prefix, r.Origin, r.Address, w)
+			}
+			delete(want, r.Prefix)
+		}
+	}
+	if len(want) > 0 {
+		t.Errorf("no installed masquerade rule for %v", want)
+	}
+}

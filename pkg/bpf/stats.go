@@ -25,9 +25,10 @@ type InstalledRule struct {
 	Origin policy.Origin
 	// Dup > 0 marks the n-th repetition of an identical rule, which never matches.
 	Dup int
-	// Address is the masquerade address the tries hold for a MASQUERADE rule of masqueradeCIDRs
-	// (its own, or the family's masqueradeAddress), read from its prefix's entry when the rule
-	// is that entry's first match; invalid otherwise (the uplink's address, or a shadowed rule).
+	// Address is the masquerade address of a MASQUERADE rule as the maps hold it: a
+	// masqueradeCIDRs rule's own, read from its prefix's entry when the rule is that entry's first
+	// match, else (that rule, or the outbound rule) the family's masqueradeAddress in nat_config;
+	// invalid for the uplink's address and for a shadowed rule.
 	Address netip.Addr
 	Slot    uint32
 	Packets uint64
@@ -44,6 +45,10 @@ var originOrder = map[policy.Origin]int{
 func (d *Datapath) InstalledRules() ([]InstalledRule, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	var cfg masqNatConfig
+	if err := d.objs.NatConfig.Lookup(uint32(0), &cfg); err != nil {
+		return nil, fmt.Errorf("read nat_config: %w", err)
+	}
 	out := make([]InstalledRule, 0, len(d.slots.bySlt))
 	for s, k := range d.slots.bySlt {
 		packets, bytes, err := d.slotStats(s)
@@ -52,10 +57,8 @@ func (d *Datapath) InstalledRules() ([]InstalledRule, error) {
 		}
 		ir := InstalledRule{Family: k.family, Prefix: k.prefix, Action: k.action, Origin: k.origin,
 			Dup: int(k.dup), Slot: s, Packets: packets, Bytes: bytes}
-		for _, t := range d.tries {
-			if v, ok := t.held[k.prefix]; ok && t.trieKind == (trieKind{k.family, k.action}) && v.slot == s {
-				ir.Address = v.snat
-			}
+		if k.action == policy.Masquerade {
+			ir.Address = d.addressOf(k, s, &cfg)
 		}
 		out = append(out, ir)
 	}
@@ -64,6 +67,20 @@ func (d *Datapath) InstalledRules() ([]InstalledRule, error) {
 			cmp.Compare(a.Slot, b.Slot))
 	})
 	return out, nil
+}
+
+// addressOf is the masquerade address of the MASQUERADE rule k in slot s, as the maps hold it
+// (InstalledRule.Address).
+func (d *Datapath) addressOf(k slotKey, s uint32, cfg *masqNatConfig) netip.Addr {
+	if k.origin == policy.OriginOutbound {
+		return cfg.masqueradeAddress(k.family)
+	}
+	for _, t := range d.tries {
+		if v, ok := t.held[k.prefix]; ok && t.trieKind == (trieKind{k.family, k.action}) && v.slot == s {
+			return cmp.Or(v.snat, cfg.masqueradeAddress(k.family))
+		}
+	}
+	return netip.Addr{} // shadowed
 }
 
 // slotStats sums a slot's counters over the CPUs.

@@ -155,18 +155,28 @@ func makePlan(p *policy.Policy) (*plan, error) {
 	for _, prefixes := range pl.tries {
 		firstMatch(prefixes)
 	}
+	if err := pl.settings(p); err != nil {
+		return nil, err
+	}
+	return pl, nil
+}
 
+// settings plans nat_config but for the outbound rules' slots (the families, their
+// masquerade addresses, the NAT settings) and the port ranges.
+func (pl *plan) settings(p *policy.Policy) error {
 	ranges := p.ToPorts
 	if len(ranges) == 0 {
 		ranges = policy.PortRanges{policy.DefaultPortRange}
 	}
 	if len(ranges) > len(pl.config.Ranges) {
-		return nil, fmt.Errorf("to-ports: %d ranges given, the datapath takes at most %d", len(ranges), len(pl.config.Ranges))
+		return fmt.Errorf("to-ports: %d ranges given, the datapath takes at most %d", len(ranges), len(pl.config.Ranges))
 	}
 	c := &pl.config
 	c.V4.Enabled = 1
+	c.setMasqueradeAddress(policy.IPv4, p.MasqueradeAddress)
 	if p.Enabled(policy.IPv6) {
 		c.V6.Enabled = 1
+		c.setMasqueradeAddress(policy.IPv6, p.MasqueradeAddressIPv6)
 	}
 	if p.RandomFully {
 		c.RandomFully = 1
@@ -175,12 +185,12 @@ func makePlan(p *policy.Policy) (*plan, error) {
 	c.Nranges = uint8(len(ranges))
 	for i, r := range ranges {
 		if r.First == 0 || r.First > r.Last {
-			return nil, fmt.Errorf("to-ports: invalid range %s", r)
+			return fmt.Errorf("to-ports: invalid range %s", r)
 		}
 		c.Ranges[i].First, c.Ranges[i].Last = r.First, r.Last
 		c.Nports += uint32(r.Size())
 	}
-	return pl, nil
+	return nil
 }
 
 // firstMatch turns "prefix -> first rule with this prefix" into "prefix -> first rule that
@@ -308,15 +318,16 @@ func (d *Datapath) claimSlots(pl *plan) ([]uint32, error) {
 
 // trieValues is what each trie must hold once the rules have their slots: prefix -> value,
 // with the slot and the masquerade address of the rule the entry's addresses match first (the
-// one whose SNAT conntrack would apply).
+// one whose SNAT conntrack would apply) where it is the rule's own: the family's
+// masqueradeAddress is nat_config's alone.
 func (pl *plan) trieValues(slots []uint32) map[trieKind]map[trieKey]trieValue {
 	want := make(map[trieKind]map[trieKey]trieValue, len(pl.tries))
 	for kind, prefixes := range pl.tries {
 		want[kind] = make(map[trieKey]trieValue, len(prefixes))
 		for prefix, idx := range prefixes {
 			v := trieValue{action: kind.action, slot: slots[idx]}
-			if kind.action == policy.Masquerade {
-				v.snat = pl.rules[idx].Address
+			if a := pl.rules[idx].Address; kind.action == policy.Masquerade && a != pl.config.masqueradeAddress(kind.family) {
+				v.snat = a
 			}
 			want[kind][prefix] = v
 		}

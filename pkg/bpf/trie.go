@@ -32,8 +32,9 @@ type trie struct {
 }
 
 // trieValue is what a trie entry holds: the verdict, the counter slot of the rule that decides
-// it, and that rule's masquerade address (policy.Rule.Address; invalid: none, the uplink's
-// address in uplink_snat is used, and the C value holds zero).
+// it, and that rule's masquerade address where it is its own (policy.Rule.Address; invalid:
+// none, the C value holds zero and the family's masqueradeAddress or else the uplink's address
+// is used).
 type trieValue struct {
 	action policy.Action
 	slot   uint32

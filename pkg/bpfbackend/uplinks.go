@@ -82,7 +82,9 @@ func (b *Backend) resolveUplinks(ctx context.Context, p *policy.Policy) (uplink.
 // masquerade address when it has one, else u's own; IPv6 only where p masquerades IPv6. A
 // masquerade address is thus every uplink's, as iptables' SNAT rule applies to every device
 // (the agent checked it is one of the node's uplinks'), and host flows from it keep their ports
-// as they do from an uplink's own address.
+// as they do from an uplink's own address. This build's programs read the masquerade address
+// in nat_config (bpf.Datapath.SyncPolicy writes it); uplink_snat holds it too for the programs
+// of earlier builds of the layout, and so that an address change flushes the flows of the old.
 func snatAddrs(u uplink.Uplink, p *policy.Policy) bpf.Uplink {
 	addrs := bpf.Uplink{IPv4: cmp.Or(p.MasqueradeAddress, u.IPv4), MAC: u.MAC}
 	if p.Enabled(policy.IPv6) {

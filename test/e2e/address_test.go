@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"net/http"
+	"net/netip"
 	"strings"
 	"testing"
 
@@ -75,25 +76,30 @@ func TestMasqueradeAddressRemoved(t *testing.T) {
 }
 
 // wantDumpedAddress checks dump's rules for the test's configuration: the masqueradeCIDRs rule
-// masquerades to the family's masqueradeAddress (NodeAlt4), which every backend reads from what
-// it installed; no RETURN rule shows an address. (The outbound rule's address is the uplinks'
-// SNAT address on BPF, which dump leaves out there.)
+// and the outbound rules masquerade to their family's masqueradeAddress (NodeAlt4, NodeAlt6),
+// which every backend reads from what it installed; no RETURN rule shows an address.
 func wantDumpedAddress(ctx context.Context, t *testing.T, env *Env, b Backend) {
 	t.Helper()
-	found := false
+	want := map[string]netip.Addr{}
 	for _, r := range dumpTable(ctx, t, env, b) {
 		switch {
-		case r.key.Origin == string(policy.OriginMasqueradeCIDRs):
-			found = true
-			if r.to != NodeAlt4 {
-				t.Errorf("dump: %s masquerades to %v, want to:%s", r.key, r.to, NodeAlt4)
+		case r.key.Origin == string(policy.OriginMasqueradeCIDRs) || r.key.Origin == string(policy.OriginOutbound):
+			addr := NodeAlt4
+			if r.key.Family == policy.IPv6.String() {
+				addr = NodeAlt6
+			}
+			want[r.key.Family+" "+r.key.Origin] = addr
+			if r.to != addr {
+				t.Errorf("dump: %s masquerades to %v, want to:%s", r.key, r.to, addr)
 			}
 		case r.key.Action == policy.Return.String() && r.to.IsValid():
 			t.Errorf("dump: %s shows to:%s", r.key, r.to)
 		}
 	}
-	if !found {
-		t.Errorf("dump shows no masqueradeCIDRs rule")
+	for _, rule := range []string{"ipv4 " + string(policy.OriginMasqueradeCIDRs), "ipv4 " + string(policy.OriginOutbound), "ipv6 " + string(policy.OriginOutbound)} {
+		if _, ok := want[rule]; !ok {
+			t.Errorf("dump shows no %s rule", rule)
+		}
 	}
 }
 
