@@ -1,6 +1,7 @@
 package metrics
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"maps"
@@ -21,6 +22,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/markdown"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath/datapathtest"
@@ -85,8 +87,14 @@ func TestRuleMetrics(t *testing.T) {
 		{Family: policy.IPv4, Prefix: netip.MustParsePrefix("192.0.2.0/24"), Packets: 1},
 	}}
 	c := NewCollector(Options{Backend: b})
+	// The help says what each backend of the registry counts (countsHelp), naming every one.
+	for _, b := range backends.All {
+		if help := helpOf(RulePackets); !strings.Contains(help, cmp.Or(b.Counts, "every packet")) || !strings.Contains(help, b.Name) {
+			t.Errorf("%s's help does not say what %s counts: %s", RulePackets, b.Name, help)
+		}
+	}
 	want := `
-# HELP ip_masq_agent_rule_packets_total Packets that matched the rule, by backend: every packet (bpf); connections: the first packet of each (nftables, iptables).
+# HELP ip_masq_agent_rule_packets_total ` + helpOf(RulePackets) + `
 # TYPE ip_masq_agent_rule_packets_total counter
 ip_masq_agent_rule_packets_total{action="RETURN",cidr="169.254.0.0/16",family="ipv4",origin="link-local"} 1
 ip_masq_agent_rule_packets_total{action="RETURN",cidr="169.254.0.0/16",family="ipv4",origin="nonMasqueradeCIDRs"} 0
