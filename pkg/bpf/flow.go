@@ -77,6 +77,11 @@ func (t Timeouts) shortest(proto uint8) time.Duration {
 	return t.timeout(proto, StateUnreplied)
 }
 
+// shortestOfAll is the least time any flow is kept idle, whatever its protocol and state.
+func (t Timeouts) shortestOfAll() time.Duration {
+	return min(t.TCPEstablished, t.TCPOpening, t.TCPClosing, t.UDP, t.ICMP, t.Other)
+}
+
 // Flow is both halves of a flow.
 type Flow struct {
 	Egress NATEntry

@@ -31,24 +31,23 @@ func (d *Datapath) heldMap(fam policy.Family) *ebpf.Map {
 	return d.objs.FragHeldV4
 }
 
-// sweepHeld removes the held fragments that waited longer than FragHoldTimeout at now
-// (MonotonicNow), and returns how many it removed.
-func (d *Datapath) sweepHeld(now time.Duration) (int, error) {
-	removed := 0
+// sweepHeld removes the held fragments that waited longer than FragHoldTimeout at now, and
+// returns how many it removed and how many it left.
+func (d *Datapath) sweepHeld(now time.Duration) (removed, left int, err error) {
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		var n int
-		var err error
+		var found, n int
 		if fam == policy.IPv6 {
-			_, n, err = scanHeld[masqFrag6HeldKey](d.heldMap(fam), now, FragHoldTimeout(fam))
+			found, n, err = scanHeld[masqFrag6HeldKey](d.heldMap(fam), now, FragHoldTimeout(fam))
 		} else {
-			_, n, err = scanHeld[masqFrag4HeldKey](d.heldMap(fam), now, FragHoldTimeout(fam))
+			found, n, err = scanHeld[masqFrag4HeldKey](d.heldMap(fam), now, FragHoldTimeout(fam))
 		}
 		if err != nil {
-			return removed, fmt.Errorf("sweep held %s fragments: %w", fam, err)
+			return removed, left, fmt.Errorf("sweep held %s fragments: %w", fam, err)
 		}
 		removed += n
+		left += found - n
 	}
-	return removed, nil
+	return removed, left, nil
 }
 
 // scanHeld counts the entries of a held-fragment map and, when timeout is not 0, removes those

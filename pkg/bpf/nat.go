@@ -152,21 +152,21 @@ type NATCount struct {
 // the datapath sets the state's flags on both halves), without decoding them: what a metrics
 // scrape needs, at a few syscalls for a full table.
 func (d *Datapath) CountNAT(fam policy.Family) ([]NATCount, error) {
-	type key struct {
-		proto uint8
-		table Table
-		state FlowState
-	}
-	counts := map[key]uint64{}
+	counts := map[natCountKey]uint64{}
 	if err := d.natTable(fam).count(func(proto uint8, tbl Table, f Flags) {
 		st := StateKept
 		if tbl != TableKeep {
 			st = StateOf(f, 0)
 		}
-		counts[key{proto, tbl, st}]++
+		counts[natCountKey{proto, tbl, st}]++
 	}); err != nil {
 		return nil, fmt.Errorf("read %s nat table: %w", fam, err)
 	}
+	return sortedCounts(counts), nil
+}
+
+// sortedCounts lists counts by protocol, table and state.
+func sortedCounts(counts map[natCountKey]uint64) []NATCount {
 	out := make([]NATCount, 0, len(counts))
 	for k, n := range counts {
 		out = append(out, NATCount{Proto: k.proto, Table: k.table, State: k.state, N: n})
@@ -174,7 +174,7 @@ func (d *Datapath) CountNAT(fam policy.Family) ([]NATCount, error) {
 	slices.SortFunc(out, func(a, b NATCount) int {
 		return cmp.Or(cmp.Compare(a.Proto, b.Proto), cmp.Compare(a.Table, b.Table), cmp.Compare(a.State, b.State))
 	})
-	return out, nil
+	return out
 }
 
 func (t natTableOf[K]) count(fn func(proto uint8, table Table, flags Flags)) error {
@@ -402,7 +402,7 @@ type natTable interface {
 	entries(fn func(NATEntry) bool) error
 	count(fn func(proto uint8, table Table, flags Flags)) error
 	flows(fn func(Flow) bool) error
-	sweep(now time.Duration, t Timeouts, res *SweepResult, swept map[uint8]uint64) (confirmed int, err error)
+	sweep(now time.Duration, t Timeouts, res *SweepResult, c *census, swept map[uint8]uint64) (confirmed int, err error)
 	lookupEntry(t natTuple) (NATEntry, bool, error)
 	deleteKeys(keys []natTuple) error
 	maxEntries(tbl Table) uint32

@@ -103,7 +103,7 @@ func TestSweep(t *testing.T) {
 				}
 				return res
 			}
-			if res := sweep(time.Second); res != (SweepResult{}) {
+			if res := sweep(time.Second); res.Swept != (Swept{}) {
 				t.Fatalf("sweep right away removed %+v", res)
 			}
 			if res := sweep(6 * time.Second); res.Flows != 1 { // the echo

@@ -29,7 +29,7 @@ func TestSweepManyBatches(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if res != (SweepResult{Flows: idle}) {
+	if res.Swept != (Swept{Flows: idle}) {
 		t.Errorf("sweep removed %+v, want %d flows", res, idle)
 	}
 	if n := natCount(t, h.dp); n != 2*live {
@@ -51,7 +51,7 @@ func TestSweepManyBatches(t *testing.T) {
 	if got := after[17] - before[17]; got != 2*idle {
 		t.Errorf("swept UDP entries counted %d, want %d", got, 2*idle)
 	}
-	if res, err := h.dp.Sweep(now, DefaultTimeouts); err != nil || res != (SweepResult{}) {
+	if res, err := h.dp.Sweep(now, DefaultTimeouts); err != nil || res.Swept != (Swept{}) {
 		t.Errorf("a second sweep removed %+v (%v)", res, err)
 	}
 }

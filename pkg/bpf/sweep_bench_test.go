@@ -20,6 +20,12 @@ func fillFlows(tb testing.TB, d *Datapath, from, n int, lastSeen time.Duration) 
 // fillFlowsAs is fillFlows into any IPv4 NAT table, whose entries enc makes of this layout's.
 func fillFlowsAs[V any](tb testing.TB, m *ebpf.Map, from, n int, lastSeen time.Duration, enc func(masqNatEntry) V) {
 	tb.Helper()
+	fillFlowsOf(tb, m, unix.IPPROTO_UDP, from, n, lastSeen, enc)
+}
+
+// fillFlowsOf is fillFlowsAs with flows of another protocol: TCP ones are established.
+func fillFlowsOf[V any](tb testing.TB, m *ebpf.Map, proto uint8, from, n int, lastSeen time.Duration, enc func(masqNatEntry) V) {
+	tb.Helper()
 	const chunk = 8192
 	keys := make([]masqNat4Key, 0, 2*chunk)
 	vals := make([]V, 0, 2*chunk)
@@ -37,8 +43,8 @@ func fillFlowsAs[V any](tb testing.TB, m *ebpf.Map, from, n int, lastSeen time.D
 		podAddr, remote := pod4(i>>14).As4(), remoteN(i/32768).As4()
 		sport, natPort := htons(uint16(1024+i&0x3fff)), htons(uint16(32768+i%32768))
 		keys = append(keys,
-			masqNat4Key{Saddr: podAddr, Daddr: remote, Sport: sport, Dport: htons(53), Proto: unix.IPPROTO_UDP, Dir: masqNatDir(Egress)},
-			masqNat4Key{Saddr: remote, Daddr: snat, Sport: htons(53), Dport: natPort, Proto: unix.IPPROTO_UDP, Dir: masqNatDir(Ingress)})
+			masqNat4Key{Saddr: podAddr, Daddr: remote, Sport: sport, Dport: htons(53), Proto: proto, Dir: masqNatDir(Egress)},
+			masqNat4Key{Saddr: remote, Daddr: snat, Sport: htons(53), Dport: natPort, Proto: proto, Dir: masqNatDir(Ingress)})
 		vals = append(vals,
 			enc(masqNatEntry{Addr: addrBytes(snat4), Port: natPort, Kind: masqNatKind(KindMasq), Flags: masqNatFlags(FlagOrig | FlagReplied),
 				LastSeen: uint64(lastSeen)}),
@@ -71,32 +77,36 @@ func natCount(tb testing.TB, d *Datapath) int {
 	return n
 }
 
-// BenchmarkSweep is the periodic sweep over a full NAT table. live: every flow is active, so
-// the sweep only reads the table (its cost every SweepInterval, whatever the traffic); idle:
-// every flow has expired and is removed (the table is refilled outside the timer).
+// BenchmarkSweep is the periodic sweep over a full NAT table, of three kinds of flows. live:
+// every flow is active, so the sweep only reads the table (its cost every SweepInterval, whatever
+// the traffic); idle-tcp: established TCP connections idle for an hour, far from their timeout
+// (long-lived idle connections, kept as conntrack keeps them); idle: every flow has expired and
+// is removed (the table is refilled outside the timer).
 func BenchmarkSweep(b *testing.B) {
-	for _, entries := range []int{100_000, 262_144} {
-		for _, idle := range []bool{false, true} {
-			name := fmt.Sprintf("entries=%d/live", entries)
-			if idle {
-				name = fmt.Sprintf("entries=%d/idle", entries)
-			}
-			b.Run(name, func(b *testing.B) {
-				h := newHarness(b, defaultPolicy(true), LoadOptions{NATEntries: 1 << 18})
-				now := MonotonicNow()
-				seen := now
-				if idle {
+	for _, entries := range []int{100_000, 262_144, 2 << 20} {
+		for _, kind := range []string{"live", "idle-tcp", "idle"} {
+			b.Run(fmt.Sprintf("entries=%d/%s", entries, kind), func(b *testing.B) {
+				h := newHarness(b, defaultPolicy(true), LoadOptions{NATEntries: uint32(max(entries, 1<<18))})
+				now := MonotonicNow() + 2*time.Hour // room for the past
+				seen, proto := now, uint8(unix.IPPROTO_UDP)
+				switch kind {
+				case "idle-tcp":
+					seen, proto = now-time.Hour, unix.IPPROTO_TCP
+				case "idle":
 					seen = now - time.Hour
 				}
-				fillFlows(b, h.dp, 0, entries/2, seen)
+				fill := func() {
+					fillFlowsOf(b, h.dp.objs.NatV4, proto, 0, entries/2, seen, func(e masqNatEntry) masqNatEntry { return e })
+				}
+				fill()
 				have := natCount(b, h.dp)
 				b.ReportMetric(float64(have), "entries")
 				var cpu time.Duration
 				b.ResetTimer()
 				for i := 0; i < b.N; i++ {
-					if idle && i > 0 {
+					if kind == "idle" && i > 0 {
 						b.StopTimer()
-						fillFlows(b, h.dp, 0, entries/2, seen)
+						fill()
 						have = natCount(b, h.dp) // a refilled LRU table may evict a few
 						b.StartTimer()
 					}
@@ -106,11 +116,11 @@ func BenchmarkSweep(b *testing.B) {
 					if err != nil {
 						b.Fatal(err)
 					}
-					if !idle && res.Flows+res.Orphans != 0 {
-						b.Fatalf("a live table lost %+v", res)
+					if kind != "idle" && res.Flows+res.Orphans != 0 {
+						b.Fatalf("a table of %s flows lost %+v", kind, res)
 					}
-					if idle && 2*res.Flows+res.Orphans != have {
-						b.Fatalf("removed %+v of %d idle entries", res, have)
+					if kind == "idle" && 2*res.Flows+res.Orphans != have {
+						b.Fatalf("removed %+v of %d idle entries", res.Swept, have)
 					}
 				}
 				// CPU time, user and kernel (the map syscalls), is what a sweep costs the node; wall

@@ -7,7 +7,6 @@
 package bpfbackend
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -125,6 +124,13 @@ type Backend struct {
 	// an Apply has swapped the programs everywhere and finished it.
 	migration *bpf.Migration
 
+	// census is the last walk of the sweep's count of the NAT tables (sweep.go); sweepNow asks the
+	// sweep loop for a walk at once.
+	census   atomic.Pointer[census]
+	sweepNow chan struct{}
+	// largeTables, when not 0, replaces the const largeTables in counted (tests).
+	largeTables int
+
 	// hooks is what the drift checks found on each uplink's hooks (see checkHooks); guarded by
 	// hookMu, as Hooks reads it for metric scrapes.
 	hookMu sync.Mutex
@@ -188,7 +194,8 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 		return nil, err
 	}
 	b := &Backend{opts: opts, pinRoot: pinRoot, pinDir: bpf.LayoutDir(pinRoot), mode: mode, log: log,
-		attach: attach, resolve: res, watchRes: watchRes, changes: make(chan string, 1)}
+		attach: attach, resolve: res, watchRes: watchRes, changes: make(chan string, 1),
+		sweepNow: make(chan struct{}, 1)}
 	ctx, cancel := context.WithCancel(ctx)
 	b.stop = cancel
 	b.wg.Add(2)
@@ -315,13 +322,14 @@ func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) 
 	return ruleCounters(ctx, dp, dp.Synced(), false)
 }
 
-// NATStats implements datapath.NATReporter.
+// NATStats implements datapath.NATReporter: the tables' entries as the sweep's last walk counted
+// them when they are large (sweep.go: counted), the datapath's counters as they are now.
 func (b *Backend) NATStats(ctx context.Context) (datapath.NATStats, error) {
 	dp := b.dp.Load()
 	if dp == nil {
 		return emptyStats(), nil
 	}
-	return natStats(ctx, dp)
+	return natStats(ctx, dp, b.counted(dp))
 }
 
 // NATSummary implements datapath.NATReporter.
@@ -352,72 +360,4 @@ func (b *Backend) Close() error {
 	errs = append(errs, b.attach.Close())
 	b.resolve.Close()
 	return errors.Join(errs...)
-}
-
-// sweepLoop expires idle NAT entries until ctx ends.
-func (b *Backend) sweepLoop(ctx context.Context) {
-	t := time.NewTicker(b.opts.SweepInterval)
-	defer t.Stop()
-	held := 0 // ports of earlier --to-ports ranges held, as last logged
-	var timeouts bpf.Timeouts
-	b.timeouts(&timeouts)
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		dp := b.dp.Load()
-		if dp == nil {
-			continue
-		}
-		start := time.Now()
-		res, err := dp.Sweep(bpf.MonotonicNow(), b.timeouts(&timeouts))
-		if err != nil {
-			b.log.Warn("NAT sweep failed", "error", err)
-			continue
-		}
-		if res.Flows > 0 || res.Orphans > 0 || res.Fragments > 0 {
-			b.log.Debug("NAT sweep", "flows", res.Flows, "orphanEntries", res.Orphans, "heldFragments", res.Fragments,
-				"took", time.Since(start))
-		}
-		held = b.trimHeldPorts(dp, held)
-		b.checkDraining(ctx, dp)
-	}
-}
-
-// timeouts are the sweep's timeouts now, from the options and the node's conntrack sysctls
-// (bpf.ResolveTimeouts), logged when they differ from *last, which they replace. The sysctls are
-// read at every sweep, so that a change of them, or the nf_conntrack module loaded later (by
-// kube-proxy), applies here as it applies to conntrack.
-func (b *Backend) timeouts(last *bpf.Timeouts) bpf.Timeouts {
-	t, from := bpf.ResolveTimeouts(b.opts.Timeouts, cmp.Or(b.opts.ConntrackDir, bpf.ConntrackSysctlDir))
-	if t != *last {
-		var attrs []any
-		for _, k := range bpf.TimeoutKeys {
-			attrs = append(attrs, k.Name, fmt.Sprintf("%v (%s)", *k.Of(&t), from[k.Name]))
-		}
-		b.log.Info("NAT timeouts", attrs...)
-		*last = t
-	}
-	return t
-}
-
-// trimHeldPorts lets go of the ports of earlier --to-ports ranges whose flows have ended (see
-// bpf.Datapath.TrimHeldPorts), says how many stay held when that changed from was, and returns
-// the new count.
-func (b *Backend) trimHeldPorts(dp *bpf.Datapath, was int) int {
-	n, err := dp.TrimHeldPorts()
-	if err != nil {
-		b.log.Warn("cannot release the ports of earlier --to-ports ranges", "error", err)
-		return was
-	}
-	switch {
-	case n == was:
-	case n == 0:
-		b.log.Info("the flows of earlier --to-ports ranges have ended: their ports are released")
-	default:
-		b.log.Info("ports of earlier --to-ports ranges stay held for their flows", "ports", n)
-	}
-	return n
 }

@@ -113,9 +113,9 @@ func (r *Installed) Counters(ctx context.Context) ([]datapath.RuleCounter, error
 	return ruleCounters(ctx, r.dp, r.p, true)
 }
 
-// NATStats implements datapath.NATReporter.
+// NATStats implements datapath.NATReporter, counting the tables' entries now.
 func (r *Installed) NATStats(ctx context.Context) (datapath.NATStats, error) {
-	return natStats(ctx, r.dp)
+	return natStats(ctx, r.dp, r.dp.CountNAT)
 }
 
 // NATSummary implements datapath.NATReporter.
@@ -146,13 +146,14 @@ func setEvent(st *datapath.NATStats, e bpf.Event, n uint64) {
 	}
 }
 
-func natStats(ctx context.Context, dp *bpf.Datapath) (datapath.NATStats, error) {
+// natStats are dp's NAT statistics, with its tables' entries as counted gives them.
+func natStats(ctx context.Context, dp *bpf.Datapath, counted func(policy.Family) ([]bpf.NATCount, error)) (datapath.NATStats, error) {
 	st := emptyStats()
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 		if err := ctx.Err(); err != nil {
 			return datapath.NATStats{}, err
 		}
-		counts, err := dp.CountNAT(fam)
+		counts, err := counted(fam)
 		if err != nil {
 			return datapath.NATStats{}, err
 		}

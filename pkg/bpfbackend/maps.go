@@ -52,6 +52,7 @@ func (b *Backend) datapathFor(p *policy.Policy) (*bpf.Datapath, error) {
 		dp = opened.Datapath
 		b.migration = opened.Migration
 		b.dp.Store(dp)
+		b.sweepSoon() // the metrics count its tables from the first walk on
 	}
 	bigger, err := dp.Grow(p)
 	if err != nil || bigger == dp {
