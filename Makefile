@@ -106,7 +106,8 @@ check-generate: generate
 
 ## bench: BPF_PROG_TEST_RUN microbenchmarks, the iptables control plane beside kube-proxy's rules,
 ## the nftables apply and counter reads, and end-to-end benchmarks (no agent; BPF, iptables and
-## nftables, each also with --random-fully=false);
+## nftables, each also with --random-fully=false), and a big node's (a million flows, conntrack's
+## memory per flow, 100k CIDRs swapped live, two CPUs at once);
 ## writes docs/benchmarks.md and the plots in docs/. Raw results stay in $(BENCH_OUT).
 BENCH_OUT ?= bin/bench
 bench: build
@@ -120,6 +121,8 @@ bench: build
 	$(GO) test -run '^$$' -bench ControlPlane -benchtime 20x -count 5 -timeout 30m ./pkg/iptables | tee $(BENCH_OUT)/iptables-control.txt
 	$(GO) test -run '^$$' -bench EndToEnd -benchtime 1x -timeout 60m ./test/bench -args -out $(abspath $(BENCH_OUT))
 	$(GO) test -run '^$$' -bench NATLoad -benchtime 1x -timeout 20m ./test/bench | tee $(BENCH_OUT)/natload.txt
+	$(GO) test -run '^$$' -bench Parallel -benchtime 20000x -count 3 -timeout 10m ./pkg/bpf | tee $(BENCH_OUT)/parallel.txt
+	$(GO) test -run '^$$' -bench 'MillionFlows|ConntrackMemory|LiveCIDRs' -benchtime 1x -timeout 60m ./test/bench -args -out $(abspath $(BENCH_OUT))
 	$(GO) run ./test/bench/report -in $(BENCH_OUT) -docs docs
 
 lint:

@@ -136,11 +136,17 @@ func (r *nsRunner) onCPUs(t testing.TB, fns ...func() error) error {
 		go func() {
 			defer wg.Done()
 			errs[i] = testutil.Do(r.name, func() error {
-				var set unix.CPUSet
+				var was, set unix.CPUSet
+				if err := unix.SchedGetaffinity(0, &was); err != nil {
+					return err
+				}
 				set.Set(i)
 				if err := unix.SchedSetaffinity(0, &set); err != nil {
 					return fmt.Errorf("pin to CPU %d: %w", i, err)
 				}
+				// The thread goes back to the runtime afterwards: pinned, it would hold later
+				// goroutines to one CPU.
+				defer unix.SchedSetaffinity(0, &was)
 				return fn()
 			})
 		}()

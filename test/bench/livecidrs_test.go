@@ -1,0 +1,170 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/test/e2e"
+)
+
+var (
+	liveCIDRs = flag.Int("live-cidrs", 100_000, "CIDRs of BenchmarkLiveCIDRs' configs")
+	liveRuns  = flag.Int("live-runs", 3, "swaps BenchmarkLiveCIDRs times each way, per backend")
+)
+
+// LiveCIDRs is one backend's swaps in BenchmarkLiveCIDRs (livecidrs.json).
+type LiveCIDRs struct {
+	Mode  string `json:"mode"`
+	CIDRs int    `json:"cidrs"`
+	// Verdict is, for each swap, the seconds from the ..data swap to the first new flow that got
+	// the new verdict; Applied to the agent's "policy applied" log line.
+	Verdict []float64 `json:"verdict_seconds"`
+	Applied []float64 `json:"applied_seconds"`
+	// Probes is how many new flows the swaps sent in all, one every probeEvery.
+	Probes int `json:"probes"`
+}
+
+// probeEvery is how often a swap's probe opens a new flow.
+const probeEvery = time.Millisecond
+
+// BenchmarkLiveCIDRs: a config of -live-cidrs non-masquerade CIDRs replaced by another of as many
+// (a ConfigMap's ..data swap), which changes the verdict of one destination, timed to the first
+// new flow that gets the new verdict: a pod opens a new UDP flow to the external host every
+// millisecond and the host's echo says which source it saw (the node's address: masqueraded;
+// the pod's: not). The swaps go both ways, -live-runs times each, on every backend with
+// default flags, on a datapath already sized for that many CIDRs. Results go to livecidrs.json
+// in -out.
+//
+//	go test -run '^$' -bench LiveCIDRs -benchtime 1x ./test/bench -args -out DIR
+func BenchmarkLiveCIDRs(b *testing.B) {
+	testutil.RequirePrivileged(b, "ip", "iptables-nft-restore", "nft")
+	bins := buildBinaries(b)
+	for range b.N {
+		var all []LiveCIDRs
+		for _, m := range modes() {
+			if m.Backend == nil || len(m.Flags) > 0 {
+				continue
+			}
+			b.Run(m.Name, func(b *testing.B) {
+				res := measureLiveCIDRs(b, bins, m, *liveCIDRs)
+				b.ReportMetric(median(res.Verdict)*1000, "verdict-ms")
+				all = append(all, res)
+			})
+		}
+		writeJSON(b, "livecidrs.json", all)
+	}
+}
+
+// swapTarget is the destination whose verdict the swaps change: the external host's, outside
+// every CIDR of cidrConfigFrom; liveConfig's of the odd swaps hold its /32 besides.
+var swapTarget = target
+
+// liveConfig is the i-th config of the swaps: n CIDRs of their own, and the target's among them
+// (so that its flows keep the pod's address) when i is odd.
+func liveConfig(n, i int) string {
+	cfg := cidrConfigFrom(n, i*n)
+	cfg = strings.Replace(cfg, fmt.Sprintf("cidrLimit: %d", n), fmt.Sprintf("cidrLimit: %d", n+1), 1)
+	if i%2 == 1 {
+		cfg += fmt.Sprintf("  - %s/32\n", swapTarget)
+	}
+	return cfg
+}
+
+func measureLiveCIDRs(b *testing.B, bins binaries, m Mode, n int) LiveCIDRs {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	env := newEnv(ctx, b, bins, 0)
+	e2e.StartLineEchoUDP(b, env.Ext, []netip.Addr{swapTarget})
+	if err := env.Config.Write(liveConfig(n, 0)); err != nil {
+		b.Fatal(err)
+	}
+	startMode(ctx, b, env, m, map[string]bool{})
+	res := LiveCIDRs{Mode: m.Name, CIDRs: n}
+	p := &probes{}
+	// The agent started with the first config: the first probe sees it masqueraded.
+	if _, err := verdictAfter(ctx, env, p, e2e.NodeAddr4, time.Now()); err != nil {
+		b.Fatal(err)
+	}
+	for i := 1; i <= 2**liveRuns; i++ {
+		want := e2e.NodeAddr4
+		if i%2 == 1 {
+			want = e2e.PodAddr4
+		}
+		applied := env.Agent.Count("policy applied")
+		if err := env.Config.Write(liveConfig(n, i)); err != nil {
+			b.Fatal(err)
+		}
+		start := time.Now() // the swap is Write's last step, as the kubelet's
+		sent, err := verdictAfter(ctx, env, p, want, start)
+		if err != nil {
+			b.Fatalf("swap %d: %v\n%s", i, err, env.Agent.Logs())
+		}
+		took := time.Since(start)
+		res.Probes += sent
+		if err := env.Agent.WaitLog(ctx, applied+1, "policy applied"); err != nil {
+			b.Fatalf("swap %d: %v", i, err)
+		}
+		at, err := env.Agent.LogTime(applied+1, "policy applied")
+		if err != nil {
+			b.Fatal(err)
+		}
+		res.Verdict = append(res.Verdict, took.Seconds())
+		res.Applied = append(res.Applied, at.Sub(start).Seconds())
+		b.Logf("%s: swap %d of %d CIDRs: the new verdict after %v (applied after %v, %d probes)",
+			m.Name, i, n, took.Round(time.Millisecond), at.Sub(start).Round(time.Millisecond), sent)
+	}
+	return res
+}
+
+// verdictAfter opens a new UDP flow from the pod to the target every probeEvery until the
+// target sees one from want, and returns how many it opened. Each flow is one datagram and its
+// answer, from a source port no probe used before (p.next): a new flow, which the new policy
+// judges, where a port used again could meet an earlier flow's mapping (an old flow keeps it,
+// as conntrack's do) and show its verdict.
+func verdictAfter(ctx context.Context, env *e2e.Env, p *probes, want netip.Addr, since time.Time) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+	defer cancel()
+	for n := 1; ; n++ {
+		next := since.Add(time.Duration(n) * probeEvery)
+		src, err := p.probe(ctx, env.Pod)
+		if err != nil {
+			return n, err
+		}
+		if src == want {
+			return n, nil
+		}
+		if err := ctx.Err(); err != nil {
+			return n, fmt.Errorf("no flow from %s after %d probes (the last from %s): %w", want, n, src, err)
+		}
+		time.Sleep(time.Until(next))
+	}
+}
+
+// probes are the probes of one topology: each from the next source port.
+type probes struct{ port uint16 }
+
+// probe sends one datagram from a new socket of the pod, on a port of its own, to the target's
+// echo and returns the source address the target saw.
+func (p *probes) probe(ctx context.Context, pod string) (netip.Addr, error) {
+	if p.port == 0 {
+		p.port = 10000
+	}
+	if p.port == 65535 {
+		return netip.Addr{}, errors.New("out of source ports for new flows")
+	}
+	p.port++
+	c, err := e2e.DialLineUDP(ctx, pod, netip.AddrPortFrom(e2e.PodAddr4, p.port), swapTarget)
+	if err != nil {
+		return netip.Addr{}, err
+	}
+	defer c.Close()
+	src, err := c.Exchange("probe")
+	return src.Addr(), err
+}
