@@ -5,7 +5,8 @@
 //
 // DIR holds micro.txt (the output of the BPF_PROG_TEST_RUN benchmarks of pkg/bpf), e2e.json
 // (written by BenchmarkEndToEnd in test/bench) and iptables-control.txt (BenchmarkControlPlane of
-// pkg/iptables, several counts).
+// pkg/iptables, several counts), and the big-node results (bignode.go). Without e2e.json, the
+// big-node sections alone are written, into the report as it is.
 package main
 
 import (
@@ -219,6 +220,23 @@ func median[T int64 | float64](xs []T) T {
 }
 
 func run(in, docs string) error {
+	bn, err := readBigNode(in)
+	if err != nil {
+		return fmt.Errorf("big-node results: %w", err)
+	}
+	var big bytes.Buffer
+	if !bn.empty() {
+		writeBigNode(&big, bn)
+	}
+	// The big-node benchmarks alone: their sections replace those of the report as it is.
+	if _, err := os.Stat(filepath.Join(in, "e2e.json")); errors.Is(err, fs.ErrNotExist) && !bn.empty() {
+		path := filepath.Join(docs, "benchmarks.md")
+		doc, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(path, splice(doc, big.Bytes()), 0o644)
+	}
 	m, mr, err := readMicro(filepath.Join(in, "micro.txt"))
 	if err != nil {
 		return fmt.Errorf("micro benchmarks: %w", err)
@@ -240,6 +258,9 @@ func run(in, docs string) error {
 	}
 	var md bytes.Buffer
 	writeReport(&md, m, mr, &r, c)
+	if big.Len() > 0 {
+		md.Write(splice(nil, big.Bytes()))
+	}
 	if err := os.WriteFile(filepath.Join(docs, "benchmarks.md"), md.Bytes(), 0o644); err != nil {
 		return err
 	}
