@@ -125,8 +125,10 @@ bench: build
 	$(GO) test -run '^$$' -bench 'MillionFlows|ConntrackMemory|LiveCIDRs' -benchtime 1x -timeout 60m ./test/bench -args -out $(abspath $(BENCH_OUT))
 	$(GO) run ./test/bench/report -in $(BENCH_OUT) -docs docs
 
+## lint: gofmt; go build (each package without its tests, which go vet's build would hide); go vet
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) build ./...
 	$(GO) vet ./...
 
 deps:
