@@ -24,6 +24,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/image"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
@@ -63,15 +64,42 @@ type podMonitor struct {
 			MatchLabels map[string]string `json:"matchLabels"`
 		} `json:"selector"`
 		PodMetricsEndpoints []struct {
-			Port        string `json:"port"`
-			Path        string `json:"path"`
-			Interval    string `json:"interval"`
-			Relabelings []struct {
-				SourceLabels []string `json:"sourceLabels"`
-				TargetLabel  string   `json:"targetLabel"`
-			} `json:"relabelings"`
+			Port        string       `json:"port"`
+			Path        string       `json:"path"`
+			Interval    string       `json:"interval"`
+			Relabelings []relabeling `json:"relabelings"`
 		} `json:"podMetricsEndpoints"`
 	} `json:"spec"`
+}
+
+// relabeling is one of a PodMonitor's relabelings (Prometheus' relabel_config).
+type relabeling struct {
+	SourceLabels []string `json:"sourceLabels"`
+	TargetLabel  string   `json:"targetLabel"`
+	Regex        string   `json:"regex"`
+	Replacement  string   `json:"replacement"`
+}
+
+// checkScrapeAddress checks that the relabelings make a pod's target address its IP (either
+// family) with the metrics port, as Prometheus applies them: each regex anchored, matching the
+// source label, replaced with $1 expanded.
+func checkScrapeAddress(t *testing.T, rs []relabeling, port string) {
+	t.Helper()
+	for ip, want := range map[string]string{"172.30.0.2": "172.30.0.2:" + port, "fd00::2": "[fd00::2]:" + port} {
+		addr := ip + ":1234" // the target's own address: a declared port's, or none's
+		for _, r := range rs {
+			if r.TargetLabel != "__address__" || !slices.Equal(r.SourceLabels, []string{"__meta_kubernetes_pod_ip"}) {
+				continue
+			}
+			re := regexp.MustCompile("^(?:" + r.Regex + ")$")
+			if m := re.FindStringSubmatchIndex(ip); m != nil {
+				addr = string(re.ExpandString(nil, r.Replacement, ip, m))
+			}
+		}
+		if addr != want {
+			t.Errorf("a pod at %s is scraped at %s, want %s", ip, addr, want)
+		}
+	}
 }
 
 // prometheusRule is the Prometheus Operator's PrometheusRule: its groups are a Prometheus rule
@@ -312,21 +340,40 @@ func TestDaemonSetInvariants(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(c.Ports) != 1 || fmt.Sprint(c.Ports[0].ContainerPort) != port || c.Ports[0].Name != "metrics" {
-		t.Errorf("ports %+v, metrics address port %s", c.Ports, port)
+	// With hostNetwork a declared port is also a host port, and a host port keeps a surge
+	// rollout's second pod off the node: the container declares none, and the probes, the
+	// Service and the PodMonitor name the port by number.
+	if len(c.Ports) != 0 {
+		t.Errorf("ports %+v: a hostNetwork pod's port is a host port, which a surge rollout cannot place twice", c.Ports)
 	}
 	for name, probe := range map[string]*corev1.Probe{"/healthz": c.LivenessProbe, "/readyz": c.ReadinessProbe} {
-		if probe == nil || probe.HTTPGet == nil || probe.HTTPGet.Path != name || probe.HTTPGet.Port.String() != "metrics" {
-			t.Errorf("probe for %s: %+v", name, probe)
+		if probe == nil || probe.HTTPGet == nil || probe.HTTPGet.Path != name || probe.HTTPGet.Port.String() != port {
+			t.Errorf("probe for %s: %+v, want port %s", name, probe, port)
 		}
 	}
+	// Started once this container's agent holds the node lock: the image's binary says.
+	if p := c.StartupProbe; p == nil || p.Exec == nil || !slices.Equal(p.Exec.Command, []string{image.Runtime.Binary, "holder", "--mine"}) {
+		t.Errorf("startup probe %+v, want %s holder --mine", p, image.Runtime.Binary)
+	}
 	svc := one[*corev1.Service](t, all, "base/service.yaml")
-	if len(svc.Spec.Ports) != 1 || fmt.Sprint(svc.Spec.Ports[0].Port) != port || svc.Spec.Ports[0].TargetPort.String() != "metrics" {
+	if len(svc.Spec.Ports) != 1 || fmt.Sprint(svc.Spec.Ports[0].Port) != port || svc.Spec.Ports[0].TargetPort.String() != port {
 		t.Errorf("service ports %+v", svc.Spec.Ports)
 	}
 	pm := one[*podMonitor](t, all, "monitoring/podmonitor.yaml")
-	if len(pm.Spec.PodMetricsEndpoints) != 1 || pm.Spec.PodMetricsEndpoints[0].Port != "metrics" || pm.Spec.PodMetricsEndpoints[0].Path != "/metrics" {
+	if len(pm.Spec.PodMetricsEndpoints) != 1 || pm.Spec.PodMetricsEndpoints[0].Port != "" || pm.Spec.PodMetricsEndpoints[0].Path != "/metrics" {
 		t.Errorf("pod monitor endpoints %+v", pm.Spec.PodMetricsEndpoints)
+	} else {
+		checkScrapeAddress(t, pm.Spec.PodMetricsEndpoints[0].Relabelings, port)
+	}
+
+	// The rollout order: the pod's template generation, from the label the DaemonSet controller
+	// gives its pods, reaches --template-generation.
+	if got := flagValue(t, c.Args, "template-generation"); got != "$(POD_TEMPLATE_GENERATION)" {
+		t.Errorf("--template-generation=%s, want $(POD_TEMPLATE_GENERATION)", got)
+	}
+	if i := slices.IndexFunc(c.Env, func(e corev1.EnvVar) bool { return e.Name == "POD_TEMPLATE_GENERATION" }); i < 0 ||
+		c.Env[i].ValueFrom == nil || c.Env[i].ValueFrom.FieldRef == nil || c.Env[i].ValueFrom.FieldRef.FieldPath != "metadata.labels['pod-template-generation']" {
+		t.Errorf("env %+v: want POD_TEMPLATE_GENERATION from the pod-template-generation label", c.Env)
 	}
 	for _, sel := range []map[string]string{pm.Spec.Selector.MatchLabels, svc.Spec.Selector, ds.Spec.Selector.MatchLabels} {
 		if len(sel) == 0 {

@@ -284,6 +284,9 @@ func TestChartValues(t *testing.T) {
 			args := at(r[agentDS], pod("containers", 0, "args")...).([]any)
 			set(r[agentDS], append(args, "--enable-ipv6", "--to-ports=32768-65535"), pod("containers", 0, "args")...)
 		}},
+		{"surge", "updateStrategy: {maxSurge: 1, maxUnavailable: 0}", []string{"updateStrategy.maxSurge", "updateStrategy.maxUnavailable"}, func(t *testing.T, r, h objects) {
+			set(r[agentDS], generic(t, "{maxSurge: 1, maxUnavailable: 0}"), "spec", "updateStrategy", "rollingUpdate")
+		}},
 		// Maps of values merge with the defaults, as every helm value does (null removes a key).
 		{"resources", "resources: {requests: {cpu: 50m, memory: null}, limits: {memory: 512Mi}}", []string{"resources"}, func(t *testing.T, r, h objects) {
 			set(r[agentDS], generic(t, "{requests: {cpu: 50m}, limits: {memory: 512Mi}}"), pod("containers", 0, "resources")...)
@@ -301,8 +304,10 @@ func TestChartValues(t *testing.T) {
 			bothPods(generic(t, "{type: Localhost, localhostProfile: ip-masq-agent.json}"), "securityContext", "seccompProfile")},
 		{"metrics port", "metrics: {port: 9100}", []string{"metrics.port"}, func(t *testing.T, r, h objects) {
 			set(r[agentDS], "--metrics-address=:9100", pod("containers", 0, "args", 3)...)
-			set(r[agentDS], float64(9100), pod("containers", 0, "ports", 0, "containerPort")...)
+			set(r[agentDS], float64(9100), pod("containers", 0, "livenessProbe", "httpGet", "port")...)
+			set(r[agentDS], float64(9100), pod("containers", 0, "readinessProbe", "httpGet", "port")...)
 			set(r["Service "+namespace+"/ip-masq-agent-metrics"], float64(9100), "spec", "ports", 0, "port")
+			set(r["Service "+namespace+"/ip-masq-agent-metrics"], float64(9100), "spec", "ports", 0, "targetPort")
 		}},
 		{"no metrics service", "metrics: {service: {enabled: false}}", []string{"metrics.service.enabled"}, func(t *testing.T, r, h objects) {
 			delete(r, "Service "+namespace+"/ip-masq-agent-metrics")

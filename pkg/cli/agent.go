@@ -32,6 +32,7 @@ type agentFlags struct {
 	verbosity      int
 	driftInterval  time.Duration
 	ruleMetrics    int
+	generation     int64 // --template-generation
 }
 
 func (f *agentFlags) register(fs *flagSet) {
@@ -41,6 +42,8 @@ func (f *agentFlags) register(fs *flagSet) {
 		fs.StringVar(&f.backend, "backend", backends.Auto, backends.Usage())
 		fs.StringVar(&f.interfaces, "interfaces", "", "comma-separated uplinks to masquerade on, or devices written !name to leave out of the default: the devices of the default routes and of every route, in any table, toward a masqueraded destination")
 		fs.DurationVar(&f.driftInterval, "drift-check-interval", agent.DefaultDriftInterval, "how often to check that the installed datapath is intact and repair it when not; 0 leaves the repair to the resync")
+		fs.Func("template-generation", "the template generation of the agent's DaemonSet pod (its pod-template-generation label, through the downward API): an agent of a later generation takes the node over from the holder of the node lock at once, as a rollout with maxSurge needs; 0 or empty (unknown) waits for the holder to exit",
+			func(s string) error { return parseGeneration(s, &f.generation) })
 	})
 	f.backendFlags.register(fs)
 	fs.group("observability", func() {
@@ -99,6 +102,9 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	log := newLogger(stderr, af.verbosity)
 	bo.Logger = log
 	log.Info("starting", "component", "cli", "version", version.String(), "config", af.configPath, "configSource", af.source, "backend", af.backend)
+	// The first deferred call is the last made: it stands by once all is released.
+	var handOver handOver
+	defer handOver.standBy(log)
 	dp, err := backends.Choose(ctx, af.backend, bo)
 	if err != nil {
 		return err
@@ -110,7 +116,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}()
 	// Choosing the backend installed nothing; from here on this process may change the
 	// datapath, so it first becomes the node's only agent.
-	lock, err := acquireNodeLock(ctx, log)
+	lock, err := acquireNodeLock(ctx, af.generation, log)
 	if err != nil && ctx.Err() != nil {
 		log.Info("stopped while waiting for the node lock; nothing was changed", "component", "cli")
 		return nil
@@ -119,6 +125,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	defer lock.Release()
+	ctx = handOver.watch(ctx, lock, log)
 	src, err := af.open(af.configPath, copts, log)
 	if err != nil {
 		return err
@@ -179,14 +186,24 @@ func (af *agentFlags) serve(ctx context.Context, dp *backends.Chosen, src config
 
 // acquireNodeLock makes this process the node's agent: it takes the node lock, waiting as long
 // as another agent (or a cleanup) holds it, so that two agents never program one node at once.
-// A rollout whose new pod starts before the old one has gone (maxSurge), or an operator's
-// agent beside the DaemonSet's, thus takes over within nodelock.PollInterval of the holder's
-// exit, where refusing would leave a crash-looping pod that takes over only after its backoff.
-// A waiting agent serves nothing: its health endpoints would take the holder's address.
-func acquireNodeLock(ctx context.Context, log *slog.Logger) (*nodelock.Lock, error) {
+// An agent of an older pod template generation is asked to hand the node over (handover.go);
+// any other holder is waited for: an operator's agent beside the DaemonSet's thus takes over
+// within nodelock.PollInterval of the holder's exit, where refusing would leave a crash-looping
+// pod that takes over only after its backoff. A waiting agent serves nothing: its health
+// endpoints would take the holder's address.
+func acquireNodeLock(ctx context.Context, generation int64, log *slog.Logger) (*nodelock.Lock, error) {
 	log = log.With("component", "cli", "lock", "@"+nodelock.Name)
-	lock, err := nodelock.Acquire(ctx, nodelock.Name, nodelock.Me("agent", version.Version), func(h nodelock.Holder) {
-		log.Warn("another process holds the node lock; waiting to take over when it exits", "holder", h.String())
+	me := nodelock.Me("agent", version.Version)
+	me.Generation = generation
+	lock, err := nodelock.Acquire(ctx, nodelock.Name, me, func(w nodelock.Wait) {
+		switch {
+		case w.HandingOver:
+			log.Info("the node lock's holder hands the node over to this newer agent; waiting for it to let go", "holder", w.Holder.String(), "generation", generation)
+		case w.Refused != "":
+			log.Warn("another agent holds the node lock and does not hand the node over; waiting to take over when it exits", "holder", w.Holder.String(), "reason", w.Refused)
+		default:
+			log.Warn("another process holds the node lock; waiting to take over when it exits", "holder", w.Holder.String())
+		}
 	})
 	if err != nil {
 		return nil, err

@@ -28,6 +28,9 @@ func TestAgentCommandLineErrors(t *testing.T) {
 		{[]string{"--interfaces=eth0,!eth1"}, 2, "name the uplinks, or leave devices out with !name, not both"},
 		{[]string{"--nat-sweep-interval=0s"}, 2, "nat-sweep-interval 0s: must be positive"},
 		{[]string{"--drift-check-interval=-1s"}, 2, "drift-check-interval -1s: must be positive, or 0"},
+		// The label's variable left unexpanded: the pod's env does not define it.
+		{[]string{"--template-generation=$(POD_TEMPLATE_GENERATION)"}, 2, `"$(POD_TEMPLATE_GENERATION)": want the pod's template generation`},
+		{[]string{"--template-generation=-1"}, 2, `"-1": want the pod's template generation`},
 		{[]string{"cleanup", "now"}, 2, "cleanup takes no arguments"},
 		{[]string{"cleanup", "--masq-chain=bad name"}, 2, "only letters, digits"},
 		{[]string{"cleanup", "--no-such-flag"}, 2, "flag provided but not defined"},
@@ -54,6 +57,17 @@ func TestCleanupAcceptsAgentFlags(t *testing.T) {
 	for _, flag := range []string{"-masq-chain", "-backend", "-enable-ipv6", "-metrics-address", "-interfaces"} {
 		if !strings.Contains(stderr, flag) {
 			t.Errorf("cleanup --help does not list %s:\n%s", flag, stderr)
+		}
+	}
+}
+
+// The DaemonSet passes the pod's pod-template-generation label: empty when the pod has none
+// (a pod not made by a DaemonSet controller), which is unknown, as 0 is.
+func TestParseGeneration(t *testing.T) {
+	for s, want := range map[string]int64{"": 0, "0": 0, "7": 7, "12345678901": 12345678901} {
+		var got int64 = -1
+		if err := parseGeneration(s, &got); err != nil || got != want {
+			t.Errorf("parseGeneration(%q) = %d, %v; want %d", s, got, err, want)
 		}
 	}
 }

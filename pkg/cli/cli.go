@@ -56,6 +56,8 @@ func commands() []command {
 			"dump --config=/etc/config/ip-masq-agent --top=5", runDump},
 		{"cleanup", "[flags]", "remove everything the agent installed (" + backends.Installs() + ")",
 			"cleanup --bpffs=/sys/fs/bpf --masq-chain=IP-MASQ-AGENT", runCleanup},
+		{"holder", "[--mine]", "who holds the node lock; --mine fails unless this container's agent does (the DaemonSet's startup probe)",
+			"holder --mine", runHolder},
 		{"version", "", "print the version", "version", runVersion},
 	}
 }

@@ -64,7 +64,7 @@ func TestHelpGroupsFlags(t *testing.T) {
 	}
 	for group, names := range map[string][]string{
 		"configuration": {"config", "config-pattern", "config-source", "enable-ipv6", "kubeconfig", "nomasq-all-reserved-ranges", "random-fully", "to-ports"},
-		"datapath":      {"backend", "drift-check-interval", "interfaces"},
+		"datapath":      {"backend", "drift-check-interval", "interfaces", "template-generation"},
 		"observability": {"logtostderr", "metrics-address", "node-name", "node-status", "node-status-delay", "rule-metrics-limit", "v"},
 	} {
 		if !slices.Equal(flags[group], names) {

@@ -12,7 +12,18 @@
 // The holder answers every connection to the socket with one JSON line saying who it is
 // (Holder), so that a process that finds the lock taken can say by whom; the kernel adds the
 // holder's uid (SO_PEERCRED), which tells an agent from another process that took the name
-// (abstract names have no permissions: any process of the namespace can bind one).
+// (abstract names have no permissions: any process of the namespace can bind one), and its pid
+// as seen from the asker's pid namespace, 0 outside it, which tells a container whether the
+// holder is its own agent (Holder.LocalPid).
+//
+// A newer agent may then ask the holder to hand the node over (a rollout with maxSurge starts
+// the new pod beside the old one): after the holder's line it sends one JSON line naming
+// itself, and a holder it supersedes (Holder.Supersedes: both agents, of known pod template
+// generations, the asker's the later; the same uid) agrees in one line, once. The holder is
+// told (Lock.HandOvers), stops changing the datapath, frees what the newer agent needs (its
+// metrics port) and releases the lock, which the newer agent takes at its next try. Any other
+// answer leaves the newer agent waiting for the holder's exit, as does a holder of a release
+// before the handover, which hangs up after its line.
 package nodelock
 
 import (
@@ -48,17 +59,36 @@ type Holder struct {
 	Pid     int       `json:"pid"`
 	Version string    `json:"version"`
 	Since   time.Time `json:"since"`
+	// Generation orders the agents of a DaemonSet: the template generation of the agent's pod
+	// (the pod-template-generation label the DaemonSet controller gives its pods, raised by
+	// every change of the pod template, a rollback's too); 0 when unknown.
+	Generation int64 `json:"generation,omitempty"`
 	// UID is the holder's user id as the kernel reports it (-1 when unknown), not what the
 	// holder says.
 	UID int `json:"-"`
+	// LocalPid is the holder's pid in the asker's pid namespace, as the kernel reports it: 0
+	// when the holder is not in that namespace (another container's agent) or unknown.
+	LocalPid int `json:"-"`
+}
+
+// Supersedes reports whether agent h is to take the node over from agent old: both are agents
+// of known generations and h's is the later. The generation is the pod's, not the process's:
+// a container the kubelet restarts in the old pod keeps the old generation, so it never takes
+// the node back from the newer pod's agent, and two agents never hand the node to and fro.
+func (h Holder) Supersedes(old Holder) bool {
+	return h.Command == "agent" && old.Command == "agent" && old.Generation > 0 && h.Generation > old.Generation
 }
 
 func (h Holder) String() string {
 	if h.Command == "" {
 		return fmt.Sprintf("another process (uid %d), which does not say who it is", h.UID)
 	}
-	return fmt.Sprintf("ip-masq-agent %s (pid %d, uid %d, version %s, since %s)", h.Command, h.Pid, h.UID,
-		h.Version, h.Since.Format(time.RFC3339))
+	gen := ""
+	if h.Generation > 0 {
+		gen = fmt.Sprintf(", generation %d", h.Generation)
+	}
+	return fmt.Sprintf("ip-masq-agent %s (pid %d, uid %d, version %s%s, since %s)", h.Command, h.Pid, h.UID,
+		h.Version, gen, h.Since.Format(time.RFC3339))
 }
 
 // HeldError is the error of TryAcquire when another process holds the lock.
@@ -71,8 +101,24 @@ func (e *HeldError) Error() string { return "the node lock is held by " + e.Hold
 // Lock is a held lock.
 type Lock struct {
 	ln   *net.UnixListener
+	me   Holder
 	once sync.Once
 	done chan struct{}
+
+	handOvers chan Holder // receives the agent handed over to, once
+	mu        sync.Mutex
+	agreed    bool // a handover was agreed: no second one
+}
+
+// handOverRequest is the line a newer agent sends after the holder's; handOverReply the
+// holder's answer.
+type handOverRequest struct {
+	HandOver *Holder `json:"handOver"`
+}
+
+type handOverReply struct {
+	Agreed bool   `json:"agreed"`
+	Reason string `json:"reason,omitempty"`
 }
 
 // TryAcquire takes the lock named name for me, or fails at once: with a *HeldError when another
@@ -90,15 +136,49 @@ func TryAcquire(name string, me Holder) (*Lock, error) {
 		ln.Close()
 		return nil, fmt.Errorf("take the node lock: %w", err)
 	}
-	l := &Lock{ln: ln, done: make(chan struct{})}
+	// The channel exists from the start, so that an agent asking at once is not refused.
+	l := &Lock{ln: ln, me: me, done: make(chan struct{}), handOvers: make(chan Holder, 1)}
 	go l.serve(append(line, '\n'))
 	return l, nil
 }
 
+// HandOvers receives the agent this holder has agreed to hand the node over to (once: later
+// requests are refused). A holder that an agent can supersede (an agent of a known generation)
+// must follow it: stop changing the datapath, close what the newer agent needs and Release.
+func (l *Lock) HandOvers() <-chan Holder { return l.handOvers }
+
+// consider decides a handover request from the agent from.
+func (l *Lock) consider(from Holder) handOverReply {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	switch {
+	case l.me.Command != "agent" || l.me.Generation == 0:
+		return handOverReply{Reason: "the holder does not hand over"}
+	case from.UID != l.me.UID:
+		return handOverReply{Reason: fmt.Sprintf("the requester's uid %d is not the holder's", from.UID)}
+	case !from.Supersedes(l.me):
+		return handOverReply{Reason: fmt.Sprintf("generation %d does not supersede the holder's %d", from.Generation, l.me.Generation)}
+	case l.agreed:
+		return handOverReply{Reason: "the holder already hands over to another agent"}
+	}
+	l.agreed = true
+	l.handOvers <- from
+	return handOverReply{Agreed: true}
+}
+
+// Wait is what Acquire waits for.
+type Wait struct {
+	Holder Holder
+	// HandingOver says the holder agreed to hand the node over to this agent, which supersedes
+	// it; Refused, why a holder this agent supersedes did not agree.
+	HandingOver bool
+	Refused     string
+}
+
 // Acquire takes the lock named name for me, waiting as long as another process holds it (until
-// ctx ends). waiting is called, before the wait, with each holder it waits for (once per
-// holder, not at every try).
-func Acquire(ctx context.Context, name string, me Holder, waiting func(Holder)) (*Lock, error) {
+// ctx ends). A holder that me supersedes is asked to hand the node over. waiting is called,
+// before the wait, with each holder it waits for (once per holder, not at every try).
+func Acquire(ctx context.Context, name string, me Holder, waiting func(Wait)) (*Lock, error) {
 	var last *Holder
 	for {
 		l, err := TryAcquire(name, me)
@@ -108,8 +188,12 @@ func Acquire(ctx context.Context, name string, me Holder, waiting func(Holder)) 
 		}
 		if last == nil || *last != held.Holder {
 			last = &held.Holder
+			w := Wait{Holder: held.Holder}
+			if me.Supersedes(held.Holder) {
+				w.HandingOver, w.Refused = askHandOver(name, me)
+			}
 			if waiting != nil {
-				waiting(held.Holder)
+				waiting(w)
 			}
 		}
 		select {
@@ -118,6 +202,39 @@ func Acquire(ctx context.Context, name string, me Holder, waiting func(Holder)) 
 		case <-time.After(PollInterval):
 		}
 	}
+}
+
+// askHandOver asks the holder of the lock named name to hand the node over to me, and returns
+// whether it agreed, and if not why.
+func askHandOver(name string, me Holder) (bool, string) {
+	c, err := net.DialTimeout("unix", "@"+name, describeTimeout)
+	if err != nil {
+		return false, err.Error()
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(describeTimeout))
+	req, err := json.Marshal(handOverRequest{HandOver: &me})
+	if err != nil {
+		return false, err.Error()
+	}
+	r := bufio.NewReader(c)
+	if _, err := r.ReadBytes('\n'); err != nil { // the holder's line
+		return false, "the holder does not answer: " + err.Error()
+	}
+	// A holder of a release before the handover hangs up after its line.
+	const before = "the holder does not hand over (a release before the handover)"
+	if _, err := c.Write(append(req, '\n')); err != nil {
+		return false, before
+	}
+	var reply handOverReply
+	line, err := r.ReadBytes('\n')
+	if err != nil {
+		return false, before
+	}
+	if err := json.Unmarshal(line, &reply); err != nil {
+		return false, fmt.Sprintf("the holder's answer %q: %v", line, err)
+	}
+	return reply.Agreed, reply.Reason
 }
 
 // serve answers each connection with line, until Release.
@@ -136,9 +253,31 @@ func (l *Lock) serve(line []byte) {
 			time.Sleep(PollInterval) // e.g. EMFILE: do not spin
 			continue
 		}
-		_ = c.SetWriteDeadline(time.Now().Add(describeTimeout))
-		_, _ = c.Write(line)
-		c.Close()
+		go l.answer(c.(*net.UnixConn), line)
+	}
+}
+
+// answer writes line to a client, then reads whether it asks for a handover (a Describe hangs
+// up instead) and answers that.
+func (l *Lock) answer(c *net.UnixConn, line []byte) {
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(describeTimeout))
+	if _, err := c.Write(line); err != nil {
+		return
+	}
+	b, err := bufio.NewReader(c).ReadBytes('\n')
+	if err != nil {
+		return
+	}
+	var req handOverRequest
+	if json.Unmarshal(b, &req) != nil || req.HandOver == nil {
+		return
+	}
+	from := *req.HandOver
+	from.UID, _ = peerCred(c)
+	reply, err := json.Marshal(l.consider(from))
+	if err == nil {
+		_, _ = c.Write(append(reply, '\n'))
 	}
 }
 
@@ -161,30 +300,31 @@ func Describe(name string) Holder {
 		return Holder{}
 	}
 	defer c.Close()
-	uid := peerUID(c.(*net.UnixConn))
+	uid, pid := peerCred(c.(*net.UnixConn))
 	_ = c.SetReadDeadline(time.Now().Add(describeTimeout))
 	var h Holder
 	line, err := bufio.NewReader(c).ReadBytes('\n')
 	if err != nil || json.Unmarshal(line, &h) != nil {
 		h = Holder{}
 	}
-	h.UID = uid
+	h.UID, h.LocalPid = uid, pid
 	return h
 }
 
-// peerUID is the uid of the process at the other end of c, or -1.
-func peerUID(c *net.UnixConn) int {
-	uid := -1
+// peerCred is the uid of the process at the other end of c (-1 when unknown) and its pid in
+// this process's pid namespace (0 when it is not in it, or unknown): the kernel translates it.
+func peerCred(c *net.UnixConn) (uid, pid int) {
+	uid = -1
 	rc, err := c.SyscallConn()
 	if err != nil {
-		return uid
+		return uid, 0
 	}
 	_ = rc.Control(func(fd uintptr) {
 		if cred, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
-			uid = int(cred.Uid)
+			uid, pid = int(cred.Uid), int(cred.Pid)
 		}
 	})
-	return uid
+	return uid, pid
 }
 
 // Me describes this process as the holder of the lock for command.

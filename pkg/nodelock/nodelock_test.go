@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
 // holdEnv makes the test binary a helper process that takes the lock it names, says "held",
@@ -23,6 +25,14 @@ const holdEnv = "NODELOCK_TEST_HOLD"
 func TestMain(m *testing.M) {
 	if name := os.Getenv(holdEnv); name != "" {
 		os.Exit(hold(name))
+	}
+	if name := os.Getenv(askEnv); name != "" {
+		os.Exit(ask(name))
+	}
+	if name := os.Getenv(describeEnv); name != "" {
+		h := Describe(name)
+		fmt.Printf("%s pid %d, local pid %d\n", h.Command, h.Pid, h.LocalPid)
+		os.Exit(0)
 	}
 	os.Exit(m.Run())
 }
@@ -101,7 +111,7 @@ func TestAcquireWaits(t *testing.T) {
 	var second *Lock
 	go func() {
 		var err error
-		second, err = Acquire(context.Background(), name, Me("agent", "second"), func(h Holder) { waited <- h })
+		second, err = Acquire(context.Background(), name, Me("agent", "second"), func(w Wait) { waited <- w.Holder })
 		got <- err
 	}()
 	h := <-waited
@@ -210,4 +220,235 @@ func TestReleasedByDeath(t *testing.T) {
 		t.Fatalf("after the holder died: %v", err)
 	}
 	l.Release()
+}
+
+// agent describes an agent of a pod of the given template generation.
+func agent(version string, generation int64) Holder {
+	h := Me("agent", version)
+	h.Generation = generation
+	return h
+}
+
+// TestHandOver: an agent of a later generation asks the holder to hand over; the holder
+// agrees once, is told who supersedes it, and the newer agent takes the lock as soon as the
+// holder releases it.
+func TestHandOver(t *testing.T) {
+	name := testName(t)
+	old, err := TryAcquire(name, agent("old", 3))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Release()
+	waits := make(chan Wait, 10)
+	got := make(chan error, 1)
+	var newer *Lock
+	go func() {
+		var err error
+		newer, err = Acquire(context.Background(), name, agent("new", 4), func(w Wait) { waits <- w })
+		got <- err
+	}()
+	w := <-waits
+	if !w.HandingOver || w.Refused != "" || w.Holder.Version != "old" || w.Holder.Generation != 3 {
+		t.Errorf("the newer agent waits for %+v, want the old holder handing over", w)
+	}
+	// Asked before the holder looks (an agent that has just taken the lock), it agrees all the
+	// same: the holder is told when it does look.
+	to := <-old.HandOvers()
+	if to.Version != "new" || to.Generation != 4 || to.UID != os.Getuid() {
+		t.Errorf("handing over to %+v, want the newer agent with the kernel's uid", to)
+	}
+	// Agreed once: a third agent, newer still, is refused while the handover is under way.
+	if agreed, why := askHandOver(name, agent("third", 5)); agreed || !strings.Contains(why, "already hands over") {
+		t.Errorf("a second request: agreed %v (%s), want refused", agreed, why)
+	}
+	select {
+	case err := <-got:
+		t.Fatalf("Acquire returned before the holder let go: %v", err)
+	case <-time.After(2 * PollInterval):
+	}
+	old.Release()
+	if err := <-got; err != nil {
+		t.Fatal(err)
+	}
+	defer newer.Release()
+	if h := Describe(name); h.Version != "new" || h.Generation != 4 {
+		t.Errorf("held by %+v, want the newer agent", h)
+	}
+}
+
+// TestNoHandOverBack: an agent of an older generation (the old pod's container, restarted by
+// the kubelet after the handover) does not ask the newer holder to step down, and the holder
+// refuses if asked; nor does an agent of unknown generation, or one of the same.
+func TestNoHandOverBack(t *testing.T) {
+	name := testName(t)
+	holder, err := TryAcquire(name, agent("new", 4))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Release()
+	handOvers := holder.HandOvers()
+	for _, gen := range []int64{3, 4, 0} {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*PollInterval)
+		var w Wait
+		_, err := Acquire(ctx, name, agent("other", gen), func(got Wait) { w = got })
+		cancel()
+		if !errors.Is(err, context.DeadlineExceeded) || w.HandingOver || w.Refused != "" {
+			t.Errorf("generation %d: %v, waited for %+v; want a plain wait", gen, err, w)
+		}
+		if agreed, why := askHandOver(name, agent("other", gen)); agreed || !strings.Contains(why, "does not supersede") {
+			t.Errorf("generation %d asks anyway: agreed %v (%s), want refused", gen, agreed, why)
+		}
+	}
+	select {
+	case h := <-handOvers:
+		t.Fatalf("the holder agreed to hand over to %+v", h)
+	default:
+	}
+}
+
+// TestHandOverRefused: holders that do not hand over (cleanup; an agent of unknown
+// generation; one of a release before the handover, which hangs up after its line) leave the
+// newer agent waiting, with the reason.
+func TestHandOverRefused(t *testing.T) {
+	for what, h := range map[string]Holder{"cleanup": Me("cleanup", "old"), "unknown generation": agent("old", 0)} {
+		t.Run(what, func(t *testing.T) {
+			name := testName(t)
+			l, err := TryAcquire(name, h)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer l.Release()
+			ctx, cancel := context.WithTimeout(context.Background(), 2*PollInterval)
+			defer cancel()
+			var w Wait
+			_, _ = Acquire(ctx, name, agent("new", 2), func(got Wait) { w = got })
+			if w.HandingOver || w.Refused != "" || w.Holder.Version != "old" {
+				t.Errorf("waited for %+v, want a plain wait", w)
+			}
+			if agreed, why := askHandOver(name, agent("new", 2)); agreed || why != "the holder does not hand over" {
+				t.Errorf("agreed %v (%s), want refused", agreed, why)
+			}
+			select {
+			case to := <-l.HandOvers():
+				t.Errorf("the holder is told to hand over to %+v", to)
+			default:
+			}
+		})
+	}
+	t.Run("an older release", func(t *testing.T) {
+		name := testName(t)
+		ln, err := net.Listen("unix", "@"+name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+		go func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				_, _ = c.Write([]byte(`{"command":"agent","pid":1,"version":"v0.0.1","since":"2026-01-01T00:00:00Z"}` + "\n"))
+				c.Close()
+			}
+		}()
+		ctx, cancel := context.WithTimeout(context.Background(), 2*PollInterval)
+		defer cancel()
+		var w Wait
+		// Its line has no generation: nothing to supersede, so nothing is asked.
+		_, _ = Acquire(ctx, name, agent("new", 2), func(got Wait) { w = got })
+		if w.HandingOver || w.Refused != "" || w.Holder.Version != "v0.0.1" {
+			t.Errorf("waited for %+v, want a plain wait for the old release", w)
+		}
+		if agreed, why := askHandOver(name, agent("new", 2)); agreed || !strings.Contains(why, "a release before the handover") {
+			t.Errorf("agreed %v (%s), want refused", agreed, why)
+		}
+	})
+}
+
+// askEnv makes the test binary a helper that asks the holder of the lock it names to hand over
+// to a newer agent, and prints the answer.
+const askEnv = "NODELOCK_TEST_ASK"
+
+// TestHandOverOtherUser: a process of another user cannot make the agent step down, whatever
+// generation it claims (the socket has no permissions; the kernel's uid decides).
+func TestHandOverOtherUser(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	name := testName(t)
+	l, err := TryAcquire(name, agent("old", 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release()
+	handOvers := l.HandOvers()
+	// A copy of the test binary the other user may run (go test's build folder is root's only).
+	self, err := os.ReadFile(os.Args[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir, err := os.MkdirTemp("", "nodelock-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	bin := dir + "/nodelock.test"
+	if err := os.Chmod(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(bin, self, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin)
+	cmd.Env = append(os.Environ(), askEnv+"="+name)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("helper: %v: %s", err, out)
+	}
+	if want := "refused: the requester's uid 65534 is not the holder's"; strings.TrimSpace(string(out)) != want {
+		t.Errorf("the other user's request: %q, want %q", out, want)
+	}
+	select {
+	case h := <-handOvers:
+		t.Fatalf("the holder agreed to hand over to %+v", h)
+	default:
+	}
+}
+
+func ask(name string) int {
+	if agreed, why := askHandOver(name, agent("impostor", 1000)); agreed {
+		fmt.Println("agreed")
+	} else {
+		fmt.Println("refused: " + why)
+	}
+	return 0
+}
+
+// describeEnv makes the test binary a helper that describes the holder of the lock it names.
+const describeEnv = "NODELOCK_TEST_DESCRIBE"
+
+// TestLocalPid: the kernel tells a holder in the asker's pid namespace (a container's own
+// agent: the DaemonSet's startup probe asks) from one in another (another pod's agent), whose
+// own pid may well be the same.
+func TestLocalPid(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	name := testName(t)
+	l, err := TryAcquire(name, agent("here", 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release()
+	if h := Describe(name); h.LocalPid != os.Getpid() || h.Pid != os.Getpid() {
+		t.Errorf("described from its own pid namespace: %+v, want local pid %d", h, os.Getpid())
+	}
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), describeEnv+"="+name)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID}
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("helper: %v: %s", err, out)
+	}
+	if want := fmt.Sprintf("agent pid %d, local pid 0", os.Getpid()); strings.TrimSpace(string(out)) != want {
+		t.Errorf("described from another pid namespace: %q, want %q", out, want)
+	}
 }

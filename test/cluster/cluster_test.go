@@ -17,6 +17,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/cluster"
 	"github.com/ip-masq-agent/ip-masq-agent/internal/image"
+	"helm.sh/helm/v3/pkg/chart"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
@@ -364,6 +365,8 @@ type agentImage struct {
 	archive, version string
 	// tag is the image's tag in the repository image.Repository.
 	tag string
+	// chart is the release's Helm chart; nil for this tree's.
+	chart *chart.Chart
 }
 
 // ImageEnv names an archive of the agent's image (make image writes bin/ip-masq-agent-image.tar)

@@ -13,7 +13,6 @@ import (
 	"helm.sh/helm/v3/pkg/action"
 	"helm.sh/helm/v3/pkg/chart"
 	"helm.sh/helm/v3/pkg/chart/loader"
-	"helm.sh/helm/v3/pkg/postrender"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -53,14 +52,20 @@ func helmConfig(t testing.TB, c *cluster.Cluster) *action.Configuration {
 	return cfg
 }
 
-// loadChart loads the repository's chart, as helm does (its loader's notice about the
-// dashboard's symbolic link kept out of the test's output).
+// loadChart loads the repository's chart.
 func loadChart(t testing.TB) *chart.Chart {
 	t.Helper()
 	root, err := cluster.RepoRoot()
 	if err != nil {
 		t.Fatal(err)
 	}
+	return loadChartAt(t, root)
+}
+
+// loadChartAt loads the chart of the tree at root, as helm does (its loader's notice about the
+// dashboard's symbolic link kept out of the test's output).
+func loadChartAt(t testing.TB, root string) *chart.Chart {
+	t.Helper()
 	out := log.Writer()
 	log.SetOutput(io.Discard)
 	defer log.SetOutput(out)
@@ -71,20 +76,22 @@ func loadChart(t testing.TB) *chart.Chart {
 	return ch
 }
 
-// helmInstall installs (or upgrades) the chart with values, as `helm upgrade --install` does,
-// its manifests passed through post (when not nil) as `--post-renderer` does.
-func helmInstall(t testing.TB, c *cluster.Cluster, values map[string]any, post ...postrender.PostRenderer) {
+// helmInstall installs (or upgrades) this tree's chart with values, as `helm upgrade
+// --install` does.
+func helmInstall(t testing.TB, c *cluster.Cluster, values map[string]any) {
+	t.Helper()
+	helmInstallChart(t, c, loadChart(t), values)
+}
+
+// helmInstallChart is helmInstall with a chart of another release.
+func helmInstallChart(t testing.TB, c *cluster.Cluster, ch *chart.Chart, values map[string]any) {
 	t.Helper()
 	cfg := helmConfig(t, c)
-	ch := loadChart(t)
 	hist := action.NewHistory(cfg)
 	hist.Max = 1
 	if _, err := hist.Run(Release); err == nil {
 		up := action.NewUpgrade(cfg)
 		up.Namespace, up.Timeout = Namespace, deployTimeout
-		if len(post) > 0 {
-			up.PostRenderer = post[0]
-		}
 		if _, err := up.Run(Release, ch, values); err != nil {
 			t.Fatalf("helm upgrade: %v", err)
 		}
@@ -92,19 +99,17 @@ func helmInstall(t testing.TB, c *cluster.Cluster, values map[string]any, post .
 	}
 	install := action.NewInstall(cfg)
 	install.ReleaseName, install.Namespace, install.Timeout = Release, Namespace, deployTimeout
-	if len(post) > 0 {
-		install.PostRenderer = post[0]
-	}
 	if _, err := install.Run(ch, values); err != nil {
 		t.Fatalf("helm install: %v", err)
 	}
 }
 
-// helmRollback rolls the release back to its previous revision, as `helm rollback` does.
-func helmRollback(t testing.TB, c *cluster.Cluster) {
+// helmRollback rolls the release back to a revision, as `helm rollback RELEASE REVISION`
+// does.
+func helmRollback(t testing.TB, c *cluster.Cluster, revision int) {
 	t.Helper()
 	rb := action.NewRollback(helmConfig(t, c))
-	rb.Timeout = deployTimeout
+	rb.Timeout, rb.Version = deployTimeout, revision
 	if err := rb.Run(Release); err != nil {
 		t.Fatalf("helm rollback: %v", err)
 	}

@@ -24,8 +24,9 @@ const PreviousCommit = "2da51d507e60c04c5dc1c76900318cf01d58ee97"
 const PreviousTag = "previous-2da51d5"
 
 // buildPreviousImage builds the agent at PreviousCommit (a temporary git worktree of this
-// repository, removed afterwards) and makes its image from the current one: the same root
-// filesystem with that binary in the agent's place, packed by image.Pack as PreviousTag. The
+// repository, removed afterwards), loads that commit's chart, and makes its image from the
+// current one: the same root filesystem with that binary in the agent's place, packed by
+// image.Pack as PreviousTag. The
 // image's Debian layer is what image.Runtime installs, unchanged since that commit, so a second
 // mmdebstrap run would only make the same bytes again, a minute later.
 func buildPreviousImage(ctx context.Context, t *testing.T, current agentImage) agentImage {
@@ -59,6 +60,7 @@ func buildPreviousImage(ctx context.Context, t *testing.T, current agentImage) a
 	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("build the agent at %s: %v: %s", PreviousCommit, err, out)
 	}
+	ch := loadChartAt(t, src)
 	rootfs := filepath.Join(dir, "rootfs.tar")
 	if err := replaceInLayer(current.archive, rootfs, image.Runtime.Binary, bin); err != nil {
 		t.Fatal(err)
@@ -68,7 +70,7 @@ func buildPreviousImage(ctx context.Context, t *testing.T, current agentImage) a
 		Reference: image.Repository + ":" + PreviousTag, Epoch: time.Unix(1, 0), Output: out}, rootfs); err != nil {
 		t.Fatal(err)
 	}
-	return agentImage{archive: out, version: current.version, tag: PreviousTag}
+	return agentImage{archive: out, version: current.version, tag: PreviousTag, chart: ch}
 }
 
 // replaceInLayer writes the root filesystem of the one-layer OCI archive src to out, with the

@@ -2,10 +2,10 @@ package cluster
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -13,20 +13,26 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/cluster"
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
-	"helm.sh/helm/v3/pkg/releaseutil"
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"sigs.k8s.io/yaml"
 )
 
-// Log lines of the node lock's handover (pkg/cli): the new agent finds the old one holding
-// the lock, then takes it once the old one has gone.
+// Log lines of the node lock's handover (pkg/cli).
 const (
-	lockWaiting  = "another process holds the node lock; waiting to take over when it exits"
+	// lockAcquired is the new agent's, once it holds the node lock.
 	lockAcquired = "node lock acquired: this agent programs the node's datapath"
-	// shutdownLine is the old agent's last: SIGTERM leaves the datapath for the next one.
+	// shutdownLine is the old agent's, when SIGTERM or a handover stops it: the datapath stays
+	// for the next one.
 	shutdownLine = "shutting down; the datapath stays in place"
+	// With a surge, the new agent asks the old one to hand the node over, which it does and
+	// then stands by until its pod is deleted.
+	handingOver = "the node lock's holder hands the node over to this newer agent"
+	handOver    = "a newer agent takes the node over: stopping; the datapath stays in place"
+	standingBy  = "handed the node over; standing by until stopped"
 )
 
 // strategy is a DaemonSet rolling update's two knobs.
@@ -36,109 +42,93 @@ func (s strategy) String() string {
 	return fmt.Sprintf("maxSurge=%d,maxUnavailable=%d", s.maxSurge, s.maxUnavailable)
 }
 
-// surgeBroken is why the surge rollout is skipped: it cannot progress with the manifests as
-// they are (found by this test; see the cluster tests' report).
-const surgeBroken = "maxSurge=1,maxUnavailable=0 cannot progress: the hostNetwork container's port 9743 " +
-	"is also a hostPort, so the scheduler never places the surge pod beside the old one (it stays Pending), " +
-	"and a second agent waiting for the node lock serves no /readyz, so it would never become ready for the " +
-	"old one to be deleted"
+// values are the chart's updateStrategy values for s.
+func (s strategy) values() map[string]any {
+	return map[string]any{"maxSurge": s.maxSurge, "maxUnavailable": s.maxUnavailable}
+}
 
-// rollout updates the DaemonSet from the previous release's image to this one and rolls it
-// back (the chart's strategy, maxUnavailable 1: the old pod goes first, the new one adopts its
-// datapath), then updates it again with a surge (maxSurge 1, maxUnavailable 0: the new pod
-// starts beside the old one and waits for the node lock), while long-lived TCP and UDP flows
-// from the pod, masqueraded and not, keep being asked: none may fail or change the address the
-// outside sees. The agents' logs show the node lock handed over each time.
+// rollout installs the previous release (its chart and image), updates it to this tree's
+// (maxUnavailable 1: the old pod goes first, the new one adopts its datapath), updates that
+// again with a surge (maxSurge 1, maxUnavailable 0, and a changed flag for a new pod template:
+// the new pod starts beside the old one, whose agent hands the node over to it) and rolls back
+// to the previous release, while long-lived TCP and UDP flows from the pod, masqueraded and
+// not, keep being asked: none may fail or change the address the outside sees. The agents'
+// logs show the node lock handed over each time.
 func (w *world) rollout(ctx context.Context, t *testing.T, b backend) {
-	helmInstall(t, w.c, w.values(b, w.prev))
+	helmInstallChart(t, w.c, w.prev.chart, w.values(b, w.prev))
 	waitDaemonSet(ctx, t, w.c, Release)
+	w.forgetFlows(t)
 	flows := w.openFlows(ctx, t)
 	defer flows.close()
 	stop := flows.keepAsking(ctx)
+	var logs []string // the agents' logs of each rollout, shown when a flow failed
 	t.Run("update", func(t *testing.T) {
-		w.rollTo(ctx, t, w.img, strategy{maxUnavailable: 1}, func() { helmInstall(t, w.c, w.values(b, w.img)) })
-	})
-	t.Run("rollback", func(t *testing.T) {
-		w.rollTo(ctx, t, w.prev, strategy{maxUnavailable: 1}, func() { helmRollback(t, w.c) })
+		logs = append(logs, w.rollTo(ctx, t, w.img, strategy{maxUnavailable: 1}, func() { helmInstall(t, w.c, w.values(b, w.img)) }))
 	})
 	t.Run("surge", func(t *testing.T) {
-		t.Skip(surgeBroken)
 		s := strategy{maxSurge: 1}
-		w.rollTo(ctx, t, w.img, s, func() { helmInstall(t, w.c, w.values(b, w.img), s) })
+		v := w.values(b, w.img, "--drift-check-interval=2s")
+		v["updateStrategy"] = s.values()
+		logs = append(logs, w.rollTo(ctx, t, w.img, s, func() { helmInstall(t, w.c, v) }))
 	})
-	if errs := stop(); len(errs) > 0 {
-		t.Errorf("flows failed during the rolling updates (%d):\n%s", len(errs), strings.Join(errs, "\n"))
+	t.Run("rollback", func(t *testing.T) {
+		logs = append(logs, w.rollTo(ctx, t, w.prev, strategy{maxUnavailable: 1}, func() { helmRollback(t, w.c, 1) }))
+	})
+	errs, asked := stop()
+	t.Logf("%d asks of %d flows during the rolling updates", asked, len(flows))
+	if len(errs) > 0 {
+		t.Errorf("flows failed during the rolling updates (%d of %d asks):\n%s\n\n%s", len(errs), asked, strings.Join(errs, "\n"), strings.Join(logs, "\n"))
 	}
 	w.uninstall(ctx, t)
 }
 
 // rollTo runs change (an upgrade or a rollback) and waits until the DaemonSet's pod is a new
-// one running img; the old agent's log must end with it leaving the datapath in place, the
-// new one's say it took the node lock (after waiting for it, with a surge).
-func (w *world) rollTo(ctx context.Context, t *testing.T, img agentImage, s strategy, change func()) {
+// one running img; the new agent's log must say it took the node lock, the old one's that it
+// left the datapath in place. With a surge, the new agent's must say the old one handed the
+// node over, and the old one's that it did and stood by. It returns both agents' logs.
+func (w *world) rollTo(ctx context.Context, t *testing.T, img agentImage, s strategy, change func()) string {
 	t.Helper()
 	old := waitDaemonSet(ctx, t, w.c, Release)
 	oldLog := w.followLog(ctx, t, old)
 	start := time.Now()
 	change()
 	pod := w.waitRolledOut(ctx, t, old.UID, img)
-	t.Logf("%s to %s: rolled out in %v", s, img.tag, time.Since(start).Round(time.Millisecond))
+	t.Logf("%s to %s: started %s, rolled out in %v", s, img.tag, start.Format("15:04:05.000"), time.Since(start).Round(time.Millisecond))
 	logs := podLogs(ctx, t, w.c, pod, "ip-masq-agent")
-	if !strings.Contains(logs, lockAcquired) {
-		t.Errorf("the new agent's log does not say it took the node lock:\n%s", logs)
+	want := []string{lockAcquired}
+	oldWant := []string{shutdownLine}
+	if s.maxSurge > 0 {
+		want = append(want, handingOver)
+		oldWant = append(oldWant, handOver, standingBy)
 	}
-	if s.maxSurge > 0 && !strings.Contains(logs, lockWaiting) {
-		t.Errorf("the new agent, started beside the old one, does not say it waited for the lock:\n%s", logs)
+	for _, line := range want {
+		if !strings.Contains(logs, line) {
+			t.Errorf("the new agent's log does not say %q:\n%s", line, logs)
+		}
 	}
 	wait(ctx, t, "the old agent's last words", func() error {
-		if !strings.Contains(oldLog.String(), shutdownLine) {
-			return fmt.Errorf("its log ends:\n%s", tail(oldLog.String(), 3))
+		for _, line := range oldWant {
+			if !strings.Contains(oldLog.String(), line) {
+				return fmt.Errorf("no %q; its log ends:\n%s", line, tail(oldLog.String(), 5))
+			}
 		}
 		return nil
 	})
+	return fmt.Sprintf("%s to %s: the old agent's log\n%s\nthe new agent's log\n%s", s, img.tag, oldLog.String(), logs)
 }
 
-// values are the chart's values for backend b running image img.
-func (w *world) values(b backend, img agentImage) map[string]any {
-	args := make([]any, len(b.args))
-	for i, a := range b.args {
-		args[i] = a
+// values are the chart's values for backend b running image img, with more agent flags.
+func (w *world) values(b backend, img agentImage, args ...string) map[string]any {
+	var extra []any
+	for _, a := range append(slices.Clip(b.args), args...) {
+		extra = append(extra, a)
 	}
 	return map[string]any{
 		"image":     map[string]any{"tag": img.tag, "pullPolicy": "Never"},
 		"backend":   b.flag,
-		"extraArgs": args,
+		"extraArgs": extra,
 		"config":    agentConfig,
 	}
-}
-
-// Run makes the strategy the agent's DaemonSet's in the chart's rendered manifests: a Helm
-// post-renderer, as a user sets what the chart has no value for. (Patching the live DaemonSet
-// would not do: an upgrade's three-way merge resets it to the chart's.)
-func (s strategy) Run(rendered *bytes.Buffer) (*bytes.Buffer, error) {
-	out := &bytes.Buffer{}
-	found := false
-	for _, doc := range releaseutil.SplitManifests(rendered.String()) {
-		var obj map[string]any
-		if err := yaml.Unmarshal([]byte(doc), &obj); err != nil {
-			return nil, err
-		}
-		if md, _ := obj["metadata"].(map[string]any); obj["kind"] == "DaemonSet" && md["name"] == Release {
-			spec, _ := obj["spec"].(map[string]any)
-			spec["updateStrategy"] = map[string]any{"type": "RollingUpdate",
-				"rollingUpdate": map[string]any{"maxSurge": s.maxSurge, "maxUnavailable": s.maxUnavailable}}
-			b, err := yaml.Marshal(obj)
-			if err != nil {
-				return nil, err
-			}
-			doc, found = string(b), true
-		}
-		out.WriteString("---\n" + doc + "\n")
-	}
-	if !found {
-		return nil, fmt.Errorf("no DaemonSet %s in the chart's manifests", Release)
-	}
-	return out, nil
 }
 
 // waitRolledOut waits until the DaemonSet's one pod is a new one (not old) running img, ready,
@@ -211,17 +201,60 @@ func tail(s string, n int) string {
 	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }
 
-// liveFlow is one long-lived flow from the client pod and the address the outside must see.
+// forgetFlows deletes the node's conntrack entries of the client pod's flows. A BPF datapath
+// masquerades after netfilter, so the entries of an earlier test's flows hold no NAT, and a new
+// connection reusing one's tuple (a UDP source port, within the entry's 120 s) would leave the
+// node unmasqueraded by a netfilter backend, which only translates a connection's first packet.
+func (w *world) forgetFlows(t *testing.T) {
+	t.Helper()
+	ns, err := netns.GetFromName(w.c.Node)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	if err := h.SetSocketTimeout(5 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	f := &netlink.ConntrackFilter{}
+	if err := f.AddIP(netlink.ConntrackOrigSrcIP, w.podIP.AsSlice()); err != nil {
+		t.Fatal(err)
+	}
+	n, err := h.ConntrackDeleteFilters(netlink.ConntrackTable, unix.AF_INET, f)
+	if err != nil {
+		t.Fatalf("forget the client pod's conntrack entries: %v", err)
+	}
+	t.Logf("the node's conntrack forgot %d entries of the client pod's earlier flows", n)
+}
+
+// liveFlow is one flow from the client pod and the address the outside must see: a long-lived
+// one (f), or, with f nil, a new connection at every ask, which only a datapath installed at
+// that moment masquerades (a held flow may outlive its rules in conntrack).
 type liveFlow struct {
 	name string
 	f    *flow
 	want netip.Addr
+	// A new connection's.
+	cl    client
+	proto string
+	dst   netip.AddrPort
+}
+
+func (lf liveFlow) ask(ctx context.Context) (netip.Addr, error) {
+	if lf.f != nil {
+		return lf.f.ask(ctx)
+	}
+	return lf.cl.whoami(ctx, lf.proto, lf.dst)
 }
 
 type liveFlows []liveFlow
 
 // openFlows opens TCP and UDP flows from the client pod to a kept and a masqueraded outside
-// address, each checked once.
+// address, each checked once, and adds new TCP and UDP connections to the masqueraded one.
 func (w *world) openFlows(ctx context.Context, t *testing.T) liveFlows {
 	t.Helper()
 	var fs liveFlows
@@ -241,14 +274,19 @@ func (w *world) openFlows(ctx context.Context, t *testing.T) liveFlows {
 			fs = append(fs, lf)
 		}
 	}
+	for _, proto := range []string{"tcp", "udp"} {
+		fs = append(fs, liveFlow{name: fmt.Sprintf("new %s connections to %s", proto, outsideMasq), want: cluster.NodeAddress,
+			cl: w.client, proto: proto, dst: netip.AddrPortFrom(outsideMasq, WhoamiPort)})
+	}
 	return fs
 }
 
 // keepAsking asks every flow every 100 ms until the returned function is called, which
-// returns every failure seen.
-func (fs liveFlows) keepAsking(ctx context.Context) func() []string {
+// returns every failure seen and how many asks there were.
+func (fs liveFlows) keepAsking(ctx context.Context) func() ([]string, int) {
 	var mu sync.Mutex
 	var errs []string
+	asked := 0
 	done := make(chan struct{})
 	var wg sync.WaitGroup
 	for _, lf := range fs {
@@ -261,28 +299,32 @@ func (fs liveFlows) keepAsking(ctx context.Context) func() []string {
 					return
 				case <-time.After(100 * time.Millisecond):
 				}
-				if got, err := lf.f.ask(ctx); err != nil || got != lf.want {
-					mu.Lock()
+				got, err := lf.ask(ctx)
+				mu.Lock()
+				asked++
+				if err != nil || got != lf.want {
 					errs = append(errs, fmt.Sprintf("%s %s: the outside saw %s (%v), want %s", time.Now().Format("15:04:05.000"), lf.name, got, err, lf.want))
-					mu.Unlock()
-					if err != nil && lf.f.proto == "tcp" {
-						return // a broken TCP connection stays broken
-					}
+				}
+				mu.Unlock()
+				if err != nil && lf.f != nil && lf.f.proto == "tcp" {
+					return // a broken TCP connection stays broken
 				}
 			}
 		}()
 	}
-	return func() []string {
+	return func() ([]string, int) {
 		close(done)
 		wg.Wait()
 		mu.Lock()
 		defer mu.Unlock()
-		return errs
+		return errs, asked
 	}
 }
 
 func (fs liveFlows) close() {
 	for _, lf := range fs {
-		lf.f.conn.Close()
+		if lf.f != nil {
+			lf.f.conn.Close()
+		}
 	}
 }

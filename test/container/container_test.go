@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"net/netip"
 	"os"
@@ -322,7 +323,10 @@ func runDaemonSet(t *testing.T, img *builtImage, seccomp, cleanupSeccomp string,
 	}
 
 	name := "agent-" + tp.Node
-	args, err := PodmanArgs(spec, c, Run{Name: name, Image: img.Ref, NetNS: tp.Node, Seccomp: seccomp, Sources: src})
+	// The DaemonSet controller's labels of a first rollout's pod.
+	labels := maps.Clone(ds.Spec.Template.Labels)
+	labels["pod-template-generation"] = "1"
+	args, err := PodmanArgs(spec, c, Run{Name: name, Image: img.Ref, NetNS: tp.Node, Seccomp: seccomp, Sources: src, Labels: labels})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -365,6 +369,13 @@ func runDaemonSet(t *testing.T, img *builtImage, seccomp, cleanupSeccomp string,
 	}
 	waitReady(ctx, t, name, tp.Node, readyURL)
 	ready := time.Since(start)
+	// The startup probe, run in the container as the kubelet runs it: the lock's holder is the
+	// agent of the container's pid namespace, of the pod's template generation.
+	if p := c.StartupProbe; p == nil || p.Exec == nil {
+		t.Errorf("no exec startup probe: %+v", p)
+	} else if out, err := podman.Run(ctx, append([]string{"exec", name}, p.Exec.Command...)...); err != nil || !strings.Contains(out, "ip-masq-agent agent (pid 1,") || !strings.Contains(out, "generation 1,") {
+		t.Errorf("startup probe %q: %v: %s", p.Exec.Command, err, out)
+	}
 	if code, body, err := e2e.HTTPGet(ctx, tp.Node, liveURL); err != nil || code != http.StatusOK {
 		t.Errorf("liveness probe %s: %d %q %v", liveURL, code, body, err)
 	}

@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 
@@ -32,6 +33,9 @@ type Run struct {
 	// for podman's default. The caller decides what RuntimeDefault means (see Profile).
 	Seccomp string
 	Sources Sources
+	// Labels are the pod's, as its controller made it (the DaemonSet's: the template's and
+	// pod-template-generation), for the environment's label references.
+	Labels map[string]string
 }
 
 // Profile is the seccomp profile a container of the pod runs under: its own, else the pod's.
@@ -48,9 +52,10 @@ func Profile(spec corev1.PodSpec, c corev1.Container) *corev1.SeccompProfile {
 // PodmanArgs returns the `podman create` arguments that run container c of the pod as the
 // kubelet would, as far as podman expresses it: host network, capabilities, no privilege
 // escalation, a read-only root (without the tmpfs mounts podman adds by default, which a pod
-// does not have), the user, seccomp, resources, the environment (resource references
-// resolved), every volume mount with its propagation, the command and arguments, the grace
-// period. A field it cannot express is an error, so that a change to the manifest is noticed.
+// does not have), the user, seccomp, resources, the environment (resource and label
+// references resolved; its variables expanded in the command and arguments), every volume
+// mount with its propagation, the command and arguments, the grace period. A field it cannot
+// express is an error, so that a change to the manifest is noticed.
 func PodmanArgs(spec corev1.PodSpec, c corev1.Container, r Run) ([]string, error) {
 	if !spec.HostNetwork {
 		return nil, fmt.Errorf("the pod does not use the host network")
@@ -90,12 +95,14 @@ func PodmanArgs(spec corev1.PodSpec, c corev1.Container, r Run) ([]string, error
 		return nil, err
 	}
 	args = append(args, res...)
+	vars := map[string]string{}
 	for _, e := range c.Env {
-		v, err := envValue(c, e)
+		v, err := envValue(c, e, r.Labels)
 		if err != nil {
 			return nil, err
 		}
 		args = append(args, "--env", e.Name+"="+v)
+		vars[e.Name] = v
 	}
 	mounts, err := mounts(spec, c, r.Sources)
 	if err != nil {
@@ -106,14 +113,35 @@ func PodmanArgs(spec corev1.PodSpec, c corev1.Container, r Run) ([]string, error
 		args = append(args, "--stop-timeout", strconv.FormatInt(*spec.TerminationGracePeriodSeconds, 10))
 	}
 	if len(c.Command) > 0 {
-		ep, err := json.Marshal(c.Command)
+		ep, err := json.Marshal(expandAll(c.Command, vars))
 		if err != nil {
 			return nil, err
 		}
 		args = append(args, "--entrypoint", string(ep))
 	}
 	args = append(args, r.Image)
-	return append(args, c.Args...), nil
+	return append(args, expandAll(c.Args, vars)...), nil
+}
+
+// varRef is a $(NAME) reference of a command or an argument, or the $$ that escapes one.
+var varRef = regexp.MustCompile(`\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)`)
+
+// expandAll expands the references to the container's variables in args as the kubelet does:
+// $(NAME) is NAME's value, $$ a $, and a reference to no variable stays as written.
+func expandAll(args []string, vars map[string]string) []string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		out[i] = varRef.ReplaceAllStringFunc(a, func(ref string) string {
+			if ref == "$$" {
+				return "$"
+			}
+			if v, ok := vars[ref[2:len(ref)-1]]; ok {
+				return v
+			}
+			return ref
+		})
+	}
+	return out
 }
 
 func runAs(pod *corev1.PodSecurityContext, c *corev1.SecurityContext) string {
@@ -163,11 +191,19 @@ func resources(r corev1.ResourceRequirements) ([]string, error) {
 	return out, nil
 }
 
-// envValue is a variable's value as the kubelet sets it: literal, or a resource of the
-// container divided by the divisor (1 by default), rounded up.
-func envValue(c corev1.Container, e corev1.EnvVar) (string, error) {
+// envValue is a variable's value as the kubelet sets it: literal, a label of the pod (empty
+// when it has none), or a resource of the container divided by the divisor (1 by default),
+// rounded up.
+func envValue(c corev1.Container, e corev1.EnvVar, labels map[string]string) (string, error) {
 	if e.ValueFrom == nil {
 		return e.Value, nil
+	}
+	if f := e.ValueFrom.FieldRef; f != nil {
+		m := labelRef.FindStringSubmatch(f.FieldPath)
+		if m == nil {
+			return "", fmt.Errorf("env %s: field %s: only the pod's labels are run here", e.Name, f.FieldPath)
+		}
+		return labels[m[1]], nil
 	}
 	ref := e.ValueFrom.ResourceFieldRef
 	if ref == nil || (ref.ContainerName != "" && ref.ContainerName != c.Name) {
@@ -196,6 +232,9 @@ func envValue(c corev1.Container, e corev1.EnvVar) (string, error) {
 	v := (q.MilliValue() + divisor.MilliValue() - 1) / divisor.MilliValue()
 	return strconv.FormatInt(v, 10), nil
 }
+
+// labelRef is a field path to one of the pod's labels.
+var labelRef = regexp.MustCompile(`^metadata\.labels\['([^']+)'\]$`)
 
 // mounts binds each volume mount's source, read-only where asked, with its propagation.
 func mounts(spec corev1.PodSpec, c corev1.Container, src Sources) ([]string, error) {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -129,6 +130,89 @@ func TestTwoAgents(t *testing.T) {
 		}
 		if err := third.WaitReady(ctx); err != nil {
 			t.Fatal(err)
+		}
+		time.Sleep(300 * time.Millisecond)
+		w.stop(t, 20)
+		b.Verify(ctx, t, env)
+	})
+}
+
+// TestHandOver: a rollout with maxSurge on one node. The old pod's agent (template generation
+// 1) holds the node; the new pod's (generation 2), started beside it with the same flags and
+// metrics address, asks it to hand the node over. The old agent stops as on SIGTERM (the
+// datapath stays), frees the metrics port and the lock and stands by; the new one takes the
+// lock within a second and answers /readyz at the same address. The old pod's container
+// started again by the kubelet (generation 1 again) waits behind the newer agent and takes
+// nothing back; the standing-by agent exits at once on SIGTERM. A held TCP connection, a held
+// UDP flow and a new connection every round stay masqueraded throughout.
+func TestHandOver(t *testing.T) {
+	eachBackend(t, backends(), nil, func(ctx context.Context, t *testing.T, b Backend, env *Env) {
+		env.SetGood("", true)
+		StartLineEcho(t, env.Ext, []netip.Addr{public4})
+		flags := env.AgentFlags
+		startGeneration := func(gen int) *Agent {
+			env.AgentFlags = append(slices.Clip(flags), fmt.Sprintf("--template-generation=%d", gen))
+			return env.StartAgent(ctx, t, b)
+		}
+		old := startGeneration(1)
+		if err := old.WaitReady(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := old.WaitLog(ctx, 1, "policy applied"); err != nil {
+			t.Fatal(err)
+		}
+		env.CutReturnRoutes(ctx, t)
+		conns, seen := heldFlows(ctx, t, env, public4)
+		w := watchFlows(ctx, env, conns, seen)
+		time.Sleep(300 * time.Millisecond)
+
+		start := time.Now()
+		newer := startGeneration(2)
+		// A liveness bound, not a speed one: without the handover the old agent, which never
+		// exits on its own, would keep the lock for good.
+		hctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		waitHolder(hctx, t, env, newer)
+		cancel()
+		t.Logf("the newer agent held the node lock %v after its start", time.Since(start))
+		if err := newer.WaitReady(ctx); err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range []string{"the node lock's holder hands the node over to this newer agent", "node lock acquired"} {
+			if err := newer.WaitLog(ctx, 1, line); err != nil {
+				t.Error(err)
+			}
+		}
+		to := fmt.Sprintf("pid %d", newer.Pid())
+		for _, line := range [][]string{{"a newer agent takes the node over", to}, {"shutting down; the datapath stays in place"},
+			{"handed the node over; standing by until stopped", to}} {
+			if err := old.WaitLog(ctx, 1, line...); err != nil {
+				t.Error(err)
+			}
+		}
+		if exited, err := old.Exited(); exited {
+			t.Fatalf("the old agent exited (%v) after the handover: its pod would be restarted", err)
+		}
+		// The DaemonSet's startup probe: the holder is the agent of the asker's pid namespace
+		// (here the test's, every agent's), not of another one (another container's).
+		if out, err := NSExec(ctx, env.Node, "", env.Bin, "holder", "--mine"); err != nil || !strings.Contains(string(out), fmt.Sprintf("agent (pid %d,", newer.Pid())) {
+			t.Errorf("holder --mine beside the holder: %v: %s", err, out)
+		}
+		if out, err := NSExec(ctx, env.Node, "", "unshare", "--pid", "--fork", env.Bin, "holder", "--mine"); err == nil || !strings.Contains(err.Error(), "this container's agent does not hold it") {
+			t.Errorf("holder --mine from another pid namespace: %v: %s, want it refused", err, out)
+		}
+
+		// The old pod's container, started again: it waits and takes nothing back.
+		restarted := startGeneration(1)
+		assertWaiting(ctx, t, restarted, newer)
+		time.Sleep(300 * time.Millisecond)
+		if h := lockHolder(t, env); h.Pid != newer.Pid() {
+			t.Errorf("the node lock is held by %s, want the newer agent", h)
+		}
+		if err := old.Stop(ctx); err != nil {
+			t.Errorf("the old agent, standing by, on SIGTERM: %v", err)
+		}
+		if err := restarted.Stop(ctx); err != nil {
+			t.Errorf("the restarted old agent, waiting, on SIGTERM: %v", err)
 		}
 		time.Sleep(300 * time.Millisecond)
 		w.stop(t, 20)
