@@ -181,6 +181,7 @@ func (w *world) chart(ctx context.Context, t *testing.T, b backend) {
 	start := time.Now()
 	waitDaemonSet(ctx, t, w.c, Release)
 	t.Logf("agent ready %v after the install", time.Since(start).Round(time.Millisecond))
+	w.forgetFlows(t)
 	if kind := installedKind(ctx, t, w.c); kind != b.kind {
 		t.Errorf("the node has the %q datapath, want %s", kind, b.kind)
 	}

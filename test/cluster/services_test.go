@@ -142,9 +142,6 @@ func (w *world) checkServices(ctx context.Context, t *testing.T, sw *serviceWorl
 					dst = netip.AddrPortFrom(cluster.NodeAddress, uint16(svc.Spec.Ports[i].NodePort))
 				}
 				t.Run(fmt.Sprintf("%s/%s/%s", s.name, cl.name, proto), func(t *testing.T) {
-					if b.kind == "bpf" && s.name != "nodeport" && cl.src == outsideClient {
-						t.Skip("issue 25 (item 1): the BPF egress program masquerades the replies of a Service on an address the node does not own, DNAT'd to a local pod, to a client the policy masquerades")
-					}
 					got, err := cl.whoami(ctx, proto, dst)
 					if err != nil {
 						t.Fatalf("%s from %s to %s: %v", proto, cl.src, dst, err)
