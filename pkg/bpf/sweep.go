@@ -204,33 +204,43 @@ func (table natTableOf[K]) sweepTable(m *ebpf.Map, tbl Table, now time.Duration,
 			}
 			flows = append(flows, f)
 		}
-		var gone [2][]bool
-		for i, mm := range table.tables() {
-			var err error
-			if gone[i], err = deleteKeys(mm, doomed[i]); err != nil {
-				inner = err
-				return false
-			}
-		}
-		for _, f := range flows {
-			deleted := 0
-			if gone[tbl][f.at[0]] {
-				deleted++
-			}
-			if f.at[1] >= 0 && gone[f.ptbl][f.at[1]] {
-				deleted++
-			}
-			swept[f.proto] += uint64(deleted)
-			if f.at[1] >= 0 && deleted == 2 {
-				res.Flows++
-			} else {
-				res.Orphans += deleted
-			}
+		if err := table.deleteDoomed(tbl, doomed, flows, res, swept); err != nil {
+			inner = err
+			return false
 		}
 		return true
 	})
 	res.Read += seen
 	return seen, cmp.Or(inner, err)
+}
+
+// deleteDoomed deletes a sweep batch's expired flows (doomed, by table; flows, where each one's
+// keys are) and counts what went: whole flows, and halves whose partner was gone already
+// (orphans), by protocol in swept.
+func (table natTableOf[K]) deleteDoomed(tbl Table, doomed [2][]K, flows []doomedFlow, res *SweepResult, swept map[uint8]uint64) error {
+	var gone [2][]bool
+	for i, m := range table.tables() {
+		var err error
+		if gone[i], err = deleteKeys(m, doomed[i]); err != nil {
+			return err
+		}
+	}
+	for _, f := range flows {
+		deleted := 0
+		if gone[tbl][f.at[0]] {
+			deleted++
+		}
+		if f.at[1] >= 0 && gone[f.ptbl][f.at[1]] {
+			deleted++
+		}
+		swept[f.proto] += uint64(deleted)
+		if f.at[1] >= 0 && deleted == 2 {
+			res.Flows++
+		} else {
+			res.Orphans += deleted
+		}
+	}
+	return nil
 }
 
 // doomedFlow is an expired flow of a sweep batch: where its keys are in the batch's doomed lists
