@@ -225,6 +225,9 @@ func sniffFrom(t *testing.T, env *Env, server netip.AddrPort, exchange func()) (
 	buf := make([]byte, 65536)
 	for {
 		n, _, err := unix.Recvfrom(fd, buf, 0)
+		if errors.Is(err, unix.EINTR) {
+			continue // a receive timeout makes the call one a signal (Go's preemption) ends
+		}
 		if err != nil {
 			if errors.Is(err, unix.EAGAIN) {
 				break
