@@ -11,6 +11,8 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/rtnl"
 )
 
 // clsact attaches cls_bpf filters (direct-action) under a clsact qdisc. A filter is ours when it
@@ -25,13 +27,9 @@ type clsact struct {
 }
 
 func newClsact(opts Options) (*clsact, error) {
-	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+	h, err := rtnl.Handle()
 	if err != nil {
-		return nil, fmt.Errorf("netlink: %w", err)
-	}
-	if err := h.SetSocketTimeout(netlinkTimeout); err != nil {
-		h.Close()
-		return nil, fmt.Errorf("netlink: %w", err)
+		return nil, err
 	}
 	return &clsact{opts: opts, log: opts.logger(), nl: h}, nil
 }

@@ -29,7 +29,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
@@ -53,9 +52,6 @@ func CheckMode(mode string) error {
 	}
 	return fmt.Errorf("attach mode %q: must be %s, %s or %s", mode, ModeAuto, ModeTCX, ModeTC)
 }
-
-// netlinkTimeout bounds every netlink request (the netlink library takes no context).
-const netlinkTimeout = 5 * time.Second
 
 // Direction is the hook of a device a program runs at.
 type Direction uint8

@@ -19,16 +19,13 @@ import (
 	"slices"
 	"strings"
 	"sync/atomic"
-	"time"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netlink/nl"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
-)
 
-// netlinkTimeout bounds every netlink request (the netlink library takes no context).
-const netlinkTimeout = 5 * time.Second
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/rtnl"
+)
 
 // Uplink is one device and its SNAT addresses.
 type Uplink struct {
@@ -125,34 +122,16 @@ func NewResolver(spec []string) (*Resolver, error) {
 	if err != nil {
 		return nil, err
 	}
-	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+	h, err := rtnl.Handle()
 	if err != nil {
-		return nil, fmt.Errorf("netlink: %w", err)
+		return nil, err
 	}
-	if err := h.SetSocketTimeout(netlinkTimeout); err != nil {
-		h.Close()
-		return nil, fmt.Errorf("netlink: %w", err)
-	}
-	raw, err := rawSocket()
+	raw, err := rtnl.Socket()
 	if err != nil {
 		h.Close()
-		return nil, fmt.Errorf("netlink: %w", err)
+		return nil, err
 	}
 	return &Resolver{names: names, excluded: excluded, nl: h, raw: map[int]*nl.SocketHandle{unix.NETLINK_ROUTE: raw}}, nil
-}
-
-// rawSocket is a route netlink socket in the calling thread's namespace, with netlinkTimeout.
-func rawSocket() (*nl.SocketHandle, error) {
-	s, err := nl.GetNetlinkSocketAt(netns.None(), netns.None(), unix.NETLINK_ROUTE)
-	if err != nil {
-		return nil, err
-	}
-	tv := unix.NsecToTimeval(netlinkTimeout.Nanoseconds())
-	if err := errors.Join(s.SetSendTimeout(&tv), s.SetReceiveTimeout(&tv)); err != nil {
-		s.Close()
-		return nil, err
-	}
-	return &nl.SocketHandle{Socket: s}, nil
 }
 
 // SetScope tells the resolver which destinations a route must reach to make an uplink, besides
