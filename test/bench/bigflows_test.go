@@ -18,6 +18,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
+	"github.com/ip-masq-agent/ip-masq-agent/test/bench/benchdata"
 	"github.com/ip-masq-agent/ip-masq-agent/test/e2e"
 )
 
@@ -37,49 +38,6 @@ const (
 	scrapeEvery = 15 * time.Second
 )
 
-// BigFlows is what BenchmarkMillionFlows measured (bigflows.json).
-type BigFlows struct {
-	Flows         int     `json:"flows"`
-	NATMaxEntries int     `json:"nat_max_entries"`
-	FillSeconds   float64 `json:"fill_seconds"`
-	// Entries are the NAT entries dump counted after the fill (two per flow), by state.
-	Entries     int            `json:"entries"`
-	EntryStates map[string]int `json:"entry_states"`
-	// Idle and Full are the agent's steady state with the table empty and full: CPU seconds
-	// over Window (sweeps, drift checks every second, a scrape every 15 s).
-	Window float64    `json:"window_seconds"`
-	Idle   SteadyPart `json:"idle"`
-	Full   SteadyPart `json:"full"`
-	// Dump is how long `dump` took on the full table, each run.
-	DumpSeconds []float64 `json:"dump_seconds"`
-	// Restart is the agent started again over the full table, -big-runs times; Resize started
-	// again with --nat-max-entries at ResizeTo, back at NATMaxEntries, and so on.
-	Restart  []Restart `json:"restart"`
-	Resize   []Restart `json:"resize"`
-	ResizeTo int       `json:"resize_to"`
-	// KernelBytes is the kernel's memory of each NAT map at the full table (fdinfo's memlock).
-	KernelBytes map[string]int64 `json:"kernel_bytes"`
-	RSSBytes    int64            `json:"rss_bytes"`
-}
-
-// SteadyPart is one steady-state window.
-type SteadyPart struct {
-	CPUSeconds float64 `json:"cpu_seconds"`
-	// ScrapeMs is each scrape's time; SweepMs each sweep's, as the agent logged it.
-	ScrapeMs []float64 `json:"scrape_ms"`
-	SweepMs  []float64 `json:"sweep_ms"`
-}
-
-// Restart is one restart of the agent over a full table, with --nat-max-entries at
-// NATMaxEntries: the seconds to ready, to the migration's end when the table was resized, and
-// the entries dump counted afterwards.
-type Restart struct {
-	NATMaxEntries  int     `json:"nat_max_entries"`
-	ReadySeconds   float64 `json:"ready_seconds"`
-	CarriedSeconds float64 `json:"carried_seconds,omitempty"`
-	Entries        int     `json:"entries"`
-}
-
 // BenchmarkMillionFlows runs the BPF agent (tcx) with its NAT table sized for a million flows and
 // measures, empty and then full (every flow an idle established TCP connection, written by the
 // agent's own programs: see flowFiller): its CPU over a steady window, each /metrics scrape and
@@ -92,17 +50,17 @@ func BenchmarkMillionFlows(b *testing.B) {
 	bins := buildBinaries(b)
 	for range b.N {
 		res := measureBigFlows(b, bins, *bigFlows)
-		writeJSON(b, "bigflows.json", res)
+		writeJSON(b, benchdata.BigFlowsFile, res)
 		b.ReportMetric(res.Full.CPUSeconds/res.Window*100, "cpu-%-full")
 		b.ReportMetric(median(res.Full.ScrapeMs), "scrape-ms")
 		b.ReportMetric(median(res.Full.SweepMs), "sweep-ms")
 	}
 }
 
-func measureBigFlows(b *testing.B, bins binaries, flows int) BigFlows {
+func measureBigFlows(b *testing.B, bins binaries, flows int) benchdata.BigFlows {
 	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Minute)
 	defer cancel()
-	res := BigFlows{Flows: flows, NATMaxEntries: int(float64(2*flows) * bigTableRoom), Window: bigWindow.Seconds()}
+	res := benchdata.BigFlows{Flows: flows, NATMaxEntries: int(float64(2*flows) * bigTableRoom), Window: bigWindow.Seconds()}
 	res.ResizeTo = int(float64(res.NATMaxEntries) * bigResize)
 	env := e2e.NewEnv(ctx, b, bins.agent, nil)
 	be := e2e.BPFBackend(tc.ModeTCX)
@@ -150,13 +108,13 @@ func measureBigFlows(b *testing.B, bins binaries, flows int) BigFlows {
 	// Restarts over the full table, then resizes: grown, shrunk back, grown again; each carries
 	// every entry (the shrunk table still has room for them).
 	pinned := res.NATMaxEntries
-	restart := func(max int) Restart {
+	restart := func(max int) benchdata.Restart {
 		if err := env.Agent.Stop(ctx); err != nil {
 			b.Logf("agent exit: %v", err)
 		}
 		env.AgentFlags = append(slices.Clone(flags), "--nat-max-entries="+strconv.Itoa(max))
 		t0 := time.Now()
-		r := Restart{NATMaxEntries: max, ReadySeconds: start()}
+		r := benchdata.Restart{NATMaxEntries: max, ReadySeconds: start()}
 		if max != pinned {
 			pinned = max
 			// The migration's last pass follows the first apply: entries are all carried once
@@ -185,9 +143,9 @@ func measureBigFlows(b *testing.B, bins binaries, flows int) BigFlows {
 
 // steadyWindow measures the agent over -big-window: its CPU time, a timed scrape every
 // scrapeEvery, and the sweeps it logged meanwhile.
-func steadyWindow(ctx context.Context, b *testing.B, a *e2e.Agent) SteadyPart {
+func steadyWindow(ctx context.Context, b *testing.B, a *e2e.Agent) benchdata.SteadyPart {
 	b.Helper()
-	var part SteadyPart
+	var part benchdata.SteadyPart
 	sweepsBefore := len(sweepTimes(a.Logs()))
 	before, err := a.CPUTime()
 	if err != nil {

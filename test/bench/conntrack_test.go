@@ -13,28 +13,12 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/test/bench/benchdata"
 	"github.com/ip-masq-agent/ip-masq-agent/test/e2e"
 )
 
 // conntrackFlows is how many masqueraded UDP flows BenchmarkConntrackMemory opens.
 const conntrackFlows = 100_000
-
-// ConntrackMemory is what BenchmarkConntrackMemory measured (conntrack.json): the kernel's slab
-// memory that the connections took, per connection: PerConn counts nf_conntrack's cache and the
-// kmalloc caches (where the NAT extension lands), ByCache every cache that grew by more than a
-// byte per connection meanwhile (others are the rest of the machine's doing), and conntrack's hash
-// tables.
-type ConntrackMemory struct {
-	Flows       int                `json:"flows"`
-	Connections int                `json:"connections"`
-	PerConn     float64            `json:"per_conn_bytes"`
-	ByCache     map[string]float64 `json:"by_cache"`
-	// ObjectSize is nf_conntrack's object size; Buckets and Max the node's nf_conntrack_buckets
-	// and nf_conntrack_max (the hash heads are 8 bytes per bucket, for conntrack and for NAT).
-	ObjectSize int `json:"object_size"`
-	Buckets    int `json:"buckets"`
-	Max        int `json:"max"`
-}
 
 // BenchmarkConntrackMemory measures what netfilter conntrack spends per masqueraded connection on
 // this kernel: the iptables backend (MASQUERADE) in a test node, conntrackFlows UDP flows from the
@@ -48,17 +32,17 @@ func BenchmarkConntrackMemory(b *testing.B) {
 	testutil.RequirePrivileged(b, "ip", "iptables-nft-restore")
 	bins := buildBinaries(b)
 	for range b.N {
-		var rounds []ConntrackMemory
+		var rounds []benchdata.ConntrackMemory
 		for range *bigRuns {
 			res := measureConntrack(b, bins)
 			rounds = append(rounds, res)
 			b.ReportMetric(res.PerConn, "bytes/conn")
 		}
-		writeJSON(b, "conntrack.json", rounds)
+		writeJSON(b, benchdata.ConntrackFile, rounds)
 	}
 }
 
-func measureConntrack(b *testing.B, bins binaries) ConntrackMemory {
+func measureConntrack(b *testing.B, bins binaries) benchdata.ConntrackMemory {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	env := e2e.NewEnv(ctx, b, bins.agent, nil)
@@ -69,7 +53,7 @@ func measureConntrack(b *testing.B, bins binaries) ConntrackMemory {
 		b.Fatal(err)
 	}
 	env.StartReadyNoFile(ctx, b, be)
-	res := ConntrackMemory{Flows: conntrackFlows, ByCache: map[string]float64{}}
+	res := benchdata.ConntrackMemory{Flows: conntrackFlows, ByCache: map[string]float64{}}
 	before := slabs(b)
 	if err := e2e.UDPFlows(ctx, env.Pod, e2e.LoadTarget, 2, conntrackFlows); err != nil {
 		b.Fatal(err)

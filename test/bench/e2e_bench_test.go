@@ -22,6 +22,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
+	"github.com/ip-masq-agent/ip-masq-agent/test/bench/benchdata"
 	"github.com/ip-masq-agent/ip-masq-agent/test/e2e"
 )
 
@@ -75,68 +76,11 @@ func modes() []Mode {
 // lies outside of, so every new flow is checked against all of them before it is masqueraded.
 var cidrSets = []int{0, 10000}
 
-// Results is what the report generator reads.
-type Results struct {
-	Machine Machine       `json:"machine"`
-	Load    []LoadResult  `json:"load"`
-	Apply   []ApplyResult `json:"apply"`
-	Memory  []MemResult   `json:"memory"`
-	// PacketCost is the BPF modes' cost per program run on real packets (kernel statistics).
-	PacketCost []PacketCost `json:"packet_cost"`
-	StartedAt  time.Time    `json:"started_at"`
-}
-
-// Machine describes where the numbers come from.
-type Machine struct {
-	Kernel string `json:"kernel"`
-	CPUs   int    `json:"cpus"`
-	CPU    string `json:"cpu"`
-	Go     string `json:"go"`
-}
-
-// LoadResult is one mode under one CIDR set.
-type LoadResult struct {
-	Mode  string `json:"mode"`
-	CIDRs int    `json:"cidrs"`
-	// ConnRates are connections per second of each run; Slow those that took over a second.
-	ConnRates []float64 `json:"conn_rates"`
-	Slow      []int64   `json:"slow"`
-	Errors    []int64   `json:"errors"`
-	// SYNRetrans are the SYNs the pod sent again in each run (its TcpExtTCPSynRetrans): most
-	// after the far side answered with a bare ACK, which costs the connection a few ms, not a
-	// second, so Slow misses them.
-	SYNRetrans []int64 `json:"syn_retrans"`
-	// Connections are those each run completed, and CPUSeconds the system and softirq time the
-	// machine spent meanwhile (/proc/stat, every CPU): the pod's and the external host's
-	// sockets, the node's forwarding and NAT, and the agent.
-	Connections []int64   `json:"connections"`
-	CPUSeconds  []float64 `json:"cpu_seconds"`
-	// Throughputs are bulk TCP bits per second of each run.
-	Throughputs []float64 `json:"throughputs"`
-}
-
-// ApplyResult is the time from writing a config to the datapath holding it.
-type ApplyResult struct {
-	Mode  string `json:"mode"`
-	CIDRs int    `json:"cidrs"`
-	// Kind is "first" (from the defaults to n CIDRs) or "replace" (n CIDRs by n others).
-	Kind    string  `json:"kind"`
-	Seconds float64 `json:"seconds"`
-}
-
-// MemResult is the agent's resident memory.
-type MemResult struct {
-	Mode       string `json:"mode"`
-	State      string `json:"state"`
-	RSSBytes   int64  `json:"rss_bytes"`
-	NATEntries int    `json:"nat_entries,omitempty"`
-}
-
-// BenchmarkEndToEnd runs every measurement once (use -benchtime=1x) and writes results.json.
+// BenchmarkEndToEnd runs every measurement once (use -benchtime=1x) and writes e2e.json.
 func BenchmarkEndToEnd(b *testing.B) {
 	testutil.RequirePrivileged(b, "ip", "iperf3", "iptables-nft-restore")
 	bins := buildBinaries(b)
-	res := &Results{Machine: machine(), StartedAt: time.Now().UTC()}
+	res := &benchdata.Results{Machine: machine(), StartedAt: time.Now().UTC()}
 	for range b.N {
 		for _, n := range cidrSets {
 			b.Run(fmt.Sprintf("load/cidrs=%d", n), func(b *testing.B) {
@@ -158,22 +102,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 			})
 		}
 	}
-	dir := *outDir
-	if dir == "" {
-		dir = b.TempDir()
-	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		b.Fatal(err)
-	}
-	data, err := json.MarshalIndent(res, "", "  ")
-	if err != nil {
-		b.Fatal(err)
-	}
-	path := filepath.Join(dir, "e2e.json")
-	if err := os.WriteFile(path, data, 0o644); err != nil {
-		b.Fatal(err)
-	}
-	b.Logf("results: %s", path)
+	writeJSON(b, benchdata.E2EFile, res)
 }
 
 type binaries struct{ agent, connrate string }
@@ -191,7 +120,7 @@ func buildBinaries(b *testing.B) binaries {
 	return bins
 }
 
-func machine() Machine {
+func machine() benchdata.Machine {
 	var u syscall.Utsname
 	_ = syscall.Uname(&u)
 	kernel := utsString(u.Release[:])
@@ -205,7 +134,7 @@ func machine() Machine {
 		}
 	}
 	goVersion, _ := exec.Command("go", "env", "GOVERSION").Output()
-	return Machine{Kernel: kernel, CPUs: numCPU(), CPU: cpu, Go: strings.TrimSpace(string(goVersion))}
+	return benchdata.Machine{Kernel: kernel, CPUs: numCPU(), CPU: cpu, Go: strings.TrimSpace(string(goVersion))}
 }
 
 func utsString(b []int8) string {
@@ -287,7 +216,7 @@ func stopMode(ctx context.Context, b *testing.B, env *e2e.Env, m Mode) {
 // else the machine does in the meantime weighs on every mode alike; then, once more with the
 // kernel's BPF statistics on, what the programs of the modes with a NAT table of their own
 // cost per packet.
-func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) ([]LoadResult, []PacketCost) {
+func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) ([]benchdata.LoadResult, []benchdata.PacketCost) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
 	e := newEnv(ctx, b, bins, n)
@@ -295,9 +224,9 @@ func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) ([]LoadResult, [
 	e2e.StartProcess(ctx, b, "iperf3 server", e.Ext, "iperf3", "-s", "-B", target.String(), "-p", strconv.Itoa(iperfPort))
 	e2e.WaitListening(ctx, b, e.Ext, netip.AddrPortFrom(target, connratePort))
 	e2e.WaitListening(ctx, b, e.Ext, netip.AddrPortFrom(target, iperfPort))
-	results := make([]LoadResult, len(ms))
+	results := make([]benchdata.LoadResult, len(ms))
 	for i, m := range ms {
-		results[i] = LoadResult{Mode: m.Name, CIDRs: n}
+		results[i] = benchdata.LoadResult{Mode: m.Name, CIDRs: n}
 	}
 	// A discarded warm-up: neighbour entries, page cache and CPU frequency settle first.
 	connRate(ctx, b, bins, e)
@@ -323,7 +252,7 @@ func measureLoad(b *testing.B, bins binaries, ms []Mode, n int) ([]LoadResult, [
 				m.Name, n, run+1, c.Rate, c.Slow, c.SYNRetrans, c.Errors, c.CPUSeconds/float64(max(c.Connections, 1))*1e5, tput/1e9)
 		}
 	}
-	var costs []PacketCost
+	var costs []benchdata.PacketCost
 	for _, m := range ms {
 		if m.Backend != nil && m.Backend.NAT {
 			costs = append(costs, measurePacketCost(ctx, b, bins, e, m, n, prepared)...)
@@ -453,12 +382,12 @@ func bulk(ctx context.Context, b *testing.B, e *e2e.Env) float64 {
 // whatever the backend does once for a larger policy (the BPF backend grows its rule maps); the
 // second is a change of that size on a datapath sized for it. Both include the agent's debounce
 // of directory events.
-func measureApply(b *testing.B, bins binaries, m Mode, n int) []ApplyResult {
+func measureApply(b *testing.B, bins binaries, m Mode, n int) []benchdata.ApplyResult {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	e := newEnv(ctx, b, bins, 0)
 	startMode(ctx, b, e, m, map[string]bool{})
-	var out []ApplyResult
+	var out []benchdata.ApplyResult
 	for _, step := range []struct {
 		kind  string
 		first int
@@ -475,24 +404,24 @@ func measureApply(b *testing.B, bins binaries, m Mode, n int) []ApplyResult {
 		took := time.Since(start)
 		b.Logf("%s: %d CIDRs (%s) live after %v", m.Name, n, step.kind, took)
 		b.ReportMetric(took.Seconds()*1000, step.kind+"-ms")
-		out = append(out, ApplyResult{Mode: m.Name, CIDRs: n, Kind: step.kind, Seconds: took.Seconds()})
+		out = append(out, benchdata.ApplyResult{Mode: m.Name, CIDRs: n, Kind: step.kind, Seconds: took.Seconds()})
 	}
 	return out
 }
 
 // measureMemory reads the agent's resident memory idle, and with many NAT entries where the
 // backend has a NAT table.
-func measureMemory(b *testing.B, bins binaries, m Mode) []MemResult {
+func measureMemory(b *testing.B, bins binaries, m Mode) []benchdata.MemResult {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	e := newEnv(ctx, b, bins, 0)
 	startMode(ctx, b, e, m, map[string]bool{})
 	time.Sleep(2 * time.Second) // past start-up allocations
-	out := []MemResult{{Mode: m.Name, State: "idle", RSSBytes: rss(b, e.Agent)}}
+	out := []benchdata.MemResult{{Mode: m.Name, State: "idle", RSSBytes: rss(b, e.Agent)}}
 	b.Logf("%s idle: %d KiB", m.Name, out[0].RSSBytes/1024)
 	if fill := natFiller(m); fill != nil {
 		entries := fill(ctx, b, e)
-		out = append(out, MemResult{Mode: m.Name, State: "nat", RSSBytes: rss(b, e.Agent), NATEntries: entries})
+		out = append(out, benchdata.MemResult{Mode: m.Name, State: "nat", RSSBytes: rss(b, e.Agent), NATEntries: entries})
 		b.Logf("%s with %d NAT entries: %d KiB", m.Name, entries, out[1].RSSBytes/1024)
 	}
 	return out

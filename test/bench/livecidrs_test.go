@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/test/bench/benchdata"
 	"github.com/ip-masq-agent/ip-masq-agent/test/e2e"
 )
 
@@ -18,18 +19,6 @@ var (
 	liveCIDRs = flag.Int("live-cidrs", 100_000, "CIDRs of BenchmarkLiveCIDRs' configs")
 	liveRuns  = flag.Int("live-runs", 3, "swaps BenchmarkLiveCIDRs times each way, per backend")
 )
-
-// LiveCIDRs is one backend's swaps in BenchmarkLiveCIDRs (livecidrs.json).
-type LiveCIDRs struct {
-	Mode  string `json:"mode"`
-	CIDRs int    `json:"cidrs"`
-	// Verdict is, for each swap, the seconds from the ..data swap to the first new flow that got
-	// the new verdict; Applied to the agent's "policy applied" log line.
-	Verdict []float64 `json:"verdict_seconds"`
-	Applied []float64 `json:"applied_seconds"`
-	// Probes is how many new flows the swaps sent in all, one every probeEvery.
-	Probes int `json:"probes"`
-}
 
 // probeEvery is how often a swap's probe opens a new flow.
 const probeEvery = time.Millisecond
@@ -47,7 +36,7 @@ func BenchmarkLiveCIDRs(b *testing.B) {
 	testutil.RequirePrivileged(b, "ip", "iptables-nft-restore", "nft")
 	bins := buildBinaries(b)
 	for range b.N {
-		var all []LiveCIDRs
+		var all []benchdata.LiveCIDRs
 		for _, m := range modes() {
 			if m.Backend == nil || len(m.Flags) > 0 {
 				continue
@@ -58,7 +47,7 @@ func BenchmarkLiveCIDRs(b *testing.B) {
 				all = append(all, res)
 			})
 		}
-		writeJSON(b, "livecidrs.json", all)
+		writeJSON(b, benchdata.LiveCIDRsFile, all)
 	}
 }
 
@@ -77,7 +66,7 @@ func liveConfig(n, i int) string {
 	return cfg
 }
 
-func measureLiveCIDRs(b *testing.B, bins binaries, m Mode, n int) LiveCIDRs {
+func measureLiveCIDRs(b *testing.B, bins binaries, m Mode, n int) benchdata.LiveCIDRs {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
 	env := newEnv(ctx, b, bins, 0)
@@ -86,7 +75,7 @@ func measureLiveCIDRs(b *testing.B, bins binaries, m Mode, n int) LiveCIDRs {
 		b.Fatal(err)
 	}
 	startMode(ctx, b, env, m, map[string]bool{})
-	res := LiveCIDRs{Mode: m.Name, CIDRs: n}
+	res := benchdata.LiveCIDRs{Mode: m.Name, CIDRs: n}
 	p := &probes{}
 	// The agent started with the first config: the first probe sees it masqueraded.
 	if _, err := verdictAfter(ctx, env, p, e2e.NodeAddr4, time.Now()); err != nil {

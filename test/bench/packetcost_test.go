@@ -11,30 +11,15 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/test/bench/benchdata"
 	"github.com/ip-masq-agent/ip-masq-agent/test/e2e"
 )
-
-// PacketCost is what one of our programs cost per run on the uplink during one kind of load,
-// from the kernel's own BPF run-time statistics (BPF_ENABLE_STATS: two clock reads around each
-// run, in the real hook). It is the per-packet figure BPF_PROG_TEST_RUN cannot give: no
-// test-run floor, real packets (GSO super-packets in bulk), the mix of new and established
-// flows a short-connection load has.
-type PacketCost struct {
-	Mode  string `json:"mode"`
-	CIDRs int    `json:"cidrs"`
-	// Load is "connections" (the short-connection load) or "bulk" (one iperf3 stream).
-	Load string `json:"load"`
-	// Dir is "egress" or "ingress".
-	Dir      string  `json:"dir"`
-	Runs     uint64  `json:"runs"`
-	NsPerRun float64 `json:"ns_per_run"`
-}
 
 // measurePacketCost runs mode m (a BPF one) once more on topology e with the kernel's BPF
 // statistics on, and reads what its two programs cost per run during the short-connection load
 // and during bulk. Statistics stay off during the runs the rates come from: they add two clock
 // reads to every program run on the machine.
-func measurePacketCost(ctx context.Context, b *testing.B, bins binaries, e *e2e.Env, m Mode, n int, prepared map[string]bool) []PacketCost {
+func measurePacketCost(ctx context.Context, b *testing.B, bins binaries, e *e2e.Env, m Mode, n int, prepared map[string]bool) []benchdata.PacketCost {
 	b.Helper()
 	clearTimeWait(ctx, b, e.Ext)
 	startMode(ctx, b, e, m, prepared)
@@ -50,7 +35,7 @@ func measurePacketCost(ctx context.Context, b *testing.B, bins binaries, e *e2e.
 		b.Fatalf("enable BPF run-time statistics: %v", err)
 	}
 	defer stats.Close()
-	var out []PacketCost
+	var out []benchdata.PacketCost
 	for _, load := range []struct {
 		name string
 		run  func()
@@ -63,7 +48,7 @@ func measurePacketCost(ctx context.Context, b *testing.B, bins binaries, e *e2e.
 		after := programStats(b, progs)
 		for _, dir := range []string{"egress", "ingress"} {
 			runs := after[dir].RunCount - before[dir].RunCount
-			c := PacketCost{Mode: m.Name, CIDRs: n, Load: load.name, Dir: dir, Runs: runs}
+			c := benchdata.PacketCost{Mode: m.Name, CIDRs: n, Load: load.name, Dir: dir, Runs: runs}
 			if runs > 0 {
 				c.NsPerRun = float64(after[dir].Runtime-before[dir].Runtime) / float64(runs)
 			}

@@ -13,6 +13,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/ip-masq-agent/ip-masq-agent/test/bench/benchdata"
 )
 
 // The big-node sections (issue 28) and the before/after comparison of the packet costs (issue
@@ -30,58 +32,13 @@ const (
 
 // bigNode is what the big-node benchmarks left in a results directory.
 type bigNode struct {
-	flows     *bigFlows
-	conntrack []conntrackRound
-	live      []liveCIDRs
+	flows     *benchdata.BigFlows
+	conntrack []benchdata.ConntrackMemory
+	live      []benchdata.LiveCIDRs
 	// parallel and sweep map a benchmark's name to each run's metrics (unit -> value).
 	parallel, sweep map[string][]map[string]float64
 	before, after   *comparison
 }
-
-// The JSON of test/bench (bigflows_test.go, conntrack_test.go, livecidrs_test.go).
-type (
-	bigFlows struct {
-		Flows         int              `json:"flows"`
-		NATMaxEntries int              `json:"nat_max_entries"`
-		FillSeconds   float64          `json:"fill_seconds"`
-		Entries       int              `json:"entries"`
-		EntryStates   map[string]int   `json:"entry_states"`
-		Window        float64          `json:"window_seconds"`
-		Idle          steadyPart       `json:"idle"`
-		Full          steadyPart       `json:"full"`
-		DumpSeconds   []float64        `json:"dump_seconds"`
-		Restart       []restart        `json:"restart"`
-		Resize        []restart        `json:"resize"`
-		ResizeTo      int              `json:"resize_to"`
-		KernelBytes   map[string]int64 `json:"kernel_bytes"`
-		RSSBytes      int64            `json:"rss_bytes"`
-	}
-	steadyPart struct {
-		CPUSeconds float64   `json:"cpu_seconds"`
-		ScrapeMs   []float64 `json:"scrape_ms"`
-		SweepMs    []float64 `json:"sweep_ms"`
-	}
-	restart struct {
-		NATMaxEntries  int     `json:"nat_max_entries"`
-		ReadySeconds   float64 `json:"ready_seconds"`
-		CarriedSeconds float64 `json:"carried_seconds"`
-		Entries        int     `json:"entries"`
-	}
-	conntrackRound struct {
-		Connections int                `json:"connections"`
-		PerConn     float64            `json:"per_conn_bytes"`
-		ByCache     map[string]float64 `json:"by_cache"`
-		ObjectSize  int                `json:"object_size"`
-		Buckets     int                `json:"buckets"`
-		Max         int                `json:"max"`
-	}
-	liveCIDRs struct {
-		Mode    string    `json:"mode"`
-		CIDRs   int       `json:"cidrs"`
-		Verdict []float64 `json:"verdict_seconds"`
-		Applied []float64 `json:"applied_seconds"`
-	}
-)
 
 // comparison is one side of the before/after comparison: a commit's packet costs and
 // short-connection load.
@@ -161,7 +118,7 @@ func readComparison(dir string) (*comparison, error) {
 		c.label = strings.TrimSpace(string(data))
 	}
 	var r results
-	if found, err := readJSON(filepath.Join(dir, "e2e.json"), &r); err != nil {
+	if found, err := readJSON(filepath.Join(dir, benchdata.E2EFile), &r); err != nil {
 		return nil, err
 	} else if found {
 		c.r = &r
@@ -171,18 +128,18 @@ func readComparison(dir string) (*comparison, error) {
 
 func readBigNode(in string) (*bigNode, error) {
 	bn := &bigNode{}
-	var f bigFlows
-	found, err := readJSON(filepath.Join(in, "bigflows.json"), &f)
+	var f benchdata.BigFlows
+	found, err := readJSON(filepath.Join(in, benchdata.BigFlowsFile), &f)
 	if err != nil {
 		return nil, err
 	}
 	if found {
 		bn.flows = &f
 	}
-	if _, err := readJSON(filepath.Join(in, "conntrack.json"), &bn.conntrack); err != nil {
+	if _, err := readJSON(filepath.Join(in, benchdata.ConntrackFile), &bn.conntrack); err != nil {
 		return nil, err
 	}
-	if _, err := readJSON(filepath.Join(in, "livecidrs.json"), &bn.live); err != nil {
+	if _, err := readJSON(filepath.Join(in, benchdata.LiveCIDRsFile), &bn.live); err != nil {
 		return nil, err
 	}
 	if bn.parallel, err = readMetrics(filepath.Join(in, "parallel.txt")); err != nil {
@@ -259,14 +216,16 @@ func writeMillion(w *bytes.Buffer, bn *bigNode) {
 	fmt.Fprintf(w, "sweep); each steady window is %.0f s of the agent's own CPU time (user and system, /proc), with a `/metrics`\n", f.Window)
 	fmt.Fprintf(w, "scrape every 15 s, the drift checks and the sweeps.\n\n")
 	fmt.Fprintf(w, "| measure | value |\n|---|---|\n")
-	pct := func(p steadyPart) string { return fmt.Sprintf("%.2f%% of one core", p.CPUSeconds/f.Window*100) }
+	pct := func(p benchdata.SteadyPart) string {
+		return fmt.Sprintf("%.2f%% of one core", p.CPUSeconds/f.Window*100)
+	}
 	fmt.Fprintf(w, "| agent CPU, empty table | %s |\n", pct(f.Idle))
 	fmt.Fprintf(w, "| agent CPU, %d entries | %s |\n", f.Entries, pct(f.Full))
 	fmt.Fprintf(w, "| `/metrics` scrape, empty table | %s ms |\n", cell(f.Idle.ScrapeMs, "%.1f"))
 	fmt.Fprintf(w, "| `/metrics` scrape, %d entries | %s ms |\n", f.Entries, cell(f.Full.ScrapeMs, "%.1f"))
 	fmt.Fprintf(w, "| one walk of the sweep, %d entries (the agent's log, %d walks) | %s ms |\n", f.Entries, len(f.Full.SweepMs), cell(f.Full.SweepMs, "%.0f"))
 	fmt.Fprintf(w, "| `dump` | %s s |\n", cell(f.DumpSeconds, "%.2f"))
-	ready := func(rs []restart) string {
+	ready := func(rs []benchdata.Restart) string {
 		if len(rs) == 0 {
 			return "-"
 		}

@@ -27,6 +27,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/test/bench/benchdata"
 )
 
 func main() {
@@ -39,47 +41,8 @@ func main() {
 	}
 }
 
-// The e2e.json schema (see test/bench).
-type results struct {
-	Machine struct {
-		Kernel string `json:"kernel"`
-		CPUs   int    `json:"cpus"`
-		CPU    string `json:"cpu"`
-		Go     string `json:"go"`
-	} `json:"machine"`
-	Load []struct {
-		Mode        string    `json:"mode"`
-		CIDRs       int       `json:"cidrs"`
-		ConnRates   []float64 `json:"conn_rates"`
-		Slow        []int64   `json:"slow"`
-		Errors      []int64   `json:"errors"`
-		SYNRetrans  []int64   `json:"syn_retrans"`
-		Connections []int64   `json:"connections"`
-		CPUSeconds  []float64 `json:"cpu_seconds"`
-		Throughputs []float64 `json:"throughputs"`
-	} `json:"load"`
-	Apply []struct {
-		Mode    string  `json:"mode"`
-		CIDRs   int     `json:"cidrs"`
-		Kind    string  `json:"kind"`
-		Seconds float64 `json:"seconds"`
-	} `json:"apply"`
-	Memory []struct {
-		Mode       string `json:"mode"`
-		State      string `json:"state"`
-		RSSBytes   int64  `json:"rss_bytes"`
-		NATEntries int    `json:"nat_entries"`
-	} `json:"memory"`
-	PacketCost []struct {
-		Mode     string  `json:"mode"`
-		CIDRs    int     `json:"cidrs"`
-		Load     string  `json:"load"`
-		Dir      string  `json:"dir"`
-		Runs     uint64  `json:"runs"`
-		NsPerRun float64 `json:"ns_per_run"`
-	} `json:"packet_cost"`
-	StartedAt time.Time `json:"started_at"`
-}
+// results is BenchmarkEndToEnd's, with the figures the report derives from it.
+type results benchdata.Results
 
 // micro maps benchmark name -> CIDR count -> ns per packet (the median of the runs).
 type micro map[string]map[int]float64
@@ -229,7 +192,7 @@ func run(in, docs string) error {
 		writeBigNode(&big, bn)
 	}
 	// The big-node benchmarks alone: their sections replace those of the report as it is.
-	if _, err := os.Stat(filepath.Join(in, "e2e.json")); errors.Is(err, fs.ErrNotExist) && !bn.empty() {
+	if _, err := os.Stat(filepath.Join(in, benchdata.E2EFile)); errors.Is(err, fs.ErrNotExist) && !bn.empty() {
 		path := filepath.Join(docs, "benchmarks.md")
 		doc, err := os.ReadFile(path)
 		if err != nil {
@@ -241,13 +204,13 @@ func run(in, docs string) error {
 	if err != nil {
 		return fmt.Errorf("micro benchmarks: %w", err)
 	}
-	data, err := os.ReadFile(filepath.Join(in, "e2e.json"))
+	data, err := os.ReadFile(filepath.Join(in, benchdata.E2EFile))
 	if err != nil {
 		return fmt.Errorf("end-to-end results: %w", err)
 	}
 	var r results
 	if err := json.Unmarshal(data, &r); err != nil {
-		return fmt.Errorf("e2e.json: %w", err)
+		return fmt.Errorf("%s: %w", benchdata.E2EFile, err)
 	}
 	c, err := readControl(filepath.Join(in, "iptables-control.txt"))
 	if err != nil {
