@@ -26,7 +26,7 @@ import (
 
 // policyRefuses are the configtest cases the admission policies refuse when they are written:
 // CIDRs that do not parse or have host bits, unknown keys, more entries than cidrLimit. The
-// others are the agent's alone (README, Refused at apply time, says which and why).
+// others are the agent's alone (docs/configuration.md, Refused at apply time, says which and why).
 var policyRefuses = []string{"unparsable CIDR", "not a CIDR at all", "address without length", "host bits set",
 	"host bits set IPv6", "IPv4-mapped IPv6", "CIDR with a zone", "more CIDRs than cidrLimit", "unknown key with suggestion",
 	"unknown key wrong case", "unknown key far from any", "unknown key with null value"}
