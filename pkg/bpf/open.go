@@ -381,15 +381,15 @@ func CapacityFor(n int) uint32 {
 	return c
 }
 
-// Grow returns a datapath whose rule maps can hold a sync of p: d itself where they can, else one
-// loaded over the same pins with larger rule maps (CapacityFor), every other map kept (the NAT
-// tables with their flows), that continues d's slot assignment and counters (AdoptRuleSlots).
-// The programs still attached keep using d's rule maps until the caller replaces them with the
-// new ones, so traffic always meets a complete rule set; then the caller closes d.
-func (d *Datapath) Grow(p *policy.Policy) (*Datapath, error) {
-	need, err := d.SlotsNeeded(p)
-	if err != nil || need <= d.RuleCapacity() {
-		return d, err
+// Grow returns a datapath whose rule maps hold need slots (a policy's SlotsNeeded): d itself
+// where they do, else one loaded over the same pins with larger rule maps (CapacityFor), every
+// other map kept (the NAT tables with their flows), that continues d's slot assignment and
+// counters (AdoptRuleSlots). The programs still attached keep using d's rule maps until the
+// caller replaces them with the new ones, so traffic always meets a complete rule set; then the
+// caller closes d.
+func (d *Datapath) Grow(need int) (*Datapath, error) {
+	if need <= d.RuleCapacity() {
+		return d, nil
 	}
 	lopts := d.opts
 	lopts.MaxRules = CapacityFor(need)

@@ -280,21 +280,27 @@ func uplinkNames(ups []uplink.Uplink) []string {
 // longer uplinks is removed, and then a migration from older pins is finished. Each step repairs
 // drift: entries changed behind the agent's back are rewritten, programs detached behind its
 // back are attached again.
+//
+// What the steps need of p is read from it here, once: the maps take p itself, the uplinks its
+// scope and its masquerade addresses; the steps after them work on the datapath the maps step
+// left in b.dp, and on the uplinks, and know nothing of policies.
 func (b *Backend) Apply(ctx context.Context, p *policy.Policy) error {
 	b.applied = false // until this apply succeeds
-	dp, err := b.mapsFor(p)
+	// p is the policy in force on a resync, a retry, a drift repair.
+	inForce := p.Equal(b.lastApplied)
+	if err := b.syncMaps(p, inForce); err != nil {
+		return err
+	}
+	set, err := b.resolveUplinks(ctx, p.MayMasquerade, inForce)
 	if err != nil {
 		return err
 	}
-	set, err := b.resolveUplinks(ctx, p)
-	if err != nil {
-		return err
-	}
+	dp := b.dp.Load()
 	b.mu.Lock()
 	changed := !slices.Equal(b.uplinks, set.Uplinks)
 	b.mu.Unlock()
 	held := heldAddrs(set)
-	if err := b.install(ctx, dp, p, set, held, changed); err != nil {
+	if err := b.install(ctx, dp, masqueradingOf(p), set, held, changed); err != nil {
 		return err
 	}
 	if err := b.dropStale(ctx, dp, set.Uplinks, held); err != nil {

@@ -40,8 +40,9 @@ func (b *Backend) CheckDrift(ctx context.Context) ([]string, error) {
 	b.mu.Lock()
 	ups := slices.Clone(b.uplinks)
 	wants := make([]bpf.Uplink, len(ups), len(ups)+len(b.draining))
+	masq := masqueradingOf(b.lastApplied)
 	for i, u := range ups {
-		wants[i] = snatAddrs(u, b.lastApplied)
+		wants[i] = masq.snatAddrs(u)
 	}
 	for _, f := range b.draining {
 		ups, wants = append(ups, f.Uplink), append(wants, f.snatOf())

@@ -17,28 +17,28 @@ import (
 // them), grown when a policy outgrows the rule maps, synced with each policy, and the migration
 // finished once the programs are swapped.
 
-// mapsFor returns the datapath, opened by the first Apply, with p in its maps: the pins that
-// are gone pinned again, and p written.
-func (b *Backend) mapsFor(p *policy.Policy) (*bpf.Datapath, error) {
+// syncMaps writes p into the maps of the datapath (b.dp), which the first Apply opens and a
+// policy that outgrows the rule maps grows: the pins that are gone pinned again, and p written.
+// inForce tells that p is the policy in force (a resync, a retry, a drift repair): the tries are
+// then re-read first, so that entries changed behind the agent's back are written again. A new
+// policy (a config change) skips the re-read, which costs a syscall per entry: drift in between
+// is the drift check's to find, and its repair re-applies this policy.
+func (b *Backend) syncMaps(p *policy.Policy, inForce bool) error {
 	dp, err := b.datapathFor(p)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	if repinned, err := dp.Repin(); err != nil {
-		return nil, err
+		return err
 	} else if len(repinned) > 0 {
 		b.log.Warn("map pins were missing; pinned again", "maps", repinned)
 	}
-	// Re-applying the policy in force (a resync, a retry, a drift repair) first re-reads the
-	// tries, so that entries changed behind the agent's back are written again. A new policy
-	// (a config change) skips the re-read, which costs a syscall per entry: drift in between is
-	// the drift check's to find, and its repair re-applies this policy.
-	if p.Equal(b.lastApplied) {
+	if inForce {
 		if err := dp.Refresh(); err != nil {
-			return nil, fmt.Errorf("read the maps: %w", err)
+			return fmt.Errorf("read the maps: %w", err)
 		}
 	}
-	return dp, dp.SyncPolicy(p)
+	return dp.SyncPolicy(p)
 }
 
 // datapathFor returns the datapath, opened by the first Apply, with rule maps that can hold p.
@@ -54,7 +54,11 @@ func (b *Backend) datapathFor(p *policy.Policy) (*bpf.Datapath, error) {
 		b.dp.Store(dp)
 		b.sweepSoon() // the metrics count its tables from the first walk on
 	}
-	bigger, err := dp.Grow(p)
+	need, err := dp.SlotsNeeded(p)
+	if err != nil {
+		return nil, err
+	}
+	bigger, err := dp.Grow(need)
 	if err != nil || bigger == dp {
 		return bigger, err
 	}

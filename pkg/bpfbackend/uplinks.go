@@ -42,14 +42,15 @@ func (b *Backend) askApply(reason string) {
 	}
 }
 
-// resolveUplinks returns the uplinks under p: as the watcher read them when it last saw them
-// change, if no Apply used that yet and p is the policy in force, else read now. Routes make
-// uplinks where p may masquerade their destination. Having none is an error.
-func (b *Backend) resolveUplinks(ctx context.Context, p *policy.Policy) (uplink.Set, error) {
-	b.resolve.SetScope(p.MayMasquerade)
-	b.watchRes.SetScope(p.MayMasquerade)
+// resolveUplinks returns the uplinks under a policy whose scope (policy.Policy.MayMasquerade)
+// says where routes make uplinks: as the watcher read them when it last saw them change, if no
+// Apply used that yet and the policy is the one in force (inForce), else read now. Having none
+// is an error.
+func (b *Backend) resolveUplinks(ctx context.Context, scope func(netip.Prefix) bool, inForce bool) (uplink.Set, error) {
+	b.resolve.SetScope(scope)
+	b.watchRes.SetScope(scope)
 	set := b.watched.Swap(nil)
-	if set == nil || !p.Equal(b.lastApplied) {
+	if set == nil || !inForce {
 		cur, err := b.resolve.Resolve(ctx)
 		if err != nil {
 			return uplink.Set{}, err
@@ -78,17 +79,29 @@ func (b *Backend) resolveUplinks(ctx context.Context, p *policy.Policy) (uplink.
 	return *set, nil
 }
 
-// snatAddrs is what uplink_snat (and uplink_macs) hold for u under p: for each family, p's
-// masquerade address when it has one, else u's own; IPv6 only where p masquerades IPv6. A
-// masquerade address is thus every uplink's, as iptables' SNAT rule applies to every device
-// (the agent checked it is one of the node's uplinks'), and host flows from it keep their ports
-// as they do from an uplink's own address. This build's programs read the masquerade address
-// in nat_config (bpf.Datapath.SyncPolicy writes it); uplink_snat holds it too for the programs
-// of earlier builds of the layout, and so that an address change flushes the flows of the old.
-func snatAddrs(u uplink.Uplink, p *policy.Policy) bpf.Uplink {
-	addrs := bpf.Uplink{IPv4: cmp.Or(p.MasqueradeAddress, u.IPv4), MAC: u.MAC}
-	if p.Enabled(policy.IPv6) {
-		addrs.IPv6 = cmp.Or(p.MasqueradeAddressIPv6, u.IPv6)
+// masquerading is what the uplinks' SNAT addresses take from a policy: its masquerade address of
+// each family (invalid where it has none), and whether it masquerades IPv6.
+type masquerading struct {
+	v4, v6 netip.Addr
+	ipv6   bool
+}
+
+func masqueradingOf(p *policy.Policy) masquerading {
+	return masquerading{v4: p.MasqueradeAddress, v6: p.MasqueradeAddressIPv6, ipv6: p.Enabled(policy.IPv6)}
+}
+
+// snatAddrs is what uplink_snat (and uplink_macs) hold for u: for each family, the policy's
+// masquerade address when it has one, else u's own; IPv6 only where the policy masquerades
+// IPv6. A masquerade address is thus every uplink's, as iptables' SNAT rule applies to every
+// device (the agent checked it is one of the node's uplinks'), and host flows from it keep their
+// ports as they do from an uplink's own address. This build's programs read the masquerade
+// address in nat_config (bpf.Datapath.SyncPolicy writes it); uplink_snat holds it too for the
+// programs of earlier builds of the layout, and so that an address change flushes the flows of
+// the old.
+func (m masquerading) snatAddrs(u uplink.Uplink) bpf.Uplink {
+	addrs := bpf.Uplink{IPv4: cmp.Or(m.v4, u.IPv4), MAC: u.MAC}
+	if m.ipv6 {
+		addrs.IPv6 = cmp.Or(m.v6, u.IPv6)
 	}
 	return addrs
 }
@@ -108,7 +121,7 @@ func heldAddrs(set uplink.Set) []netip.Addr {
 // Apply's: a missing address is then warned about. The flows of an SNAT address the policy no
 // longer uses, but that is still one of the uplinks' (held: a masqueradeAddress changed), keep
 // it, as conntrack's do; an address gone takes its flows.
-func (b *Backend) install(ctx context.Context, dp *bpf.Datapath, p *policy.Policy, set uplink.Set, held []netip.Addr, changed bool) error {
+func (b *Backend) install(ctx context.Context, dp *bpf.Datapath, m masquerading, set uplink.Set, held []netip.Addr, changed bool) error {
 	if b.migration != nil {
 		// The old programs still run: what they did during the migration's first pass goes in
 		// right before the swap.
@@ -125,9 +138,9 @@ func (b *Backend) install(ctx context.Context, dp *bpf.Datapath, p *policy.Polic
 	attached := b.uplinks
 	b.mu.Unlock()
 	for _, u := range ups {
-		snat := snatAddrs(u, p)
+		snat := m.snatAddrs(u)
 		if changed {
-			b.warnNoAddress(u, p, snat)
+			b.warnNoAddress(u, snat, m.ipv6)
 		}
 		flushed, err := dp.SetUplinkHolding(u.Index, snat, held)
 		if err != nil {
@@ -160,13 +173,13 @@ func (b *Backend) attachTo(ctx context.Context, u uplink.Uplink, progs tc.Progra
 
 // warnNoAddress warns when an uplink lacks the SNAT address (snat) of a family it is expected to
 // carry: a device named by --interfaces either family, one found by its routes the families of
-// its routes.
-func (b *Backend) warnNoAddress(u uplink.Uplink, p *policy.Policy, snat bpf.Uplink) {
+// its routes; IPv6 only where the policy masquerades it (ipv6).
+func (b *Backend) warnNoAddress(u uplink.Uplink, snat bpf.Uplink, ipv6 bool) {
 	named := u.Via == uplink.ViaInterfaces
 	if (named || u.RoutedV4) && !snat.IPv4.IsValid() {
 		b.log.Warn("uplink has no IPv4 address: its masqueraded IPv4 traffic is dropped", "uplink", u.Name)
 	}
-	if p.Enabled(policy.IPv6) && (named || u.RoutedV6) && !snat.IPv6.IsValid() {
+	if ipv6 && (named || u.RoutedV6) && !snat.IPv6.IsValid() {
 		b.log.Warn("uplink has no global IPv6 address: its masqueraded IPv6 traffic is dropped", "uplink", u.Name)
 	}
 }
