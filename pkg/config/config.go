@@ -103,19 +103,30 @@ func document(data []byte) (map[string]json.RawMessage, error) {
 	if len(bytes.TrimSpace(data)) == 0 {
 		return nil, nil
 	}
+	if cut, lists := cutBigLists(data); lists != nil {
+		if doc, js, err := documentOf(cut); err == nil && withBigLists(doc, js, lists) {
+			return doc, nil
+		}
+	}
+	doc, _, err := documentOf(data)
+	return doc, err
+}
+
+// documentOf is document without the shortcut for long lists, and the JSON of the whole.
+func documentOf(data []byte) (map[string]json.RawMessage, []byte, error) {
 	// Strict: duplicate keys are an error rather than a silent last-one-wins.
 	js, err := yaml.YAMLToJSONStrict(data)
 	if err != nil {
-		return nil, fmt.Errorf("not valid YAML or JSON: %w", err)
+		return nil, nil, fmt.Errorf("not valid YAML or JSON: %w", err)
 	}
 	if string(js) == "null" {
-		return nil, nil // a document of only comments
+		return nil, js, nil // a document of only comments
 	}
 	var doc map[string]json.RawMessage
 	if err := json.Unmarshal(js, &doc); err != nil {
-		return nil, fmt.Errorf("the document must be a mapping of keys to values, got %s", describeJSON(js))
+		return nil, nil, fmt.Errorf("the document must be a mapping of keys to values, got %s", describeJSON(js))
 	}
-	return doc, nil
+	return doc, js, nil
 }
 
 // decode sets the keys of doc in c. Every problem is reported, one FieldError each, in the

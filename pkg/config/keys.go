@@ -227,9 +227,9 @@ func decodeCIDRs(key string, raw json.RawMessage, opts Options) ([]netip.Prefix,
 	var errs []error
 	// A list of strings, the normal case, decodes in one pass; anything else item by item, so
 	// that each wrong item is named.
-	var strs []string
+	strs, plain := plainStrings(raw)
 	valid := []bool(nil) // nil: every item is a string
-	if json.Unmarshal(raw, &strs) != nil {
+	if !plain && json.Unmarshal(raw, &strs) != nil {
 		var items []json.RawMessage
 		if err := json.Unmarshal(raw, &items); err != nil {
 			return nil, &FieldError{Key: key, Index: -1, Value: display(raw), Problem: "must be a list of CIDR strings, not " + describeJSON(raw),
