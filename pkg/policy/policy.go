@@ -232,7 +232,19 @@ func Compile(cfg config.Config, opts Options) *Policy {
 // compileFamily returns a list that is never nil, so that an enabled family without rules is
 // told from a disabled one. snat is the family's masquerade address.
 func compileFamily(cfg config.Config, fam Family, snat netip.Addr) []Rule {
-	rules := []Rule{}
+	// Sized once: a 100k-rule list grown by append is copied a dozen times.
+	n := 2
+	for _, c := range cfg.MasqueradeCIDRs {
+		if FamilyOf(c.CIDR.Addr()) == fam {
+			n++
+		}
+	}
+	for _, c := range cfg.NonMasqueradeCIDRs {
+		if FamilyOf(c.Addr()) == fam {
+			n++
+		}
+	}
+	rules := make([]Rule, 0, n)
 	add := func(prefix netip.Prefix, action Action, origin Origin, entry int, comment string) *Rule {
 		rules = append(rules, Rule{Family: fam, Prefix: prefix, Action: action, Origin: origin, Entry: entry,
 			Comment: comment})
