@@ -121,7 +121,7 @@ func TestDifferentialDecide(t *testing.T) {
 				if d := n - before[s]; d != want[s] {
 					k := h.dp.slots.bySlt[s]
 					t.Fatalf("round %d %s: slot %d (%s %s %s #%d) counted %d packets, want %d",
-						round, fam, s, k.family, k.prefix, k.action, k.dup, d, want[s])
+						round, fam, s, k.family, k.prefix(), k.action, k.dup, d, want[s])
 				}
 			}
 		}

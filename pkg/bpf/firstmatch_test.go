@@ -3,6 +3,7 @@ package bpf
 import (
 	"math/rand/v2"
 	"net/netip"
+	"slices"
 	"testing"
 )
 
@@ -39,10 +40,15 @@ func TestFirstMatch(t *testing.T) {
 			}
 			want[p] = best
 		}
-		firstMatch(trie)
+		var entries []planned
 		for p, idx := range trie {
-			if want[p] != idx {
-				t.Fatalf("round %d: %s carries rule %d, want %d", round, p, idx, want[p])
+			entries = append(entries, planned{p, idx})
+		}
+		slices.SortFunc(entries, func(a, b planned) int { return prefixOrder(a.prefix, b.prefix) })
+		firstMatch(entries)
+		for _, e := range entries {
+			if want[e.prefix] != e.idx {
+				t.Fatalf("round %d: %s carries rule %d, want %d", round, e.prefix, e.idx, want[e.prefix])
 			}
 		}
 	}

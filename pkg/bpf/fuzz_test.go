@@ -934,7 +934,7 @@ func (fz *fuzzRun) step(name string, ingress bool, in []byte, fresh bool) []byte
 		}
 		if after != want {
 			fail("counter slot %d (%s): packets and bytes %v, want %v (deciding slot %d)", slot,
-				fz.h.dp.slots.bySlt[slot].prefix, after, want, x.slot)
+				fz.h.dp.slots.bySlt[slot].prefix(), after, want, x.slot)
 		}
 	}
 	checkPairs(post, fail)

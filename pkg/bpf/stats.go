@@ -55,7 +55,7 @@ func (d *Datapath) InstalledRules() ([]InstalledRule, error) {
 		if err != nil {
 			return nil, err
 		}
-		ir := InstalledRule{Family: k.family, Prefix: k.prefix, Action: k.action, Origin: k.origin,
+		ir := InstalledRule{Family: k.family, Prefix: k.prefix(), Action: k.action, Origin: k.policyOrigin(),
 			Dup: int(k.dup), Slot: s, Packets: packets, Bytes: bytes}
 		if k.action == policy.Masquerade {
 			ir.Address = d.addressOf(k, s, &cfg)
@@ -72,11 +72,11 @@ func (d *Datapath) InstalledRules() ([]InstalledRule, error) {
 // addressOf is the masquerade address of the MASQUERADE rule k in slot s, as the maps hold it
 // (InstalledRule.Address).
 func (d *Datapath) addressOf(k slotKey, s uint32, cfg *masqNatConfig) netip.Addr {
-	if k.origin == policy.OriginOutbound {
+	if k.origin == masqRuleOriginORIGIN_OUTBOUND {
 		return cfg.masqueradeAddress(k.family)
 	}
 	for _, t := range d.tries {
-		if v, ok := t.held[k.prefix]; ok && t.trieKind == (trieKind{k.family, k.action}) && v.slot == s {
+		if v, ok := t.held[k.prefix()]; ok && t.trieKind == (trieKind{k.family, k.action}) && v.slot == s {
 			return cmp.Or(v.snat, cfg.masqueradeAddress(k.family))
 		}
 	}

@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"cmp"
 	"crypto/rand"
 	"encoding/binary"
 	"errors"
@@ -18,15 +19,25 @@ const noSlot = ^uint32(0)
 
 // slotKey is what makes a rule "the same rule" across syncs, so its counters survive a config
 // change that keeps it: not its position (rules before it may come and go) but what it matches,
-// what it does and where it came from. dup tells apart identical rules of one list.
+// what it does and where it came from. dup tells apart identical rules of one list. It is plain
+// bytes, the fields of rule_slots' value, so that the slot table's map of 100k keys hashes them
+// as memory.
 type slotKey struct {
+	addr   [16]byte // the prefix's address, as addrBytes lays it out
+	bits   uint8
 	family policy.Family
-	prefix netip.Prefix
 	action policy.Action
-	origin policy.Origin
+	origin masqRuleOrigin
 	dup    uint16
 }
 
+// newSlotKey is the key of a rule with dup 0.
+func newSlotKey(fam policy.Family, prefix netip.Prefix, action policy.Action, origin policy.Origin) slotKey {
+	return slotKey{addr: addrBytes(prefix.Addr()), bits: uint8(prefix.Bits()), family: fam, action: action,
+		origin: originCode(origin)}
+}
+
+// originCodes are the origins as rule_slots holds them.
 var originCodes = map[policy.Origin]masqRuleOrigin{
 	policy.OriginMasqueradeCIDRs:    masqRuleOriginORIGIN_MASQUERADE_CIDRS,
 	policy.OriginLinkLocal:          masqRuleOriginORIGIN_LINK_LOCAL,
@@ -34,10 +45,35 @@ var originCodes = map[policy.Origin]masqRuleOrigin{
 	policy.OriginOutbound:           masqRuleOriginORIGIN_OUTBOUND,
 }
 
+// originCode is originCodes[o] without a lookup by string for every rule of a plan.
+func originCode(o policy.Origin) masqRuleOrigin {
+	switch o {
+	case policy.OriginNonMasqueradeCIDRs:
+		return masqRuleOriginORIGIN_NON_MASQUERADE_CIDRS
+	case policy.OriginMasqueradeCIDRs:
+		return masqRuleOriginORIGIN_MASQUERADE_CIDRS
+	}
+	return originCodes[o]
+}
+
+func (k slotKey) prefix() netip.Prefix {
+	return netip.PrefixFrom(bytesAddr(k.family == policy.IPv6, k.addr), int(k.bits))
+}
+
+// policyOrigin is the origin of the rule, as policy.Rule says it.
+func (k slotKey) policyOrigin() policy.Origin {
+	for o, c := range originCodes {
+		if c == k.origin {
+			return o
+		}
+	}
+	return ""
+}
+
 func (k slotKey) value() masqRuleSlot {
 	return masqRuleSlot{
-		Addr: addrBytes(k.prefix.Addr()), Prefixlen: uint8(k.prefix.Bits()), Family: uint8(k.family),
-		Action: masqAction(k.action), Origin: originCodes[k.origin], Dup: k.dup,
+		Addr: k.addr, Prefixlen: k.bits, Family: uint8(k.family),
+		Action: masqAction(k.action), Origin: k.origin, Dup: k.dup,
 	}
 }
 
@@ -53,7 +89,9 @@ func slotKeyOf(v masqRuleSlot) (slotKey, bool) {
 	}
 	for o, c := range originCodes {
 		if c == v.Origin {
-			return slotKey{family: fam, prefix: prefix, action: policy.Action(v.Action), origin: o, dup: v.Dup}, true
+			k := newSlotKey(fam, prefix, policy.Action(v.Action), o)
+			k.dup = v.Dup
+			return k, true
 		}
 	}
 	return slotKey{}, false
@@ -98,67 +136,124 @@ func (t *slotTable) release(s uint32) {
 
 // plan is what a policy asks of the maps.
 type plan struct {
-	keys   []slotKey                    // per rule, in policy order (v4 then v6)
-	rules  []*policy.Rule               // same order
-	tries  map[trieKind]map[trieKey]int // prefix -> index into keys of the first rule with it
-	out    map[policy.Family]int        // index into keys of the outbound rule, or -1
-	config masqNatConfig                // without slots
+	keys  []slotKey      // per rule, in policy order (v4 then v6)
+	rules []*policy.Rule // same order
+	// tries are each trie's entries, each prefix once, in prefixOrder: sorted slices rather than
+	// maps, which for 100k rules cost more to fill and to read than the sort.
+	tries  map[trieKind][]planned
+	out    map[policy.Family]int // index into keys of the outbound rule, or -1
+	config masqNatConfig         // without slots
 	ranges policy.PortRanges
 }
 
+// planned is an entry of a trie's plan: a prefix and the rule whose slot it carries, first the
+// first rule with that prefix, after firstMatch the first rule that matches its addresses.
+type planned struct {
+	prefix trieKey
+	idx    int // into plan.keys
+}
+
+// prefixOrder sorts by address, then length: every prefix after the prefixes that contain it.
+func prefixOrder(a, b trieKey) int {
+	if c := a.Addr().Compare(b.Addr()); c != 0 {
+		return c
+	}
+	return a.Bits() - b.Bits()
+}
+
 func makePlan(p *policy.Policy) (*plan, error) {
-	pl := &plan{tries: map[trieKind]map[trieKey]int{}, out: map[policy.Family]int{policy.IPv4: -1, policy.IPv6: -1}}
+	n := len(p.IPv4) + len(p.IPv6)
+	pl := &plan{keys: make([]slotKey, 0, n), rules: make([]*policy.Rule, 0, n), tries: map[trieKind][]planned{},
+		out: map[policy.Family]int{policy.IPv4: -1, policy.IPv6: -1}}
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 		if !p.Enabled(fam) {
 			continue
 		}
-		rules := p.Rules(fam)
-		_, outbound := p.OutboundAction(fam) // always MASQUERADE when there is one
-		seen := map[slotKey]uint16{}
-		returned := false
-		for i := range rules {
-			r := &rules[i]
-			if policy.FamilyOf(r.Prefix.Addr()) != fam || r.Prefix != r.Prefix.Masked() {
-				return nil, fmt.Errorf("%s rule %d: prefix %s is not a %s network", fam, i+1, r.Prefix, fam)
-			}
-			if r.Action == policy.Masquerade && r.Address.IsValid() &&
-				(policy.FamilyOf(r.Address) != fam || r.Address.IsUnspecified()) {
-				return nil, fmt.Errorf("%s rule %d: masquerade address %s is not a %s address", fam, i+1, r.Address, fam)
-			}
-			k := slotKey{family: fam, prefix: r.Prefix, action: r.Action, origin: r.Origin}
-			k.dup = seen[k]
-			seen[k]++
-			idx := len(pl.keys)
-			pl.keys, pl.rules = append(pl.keys, k), append(pl.rules, r)
-
-			if r == outbound {
-				// The fallback: rule 4 of the chain.
-				pl.out[fam] = idx
-				continue
-			}
-			// First match over "all MASQUERADE rules, then all RETURN rules" is what the two
-			// tries compute; any other order would need a different lookup.
-			if r.Action == policy.Return {
-				returned = true
-			} else if returned {
-				return nil, fmt.Errorf("%s rule %d: a MASQUERADE rule after a RETURN rule cannot be expressed by the tries", fam, i+1)
-			}
-			kind := trieKind{fam, r.Action}
-			if pl.tries[kind] == nil {
-				pl.tries[kind] = map[trieKey]int{}
-			}
-			if _, ok := pl.tries[kind][r.Prefix]; !ok {
-				pl.tries[kind][r.Prefix] = idx
-			}
+		if err := pl.addFamily(p, fam); err != nil {
+			return nil, err
 		}
 	}
-	for _, prefixes := range pl.tries {
-		firstMatch(prefixes)
+	for kind, entries := range pl.tries {
+		pl.tries[kind] = pl.dedup(entries)
+		firstMatch(pl.tries[kind])
 	}
 	if err := pl.settings(p); err != nil {
 		return nil, err
 	}
 	return pl, nil
+}
+
+// addFamily plans the rules of a family: their keys (dup 0, see dedup), the outbound rule, and
+// each trie's entries in policy order.
+func (pl *plan) addFamily(p *policy.Policy, fam policy.Family) error {
+	rules := p.Rules(fam)
+	_, outbound := p.OutboundAction(fam) // always MASQUERADE when there is one
+	returned := false
+	for i := range rules {
+		r := &rules[i]
+		if policy.FamilyOf(r.Prefix.Addr()) != fam || r.Prefix != r.Prefix.Masked() {
+			return fmt.Errorf("%s rule %d: prefix %s is not a %s network", fam, i+1, r.Prefix, fam)
+		}
+		if r.Action == policy.Masquerade && r.Address.IsValid() &&
+			(policy.FamilyOf(r.Address) != fam || r.Address.IsUnspecified()) {
+			return fmt.Errorf("%s rule %d: masquerade address %s is not a %s address", fam, i+1, r.Address, fam)
+		}
+		idx := len(pl.keys)
+		pl.keys, pl.rules = append(pl.keys, newSlotKey(fam, r.Prefix, r.Action, r.Origin)), append(pl.rules, r)
+		if r == outbound {
+			// The fallback: rule 4 of the chain (the only rule of its origin: dup 0).
+			pl.out[fam] = idx
+			continue
+		}
+		// First match over "all MASQUERADE rules, then all RETURN rules" is what the two
+		// tries compute; any other order would need a different lookup.
+		if r.Action == policy.Return {
+			returned = true
+		} else if returned {
+			return fmt.Errorf("%s rule %d: a MASQUERADE rule after a RETURN rule cannot be expressed by the tries", fam, i+1)
+		}
+		kind := trieKind{fam, r.Action}
+		if pl.tries[kind] == nil {
+			pl.tries[kind] = make([]planned, 0, countAction(rules, r.Action))
+		}
+		pl.tries[kind] = append(pl.tries[kind], planned{r.Prefix, idx})
+	}
+	return nil
+}
+
+// dedup sorts a trie's entries (in policy order) into prefixOrder and keeps the first rule of
+// each prefix; the rules after it with the same key (the same prefix and origin: the trie is of
+// one family and action) get their dup, 1 for the second and so on.
+func (pl *plan) dedup(entries []planned) []planned {
+	sortPlanned(entries)
+	out := entries[:0]
+	for i := 0; i < len(entries); {
+		run := i + 1
+		for run < len(entries) && entries[run].prefix == entries[i].prefix {
+			run++
+		}
+		for j := i + 1; j < run; j++ {
+			for _, e := range entries[i:j] {
+				if pl.keys[e.idx].origin == pl.keys[entries[j].idx].origin {
+					pl.keys[entries[j].idx].dup++
+				}
+			}
+		}
+		out = append(out, entries[i])
+		i = run
+	}
+	return out
+}
+
+// countAction is how many of rules have action: the size of its trie's plan, at most.
+func countAction(rules []policy.Rule, action policy.Action) int {
+	n := 0
+	for i := range rules {
+		if rules[i].Action == action {
+			n++
+		}
+	}
+	return n
 }
 
 // settings plans nat_config but for the outbound rules' slots (the families, their
@@ -193,31 +288,22 @@ func (pl *plan) settings(p *policy.Policy) error {
 	return nil
 }
 
-// firstMatch turns "prefix -> first rule with this prefix" into "prefix -> first rule that
-// matches the addresses whose longest match is this prefix". Those addresses are matched by the
-// prefix and by every shorter prefix of the trie that contains it, and by nothing else of the
-// trie; the chain counts the first of these rules, so that is the slot the entry must carry.
+// firstMatch turns a trie's entries, "prefix -> first rule with this prefix" in prefixOrder, into
+// "prefix -> first rule that matches the addresses whose longest match is this prefix". Those
+// addresses are matched by the prefix and by every shorter prefix of the trie that contains it,
+// and by nothing else of the trie; the chain counts the first of these rules, so that is the
+// slot the entry must carry.
 //
-// Sorted by address, then length, every prefix comes after the prefixes that contain it, and
-// those form a chain: a stack walk visits each prefix once (n log n for the sort, rather than a
-// lookup per prefix length for every entry).
-func firstMatch(trie map[trieKey]int) {
-	prefixes := make([]trieKey, 0, len(trie))
-	for p := range trie {
-		prefixes = append(prefixes, p)
-	}
-	slices.SortFunc(prefixes, func(a, b trieKey) int {
-		if c := a.Addr().Compare(b.Addr()); c != 0 {
-			return c
-		}
-		return a.Bits() - b.Bits()
-	})
+// In prefixOrder every prefix comes after the prefixes that contain it, and those form a chain:
+// a stack walk visits each prefix once (rather than a lookup per prefix length for every entry).
+func firstMatch(entries []planned) {
 	type enclosing struct {
 		prefix trieKey
 		best   int // the first rule among it and the prefixes containing it
 	}
 	var stack []enclosing
-	for _, p := range prefixes {
+	for i := range entries {
+		p := entries[i].prefix
 		for len(stack) > 0 {
 			top := stack[len(stack)-1].prefix
 			if top.Bits() <= p.Bits() && top.Contains(p.Addr()) {
@@ -225,11 +311,11 @@ func firstMatch(trie map[trieKey]int) {
 			}
 			stack = stack[:len(stack)-1]
 		}
-		best := trie[p]
+		best := entries[i].idx
 		if len(stack) > 0 {
 			best = min(best, stack[len(stack)-1].best)
 		}
-		trie[p] = best
+		entries[i].idx = best
 		stack = append(stack, enclosing{p, best})
 	}
 }
@@ -261,15 +347,15 @@ func (d *Datapath) syncPolicy(p *policy.Policy) error {
 	if err != nil {
 		return err
 	}
-	want := pl.trieValues(slots)
-	if err := d.putTries(want); err != nil {
+	diffs, err := d.putTries(pl.trieEntries(d.tries, slots))
+	if err != nil {
 		return err
 	}
 	cfg, err := d.writeSettings(pl, slots)
 	if err != nil {
 		return err
 	}
-	if err := d.deleteStale(want); err != nil {
+	if err := d.deleteStale(diffs); err != nil {
 		return err
 	}
 	if err := d.freeSlots(slots); err != nil {
@@ -316,55 +402,178 @@ func (d *Datapath) claimSlots(pl *plan) ([]uint32, error) {
 	return slots, nil
 }
 
-// trieValues is what each trie must hold once the rules have their slots: prefix -> value,
-// with the slot and the masquerade address of the rule the entry's addresses match first (the
-// one whose SNAT conntrack would apply) where it is the rule's own: the family's
-// masqueradeAddress is nat_config's alone.
-func (pl *plan) trieValues(slots []uint32) map[trieKind]map[trieKey]trieValue {
-	want := make(map[trieKind]map[trieKey]trieValue, len(pl.tries))
-	for kind, prefixes := range pl.tries {
-		want[kind] = make(map[trieKey]trieValue, len(prefixes))
-		for prefix, idx := range prefixes {
-			v := trieValue{action: kind.action, slot: slots[idx]}
-			if a := pl.rules[idx].Address; kind.action == policy.Masquerade && a != pl.config.masqueradeAddress(kind.family) {
-				v.snat = a
-			}
-			want[kind][prefix] = v
-		}
+// trieValue is the value the trie of kind must hold at prefix, whose addresses rule idx matches
+// first, once the rules have their slots: that rule's slot, and its masquerade address (the one
+// whose SNAT conntrack would apply) where it is the rule's own: the family's masqueradeAddress
+// is nat_config's alone.
+func (pl *plan) trieValue(kind trieKind, idx int, slots []uint32) trieValue {
+	v := trieValue{action: kind.action, slot: slots[idx]}
+	if a := pl.rules[idx].Address; kind.action == policy.Masquerade && a != pl.config.masqueradeAddress(kind.family) {
+		v.snat = a
 	}
-	return want
+	return v
 }
 
-// putTries writes the entries of want that the tries lack or hold with another value.
-func (d *Datapath) putTries(want map[trieKind]map[trieKey]trieValue) error {
-	for _, t := range d.tries {
-		var put []trieKey
-		for prefix, v := range want[t.trieKind] {
-			if cur, ok := t.held[prefix]; !ok || cur != v {
-				put = append(put, prefix)
-			}
-		}
-		if err := t.put(put, want[t.trieKind]); err != nil {
-			return err
+// trieEntries is what each of tries must hold, in prefixOrder.
+func (pl *plan) trieEntries(tries []*trie, slots []uint32) [][]trieEntry {
+	out := make([][]trieEntry, len(tries))
+	for i, t := range tries {
+		planned := pl.tries[t.trieKind]
+		out[i] = make([]trieEntry, len(planned))
+		for j, e := range planned {
+			out[i][j] = trieEntry{e.prefix, pl.trieValue(t.trieKind, e.idx, slots)}
 		}
 	}
-	return nil
+	return out
 }
 
-// deleteStale deletes the entries of the tries that want lacks.
-func (d *Datapath) deleteStale(want map[trieKind]map[trieKey]trieValue) error {
-	for _, t := range d.tries {
-		var del []trieKey
-		for prefix := range t.held {
-			if _, ok := want[t.trieKind][prefix]; !ok {
-				del = append(del, prefix)
+// trieDiff is a sync of one trie: what it must hold, and once putTries wrote what it lacked, the
+// entries to delete where known (the trie held what the last sync wrote).
+type trieDiff struct {
+	want  []trieEntry
+	stale []trieKey
+	known bool
+}
+
+// putTries writes the entries the tries lack or hold with another value than want (per trie).
+// Where a trie holds what the last sync wrote, the two sorted lists are walked side by side (a
+// 100k-entry policy that changes a few is compared without a map lookup per entry), which also
+// gives the entries to delete; else each entry is looked up in the mirror.
+func (d *Datapath) putTries(want [][]trieEntry) ([]trieDiff, error) {
+	diffs := make([]trieDiff, len(d.tries))
+	for i, t := range d.tries {
+		diff := trieDiff{want: want[i], known: t.synced != nil}
+		var put []trieEntry
+		if diff.known {
+			put, diff.stale = diffSorted(t.synced, want[i])
+		} else {
+			for _, e := range want[i] {
+				if cur, ok := t.held[e.prefix]; !ok || cur != e.trieValue {
+					put = append(put, e)
+				}
+			}
+		}
+		t.synced = nil // until the sync completes, held is neither the old nor the new set
+		if err := t.put(put); err != nil {
+			return nil, err
+		}
+		diffs[i] = diff
+	}
+	return diffs, nil
+}
+
+// diffSorted compares what a trie holds with what it must hold, both in prefixOrder: the entries
+// of want that have lacks or holds with another value, and the prefixes of have that want lacks.
+func diffSorted(have, want []trieEntry) (put []trieEntry, stale []trieKey) {
+	i, j := 0, 0
+	for i < len(have) || j < len(want) {
+		c := 1 // have is done: the rest of want is new
+		switch {
+		case j == len(want):
+			c = -1
+		case i < len(have):
+			c = comparePrefixes(have[i].prefix, want[j].prefix)
+		}
+		switch {
+		case c < 0:
+			stale = append(stale, have[i].prefix)
+			i++
+		case c > 0:
+			put = append(put, want[j])
+			j++
+		default:
+			if have[i].trieValue != want[j].trieValue {
+				put = append(put, want[j])
+			}
+			i, j = i+1, j+1
+		}
+	}
+	return put, stale
+}
+
+// comparePrefixes is prefixOrder, on IPv4 prefixes as numbers.
+func comparePrefixes(a, b trieKey) int {
+	if a.Addr().Is4() && b.Addr().Is4() {
+		x, y := a.Addr().As4(), b.Addr().As4()
+		return cmp.Or(cmp.Compare(binary.BigEndian.Uint32(x[:]), binary.BigEndian.Uint32(y[:])), a.Bits()-b.Bits())
+	}
+	return prefixOrder(a, b)
+}
+
+// deleteStale deletes the entries of the tries that the sync's diffs lack, and records the
+// tries as the sync wrote them.
+func (d *Datapath) deleteStale(diffs []trieDiff) error {
+	for i, t := range d.tries {
+		diff := diffs[i]
+		del := diff.stale
+		if !diff.known && len(t.held) != len(diff.want) {
+			// putTries wrote every prefix of want: with as many entries, the trie holds
+			// nothing else.
+			wanted := prefixSet(diff.want)
+			for prefix := range t.held {
+				if !wanted(prefix) {
+					del = append(del, prefix)
+				}
 			}
 		}
 		if err := t.delete(del); err != nil {
 			return err
 		}
+		t.synced = diff.want
 	}
 	return nil
+}
+
+// sortPlanned sorts entries (in policy order) into prefixOrder, entries of one prefix by rule.
+// IPv4 entries sort as numbers (address, length, rule), several times faster than by comparing
+// netip.Prefix.
+func sortPlanned(entries []planned) {
+	const idxBits = 26 // room for the rules' indexes: MaxRules is far below 1<<26
+	if len(entries) == 0 || !entries[0].prefix.Addr().Is4() || entries[len(entries)-1].idx >= 1<<idxBits {
+		slices.SortFunc(entries, func(a, b planned) int { return cmp.Or(prefixOrder(a.prefix, b.prefix), a.idx-b.idx) })
+		return
+	}
+	packed := make([]uint64, len(entries))
+	for i, e := range entries {
+		a := e.prefix.Addr().As4()
+		packed[i] = (uint64(binary.BigEndian.Uint32(a[:]))<<6|uint64(e.prefix.Bits()))<<idxBits | uint64(e.idx)
+	}
+	slices.Sort(packed)
+	for i, k := range packed {
+		var a [4]byte
+		binary.BigEndian.PutUint32(a[:], uint32(k>>(6+idxBits)))
+		entries[i] = planned{netip.PrefixFrom(netip.AddrFrom4(a), int(k>>idxBits&63)), int(k & (1<<idxBits - 1))}
+	}
+}
+
+// prefixSet tells which prefixes entries hold. An IPv4 prefix is a number, and a set of numbers
+// is several times cheaper to fill and to ask than a binary search or a map of netip.Prefix.
+func prefixSet(entries []trieEntry) func(trieKey) bool {
+	if len(entries) == 0 || !entries[0].prefix.Addr().Is4() {
+		set := make(map[trieKey]struct{}, len(entries))
+		for _, e := range entries {
+			set[e.prefix] = struct{}{}
+		}
+		return func(p trieKey) bool {
+			_, ok := set[p]
+			return ok
+		}
+	}
+	v4 := func(p trieKey) uint64 {
+		a := p.Addr().As4()
+		return uint64(binary.BigEndian.Uint32(a[:]))<<8 | uint64(p.Bits())
+	}
+	set := make(map[uint64]struct{}, len(entries))
+	for _, e := range entries {
+		set[v4(e.prefix)] = struct{}{}
+	}
+	return func(p trieKey) bool {
+		if !p.Addr().Is4() {
+			return false
+		}
+		_, ok := set[v4(p)]
+		return ok
+	}
 }
 
 // writeSettings writes the port table, then the outbound rules and NAT settings that say how
@@ -394,7 +603,7 @@ func (d *Datapath) writeSettings(pl *plan, slots []uint32) (masqNatConfig, error
 // freeSlots releases the slots that no rule of the sync holds, and clears what rule_slots says
 // of them.
 func (d *Datapath) freeSlots(slots []uint32) error {
-	used := make(map[uint32]bool, len(slots))
+	used := make([]bool, d.slots.max)
 	for _, s := range slots {
 		used[s] = true
 	}

@@ -114,7 +114,7 @@ func TestSyncKeepsCounters(t *testing.T) {
 	if err := h.dp.objs.RuleSlots.Lookup(back.Slot, &v); err != nil {
 		t.Fatal(err)
 	}
-	if k, ok := slotKeyOf(v); !ok || k.prefix != netip.MustParsePrefix("172.16.0.0/12") || k.origin != policy.OriginNonMasqueradeCIDRs {
+	if k, ok := slotKeyOf(v); !ok || k.prefix() != netip.MustParsePrefix("172.16.0.0/12") || k.policyOrigin() != policy.OriginNonMasqueradeCIDRs {
 		t.Errorf("rule_slots[%d] = %+v", back.Slot, v)
 	}
 
@@ -156,13 +156,13 @@ func TestSyncTries(t *testing.T) {
 			if len(got) != len(pl.tries[tr.trieKind]) {
 				t.Fatalf("policy %d: %s holds %d entries, want %d: %v", i, name, len(got), len(pl.tries[tr.trieKind]), got)
 			}
-			for prefix, idx := range pl.tries[tr.trieKind] {
-				want := trieValue{action: tr.action, slot: h.dp.syncedSlot[pl.rules[idx]]}
+			for _, e := range pl.tries[tr.trieKind] {
+				want := trieValue{action: tr.action, slot: h.dp.syncedSlot[pl.rules[e.idx]]}
 				if tr.action == policy.Masquerade {
-					want.snat = pl.rules[idx].Address
+					want.snat = pl.rules[e.idx].Address
 				}
-				if v, ok := got[prefix]; !ok || v != want {
-					t.Fatalf("policy %d: %s[%s] = %+v (present %v), want %+v", i, name, prefix, v, ok, want)
+				if v, ok := got[e.prefix]; !ok || v != want {
+					t.Fatalf("policy %d: %s[%s] = %+v (present %v), want %+v", i, name, e.prefix, v, ok, want)
 				}
 			}
 		}

@@ -29,6 +29,9 @@ type trie struct {
 	// held mirrors the map (prefix -> value of the entries that hold the trie's action), so
 	// that a sync writes only the difference.
 	held map[trieKey]trieValue
+	// synced is what the last sync wrote, in prefixOrder, while held is exactly that (nil
+	// otherwise: after a read, or a sync that failed midway), for the next sync's diffSorted.
+	synced []trieEntry
 }
 
 // trieValue is what a trie entry holds: the verdict, the counter slot of the rule that decides
@@ -47,17 +50,17 @@ func (d *Datapath) newTries() []*trie {
 	o := &d.objs
 	v4, v6 := lpmOps[masqLpm4Key, masqLpm4Val]{}, lpmOps[masqLpm6Key, masqLpm6Val]{}
 	return []*trie{
-		{trieKind{policy.IPv4, policy.Masquerade}, masqMapMasqV4, o.MasqV4, v4, map[trieKey]trieValue{}},
-		{trieKind{policy.IPv4, policy.Return}, masqMapNomasqV4, o.NomasqV4, v4, map[trieKey]trieValue{}},
-		{trieKind{policy.IPv6, policy.Masquerade}, masqMapMasqV6, o.MasqV6, v6, map[trieKey]trieValue{}},
-		{trieKind{policy.IPv6, policy.Return}, masqMapNomasqV6, o.NomasqV6, v6, map[trieKey]trieValue{}},
+		{trieKind{policy.IPv4, policy.Masquerade}, masqMapMasqV4, o.MasqV4, v4, map[trieKey]trieValue{}, nil},
+		{trieKind{policy.IPv4, policy.Return}, masqMapNomasqV4, o.NomasqV4, v4, map[trieKey]trieValue{}, nil},
+		{trieKind{policy.IPv6, policy.Masquerade}, masqMapMasqV6, o.MasqV6, v6, map[trieKey]trieValue{}, nil},
+		{trieKind{policy.IPv6, policy.Return}, masqMapNomasqV6, o.NomasqV6, v6, map[trieKey]trieValue{}, nil},
 	}
 }
 
 // read replaces the mirror with what the map holds. An entry with another action than the
 // trie's is left out of it, so that the next sync writes it again.
 func (t *trie) read() error {
-	t.held = map[trieKey]trieValue{}
+	t.held, t.synced = map[trieKey]trieValue{}, nil
 	err := t.ops.read(t.m, func(p trieKey, v trieValue) {
 		if v.action == t.action {
 			t.held[p] = v
@@ -69,21 +72,16 @@ func (t *trie) read() error {
 	return nil
 }
 
-// put writes prefixes with their values (which hold the trie's action), a batch at a time
-// where the kernel can.
-func (t *trie) put(prefixes []trieKey, want map[trieKey]trieValue) error {
-	if len(prefixes) == 0 {
+// put writes entries (which hold the trie's action), a batch at a time where the kernel can.
+func (t *trie) put(entries []trieEntry) error {
+	if len(entries) == 0 {
 		return nil
 	}
-	vals := make([]trieValue, len(prefixes))
-	for i, p := range prefixes {
-		vals[i] = want[p]
-	}
-	if err := t.ops.put(t.m, prefixes, vals); err != nil {
+	if err := t.ops.put(t.m, entries); err != nil {
 		return fmt.Errorf("write %s: %w", t.name, err)
 	}
-	for i, p := range prefixes {
-		t.held[p] = vals[i]
+	for _, e := range entries {
+		t.held[e.prefix] = e.trieValue
 	}
 	return nil
 }
@@ -107,7 +105,7 @@ func (t *trie) delete(prefixes []trieKey) error {
 // IPv6 ones).
 type trieOps interface {
 	read(m *ebpf.Map, fn func(trieKey, trieValue)) error
-	put(m *ebpf.Map, prefixes []trieKey, vals []trieValue) error
+	put(m *ebpf.Map, entries []trieEntry) error
 	delete(m *ebpf.Map, prefixes []trieKey) error
 	// walk starts a walk of the map's entries in key order (see trieWalk).
 	walk(m *ebpf.Map) trieWalk
@@ -205,12 +203,14 @@ func (lpmOps[K, V]) read(m *ebpf.Map, fn func(trieKey, trieValue)) error {
 	return eachEntry(m, func(k K, v *V) { fn(k.prefix(), (*v).value()) })
 }
 
-func (o lpmOps[K, V]) put(m *ebpf.Map, prefixes []trieKey, tvals []trieValue) error {
-	keys := o.keys(prefixes)
-	var zero V
-	vals := make([]V, len(tvals))
-	for i, v := range tvals {
-		vals[i] = zero.withValue(v)
+func (o lpmOps[K, V]) put(m *ebpf.Map, entries []trieEntry) error {
+	var (
+		zk K
+		zv V
+	)
+	keys, vals := make([]K, len(entries)), make([]V, len(entries))
+	for i, e := range entries {
+		keys[i], vals[i] = zk.withPrefix(e.prefix), zv.withValue(e.trieValue)
 	}
 	return putBatch(m, keys, vals)
 }
