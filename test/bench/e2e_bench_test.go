@@ -160,11 +160,14 @@ func cidrConfigFrom(n, first int) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "cidrLimit: %d\nnonMasqueradeCIDRs:\n", n)
 	for i := first; i < first+n; i++ {
-		// 11.0.0.0/24 onwards, skipping nothing the topology uses (10/8 holds the node's uplink).
-		fmt.Fprintf(&b, "  - %d.%d.%d.0/24\n", 11+i/65536, (i/256)%256, i%256)
+		fmt.Fprintf(&b, "  - %s\n", cidr24(i))
 	}
 	return b.String()
 }
+
+// cidr24 is the i-th /24 of the benchmarks' configs: 11.0.0.0/24 onwards, skipping nothing the
+// topology uses (10/8 holds the node's uplink).
+func cidr24(i int) string { return fmt.Sprintf("%d.%d.%d.0/24", 11+i/65536, (i/256)%256, i%256) }
 
 // newEnv builds a topology whose node is like a kube-proxy node (conntrack in use) and writes a
 // config with n CIDRs (none: the defaults).

@@ -17,7 +17,8 @@ import (
 
 var (
 	liveCIDRs = flag.Int("live-cidrs", 100_000, "CIDRs of BenchmarkLiveCIDRs' configs")
-	liveRuns  = flag.Int("live-runs", 3, "swaps BenchmarkLiveCIDRs times each way, per backend")
+	liveRuns  = flag.Int("live-runs", 3, "swaps BenchmarkLiveCIDRs times each way, per backend and kind")
+	liveEdit  = flag.Int("live-changed", 10, "CIDRs the edits of BenchmarkLiveCIDRs change")
 )
 
 // probeEvery is how often a swap's probe opens a new flow.
@@ -27,9 +28,10 @@ const probeEvery = time.Millisecond
 // (a ConfigMap's ..data swap), which changes the verdict of one destination, timed to the first
 // new flow that gets the new verdict: a pod opens a new UDP flow to the external host every
 // millisecond and the host's echo says which source it saw (the node's address: masqueraded;
-// the pod's: not). The swaps go both ways, -live-runs times each, on every backend with
-// default flags, on a datapath already sized for that many CIDRs. Results go to livecidrs.json
-// in -out.
+// the pod's: not). Two kinds of swap: a whole new set, and an edit that changes -live-changed
+// of the CIDRs (the target's among them). The swaps go both ways, -live-runs times each, on
+// every backend with default flags, on a datapath already sized for that many CIDRs. Results
+// go to livecidrs.json in -out.
 //
 //	go test -run '^$' -bench LiveCIDRs -benchtime 1x ./test/bench -args -out DIR
 func BenchmarkLiveCIDRs(b *testing.B) {
@@ -41,41 +43,52 @@ func BenchmarkLiveCIDRs(b *testing.B) {
 			if m.Backend == nil || len(m.Flags) > 0 {
 				continue
 			}
-			b.Run(m.Name, func(b *testing.B) {
-				res := measureLiveCIDRs(b, bins, m, *liveCIDRs)
-				b.ReportMetric(median(res.Verdict)*1000, "verdict-ms")
-				all = append(all, res)
-			})
+			for _, changed := range []int{*liveCIDRs, min(*liveEdit, *liveCIDRs)} {
+				b.Run(fmt.Sprintf("%s/changed=%d", m.Name, changed), func(b *testing.B) {
+					res := measureLiveCIDRs(b, bins, m, *liveCIDRs, changed)
+					b.ReportMetric(median(res.Verdict)*1000, "verdict-ms")
+					all = append(all, res)
+				})
+			}
 		}
 		writeJSON(b, benchdata.LiveCIDRsFile, all)
 	}
 }
 
 // swapTarget is the destination whose verdict the swaps change: the external host's, outside
-// every CIDR of cidrConfigFrom; liveConfig's of the odd swaps hold its /32 besides.
+// every CIDR of cidrConfigFrom; liveConfig's of the odd swaps hold its /32.
 var swapTarget = target
 
-// liveConfig is the i-th config of the swaps: n CIDRs of their own, and the target's among them
-// (so that its flows keep the pod's address) when i is odd.
-func liveConfig(n, i int) string {
-	cfg := cidrConfigFrom(n, i*n)
-	cfg = strings.Replace(cfg, fmt.Sprintf("cidrLimit: %d", n), fmt.Sprintf("cidrLimit: %d", n+1), 1)
-	if i%2 == 1 {
-		cfg += fmt.Sprintf("  - %s/32\n", swapTarget)
+// liveConfig is the i-th config of the swaps: n CIDRs, the first n-changed the same in every
+// config and the last changed ones its own, the target's /32 in place of the last of those (so
+// that its flows keep the pod's address) when i is odd.
+func liveConfig(n, changed, i int) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "cidrLimit: %d\nnonMasqueradeCIDRs:\n", n)
+	kept, own := n-changed, n-changed+i*changed // own: the first /24 of this config's own
+	for j := range n {
+		switch {
+		case i%2 == 1 && j == n-1:
+			fmt.Fprintf(&b, "  - %s/32\n", swapTarget)
+		case j < kept:
+			fmt.Fprintf(&b, "  - %s\n", cidr24(j))
+		default:
+			fmt.Fprintf(&b, "  - %s\n", cidr24(own+j-kept))
+		}
 	}
-	return cfg
+	return b.String()
 }
 
-func measureLiveCIDRs(b *testing.B, bins binaries, m Mode, n int) benchdata.LiveCIDRs {
+func measureLiveCIDRs(b *testing.B, bins binaries, m Mode, n, changed int) benchdata.LiveCIDRs {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
 	env := newEnv(ctx, b, bins, 0)
 	e2e.StartLineEchoUDP(b, env.Ext, []netip.Addr{swapTarget})
-	if err := env.Config.Write(liveConfig(n, 0)); err != nil {
+	if err := env.Config.Write(liveConfig(n, changed, 0)); err != nil {
 		b.Fatal(err)
 	}
 	startMode(ctx, b, env, m, map[string]bool{})
-	res := benchdata.LiveCIDRs{Mode: m.Name, CIDRs: n}
+	res := benchdata.LiveCIDRs{Mode: m.Name, CIDRs: n, Changed: changed}
 	p := &probes{}
 	// The agent started with the first config: the first probe sees it masqueraded.
 	if _, err := verdictAfter(ctx, env, p, e2e.NodeAddr4, time.Now()); err != nil {
@@ -87,7 +100,7 @@ func measureLiveCIDRs(b *testing.B, bins binaries, m Mode, n int) benchdata.Live
 			want = e2e.PodAddr4
 		}
 		applied := env.Agent.Count("policy applied")
-		if err := env.Config.Write(liveConfig(n, i)); err != nil {
+		if err := env.Config.Write(liveConfig(n, changed, i)); err != nil {
 			b.Fatal(err)
 		}
 		start := time.Now() // the swap is Write's last step, as the kubelet's
@@ -106,8 +119,8 @@ func measureLiveCIDRs(b *testing.B, bins binaries, m Mode, n int) benchdata.Live
 		}
 		res.Verdict = append(res.Verdict, took.Seconds())
 		res.Applied = append(res.Applied, at.Sub(start).Seconds())
-		b.Logf("%s: swap %d of %d CIDRs: the new verdict after %v (applied after %v, %d probes)",
-			m.Name, i, n, took.Round(time.Millisecond), at.Sub(start).Round(time.Millisecond), sent)
+		b.Logf("%s: swap %d of %d of %d CIDRs: the new verdict after %v (applied after %v, %d probes)",
+			m.Name, i, changed, n, took.Round(time.Millisecond), at.Sub(start).Round(time.Millisecond), sent)
 	}
 	return res
 }

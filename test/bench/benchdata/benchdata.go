@@ -154,6 +154,9 @@ type ConntrackMemory struct {
 type LiveCIDRs struct {
 	Mode  string `json:"mode"`
 	CIDRs int    `json:"cidrs"`
+	// Changed is how many of the CIDRs each swap replaces: all of them (a new set), or a few
+	// (an edit of the ConfigMap); 0 in results from before the edits were measured: all.
+	Changed int `json:"changed"`
 	// Verdict is, for each swap, the seconds from the ..data swap to the first new flow that got
 	// the new verdict; Applied to the agent's "policy applied" log line.
 	Verdict []float64 `json:"verdict_seconds"`
