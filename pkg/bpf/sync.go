@@ -106,6 +106,7 @@ type slotTable struct {
 	byKey map[slotKey]uint32
 	next  uint32   // slots from here on were never used
 	free  []uint32 // freed slots, oldest first
+	gen   uint64   // changes with every alloc and release (see heldSlots)
 }
 
 func newSlotTable(max uint32) *slotTable {
@@ -125,6 +126,7 @@ func (t *slotTable) alloc(k slotKey) (uint32, error) {
 		return 0, fmt.Errorf("all %d rule counter slots are in use (LoadOptions.MaxRules): a sync needs slots for the rules it adds while the rules it removes still hold theirs", t.max)
 	}
 	t.bySlt[s], t.byKey[k] = k, s
+	t.gen++
 	return s, nil
 }
 
@@ -132,6 +134,7 @@ func (t *slotTable) release(s uint32) {
 	delete(t.byKey, t.bySlt[s])
 	delete(t.bySlt, s)
 	t.free = append(t.free, s)
+	t.gen++
 }
 
 // plan is what a policy asks of the maps.
@@ -144,6 +147,11 @@ type plan struct {
 	out    map[policy.Family]int // index into keys of the outbound rule, or -1
 	config masqNatConfig         // without slots
 	ranges policy.PortRanges
+	// held is the slot each key holds in the table (noSlot: none) as heldSlots found it, while
+	// the table is heldIn at generation heldGen.
+	held    []uint32
+	heldIn  *slotTable
+	heldGen uint64
 }
 
 // planned is an entry of a trie's plan: a prefix and the rule whose slot it carries, first the
@@ -383,9 +391,10 @@ func (d *Datapath) claimSlots(pl *plan) ([]uint32, error) {
 			d.slots.release(f)
 		}
 	}
+	held := d.heldSlots(pl)
 	for i, k := range pl.keys {
-		s, ok := d.slots.byKey[k]
-		if !ok {
+		s := held[i]
+		if s == noSlot {
 			var err error
 			if s, err = d.slots.alloc(k); err != nil {
 				release()
@@ -632,12 +641,30 @@ func (d *Datapath) SlotsNeeded(p *policy.Policy) (int, error) {
 		return 0, err
 	}
 	n := len(d.slots.byKey)
-	for _, k := range pl.keys {
-		if _, ok := d.slots.byKey[k]; !ok {
+	for _, s := range d.heldSlots(pl) {
+		if s == noSlot {
 			n++
 		}
 	}
 	return n, nil
+}
+
+// heldSlots returns the slot each key of pl holds (noSlot: none yet), looked up once for a state
+// of the table: SlotsNeeded and the SyncPolicy after it ask the same of 100k keys.
+func (d *Datapath) heldSlots(pl *plan) []uint32 {
+	if pl.held != nil && pl.heldIn == d.slots && pl.heldGen == d.slots.gen {
+		return pl.held
+	}
+	held := make([]uint32, len(pl.keys))
+	for i, k := range pl.keys {
+		s, ok := d.slots.byKey[k]
+		if !ok {
+			s = noSlot
+		}
+		held[i] = s
+	}
+	pl.held, pl.heldIn, pl.heldGen = held, d.slots, d.slots.gen
+	return held
 }
 
 // planFor returns the plan of p, computed once for the policy last asked about: SlotsNeeded and
