@@ -3,6 +3,7 @@ package config
 import (
 	"encoding/json"
 	"fmt"
+	"net/netip"
 	"reflect"
 	"strings"
 	"testing"
@@ -107,5 +108,27 @@ func TestPlainStringsReadAsJSONDoes(t *testing.T) {
 	}
 	if _, ok := plainStrings([]byte(`["10.0.0.0/8","fd00::/8"]`)); !ok {
 		t.Error("refused a list of CIDRs")
+	}
+}
+
+// The canonical form of a list of CIDRs is written directly, byte for byte what encoding/json
+// makes of their strings: the hash of a configuration stays what it was.
+func TestCanonicalCIDRsAsEncodingJSON(t *testing.T) {
+	for _, list := range [][]string{nil, {"10.0.0.0/8"}, {"10.0.0.0/8", "fd00::/8", "2001:db8::/128", "0.0.0.0/0", "::/0"}} {
+		cfg := Default(Options{EnableIPv6: true})
+		cfg.NonMasqueradeCIDRs = nil
+		strs := []string{}
+		for _, s := range list {
+			cfg.NonMasqueradeCIDRs = append(cfg.NonMasqueradeCIDRs, netip.MustParsePrefix(s))
+			strs = append(strs, s)
+		}
+		want, _ := json.Marshal(strs)
+		var doc map[string]json.RawMessage
+		if err := json.Unmarshal(cfg.Canonical(), &doc); err != nil {
+			t.Fatal(err)
+		}
+		if got := doc[KeyNonMasqueradeCIDRs]; string(got) != string(want) {
+			t.Errorf("%v: canonical %s, want %s", list, got, want)
+		}
 	}
 }

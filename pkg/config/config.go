@@ -297,9 +297,12 @@ func (c Config) Canonical() []byte {
 }
 
 func appendJSON(b []byte, v any) []byte {
+	if raw, ok := v.(json.RawMessage); ok {
+		return append(b, raw...)
+	}
 	js, err := json.Marshal(v)
 	if err != nil {
-		panic(fmt.Sprintf("marshal config: %v", err)) // only strings, bools and ints: cannot fail
+		panic(fmt.Sprintf("marshal config: %v", err)) // only strings, bools, ints and raw JSON: cannot fail
 	}
 	return append(b, js...)
 }
