@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"time"
 )
 
 // Projection is a directory updated the way the kubelet publishes a ConfigMap volume, or a
@@ -15,10 +16,14 @@ import (
 // rename, then a link "<key> -> ..data/<key>" is made for each key new to this version, the
 // links of the keys it no longer has are removed, and so is the previous version's directory.
 type Projection struct {
-	Dir  string
-	n    int
-	prev string            // the previous version's directory
-	keys map[string]string // the keys published
+	Dir string
+	// Swapped is when the last Write switched "..data" to its version: the instant a watcher
+	// can see it, for benchmarks that time from there (Write returns later, after the links
+	// and the removal of the previous version).
+	Swapped time.Time
+	n       int
+	prev    string            // the previous version's directory
+	keys    map[string]string // the keys published
 }
 
 // NewProjection returns an empty projection in dir, which must exist.
@@ -43,9 +48,11 @@ func (p *Projection) Write(files map[string]string) error {
 	if err := os.Symlink(version, tmp); err != nil {
 		return err
 	}
+	swapped := time.Now()
 	if err := os.Rename(tmp, filepath.Join(p.Dir, "..data")); err != nil {
 		return err
 	}
+	p.Swapped = swapped
 	for _, key := range slices.Sorted(maps.Keys(files)) {
 		if _, err := os.Lstat(p.Path(key)); errors.Is(err, os.ErrNotExist) {
 			if err := os.Symlink(filepath.Join("..data", key), p.Path(key)); err != nil {

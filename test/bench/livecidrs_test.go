@@ -103,7 +103,7 @@ func measureLiveCIDRs(b *testing.B, bins binaries, m Mode, n, changed int) bench
 		if err := env.Config.Write(liveConfig(n, changed, i)); err != nil {
 			b.Fatal(err)
 		}
-		start := time.Now() // the swap is Write's last step, as the kubelet's
+		start := env.Config.Swapped // the agent may be done before Write returns
 		sent, err := verdictAfter(ctx, env, p, want, start)
 		if err != nil {
 			b.Fatalf("swap %d: %v\n%s", i, err, env.Agent.Logs())
