@@ -12,7 +12,6 @@ import (
 	"reflect"
 	"slices"
 	"sync"
-	"sync/atomic"
 
 	"github.com/cilium/ebpf"
 
@@ -77,8 +76,8 @@ type Datapath struct {
 	// portSeed is nat_config's port_seed: chosen once, kept by every sync and restart.
 	portSeed uint32
 
-	// confirmedSeen is how many entries the last sweep found in each family's confirmed table.
-	confirmedSeen [2]atomic.Int64
+	// fill is what the sweep knows of how full each family's confirmed table is, IPv4 first.
+	fill [2]tableFill
 }
 
 // Close releases the programs and maps (pinned maps stay in the bpffs).

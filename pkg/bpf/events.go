@@ -19,6 +19,7 @@ const (
 	EventPortRetry   = Event(masqEventEV_PORT_RETRY)   // port claims that found the port taken
 	EventDropNoPort  = Event(masqEventEV_DROP_NO_PORT) // dropped: no free port within the probes
 	EventConfirmFull = Event(masqEventEV_CONFIRM_FULL) // two-way flows the confirmed table had no room for
+	EventConfirmed   = Event(masqEventEV_CONFIRMED)    // two-way flows moved to the confirmed table
 
 	numEvents = int(masqEventEV_MAX)
 )
@@ -53,20 +54,29 @@ func (e Event) DropReason() (reason string, ok bool) {
 func (d *Datapath) EventCounts() (map[Event]uint64, error) {
 	out := make(map[Event]uint64, numEvents)
 	for _, e := range Events() {
-		var per []uint64
-		if err := d.objs.EventStats.Lookup(uint32(e), &per); err != nil {
-			if errors.Is(err, ebpf.ErrKeyNotExist) {
-				continue
-			}
-			return nil, fmt.Errorf("read event_stats[%s]: %w", e, err)
+		n, err := d.eventCount(e)
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			continue
 		}
-		var n uint64
-		for _, c := range per {
-			n += c
+		if err != nil {
+			return nil, err
 		}
 		out[e] = n
 	}
 	return out, nil
+}
+
+// eventCount reads one event counter, summed over CPUs.
+func (d *Datapath) eventCount(e Event) (uint64, error) {
+	var per []uint64
+	if err := d.objs.EventStats.Lookup(uint32(e), &per); err != nil {
+		return 0, fmt.Errorf("read event_stats[%s]: %w", e, err)
+	}
+	var n uint64
+	for _, c := range per {
+		n += c
+	}
+	return n, nil
 }
 
 // PortAttempts is the histogram of the probes that successful port allocations took (the

@@ -402,7 +402,7 @@ type natTable interface {
 	entries(fn func(NATEntry) bool) error
 	count(fn func(proto uint8, table Table, flags Flags)) error
 	flows(fn func(Flow) bool) error
-	sweep(now time.Duration, t Timeouts, res *SweepResult, c *census, swept map[uint8]uint64) (confirmed int, err error)
+	sweeper(gone func(int)) natSweep
 	lookupEntry(t natTuple) (NATEntry, bool, error)
 	deleteKeys(keys []natTuple) error
 	maxEntries(tbl Table) uint32
@@ -428,50 +428,69 @@ func (d *Datapath) natTable(fam policy.Family) natTable {
 const natBatch = 4096
 
 // walkNAT calls fn with the entries of a NAT table a batch at a time, until fn returns false:
-// keys[:n] and vals[:n] hold the batch, valid only during the call. It reads with
-// BPF_MAP_LOOKUP_BATCH, bucket by bucket, so that a table the programs change meanwhile is
-// still walked once (an entry added or removed during the walk may be missed); kernels without
-// batch operations are walked key by key.
+// keys[:n] and vals[:n] hold the batch, valid only during the call (see natWalk).
 func walkNAT[K, V any](m *ebpf.Map, fn func(keys []K, vals []V, n int) bool) error {
-	keys, vals := make([]K, natBatch), make([]V, natBatch)
-	var cursor ebpf.MapBatchCursor
-	for {
-		n, err := m.BatchLookup(&cursor, keys, vals, nil)
-		if errors.Is(err, ebpf.ErrNotSupported) {
-			return walkNATByKey(m, keys, vals, fn)
-		}
-		done := errors.Is(err, ebpf.ErrKeyNotExist)
-		if err != nil && !done {
-			return err
-		}
-		if n > 0 && !fn(keys, vals, n) {
-			return nil
-		}
-		if done {
-			return nil
-		}
-	}
+	return newNATWalk[K, V](m).each(fn)
 }
 
-// walkNATByKey is walkNAT with one syscall per key, for kernels before 5.6.
+// walkNATByKey is walkNAT with one syscall per key, as on kernels before 5.6, into keys and vals.
 func walkNATByKey[K, V any](m *ebpf.Map, keys []K, vals []V, fn func(keys []K, vals []V, n int) bool) error {
-	it := m.Iterate()
-	n := 0
-	for it.Next(&keys[n], &vals[n]) {
-		if n++; n == len(keys) {
-			if !fn(keys, vals, n) {
-				return nil
+	return (&natWalk[K, V]{m: m, keys: keys, vals: vals, it: m.Iterate()}).each(fn)
+}
+
+// natWalk reads a NAT table a batch at a time, and can stop between batches and go on later. It
+// reads with BPF_MAP_LOOKUP_BATCH, bucket by bucket: the cursor is the next bucket's index, and
+// a hash map's buckets never move, so a table the programs change meanwhile is still walked once
+// (each entry that stays is read once; one added or removed during the walk may be missed),
+// however long the walk pauses. Kernels without batch operations are walked key by key.
+type natWalk[K, V any] struct {
+	m      *ebpf.Map
+	keys   []K
+	vals   []V
+	cursor ebpf.MapBatchCursor
+	it     *ebpf.MapIterator // key by key, once the kernel refused a batch
+}
+
+func newNATWalk[K, V any](m *ebpf.Map) *natWalk[K, V] {
+	return &natWalk[K, V]{m: m, keys: make([]K, natBatch), vals: make([]V, natBatch)}
+}
+
+// restart makes w walk m from its start, with the same buffers.
+func (w *natWalk[K, V]) restart(m *ebpf.Map) { *w = natWalk[K, V]{m: m, keys: w.keys, vals: w.vals} }
+
+// next reads the next batch into keys[:n] and vals[:n]; over tells that the table ends there.
+func (w *natWalk[K, V]) next() (n int, over bool, err error) {
+	if w.it == nil {
+		n, err := w.m.BatchLookup(&w.cursor, w.keys, w.vals, nil)
+		if !errors.Is(err, ebpf.ErrNotSupported) {
+			over := errors.Is(err, ebpf.ErrKeyNotExist)
+			if err != nil && !over {
+				return 0, false, err
 			}
-			n = 0
+			return n, over, nil
+		}
+		w.it = w.m.Iterate()
+	}
+	for n < len(w.keys) && w.it.Next(&w.keys[n], &w.vals[n]) {
+		n++
+	}
+	if n < len(w.keys) {
+		return n, true, w.it.Err()
+	}
+	return n, false, nil
+}
+
+// each calls fn with each batch to the table's end, until fn returns false.
+func (w *natWalk[K, V]) each(fn func(keys []K, vals []V, n int) bool) error {
+	for {
+		n, over, err := w.next()
+		if err != nil {
+			return err
+		}
+		if n > 0 && !fn(w.keys, w.vals, n) || over {
+			return nil
 		}
 	}
-	if err := it.Err(); err != nil {
-		return err
-	}
-	if n > 0 {
-		fn(keys, vals, n)
-	}
-	return nil
 }
 
 // each is walkNAT over both flow tables, confirmed first, one entry at a time.

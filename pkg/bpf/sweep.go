@@ -1,10 +1,9 @@
 package bpf
 
 import (
-	"cmp"
 	"errors"
 	"fmt"
-	"math"
+	"sync"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -51,7 +50,7 @@ const (
 // halves together, from both flow tables of each family, the kept verdicts of idle flows, and
 // the held fragments that waited too long for their first fragment (FragHoldTimeout). A
 // flow's state and idle time combine its two halves; a half without its partner (evicted, or its
-// key taken over) expires by its own.
+// key taken over) expires by its own. It is a SweepPass taken in one step.
 //
 // It reads the tables in batches and looks further only at entries idle for longer than the
 // timeout of the state their own flags tell (the datapath sets a state's flags on both halves):
@@ -62,36 +61,166 @@ const (
 //
 // The entries it removes are added, by protocol, to the totals that SweptEntries reads (kept in
 // a map, so that they survive an agent restart); the totals assume one sweeper at a time.
-func (d *Datapath) Sweep(now time.Duration, t Timeouts) (res SweepResult, err error) {
+func (d *Datapath) Sweep(now time.Duration, t Timeouts) (SweepResult, error) {
+	p := d.NewSweep(now, t)
+	_, err := p.Step(now, nil)
+	return p.Result(), err
+}
+
+// A SweepPass is a sweep (Sweep) taken in steps, each going on from where the last stopped, so
+// that the walk of a large table can be spread over many ticks and cost little in any of them.
+// The walk's cursor is a bucket index (natWalk): an entry that stays in the table is read once
+// however long the pass takes; one made or changed after its bucket was read is left to the next
+// pass, which SweepResult.Due accounts for from the pass's start.
+type SweepPass struct {
+	d     *Datapath
+	t     Timeouts
+	start time.Duration
+	res   SweepResult
+	fam   int      // the families swept so far, IPv4 first; the held fragments after both
+	cur   natSweep // the family under way's sweep, nil before it begins
+	tt    Timeouts // its timeouts: t, with closing flows' shorter under pressure
+	c     *census  // its census
+	from  uint64   // the datapath's count of confirmed flows when it began
+}
+
+var sweepFamilies = [2]policy.Family{policy.IPv4, policy.IPv6}
+
+// NewSweep begins a sweep pass at now (MonotonicNow) that judges by t.
+func (d *Datapath) NewSweep(now time.Duration, t Timeouts) *SweepPass {
+	p := &SweepPass{d: d, t: t, start: now}
+	p.res.Counts = map[policy.Family][]NATCount{}
+	// An entry made or changed after the pass read its place expires no sooner than the
+	// shortest timeout after the pass began.
+	p.res.Due = now + t.shortestOfAll()
+	return p
+}
+
+// Step sweeps on from where the pass stopped, at now, until the pass is over (then it tells so)
+// or until more, asked after each batch (nil: never), says to stop. After an error the pass is
+// to be dropped.
+func (p *SweepPass) Step(now time.Duration, more func() bool) (over bool, err error) {
 	swept := map[uint8]uint64{}
 	defer func() {
-		if serr := d.addSwept(swept); serr != nil && err == nil {
+		if serr := p.d.addSwept(swept); serr != nil && err == nil {
 			err = fmt.Errorf("sweep: %w", serr)
 		}
 	}()
-	res.Counts = map[policy.Family][]NATCount{}
-	res.Due = time.Duration(math.MaxInt64)
-	for i, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
-		tt := t
-		if float64(d.confirmedSeen[i].Load()) >= pressureFill*float64(d.Capacity(fam, TableConfirmed)) {
-			tt.TCPClosing = min(tt.TCPClosing, pressureIdle)
+	for p.fam < len(sweepFamilies) {
+		if p.cur == nil {
+			if err := p.begin(); err != nil {
+				return false, err
+			}
 		}
-		// An entry made or changed after the sweep read its place expires no sooner than the
-		// shortest timeout after that.
-		res.Due = min(res.Due, now+tt.shortestOfAll())
-		c := newCensus(&res.Due)
-		n, err := d.natTable(fam).sweep(now, tt, &res, c, swept)
+		done, err := p.cur.step(now, p.tt, &p.res, p.c, swept)
 		if err != nil {
-			return res, fmt.Errorf("sweep: %w", err)
+			return false, fmt.Errorf("sweep: %w", err)
 		}
-		res.Counts[fam] = c.counts()
-		d.confirmedSeen[i].Store(int64(n))
-		res.Urgent = res.Urgent || tt != t
+		if done {
+			p.end()
+		}
+		if more != nil && !more() {
+			return false, nil
+		}
 	}
 	var held int
-	res.Fragments, held, err = d.sweepHeld(now)
-	res.Urgent = res.Urgent || held > 0 // rare, and their times are not read
-	return res, err
+	p.res.Fragments, held, err = p.d.sweepHeld(now)
+	p.res.Urgent = p.res.Urgent || held > 0 // rare, and their times are not read
+	return err == nil, err
+}
+
+// Result is what the pass removed and left; complete once Step said the pass is over.
+func (p *SweepPass) Result() SweepResult { return p.res }
+
+// begin begins the sweep of the next family's tables.
+func (p *SweepPass) begin() error {
+	fam := sweepFamilies[p.fam]
+	from, err := p.d.eventCount(EventConfirmed)
+	if err != nil {
+		return fmt.Errorf("sweep: %w", err)
+	}
+	f := &p.d.fill[p.fam]
+	p.tt, p.from, p.c = p.t, from, newCensus(&p.res.Due)
+	if f.pressed(p.d.Capacity(fam, TableConfirmed)) {
+		p.tt.TCPClosing = min(p.tt.TCPClosing, pressureIdle)
+		p.res.Due = min(p.res.Due, p.start+p.tt.shortestOfAll())
+	}
+	p.cur = p.d.natTable(fam).sweeper(f.removedN)
+	return nil
+}
+
+// end ends the sweep of a family's tables: its census, and its confirmed table's count.
+func (p *SweepPass) end() {
+	fam := sweepFamilies[p.fam]
+	p.res.Counts[fam] = p.c.counts()
+	f := &p.d.fill[p.fam]
+	f.counted(p.cur.confirmed(), p.from)
+	// A table found under pressure, or swept as one, wants the next pass at once.
+	p.res.Urgent = p.res.Urgent || p.tt != p.t || f.pressed(p.d.Capacity(fam, TableConfirmed))
+	p.fam, p.cur = p.fam+1, nil
+}
+
+// tableFill is what the sweep knows of how full a family's confirmed table is: the entries its
+// last walk counted, the datapath's count of confirmed flows (EventConfirmed, which moves both
+// halves of a flow there) when that walk began, and how many entries the sweep removed from
+// it since.
+type tableFill struct {
+	mu      sync.Mutex
+	known   bool
+	seen    int
+	from    uint64
+	removed int
+}
+
+func (f *tableFill) counted(seen int, from uint64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.known, f.seen, f.from, f.removed = true, seen, from, 0
+}
+
+func (f *tableFill) removedN(n int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.removed += n
+}
+
+// pressed tells whether the last walk found the table, of capacity entries, pressureFill full.
+func (f *tableFill) pressed(capacity int) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return float64(f.seen) >= pressureFill*float64(capacity)
+}
+
+// estimate is how many entries the table may hold now that the datapath has confirmed
+// confirmed flows: the last count, plus two entries for each flow confirmed since that walk
+// began, less those the sweep removed since it ended. It errs high: the counter is of both
+// families, and a flow confirmed during the walk may be counted twice.
+func (f *tableFill) estimate(confirmed uint64) (int, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	since := 0
+	if confirmed > f.from {
+		since = int(confirmed - f.from)
+	}
+	return f.seen + 2*since - f.removed, f.known
+}
+
+// MayBePressed tells whether a family's confirmed table may be pressureFill full by now, as the
+// last count of each (the last sweep pass's) and the datapath's counter of confirmed flows since
+// tell: one counter read, where a count reads every entry. It errs toward pressure, and says
+// nothing before a sweep counted the tables.
+func (d *Datapath) MayBePressed() (bool, error) {
+	confirmed, err := d.eventCount(EventConfirmed)
+	if err != nil {
+		return false, err
+	}
+	for i, fam := range sweepFamilies {
+		n, known := d.fill[i].estimate(confirmed)
+		if known && float64(n) >= pressureFill*float64(d.Capacity(fam, TableConfirmed)) {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // census counts the entries a sweep leaves, as CountNAT does, and the earliest time one of them
@@ -118,19 +247,63 @@ func (c *census) left(proto uint8, tbl Table, st FlowState, lastSeen uint64, t T
 
 func (c *census) counts() []NATCount { return sortedCounts(c.n) }
 
-// sweep is Sweep on one family's tables; it returns how many entries the confirmed table held.
-func (table natTableOf[K]) sweep(now time.Duration, t Timeouts, res *SweepResult, c *census, swept map[uint8]uint64) (int, error) {
-	confirmed := 0
-	for i, m := range table.tables() {
-		n, err := table.sweepTable(m, Table(i), now, t, res, c, swept)
-		if err != nil {
-			return 0, err
+// natSweep is a sweep of one family's tables, batch by batch.
+type natSweep interface {
+	// step sweeps the next batch, and tells whether every table was swept.
+	step(now time.Duration, t Timeouts, res *SweepResult, c *census, swept map[uint8]uint64) (over bool, err error)
+	// confirmed is how many entries the walk read in the confirmed table.
+	confirmed() int
+}
+
+// tableSweep is natSweep for the key layout K: the confirmed table, then the unreplied one, then
+// the kept verdicts. gone is told how many entries it removes from the confirmed table.
+type tableSweep[K rawNATKey[K]] struct {
+	table natTableOf[K]
+	gone  func(int)
+	at    int // the table being swept: a Table, then the keep table (2)
+	flows *natWalk[K, masqNatEntry]
+	keep  *natWalk[K, masqKeepEntry]
+	read  int // entries read in the confirmed table
+	// A batch's scratch: the keys to delete by table, the expired flows, the verdicts.
+	doomed     [2][]K
+	dflows     []doomedFlow
+	doomedKept []K
+}
+
+func (table natTableOf[K]) sweeper(gone func(int)) natSweep {
+	return &tableSweep[K]{table: table, gone: gone, flows: newNATWalk[K, masqNatEntry](table.confirmed)}
+}
+
+func (s *tableSweep[K]) confirmed() int { return s.read }
+
+func (s *tableSweep[K]) step(now time.Duration, t Timeouts, res *SweepResult, c *census, swept map[uint8]uint64) (bool, error) {
+	if s.at == 2 {
+		if s.keep == nil {
+			s.keep = newNATWalk[K, masqKeepEntry](s.table.keep)
 		}
-		if Table(i) == TableConfirmed {
-			confirmed = n
+		n, over, err := s.keep.next()
+		res.Read += n
+		if err == nil && n > 0 {
+			err = s.sweepKeep(s.keep.keys[:n], s.keep.vals[:n], now, t, res, c, swept)
 		}
+		return over && err == nil, err
 	}
-	return confirmed, table.sweepKeep(now, t, res, c, swept)
+	tbl := Table(s.at)
+	n, over, err := s.flows.next()
+	if err == nil && n > 0 {
+		res.Read += n
+		if tbl == TableConfirmed {
+			s.read += n
+		}
+		err = s.sweepBatch(tbl, s.flows.keys[:n], s.flows.vals[:n], now, t, res, c, swept)
+	}
+	if err != nil || !over {
+		return false, err
+	}
+	if s.at++; s.at < 2 {
+		s.flows.restart(s.table.unreplied)
+	}
+	return false, nil
 }
 
 // mayExpire tells whether a half of a flow of proto, with flags, idle since lastSeen, may have
@@ -141,90 +314,77 @@ func (t Timeouts) mayExpire(proto uint8, flags Flags, lastSeen uint64, now time.
 	return now-time.Duration(lastSeen) > t.timeout(proto, StateOf(flags, 0))
 }
 
-// sweepTable sweeps one flow table (tbl) and returns how many entries it read.
-func (table natTableOf[K]) sweepTable(m *ebpf.Map, tbl Table, now time.Duration, t Timeouts, res *SweepResult, c *census, swept map[uint8]uint64) (int, error) {
-	var (
-		doomed [2][]K // by table: keys to delete
-		flows  []doomedFlow
-		inner  error
-		seen   int
-	)
-	err := walkNAT(m, func(keys []K, vals []masqNatEntry, n int) bool {
-		seen += n
-		doomed[0], doomed[1], flows = doomed[0][:0], doomed[1][:0], flows[:0]
-		for i := range n {
-			// k is a copy; lookups take &keys[i], which is on the heap already.
-			k, v := keys[i], &vals[i]
-			kt := k.tuple()
-			own := Flags(v.Flags)
-			if !t.mayExpire(kt.proto, own, v.LastSeen, now) {
-				c.left(kt.proto, tbl, StateOf(own, 0), v.LastSeen, t)
-				continue
-			}
-			pk, pv, paired, ptbl, err := table.lookupPartnerIn(k, v)
-			if err != nil {
-				inner = err
-				return false
-			}
-			last, partnerFlags := v.LastSeen, Flags(0)
-			// A flow is judged once: from its egress half, or from this one when the egress half
-			// does not look expired by its own flags (it is counted as it is read, then).
-			defers := paired && kt.dir != Egress && t.mayExpire(kt.proto, Flags(pv.Flags), pv.LastSeen, now)
-			if defers {
-				continue // the egress half judges the flow, and counts this half if it stays
-			}
-			partnerDefers := paired && kt.dir == Egress && t.mayExpire(kt.proto, Flags(pv.Flags), pv.LastSeen, now)
-			if paired {
-				last, partnerFlags = max(last, pv.LastSeen), Flags(pv.Flags)
-			}
-			stays := func() { // the flow, seen last at last
-				c.left(kt.proto, tbl, StateOf(own, 0), last, t)
-				if partnerDefers {
-					c.left(kt.proto, ptbl, StateOf(Flags(pv.Flags), 0), last, t)
-				}
-			}
-			if now-time.Duration(last) <= t.timeout(kt.proto, StateOf(own, partnerFlags)) {
-				stays()
-				continue
-			}
-			// A packet may have refreshed the entry since its batch was read.
-			if touched, err := touchedSince(m, &keys[i], v.LastSeen); err != nil {
-				inner = err
-				return false
-			} else if touched {
-				stays()
-				continue
-			}
-			f := doomedFlow{proto: kt.proto, at: [2]int{-1, -1}}
-			f.at[0] = len(doomed[tbl])
-			doomed[tbl] = append(doomed[tbl], k)
-			if paired {
-				f.ptbl, f.at[1] = ptbl, len(doomed[ptbl])
-				doomed[ptbl] = append(doomed[ptbl], pk)
-			}
-			flows = append(flows, f)
+// sweepBatch sweeps a batch of entries read from one flow table (tbl).
+func (s *tableSweep[K]) sweepBatch(tbl Table, keys []K, vals []masqNatEntry, now time.Duration, t Timeouts, res *SweepResult, c *census, swept map[uint8]uint64) error {
+	table, m := s.table, s.table.tables()[tbl]
+	doomed, flows := s.doomed, s.dflows[:0]
+	doomed[0], doomed[1] = doomed[0][:0], doomed[1][:0]
+	defer func() { s.doomed, s.dflows = doomed, flows }()
+	for i := range keys {
+		// k is a copy; lookups take &keys[i], which is on the heap already.
+		k, v := keys[i], &vals[i]
+		kt := k.tuple()
+		own := Flags(v.Flags)
+		if !t.mayExpire(kt.proto, own, v.LastSeen, now) {
+			c.left(kt.proto, tbl, StateOf(own, 0), v.LastSeen, t)
+			continue
 		}
-		if err := table.deleteDoomed(tbl, doomed, flows, res, swept); err != nil {
-			inner = err
-			return false
+		pk, pv, paired, ptbl, err := table.lookupPartnerIn(k, v)
+		if err != nil {
+			return err
 		}
-		return true
-	})
-	res.Read += seen
-	return seen, cmp.Or(inner, err)
+		last, partnerFlags := v.LastSeen, Flags(0)
+		// A flow is judged once: from its egress half, or from this one when the egress half
+		// does not look expired by its own flags (it is counted as it is read, then).
+		defers := paired && kt.dir != Egress && t.mayExpire(kt.proto, Flags(pv.Flags), pv.LastSeen, now)
+		if defers {
+			continue // the egress half judges the flow, and counts this half if it stays
+		}
+		partnerDefers := paired && kt.dir == Egress && t.mayExpire(kt.proto, Flags(pv.Flags), pv.LastSeen, now)
+		if paired {
+			last, partnerFlags = max(last, pv.LastSeen), Flags(pv.Flags)
+		}
+		stays := func() { // the flow, seen last at last
+			c.left(kt.proto, tbl, StateOf(own, 0), last, t)
+			if partnerDefers {
+				c.left(kt.proto, ptbl, StateOf(Flags(pv.Flags), 0), last, t)
+			}
+		}
+		if now-time.Duration(last) <= t.timeout(kt.proto, StateOf(own, partnerFlags)) {
+			stays()
+			continue
+		}
+		// A packet may have refreshed the entry since its batch was read.
+		if touched, err := touchedSince(m, &keys[i], v.LastSeen); err != nil {
+			return err
+		} else if touched {
+			stays()
+			continue
+		}
+		f := doomedFlow{proto: kt.proto, at: [2]int{-1, -1}}
+		f.at[0] = len(doomed[tbl])
+		doomed[tbl] = append(doomed[tbl], k)
+		if paired {
+			f.ptbl, f.at[1] = ptbl, len(doomed[ptbl])
+			doomed[ptbl] = append(doomed[ptbl], pk)
+		}
+		flows = append(flows, f)
+	}
+	return s.deleteDoomed(tbl, doomed, flows, res, swept)
 }
 
 // deleteDoomed deletes a sweep batch's expired flows (doomed, by table; flows, where each one's
 // keys are) and counts what went: whole flows, and halves whose partner was gone already
 // (orphans), by protocol in swept.
-func (table natTableOf[K]) deleteDoomed(tbl Table, doomed [2][]K, flows []doomedFlow, res *SweepResult, swept map[uint8]uint64) error {
+func (s *tableSweep[K]) deleteDoomed(tbl Table, doomed [2][]K, flows []doomedFlow, res *SweepResult, swept map[uint8]uint64) error {
 	var gone [2][]bool
-	for i, m := range table.tables() {
+	for i, m := range s.table.tables() {
 		var err error
 		if gone[i], err = deleteKeys(m, doomed[i]); err != nil {
 			return err
 		}
 	}
+	s.gone(trues(gone[TableConfirmed]))
 	for _, f := range flows {
 		deleted := 0
 		if gone[tbl][f.at[0]] {
@@ -251,42 +411,46 @@ type doomedFlow struct {
 	at    [2]int
 }
 
-// sweepKeep removes the kept verdicts of flows idle for longer than their protocol's timeout (a
-// TCP connection's: established, closing once the pod sent a FIN or RST).
-func (table natTableOf[K]) sweepKeep(now time.Duration, t Timeouts, res *SweepResult, c *census, swept map[uint8]uint64) error {
-	var (
-		doomed []K
-		inner  error
-	)
-	err := walkNAT(table.keep, func(keys []K, vals []masqKeepEntry, n int) bool {
-		doomed = doomed[:0]
-		res.Read += n
-		for i := range n {
-			st, proto := StateKept, keys[i].tuple().proto
-			if vals[i].Closing != 0 {
-				st = StateClosing
-			}
-			if now-time.Duration(vals[i].LastSeen) > t.timeout(proto, st) {
-				doomed = append(doomed, keys[i])
-				continue
-			}
-			c.n[natCountKey{proto, TableKeep, StateKept}]++
-			*c.due = min(*c.due, time.Duration(vals[i].LastSeen)+t.timeout(proto, st))
+// sweepKeep removes, of a batch read from the keep table, the kept verdicts of flows idle for
+// longer than their protocol's timeout (a TCP connection's: established, closing once the pod
+// sent a FIN or RST).
+func (s *tableSweep[K]) sweepKeep(keys []K, vals []masqKeepEntry, now time.Duration, t Timeouts, res *SweepResult, c *census, swept map[uint8]uint64) error {
+	doomed := s.doomedKept[:0]
+	defer func() { s.doomedKept = doomed }()
+	for i := range keys {
+		st, proto := StateKept, keys[i].tuple().proto
+		if vals[i].Closing != 0 {
+			st = StateClosing
 		}
-		gone, err := deleteKeys(table.keep, doomed)
-		if err != nil {
-			inner = err
-			return false
+		if now-time.Duration(vals[i].LastSeen) > t.timeout(proto, st) {
+			doomed = append(doomed, keys[i])
+			continue
 		}
-		for i, g := range gone {
-			if g {
-				res.Kept++
-				swept[doomed[i].tuple().proto]++
-			}
+		c.n[natCountKey{proto, TableKeep, StateKept}]++
+		*c.due = min(*c.due, time.Duration(vals[i].LastSeen)+t.timeout(proto, st))
+	}
+	gone, err := deleteKeys(s.table.keep, doomed)
+	if err != nil {
+		return err
+	}
+	for i, g := range gone {
+		if g {
+			res.Kept++
+			swept[doomed[i].tuple().proto]++
 		}
-		return true
-	})
-	return cmp.Or(inner, err)
+	}
+	return nil
+}
+
+// trues counts the true ones of bs.
+func trues(bs []bool) int {
+	n := 0
+	for _, b := range bs {
+		if b {
+			n++
+		}
+	}
+	return n
 }
 
 // touchedSince reports whether the entry at key changed since it was read with lastSeen: a

@@ -66,7 +66,7 @@ func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, ups []uplink.
 			continue
 		}
 		cur, ok := snat[i]
-		f, why, err := assessFormer(ctx, dp, b.resolve, i, cur, ok)
+		f, why, err := assessFormer(ctx, dp, b.resolve, i, cur, ok, true)
 		if err != nil {
 			return err
 		}
@@ -101,10 +101,12 @@ func (b *Backend) dropStale(ctx context.Context, dp *bpf.Datapath, ups []uplink.
 	return nil
 }
 
-// checkDraining, after a sweep, asks for an apply when a former uplink that drains is to go: its
-// flows are over, or its device or address went (which the uplink watcher does not follow, the
-// device being no uplink).
-func (b *Backend) checkDraining(ctx context.Context, dp *bpf.Datapath) {
+// checkDraining, at each tick of the sweep, asks for an apply when a former uplink that drains
+// is to go: its device or address went (which the uplink watcher does not follow, the device
+// being no uplink), or, when count (once a walk of the sweep is over: only the sweep ends flows),
+// its flows are over. Counting them reads every entry, as a walk does: in a large table not at
+// every tick, which the walk itself is paced over.
+func (b *Backend) checkDraining(ctx context.Context, dp *bpf.Datapath, count bool) {
 	b.mu.Lock()
 	draining := b.draining
 	b.mu.Unlock()
@@ -123,7 +125,10 @@ func (b *Backend) checkDraining(ctx context.Context, dp *bpf.Datapath) {
 			if err != nil {
 				return "", err
 			}
-			_, why, err := assessFormer(ctx, dp, res, f.Index, cur, ok)
+			f, why, err := assessFormer(ctx, dp, res, f.Index, cur, ok, count)
+			if count && why == "" {
+				b.log.Debug("a former uplink drains", "uplink", f.Name, "flows", f.flows)
+			}
 			return why, err
 		}()
 		if err != nil {
@@ -168,8 +173,9 @@ func addrsOf(u uplink.Uplink) []string {
 
 // assessFormer tells what becomes of the device of ifindex, no uplink any more, whose
 // uplink_snat entry is snat (ok false: it has none): why it goes ("" while it drains), and
-// what it keeps while it drains.
-func assessFormer(ctx context.Context, dp *bpf.Datapath, res *uplink.Resolver, ifindex int, snat bpf.Uplink, ok bool) (former, string, error) {
+// what it keeps while it drains; its flows are counted when count, else it drains while its
+// device has its address.
+func assessFormer(ctx context.Context, dp *bpf.Datapath, res *uplink.Resolver, ifindex int, snat bpf.Uplink, ok, count bool) (former, string, error) {
 	f := former{Uplink: uplink.Uplink{Name: "?", Index: ifindex, MAC: snat.MAC}}
 	if !ok {
 		return f, "it has no SNAT address", nil
@@ -190,21 +196,23 @@ func assessFormer(ctx context.Context, dp *bpf.Datapath, res *uplink.Resolver, i
 		if !a.IsValid() || !slices.Contains(dev.Addrs, a) {
 			continue
 		}
-		n, err := dp.MasqueradedFlows(a, dev.Reaches)
-		if err != nil {
-			return f, "", err
+		if count {
+			n, err := dp.MasqueradedFlows(a, dev.Reaches)
+			if err != nil {
+				return f, "", err
+			}
+			f.flows += n
 		}
 		if a.Is4() {
 			f.IPv4 = a
 		} else {
 			f.IPv6 = a
 		}
-		f.flows += n
 	}
 	switch {
 	case !f.IPv4.IsValid() && !f.IPv6.IsValid():
 		return f, "its SNAT address is gone", nil
-	case f.flows == 0:
+	case count && f.flows == 0:
 		return f, "no flow uses it any more", nil
 	}
 	return f, "", nil

@@ -3,6 +3,7 @@ package bpfbackend
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/netip"
 	"slices"
@@ -204,7 +205,7 @@ func TestFormerUplinkDrains(t *testing.T) {
 		case <-b.Changes():
 		default:
 		}
-		b.checkDraining(ctx, dp())
+		b.checkDraining(ctx, dp(), false)
 		select {
 		case reason := <-b.Changes():
 			if reason != "former uplink up1: its SNAT address is gone" {
@@ -216,6 +217,64 @@ func TestFormerUplinkDrains(t *testing.T) {
 		apply(keep)
 		if v, _ := via(); v != "" || runs() || flows() != 0 {
 			t.Fatalf("up1 without its address: via %q, runs the programs %v, %d flows of its address left", v, runs(), flows())
+		}
+	})
+}
+
+// TestDrainingCountedPerWalk: the sweep counts a draining former uplink's flows, which reads every
+// entry, once per walk of the tables, not at every tick: a paced walk (a large table; every
+// table, here) spreads over ticks that must not each read the whole table again.
+func TestDrainingCountedPerWalk(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	bpffs := testutil.MountBPFFS(t)
+	inNetns(t, func() {
+		ctx := context.Background()
+		up1 := formerNode(t)
+		var logs testutil.Buffer
+		b, err := New(ctx, Options{BPFFS: bpffs, AttachMode: tc.ModeTCX, SweepInterval: time.Hour,
+			Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer b.Close()
+		for _, cidrs := range []string{"10.0.0.0/8, 198.51.100.0/24", "10.0.0.0/8, 198.51.100.0/24, 203.0.113.0/24"} {
+			if err := b.Apply(ctx, compile(t, "nonMasqueradeCIDRs: ["+cidrs+"]\n", false)); err != nil {
+				t.Fatal(err)
+			}
+			if cidrs == "10.0.0.0/8, 198.51.100.0/24" { // up1 an uplink: a flow out of it
+				runOn(t, b.dp.Load().Egress(), udp(t, netip.MustParseAddrPort("10.1.0.5:1000"), netip.MustParseAddrPort("203.0.113.7:53")), up1.Attrs().Index)
+			}
+		}
+		if !strings.Contains(b.Info().Details, "former uplinks draining up1") {
+			t.Fatalf("up1 does not drain: %s", b.Info().Details)
+		}
+		// The backend's own loop walks once, the datapath loaded, then waits for an hour: these
+		// ticks are the test's, 10 ms apart as far as the pace is concerned, with flows due at once.
+		if err := testutil.Poll(10*time.Second, 10*time.Millisecond, func() error {
+			if !strings.Contains(logs.String(), `msg="NAT walk"`) {
+				return testutil.NotYet("the backend's first walk")
+			}
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+		b.largeTables, b.opts.SweepInterval = 1, 10*time.Millisecond
+		b.opts.Timeouts = bpf.Timeouts{TCPEstablished: time.Hour, TCPOpening: time.Hour, TCPClosing: time.Hour,
+			UDP: time.Hour, ICMP: time.Millisecond, Other: time.Hour}
+		from := len(logs.String())
+		var s sweepState
+		dp := b.dp.Load()
+		for range 40 {
+			b.sweepTick(ctx, &s, dp)
+		}
+		ticks := logs.String()[from:]
+		walks := strings.Count(ticks, `msg="NAT walk"`)
+		counts := strings.Count(ticks, `msg="a former uplink drains"`)
+		if walks == 0 || walks >= 20 {
+			t.Fatalf("%d walks in 40 ticks, want them paced over several ticks each:\n%s", walks, ticks)
+		}
+		if counts != walks {
+			t.Errorf("the flows of up1 counted %d times in 40 ticks that held %d walks, want once per walk", counts, walks)
 		}
 	})
 }

@@ -16,23 +16,26 @@ import (
 // ns each on a VM (the entries are spread over hundreds of MiB): 110 ms for a table of the
 // default size, more than a second for 2M entries (1M flows).
 //
-// Tables of the default size or smaller are walked every interval, as they always were. In
-// larger ones a walk need not come every interval: it says when the first flow it left can
-// expire, and a flow made or changed after it can expire no sooner than the shortest timeout
-// after it (bpf.SweepResult.Due), and the next walk comes at the first tick after that (with the
-// default timeouts, ICMP's 30 s the shortest, every 30 to 40 s); and no sooner than sweepDuty
-// times its own duration after the last began, so that the walks take at most 1/sweepDuty of a
-// CPU: a table of 2M entries that takes 1.1 s is walked every 2 minutes or so, and a flow may
-// outlive its timeout by that much, as conntrack's own garbage collection leaves expired
-// connections until its next scan. A table under pressure, or held fragments, make the walks
-// come every interval again (bpf.SweepResult.Urgent), and so do timeouts that changed; a table
-// that fills between walks is noticed at the next.
+// Tables of the default size or smaller are walked whole every interval, as they always were. In
+// larger ones a walk (a bpf.SweepPass) is paced: each tick walks on where the last stopped for
+// at most SweepInterval/sweepDuty, so that the walks take at most 1/sweepDuty of a CPU in any
+// stretch of time, not only on average: a table of 2M entries, 1.1 s to read, is walked in 12
+// slices of 100 ms, one every 10 s, and a flow may outlive its timeout by that much, as
+// conntrack's own garbage collection leaves expired connections until its next scan. A walk says
+// when the first flow it left can expire, and a flow made or changed after it began can expire no
+// sooner than the shortest timeout after that (bpf.SweepResult.Due): the next walk begins at the
+// first tick after that (with the default timeouts, ICMP's 30 s the shortest, at once after a
+// paced walk of 2M entries). A table under pressure, or held fragments, make the walks come whole
+// every interval again (bpf.SweepResult.Urgent), and so do timeouts that changed. A table that
+// fills between counts is noticed at the next tick: each tick asks the datapath's counter of
+// confirmed flows whether the table may be 90% full by now (bpf.Datapath.MayBePressed), and then
+// walks the rest at once, which counts it.
 //
 // The walk counts what it leaves, by protocol, table and state (its census): in large tables the
 // NAT metrics report that, so that a scrape reads none of the table (the counts are then as old
 // as the last walk); smaller ones a scrape counts itself.
 
-// sweepDuty is how many times its own duration the sweep waits, at least, after a walk began.
+// sweepDuty is how many times the time a tick spends walking a large table its interval is.
 const sweepDuty = 100
 
 // census is what the last walk counted, and how many entries it read.
@@ -42,20 +45,28 @@ type census struct {
 }
 
 // largeTables is how many entries a walk reads, at least, in tables larger than the default:
-// only there are the walks spaced out and do the metrics report the census.
+// only there are the walks paced and do the metrics report the census.
 const largeTables = bpf.DefaultNATEntries + 1
+
+// sweepState is what the sweep loop keeps from tick to tick.
+type sweepState struct {
+	held     int           // ports of earlier --to-ports ranges held, as last logged
+	timeouts bpf.Timeouts  // as last logged
+	walked   *bpf.Datapath // the datapath the last walk, or the one under way, is of
+	with     bpf.Timeouts  // the timeouts it judges by
+	due      time.Time     // when the next walk is due
+	pass     *bpf.SweepPass
+	paced    bool          // the walk under way goes on a slice per tick
+	start    time.Time     // when it began
+	mono     time.Duration // that on MonotonicNow's clock
+	took     time.Duration // its steps' time so far
+}
 
 // sweepLoop expires idle NAT entries until ctx ends.
 func (b *Backend) sweepLoop(ctx context.Context) {
 	t := time.NewTicker(b.opts.SweepInterval)
 	defer t.Stop()
-	held := 0 // ports of earlier --to-ports ranges held, as last logged
-	var (
-		timeouts bpf.Timeouts  // as last logged
-		walked   *bpf.Datapath // the datapath the last walk was of
-		with     bpf.Timeouts  // the timeouts it judged by
-		due      time.Time     // when the next walk is due
-	)
+	var s sweepState
 	for {
 		select {
 		case <-ctx.Done():
@@ -63,53 +74,86 @@ func (b *Backend) sweepLoop(ctx context.Context) {
 		case <-t.C:
 		case <-b.sweepNow:
 		}
-		dp := b.dp.Load()
-		if dp == nil {
-			continue
+		if dp := b.dp.Load(); dp != nil {
+			b.sweepTick(ctx, &s, dp)
 		}
-		// Shorter timeouts (a sysctl changed) may have expired flows the last walk left.
-		if now := b.timeouts(&timeouts); dp != walked || now != with || !time.Now().Before(due) {
-			next, err := b.walk(dp, now)
-			if err != nil {
-				b.log.Warn("NAT sweep failed", "error", err)
-				continue
-			}
-			walked, with, due = dp, now, next
-			// Trimming reads every entry too (when ports are held at all): as often as the walks.
-			held = b.trimHeldPorts(dp, held)
-		}
-		b.checkDraining(ctx, dp)
 	}
 }
 
-// walk sweeps dp's tables, publishes their census, and returns when the next walk is due.
-func (b *Backend) walk(dp *bpf.Datapath, t bpf.Timeouts) (time.Time, error) {
-	start, mono := time.Now(), bpf.MonotonicNow()
-	res, err := dp.Sweep(mono, t)
-	if err != nil {
-		return start, err
+// sweepTick is one tick of the loop: a walk begun or gone on with, when one is due, and the
+// former uplinks that drain checked, their flows counted once a walk is over.
+func (b *Backend) sweepTick(ctx context.Context, s *sweepState, dp *bpf.Datapath) {
+	// Shorter timeouts (a sysctl changed) may have expired flows the last walk left, and another
+	// datapath has other tables: a walk begins at once, whole.
+	if now := b.timeouts(&s.timeouts); dp != s.walked || now != s.with {
+		s.walked, s.with, s.pass, s.paced, s.due = dp, now, nil, false, time.Time{}
 	}
+	if s.pass == nil && !time.Now().Before(s.due) {
+		s.start, s.mono, s.took = time.Now(), bpf.MonotonicNow(), 0
+		s.pass = dp.NewSweep(s.mono, s.with)
+	}
+	if s.pass == nil {
+		b.checkDraining(ctx, dp, false)
+		return
+	}
+	over, err := b.sweepStep(s, dp)
+	if err != nil {
+		b.log.Warn("NAT sweep failed", "error", err)
+		s.pass = nil // begun again at the next tick
+		return
+	}
+	if !over {
+		b.checkDraining(ctx, dp, false)
+		return
+	}
+	b.walkOver(s)
+	// Trimming reads every entry too (when ports are held at all): as often as the walks.
+	s.held = b.trimHeldPorts(dp, s.held)
+	b.checkDraining(ctx, dp, true)
+}
+
+// sweepStep goes on with the walk under way: at most SweepInterval/sweepDuty when it is paced
+// and no table may be under pressure, else to its end. It tells whether the walk is over.
+func (b *Backend) sweepStep(s *sweepState, dp *bpf.Datapath) (bool, error) {
+	t0 := time.Now()
+	var more func() bool
+	if s.paced {
+		if pressed, err := dp.MayBePressed(); err != nil || pressed {
+			b.log.Debug("a NAT table may be filling: the walk goes on to its end", "error", err)
+			s.paced = false
+		} else {
+			until := t0.Add(b.opts.SweepInterval / sweepDuty)
+			more = func() bool { return time.Now().Before(until) }
+		}
+	}
+	over, err := s.pass.Step(bpf.MonotonicNow(), more)
+	s.took += time.Since(t0)
+	return over, err
+}
+
+// walkOver publishes the census of the walk that is over, and sets when the next is due and
+// whether it is paced.
+func (b *Backend) walkOver(s *sweepState) {
+	res, large := s.pass.Result(), cmp.Or(b.largeTables, largeTables)
 	b.census.Store(&census{counts: res.Counts, read: res.Read})
-	next := nextWalk(start, mono, res, time.Since(start), cmp.Or(b.largeTables, largeTables))
+	s.due, s.paced, s.pass = nextWalk(s.start, s.mono, res, large), res.Read >= large && !res.Urgent, nil
 	msg := "NAT walk" // removed no flow
 	if res.Flows > 0 || res.Orphans > 0 || res.Fragments > 0 {
 		msg = "NAT sweep"
 	}
 	b.log.Debug(msg, "flows", res.Flows, "orphanEntries", res.Orphans, "keptVerdicts", res.Kept,
-		"heldFragments", res.Fragments, "entriesRead", res.Read, "took", time.Since(start),
-		"nextWalkIn", time.Until(next).Round(time.Millisecond))
-	return next, nil
+		"heldFragments", res.Fragments, "entriesRead", res.Read, "took", s.took,
+		"lasted", time.Since(s.start).Round(time.Millisecond), "nextWalkIn", time.Until(s.due).Round(time.Millisecond))
 }
 
-// nextWalk is when the walk that began at start (mono on MonotonicNow's clock), took long and
-// found res, wants the next: in large tables (large: read at least that many entries) when res
-// is due and no sooner than sweepDuty times took after start; at once in small tables, and when
-// res is urgent.
-func nextWalk(start time.Time, mono time.Duration, res bpf.SweepResult, took time.Duration, large int) time.Time {
+// nextWalk is when the walk that began at start (mono on MonotonicNow's clock) and found res
+// wants the next: in large tables (large: read at least that many entries) when res is due; at
+// once in small tables, and when res is urgent.
+func nextWalk(start time.Time, mono time.Duration, res bpf.SweepResult, large int) time.Time {
 	if res.Urgent || res.Read < large {
 		return start
 	}
-	return start.Add(max(res.Due-mono, sweepDuty*took))
+	return start.Add(res.Due - mono)
 }
 
 // sweepSoon makes the loop walk the tables at once (a datapath was loaded), unless a walk is asked

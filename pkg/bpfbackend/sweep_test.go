@@ -179,8 +179,8 @@ func TestSweepWalksWhenDue(t *testing.T) {
 	if n, w := entries(), walks(); n != 2 && w == 1 {
 		t.Errorf("the metrics count %d entries before the second walk, want the first walk's 2", n)
 	}
-	// Walks keep coming, when due: at most one per 300 ms (each also waits sweepDuty times its own
-	// duration, which a loaded machine stretches), where the ticks come every 10 ms.
+	// Walks keep coming, when due: at most one per 300 ms (each paced over a few ticks), where the
+	// ticks come every 10 ms.
 	start := time.Now()
 	if err := testutil.Poll(20*time.Second, 10*time.Millisecond, func() error {
 		if w := walks(); w < 4 {
@@ -204,24 +204,21 @@ func TestSweepWalksWhenDue(t *testing.T) {
 	}
 }
 
-// TestNextWalk: small tables are walked every interval; large ones when a flow can expire, no
-// sooner than sweepDuty times the last walk's duration after it began, unless the last walk
-// found a table under pressure or held fragments.
+// TestNextWalk: small tables are walked every interval; large ones when a flow can expire (the
+// walk's pace is its own), unless the last walk found a table under pressure or held fragments.
 func TestNextWalk(t *testing.T) {
 	start, mono := time.Unix(1000, 0), 500*time.Second
 	for _, c := range []struct {
 		name string
 		res  bpf.SweepResult
-		took time.Duration
 		want time.Duration // after start
 	}{
-		{"a small table", bpf.SweepResult{Due: mono + 30*time.Second, Read: 1000}, 10 * time.Millisecond, 0},
-		{"due first", bpf.SweepResult{Due: mono + 30*time.Second, Read: largeTables}, 10 * time.Millisecond, 30 * time.Second},
-		{"overdue", bpf.SweepResult{Due: mono - time.Second, Read: largeTables}, 10 * time.Millisecond, time.Second},
-		{"a long walk", bpf.SweepResult{Due: mono + 30*time.Second, Read: largeTables}, 600 * time.Millisecond, 60 * time.Second},
-		{"urgent", bpf.SweepResult{Due: mono + 30*time.Second, Read: largeTables, Urgent: true}, 600 * time.Millisecond, 0},
+		{"a small table", bpf.SweepResult{Due: mono + 30*time.Second, Read: 1000}, 0},
+		{"due first", bpf.SweepResult{Due: mono + 30*time.Second, Read: largeTables}, 30 * time.Second},
+		{"overdue", bpf.SweepResult{Due: mono - time.Second, Read: largeTables}, -time.Second},
+		{"urgent", bpf.SweepResult{Due: mono + 30*time.Second, Read: largeTables, Urgent: true}, 0},
 	} {
-		if got := nextWalk(start, mono, c.res, c.took, largeTables).Sub(start); got != c.want {
+		if got := nextWalk(start, mono, c.res, largeTables).Sub(start); got != c.want {
 			t.Errorf("%s: next walk %v after the last began, want %v", c.name, got, c.want)
 		}
 	}

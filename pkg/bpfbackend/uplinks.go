@@ -218,7 +218,7 @@ func (r *Installed) Uplinks(ctx context.Context) ([]datapath.Uplink, error) {
 		if slices.ContainsFunc(set.Uplinks, func(s uplink.Uplink) bool { return s.Index == u.Index }) {
 			continue
 		}
-		f, why, err := assessFormer(ctx, r.dp, res, u.Index, bpf.Uplink{IPv4: u.IPv4, IPv6: u.IPv6}, true)
+		f, why, err := assessFormer(ctx, r.dp, res, u.Index, bpf.Uplink{IPv4: u.IPv4, IPv6: u.IPv6}, true, true)
 		if err != nil {
 			return nil, err
 		}

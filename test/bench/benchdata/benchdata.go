@@ -99,10 +99,13 @@ type BigFlows struct {
 	Entries     int            `json:"entries"`
 	EntryStates map[string]int `json:"entry_states"`
 	// Idle and Full are the agent's steady state with the table empty and full: CPU seconds
-	// over Window (sweeps, drift checks every second, a scrape every 15 s).
-	Window float64    `json:"window_seconds"`
-	Idle   SteadyPart `json:"idle"`
-	Full   SteadyPart `json:"full"`
+	// over Window (sweeps, drift checks every second, a scrape every 15 s); FullAfter are the
+	// windows that follow Full, one after the other, so that every window of a walk's period
+	// (longer than one window) is seen.
+	Window    float64      `json:"window_seconds"`
+	Idle      SteadyPart   `json:"idle"`
+	Full      SteadyPart   `json:"full"`
+	FullAfter []SteadyPart `json:"full_after,omitempty"`
 	// Dump is how long `dump` took on the full table, each run.
 	DumpSeconds []float64 `json:"dump_seconds"`
 	// Restart is the agent started again over the full table, -big-runs times; Resize started

@@ -225,7 +225,9 @@ func writeMillion(w *bytes.Buffer, bn *bigNode) {
 		return fmt.Sprintf("%.2f%% of one core", p.CPUSeconds/f.Window*100)
 	}
 	fmt.Fprintf(w, "| agent CPU, empty table | %s |\n", pct(f.Idle))
-	fmt.Fprintf(w, "| agent CPU, %d entries | %s |\n", f.Entries, pct(f.Full))
+	full := pcts(fullWindows(f), f.Window)
+	fmt.Fprintf(w, "| agent CPU, %d entries, %d windows in a row | %s%% of one core (each: %s) |\n", f.Entries, len(full),
+		cell(full, "%.2f"), strings.Join(fmtAll(full, "%.2f%%"), ", "))
 	fmt.Fprintf(w, "| `/metrics` scrape, empty table | %s ms |\n", cell(f.Idle.ScrapeMs, "%.1f"))
 	fmt.Fprintf(w, "| `/metrics` scrape, %d entries | %s ms |\n", f.Entries, cell(f.Full.ScrapeMs, "%.1f"))
 	fmt.Fprintf(w, "| one walk of the sweep, %d entries (the agent's log, %d walks) | %s ms |\n", f.Entries, len(f.Full.SweepMs), cell(f.Full.SweepMs, "%.0f"))
@@ -272,19 +274,34 @@ func writeMillion(w *bytes.Buffer, bn *bigNode) {
 	}
 	walk := median(f.Full.SweepMs)
 	fmt.Fprintf(w, "Every entry a walk reads costs some 400-550 ns of CPU on this VM, nearly all in the kernel\n")
-	fmt.Fprintf(w, "(BPF_MAP_LOOKUP_BATCH: the entries are spread over hundreds of MiB, so each is a cache miss), and a walk must\n")
-	fmt.Fprintf(w, "read them all to find the idle ones. Tables of the default size are walked every `--nat-sweep-interval`, as\n")
-	fmt.Fprintf(w, "before. A larger one is walked when a flow can expire (the shortest timeout after the last walk: ICMP's 30 s\n")
-	fmt.Fprintf(w, "by default) and no sooner than 100 times the last walk's duration after it began, so that walks take at most\n")
-	fmt.Fprintf(w, "1%% of a core: at %d entries, a walk of %.0f ms every %.0f s or so. An idle flow may outlive its timeout by\n", f.Entries, walk, walk*100/1000)
-	fmt.Fprintf(w, "that much, as conntrack's expired connections wait for its garbage collection's next scan. A table 90%% full,\n")
-	fmt.Fprintf(w, "held fragments or changed timeouts bring back a walk every interval; a large table that fills between walks\n")
-	fmt.Fprintf(w, "is noticed at the next. The walk counts what it leaves, by state: in a large table `ip_masq_agent_nat_entries`\n")
-	fmt.Fprintf(w, "and the fill ratios are that count, as old as the last walk, so that a scrape reads no entry of the tables.\n")
-	fmt.Fprintf(w, "The steady window with the full table is shorter than the walks' period and held one walk: %.2f%% of a core;\n", f.Full.CPUSeconds/f.Window*100)
-	fmt.Fprintf(w, "over a period, the agent's CPU is what it spends without walks (the empty table's %.2f%%) plus the walks' 1%%\n", f.Idle.CPUSeconds/f.Window*100)
-	fmt.Fprintf(w, "at most: %.2f%%. Before this change the table was walked every 10 s and counted again at every scrape: %.0f%%\n", f.Idle.CPUSeconds/f.Window*100+1, (6+4)*walk/1000/60*100)
-	fmt.Fprintf(w, "of a core for the walks alone, and scrapes of a second each.\n\n")
+	fmt.Fprintf(w, "(BPF_MAP_LOOKUP_BATCH: the entries are spread over hundreds of MiB, so each is a cache miss, and the\n")
+	fmt.Fprintf(w, "kernel locks each bucket; a profile puts 90%% of a walk in `__htab_map_lookup_and_delete_batch` itself and\n")
+	fmt.Fprintf(w, "some 10%% in the agent's decoding and census), and a walk must read them all to find the idle ones. Tables\n")
+	fmt.Fprintf(w, "of the default size are walked whole every `--nat-sweep-interval`, as before. A larger one is walked at a\n")
+	fmt.Fprintf(w, "pace: each interval goes on from the bucket where the last stopped for at most 1/%d of the interval\n", sweepDuty)
+	fmt.Fprintf(w, "(the kernel's batch cursor is a bucket index, and a hash map's buckets never move, so each entry that\n")
+	fmt.Fprintf(w, "stays is read once however long the walk pauses), so that the walks take at most 1%% of a core in any\n")
+	fmt.Fprintf(w, "window: at %d entries, a walk of %.0f ms (as the agent logs it) in slices of 100 ms, one every 10 s, about %.0f s for\n", f.Entries, walk, walk*sweepDuty/1000)
+	fmt.Fprintf(w, "the whole table. An idle flow may outlive its timeout by that much, as conntrack's expired connections\n")
+	fmt.Fprintf(w, "wait for its garbage collection's next scan. A table 90%% full, held fragments or changed timeouts bring\n")
+	fmt.Fprintf(w, "back whole walks every interval; a large table that fills between counts is noticed within an interval,\n")
+	fmt.Fprintf(w, "from the last count and the datapath's counter of confirmed flows since, which makes the walk read the\n")
+	fmt.Fprintf(w, "rest at once and count again. The walk counts what it leaves, by state: in a large table\n")
+	fmt.Fprintf(w, "`ip_masq_agent_nat_entries` and the fill ratios are that count, as old as the last walk, so that a scrape\n")
+	fmt.Fprintf(w, "reads no entry of the tables. The steady windows with the full table come %d in a row, each %.0f s: the\n", len(full), f.Window)
+	fmt.Fprintf(w, "agent's CPU in each is what it spends without walks (the empty table's %.2f%%) and the walks' slices\n", f.Idle.CPUSeconds/f.Window*100)
+	fmt.Fprintf(w, "(at most 1%%): at most %.2f%% in any of them. A walk in one go, as the agent did before, put %.2f s of\n", slices.Max(full), walk/1000)
+	fmt.Fprintf(w, "CPU into the window that held it (2.40%% of a core in a 60 s window at 2M entries); before that, walks\n")
+	fmt.Fprintf(w, "every 10 s and a count at every scrape took %.0f%% of a core.\n\n", (6+4)*walk/1000/60*100)
+}
+
+// fmtAll formats each of xs in f.
+func fmtAll(xs []float64, f string) []string {
+	out := make([]string, len(xs))
+	for i, x := range xs {
+		out[i] = fmt.Sprintf(f, x)
+	}
+	return out
 }
 
 func writeMemory(w *bytes.Buffer, bn *bigNode) {
@@ -347,9 +364,26 @@ func writeMemory(w *bytes.Buffer, bn *bigNode) {
 	fmt.Fprintf(w, "the side tables are what keeps established flows from ever being evicted.\n\n")
 }
 
-// sweepDuty is pkg/bpfbackend's: a walk of a large table waits at least that many times its
-// duration after the last began.
+// sweepDuty is pkg/bpfbackend's: each interval walks a large table for at most 1/sweepDuty of it.
 const sweepDuty = 100
+
+// fullWindows is the CPU seconds of each steady window with the table full, in order.
+func fullWindows(f *benchdata.BigFlows) []float64 {
+	out := []float64{f.Full.CPUSeconds}
+	for _, p := range f.FullAfter {
+		out = append(out, p.CPUSeconds)
+	}
+	return out
+}
+
+// pcts is xs, CPU seconds over window seconds, in percent of a core.
+func pcts(xs []float64, window float64) []float64 {
+	out := make([]float64, len(xs))
+	for i, x := range xs {
+		out[i] = x / window * 100
+	}
+	return out
+}
 
 // natValueBytes is the size of masqNatEntry (pkg/bpf), the NAT tables' value.
 const natValueBytes = 48
@@ -616,12 +650,10 @@ func writeBigGoals(w *bytes.Buffer, bn *bigNode) {
 		fmt.Fprintf(w, "| %s | %s | %s |\n", name, measured, mark)
 	}
 	if f := bn.flows; f != nil {
-		pct := f.Full.CPUSeconds / f.Window * 100
-		goal(fmt.Sprintf("agent steady CPU < 2%% of one core at %d flows, over one window", f.Flows),
-			fmt.Sprintf("%.2f%% over %.0f s that held a walk", pct, f.Window), pct < 2)
-		period := f.Idle.CPUSeconds/f.Window*100 + 100.0/sweepDuty
-		goal(fmt.Sprintf("agent steady CPU < 2%% of one core at %d flows, over the walks' period", f.Flows),
-			fmt.Sprintf("at most %.2f%% (%.2f%% without walks, walks at most 1%%)", period, f.Idle.CPUSeconds/f.Window*100), period < 2)
+		full := pcts(fullWindows(f), f.Window)
+		goal(fmt.Sprintf("agent steady CPU < 2%% of one core at %d flows, in every %.0f s window", f.Flows, f.Window),
+			fmt.Sprintf("at most %.2f%% in %d windows in a row (%s)", slices.Max(full), len(full), strings.Join(fmtAll(full, "%.2f%%"), ", ")),
+			slices.Max(full) < 2)
 		s := median(f.Full.ScrapeMs)
 		goal(fmt.Sprintf("`/metrics` scrape < 100 ms at %d flows", f.Flows), fmt.Sprintf("%.1f ms", s), s < 100)
 		idle := median(f.Idle.ScrapeMs)
