@@ -353,7 +353,7 @@ static __always_inline int egress_new(struct __sk_buff *skb, const int v6, __u64
 		return TC_NEXT;
 	k = &s->key;
 	to = s->to;
-	snat = snat_addr(skb, v6);
+	snat = s->snat_set ? s->snat : 0; /* egress read it */
 	origin = from_node_stack(skb, p, v6, snat);
 	if (origin == FROM_ELSEWHERE)
 		return TC_NEXT;
@@ -593,6 +593,10 @@ static __always_inline int egress(struct __sk_buff *skb, const int v6, __u64 now
 	}
 
 	snat = uplink_snat_of(ifindex, v6);
+	/* For egress_new_*, which would look it up again. */
+	s->snat_set = snat != 0;
+	if (snat)
+		addr_copy(v6, s->snat, snat);
 	/* A host port outside the range is one no pod mapping can take: host traffic there, from
 	 * any of the node's addresses, is neither looked up nor recorded (a protocol without ports
 	 * has one mapping per remote, which any pod flow could take). A held port (port_held) is
@@ -601,17 +605,20 @@ static __always_inline int egress(struct __sk_buff *skb, const int v6, __u64 now
 		return TC_NEXT;
 	k = &s->key;
 	nat_key(v6, k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_EGRESS);
-	e = nat_get(v6, NAT_CONFIRMED, k);
-	if (!e) {
-		/* Kept verdicts are of pod flows: a host's packet finds none. A SYN opens a new
-		 * connection, which follows the policy in force now. */
+	if (tcp_is_syn(p)) {
+		/* A bare SYN is most often a new flow's, or a retransmission of one still unreplied:
+		 * looked up in that table first (nat_get_moved), two lookups where a miss of the
+		 * confirmed table first takes three. It opens a new connection, which follows the
+		 * policy in force now: a kept verdict of the tuple ends. */
+		e = nat_get_moved(v6, k, &tbl);
+		if (!e && keep_get(v6, k))
+			keep_del(v6, k);
+	} else if (!(e = nat_get(v6, NAT_CONFIRMED, k))) {
+		/* Kept verdicts are of pod flows: a host's packet finds none. */
 		struct keep_entry *ke = keep_get(v6, k);
 
-		if (ke) {
-			if (!tcp_is_syn(p))
-				return keep_packet(ke, p, now);
-			keep_del(v6, k);
-		}
+		if (ke)
+			return keep_packet(ke, p, now);
 		e = nat_get_moved(v6, k, &tbl);
 	}
 	if (e) {
@@ -719,7 +726,7 @@ static __always_inline int ingress_new(struct __sk_buff *skb, const int v6, __u6
 		event_add(EV_INBOUND_NOT_LOCAL, 1);
 		return TC_NEXT;
 	}
-	if (nat_lookup(v6, &ek) || nat_put(v6, NAT_UNREPLIED, &ek, &e, BPF_NOEXIST) != 0)
+	if (nat_lookup_from(v6, NAT_UNREPLIED, &ek) || nat_put(v6, NAT_UNREPLIED, &ek, &e, BPF_NOEXIST) != 0)
 		return TC_NEXT; /* that tuple already has a flow */
 	e.flags = NAT_F_ORIG;
 	if (p->proto == IPPROTO_TCP)
@@ -808,15 +815,21 @@ static __always_inline int ingress(struct __sk_buff *skb, const int v6, __u64 no
 	}
 	k = &s->key;
 	nat_key(v6, k, p->saddr, p->daddr, p->sport, p->dport, p->proto, DIR_INGRESS);
-	e = nat_get(v6, NAT_CONFIRMED, k);
-	if (!e) {
+	if (tcp_is_syn(p) || tcp_is_synack(p)) {
+		/* A handshake's packet: a SYN-ACK most often answers a flow still unreplied, a SYN opens
+		 * one or is a retransmission of one: that table first (as egress's bare SYN), then the
+		 * kept verdicts. */
+		e = nat_get_moved(v6, k, &tbl);
+		if (!e && keep_reply(v6, p, now))
+			return TC_NEXT;
+	} else if (!(e = nat_get(v6, NAT_CONFIRMED, k))) {
 		/* Kept verdicts, as egress finds them: a reply of a flow left alone finds no mapping. */
 		if (keep_reply(v6, p, now))
 			return TC_NEXT;
 		e = nat_get_moved(v6, k, &tbl);
-		if (!e)
-			return v6 ? ingress_new_v6(skb, now) : ingress_new_v4(skb, now);
 	}
+	if (!e)
+		return v6 ? ingress_new_v6(skb, now) : ingress_new_v4(skb, now);
 	return ingress_known(skb, p, s, v6, tbl, e, now);
 }
 

@@ -150,6 +150,16 @@ static __always_inline struct nat_entry *nat_lookup(const int v6, const union na
 	return e ? e : nat_get_moved(v6, k, &tbl);
 }
 
+/* nat_lookup_from finds the entry at k in either table, starting with tbl, where the flow is most
+ * likely (the partner of an unreplied entry, a new flow's other key): nat_get_moved finds it in two
+ * lookups at most where nat_lookup's miss of the confirmed table takes three. */
+static __always_inline struct nat_entry *nat_lookup_from(const int v6, const int tbl, const union nat_key *k)
+{
+	int found;
+
+	return tbl == NAT_UNREPLIED ? nat_get_moved(v6, k, &found) : nat_lookup(v6, k);
+}
+
 /* partner_key computes the key of the other half of the flow whose entry e sits at k. */
 static __always_inline void partner_key(const int v6, union nat_key *pk, const union nat_key *k,
 					const struct nat_entry *e)
@@ -245,11 +255,14 @@ struct nat_scratch {
 	union nat_key key; /* the packet's flow key, for egress_new_* and ingress_new_* */
 	__be32 to[4];     /* the address xlate_* writes, and egress_new_*'s */
 	union nat_key k;  /* the entry of the flow_slow_* and tcp_closing_* calls */
+	struct nat_entry cur; /* ... a copy of it, which they read rather than look it up again */
 	union nat_key pk; /* ... its partner's key */
 	struct nat_entry ne, pv; /* ... values being written */
 	union nat_key rk; /* nat_alloc: the reply half's key, whose NAT port nat_probe_* rewrites */
 	struct nat_entry rev; /* ... and its value */
 	__u32 step;       /* how far the endpoint's port sequence moves on */
+	__be32 snat[4];   /* egress_new_*: the uplink's SNAT address, which egress read (snat_set) */
+	__u32 snat_set;
 	__u8 opt[TCP_OPT_MAX]; /* tcp_wscale_at: the options of a SYN */
 	__u32 pad;
 };
@@ -371,7 +384,7 @@ static __always_inline int check_partner(const int v6, const int tbl, struct nat
 	struct nat_entry *pe;
 
 	partner_key(v6, &s->pk, &s->k, e);
-	pe = nat_lookup(v6, &s->pk);
+	pe = nat_lookup_from(v6, tbl, &s->pk);
 	if (pe)
 		return points_back(v6, &s->k, pe) ? 0 : -1;
 	partner_value(v6, &s->k, e, &s->ne, now);
@@ -383,36 +396,39 @@ static __always_inline int check_partner(const int v6, const int tbl, struct nat
 	return pe && points_back(v6, &s->k, pe) ? 0 : -1;
 }
 
-/* first_reply marks the flow of e (a half that is not the opener's, seeing its first packet) as
- * replied, on both halves; a missing opener's half is re-created. */
-static __always_inline int first_reply(const int v6, struct nat_scratch *s, struct nat_entry *e, __u64 now)
+/* first_reply marks the flow of e (a half that is not the opener's, seeing its first packet, in
+ * table tbl) as replied, on both halves; a missing opener's half is re-created. e is nat_scratch's
+ * copy: the flag for the entry itself is returned (flow_slow). */
+static __always_inline int first_reply(const int v6, const int tbl, struct nat_scratch *s, struct nat_entry *e,
+				       __u64 now)
 {
 	struct nat_entry *pe;
 
 	e->flags |= NAT_F_REPLIED;
 	partner_key(v6, &s->pk, &s->k, e);
-	pe = nat_lookup(v6, &s->pk);
+	pe = nat_lookup_from(v6, tbl, &s->pk);
 	if (pe) {
 		if (!points_back(v6, &s->k, pe))
 			return -1;
 		pe->flags |= NAT_F_REPLIED;
-		return 0;
+		return NAT_F_REPLIED;
 	}
 	partner_value(v6, &s->k, e, &s->ne, now);
 	if (nat_put(v6, NAT_UNREPLIED, &s->pk, &s->ne, BPF_NOEXIST) == 0)
 		event_add(EV_REPAIR, 1);
-	return 0;
+	return NAT_F_REPLIED;
 }
 
 /* confirm moves the flow of e, which proved two-way, from nat_new_* to nat_*. When that table is
- * full the flow stays (and works) where it is, marked so that the next try waits for a refresh.
- * e is gone afterwards. Returns -1 when the other half's key holds another flow.
+ * full the flow stays (and works) where it is, marked so that the next try waits for a refresh
+ * (the flag returned, for the entry: e is nat_scratch's copy of it). The entry is gone
+ * afterwards. Returns -1 when the other half's key holds another flow.
  *
  * Both halves go into nat_* before either leaves nat_new_* (nat_get_moved relies on it). Another
  * CPU may be confirming the same flow, from either half: the CPU whose insert of e finds it there
  * already leaves the move to the one that made it, which deletes the unreplied halves once both
  * confirmed ones exist (theirs or ours); the CPU that inserted the egress half counts the flow. */
-static __always_inline int confirm(const int v6, struct nat_scratch *s, struct nat_entry *e, __u64 now)
+static __always_inline int confirm(const int v6, struct nat_scratch *s, const struct nat_entry *e, __u64 now)
 {
 	struct nat_entry *pe;
 	long err, perr = 0;
@@ -443,8 +459,7 @@ static __always_inline int confirm(const int v6, struct nat_scratch *s, struct n
 	if (err != 0) {
 		if (!(e->flags & NAT_F_NOROOM)) /* each flow counts once */
 			event_add(EV_CONFIRM_FULL, 1);
-		e->flags |= NAT_F_NOROOM;
-		return 0;
+		return NAT_F_NOROOM;
 	}
 	nat_del(v6, NAT_UNREPLIED, &s->k);
 	nat_del(v6, NAT_UNREPLIED, &s->pk);
@@ -453,10 +468,10 @@ static __always_inline int confirm(const int v6, struct nat_scratch *s, struct n
 	return 0;
 }
 
-/* tcp_closing records a plausible FIN or RST (seq, flags) on both halves of the flow whose entry
- * e sits at s->k; an implausible one changes nothing. */
-static __always_inline void tcp_closing(const int v6, struct nat_scratch *s, struct nat_entry *e,
-					__u32 seq, __u8 flags)
+/* tcp_closing records a plausible FIN or RST (seq, flags) on the partner of the flow whose entry
+ * e sits at s->k, and returns the flag for e's own (0: an implausible one changes nothing). */
+static __always_inline int tcp_closing(const int v6, struct nat_scratch *s, const struct nat_entry *e,
+				       __u32 seq, __u8 flags)
 {
 	struct nat_entry *pe;
 	__u8 f = flags & TCPF_RST ? NAT_F_RST : NAT_F_FIN;
@@ -467,11 +482,11 @@ static __always_inline void tcp_closing(const int v6, struct nat_scratch *s, str
 		pe = 0;
 	if (!tcp_plausible(seq, flags, e, pe)) {
 		event_add(EV_TCP_OUT_OF_WINDOW, 1);
-		return;
+		return 0;
 	}
-	e->flags |= f;
 	if (pe)
 		pe->flags |= f;
+	return f;
 }
 
 /* tcp_resync: a SYN-ACK from the side of e that did not open the flow, acknowledging exactly the
@@ -495,9 +510,10 @@ static __always_inline void tcp_resync(const int v6, struct nat_scratch *s, stru
 }
 
 /* flow_slow: the first reply, the move of a flow that proved two-way to the confirmed table,
- * and the partner check of a refresh, for the entry at nat_scratch's k in table tbl. Returns -1
- * when the other half's key holds another flow, so that the entry belongs to a flow that is
- * gone. */
+ * and the partner check of a refresh, for the entry at nat_scratch's k in table tbl, of which
+ * nat_scratch's cur is a copy (a lookup less). Returns -1 when the other half's key holds another
+ * flow, so that the entry belongs to a flow that is gone, else the flags to set on the entry
+ * (none once it moved). */
 static __always_inline int flow_slow(const int v6, __u32 tbl, __u32 refreshed, __u32 pflags, __u64 now)
 {
 	struct nat_scratch *s = scratch();
@@ -506,13 +522,11 @@ static __always_inline int flow_slow(const int v6, __u32 tbl, __u32 refreshed, _
 
 	if (!s)
 		return 0;
-	e = nat_get(v6, tbl, &s->k);
-	if (!e)
-		return 0;
+	e = &s->cur;
 	if (!(e->flags & NAT_F_REPLIED)) {
 		/* A reopened flow in the confirmed table gets its reply marked too. */
 		if (!(e->flags & NAT_F_ORIG) && !(tcp && (pflags & TCPF_RST)))
-			return first_reply(v6, s, e, now);
+			return first_reply(v6, tbl, s, e, now);
 	} else if (tbl == NAT_UNREPLIED &&
 		   (!tcp || ((e->flags & NAT_F_ORIG) && !(pflags & (TCPF_SYN | TCPF_RST))))) {
 		if (!(e->flags & NAT_F_NOROOM) || refreshed)
@@ -531,28 +545,23 @@ __attribute__((noinline)) int flow_slow_v6(__u32 tbl, __u32 refreshed, __u32 pfl
 	return flow_slow(1, tbl, refreshed, pflags, now);
 }
 
-static __always_inline void tcp_closing_at(const int v6, __u32 tbl, __u32 seq, __u32 flags)
+/* tcp_closing_*: tcp_closing of the entry at nat_scratch's k, by its copy there; the flag to set on
+ * the entry. */
+static __always_inline int tcp_closing_at(const int v6, __u32 seq, __u32 flags)
 {
 	struct nat_scratch *s = scratch();
-	struct nat_entry *e;
 
-	if (!s)
-		return;
-	e = nat_get(v6, tbl, &s->k);
-	if (e)
-		tcp_closing(v6, s, e, seq, flags);
+	return s ? tcp_closing(v6, s, &s->cur, seq, flags) : 0;
 }
 
-__attribute__((noinline)) int tcp_closing_v4(__u32 tbl, __u32 seq, __u32 flags)
+__attribute__((noinline)) int tcp_closing_v4(__u32 seq, __u32 flags)
 {
-	tcp_closing_at(0, tbl, seq, flags);
-	return 0;
+	return tcp_closing_at(0, seq, flags);
 }
 
-__attribute__((noinline)) int tcp_closing_v6(__u32 tbl, __u32 seq, __u32 flags)
+__attribute__((noinline)) int tcp_closing_v6(__u32 seq, __u32 flags)
 {
-	tcp_closing_at(1, tbl, seq, flags);
-	return 0;
+	return tcp_closing_at(1, seq, flags);
 }
 
 static __always_inline void tcp_resync_at(const int v6, __u32 tbl, __u32 ack)
@@ -590,6 +599,19 @@ static __always_inline int scratch_key(const union nat_key *k)
 	return 1;
 }
 
+/* scratch_entry leaves k and a copy of its entry e in nat_scratch for the global functions that
+ * read the entry (tcp_closing_*, flow_slow_*): a copy costs less than their lookup of it. */
+static __always_inline int scratch_entry(const union nat_key *k, const struct nat_entry *e)
+{
+	struct nat_scratch *s = scratch();
+
+	if (!s)
+		return 0;
+	s->k = *k;
+	s->cur = *e;
+	return 1;
+}
+
 /* flow_seen records a packet of the flow whose entry e sits at k in table tbl: TCP state and the
  * time inline (the path of every packet of an established flow), the rest in flow_slow_*
  * (after which e may be gone: callers copy what they need first). Returns -1 when the other
@@ -598,15 +620,14 @@ static __always_inline int flow_seen(struct __sk_buff *skb, const int v6, const 
 				     struct nat_entry *e, const struct pkt *p, __u64 now)
 {
 	__u32 pflags = 0;
-	int refreshed;
+	int refreshed, r;
 
 	if (p->proto == IPPROTO_TCP) {
 		pflags = PF_TCP | p->tcp_flags;
-		if ((p->tcp_flags & (TCPF_FIN | TCPF_RST)) && scratch_key(k)) {
-			if (v6)
-				tcp_closing_v6(tbl, p->tcp_seq, p->tcp_flags);
-			else
-				tcp_closing_v4(tbl, p->tcp_seq, p->tcp_flags);
+		if ((p->tcp_flags & (TCPF_FIN | TCPF_RST)) && scratch_entry(k, e)) {
+			r = v6 ? tcp_closing_v6(p->tcp_seq, p->tcp_flags) : tcp_closing_v4(p->tcp_seq, p->tcp_flags);
+			if (r)
+				e->flags |= r;
 		}
 		/* A SYN-ACK of the replying side after its first reply, acknowledging something new. */
 		if (tcp_is_synack(p) && (e->flags & (NAT_F_ORIG | NAT_F_REPLIED)) == NAT_F_REPLIED &&
@@ -621,9 +642,12 @@ static __always_inline int flow_seen(struct __sk_buff *skb, const int v6, const 
 	refreshed = refresh(e, now);
 	if (tbl != NAT_UNREPLIED && (e->flags & NAT_F_REPLIED) && !refreshed)
 		return 0; /* an established flow's packet: nothing more to do */
-	if (!scratch_key(k))
+	if (!scratch_entry(k, e))
 		return 0;
-	return v6 ? flow_slow_v6(tbl, refreshed, pflags, now) : flow_slow_v4(tbl, refreshed, pflags, now);
+	r = v6 ? flow_slow_v6(tbl, refreshed, pflags, now) : flow_slow_v4(tbl, refreshed, pflags, now);
+	if (r > 0)
+		e->flags |= r;
+	return r < 0 ? -1 : 0;
 }
 
 /* syn_from_replier: a SYN (no ACK) from the side of e that did not open the flow, once that side

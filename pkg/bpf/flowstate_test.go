@@ -223,6 +223,47 @@ func TestInboundOnlyByOpenersTowardLocalAddresses(t *testing.T) {
 	}
 }
 
+// TestHandshakeRetransmissionsFindTheirFlow: a bare SYN and a SYN-ACK are looked up in the
+// unreplied table first (bpf/masq.c), where a handshake's flow is; retransmitted while the flow is
+// unanswered, answered and confirmed, each still finds it, the same mapping either way and no
+// second one.
+func TestHandshakeRetransmissionsFindTheirFlow(t *testing.T) {
+	h := newHarness(t, defaultPolicy(true), LoadOptions{})
+	for _, fam := range families {
+		t.Run(fam.name, func(t *testing.T) {
+			h.t = t
+			podEnd, dst := ap(pod(fam.v6, 41), 41000), ap(remote(fam.v6), 443)
+			syn := tcpSegment(podEnd, dst, seg{flags: tcpSYN, seq: 1000, win: 64240, wscale: 7})
+			nat := tupleOf(t, h.mustPass(h.dp.Egress(), syn)).src
+			synack := tcpSegment(dst, nat, seg{flags: tcpSYN | tcpACK, seq: 5000, ack: 1001, win: 65160, wscale: 8})
+			check := func(when string, want Table, packets ...[]byte) {
+				t.Helper()
+				for _, pkt := range packets {
+					if string(pkt) == string(syn) {
+						if got := tupleOf(t, h.mustPass(h.dp.Egress(), pkt)).src; got != nat {
+							t.Fatalf("%s: the SYN left as %s, want %s", when, got, nat)
+						}
+					} else if got := tupleOf(t, h.mustPass(h.dp.Ingress(), pkt)).dst; got != podEnd {
+						t.Fatalf("%s: the SYN-ACK arrived at %s, want %s", when, got, podEnd)
+					}
+				}
+				e, eok := h.entry(Egress, unix.IPPROTO_TCP, podEnd, dst)
+				r, rok := h.entry(Ingress, unix.IPPROTO_TCP, dst, nat)
+				if !eok || !rok || e.Table != want || r.Table != want {
+					t.Fatalf("%s: the halves are %+v (%v) and %+v (%v), want both in table %d", when, e, eok, r, rok, want)
+				}
+				if n := h.countEntries(policy.FamilyOf(podEnd.Addr())); n != 2 {
+					t.Fatalf("%s: %d entries for one flow", when, n)
+				}
+			}
+			check("unanswered", TableUnreplied, syn)
+			check("answered", TableUnreplied, synack, synack, syn)
+			h.mustPass(h.dp.Egress(), tcpSegment(podEnd, dst, seg{flags: tcpACK, seq: 1001, ack: 5001, win: 502, wscale: -1}))
+			check("confirmed", TableConfirmed, syn, synack)
+		})
+	}
+}
+
 // TestOutOfWindowRSTIgnored: an RST or FIN from outside that the pod would not accept (outside
 // its window, or in it but not at the next expected byte for an RST) leaves the flow
 // established, so the sweep keeps it; the RST the pod would accept closes it.

@@ -243,7 +243,8 @@ type masqNatScratch struct {
 		K4 masqNat4Key
 		_  [24]byte
 	}
-	Pk struct {
+	Cur masqNatEntry
+	Pk  struct {
 		_  structs.HostLayout
 		K4 masqNat4Key
 		_  [24]byte
@@ -255,10 +256,13 @@ type masqNatScratch struct {
 		K4 masqNat4Key
 		_  [24]byte
 	}
-	Rev  masqNatEntry
-	Step uint32
-	Opt  [40]uint8
-	Pad  uint32
+	Rev     masqNatEntry
+	Step    uint32
+	Snat    [4]uint32
+	SnatSet uint32
+	Opt     [40]uint8
+	Pad     uint32
+	_       [4]byte
 }
 
 type masqPkt struct {
