@@ -123,6 +123,8 @@ bench: build
 	$(GO) test -run '^$$' -bench NATLoad -benchtime 1x -timeout 20m ./test/bench | tee $(BENCH_OUT)/natload.txt
 	$(GO) test -run '^$$' -bench Parallel -benchtime 20000x -count 3 -timeout 10m ./pkg/bpf | tee $(BENCH_OUT)/parallel.txt
 	$(GO) test -run '^$$' -bench 'TrieWrite|SyncPolicyReplace/cidrs=100000$$|SyncPolicyChange' -benchtime 5x -count 3 -timeout 20m ./pkg/bpf | tee $(BENCH_OUT)/synctries.txt
+	mkdir -p $(BENCH_OUT)/lean
+	$(GO) test -run '^$$' -bench 'Floor' -benchtime 3000x -count 3 -timeout 10m ./pkg/bpf | tee $(BENCH_OUT)/lean/floor.txt
 	$(GO) test -run '^$$' -bench 'MillionFlows|ConntrackMemory|LiveCIDRs' -benchtime 1x -timeout 60m ./test/bench -args -out $(abspath $(BENCH_OUT))
 	$(GO) run ./test/bench/report -in $(BENCH_OUT) -docs docs
 
