@@ -208,15 +208,19 @@ func (f *tableFill) estimate(confirmed uint64) (int, bool) {
 // MayBePressed tells whether a family's confirmed table may be pressureFill full by now, as the
 // last count of each (the last sweep pass's) and the datapath's counter of confirmed flows since
 // tell: one counter read, where a count reads every entry. It errs toward pressure, and says
-// nothing before a sweep counted the tables.
+// nothing before a sweep counted the tables, nor of tables smaller than the default.
 func (d *Datapath) MayBePressed() (bool, error) {
 	confirmed, err := d.eventCount(EventConfirmed)
 	if err != nil {
 		return false, err
 	}
 	for i, fam := range sweepFamilies {
+		// The counter is of both families: a table smaller than the default (IPv6's 1024
+		// entries without --enable-ipv6) would seem to fill with the other's flows; its count
+		// at each pass is what tells.
+		capacity := d.Capacity(fam, TableConfirmed)
 		n, known := d.fill[i].estimate(confirmed)
-		if known && float64(n) >= pressureFill*float64(d.Capacity(fam, TableConfirmed)) {
+		if known && capacity >= DefaultNATEntries && float64(n) >= pressureFill*float64(capacity) {
 			return true, nil
 		}
 	}

@@ -93,9 +93,11 @@ func TestSweepPaced(t *testing.T) {
 
 // TestMayBePressed: a table that fills after its last count is noticed without a walk, from
 // the datapath's count of confirmed flows; the sweep that counts it then says the next pass is
-// urgent, and it judges closing flows by the shorter idle time of a table under pressure.
+// urgent, and it judges closing flows by the shorter idle time of a table under pressure. The
+// IPv6 table, of 1024 entries, is not taken to fill with IPv4's flows.
 func TestMayBePressed(t *testing.T) {
-	h := newHarness(t, defaultPolicy(true), LoadOptions{NATEntries: 64})
+	const entries = DefaultNATEntries
+	h := newHarness(t, defaultPolicy(true), LoadOptions{NATEntries: entries, NATEntriesV6: 1024})
 	pressed := func() bool {
 		t.Helper()
 		p, err := h.dp.MayBePressed()
@@ -104,35 +106,44 @@ func TestMayBePressed(t *testing.T) {
 		}
 		return p
 	}
-	now := MonotonicNow()
-	fillFlows(t, h.dp, 0, 25, now) // 50 of 64 entries, written by hand: counted by no counter
-	if pressed() {
-		t.Fatal("a table never counted says it may be under pressure")
+	dst := ap(remote4, 443)
+	confirm := func(pod, n int) { // n two-way flows, confirmed by the programs
+		for i := range n {
+			podEnd := ap(pod4(pod), uint16(2000+i))
+			nat := tupleOf(t, h.mustPass(h.dp.Egress(), udpPacket(podEnd, dst, payload))).src
+			h.mustPass(h.dp.Ingress(), udpPacket(dst, nat, payload))
+			h.mustPass(h.dp.Egress(), udpPacket(podEnd, dst, payload))
+		}
 	}
+	if _, err := h.dp.Sweep(MonotonicNow(), DefaultTimeouts); err != nil {
+		t.Fatal(err)
+	}
+	confirm(8, 500) // 1000 IPv4 entries: the 1024 of IPv6 seem full, if IPv4's flows counted there
+	if pressed() {
+		t.Fatal("500 IPv4 flows since the last count: MayBePressed says a table is under pressure")
+	}
+	now := MonotonicNow()
+	fill := pressureFill
+	mark := int(fill*entries) + 1            // entries: 235930
+	fillFlows(t, h.dp, 0, mark/2-2-500, now) // 4 entries short of the mark, written by hand: counted by no counter
 	res, err := h.dp.Sweep(MonotonicNow(), DefaultTimeouts)
 	if err != nil || res.Urgent {
-		t.Fatalf("sweep of a table 50/64 full: %+v %v, want it not urgent", res, err)
+		t.Fatalf("sweep of a table short of the mark: %+v %v, want it not urgent", res.Swept, err)
 	}
 	if pressed() {
-		t.Fatal("a table counted 50/64 full may be under pressure, says MayBePressed; the mark is 90%")
+		t.Fatal("a table counted short of 90% full may be under pressure, says MayBePressed")
 	}
-	dst := ap(remote4, 443)
-	for i := range 4 { // two-way flows: 58 entries, beyond the mark (57.6)
-		podEnd := ap(pod4(9), uint16(2000+i))
-		nat := tupleOf(t, h.mustPass(h.dp.Egress(), udpPacket(podEnd, dst, payload))).src
-		h.mustPass(h.dp.Ingress(), udpPacket(dst, nat, payload))
-		h.mustPass(h.dp.Egress(), udpPacket(podEnd, dst, payload)) // confirms it
-	}
+	confirm(9, 2) // 4 entries more: the mark
 	if !pressed() {
-		t.Fatal("4 flows confirmed since a count of 50 entries of 64: MayBePressed says no pressure")
+		t.Fatal("2 flows confirmed since a count 4 entries short of the mark: MayBePressed says no pressure")
 	}
 	if res, err = h.dp.Sweep(MonotonicNow(), DefaultTimeouts); err != nil || !res.Urgent {
-		t.Fatalf("sweep of a table 58/64 full: %+v %v, want it urgent", res, err)
+		t.Fatalf("sweep of a table 90%% full: %+v %v, want it urgent", res.Swept, err)
 	}
 	// Under pressure, closing flows go once idle for pressureIdle.
 	closing := MonotonicNow() - 2*pressureIdle
 	putFlow(t, h.dp.objs.NatV4, 100, unix.IPPROTO_TCP, half{FlagReplied | FlagFIN, closing}, half{FlagReplied | FlagFIN, closing})
 	if res, err = h.dp.Sweep(MonotonicNow(), DefaultTimeouts); err != nil || res.Flows != 1 {
-		t.Fatalf("sweep under pressure: %+v %v, want the closing flow idle for %v removed", res, err, 2*pressureIdle)
+		t.Fatalf("sweep under pressure: %+v %v, want the closing flow idle for %v removed", res.Swept, err, 2*pressureIdle)
 	}
 }
