@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"strings"
 )
 
 // A 100k-CIDR ConfigMap is one long block sequence of plain CIDRs under a top-level key. The
@@ -115,6 +116,11 @@ func emptyRootKey(line []byte) (string, bool) {
 // all at one indentation, and returns where the first other line starts and the items.
 func listItems(data []byte, pos int) (int, [][]byte) {
 	var items [][]byte
+	if pos < len(data) && (data[pos] == ' ' || data[pos] == '-') {
+		// Room for every line left: a long list is most of its document, and growing the slice
+		// item by item copies it over and over.
+		items = make([][]byte, 0, bytes.Count(data[pos:], []byte{'\n'})+1)
+	}
 	indent := -1
 	for pos < len(data) {
 		line, next := lineAt(data, pos)
@@ -195,8 +201,10 @@ func plainStrings(raw []byte) (strs []string, ok bool) {
 	if len(raw) < 2 || raw[0] != '[' || raw[len(raw)-1] != ']' {
 		return nil, false
 	}
-	body := raw[1 : len(raw)-1]
-	strs = make([]string, 0, bytes.Count(body, []byte{','})+1)
+	// One string of the whole list, which the items are substrings of: one allocation, not one
+	// per item.
+	body := string(raw[1 : len(raw)-1])
+	strs = make([]string, 0, strings.Count(body, ",")+1)
 	for len(body) > 0 {
 		if body[0] != '"' {
 			return nil, false
@@ -211,7 +219,7 @@ func plainStrings(raw []byte) (strs []string, ok bool) {
 		if end == len(body) {
 			return nil, false
 		}
-		strs = append(strs, string(body[1:end]))
+		strs = append(strs, body[1:end])
 		body = body[end+1:]
 		if len(body) > 0 {
 			if body[0] != ',' || len(body) == 1 {
