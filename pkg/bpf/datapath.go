@@ -64,9 +64,12 @@ type Datapath struct {
 	ports   policy.PortRanges
 	held    portBits
 	heldGen uint64
-	// synced is the last policy written, with each rule's slot.
-	synced     *policy.Policy
-	syncedSlot map[*policy.Rule]uint32
+	// synced is the last policy written, syncedPlan its plan and syncedSlots the slot of each
+	// of the plan's keys; syncedGen is the slot table's generation that sync left (heldSlots).
+	synced      *policy.Policy
+	syncedPlan  *plan
+	syncedSlots []uint32
+	syncedGen   uint64
 	// planned is the policy plan was made for (see planFor); policies are not modified after
 	// they are compiled, so the pointer identifies the plan.
 	planned *policy.Policy

@@ -52,6 +52,7 @@ func TestDifferentialDecide(t *testing.T) {
 			dst   netip.Addr
 		}
 		held := map[heldKey]bool{}
+		slots := h.dp.slotsByRule()
 		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 			want := map[uint32]uint64{}
 			before := h.slotPackets()
@@ -80,7 +81,7 @@ func TestDifferentialDecide(t *testing.T) {
 						t.Fatalf("round %d %s: %s over %s: verdict %d, want a drop: another flow holds the mapping", round, fam, dst, b.name, int32(ret))
 					}
 					if v.Rule != nil {
-						want[h.dp.syncedSlot[v.Rule]]++
+						want[slots[v.Rule]]++
 					}
 					continue
 				}
@@ -101,7 +102,7 @@ func TestDifferentialDecide(t *testing.T) {
 						round, fam, dst, b.name, masqueraded, got, v.Action, ruleName(v.Rule), wantSrc)
 				}
 				if v.Rule != nil && p.Enabled(fam) {
-					s := h.dp.syncedSlot[v.Rule]
+					s := slots[v.Rule]
 					want[s]++
 					if i%97 == 0 {
 						// Spot checks that the counted slot is the deciding rule's, probe by probe.

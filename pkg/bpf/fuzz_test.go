@@ -695,7 +695,7 @@ func (fz *fuzzRun) slotOf(r *policy.Rule) uint32 {
 	if r == nil {
 		return noSlot
 	}
-	s, ok := fz.h.dp.syncedSlot[r]
+	s, ok := fz.h.dp.slotsByRule()[r]
 	if !ok {
 		fz.t.Fatalf("no counter slot for %s", ruleName(r))
 	}

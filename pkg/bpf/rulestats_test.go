@@ -22,6 +22,7 @@ func (d *Datapath) RuleStats() ([]RuleStats, error) {
 	if d.synced == nil {
 		return nil, nil
 	}
+	slots := d.slotsByRule()
 	var out []RuleStats
 	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
 		rules := d.synced.Rules(fam)
@@ -29,7 +30,7 @@ func (d *Datapath) RuleStats() ([]RuleStats, error) {
 			continue
 		}
 		for i := range rules {
-			s, ok := d.syncedSlot[&rules[i]]
+			s, ok := slots[&rules[i]]
 			if !ok {
 				continue
 			}
@@ -41,4 +42,15 @@ func (d *Datapath) RuleStats() ([]RuleStats, error) {
 		}
 	}
 	return out, nil
+}
+
+// slotsByRule is each rule of the last synced policy with its counter slot.
+func (d *Datapath) slotsByRule() map[*policy.Rule]uint32 {
+	m := map[*policy.Rule]uint32{}
+	if d.syncedPlan != nil {
+		for i, r := range d.syncedPlan.rules {
+			m[r] = d.syncedSlots[i]
+		}
+	}
+	return m
 }

@@ -197,6 +197,9 @@ func (pl *plan) addFamily(p *policy.Policy, fam policy.Family) error {
 	rules := p.Rules(fam)
 	_, outbound := p.OutboundAction(fam) // always MASQUERADE when there is one
 	returned := false
+	// Each action's entries gather here rather than in pl.tries: a map access per rule costs
+	// more than the rest of the rule's planning.
+	var byAction [policy.Masquerade + 1][]planned
 	for i := range rules {
 		r := &rules[i]
 		if policy.FamilyOf(r.Prefix.Addr()) != fam || r.Prefix != r.Prefix.Masked() {
@@ -220,11 +223,18 @@ func (pl *plan) addFamily(p *policy.Policy, fam policy.Family) error {
 		} else if returned {
 			return fmt.Errorf("%s rule %d: a MASQUERADE rule after a RETURN rule cannot be expressed by the tries", fam, i+1)
 		}
-		kind := trieKind{fam, r.Action}
-		if pl.tries[kind] == nil {
-			pl.tries[kind] = make([]planned, 0, countAction(rules, r.Action))
+		if int(r.Action) >= len(byAction) {
+			return fmt.Errorf("%s rule %d: unknown action %d", fam, i+1, r.Action)
 		}
-		pl.tries[kind] = append(pl.tries[kind], planned{r.Prefix, idx})
+		if byAction[r.Action] == nil {
+			byAction[r.Action] = make([]planned, 0, countAction(rules, r.Action))
+		}
+		byAction[r.Action] = append(byAction[r.Action], planned{r.Prefix, idx})
+	}
+	for action, entries := range byAction {
+		if entries != nil {
+			pl.tries[trieKind{fam, policy.Action(action)}] = entries
+		}
 	}
 	return nil
 }
@@ -369,11 +379,7 @@ func (d *Datapath) syncPolicy(p *policy.Policy) error {
 	if err := d.freeSlots(slots); err != nil {
 		return err
 	}
-	d.synced = p
-	d.syncedSlot = make(map[*policy.Rule]uint32, len(pl.rules))
-	for i, r := range pl.rules {
-		d.syncedSlot[r] = slots[i]
-	}
+	d.synced, d.syncedPlan, d.syncedSlots, d.syncedGen = p, pl, slots, d.slots.gen
 	d.check = checkState{config: cfg}
 	return nil
 }
@@ -411,27 +417,24 @@ func (d *Datapath) claimSlots(pl *plan) ([]uint32, error) {
 	return slots, nil
 }
 
-// trieValue is the value the trie of kind must hold at prefix, whose addresses rule idx matches
-// first, once the rules have their slots: that rule's slot, and its masquerade address (the one
-// whose SNAT conntrack would apply) where it is the rule's own: the family's masqueradeAddress
-// is nat_config's alone.
-func (pl *plan) trieValue(kind trieKind, idx int, slots []uint32) trieValue {
-	v := trieValue{action: kind.action, slot: slots[idx]}
-	if a := pl.rules[idx].Address; kind.action == policy.Masquerade && a != pl.config.masqueradeAddress(kind.family) {
-		v.snat = a
-	}
-	return v
-}
-
-// trieEntries is what each of tries must hold, in prefixOrder.
+// trieEntries is what each of tries must hold, in prefixOrder. An entry of the trie of kind,
+// whose addresses rule idx matches first, holds that rule's slot, and its masquerade address
+// (the one whose SNAT conntrack would apply) where it is the rule's own: the family's
+// masqueradeAddress is nat_config's alone.
 func (pl *plan) trieEntries(tries []*trie, slots []uint32) [][]trieEntry {
 	out := make([][]trieEntry, len(tries))
 	for i, t := range tries {
 		planned := pl.tries[t.trieKind]
-		out[i] = make([]trieEntry, len(planned))
+		masq := t.action == policy.Masquerade
+		family := pl.config.masqueradeAddress(t.family)
+		entries := make([]trieEntry, len(planned))
 		for j, e := range planned {
-			out[i][j] = trieEntry{e.prefix, pl.trieValue(t.trieKind, e.idx, slots)}
+			entries[j] = trieEntry{e.prefix, trieValue{action: t.action, slot: slots[e.idx]}}
+			if a := pl.rules[e.idx].Address; masq && a != family {
+				entries[j].snat = a
+			}
 		}
+		out[i] = entries
 	}
 	return out
 }
@@ -543,15 +546,64 @@ func sortPlanned(entries []planned) {
 		return
 	}
 	packed := make([]uint64, len(entries))
+	inOrder := true // by rule, as a plan gathers them
 	for i, e := range entries {
 		a := e.prefix.Addr().As4()
 		packed[i] = (uint64(binary.BigEndian.Uint32(a[:]))<<6|uint64(e.prefix.Bits()))<<idxBits | uint64(e.idx)
+		inOrder = inOrder && (i == 0 || e.idx > entries[i-1].idx)
 	}
-	slices.Sort(packed)
+	// Entries in rule order need a stable sort on the prefix bits alone, which leaves the rules
+	// of one prefix in that order; else the rule bits are sorted too.
+	var shift uint
+	if inOrder {
+		shift = idxBits
+	}
+	sortStableAbove(packed, shift)
 	for i, k := range packed {
 		var a [4]byte
 		binary.BigEndian.PutUint32(a[:], uint32(k>>(6+idxBits)))
 		entries[i] = planned{netip.PrefixFrom(netip.AddrFrom4(a), int(k>>idxBits&63)), int(k & (1<<idxBits - 1))}
+	}
+}
+
+// sortStableAbove sorts keys by their bits from shift up, keys with the same such bits in the
+// order they come: a least-significant-digit radix sort, a few passes over 100k keys where a
+// comparison sort takes several times as long. A pass whose digit is the same in every key (the
+// prefix lengths of a list of /24s, the first octet of one network's addresses) is skipped.
+func sortStableAbove(keys []uint64, shift uint) {
+	const digitBits = 11
+	if len(keys) < 2 {
+		return
+	}
+	var (
+		count [1 << digitBits]int
+		buf   []uint64
+		orig  = keys
+	)
+	for ; shift < 64; shift += digitBits {
+		clear(count[:])
+		for _, k := range keys {
+			count[k>>shift&(1<<digitBits-1)]++
+		}
+		if count[keys[0]>>shift&(1<<digitBits-1)] == len(keys) {
+			continue
+		}
+		pos := 0
+		for d, c := range count {
+			count[d], pos = pos, pos+c
+		}
+		if buf == nil {
+			buf = make([]uint64, len(keys))
+		}
+		for _, k := range keys {
+			d := k >> shift & (1<<digitBits - 1)
+			buf[count[d]] = k
+			count[d]++
+		}
+		keys, buf = buf, keys
+	}
+	if &keys[0] != &orig[0] {
+		copy(orig, keys)
 	}
 }
 
@@ -656,12 +708,41 @@ func (d *Datapath) heldSlots(pl *plan) []uint32 {
 		return pl.held
 	}
 	held := make([]uint32, len(pl.keys))
+	// While the table holds what the last sync left, its keys and slots say the same as the
+	// table, and a policy that changes a few rules has most of its keys in the same order: the
+	// walk takes a key's slot from the last sync's key it is at, and looks up only the keys
+	// that differ (where a found key continues the walk from). A map lookup per key of 100k
+	// costs more than the rest of a small change.
+	var last []slotKey
+	var lastSlots []uint32
+	if d.syncedPlan != nil && d.syncedGen == d.slots.gen {
+		last, lastSlots = d.syncedPlan.keys, d.syncedSlots
+	}
+	var at []uint32 // slot -> 1 + its index in last, made when first needed
+	j := 0          // the key of last the walk is at
 	for i, k := range pl.keys {
+		if j < len(last) && last[j] == k {
+			held[i] = lastSlots[j]
+			j++
+			continue
+		}
 		s, ok := d.slots.byKey[k]
 		if !ok {
-			s = noSlot
+			held[i] = noSlot
+			continue
 		}
 		held[i] = s
+		if last != nil {
+			if at == nil {
+				at = make([]uint32, d.slots.max)
+				for n, ls := range lastSlots {
+					at[ls] = uint32(n) + 1
+				}
+			}
+			if n := at[s]; n > 0 {
+				j = int(n)
+			}
+		}
 	}
 	pl.held, pl.heldIn, pl.heldGen = held, d.slots, d.slots.gen
 	return held
@@ -792,6 +873,7 @@ func (d *Datapath) Refresh() error {
 // maps continues where the previous agent left off.
 func (d *Datapath) recover() error {
 	d.slots = newSlotTable(d.opts.MaxRules)
+	d.syncedPlan, d.syncedSlots = nil, nil // of another table
 	last := -1
 	inUse := map[uint32]bool{}
 	if err := eachEntry(d.objs.RuleSlots, func(slot uint32, value *masqRuleSlot) {

@@ -2,10 +2,13 @@ package bpf
 
 import (
 	"bytes"
+	"cmp"
 	"errors"
+	"math/rand/v2"
 	"net/netip"
 	"os"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -146,6 +149,7 @@ func TestSyncTries(t *testing.T) {
 			t.Fatal(err)
 		}
 		pl, _ := makePlan(p)
+		slots := h.dp.slotsByRule()
 		for _, tr := range h.dp.tries {
 			name := tr.name
 			got := map[netip.Prefix]trieValue{}
@@ -157,7 +161,7 @@ func TestSyncTries(t *testing.T) {
 				t.Fatalf("policy %d: %s holds %d entries, want %d: %v", i, name, len(got), len(pl.tries[tr.trieKind]), got)
 			}
 			for _, e := range pl.tries[tr.trieKind] {
-				want := trieValue{action: tr.action, slot: h.dp.syncedSlot[pl.rules[e.idx]]}
+				want := trieValue{action: tr.action, slot: slots[pl.rules[e.idx]]}
 				if tr.action == policy.Masquerade {
 					want.snat = pl.rules[e.idx].Address
 				}
@@ -388,6 +392,99 @@ func TestVerifierComplexity(t *testing.T) {
 			name, n, float64(verifierBudget)/float64(n), verifierBudget)
 		if n > verifierBudget {
 			t.Errorf("%s: the verifier processed %d instructions; keep it under %d", name, n, verifierBudget)
+		}
+	}
+}
+
+// TestHeldSlotsAcrossEdits: the slots a sync finds held, which heldSlots takes from the last
+// sync's keys where they line up, are the slot table's, over random edits of a list: rules
+// inserted, removed, replaced and moved anywhere, duplicates among them.
+func TestHeldSlotsAcrossEdits(t *testing.T) {
+	pool := make([]netip.Prefix, 40)
+	for i := range pool {
+		pool[i] = netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i / 4), byte(i % 4 * 64), 0}), 18+i%7).Masked()
+	}
+	rng := rand.New(rand.NewPCG(7, 28))
+	draw := func() netip.Prefix { return pool[rng.IntN(len(pool))] }
+	masq, nonMasq := []netip.Prefix{draw(), draw()}, []netip.Prefix{draw(), draw(), draw()}
+	h := newHarness(t, compile(masq, nonMasq, true), LoadOptions{MaxRules: 256})
+	edit := func(list []netip.Prefix) []netip.Prefix {
+		list = slices.Clone(list)
+		switch i := rng.IntN(len(list) + 1); rng.IntN(4) {
+		case 0:
+			list = slices.Insert(list, i, draw())
+		case 1:
+			if i < len(list) {
+				list = slices.Delete(list, i, i+1)
+			}
+		case 2:
+			if i < len(list) {
+				list[i] = draw()
+			}
+		default:
+			if j := rng.IntN(len(list) + 1); i < len(list) && j < len(list) {
+				list[i], list[j] = list[j], list[i]
+			}
+		}
+		return list
+	}
+	for round := range 300 {
+		for range 1 + rng.IntN(3) {
+			if rng.IntN(3) == 0 {
+				masq = edit(masq)
+			} else {
+				nonMasq = edit(nonMasq)
+			}
+		}
+		p := compile(masq, nonMasq, rng.IntN(4) > 0)
+		h.dp.mu.Lock()
+		pl, err := makePlan(p)
+		if err != nil {
+			h.dp.mu.Unlock()
+			t.Fatal(err)
+		}
+		held := h.dp.heldSlots(pl)
+		for i, k := range pl.keys {
+			want, ok := h.dp.slots.byKey[k]
+			if !ok {
+				want = noSlot
+			}
+			if held[i] != want {
+				h.dp.mu.Unlock()
+				t.Fatalf("round %d: key %d (%s) held slot %d, the table says %d", round, i, k.prefix(), held[i], want)
+			}
+		}
+		h.dp.mu.Unlock()
+		if err := h.dp.SyncPolicy(p); err != nil {
+			t.Fatalf("round %d: %v", round, err)
+		}
+		for i, k := range h.dp.syncedPlan.keys {
+			if s := h.dp.slots.byKey[k]; s != h.dp.syncedSlots[i] {
+				t.Fatalf("round %d: key %d (%s) synced with slot %d, the table says %d", round, i, k.prefix(), h.dp.syncedSlots[i], s)
+			}
+		}
+	}
+}
+
+// TestSortStableAbove: the radix sort orders by the bits from shift up as a stable comparison
+// sort does, whatever number of its passes are skipped.
+func TestSortStableAbove(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	masks := []uint64{^uint64(0), 0x7ff << 26, 0x7ff<<26 | 0x7ff<<48, 0xff << 56, 0x3 << 40}
+	for _, n := range []int{0, 1, 2, 3, 100, 5000} {
+		for _, mask := range masks {
+			keys := make([]uint64, n)
+			for i := range keys {
+				keys[i] = rng.Uint64()&mask | uint64(i)&(1<<26-1) // the low bits: the order they came in
+			}
+			for _, shift := range []uint{0, 26} {
+				got, want := slices.Clone(keys), slices.Clone(keys)
+				slices.SortStableFunc(want, func(a, b uint64) int { return cmp.Compare(a>>shift, b>>shift) })
+				sortStableAbove(got, shift)
+				if !slices.Equal(got, want) {
+					t.Fatalf("%d keys, mask %#x, shift %d: sorted differently from a stable sort", n, mask, shift)
+				}
+			}
 		}
 	}
 }
