@@ -187,16 +187,20 @@ func run(in, docs string) error {
 	if err != nil {
 		return fmt.Errorf("big-node results: %w", err)
 	}
+	// The report as it is: the big-node sections of results this run lacks are kept from it.
+	path := filepath.Join(docs, "benchmarks.md")
+	doc, err := os.ReadFile(path)
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
 	var big bytes.Buffer
 	if !bn.empty() {
-		writeBigNode(&big, bn)
+		writeBigNode(&big, bn, doc)
 	}
 	// The big-node benchmarks alone: their sections replace those of the report as it is.
 	if _, err := os.Stat(filepath.Join(in, benchdata.E2EFile)); errors.Is(err, fs.ErrNotExist) && !bn.empty() {
-		path := filepath.Join(docs, "benchmarks.md")
-		doc, err := os.ReadFile(path)
-		if err != nil {
-			return err
+		if doc == nil {
+			return fmt.Errorf("%s: %w (the big-node results alone go into the report as it is)", path, fs.ErrNotExist)
 		}
 		return os.WriteFile(path, splice(doc, big.Bytes()), 0o644)
 	}
@@ -224,7 +228,7 @@ func run(in, docs string) error {
 	if big.Len() > 0 {
 		md.Write(splice(nil, big.Bytes()))
 	}
-	if err := os.WriteFile(filepath.Join(docs, "benchmarks.md"), md.Bytes(), 0o644); err != nil {
+	if err := os.WriteFile(path, md.Bytes(), 0o644); err != nil {
 		return err
 	}
 	if err := plotCost(m, filepath.Join(docs, "bench-cost-vs-cidrs.png")); err != nil {
