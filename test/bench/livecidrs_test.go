@@ -21,8 +21,15 @@ var (
 	liveEdit  = flag.Int("live-changed", 10, "CIDRs the edits of BenchmarkLiveCIDRs change")
 )
 
-// probeEvery is how often a swap's probe opens a new flow.
-const probeEvery = time.Millisecond
+// probeEvery is how often a swap's probe opens a new flow, and probeSlowEvery how often once
+// the swap has taken probeSlowAfter: each probe takes a source port of its own, and a swap of
+// iptables' 100k rules takes tens of seconds, which at one a millisecond would run the pod out
+// of ports; for a swap that long 10 ms are a resolution of 1% at most.
+const (
+	probeEvery     = time.Millisecond
+	probeSlowAfter = time.Second
+	probeSlowEvery = 10 * time.Millisecond
+)
 
 // BenchmarkLiveCIDRs: a config of -live-cidrs non-masquerade CIDRs replaced by another of as many
 // (a ConfigMap's ..data swap), which changes the verdict of one destination, timed to the first
@@ -125,16 +132,21 @@ func measureLiveCIDRs(b *testing.B, bins binaries, m Mode, n, changed int) bench
 	return res
 }
 
-// verdictAfter opens a new UDP flow from the pod to the target every probeEvery until the
-// target sees one from want, and returns how many it opened. Each flow is one datagram and its
+// verdictAfter opens a new UDP flow from the pod to the target every probeEvery (then every
+// probeSlowEvery) until the target sees one from want, and returns how many it opened. Each flow is one datagram and its
 // answer, from a source port no probe used before (p.next): a new flow, which the new policy
 // judges, where a port used again could meet an earlier flow's mapping (an old flow keeps it,
 // as conntrack's do) and show its verdict.
 func verdictAfter(ctx context.Context, env *e2e.Env, p *probes, want netip.Addr, since time.Time) (int, error) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 	defer cancel()
+	next := since
 	for n := 1; ; n++ {
-		next := since.Add(time.Duration(n) * probeEvery)
+		if next.Sub(since) < probeSlowAfter {
+			next = next.Add(probeEvery)
+		} else {
+			next = next.Add(probeSlowEvery)
+		}
 		src, err := p.probe(ctx, env.Pod)
 		if err != nil {
 			return n, err
