@@ -474,7 +474,8 @@ func writeLive(w *bytes.Buffer, bn *bigNode) {
 	fmt.Fprintf(w, "new set (every CIDR replaced), and an edit that replaces a few CIDRs, the destination's /32 among them (the\n")
 	fmt.Fprintf(w, "change a ConfigMap usually gets). Swaps go both ways: the /32 added, then removed.\n\n")
 	fmt.Fprintf(w, "Each probe has a source port of its own: a port used again could meet an earlier flow's mapping, which\n")
-	fmt.Fprintf(w, "keeps its verdict (as conntrack's do).\n\n")
+	fmt.Fprintf(w, "keeps its verdict (as conntrack's do). So that a swap of tens of seconds leaves the pod ports, the probes\n")
+	fmt.Fprintf(w, "come every 10 ms once a swap has taken a second (1%% of its time at most).\n\n")
 	fmt.Fprintf(w, "| backend | swap | swaps | to the new verdict, ms | to `policy applied`, ms |\n|---|---|---|---|---|\n")
 	for _, l := range bn.live {
 		fmt.Fprintf(w, "| %s | %s | %d | %s | %s |\n", l.Mode, liveKind(l), len(l.Verdict), cell(ms(l.Verdict), "%.0f"), cell(ms(l.Applied), "%.0f"))
@@ -549,19 +550,21 @@ were never most of it). Two rounds of cuts, each measured before and after on on
   46.1-47.6 -> 22.9-23.7 ms in the second.
 
 An edit of a few CIDRs writes only those: its time is the agent's own linear work on 100k CIDRs, now some
-15 ms of parse, 7 of compile, 6 of comparison and hash, and 23 of the writer, which lands it at 48-63 ms.
+15 ms of parse, 7 of compile, 6 of comparison and hash, and 23 of the writer: the table above.
 
 A whole new set stays above 100 ms. The kernel's trie writes alone (BenchmarkTrieWrite, above) are some
 70 ms on this VM (181 ms on the VM of the first round: each new prefix a node the kernel allocates, each old
 one a node it frees; LPM tries are never preallocated). Most of the rest is claiming 100k fresh counter
-slots: zeroing their per-CPU counters takes some 95 ms of a whole-set SyncPolicy, 85 of them in
-cilium/ebpf's marshalling of a per-CPU batch, which converts each CPU's value by reflection. Under 100 ms
-would need the parse, compile, plan and both kernel writes to leave nothing for the slots; it would take
-counters zeroed by the kernel rather than written from Go (or slots kept by prefix across sets), and a
-second set of tries filled beside the live one and swapped in by one map update, changes of the programs
-and the pinned layout, left for later.
+slots: zeroing their per-CPU counters took some 95 ms of a whole-set SyncPolicy, 85 of them in
+cilium/ebpf's marshalling of a per-CPU batch, which converts each CPU's value by reflection; handed zeros
+as bytes that share one buffer, it takes some 45 (BenchmarkSyncPolicyReplace, interleaved: 340-355 ->
+306-312 ms). Parse, compile, hash and plan (some 45 ms) and the trie writes (45 ms before the new verdict
+shows) leave about 10 ms for everything else a whole set needs. Under 100 ms would take counters zeroed by
+the kernel rather than written from Go (or slots kept by prefix across sets), and a second set of tries
+filled beside the live one and swapped in by one map update, changes of the programs and the pinned
+layout, left for later.
 nftables gains the parse and compile part; iptables rewrites its whole chain with iptables-restore either
-way (some 14 s for 100k rules on this VM).
+way (some 13 s for 100k rules on this VM).
 
 `
 
