@@ -116,11 +116,6 @@ func emptyRootKey(line []byte) (string, bool) {
 // all at one indentation, and returns where the first other line starts and the items.
 func listItems(data []byte, pos int) (int, [][]byte) {
 	var items [][]byte
-	if pos < len(data) && (data[pos] == ' ' || data[pos] == '-') {
-		// Room for every line left: a long list is most of its document, and growing the slice
-		// item by item copies it over and over.
-		items = make([][]byte, 0, bytes.Count(data[pos:], []byte{'\n'})+1)
-	}
 	indent := -1
 	for pos < len(data) {
 		line, next := lineAt(data, pos)
@@ -133,6 +128,11 @@ func listItems(data []byte, pos int) (int, [][]byte) {
 			break
 		}
 		indent = n
+		if len(items) == minBigList {
+			// A long list, most of its document most likely: room for every line left, rather
+			// than growing the slice item by item, which copies it over and over.
+			items = append(make([][]byte, 0, len(items)+bytes.Count(data[pos:], []byte{'\n'})+1), items...)
+		}
 		items = append(items, line[n+2:])
 		pos = next
 	}
