@@ -142,11 +142,15 @@ func verdictAfter(ctx context.Context, env *e2e.Env, p *probes, want netip.Addr,
 	defer cancel()
 	next := since
 	for n := 1; ; n++ {
-		if next.Sub(since) < probeSlowAfter {
-			next = next.Add(probeEvery)
-		} else {
-			next = next.Add(probeSlowEvery)
+		every := probeEvery
+		if time.Since(since) >= probeSlowAfter {
+			every = probeSlowEvery
 		}
+		// On from the schedule, or from now when a probe took longer than its turn.
+		if now := time.Now(); next.Before(now) {
+			next = now
+		}
+		next = next.Add(every)
 		src, err := p.probe(ctx, env.Pod)
 		if err != nil {
 			return n, err
