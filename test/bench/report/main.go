@@ -194,8 +194,10 @@ func run(in, docs string) error {
 		return err
 	}
 	var big bytes.Buffer
-	if !bn.empty() {
-		writeBigNode(&big, bn, doc)
+	if !bn.empty() || bytes.Contains(doc, []byte(bigBegin)) {
+		for _, note := range writeBigNode(&big, bn, doc) {
+			fmt.Fprintln(os.Stderr, "report:", note)
+		}
 	}
 	// The big-node benchmarks alone: their sections replace those of the report as it is.
 	if _, err := os.Stat(filepath.Join(in, benchdata.E2EFile)); errors.Is(err, fs.ErrNotExist) && !bn.empty() {
