@@ -131,7 +131,11 @@ func (t *slotTable) alloc(k slotKey) (uint32, error) {
 }
 
 func (t *slotTable) release(s uint32) {
-	delete(t.byKey, t.bySlt[s])
+	// Pins read back may hold a key at two slots (byKey has the last): freeing the other one
+	// leaves the key where it is.
+	if k := t.bySlt[s]; t.byKey[k] == s {
+		delete(t.byKey, k)
+	}
 	delete(t.bySlt, s)
 	t.free = append(t.free, s)
 	t.gen++
@@ -216,15 +220,15 @@ func (pl *plan) addFamily(p *policy.Policy, fam policy.Family) error {
 			pl.out[fam] = idx
 			continue
 		}
+		if int(r.Action) >= len(byAction) {
+			return fmt.Errorf("%s rule %d: unknown action %d", fam, i+1, r.Action)
+		}
 		// First match over "all MASQUERADE rules, then all RETURN rules" is what the two
 		// tries compute; any other order would need a different lookup.
 		if r.Action == policy.Return {
 			returned = true
 		} else if returned {
 			return fmt.Errorf("%s rule %d: a MASQUERADE rule after a RETURN rule cannot be expressed by the tries", fam, i+1)
-		}
-		if int(r.Action) >= len(byAction) {
-			return fmt.Errorf("%s rule %d: unknown action %d", fam, i+1, r.Action)
 		}
 		if byAction[r.Action] == nil {
 			byAction[r.Action] = make([]planned, 0, countAction(rules, r.Action))

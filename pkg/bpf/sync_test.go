@@ -488,3 +488,36 @@ func TestSortStableAbove(t *testing.T) {
 		}
 	}
 }
+
+// TestRecoveredDuplicateSlot: rule_slots read back with a rule's key at two slots (pins written
+// by hand, or by a faulty agent) leave the table consistent once a sync frees the extra slot:
+// the rule keeps the slot the table gave it, and the next sync finds it there.
+func TestRecoveredDuplicateSlot(t *testing.T) {
+	p := compile(prefixes("10.9.0.0/16"), prefixes("10.0.0.0/8", "192.168.0.0/16"), true)
+	h := newHarness(t, p, LoadOptions{MaxRules: 64})
+	k := h.dp.syncedPlan.keys[0]
+	v := k.value()
+	extra := h.dp.slots.next + 5 // after the rule's own slot: the one recover keeps
+	if err := h.dp.objs.RuleSlots.Put(extra, &v); err != nil {
+		t.Fatal(err)
+	}
+	h.dp.mu.Lock()
+	err := h.dp.recover()
+	h.dp.mu.Unlock()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for round := range 2 {
+		if err := h.dp.SyncPolicy(p); err != nil {
+			t.Fatal(err)
+		}
+		for i, key := range h.dp.syncedPlan.keys {
+			if s, ok := h.dp.slots.byKey[key]; !ok || s != h.dp.syncedSlots[i] {
+				t.Fatalf("sync %d: key %d (%s) synced with slot %d, the table has %d (%v)", round, i, key.prefix(), h.dp.syncedSlots[i], s, ok)
+			}
+		}
+	}
+	if s := h.dp.syncedSlots[0]; s != extra {
+		t.Fatalf("the rule holds slot %d, want %d, the one the table read last", s, extra)
+	}
+}
