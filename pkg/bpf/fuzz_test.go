@@ -695,11 +695,16 @@ func (fz *fuzzRun) slotOf(r *policy.Rule) uint32 {
 	if r == nil {
 		return noSlot
 	}
-	s, ok := fz.h.dp.slotsByRule()[r]
-	if !ok {
-		fz.t.Fatalf("no counter slot for %s", ruleName(r))
+	// A scan of the synced rules, not slotsByRule's map built for every packet.
+	if pl := fz.h.dp.syncedPlan; pl != nil {
+		for i, rr := range pl.rules {
+			if rr == r {
+				return fz.h.dp.syncedSlots[i]
+			}
+		}
 	}
-	return s
+	fz.t.Fatalf("no counter slot for %s", ruleName(r))
+	return noSlot
 }
 
 func (fz *fuzzRun) expect(p fuzzPacket, frame []byte, ingress bool, pre fuzzState) expectation {

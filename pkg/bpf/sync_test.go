@@ -458,11 +458,7 @@ func TestHeldSlotsAcrossEdits(t *testing.T) {
 		if err := h.dp.SyncPolicy(p); err != nil {
 			t.Fatalf("round %d: %v", round, err)
 		}
-		for i, k := range h.dp.syncedPlan.keys {
-			if s := h.dp.slots.byKey[k]; s != h.dp.syncedSlots[i] {
-				t.Fatalf("round %d: key %d (%s) synced with slot %d, the table says %d", round, i, k.prefix(), h.dp.syncedSlots[i], s)
-			}
-		}
+		requireSyncedSlots(t, h.dp, round)
 	}
 }
 
@@ -511,13 +507,20 @@ func TestRecoveredDuplicateSlot(t *testing.T) {
 		if err := h.dp.SyncPolicy(p); err != nil {
 			t.Fatal(err)
 		}
-		for i, key := range h.dp.syncedPlan.keys {
-			if s, ok := h.dp.slots.byKey[key]; !ok || s != h.dp.syncedSlots[i] {
-				t.Fatalf("sync %d: key %d (%s) synced with slot %d, the table has %d (%v)", round, i, key.prefix(), h.dp.syncedSlots[i], s, ok)
-			}
-		}
+		requireSyncedSlots(t, h.dp, round)
 	}
 	if s := h.dp.syncedSlots[0]; s != extra {
 		t.Fatalf("the rule holds slot %d, want %d, the one the table read last", s, extra)
+	}
+}
+
+// requireSyncedSlots fails unless the slot table holds each key of the last sync at the slot
+// that sync gave it: what heldSlots' walk takes for granted.
+func requireSyncedSlots(t *testing.T, d *Datapath, round int) {
+	t.Helper()
+	for i, k := range d.syncedPlan.keys {
+		if s, ok := d.slots.byKey[k]; !ok || s != d.syncedSlots[i] {
+			t.Fatalf("sync %d: key %d (%s) synced with slot %d, the table has %d (%v)", round, i, k.prefix(), d.syncedSlots[i], s, ok)
+		}
 	}
 }
