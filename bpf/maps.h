@@ -97,21 +97,7 @@ struct {
 	__type(value, struct uplink_mac);
 } uplink_macs SEC(".maps");
 
-/* Per-rule hit counters, indexed by counter slot. */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1); /* load time */
-	__type(key, __u32);
-	__type(value, struct rule_stats);
-} rule_stats SEC(".maps");
-
-/* Which rule each counter slot belongs to (userspace bookkeeping, never read here). */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1); /* load time */
-	__type(key, __u32);
-	__type(value, struct rule_slot);
-} rule_slots SEC(".maps");
+#include "rules.h"
 
 /* The NAT tables (bpf/nat.h has the design). Confirmed flows, which nothing evicts: */
 struct {

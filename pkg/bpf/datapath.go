@@ -53,6 +53,10 @@ func Owns(info *ebpf.ProgramInfo) bool {
 type Datapath struct {
 	objs masqObjects
 	opts LoadOptions
+	// claim resets the slots a sync claims in the kernel; nil where claim_slots cannot load
+	// (claimErr says why), and then resetSlots writes the maps itself.
+	claim    *claimer
+	claimErr error
 
 	mu sync.Mutex // serialises the writers below
 	// slots assigns counter slots to rules; tries are the four tries, each with the mirror of
@@ -85,6 +89,11 @@ type Datapath struct {
 
 // Close releases the programs and maps (pinned maps stay in the bpffs).
 func (d *Datapath) Close() error {
+	if d.claim != nil {
+		if err := d.claim.close(); err != nil {
+			return fmt.Errorf("close claim_slots: %w", err)
+		}
+	}
 	if err := d.objs.Close(); err != nil {
 		return fmt.Errorf("close bpf objects: %w", err)
 	}

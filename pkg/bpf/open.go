@@ -143,8 +143,9 @@ func Load(opts LoadOptions) (*Datapath, error) {
 		d.objs.Close()
 		return nil, fmt.Errorf("write the layout record: %w", err)
 	}
+	d.claim, d.claimErr = loadClaimer(d.objs.RuleStats, d.objs.RuleSlots)
 	if err := d.recover(); err != nil {
-		d.objs.Close()
+		d.Close()
 		return nil, err
 	}
 	return d, nil

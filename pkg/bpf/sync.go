@@ -113,7 +113,9 @@ func newSlotTable(max uint32) *slotTable {
 	return &slotTable{max: max, bySlt: map[uint32]slotKey{}, byKey: map[slotKey]uint32{}}
 }
 
-func (t *slotTable) alloc(k slotKey) (uint32, error) {
+// pick takes a slot for a rule, which assign records once the sync no longer waits for it: its
+// 100k map writes for a whole new set would delay the new verdict by tens of milliseconds.
+func (t *slotTable) pick() (uint32, error) {
 	var s uint32
 	switch {
 	case t.next < t.max:
@@ -125,9 +127,20 @@ func (t *slotTable) alloc(k slotKey) (uint32, error) {
 	default:
 		return 0, fmt.Errorf("all %d rule counter slots are in use (LoadOptions.MaxRules): a sync needs slots for the rules it adds while the rules it removes still hold theirs", t.max)
 	}
-	t.bySlt[s], t.byKey[k] = k, s
 	t.gen++
 	return s, nil
+}
+
+// assign records that slot s, which pick gave, holds k.
+func (t *slotTable) assign(s uint32, k slotKey) {
+	t.bySlt[s], t.byKey[k] = k, s
+	t.gen++
+}
+
+// unpick returns slots that pick gave and nothing holds.
+func (t *slotTable) unpick(slots []uint32) {
+	t.free = append(t.free, slots...)
+	t.gen++
 }
 
 func (t *slotTable) release(s uint32) {
@@ -343,8 +356,9 @@ func firstMatch(entries []planned) {
 }
 
 // SyncPolicy writes a policy into the maps as a difference from what they hold: new trie
-// entries and the new settings first, stale entries after, so that no packet ever sees an empty
-// or partial rule set (at worst, briefly, a mix of the old and the new). Rules that stay keep
+// entries and the new settings first, stale entries after (or, in a trie that passing allows,
+// as soon as the writes passed them), so that no packet ever sees an empty or partial rule set
+// (at worst, briefly, a mix of the old and the new). Rules that stay keep
 // their counter slot, and so their counters; new rules get zeroed slots. p must not be modified
 // afterwards (its plan is kept, see planFor); compile a new policy instead.
 //
@@ -365,11 +379,15 @@ func (d *Datapath) syncPolicy(p *policy.Policy) error {
 	if err != nil {
 		return err
 	}
-	slots, err := d.claimSlots(pl)
+	slots, fresh, err := d.claimSlots(pl)
 	if err != nil {
 		return err
 	}
-	diffs, err := d.putTries(pl.trieEntries(d.tries, slots))
+	te := pl.trieEntries(d.tries, slots)
+	diffs, err := d.putTries(te, d.passing(pl.natConfig(slots, d.portSeed)))
+	for _, i := range fresh { // written or not, the tries may hold them now
+		d.slots.assign(slots[i], pl.keys[i])
+	}
 	if err != nil {
 		return err
 	}
@@ -389,36 +407,28 @@ func (d *Datapath) syncPolicy(p *policy.Policy) error {
 }
 
 // claimSlots returns the counter slot of each rule of pl (in the order of pl.keys): the one the
-// rule holds already, or a new one with zeroed counters. It claims nothing when it fails.
-func (d *Datapath) claimSlots(pl *plan) ([]uint32, error) {
-	slots := make([]uint32, len(pl.keys))
-	var (
-		fresh     []uint32
-		freshKeys []slotKey
-	)
-	release := func() {
-		for _, f := range fresh {
-			d.slots.release(f)
-		}
-	}
+// rule holds already, or a new one with zeroed counters, and which rules (indexes into pl.keys)
+// got a new one, for the caller to assign once it wrote the tries. It claims nothing when it
+// fails.
+func (d *Datapath) claimSlots(pl *plan) (slots []uint32, fresh []int, err error) {
+	slots = make([]uint32, len(pl.keys))
+	var picked []uint32
 	held := d.heldSlots(pl)
-	for i, k := range pl.keys {
-		s := held[i]
+	for i, s := range held {
 		if s == noSlot {
-			var err error
-			if s, err = d.slots.alloc(k); err != nil {
-				release()
-				return nil, err
+			if s, err = d.slots.pick(); err != nil {
+				d.slots.unpick(picked)
+				return nil, nil, err
 			}
-			fresh, freshKeys = append(fresh, s), append(freshKeys, k)
+			picked, fresh = append(picked, s), append(fresh, i)
 		}
 		slots[i] = s
 	}
-	if err := d.resetSlots(fresh, freshKeys); err != nil {
-		release()
-		return nil, err
+	if err := d.resetSlots(picked, func(n int) slotKey { return pl.keys[fresh[n]] }); err != nil {
+		d.slots.unpick(picked)
+		return nil, nil, err
 	}
-	return slots, nil
+	return slots, fresh, nil
 }
 
 // trieEntries is what each of tries must hold, in prefixOrder. An entry of the trie of kind,
@@ -454,8 +464,10 @@ type trieDiff struct {
 // putTries writes the entries the tries lack or hold with another value than want (per trie).
 // Where a trie holds what the last sync wrote, the two sorted lists are walked side by side (a
 // 100k-entry policy that changes a few is compared without a map lookup per entry), which also
-// gives the entries to delete; else each entry is looked up in the mirror.
-func (d *Datapath) putTries(want [][]trieEntry) ([]trieDiff, error) {
+// gives the entries to delete; else each entry is looked up in the mirror. A trie that passing
+// marks deletes its stale entries as the writes pass them (replacePassing), the others leave
+// them to deleteStale.
+func (d *Datapath) putTries(want [][]trieEntry, passing []bool) ([]trieDiff, error) {
 	diffs := make([]trieDiff, len(d.tries))
 	for i, t := range d.tries {
 		diff := trieDiff{want: want[i], known: t.synced != nil}
@@ -470,7 +482,14 @@ func (d *Datapath) putTries(want [][]trieEntry) ([]trieDiff, error) {
 			}
 		}
 		t.synced = nil // until the sync completes, held is neither the old nor the new set
-		if err := t.put(put); err != nil {
+		var err error
+		if diff.known && passing[i] {
+			err = t.replacePassing(put, diff.stale)
+			diff.stale = nil
+		} else {
+			err = t.put(put)
+		}
+		if err != nil {
 			return nil, err
 		}
 		diffs[i] = diff
@@ -478,9 +497,38 @@ func (d *Datapath) putTries(want [][]trieEntry) ([]trieDiff, error) {
 	return diffs, nil
 }
 
+// passing tells which tries may delete their stale entries while the sync writes them, before
+// it writes cfg: a family's non-masquerade trie, which its lookup consults after the masquerade
+// trie (written whole by then) and before the outbound verdict, where that verdict stays: an
+// address whose non-masquerade entry goes, with no new entry for it, meets the outbound verdict
+// it has after the sync. The masquerade tries keep theirs to the end: an address they drop
+// meets the non-masquerade trie, which still holds old entries.
+func (d *Datapath) passing(cfg masqNatConfig) []bool {
+	out := make([]bool, len(d.tries))
+	if d.syncedPlan == nil {
+		return out // the nat_config in force is not known
+	}
+	was := d.check.config
+	for i, t := range d.tries {
+		out[i] = t.action == policy.Return && outboundOf(&was, t.family) == outboundOf(&cfg, t.family)
+	}
+	return out
+}
+
+// outboundOf is what decides the addresses of a family that no trie entry matches.
+func outboundOf(c *masqNatConfig, fam policy.Family) [3]uint32 {
+	if fam == policy.IPv6 {
+		return [3]uint32{uint32(c.V6.Enabled), uint32(c.V6.Outbound), c.V6.OutSlot}
+	}
+	return [3]uint32{uint32(c.V4.Enabled), uint32(c.V4.Outbound), c.V4.OutSlot}
+}
+
 // diffSorted compares what a trie holds with what it must hold, both in prefixOrder: the entries
 // of want that have lacks or holds with another value, and the prefixes of have that want lacks.
+// The walk gathers indexes, and the lists are made at their size from them: growing lists of
+// entries, which hold pointers, cost a whole-set swap of 100k prefixes more than the walk.
 func diffSorted(have, want []trieEntry) (put []trieEntry, stale []trieKey) {
+	var putAt, staleAt []int32
 	i, j := 0, 0
 	for i < len(have) || j < len(want) {
 		c := 1 // have is done: the rest of want is new
@@ -492,16 +540,28 @@ func diffSorted(have, want []trieEntry) (put []trieEntry, stale []trieKey) {
 		}
 		switch {
 		case c < 0:
-			stale = append(stale, have[i].prefix)
+			staleAt = append(staleAt, int32(i))
 			i++
 		case c > 0:
-			put = append(put, want[j])
+			putAt = append(putAt, int32(j))
 			j++
 		default:
 			if have[i].trieValue != want[j].trieValue {
-				put = append(put, want[j])
+				putAt = append(putAt, int32(j))
 			}
 			i, j = i+1, j+1
+		}
+	}
+	if len(putAt) > 0 {
+		put = make([]trieEntry, len(putAt))
+		for n, j := range putAt {
+			put[n] = want[j]
+		}
+	}
+	if len(staleAt) > 0 {
+		stale = make([]trieKey, len(staleAt))
+		for n, i := range staleAt {
+			stale[n] = have[i].prefix
 		}
 	}
 	return put, stale
@@ -650,8 +710,17 @@ func (d *Datapath) writeSettings(pl *plan, slots []uint32) (masqNatConfig, error
 	if err := d.writePorts(pl.ranges); err != nil {
 		return masqNatConfig{}, err
 	}
+	cfg := pl.natConfig(slots, d.portSeed)
+	if err := d.objs.NatConfig.Put(uint32(0), &cfg); err != nil {
+		return masqNatConfig{}, fmt.Errorf("write nat_config: %w", err)
+	}
+	return cfg, nil
+}
+
+// natConfig is the nat_config of pl with the rules' slots.
+func (pl *plan) natConfig(slots []uint32, portSeed uint32) masqNatConfig {
 	cfg := pl.config
-	cfg.PortSeed = d.portSeed
+	cfg.PortSeed = portSeed
 	cfg.V4.OutSlot, cfg.V6.OutSlot = noSlot, noSlot
 	if i := pl.out[policy.IPv4]; i >= 0 {
 		cfg.V4.Outbound, cfg.V4.OutSlot = masqActionACTION_MASQUERADE, slots[i]
@@ -659,10 +728,7 @@ func (d *Datapath) writeSettings(pl *plan, slots []uint32) (masqNatConfig, error
 	if i := pl.out[policy.IPv6]; i >= 0 {
 		cfg.V6.Outbound, cfg.V6.OutSlot = masqActionACTION_MASQUERADE, slots[i]
 	}
-	if err := d.objs.NatConfig.Put(uint32(0), &cfg); err != nil {
-		return masqNatConfig{}, fmt.Errorf("write nat_config: %w", err)
-	}
-	return cfg, nil
+	return cfg
 }
 
 // freeSlots releases the slots that no rule of the sync holds, and clears what rule_slots says
@@ -787,16 +853,20 @@ func (d *Datapath) writePorts(ranges policy.PortRanges) error {
 	return nil
 }
 
-// resetSlots zeroes the slots' counters on every CPU and records which rule owns each.
-func (d *Datapath) resetSlots(slots []uint32, keys []slotKey) error {
+// resetSlots zeroes the slots' counters on every CPU and records the rule that owns each, slot
+// i's owner(i).
+func (d *Datapath) resetSlots(slots []uint32, owner func(i int) slotKey) error {
+	if d.claim != nil {
+		return d.claim.claim(slots, owner)
+	}
+	owners := make([]masqRuleSlot, len(slots))
+	for i := range slots {
+		owners[i] = owner(i).value()
+	}
 	if err := putArray(d.objs.RuleStats, slots, zeroPerCPU(len(slots), int(d.objs.RuleStats.ValueSize()))); err != nil {
 		return fmt.Errorf("zero rule_stats: %w", err)
 	}
-	values := make([]masqRuleSlot, len(keys))
-	for i, k := range keys {
-		values[i] = k.value()
-	}
-	if err := putArray(d.objs.RuleSlots, slots, values); err != nil {
+	if err := putArray(d.objs.RuleSlots, slots, owners); err != nil {
 		return fmt.Errorf("write rule_slots: %w", err)
 	}
 	return nil

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"cmp"
 	"errors"
+	"maps"
 	"math/rand/v2"
 	"net/netip"
 	"os"
@@ -179,14 +180,19 @@ func TestSyncNoGap(t *testing.T) {
 	// With masqOutBound false, a gap in the masquerade trie would let 8.8.8.8 out unmasqueraded;
 	// with a gap in the non-masquerade trie, 10.5.5.5 would fall to... RETURN as well, so the
 	// second pair masquerades the rest to make that gap visible too.
+	// The third pair deletes 10.0.0.0/8 while it writes the halves, one entry at a time
+	// (passingSteps): until the second is written, 10.200.5.5 has only the /8.
 	pairs := [][2]*policy.Policy{
 		{compile(prefixes("8.8.0.0/16"), nil, false), compile(prefixes("8.8.0.0/17", "8.8.128.0/17"), nil, false)},
+		{compile(nil, prefixes("10.0.0.0/8"), true), compile(nil, prefixes("10.0.0.0/9", "10.128.0.0/9"), true)},
 		{compile(nil, prefixes("10.0.0.0/8"), true), compile(nil, prefixes("10.0.0.0/9", "10.128.0.0/9"), true)},
 	}
 	probes := []struct {
 		dst  netip.Addr
 		masq bool
-	}{{netip.MustParseAddr("8.8.8.8"), true}, {netip.MustParseAddr("10.5.5.5"), false}}
+	}{{netip.MustParseAddr("8.8.8.8"), true}, {netip.MustParseAddr("10.5.5.5"), false}, {netip.MustParseAddr("10.200.5.5"), false}}
+	defer func(n int) { trieChunk = n }(trieChunk)
+	trieChunk = 1
 	for i, pair := range pairs {
 		h := newHarness(t, pair[0], LoadOptions{})
 		probe := probes[i]
@@ -521,6 +527,97 @@ func requireSyncedSlots(t *testing.T, d *Datapath, round int) {
 	for i, k := range d.syncedPlan.keys {
 		if s, ok := d.slots.byKey[k]; !ok || s != d.syncedSlots[i] {
 			t.Fatalf("sync %d: key %d (%s) synced with slot %d, the table has %d (%v)", round, i, k.prefix(), d.syncedSlots[i], s, ok)
+		}
+	}
+}
+
+// TestPassingSteps: a trie synced in passingSteps never leaves an address without a match
+// while the policy before and the one after both match it, nor matches one neither does; it
+// ends holding the new set; and an old prefix before every new one goes with the first step.
+func TestPassingSteps(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	randomSet := func(n int) []trieEntry {
+		seen := map[trieKey]bool{}
+		var out []trieEntry
+		for range n {
+			bits := 16 + rng.IntN(11)
+			a := netip.AddrFrom4([4]byte{10, 0, byte(rng.IntN(256)), byte(rng.IntN(256))})
+			p := netip.PrefixFrom(a, bits).Masked()
+			if !seen[p] {
+				seen[p] = true
+				out = append(out, trieEntry{p, trieValue{action: policy.Return, slot: uint32(rng.IntN(2))}})
+			}
+		}
+		slices.SortFunc(out, func(a, b trieEntry) int { return prefixOrder(a.prefix, b.prefix) })
+		return out
+	}
+	matches := func(set map[trieKey]bool, a netip.Addr) bool {
+		for bits := 16; bits <= 32; bits++ {
+			if set[netip.PrefixFrom(a, bits).Masked()] {
+				return true
+			}
+		}
+		return false
+	}
+	setOf := func(entries []trieEntry) map[trieKey]bool {
+		m := map[trieKey]bool{}
+		for _, e := range entries {
+			m[e.prefix] = true
+		}
+		return m
+	}
+	for round := range 300 {
+		old, want := randomSet(rng.IntN(40)), randomSet(rng.IntN(40))
+		put, stale := diffSorted(old, want)
+		chunk := 1 + rng.IntN(4)
+		before, after, cur := setOf(old), setOf(want), setOf(old)
+		probes := make([]netip.Addr, 512)
+		for i := range probes {
+			probes[i] = netip.AddrFrom4([4]byte{10, 0, byte(rng.IntN(256)), byte(rng.IntN(256))})
+		}
+		check := func(step int) {
+			for _, a := range probes {
+				if was, will := matches(before, a), matches(after, a); was == will && matches(cur, a) != was {
+					t.Fatalf("round %d, chunk %d, step %d: %s matched %v before and after the sync, %v during it",
+						round, chunk, step, a, was, !was)
+				}
+			}
+		}
+		for i, s := range slices.Collect(passingSteps(put, stale, chunk)) {
+			for _, e := range s.put {
+				cur[e.prefix] = true
+			}
+			check(i)
+			for _, p := range s.del {
+				delete(cur, p)
+			}
+			check(i)
+		}
+		if !maps.Equal(cur, after) {
+			t.Fatalf("round %d: the steps left %d prefixes, the new set has %d", round, len(cur), len(after))
+		}
+	}
+	early := []trieEntry{{netip.MustParsePrefix("8.8.8.8/32"), trieValue{action: policy.Return}}}
+	var later []trieEntry
+	for i := range 10 {
+		later = append(later, trieEntry{netip.PrefixFrom(netip.AddrFrom4([4]byte{11, 0, byte(i), 0}), 24), trieValue{action: policy.Return}})
+	}
+	put, stale := diffSorted(early, later)
+	if steps := slices.Collect(passingSteps(put, stale, 2)); len(steps) != 5 || !slices.Equal(steps[0].del, stale) {
+		t.Fatalf("8.8.8.8/32 replaced by ten /24s of 11/8, two at a time: %+v; want it deleted with the first two", steps)
+	}
+}
+
+func TestLastAddr(t *testing.T) {
+	for prefix, want := range map[string]string{
+		"0.0.0.0/0": "255.255.255.255", "10.1.2.3/8": "10.255.255.255", "10.1.2.3/32": "10.1.2.3",
+		"192.168.1.128/25": "192.168.1.255", "::/0": "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+		"2001:db8::/32": "2001:db8:ffff:ffff:ffff:ffff:ffff:ffff", "2001:db8:1:2::/64": "2001:db8:1:2:ffff:ffff:ffff:ffff",
+		"2001:db8:1:2:3::/100": "2001:db8:1:2:3:0:fff:ffff", "2001:db8::1/128": "2001:db8::1",
+		"2001:db8:1:2:3::/63": "2001:db8:1:3:ffff:ffff:ffff:ffff",
+	} {
+		if got := lastAddr(netip.MustParsePrefix(prefix)); got != netip.MustParseAddr(want) {
+			t.Errorf("lastAddr(%s) = %s, want %s", prefix, got, want)
 		}
 	}
 }

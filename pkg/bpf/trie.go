@@ -1,8 +1,11 @@
 package bpf
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"iter"
+	"math"
 	"net/netip"
 
 	"github.com/cilium/ebpf"
@@ -288,4 +291,101 @@ func (w *lpmWalk[K, V]) next(max int) ([]trieEntry, bool, error) {
 		entries[i] = trieEntry{keys[i].prefix(), vals[i].value()}
 	}
 	return entries, done || n == 0, nil
+}
+
+// trieChunk is how many entries a sync writes into a trie at a time where it deletes the stale
+// prefixes as the writes pass them (passingSteps); a variable for tests.
+var trieChunk = 2048
+
+// trieStep is a step of a trie's sync: entries to write, then prefixes to delete.
+type trieStep struct {
+	put []trieEntry
+	del []trieKey
+}
+
+// passingSteps splits the sync of a trie into steps of up to chunk entries of put, each followed
+// by the deletion of the prefixes of stale that no entry still to come overlaps (both lists in
+// prefixOrder, put's by address): every address of such a prefix has its new longest match in
+// the trie already (a prefix that contains it came before it, one it contains was written with
+// it), so the deletion opens no gap, and a swap of 100k prefixes drops an old one milliseconds
+// into the writes rather than after all of them. The last step deletes what is left. The steps
+// are made as they are taken, so that the first is written before the rest are worked out;
+// they reorder stale, which is theirs.
+func passingSteps(put []trieEntry, stale []trieKey, chunk int) iter.Seq[trieStep] {
+	return func(yield func(trieStep) bool) {
+		// waiting are the stale prefixes before the next entry's address that contain it: a
+		// chain of nested prefixes, a few at most. The others a step deletes it gathers in
+		// place at the front of what is left of stale: a step of a swap of 100k prefixes may
+		// delete them all, and copies of them would cost more than the first writes.
+		var waiting []trieKey
+		for len(put) > chunk {
+			step := trieStep{put: put[:chunk]}
+			put = put[chunk:]
+			next := put[0].prefix.Addr()
+			kept := waiting[:0]
+			for _, p := range waiting {
+				if lastAddr(p).Less(next) {
+					step.del = append(step.del, p)
+				} else {
+					kept = append(kept, p)
+				}
+			}
+			waiting = kept
+			done := 0 // stale[:done] are deleted in this step
+			i := 0
+			for ; i < len(stale) && stale[i].Addr().Less(next); i++ {
+				if p := stale[i]; lastAddr(p).Less(next) {
+					stale[done] = p
+					done++
+				} else {
+					waiting = append(waiting, p)
+				}
+			}
+			if step.del == nil {
+				step.del = stale[:done:done]
+			} else {
+				step.del = append(step.del, stale[:done]...)
+			}
+			stale = stale[i:]
+			if !yield(step) {
+				return
+			}
+		}
+		yield(trieStep{put: put, del: append(waiting, stale...)})
+	}
+}
+
+// lastAddr is the last address of p (without the allocation of a byte slice: a swap of 100k
+// prefixes asks for each).
+func lastAddr(p netip.Prefix) netip.Addr {
+	a := p.Masked().Addr()
+	if a.Is4() {
+		b := a.As4()
+		v := binary.BigEndian.Uint32(b[:]) | uint32(math.MaxUint32>>p.Bits()) // Go: >>32 is 0
+		binary.BigEndian.PutUint32(b[:], v)
+		return netip.AddrFrom4(b)
+	}
+	b := a.As16()
+	hi, lo := binary.BigEndian.Uint64(b[:8]), binary.BigEndian.Uint64(b[8:])
+	if bits := p.Bits(); bits < 64 {
+		hi, lo = hi|math.MaxUint64>>bits, math.MaxUint64
+	} else {
+		lo |= math.MaxUint64 >> (bits - 64)
+	}
+	binary.BigEndian.PutUint64(b[:8], hi)
+	binary.BigEndian.PutUint64(b[8:], lo)
+	return netip.AddrFrom16(b)
+}
+
+// replacePassing writes put and deletes stale in passingSteps.
+func (t *trie) replacePassing(put []trieEntry, stale []trieKey) error {
+	for s := range passingSteps(put, stale, trieChunk) {
+		if err := t.put(s.put); err != nil {
+			return err
+		}
+		if err := t.delete(s.del); err != nil {
+			return err
+		}
+	}
+	return nil
 }
