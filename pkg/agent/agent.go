@@ -320,9 +320,11 @@ func (t trigger) reapplies() bool {
 // loopState is owned by the loop goroutine.
 type loopState struct {
 	// desired is the policy of the last good configuration, nil before there was one;
-	// desiredHash is that configuration's ConfigHash.
+	// desiredHash is that configuration's ConfigHash, or unhashed the configuration while its
+	// hash waits for the apply (see hash).
 	desired     *policy.Policy
 	desiredHash string
+	unhashed    *config.Config
 	// desiredRevision is the revision of the object desired was read from (config.Revisioned).
 	desiredRevision config.Revision
 	// applied is the policy the backend last applied successfully.
@@ -534,7 +536,7 @@ func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg conf
 		return
 	}
 	st.resync = cfg.ResyncInterval
-	hash, rev := ConfigHash(cfg), a.revision()
+	rev := a.revision()
 	a.mu.Lock()
 	a.stats.Rejected, a.stats.RejectedRevision = "", config.Revision{}
 	a.mu.Unlock()
@@ -542,14 +544,15 @@ func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg conf
 		log.Debug("config unchanged; nothing to apply")
 		// The datapath implements this configuration too (it may differ in settings that do
 		// not reach the datapath, such as resyncInterval): it is the one in force now.
-		st.desiredHash, st.desiredRevision = hash, rev
+		hash := ConfigHash(cfg)
+		st.desiredHash, st.unhashed, st.desiredRevision = hash, nil, rev
 		a.reloaded(hash, rev)
 		return
 	}
 	if changed {
 		log.Info("config changed", "path", a.opts.Source.String())
 	}
-	st.desired, st.desiredHash, st.desiredRevision = p, hash, rev
+	st.desired, st.desiredHash, st.unhashed, st.desiredRevision = p, "", &cfg, rev
 	_ = a.apply(ctx, st, log, true)
 }
 
@@ -633,10 +636,11 @@ func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger, relo
 	}
 	changed := !p.Equal(st.applied)
 	st.applied, st.backoff = p, 0
+	hash := st.hash()
 	a.mu.Lock()
 	a.stats.Applies++
 	a.stats.LastApply = time.Now()
-	a.stats.ConfigSHA256, a.stats.ConfigRevision = st.desiredHash, st.desiredRevision
+	a.stats.ConfigSHA256, a.stats.ConfigRevision = hash, st.desiredRevision
 	if reload {
 		a.stats.Reloads++
 		a.stats.LastReload = a.stats.LastApply
@@ -655,6 +659,15 @@ func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger, relo
 	}
 	a.displace(ctx, st, log)
 	return nil
+}
+
+// hash is desiredHash, computed once the configuration's policy is applied: the hash of 100k
+// CIDRs costs milliseconds the datapath need not wait for.
+func (st *loopState) hash() string {
+	if st.unhashed != nil {
+		st.desiredHash, st.unhashed = ConfigHash(*st.unhashed), nil
+	}
+	return st.desiredHash
 }
 
 // applyFailed records a failed apply (of a reload when reload is set) and backs off its retry.
