@@ -52,10 +52,10 @@ func (c *claimer) claim(slots []uint32, owner func(i int) slotKey) error {
 	for start := 0; start < len(slots); start += claimBatch {
 		n := min(claimBatch, len(slots)-start)
 		for i := range n {
-			k := owner(start + i)
+			o := owner(start + i).value() // rule_slots' record, as the batch updates write it
 			c.batch.Items[i] = claimSlotClaim{Slot: slots[start+i], Owner: claimRuleSlot{
-				Addr: k.addr, Prefixlen: k.bits, Family: uint8(k.family),
-				Action: uint8(k.action), Origin: uint8(k.origin), Dup: k.dup,
+				Addr: o.Addr, Prefixlen: o.Prefixlen, Family: o.Family,
+				Action: uint8(o.Action), Origin: uint8(o.Origin), Dup: o.Dup,
 			}}
 		}
 		if err := c.objs.Claims.Put(uint32(0), &c.batch); err != nil {

@@ -27,7 +27,10 @@ func TestResetSlots(t *testing.T) {
 				if d.claim == nil {
 					t.Fatalf("claim_slots did not load where the kernel has its helpers: %v", d.claimErr)
 				}
-			} else {
+			} else if d.claim != nil {
+				if err := d.claim.close(); err != nil {
+					t.Fatal(err)
+				}
 				d.claim = nil
 			}
 			cpus := ebpf.MustPossibleCPU()

@@ -87,6 +87,10 @@ type Datapath struct {
 	fill [2]tableFill
 }
 
+// SlotClaimsInMaps says why the counters of new rules are zeroed by batch map updates rather
+// than by claim_slots in the kernel (a kernel before 5.19), or nil.
+func (d *Datapath) SlotClaimsInMaps() error { return d.claimErr }
+
 // Close releases the programs and maps (pinned maps stay in the bpffs).
 func (d *Datapath) Close() error {
 	if d.claim != nil {

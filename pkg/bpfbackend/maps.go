@@ -114,6 +114,9 @@ func (b *Backend) open(p *policy.Policy) (*bpf.Opened, error) {
 		return nil, err
 	}
 	b.log.Info("datapath loaded", "pins", b.pinDir, "layout", bpf.Layout, "reusedRules", len(rules), "took", opened.Loaded)
+	if err := opened.SlotClaimsInMaps(); err != nil {
+		b.log.Info("new rules' counters are zeroed by map updates, slower for large policies: claim_slots did not load", "error", err)
+	}
 	return opened, nil
 }
 
