@@ -2,11 +2,12 @@ package cluster
 
 import (
 	"bufio"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
 // BinEnv names the directory of the Kubernetes binaries when they are not where `make k8s`
@@ -41,25 +42,8 @@ func Binaries() (string, error) {
 	return dir, nil
 }
 
-// RepoRoot is the repository's root: the nearest directory at or above the working directory
-// whose go.mod is the project's (go test runs a test in its package's directory).
-func RepoRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", err
-	}
-	for {
-		b, err := os.ReadFile(filepath.Join(dir, "go.mod"))
-		if err == nil && strings.HasPrefix(string(b), "module github.com/ip-masq-agent/ip-masq-agent\n") {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("not inside the ip-masq-agent repository")
-		}
-		dir = parent
-	}
-}
+// RepoRoot is the repository's root (testutil.RepoRoot).
+func RepoRoot() (string, error) { return testutil.RepoRoot() }
 
 // KubernetesVersion is the Kubernetes release the tools module builds.
 func KubernetesVersion(root string) (string, error) {

@@ -4,31 +4,16 @@
 package markdown
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
-// Root is the repository's root: the nearest directory holding go.mod, from the working
-// directory up (a test runs in its package's directory).
-func Root() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", err
-	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("no go.mod above the working directory")
-		}
-		dir = parent
-	}
-}
+// Root is the repository's root (testutil.RepoRoot).
+func Root() (string, error) { return testutil.RepoRoot() }
 
 // Read returns the page at path, relative to the repository's root ("docs/reference.md").
 func Read(path string) (string, error) {

@@ -42,3 +42,13 @@ func Unavailable(t testing.TB, format string, args ...any) {
 	}
 	t.Skipf(format, args...)
 }
+
+// NotOnThisKernel stops a test whose case this kernel cannot present, as found by a probe (never
+// by the version): a feature it lacks (tcx before 6.6; a context field that its
+// BPF_PROG_TEST_RUN cannot set, such as ingress_ifindex on 5.10), or an earlier layout's programs
+// that its verifier refuses, so that no node of this kernel ever ran them. It skips in CI too: the kernel matrix (test/kernels) runs the test
+// on the kernels that have what it needs, and lists every such skip with its reason.
+func NotOnThisKernel(t testing.TB, format string, args ...any) {
+	t.Helper()
+	t.Skipf("not on this kernel: "+format, args...)
+}
