@@ -96,7 +96,7 @@ static __always_inline int store(struct __sk_buff *skb, __u32 off, const void *f
 	 * verifier to bound: the store helper reaches them. */
 	if (off > PULL_LEN)
 		return bpf_skb_store_bytes(skb, off, from, len, 0);
-	dst = data + off;
+	dst = data + pull_off(off);
 	if (dst + len > data_end)
 		return bpf_skb_store_bytes(skb, off, from, len, 0);
 	__builtin_memcpy(dst, from, len);

@@ -98,22 +98,27 @@ static __always_inline int frag_hold(struct __sk_buff *skb, const int v6, __u8 d
 	struct frag_held *blank, *h;
 	__u32 zero = 0, len = skb->len;
 
-	if (!p || len == 0 || len > FRAG_HELD_BYTES)
+	if (!p || !size_in(len, FRAG_HELD_BYTES))
 		return 0;
 	blank = bpf_map_lookup_elem(&frag_blank, &zero);
 	if (!blank)
 		return 0;
 	frag_held_key(v6, &hk, p, dir);
 	for (__u32 i = 0; i < FRAG_HELD_SLOTS; i++) {
-		long err;
+		int err;
 
 		frag_held_slot(v6, &hk, i);
-		err = v6 ? bpf_map_update_elem(&frag_held_v6, &hk.k6, blank, BPF_NOEXIST)
-			 : bpf_map_update_elem(&frag_held_v4, &hk.k4, blank, BPF_NOEXIST);
-		if (err == -17 /* EEXIST: the slot holds another fragment */)
+		err = v6 ? map_update(&frag_held_v6, &hk.k6, blank, BPF_NOEXIST)
+			 : map_update(&frag_held_v4, &hk.k4, blank, BPF_NOEXIST);
+		if (err == -17 /* EEXIST: the slot holds another fragment */) {
+			event_add(EV_NAT_RACE, 1);
 			continue;
-		if (err)
+		}
+		if (err) {
+			event_add(EV_REPAIR, -err);
 			return 0; /* the map is full */
+		}
+		event_add(EV_ORPHAN, 1);
 		h = frag_held_get(v6, &hk);
 		if (!h)
 			return 0;
@@ -155,7 +160,7 @@ static __always_inline int frag_release(struct __sk_buff *skb, const int v6, __u
 		if (!h)
 			continue;
 		len = h->len;
-		if (len == 0 || len > FRAG_HELD_BYTES)
+		if (!size_in(len, FRAG_HELD_BYTES))
 			continue; /* being written: it stays for a duplicate first fragment, or the sweep */
 		if (bpf_skb_change_tail(skb, len, 0) == 0 &&
 		    bpf_skb_store_bytes(skb, 0, h->data, len, BPF_F_RECOMPUTE_CSUM) == 0)
@@ -188,7 +193,7 @@ static __always_inline int frag_wait(struct __sk_buff *skb, const int v6, __u8 d
 	if (!p)
 		return NOT_TRANSLATED;
 	if (dir == DIR_EGRESS)
-		needs = skb->ingress_ifindex && from_node_stack(skb, p, v6, snat) == FROM_POD;
+		needs = ingress_ifindex(skb) && from_node_stack(skb, p, v6, snat) == FROM_POD;
 	else
 		needs = (snat && addr_eq(v6, p->daddr, snat)) || node_owns(skb, p->daddr, v6);
 	if (!needs)

@@ -27,6 +27,7 @@
 /* Quoted IP header (no options) plus the first 8 bytes of its L4 header. */
 #define QUOTE4_LEN (20 + 8)
 #define QUOTE6_LEN (40 + 8)
+_Static_assert(sizeof(((struct nat_scratch *)0)->quote) == QUOTE6_LEN, "nat_scratch's quote holds an IPv6 quote");
 
 /* icmp_error's result for an error it did not translate (no verdict yet). */
 #define NOT_TRANSLATED 0x100
@@ -93,7 +94,8 @@ static __always_inline void quote_csum(__u8 *c, __u8 qproto, __s64 diff)
 
 static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p, const int v6, const int dir)
 {
-	__u8 q[QUOTE6_LEN] = {}, nq[QUOTE6_LEN];
+	struct nat_scratch *s = scratch();
+	__u8 *q, *nq;
 	const __u32 qlen = v6 ? QUOTE6_LEN : QUOTE4_LEN;
 	const __u32 ihl = v6 ? 40 : 20;
 	const __u32 qoff = p->l4_off + ICMP_HLEN;
@@ -109,6 +111,10 @@ static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p
 	__be32 to[4] = {};
 	__be16 to_port;
 
+	if (!s)
+		return NOT_TRANSLATED;
+	q = s->quote;
+	nq = s->nquote;
 	if (qoff + qlen > p->end || bpf_skb_load_bytes(skb, qoff, q, qlen) < 0)
 		return NOT_TRANSLATED; /* quote too short to say which flow */
 	if (v6) {
@@ -143,7 +149,7 @@ static __always_inline int icmp_error(struct __sk_buff *skb, const struct pkt *p
 	if (addr_eq(v6, from, to) && from_port == to_port)
 		return TC_NEXT; /* host or inbound flow: nothing was translated */
 
-	__builtin_memcpy(nq, q, sizeof(nq));
+	__builtin_memcpy(nq, q, QUOTE6_LEN);
 	__s64 addr_d = bpf_csum_diff((__be32 *)from, v6 ? 16 : 4, to, v6 ? 16 : 4, 0);
 	__u32 aoff = v6 ? (src_side ? 8 : 24) : (src_side ? 12 : 16);
 

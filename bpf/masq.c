@@ -143,8 +143,8 @@ static __always_inline void keep_del(const int v6, const union nat_key *k)
 static __always_inline void keep_return(const int v6, const union nat_key *k, __u32 slot, __u64 now)
 {
 	struct keep_entry ke = {.slot = slot, .last_seen = now};
-	long err = v6 ? bpf_map_update_elem(&keep_v6, &k->k6, &ke, BPF_NOEXIST)
-		      : bpf_map_update_elem(&keep_v4, &k->k4, &ke, BPF_NOEXIST);
+	int err = v6 ? map_update(&keep_v6, &k->k6, &ke, BPF_NOEXIST)
+		     : map_update(&keep_v4, &k->k4, &ke, BPF_NOEXIST);
 
 	if (err == 0)
 		event_add(EV_KEEP_RETURN, 1);
@@ -413,7 +413,7 @@ static __always_inline int untranslatable(struct __sk_buff *skb, const int v6)
 	if (!cfg || !p)
 		return TC_NEXT;
 	fc = family_cfg(cfg, v6);
-	if (!fc->enabled || !skb->ingress_ifindex || from_node_stack(skb, p, v6, snat_addr(skb, v6)) != FROM_POD)
+	if (!fc->enabled || !ingress_ifindex(skb) || from_node_stack(skb, p, v6, snat_addr(skb, v6)) != FROM_POD)
 		return TC_NEXT;
 	if (classify(v6, p->daddr, fc, &slot) == ACTION_RETURN) {
 		count_rule(slot, p->len);
@@ -491,7 +491,9 @@ static __always_inline int egress_known(struct __sk_buff *skb, const struct pkt 
 	__u32 slot = e->slot;
 
 	if (is_reopen(p, e)) {
-		__u32 zero = 0, nslot;
+		/* nslot is read only where classify_snat set it, but verifiers before 6.8 lose that
+		 * (kind is spilled as 32 bits) and refuse the read of an uninitialised register. */
+		__u32 zero = 0, nslot = slot;
 		const struct nat_config *cfg = bpf_map_lookup_elem(&nat_config, &zero);
 		const __be32 *rule_to, *now_to;
 		int keep = kind == NAT_HOST;
@@ -557,7 +559,7 @@ static __always_inline int host_source(struct __sk_buff *skb, const struct pkt *
 {
 	if (snat && addr_eq(v6, p->saddr, snat))
 		return 1;
-	if (skb->ingress_ifindex)
+	if (ingress_ifindex(skb))
 		return 0;
 	return v6 ? node_sent_v6(skb) : node_sent_v4(skb);
 }

@@ -97,17 +97,17 @@ static __always_inline struct nat_entry *nat_get(const int v6, const int tbl, co
 	return bpf_map_lookup_elem(&nat_v4, &k->k4);
 }
 
-static __always_inline long nat_put(const int v6, const int tbl, const union nat_key *k,
-				    const struct nat_entry *e, __u64 flags)
+static __always_inline int nat_put(const int v6, const int tbl, const union nat_key *k,
+				   const struct nat_entry *e, __u64 flags)
 {
 	if (v6) {
 		if (tbl == NAT_UNREPLIED)
-			return bpf_map_update_elem(&nat_new_v6, &k->k6, e, flags);
-		return bpf_map_update_elem(&nat_v6, &k->k6, e, flags);
+			return map_update(&nat_new_v6, &k->k6, e, flags);
+		return map_update(&nat_v6, &k->k6, e, flags);
 	}
 	if (tbl == NAT_UNREPLIED)
-		return bpf_map_update_elem(&nat_new_v4, &k->k4, e, flags);
-	return bpf_map_update_elem(&nat_v4, &k->k4, e, flags);
+		return map_update(&nat_new_v4, &k->k4, e, flags);
+	return map_update(&nat_v4, &k->k4, e, flags);
 }
 
 static __always_inline void nat_del(const int v6, const int tbl, const union nat_key *k)
@@ -264,6 +264,10 @@ struct nat_scratch {
 	__be32 snat[4];   /* egress_new_*: the uplink's SNAT address, which egress read (snat_set) */
 	__u32 snat_set;
 	__u8 opt[TCP_OPT_MAX]; /* tcp_wscale_at: the options of a SYN */
+	/* icmp_error: an error's quote as read and as rewritten (IPv6 header and 8 bytes of L4),
+	 * here rather than on its stack, which the calls above it leave too little of before 6.x
+	 * (a chain of calls has 512 bytes in all). */
+	__u8 quote[40 + 8], nquote[40 + 8];
 	__u32 pad;
 };
 
@@ -291,7 +295,7 @@ __attribute__((noinline)) int tcp_wscale_at(struct __sk_buff *skb, __u32 off, __
 	__u8 *opt;
 	__u32 i = 0;
 
-	if (!s || !skb || len == 0 || len > TCP_OPT_MAX || bpf_skb_load_bytes(skb, off, s->opt, len) < 0)
+	if (!s || !skb || !size_in(len, TCP_OPT_MAX) || bpf_skb_load_bytes(skb, off, s->opt, len) < 0)
 		return 0;
 	opt = s->opt;
 	/* Every step moves i on, so the loop ends; i is its only counter, which lets the verifier
@@ -431,7 +435,7 @@ static __always_inline int first_reply(const int v6, const int tbl, struct nat_s
 static __always_inline int confirm(const int v6, struct nat_scratch *s, const struct nat_entry *e, __u64 now)
 {
 	struct nat_entry *pe;
-	long err, perr = 0;
+	int err, perr = 0;
 
 	partner_key(v6, &s->pk, &s->k, e);
 	pe = nat_get(v6, NAT_UNREPLIED, &s->pk);

@@ -38,6 +38,8 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
+#include "compat.h"
+
 /* The verdict of every path that neither drops nor redirects: TC_ACT_UNSPEC, which tcx calls
  * TCX_NEXT, runs the next program of the hook (a tcx link after ours, then the clsact filters)
  * and passes the packet at the end of the chain. TC_ACT_OK would end the chain there and starve
@@ -74,6 +76,26 @@
 
 /* skb->pkt_type of a packet addressed to this host (linux/if_packet.h). */
 #define PACKET_HOST 0
+
+/* test_ingress_in_cb is set only by pkg/bpf's tests, where this kernel's BPF_PROG_TEST_RUN
+ * cannot set ingress_ifindex (5.10 refuses it): they pass the device a packet came in by in
+ * cb[0] instead. The agent never sets it, and the verifier, which knows the constant, drops
+ * the branch. */
+volatile const __u32 test_ingress_in_cb = 0;
+
+/* ingress_ifindex is the device the node received the packet by (0: the node sent it):
+ * skb->ingress_ifindex, the one reader of it. */
+static __always_inline __u32 ingress_ifindex(const struct __sk_buff *skb)
+{
+	/* Both read, each at a constant offset from the context pointer, the only form of context
+	 * access the verifier accepts: the barriers keep clang from turning the choice into one
+	 * load through a computed address. */
+	__u32 in_cb = skb->cb[0], iif = skb->ingress_ifindex;
+
+	barrier_var(in_cb);
+	barrier_var(iif);
+	return test_ingress_in_cb ? in_cb : iif;
+}
 
 /* Every field the NAT reads or writes lies within the first 8 bytes of ICMP, UDP, UDP-Lite,
  * DCCP and ICMPv6 headers, the first 12 of SCTP and the first 20 of TCP. */
@@ -177,6 +199,18 @@ static __always_inline struct pkt *packet(void)
  * and a TCP header. */
 #define PULL_LEN (ETH_HLEN + 60 + TCP_HLEN_MIN)
 
+/* pull_off is an offset already found no larger than PULL_LEN, bounded again: 6.12's verifier
+ * walks the branch of that check that it should know is dead (an offset past PULL_LEN), finds
+ * bounds there that contradict each other, forgets them, and then refuses packet-pointer math
+ * with the offset. */
+#define PULL_MASK 0x7f
+_Static_assert(PULL_LEN <= PULL_MASK, "PULL_MASK must cover PULL_LEN");
+
+static __always_inline __u32 pull_off(__u32 off)
+{
+	return masked(off, PULL_MASK);
+}
+
 static __always_inline int is_icmp(__u8 proto)
 {
 	return proto == IPPROTO_ICMP || proto == IPPROTO_ICMPV6;
@@ -235,7 +269,7 @@ static __always_inline int load(struct __sk_buff *skb, __u32 off, void *to, cons
 
 	if (off > PULL_LEN)
 		return bpf_skb_load_bytes(skb, off, to, len);
-	from = data + off;
+	from = data + pull_off(off);
 	if (from + len > data_end)
 		return bpf_skb_load_bytes(skb, off, to, len);
 	__builtin_memcpy(to, from, len);

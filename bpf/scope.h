@@ -156,12 +156,12 @@ static __always_inline int from_node_stack(struct __sk_buff *skb, const struct p
 	const struct uplink_mac *mac = bpf_map_lookup_elem(&uplink_macs, &ifindex);
 
 	if (mac && !source_mac_is(skb, mac->addr)) {
-		iif = skb->ingress_ifindex;
+		iif = ingress_ifindex(skb);
 		return iif && routes_back(skb, p, v6, iif, ifindex) ? FROM_POD : FROM_ELSEWHERE;
 	}
 	if (snat && addr_eq(v6, p->saddr, snat))
 		return FROM_HOST; /* the uplink's address, sent or (a DNAT's reply) forwarded */
-	if (skb->ingress_ifindex)
+	if (ingress_ifindex(skb))
 		return FROM_POD; /* received by a device of the node and routed out here */
 	return node_owns(skb, p->saddr, v6) ? FROM_HOST : FROM_ELSEWHERE;
 }

@@ -23,6 +23,9 @@ const claimBatch = len(claimClaimBatch{}.Items)
 // loadClaimer loads claim_slots over rule_stats and rule_slots, or says why it cannot (a kernel
 // before 5.19 has no bpf_map_lookup_percpu_elem; the caller then writes the maps itself).
 func loadClaimer(ruleStats, ruleSlots *ebpf.Map) (*claimer, error) {
+	if err := ClaimsUnsupported(); err != nil {
+		return nil, err
+	}
 	spec, err := loadClaim()
 	if err != nil {
 		return nil, fmt.Errorf("load claim spec: %w", err)

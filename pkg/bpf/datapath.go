@@ -11,6 +11,7 @@ import (
 	"maps"
 	"reflect"
 	"slices"
+	"strings"
 	"sync"
 
 	"github.com/cilium/ebpf"
@@ -151,3 +152,8 @@ func (d *Datapath) mapFields() map[string]**ebpf.Map {
 // package passes them over (Maps, MapNames, the pins, the layouts). nat_scratch is the scratch
 // that the builds of layout 5 before this one pinned: Load removes its pin.
 var scratchMaps = map[string]bool{masqMapCpuPacket: true, masqMapCpuScratch: true, masqMapFragBlank: true, "nat_scratch": true}
+
+// ownMap tells whether the map of the object named name is one a load makes for itself, unpinned:
+// a scratch map, or a data section (.rodata, the constants a load sets: bpf/parse.h), whose name
+// a bpffs would not even take.
+func ownMap(name string) bool { return scratchMaps[name] || strings.HasPrefix(name, ".") }

@@ -20,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf/bpftest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
@@ -183,6 +184,12 @@ func newHarness(t testing.TB, p *policy.Policy, opts LoadOptions) *harness {
 	t.Helper()
 	testutil.RequirePrivileged(t, "ip")
 	ns := newNSRunner(t)
+	if opts.NATEntries == 0 {
+		// Room for every test's flows, a sixteenth of the agent's default: the tables are
+		// preallocated, and zeroing the default's hundred megabytes for each test is most of
+		// its time under a kernel of the matrix emulated in QEMU.
+		opts.NATEntries = testNATEntries
+	}
 	dp, err := Load(opts)
 	if errors.Is(err, ebpf.ErrNotSupported) {
 		testutil.Unavailable(t, "kernel lacks a BPF feature the datapath needs: %v", err)
@@ -204,12 +211,17 @@ func newHarness(t testing.TB, p *policy.Policy, opts LoadOptions) *harness {
 	return &harness{t: t, dp: dp, p: p, ns: ns}
 }
 
-// skbContext is the head of struct __sk_buff up to ifindex, as BPF_PROG_TEST_RUN takes it: a test
+// testNATEntries is newHarness's NATEntries where a test asks for none.
+const testNATEntries = DefaultNATEntries / 16
+
+// skbContext is the head of struct __sk_buff up to cb, as BPF_PROG_TEST_RUN takes it: a test
 // may set mark, priority, ingress_ifindex and ifindex (the device, which must exist when it is
-// more than 1), and the rest must stay zero.
+// more than 1), and the rest must stay zero (runCtxErr moves ingress_ifindex to cb[0] where
+// the kernel cannot set it).
 type skbContext struct {
 	Len, PktType, Mark, QueueMapping, Protocol, VlanPresent, VlanTCI, VlanProto, Priority uint32
-	IngressIfindex, Ifindex                                                               uint32
+	IngressIfindex, Ifindex, TcIndex                                                      uint32
+	Cb                                                                                    [5]uint32
 }
 
 // podDevice stands for the node's device of a pod: the programs only test that a packet's
@@ -220,6 +232,20 @@ const podDevice = 1000
 // the node, what the programs masquerade (bpf/scope.h). A packet sent by the node itself has
 // ingress_ifindex 0.
 var forwarded = skbContext{IngressIfindex: podDevice}
+
+// Where this kernel's BPF_PROG_TEST_RUN cannot set ingress_ifindex (bpftest.RunSetsIngressIfindex),
+// the tests' packets carry it in cb[0] instead, and the datapath is loaded to read it there
+// (testIngressInCB).
+func init() { testIngressInCB = !bpftest.RunSetsIngressIfindex() }
+
+// realTraffic makes the datapaths a test loads read ingress_ifindex where the kernel sets it, for
+// the real packets of programs attached to devices, until the test ends (no test of this package
+// runs in parallel with another).
+func realTraffic(t testing.TB) {
+	was := testIngressInCB
+	testIngressInCB = false
+	t.Cleanup(func() { testIngressInCB = was })
+}
 
 func runProg(t testing.TB, prog *ebpf.Program, frame []byte) (uint32, []byte) {
 	t.Helper()
@@ -237,6 +263,9 @@ func runCtx(t testing.TB, prog *ebpf.Program, frame []byte, ctx skbContext) (uin
 }
 
 func runCtxErr(prog *ebpf.Program, frame []byte, ctx skbContext) (uint32, []byte, error) {
+	if testIngressInCB {
+		ctx.Cb[0], ctx.IngressIfindex = ctx.IngressIfindex, 0
+	}
 	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+512), Repeat: 1, Context: ctx}
 	ret, err := prog.Run(&opts)
 	return ret, opts.DataOut, err

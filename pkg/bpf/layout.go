@@ -452,7 +452,7 @@ func currentShapes() map[string]mapShape {
 	}
 	out := make(map[string]mapShape, len(spec.Maps))
 	for name, m := range spec.Maps {
-		if !scratchMaps[name] {
+		if !ownMap(name) {
 			out[name] = mapShape{m.Type, m.KeySize, m.ValueSize}
 		}
 	}

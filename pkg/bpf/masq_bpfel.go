@@ -261,6 +261,8 @@ type masqNatScratch struct {
 	Snat    [4]uint32
 	SnatSet uint32
 	Opt     [40]uint8
+	Quote   [48]uint8
+	Nquote  [48]uint8
 	Pad     uint32
 	_       [4]byte
 }
@@ -336,40 +338,41 @@ type masqUplinkMac struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	masqMapCpuPacket    = "cpu_packet"
-	masqMapCpuScratch   = "cpu_scratch"
-	masqMapEventStats   = "event_stats"
-	masqMapFragBlank    = "frag_blank"
-	masqMapFragHeldV4   = "frag_held_v4"
-	masqMapFragHeldV6   = "frag_held_v6"
-	masqMapFragV4       = "frag_v4"
-	masqMapFragV6       = "frag_v6"
-	masqMapHeldPorts    = "held_ports"
-	masqMapHookSeen     = "hook_seen"
-	masqMapInboundV4    = "inbound_v4"
-	masqMapInboundV6    = "inbound_v6"
-	masqMapKeepV4       = "keep_v4"
-	masqMapKeepV6       = "keep_v6"
-	masqMapLayout       = "layout"
-	masqMapMasqV4       = "masq_v4"
-	masqMapMasqV6       = "masq_v6"
-	masqMapNatConfig    = "nat_config"
-	masqMapNatNewV4     = "nat_new_v4"
-	masqMapNatNewV6     = "nat_new_v6"
-	masqMapNatPorts     = "nat_ports"
-	masqMapNatV4        = "nat_v4"
-	masqMapNatV6        = "nat_v6"
-	masqMapNomasqV4     = "nomasq_v4"
-	masqMapNomasqV6     = "nomasq_v6"
-	masqMapPortAttempts = "port_attempts"
-	masqMapPortTurns    = "port_turns"
-	masqMapRuleSlots    = "rule_slots"
-	masqMapRuleStats    = "rule_stats"
-	masqMapSweepStats   = "sweep_stats"
-	masqMapUplinkMacs   = "uplink_macs"
-	masqMapUplinkSnat   = "uplink_snat"
-	masqProgTcEgress    = "tc_egress"
-	masqProgTcIngress   = "tc_ingress"
+	masqMapCpuPacket       = "cpu_packet"
+	masqMapCpuScratch      = "cpu_scratch"
+	masqMapEventStats      = "event_stats"
+	masqMapFragBlank       = "frag_blank"
+	masqMapFragHeldV4      = "frag_held_v4"
+	masqMapFragHeldV6      = "frag_held_v6"
+	masqMapFragV4          = "frag_v4"
+	masqMapFragV6          = "frag_v6"
+	masqMapHeldPorts       = "held_ports"
+	masqMapHookSeen        = "hook_seen"
+	masqMapInboundV4       = "inbound_v4"
+	masqMapInboundV6       = "inbound_v6"
+	masqMapKeepV4          = "keep_v4"
+	masqMapKeepV6          = "keep_v6"
+	masqMapLayout          = "layout"
+	masqMapMasqV4          = "masq_v4"
+	masqMapMasqV6          = "masq_v6"
+	masqMapNatConfig       = "nat_config"
+	masqMapNatNewV4        = "nat_new_v4"
+	masqMapNatNewV6        = "nat_new_v6"
+	masqMapNatPorts        = "nat_ports"
+	masqMapNatV4           = "nat_v4"
+	masqMapNatV6           = "nat_v6"
+	masqMapNomasqV4        = "nomasq_v4"
+	masqMapNomasqV6        = "nomasq_v6"
+	masqMapPortAttempts    = "port_attempts"
+	masqMapPortTurns       = "port_turns"
+	masqMapRuleSlots       = "rule_slots"
+	masqMapRuleStats       = "rule_stats"
+	masqMapSweepStats      = "sweep_stats"
+	masqMapUplinkMacs      = "uplink_macs"
+	masqMapUplinkSnat      = "uplink_snat"
+	masqProgTcEgress       = "tc_egress"
+	masqProgTcIngress      = "tc_ingress"
+	masqVarTestIngressInCb = "test_ingress_in_cb"
 )
 
 // loadMasq returns the embedded CollectionSpec for masq.
@@ -460,6 +463,7 @@ type masqMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type masqVariableSpecs struct {
+	TestIngressInCb *ebpf.VariableSpec `ebpf:"test_ingress_in_cb"`
 }
 
 // masqObjects contains all objects after they have been loaded into the kernel.
@@ -557,6 +561,7 @@ func (m *masqMaps) Close() error {
 //
 // It can be passed to loadMasqObjects or ebpf.CollectionSpec.LoadAndAssign.
 type masqVariables struct {
+	TestIngressInCb *ebpf.Variable `ebpf:"test_ingress_in_cb"`
 }
 
 // masqPrograms contains all programs after they have been loaded into the kernel.

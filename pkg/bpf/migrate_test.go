@@ -39,7 +39,7 @@ func TestLayoutFixture(t *testing.T) {
 	describe := func(spec *ebpf.CollectionSpec) map[string]string {
 		out := map[string]string{}
 		for name, m := range spec.Maps {
-			if scratchMaps[name] {
+			if ownMap(name) {
 				continue // no layout has them
 			}
 			var gf btf.GoFormatter
@@ -160,6 +160,7 @@ func testMigrate(t *testing.T, from int) {
 		t.Fatal(err)
 	}
 	defer old.Close()
+	old.NeedPrograms(t)
 	h := &harness{t: t}
 	flows := masqFlows()
 	for _, f := range flows {
@@ -326,6 +327,7 @@ func TestMigrateAgain(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer old.Close()
+	old.NeedPrograms(t)
 	h := &harness{t: t}
 	flows := masqFlows()[:3] // IPv4
 	for _, f := range flows {
@@ -399,6 +401,7 @@ func TestMigrateAfterRollback(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer old.Close()
+	old.NeedPrograms(t)
 	var remappedSeen tuple
 	for {
 		remappedSeen = tupleOf(t, h.passOld(old.Egress(), udpPacket(remapped, peer, nil)))
@@ -647,6 +650,7 @@ func TestMigrateAfterTheSwap(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer old.Close()
+	old.NeedPrograms(t)
 	h := &harness{t: t}
 	peer := ap(remote4, 53)
 	held := ap(pod4(1), 1000)
@@ -758,6 +762,7 @@ func TestOpenReplacesNewer(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer newer.Close()
+	newer.NeedPrograms(t)
 	h := &harness{t: t}
 	h.passOld(newer.Egress(), udpPacket(ap(pod4(1), 1000), ap(remote4, 53), nil))
 	before := pinsUnder(t, root)
@@ -819,6 +824,7 @@ func TestOpenAddsMapsOfItsLayout(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer old.Close()
+	old.NeedPrograms(t)
 	var added []string
 	for _, name := range MapNames() {
 		if _, ok := old.Coll.Maps[name]; !ok {

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
-	"errors"
 	"io"
 	"net"
 	"net/netip"
@@ -16,11 +15,10 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
 
 // TestOffloadedTraffic sends real traffic through the programs, attached with tcx to a veth in
@@ -88,6 +86,7 @@ func TestOffloadedTraffic(t *testing.T) {
 	testutil.InNetns(t, nsA, func() { setTxChecksum(t, "host0", false) })
 	testutil.InNetns(t, nsB, func() { setTxChecksum(t, "b0", false) })
 
+	realTraffic(t)
 	h := newHarness(t, defaultPolicy(true), LoadOptions{})
 	var up0 *net.Interface
 	testutil.InNetns(t, nsA, func() {
@@ -95,18 +94,18 @@ func TestOffloadedTraffic(t *testing.T) {
 		if up0, err = net.InterfaceByName("up0"); err != nil {
 			t.Fatal(err)
 		}
-		for _, a := range []struct {
-			prog *ebpf.Program
-			typ  ebpf.AttachType
-		}{{h.dp.Egress(), ebpf.AttachTCXEgress}, {h.dp.Ingress(), ebpf.AttachTCXIngress}} {
-			l, err := link.AttachTCX(link.TCXOptions{Interface: up0.Index, Program: a.prog, Attach: a.typ})
-			if errors.Is(err, ebpf.ErrNotSupported) {
-				testutil.Unavailable(t, "tcx links: %v", err)
-			}
-			if err != nil {
-				t.Fatalf("attach tcx to up0: %v", err)
-			}
-			t.Cleanup(func() { l.Close() })
+		// The kernel's own attach mode, as the agent's: tcx links, else clsact and cls_bpf.
+		mode, _, err := tc.Probe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := tc.NewManager(mode, tc.Options{LinkDir: testutil.MountBPFFS(t), FilterName: "offload-test", FilterPriority: 1, FilterHandle: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { m.Close() })
+		if err := m.Attach(context.Background(), up0.Index, tc.Programs{Egress: h.dp.Egress(), Ingress: h.dp.Ingress()}); err != nil {
+			t.Fatalf("attach to up0 (%s): %v", mode, err)
 		}
 	})
 	if _, err := h.dp.SetUplink(up0.Index, Uplink{IPv4: netip.MustParseAddr("192.0.2.1"), IPv6: netip.MustParseAddr("2001:db8:a::1")}); err != nil {

@@ -8,8 +8,10 @@ import (
 	"math/rand/v2"
 	"net/netip"
 	"os"
+	"regexp"
 	"runtime"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -209,12 +211,12 @@ func TestSyncNoGap(t *testing.T) {
 				// ones from filling one remote endpoint's port range, whose exhaustion (a drop)
 				// would look like a flipped verdict on a slow machine.
 				in := udpPacket(ap(probeSource(policy.IPv4, n), 4000), ap(probe.dst, uint16(1+n%60000)), nil)
-				opts := ebpf.RunOptions{Data: in, DataOut: make([]byte, len(in)+64), Repeat: 1, Context: forwarded}
-				if _, err := h.dp.Egress().Run(&opts); err != nil {
+				_, out, err := runCtxErr(h.dp.Egress(), in, forwarded)
+				if err != nil {
 					bad.Store(err.Error())
 					return
 				}
-				masq := !bytes.Equal(opts.DataOut[14+12:14+16], in[14+12:14+16])
+				masq := !bytes.Equal(out[14+12:14+16], in[14+12:14+16])
 				if masq != probe.masq {
 					bad.Store("verdict flipped during a sync for " + probe.dst.String())
 					return
@@ -376,28 +378,40 @@ func TestSyncPortRanges(t *testing.T) {
 
 // verifierBudget is the guard TestVerifierComplexity keeps each program within: well within the
 // verifier's budget of a million processed instructions, so that other kernels' verifiers (which
-// explore differently) load them too.
+// explore differently) load them too. Every kernel of the matrix keeps half of it in reserve.
 const verifierBudget = 300_000
 
-// TestVerifierComplexity keeps the programs within verifierBudget, and prints how many
-// instructions the verifier processed for each and the headroom that leaves (bpf/masq.c says
-// where the work goes).
+// verifiedInstructions matches the count in a verifier log's statistics.
+var verifiedInstructions = regexp.MustCompile(`processed (\d+) insns`)
+
+// TestVerifierComplexity keeps the programs within half of verifierBudget on every kernel, and
+// prints how many instructions this kernel's verifier processed for each and the headroom that
+// leaves (bpf/masq.c says where the work goes). The count is read from the verifier's
+// statistics, which every kernel writes (the program info has it only from 5.16).
 func TestVerifierComplexity(t *testing.T) {
-	h := newHarness(t, nil, LoadOptions{})
+	testutil.RequirePrivileged(t)
+	if err := raiseMemlock(); err != nil {
+		t.Fatal(err)
+	}
+	spec, err := LoadOptions{}.withDefaults().spec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	coll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{Programs: ebpf.ProgramOptions{LogLevel: ebpf.LogLevelStats}})
+	if err != nil {
+		t.Fatalf("%+v", err)
+	}
+	defer coll.Close()
 	for _, name := range []string{masqProgTcEgress, masqProgTcIngress} {
-		prog := map[string]*ebpf.Program{masqProgTcEgress: h.dp.Egress(), masqProgTcIngress: h.dp.Ingress()}[name]
-		info, err := prog.Info()
-		if err != nil {
-			t.Fatal(err)
+		m := verifiedInstructions.FindStringSubmatch(coll.Programs[name].VerifierLog)
+		if m == nil {
+			t.Fatalf("%s: no instruction count in the verifier's statistics:\n%s", name, coll.Programs[name].VerifierLog)
 		}
-		n, ok := info.VerifiedInstructions()
-		if !ok {
-			testutil.Unavailable(t, "kernel does not report verified instructions")
-		}
+		n, _ := strconv.Atoi(m[1])
 		t.Logf("%s: %d instructions processed by the verifier, %.1fx headroom under the guard of %d",
 			name, n, float64(verifierBudget)/float64(n), verifierBudget)
-		if n > verifierBudget {
-			t.Errorf("%s: the verifier processed %d instructions; keep it under %d", name, n, verifierBudget)
+		if 2*n > verifierBudget {
+			t.Errorf("%s: the verifier processed %d instructions; keep it under half the guard, %d", name, n, verifierBudget/2)
 		}
 	}
 }

@@ -11,16 +11,22 @@ import (
 	"bytes"
 	"embed"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
+	"sync"
+	"testing"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
+	"golang.org/x/sys/unix"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
@@ -90,6 +96,9 @@ type Old struct {
 	// Dir is where its maps are pinned.
 	Dir  string
 	Coll *ebpf.Collection
+	// Refused says why this kernel's verifier refused the layout's programs, where it did: Coll
+	// then has the maps alone.
+	Refused error
 }
 
 // Load loads layout's object with its maps pinned under root (the pin root,
@@ -137,11 +146,23 @@ func load(layout, as int, root string, o Options) (*Old, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
-	coll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir}})
+	copts := ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir}}
+	coll, err := ebpf.NewCollectionWithOptions(spec, copts)
+	var refused *ebpf.VerifierError
+	if errors.As(err, &refused) {
+		// This kernel's verifier refuses the layout's programs, so no node of it ran them; an
+		// agent of that layout pinned its maps before it loaded its programs, though, and may
+		// have left them: the maps alone.
+		spec.Programs = nil
+		coll, err = ebpf.NewCollectionWithOptions(spec, copts)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("load layout %d: %w", layout, err)
 	}
 	old := &Old{Layout: layout, Dir: dir, Coll: coll}
+	if refused != nil {
+		old.Refused = refused
+	}
 	if err := old.write(o, as); err != nil {
 		coll.Close()
 		return nil, fmt.Errorf("write layout %d: %w", layout, err)
@@ -149,7 +170,16 @@ func load(layout, as int, root string, o Options) (*Old, error) {
 	return old, nil
 }
 
-// Egress and Ingress are the layout's programs.
+// NeedPrograms stops a test that runs the layout's programs where this kernel refuses them
+// (Refused): no node of this kernel ever ran them.
+func (o *Old) NeedPrograms(t testing.TB) {
+	t.Helper()
+	if o.Refused != nil {
+		testutil.NotOnThisKernel(t, "the programs of layout %d, which its verifier refuses (%v)", o.Layout, o.Refused)
+	}
+}
+
+// Egress and Ingress are the layout's programs (nil where Refused).
 func (o *Old) Egress() *ebpf.Program  { return o.Coll.Programs["tc_egress"] }
 func (o *Old) Ingress() *ebpf.Program { return o.Coll.Programs["tc_ingress"] }
 
@@ -361,3 +391,20 @@ func PinState(dir string) ([]string, error) {
 	})
 	return out, err
 }
+
+// RunSetsIngressIfindex tells whether this kernel's BPF_PROG_TEST_RUN takes an ingress_ifindex
+// for a tc program's packet (5.10's refuses it with EINVAL), which a forwarded packet has:
+// probed once, with a program that returns at once. Where it cannot be told (no privileges),
+// true: the runs themselves say what is wrong.
+var RunSetsIngressIfindex = sync.OnceValue(func() bool {
+	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{Type: ebpf.SchedCLS, License: "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 0), asm.Return()}})
+	if err != nil {
+		return true
+	}
+	defer prog.Close()
+	var skb [11]uint32 // struct __sk_buff from len to ifindex; ingress_ifindex is the tenth
+	skb[9] = 1
+	_, err = prog.Run(&ebpf.RunOptions{Data: make([]byte, 64), Repeat: 1, Context: skb})
+	return !errors.Is(err, unix.EINVAL)
+})
