@@ -84,6 +84,8 @@ type Backend struct {
 	pinRoot string
 	pinDir  string
 	mode    string
+	// lacks is Info's Missing: it does not change while the agent runs.
+	lacks   []string
 	log     *slog.Logger
 	attach  *tc.Manager
 	resolve *uplink.Resolver
@@ -167,15 +169,22 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 	if err := tc.CheckMode(mode); err != nil {
 		return nil, err
 	}
-	if mode == "" || mode == tc.ModeAuto {
-		m, reason, err := tc.Probe()
-		if err != nil {
-			return nil, err
-		}
-		mode = m
+	best, reason, err := tc.Probe()
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case mode == "" || mode == tc.ModeAuto:
+		mode = best
 		log.Info("attach mode chosen", "mode", mode, "reason", reason)
-	} else {
+	case mode == tc.ModeTCX && best != tc.ModeTCX:
+		return nil, fmt.Errorf("--attach-mode=%s: %s", mode, reason)
+	default:
 		log.Info("attach mode chosen", "mode", mode, "reason", "--attach-mode")
+	}
+	lacks := Missing(best)
+	if len(lacks) > 0 {
+		log.Info("this kernel lacks features the datapath would use; it does without them", "missing", lacks)
 	}
 	pinRoot := filepath.Join(opts.BPFFS, PinDir)
 	attach, err := tc.NewManager(mode, tcOptions(pinRoot, opts.Logger))
@@ -193,7 +202,7 @@ func New(ctx context.Context, opts Options) (*Backend, error) {
 		res.Close()
 		return nil, err
 	}
-	b := &Backend{opts: opts, pinRoot: pinRoot, pinDir: bpf.LayoutDir(pinRoot), mode: mode, log: log,
+	b := &Backend{opts: opts, pinRoot: pinRoot, pinDir: bpf.LayoutDir(pinRoot), mode: mode, lacks: lacks, log: log,
 		attach: attach, resolve: res, watchRes: watchRes, changes: make(chan string, 1),
 		sweepNow: make(chan struct{}, 1)}
 	ctx, cancel := context.WithCancel(ctx)
@@ -248,7 +257,24 @@ func (b *Backend) Mode() string { return b.mode }
 func (b *Backend) Info() datapath.Info {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return datapath.Info{Backend: Name, AttachMode: b.mode, Details: details(b.pinDir, b.uplinks, b.draining), Refused: b.refused}
+	return datapath.Info{Backend: Name, AttachMode: b.mode, Details: details(b.pinDir, b.uplinks, b.draining), Refused: b.refused,
+		Missing: b.lacks}
+}
+
+// Missing names the kernel features the datapath would use that this kernel lacks (probed;
+// best is tc.Probe's mode), each with what it does instead (datapath.Info's Missing).
+func Missing(best string) []string {
+	var out []string
+	if best != tc.ModeTCX {
+		out = append(out, "tcx links (Linux 6.6): programs attached with clsact and cls_bpf filters")
+	}
+	if bpf.ClaimsUnsupported() != nil {
+		out = append(out, bpf.ClaimsFallback)
+	}
+	if bpf.HeldRoomPreallocated() != nil {
+		out = append(out, bpf.HeldRoomFallback)
+	}
+	return out
 }
 
 func details(pinDir string, ups []uplink.Uplink, draining []former) string {

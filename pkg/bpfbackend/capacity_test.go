@@ -15,7 +15,6 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
 
 // bigPolicy has n non-masquerade /24s besides 10.0.0.0/8 (kept first, so it is "the same rule"
@@ -64,7 +63,7 @@ func TestRuleMapsGrow(t *testing.T) {
 		}
 		ctx := context.Background()
 		newBackend := func() *Backend {
-			b, err := New(ctx, Options{BPFFS: bpffs, Interfaces: []string{"uplink0"}, AttachMode: tc.ModeTCX})
+			b, err := New(ctx, Options{BPFFS: bpffs, Interfaces: []string{"uplink0"}})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -68,7 +68,7 @@ func TestFormerUplinkDrains(t *testing.T) {
 		up1 := formerNode(t)
 		idx := up1.Attrs().Index
 		snat := netip.MustParseAddr("198.51.100.1")
-		b, err := New(ctx, Options{BPFFS: bpffs, AttachMode: tc.ModeTCX, SweepInterval: time.Hour})
+		b, err := New(ctx, Options{BPFFS: bpffs, SweepInterval: time.Hour})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -231,7 +231,7 @@ func TestDrainingCountedPerWalk(t *testing.T) {
 		ctx := context.Background()
 		up1 := formerNode(t)
 		var logs testutil.Buffer
-		b, err := New(ctx, Options{BPFFS: bpffs, AttachMode: tc.ModeTCX, SweepInterval: time.Hour,
+		b, err := New(ctx, Options{BPFFS: bpffs, SweepInterval: time.Hour,
 			Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
 		if err != nil {
 			t.Fatal(err)

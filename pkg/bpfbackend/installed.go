@@ -81,7 +81,11 @@ func readInfo(dp *bpf.Datapath, pinDir, mode string) datapath.Info {
 		slices.Sort(ups)
 		s += "; uplinks " + strings.Join(ups, ", ")
 	}
-	return datapath.Info{Backend: Name, AttachMode: mode, Details: s}
+	best, _, err := tc.Probe()
+	if err != nil {
+		best = tc.ModeTC // cannot tell: say what this reader does not know as missing, not as there
+	}
+	return datapath.Info{Backend: Name, AttachMode: mode, Details: s, Missing: Missing(best)}
 }
 
 // installedUplinks are the devices uplink_snat holds, with their names ("?" for a device that

@@ -19,6 +19,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf/bpftest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -174,6 +175,11 @@ func run(t *testing.T, prog *ebpf.Program, frame []byte) []byte {
 // runOn is run on the device of ifindex (0: loopback), which must be in the thread's namespace.
 func runOn(t *testing.T, prog *ebpf.Program, frame []byte, ifindex int) []byte {
 	t.Helper()
+	if !bpftest.RunSetsIngressIfindex() {
+		// pkg/bpf's tests run the datapath on such kernels with ingress_ifindex in cb[0];
+		// the backend's load the agent's, which reads the kernel's field only.
+		testutil.NotOnThisKernel(t, "its BPF_PROG_TEST_RUN cannot set ingress_ifindex, which a forwarded packet has")
+	}
 	out := make([]byte, len(frame)+256)
 	var skb [11]uint32 // len ... priority, ingress_ifindex, ifindex
 	skb[9], skb[10] = 1000, uint32(ifindex)

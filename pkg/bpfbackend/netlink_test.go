@@ -152,6 +152,11 @@ func TestApplyNetlinkRequests(t *testing.T) {
 		mode      string
 		perUplink float64
 	}{{tc.ModeTCX, 1}, {tc.ModeTC, 5}} {
+		if m.mode == tc.ModeTCX {
+			if best, _, err := tc.Probe(); err != nil || best != tc.ModeTCX {
+				continue // tc mode is this kernel's only one
+			}
+		}
 		one := applyRequests(t, c, m.mode, 1)
 		three := applyRequests(t, c, m.mode, 3)
 		t.Logf("%s: netlink requests per apply: %d with one uplink, %d with three", m.mode, one, three)

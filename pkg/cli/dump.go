@@ -70,6 +70,7 @@ func dump(ctx context.Context, af *agentFlags, top int, stdout, stderr io.Writer
 func writeReader(ctx context.Context, w io.Writer, r datapath.Reader, top int) error {
 	info := r.Info()
 	fmt.Fprintln(w, title(info))
+	writeMissing(w, info)
 	counters, err := r.Counters(ctx)
 	if err != nil {
 		return fmt.Errorf("read %s counters: %w", info.Backend, err)
@@ -131,6 +132,13 @@ func writeUplinks(w io.Writer, ups []datapath.Uplink) error {
 		fmt.Fprintln(w, "(no uplinks)")
 	}
 	return nil
+}
+
+// writeMissing lists the kernel features the datapath does without, and what it does instead.
+func writeMissing(w io.Writer, info datapath.Info) {
+	for _, m := range info.Missing {
+		fmt.Fprintf(w, "this kernel lacks %s\n", m)
+	}
 }
 
 // title names a datapath: its backend, how it is attached, and its details.

@@ -7,10 +7,11 @@ import (
 	"net/netip"
 	"text/tabwriter"
 
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
-func runExplain(_ context.Context, args []string, stdout, stderr io.Writer) error {
+func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var pf policyFlags
 	var bf backendFlags
 	fs := newFlagSet(commandNamed("explain"), stderr)
@@ -48,7 +49,25 @@ func runExplain(_ context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s #%d\t%s\t%s\n", a, v.Action, leavesFrom(v), v.Rule.Family, v.Number, v.Rule.Prefix, v.Rule.Source())
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	installedOn(ctx, stdout, bf, p)
+	return nil
+}
+
+// installedOn names the datapath installed on this node, how it is attached and what the
+// kernel lacks, where there is one that this process can read: the datapath that carries out
+// the verdicts. Nothing where there is none (or it cannot be read, without privileges).
+func installedOn(ctx context.Context, w io.Writer, bf backendFlags, p *policy.Policy) {
+	readers, _, _ := backends.Installed(ctx, backends.Options{Settings: bf.own}, p)
+	for _, r := range readers {
+		fmt.Fprintf(w, "\ninstalled on this node: %s\n", title(r.Info()))
+		writeMissing(w, r.Info())
+		if c, ok := r.(io.Closer); ok {
+			c.Close()
+		}
+	}
 }
 
 // leavesFrom is the source address traffic of a verdict leaves with: the pod's own ("pod"), the

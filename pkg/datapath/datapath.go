@@ -231,6 +231,10 @@ type Info struct {
 	// Refused, when not empty, says why the last Apply refused to take over what is installed
 	// (ErrRefused).
 	Refused string
+	// Missing names the kernel features the backend would use that this node's kernel lacks
+	// (probed), each with what the backend does instead: "tcx links (Linux 6.6): clsact and
+	// cls_bpf filters". Empty where the kernel has them all, and for backends without any.
+	Missing []string
 }
 
 // AttachNone is the AttachMode of a backend that attaches no programs.

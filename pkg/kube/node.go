@@ -82,6 +82,9 @@ type BackendStatus struct {
 	Reason string `json:"reason,omitempty"`
 	// Fallback is true when auto passed over a backend that cannot run on the node.
 	Fallback bool `json:"fallback,omitempty"`
+	// MissingFeatures are the kernel features the backend does without on this node, each
+	// with what it does instead (datapath.Info's Missing).
+	MissingFeatures []string `json:"missingFeatures,omitempty"`
 }
 
 // Node is an IPMasqAgentNode, as the agent writes it.

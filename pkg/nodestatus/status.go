@@ -50,8 +50,9 @@ type facts struct {
 func build(f facts, conditions []metav1.Condition) kube.NodeStatus {
 	s := f.stats
 	st := kube.NodeStatus{AgentVersion: version.Version,
-		Config:  kube.ConfigStatus{Source: f.source, ResourceVersion: s.ConfigRevision.ResourceVersion, Generation: s.ConfigRevision.Generation},
-		Backend: kube.BackendStatus{Name: f.info.Backend, AttachMode: f.info.AttachMode, Reason: f.reason, Fallback: len(f.fallback) > 0}}
+		Config: kube.ConfigStatus{Source: f.source, ResourceVersion: s.ConfigRevision.ResourceVersion, Generation: s.ConfigRevision.Generation},
+		Backend: kube.BackendStatus{Name: f.info.Backend, AttachMode: f.info.AttachMode, Reason: f.reason, Fallback: len(f.fallback) > 0,
+			MissingFeatures: f.info.Missing}}
 	if f.info.AttachMode == datapath.AttachNone {
 		st.Backend.AttachMode = ""
 	}
