@@ -300,6 +300,12 @@ func TestChartValues(t *testing.T) {
 			maps.Copy(r, kustomize(t, "overlays/masq-agent-ds-ready"))
 			set(h[cleanupDS], at(r[agentDS], pod("nodeSelector")...), pod("nodeSelector")...)
 		}},
+		// SYS_RESOURCE for kernels before 5.11, as the overlay adds it; the cleanup hook has the
+		// agent's capabilities.
+		{"memlock", "memlock: true", []string{"memlock"}, func(t *testing.T, r, h objects) {
+			maps.Copy(r, kustomize(t, "overlays/memlock"))
+			set(h[cleanupDS], at(r[agentDS], pod("containers", 0, "securityContext", "capabilities")...), pod("initContainers", 0, "securityContext", "capabilities")...)
+		}},
 		{"seccomp profile", "seccompProfile: {type: Localhost, localhostProfile: ip-masq-agent.json}", []string{"seccompProfile"},
 			bothPods(generic(t, "{type: Localhost, localhostProfile: ip-masq-agent.json}"), "securityContext", "seccompProfile")},
 		{"metrics port", "metrics: {port: 9100}", []string{"metrics.port"}, func(t *testing.T, r, h objects) {

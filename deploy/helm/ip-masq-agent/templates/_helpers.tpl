@@ -23,7 +23,8 @@ securityContext:
 {{- end }}
 {{- end }}
 
-{{/* The agent's capabilities: all dropped, the four it needs added (deploy/base says why). */}}
+{{/* The agent's capabilities: all dropped, the four it needs added (deploy/base says why), and
+SYS_RESOURCE with memlock (deploy/overlays/memlock says why). */}}
 {{- define "ip-masq-agent.securityContext" -}}
 privileged: false
 allowPrivilegeEscalation: false
@@ -36,6 +37,9 @@ capabilities:
     - BPF
     - PERFMON
     - NET_RAW
+    {{- if .Values.memlock }}
+    - SYS_RESOURCE
+    {{- end }}
 {{- end }}
 
 {{/* Whether the agent talks to the API server (a non-empty string when it does): to read its
