@@ -1,19 +1,57 @@
 package e2e
 
 import (
+	"os"
+	"strings"
+	"sync"
+
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
 
+// BackendsEnv narrows Backends to those whose names start with one of its comma-separated
+// prefixes ("bpf": both attach modes); the kernel matrix (test/kernels) runs the suite on
+// the BPF backend alone.
+const BackendsEnv = "IP_MASQ_AGENT_E2E_BACKENDS"
+
 // Backends are the datapaths every end-to-end test runs against, here and in the suites that
-// build on this one (test/fleet). A new backend adds a Backend value here; nothing else in the
-// tables changes.
+// build on this one (test/fleet): the BPF backend in each attach mode the kernel has (BPFModes).
+// A new backend adds a Backend value here; nothing else in the tables changes.
 func Backends() []Backend {
-	return []Backend{
+	all := []Backend{
 		IptablesBackend(iptables.ModeNFT),
 		IptablesBackend(iptables.ModeLegacy),
 		NftablesBackend(),
-		BPFBackend(tc.ModeTCX),
-		BPFBackend(tc.ModeTC),
 	}
+	for _, mode := range BPFModes() {
+		all = append(all, BPFBackend(mode))
+	}
+	want := strings.Split(os.Getenv(BackendsEnv), ",")
+	if want[0] == "" {
+		return all
+	}
+	var out []Backend
+	for _, b := range all {
+		for _, w := range want {
+			if strings.HasPrefix(b.Name, strings.TrimSpace(w)) {
+				out = append(out, b)
+				break
+			}
+		}
+	}
+	return out
 }
+
+// BPFModes are the attach modes of the BPF backend this kernel has, the best first: tcx (Linux
+// 6.6+, probed) and tc. Where the probe cannot run (no privileges) both are listed, and the
+// tests that need privileges stop on their own.
+var BPFModes = sync.OnceValue(func() []string {
+	if mode, _, err := tc.Probe(); err == nil && mode != tc.ModeTCX {
+		return []string{tc.ModeTC}
+	}
+	return []string{tc.ModeTCX, tc.ModeTC}
+})
+
+// BestBPFBackend is the BPF backend in the kernel's best attach mode: for the tests of what the
+// datapath does whatever the hook.
+func BestBPFBackend() Backend { return BPFBackend(BPFModes()[0]) }

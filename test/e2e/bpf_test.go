@@ -26,7 +26,14 @@ import (
 // The tests of this file are about the BPF datapath's own behaviour (the NAT it does without
 // conntrack, and its lifecycle); the scenario table checks its policy like every backend's.
 
-func bpfBackends() []Backend { return []Backend{BPFBackend(tc.ModeTCX), BPFBackend(tc.ModeTC)} }
+// bpfBackends is the BPF backend in each attach mode the kernel has.
+func bpfBackends() []Backend {
+	var out []Backend
+	for _, mode := range BPFModes() {
+		out = append(out, BPFBackend(mode))
+	}
+	return out
+}
 
 // keepPodsConfig keeps the pod network in IPv6 too, as in IPv4 the defaults keep 10.0.0.0/8:
 // the pods' own device is then no uplink, and the node has one (see TestMasqueradedTowardPods
@@ -303,7 +310,7 @@ func switchBackends(t *testing.T, bs, runs []Backend, left func(ctx context.Cont
 // TestBackendSwitch: whichever backend the agent last started with is the only one installed.
 func TestBackendSwitch(t *testing.T) {
 	ipt := IptablesBackend(iptables.ModeNFT)
-	bpfb := BPFBackend(tc.ModeTCX)
+	bpfb := BestBPFBackend()
 	auto := bpfb
 	auto.Name, auto.Flags = "auto", []string{"--backend=auto"}
 	switchBackends(t, []Backend{ipt, bpfb}, []Backend{ipt, bpfb, ipt, auto, bpfb}, func(ctx context.Context, t *testing.T, env *Env, run int, b Backend) {
@@ -324,7 +331,7 @@ func lastLine(s string) string {
 // --enable-ipv6 says that its size changed and replaces that map only (carrying its entries), so
 // a held IPv4 flow keeps working (same address and port) and IPv6 is masqueraded from then on.
 func TestBPFMapResized(t *testing.T) {
-	b := BPFBackend(tc.ModeTCX)
+	b := BestBPFBackend()
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 	defer cancel()

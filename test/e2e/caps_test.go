@@ -14,7 +14,6 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
 
 // capabilityBits are the Linux capability numbers of the names a DaemonSet may list.
@@ -100,7 +99,7 @@ func TestDaemonSetCapabilitiesAreEnough(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 			defer cancel()
 			env := NewEnv(ctx, t, restricted(t, tt.caps), nil)
-			b := BPFBackend(tc.ModeTCX)
+			b := BestBPFBackend()
 			b.Prepare(ctx, t, env) // a bpffs of the test's own, given as --bpffs
 			b.Flags = []string{"--backend=auto"}
 			a := env.StartAgent(ctx, t, b)

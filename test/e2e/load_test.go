@@ -8,8 +8,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
 
 // loadFlows is TestNATLoad's size; BenchmarkNATLoad in test/bench runs 100k (see docs/operations.md, Sizing the NAT table).
@@ -27,7 +25,7 @@ func TestNATLoad(t *testing.T) {
 		sweepInterval = time.Second
 		loadRSSGrowth = 8 << 20
 	)
-	b := BPFBackend(tc.ModeTCX)
+	b := BestBPFBackend()
 	requireBackend(t, b)
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)

@@ -112,7 +112,7 @@ func (e *Env) AttachNeighbour(t testing.TB, name string, at Placement, verdict i
 	t.Helper()
 	if at.TCX {
 		if mode, _, err := tc.Probe(); err != nil || mode != tc.ModeTCX {
-			testutil.Unavailable(t, "a tcx neighbour needs tcx (Linux 6.6+): %v", err)
+			testutil.NotOnThisKernel(t, "a tcx neighbour needs tcx links: %v", err)
 		}
 	}
 	prog, counter, err := newNeighbourProgram(name, verdict)

@@ -6,7 +6,6 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
 
 // TestNftablesExclusive: starting the nftables backend removes what the iptables and BPF
@@ -14,7 +13,7 @@ import (
 func TestNftablesExclusive(t *testing.T) {
 	nft := NftablesBackend()
 	ipt := IptablesBackend(iptables.ModeNFT)
-	bpfb := BPFBackend(tc.ModeTCX)
+	bpfb := BestBPFBackend()
 	switchBackends(t, []Backend{ipt, nft, bpfb}, []Backend{ipt, nft, bpfb, nft, ipt}, func(ctx context.Context, t *testing.T, env *Env, run int, b Backend) {
 		if b.Name != nft.Name {
 			for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
 
 // Under a seccomp filter that refuses bpf(2), as podman's and CRI-O's default profile does for a
@@ -16,7 +15,7 @@ import (
 // earlier agent through their pins and says so (not "0 program attachments removed"). The
 // container suite (test/container) runs the same under podman itself.
 func TestWithoutBPFSyscall(t *testing.T) {
-	b := BPFBackend(tc.ModeTCX)
+	b := BestBPFBackend()
 	requireBackend(t, b)
 	testutil.RequirePrivileged(t, "iptables-nft-restore")
 	nobpf := testutil.WithoutBPFExecutable(t, agentBin)

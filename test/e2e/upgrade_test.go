@@ -39,6 +39,7 @@ func installOld(ctx context.Context, t *testing.T, env *Env, mode string, layout
 		t.Fatal(err)
 	}
 	t.Cleanup(old.Close)
+	old.NeedPrograms(t)
 	err = testutil.Do(env.Node, func() error {
 		m, err := tc.NewManager(mode, bpfbackend.AttachOptions(env.BPFFS(), nil))
 		if err != nil {
@@ -283,7 +284,7 @@ func pinNames(t *testing.T, dir string) []string {
 // ip_masq_agent_datapath_refused, and leaves everything as it was: the pins, their maps and
 // entries, the programs, the connection.
 func TestRefuseNewerLayout(t *testing.T) {
-	b := BPFBackend(tc.ModeTCX)
+	b := BestBPFBackend()
 	requireBackend(t, b)
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
