@@ -7,14 +7,13 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/cilium/ebpf"
-	ciliumlink "github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/tc"
 )
 
 // bigPolicy has n non-masquerade /24s besides 10.0.0.0/8 (kept first, so it is "the same rule"
@@ -113,22 +112,12 @@ func TestRuleMapsGrow(t *testing.T) {
 		}
 		pinned.Close()
 		// The programs on the uplink are the grown datapath's: they see its counters.
-		for _, a := range []struct {
-			typ  ebpf.AttachType
-			prog *ebpf.Program
-		}{{ebpf.AttachTCXEgress, grown.Egress()}, {ebpf.AttachTCXIngress, grown.Ingress()}} {
-			res, err := ciliumlink.QueryPrograms(ciliumlink.QueryOptions{Target: link.Attrs().Index, Attach: a.typ})
-			if err != nil {
-				t.Fatal(err)
-			}
-			info, err := a.prog.Info()
-			if err != nil {
-				t.Fatal(err)
-			}
-			id, _ := info.ID()
-			if len(res.Programs) != 1 || res.Programs[0].ID != id {
-				t.Errorf("%s programs on uplink0: %+v, want the grown datapath's %d", a.typ, res.Programs, id)
-			}
+		st, err := b.attach.Check(ctx, link.Attrs().Index, tc.Programs{Egress: grown.Egress(), Ingress: grown.Ingress()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !st.Runs {
+			t.Errorf("uplink0 does not run the grown datapath's programs (%s)", b.Mode())
 		}
 		if err := b.Apply(ctx, big); err != nil || b.dp.Load() != grown {
 			t.Errorf("a second apply of the same policy reloaded the maps (%v)", err)
