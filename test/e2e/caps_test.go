@@ -2,17 +2,22 @@ package e2e
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
 
+	"golang.org/x/sys/unix"
 	appsv1 "k8s.io/api/apps/v1"
 	"sigs.k8s.io/yaml"
 
+	"github.com/cilium/ebpf"
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
@@ -41,8 +46,13 @@ func daemonSetCapabilities(t *testing.T) []string {
 	return caps
 }
 
+// containerMemlock is the RLIMIT_MEMLOCK a container starts with: systemd's default for the
+// container runtime's service (DefaultLimitMEMLOCK), which the runtime passes on.
+const containerMemlock = 8 << 20
+
 // restricted returns an executable that runs the agent with only caps: the bounding set limits
-// what a root process gets at exec, as a container runtime's capability list does.
+// what a root process gets at exec, as a container runtime's capability list does; and with a
+// container's RLIMIT_MEMLOCK, which only CAP_SYS_RESOURCE may raise.
 func restricted(t *testing.T, caps []string) string {
 	t.Helper()
 	set := "-all"
@@ -50,7 +60,8 @@ func restricted(t *testing.T, caps []string) string {
 		set += ",+" + strings.ToLower(c)
 	}
 	path := filepath.Join(t.TempDir(), "agent-with-caps")
-	script := fmt.Sprintf("#!/bin/sh\nexec setpriv --bounding-set=%s --inh-caps=-all -- %s \"$@\"\n", set, agentBin)
+	script := fmt.Sprintf("#!/bin/sh\nexec prlimit --memlock=%d:%d -- setpriv --bounding-set=%s --inh-caps=-all -- %s \"$@\"\n",
+		containerMemlock, containerMemlock, set, agentBin)
 	if err := os.WriteFile(path, []byte(script), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -58,14 +69,20 @@ func restricted(t *testing.T, caps []string) string {
 }
 
 // effectiveCaps reads a process's effective capability set.
-func effectiveCaps(t *testing.T, pid int) uint64 {
+func effectiveCaps(t *testing.T, pid int) uint64 { return capSet(t, fmt.Sprint(pid), "CapEff") }
+
+// boundingCaps reads this process's bounding set: what its children may get at most.
+func boundingCaps(t *testing.T) uint64 { return capSet(t, "self", "CapBnd") }
+
+// capSet reads a capability set (CapEff, CapBnd, ...) of a process (a pid, or self).
+func capSet(t *testing.T, pid, set string) uint64 {
 	t.Helper()
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	data, err := os.ReadFile("/proc/" + pid + "/status")
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, line := range strings.Split(string(data), "\n") {
-		if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
+		if v, ok := strings.CutPrefix(line, set+":"); ok {
 			n, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
 			if err != nil {
 				t.Fatal(err)
@@ -73,26 +90,35 @@ func effectiveCaps(t *testing.T, pid int) uint64 {
 			return n
 		}
 	}
-	t.Fatal("no CapEff")
+	t.Fatalf("no %s", set)
 	return 0
 }
 
 // The capabilities the DaemonSet lists are enough: with only them, the agent (as deployed, with
 // --backend=auto) chooses the BPF datapath, becomes ready and masquerades. Without PERFMON the
-// programs cannot load, and auto falls back to iptables, saying why.
+// programs cannot load, and auto falls back to iptables, saying why. On a kernel that charges
+// BPF maps to RLIMIT_MEMLOCK (before 5.11) they are enough with SYS_RESOURCE, which the memlock
+// overlay and the chart's memlock value add; without it, auto falls back and names the limit.
 func TestDaemonSetCapabilitiesAreEnough(t *testing.T) {
-	testutil.RequirePrivileged(t, "ip", "setpriv", "iptables-nft-restore")
+	testutil.RequirePrivileged(t, "ip", "setpriv", "prlimit", "iptables-nft-restore")
 	if agentBin == "" {
 		t.Fatal("no agent binary was built")
 	}
 	caps := daemonSetCapabilities(t)
+	withMemlock := append(slices.Clone(caps), "SYS_RESOURCE") // deploy/overlays/memlock
+	daemonset, why := "bpf", ""
+	if memlockCharged(t) {
+		daemonset, why = "iptables", "RLIMIT_MEMLOCK"
+	}
 	for _, tt := range []struct {
 		name    string
 		caps    []string
 		backend string
+		why     string // what the log's reason for a fallback names
 	}{
-		{"daemonset", caps, "bpf"},
-		{"without-PERFMON", without(caps, "PERFMON"), "iptables"},
+		{"daemonset", caps, daemonset, why},
+		{"memlock-overlay", withMemlock, "bpf", ""},
+		{"without-PERFMON", without(caps, "PERFMON"), "iptables", ""},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
@@ -115,6 +141,8 @@ func TestDaemonSetCapabilitiesAreEnough(t *testing.T) {
 				}
 				want |= 1 << bit
 			}
+			// Less what this process cannot give (a sandbox may hold SYS_RESOURCE back).
+			want &= boundingCaps(t)
 			if got := effectiveCaps(t, a.Pid()); got != want {
 				t.Errorf("the agent runs with capabilities %#x, want exactly %#x (%v)", got, want, tt.caps)
 			}
@@ -128,6 +156,9 @@ func TestDaemonSetCapabilitiesAreEnough(t *testing.T) {
 			}
 			if tt.backend == "iptables" && a.Count("the BPF datapath cannot run here") == 0 {
 				t.Errorf("the fallback to iptables is not explained in the log:\n%s", a.Logs())
+			}
+			if tt.why != "" && a.Count(tt.why) == 0 {
+				t.Errorf("the log does not name %s as the fallback's reason:\n%s", tt.why, a.Logs())
 			}
 
 			for _, c := range []struct {
@@ -144,6 +175,50 @@ func TestDaemonSetCapabilitiesAreEnough(t *testing.T) {
 			}
 		})
 	}
+}
+
+// memlockProbeEnv makes the test binary answer memlockCharged's question and exit (TestMain).
+const memlockProbeEnv = "IP_MASQ_AGENT_E2E_PROBE_MEMLOCK"
+
+// memlockCharged tells whether the kernel charges BPF maps to RLIMIT_MEMLOCK (before 5.11, when
+// they moved to the memory cgroup): the test binary, run again, creates a map under a zero limit
+// (in a process of its own: the limit is the whole process's).
+func memlockCharged(t *testing.T) bool {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), memlockProbeEnv+"=1")
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	switch {
+	case err == nil:
+		return false
+	case errors.As(err, &exit) && exit.ExitCode() == memlockProbeCharged:
+		return true
+	}
+	t.Fatalf("memlock probe: %v: %s", err, out)
+	return false
+}
+
+// memlockProbeCharged is the probe's exit code for a kernel that charges RLIMIT_MEMLOCK.
+const memlockProbeCharged = 3
+
+// probeMemlock is the probe's process: it exits 0 where a map is created under a zero
+// RLIMIT_MEMLOCK, memlockProbeCharged where the kernel refuses it for the limit.
+func probeMemlock() int {
+	if err := unix.Setrlimit(unix.RLIMIT_MEMLOCK, &unix.Rlimit{Cur: 0, Max: 0}); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Array, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+	if errors.Is(err, unix.EPERM) {
+		return memlockProbeCharged
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	m.Close()
+	return 0
 }
 
 func without(caps []string, drop string) []string {

@@ -26,6 +26,9 @@ func TestMain(m *testing.M) {
 }
 
 func runMain(m *testing.M) int {
+	if os.Getenv(memlockProbeEnv) == "1" {
+		return probeMemlock()
+	}
 	flag.Parse()
 	// Build only where the privileged tests will run; elsewhere they skip (or fail in CI) on
 	// their own, without a binary.

@@ -24,6 +24,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
+	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
@@ -118,6 +119,10 @@ func Newer(root string, o Options) (*Old, error) {
 
 // load loads the object of layout with its maps pinned and recorded as layout as's.
 func load(layout, as int, root string, o Options) (*Old, error) {
+	// As an agent does (a kernel before 5.11 charges maps to the limit).
+	if err := rlimit.RemoveMemlock(); err != nil {
+		return nil, err
+	}
 	spec, err := Spec(layout)
 	if err != nil {
 		return nil, err
