@@ -87,7 +87,7 @@ func benchRun(prog *ebpf.Program, frame []byte) (uint32, time.Duration, error) {
 // benchRunOut is benchRun that also copies the packet as the program left it into out (which
 // must hold it), when out is not nil.
 func benchRunOut(prog *ebpf.Program, frame, out []byte) (uint32, time.Duration, error) {
-	ctx := forwarded
+	ctx := forwarded.forRun()
 	attr := struct {
 		progFD, retval, dataSizeIn, dataSizeOut uint32
 		dataIn, dataOut                         uint64

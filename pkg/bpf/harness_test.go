@@ -224,6 +224,15 @@ type skbContext struct {
 	Cb                                                                                    [5]uint32
 }
 
+// forRun is ctx as BPF_PROG_TEST_RUN takes it on this kernel: ingress_ifindex moved to cb[0]
+// where the kernel cannot set it (testIngressInCB).
+func (ctx skbContext) forRun() skbContext {
+	if testIngressInCB {
+		ctx.Cb[0], ctx.IngressIfindex = ctx.IngressIfindex, 0
+	}
+	return ctx
+}
+
 // podDevice stands for the node's device of a pod: the programs only test that a packet's
 // ingress_ifindex is not 0, so it need not exist.
 const podDevice = 1000
@@ -263,10 +272,7 @@ func runCtx(t testing.TB, prog *ebpf.Program, frame []byte, ctx skbContext) (uin
 }
 
 func runCtxErr(prog *ebpf.Program, frame []byte, ctx skbContext) (uint32, []byte, error) {
-	if testIngressInCB {
-		ctx.Cb[0], ctx.IngressIfindex = ctx.IngressIfindex, 0
-	}
-	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+512), Repeat: 1, Context: ctx}
+	opts := ebpf.RunOptions{Data: frame, DataOut: make([]byte, len(frame)+512), Repeat: 1, Context: ctx.forRun()}
 	ret, err := prog.Run(&opts)
 	return ret, opts.DataOut, err
 }
