@@ -513,7 +513,7 @@ func requireTCX(t *testing.T) {
 		t.Fatalf("probe: %v", err)
 	}
 	if mode != ModeTCX {
-		testutil.Unavailable(t, "no tcx on this kernel (probe chose %s)", mode)
+		testutil.NotOnThisKernel(t, "tcx links (the probe chose %s)", mode)
 	}
 }
 

@@ -229,9 +229,9 @@ func (sb *sandbox) build(ctx context.Context) error {
 
 // policyAndDatapathFlags are the flags every command of the demo shares with the agent.
 func (sb *sandbox) policyAndDatapathFlags(cmd string) []string {
-	args := []string{"--config=" + sb.configPath}
+	args := []string{"--config=" + sb.configPath, "--bpffs=" + sb.bpffs}
 	if cmd != "explain" {
-		args = append(args, "--backend="+sb.backend, "--bpffs="+sb.bpffs)
+		args = append(args, "--backend="+sb.backend)
 	}
 	if cmd != "" {
 		args = append([]string{cmd}, args...)
@@ -305,13 +305,15 @@ func (sb *sandbox) classify(seen string) string {
 }
 
 func (sb *sandbox) showDecisions(ctx context.Context) error {
-	args := append(sb.policyAndDatapathFlags("explain"), joinFields(destinations)...)
-	out, err := exec.CommandContext(ctx, sb.bin, args...).Output()
+	// In the node's namespace, beside its bpffs: explain also names the datapath installed there.
+	args := append([]string{"netns", "exec", sb.node, sb.bin}, sb.policyAndDatapathFlags("explain")...)
+	out, err := exec.CommandContext(ctx, "ip", append(args, joinFields(destinations)...)...).Output()
 	if err != nil {
 		return fmt.Errorf("explain: %w", err)
 	}
+	table, installed, _ := strings.Cut(strings.TrimSpace(string(out)), "\n\n")
 	explained := map[string]string{}
-	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n")[1:] {
+	for _, line := range strings.Split(table, "\n")[1:] {
 		f := strings.Fields(line)
 		if len(f) > 1 {
 			explained[f[0]] = strings.Join(f[1:], " ")
@@ -337,6 +339,10 @@ func (sb *sandbox) showDecisions(ctx context.Context) error {
 		return err
 	}
 	fmt.Println()
+	if installed != "" {
+		fmt.Println(installed)
+		fmt.Println()
+	}
 	return nil
 }
 
