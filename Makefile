@@ -1,7 +1,8 @@
 # ip-masq-agent with an eBPF SNAT datapath.
 #
 #   make demo      run the agent in a throwaway namespace sandbox (root)
-#   make test      all tests: unit, BPF datapath and end to end (root)
+#   make test      all tests: unit, BPF datapath and end to end, and the kernel matrix (root)
+#   make test-kernels  the BPF tests on every kernel of the matrix and the host's (root)
 #   make image     the runtime image, built here from the Debian archive, loaded into podman (root)
 #   make bench     benchmarks (root)
 #   make generate  rebuild the BPF objects and Go bindings (clang)
@@ -22,7 +23,7 @@ TESTFLAGS ?= -count=1 -timeout 25m
 # Pinned clang flags for the BPF objects (read by the go:generate lines through the environment).
 export BPF_CFLAGS := -O2 -g -Wall -Werror -mcpu=v3
 
-.PHONY: all build image test unit e2e demo generate check-generate bench lint deps clean k8s cluster-up cluster-down
+.PHONY: all build image test test-kernels unit e2e demo generate check-generate bench lint deps clean k8s cluster-up cluster-down
 
 all: build
 
@@ -44,11 +45,25 @@ image: deps build
 ## The cluster tests run the Kubernetes components make k8s builds (once per version).
 ## The container and cluster suites run after the rest, one package at a time: their image
 ## builds (mmdebstrap, dpkg) and clusters take the machine's CPU and disk for minutes, which would
-## slow the time-bound end-to-end tests beside them.
-LATE_TESTS := ./test/container ./internal/cluster ./test/cluster
+## slow the time-bound end-to-end tests beside them. The kernel matrix comes last, on the kernels
+## other than the host's (whose run is the one above), with the end-to-end suite on the oldest.
+LATE_TESTS := ./test/container ./internal/cluster ./test/cluster ./internal/vm
 test: deps build k8s
-	$(GO) test $(TESTFLAGS) $$($(GO) list ./... | grep -v -x -F "$$($(GO) list $(LATE_TESTS))")
+	$(GO) test $(TESTFLAGS) $$($(GO) list ./... | grep -v -x -F "$$($(GO) list $(LATE_TESTS) ./test/kernels)")
 	$(GO) test $(TESTFLAGS) -p 1 $(LATE_TESTS)
+	$(MAKE) test-kernels KERNELS="$(VM_KERNELS)" KERNEL_E2E=oldest
+
+## test-kernels: pkg/bpf, pkg/bpfbackend, the end-to-end suite on the BPF backend and the demo,
+## on each kernel of KERNELS: Debian's kernels booted in QEMU (test/kernels, internal/vm; the
+## packages are fetched once into bin/kernels) and the host's ("host"). KERNEL_E2E=oldest runs
+## the end-to-end suite on the oldest only; KERNEL_SUITES and KERNEL_JOBS: test/kernels.
+VM_KERNELS    ?= 5.10 6.1 6.12
+KERNELS       ?= $(VM_KERNELS) host
+KERNEL_E2E    ?= all
+KERNEL_SUITES ?=
+test-kernels: deps build
+	KERNELS="$(KERNELS)" KERNEL_E2E="$(KERNEL_E2E)" KERNEL_SUITES="$(KERNEL_SUITES)" \
+		$(GO) test -count=1 -timeout 150m -v -run '^TestKernels$$' ./test/kernels
 
 ## e2e: the end-to-end suite only, against the binary in bin/ (root)
 e2e: deps build
@@ -126,6 +141,7 @@ bench: build
 	mkdir -p $(BENCH_OUT)/lean
 	$(GO) test -run '^$$' -bench 'Floor' -benchtime 3000x -count 3 -timeout 10m ./pkg/bpf | tee $(BENCH_OUT)/lean/floor.txt
 	$(GO) test -run '^$$' -bench 'MillionFlows|ConntrackMemory|LiveCIDRs' -benchtime 1x -timeout 60m ./test/bench -args -out $(abspath $(BENCH_OUT))
+	KERNELS="$(KERNELS)" $(GO) test -run '^$$' -bench Kernels -benchtime 1x -timeout 120m ./test/kernels -args -out $(abspath $(BENCH_OUT))
 	$(GO) run ./test/bench/report -in $(BENCH_OUT) -docs docs
 
 ## lint: gofmt; go build (each package without its tests, which go vet's build would hide); go vet

@@ -28,6 +28,16 @@ have etcd       || need+=(etcd-server)
 have containerd || need+=(containerd)
 [ -x /usr/lib/cni/bridge ] || need+=(containernetworking-plugins)
 have nsenter    || need+=(util-linux)
+# The kernel matrix (internal/vm, test/kernels): QEMU, a static busybox for the guests'
+# initramfs, kmod's depmod and modprobe (the guests load their kernel's modules with the host's
+# modprobe), cpio and xz for the initramfs, and the Debian archive's keys, which verify the
+# kernel packages (on Ubuntu too).
+have qemu-system-x86_64 || need+=(qemu-system-x86)
+dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)
+have depmod     || need+=(kmod)
+have cpio       || need+=(cpio)
+have xz         || need+=(xz-utils)
+[ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || need+=(debian-archive-keyring)
 # `deps.sh bench`: what make bench needs beyond the tests.
 if [ "${1:-}" = bench ]; then
 	have gnuplot || need+=(gnuplot-nox)

@@ -5,8 +5,9 @@
 //
 // DIR holds micro.txt (the output of the BPF_PROG_TEST_RUN benchmarks of pkg/bpf), e2e.json
 // (written by BenchmarkEndToEnd in test/bench) and iptables-control.txt (BenchmarkControlPlane of
-// pkg/iptables, several counts), and the big-node results (bignode.go). Without e2e.json, the
-// big-node sections alone are written, into the report as it is.
+// pkg/iptables, several counts), the big-node results (bignode.go) and kernels.txt (test/kernels'
+// BenchmarkKernels: kernels.go). Without e2e.json, the big-node and per-kernel sections alone are
+// written, into the report as it is.
 package main
 
 import (
@@ -199,12 +200,20 @@ func run(in, docs string) error {
 			fmt.Fprintln(os.Stderr, "report:", note)
 		}
 	}
-	// The big-node benchmarks alone: their sections replace those of the report as it is.
-	if _, err := os.Stat(filepath.Join(in, benchdata.E2EFile)); errors.Is(err, fs.ErrNotExist) && !bn.empty() {
+	kernels, err := readKernels(filepath.Join(in, "kernels.txt"))
+	if err != nil {
+		return fmt.Errorf("per-kernel results: %w", err)
+	}
+	// The big-node or per-kernel benchmarks alone: their sections replace those of the report as
+	// it is.
+	if _, err := os.Stat(filepath.Join(in, benchdata.E2EFile)); errors.Is(err, fs.ErrNotExist) && (!bn.empty() || len(kernels) > 0) {
 		if doc == nil {
-			return fmt.Errorf("%s: %w (the big-node results alone go into the report as it is)", path, fs.ErrNotExist)
+			return fmt.Errorf("%s: %w (the big-node and per-kernel results alone go into the report as it is)", path, fs.ErrNotExist)
 		}
-		return os.WriteFile(path, splice(doc, big.Bytes()), 0o644)
+		if !bn.empty() {
+			doc = splice(doc, big.Bytes())
+		}
+		return os.WriteFile(path, spliceKernels(doc, doc, kernels), 0o644)
 	}
 	m, mr, err := readMicro(filepath.Join(in, "micro.txt"))
 	if err != nil {
@@ -227,10 +236,11 @@ func run(in, docs string) error {
 	}
 	var md bytes.Buffer
 	writeReport(&md, m, mr, &r, c)
+	out := md.Bytes()
 	if big.Len() > 0 {
-		md.Write(splice(nil, big.Bytes()))
+		out = append(out, splice(nil, big.Bytes())...)
 	}
-	if err := os.WriteFile(path, md.Bytes(), 0o644); err != nil {
+	if err := os.WriteFile(path, spliceKernels(out, doc, kernels), 0o644); err != nil {
 		return err
 	}
 	if err := plotCost(m, filepath.Join(docs, "bench-cost-vs-cidrs.png")); err != nil {

@@ -1,0 +1,80 @@
+package kernels
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/internal/vm"
+)
+
+var benchOut = flag.String("out", "", "BenchmarkKernels: the directory kernels.txt goes to (make bench's results)")
+
+// kernelBenchmarks are pkg/bpf's per-packet benchmarks BenchmarkKernels runs on each kernel: a
+// new flow, an established one, a reply, a RETURN, and the empty program, whose cost on the same
+// kernel is what the others are read against (under TCG only such ratios mean anything).
+const kernelBenchmarks = "^Benchmark(EgressEstablished|EgressNewFlow|IngressReverse|EgressReturn|TestRunFloor)$/^cidrs=1$"
+
+// BenchmarkKernels runs the per-packet benchmarks of pkg/bpf on every kernel of KERNELS, one
+// after the other, and writes their output to -out's kernels.txt, each kernel's under a
+// "kernel:" line, for test/bench/report. Run it once (-benchtime 1x).
+func BenchmarkKernels(b *testing.B) {
+	testutil.RequirePrivileged(b, append([]string{"go"}, vm.Tools...)...)
+	if *benchOut == "" {
+		b.Fatal("-out names the directory of the results")
+	}
+	root, err := testutil.RepoRoot()
+	if err != nil {
+		b.Fatal(err)
+	}
+	targets := chooseTargets(b, root)
+	binDir := filepath.Join(root, "bin", "kernels", "tests")
+	build(b, root, binDir)
+	args := []string{filepath.Join(binDir, "bpf.test"), "-test.run=^$", "-test.bench=" + kernelBenchmarks,
+		"-test.benchtime=3000x", "-test.count=3"}
+	var all strings.Builder
+	for range b.N {
+		for _, tg := range targets {
+			var out strings.Builder
+			release, accel := hostRelease(), "-"
+			if tg.img == nil {
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
+				cmd := exec.CommandContext(ctx, args[0], args[1:]...)
+				cmd.Dir, cmd.Stdout, cmd.Stderr = filepath.Join(root, "pkg", "bpf"), &out, &out
+				err = cmd.Run()
+				cancel()
+			} else {
+				var res vm.Result
+				res, err = tg.img.Run(context.Background(), vm.Command{Args: args, Dir: filepath.Join(root, "pkg", "bpf"),
+					Timeout: 30 * time.Minute, Output: &out})
+				if err == nil && res.ExitCode != 0 {
+					err = fmt.Errorf("exit code %d", res.ExitCode)
+				}
+				release, accel = tg.img.Release, res.Accel
+			}
+			if err != nil {
+				b.Fatalf("benchmarks on %s: %v\n%s", tg.name, err, lastLines(out.String(), 40))
+			}
+			fmt.Fprintf(&all, "kernel: %s %s %s\n%s", tg.name, release, accel, out.String())
+		}
+	}
+	if err := os.WriteFile(filepath.Join(*benchOut, "kernels.txt"), []byte(all.String()), 0o644); err != nil {
+		b.Fatal(err)
+	}
+}
+
+// hostRelease is the host kernel's `uname -r`.
+func hostRelease() string {
+	b, err := os.ReadFile("/proc/sys/kernel/osrelease")
+	if err != nil {
+		return "?"
+	}
+	return strings.TrimSpace(string(b))
+}
