@@ -266,7 +266,7 @@ func (b *Backend) Info() datapath.Info {
 func Missing(best string) []string {
 	var out []string
 	if best != tc.ModeTCX {
-		out = append(out, "tcx links (Linux 6.6): programs attached with clsact and cls_bpf filters")
+		out = append(out, "tcx links (Linux 6.6): clsact qdiscs and cls_bpf filters in their place")
 	}
 	if bpf.ClaimsUnsupported() != nil {
 		out = append(out, bpf.ClaimsFallback)

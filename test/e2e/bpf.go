@@ -181,8 +181,9 @@ func (e *Env) DevicePrograms(t testing.TB, dev string) ([]Attached, bool) {
 			typ  ebpf.AttachType
 			tc   uint32
 		}{{"egress", ebpf.AttachTCXEgress, netlink.HANDLE_MIN_EGRESS}, {"ingress", ebpf.AttachTCXIngress, netlink.HANDLE_MIN_INGRESS}} {
+			// A kernel without tcx (before 6.6) answers EINVAL: it has no such attach type.
 			res, err := link.QueryPrograms(link.QueryOptions{Target: ifc.Index, Attach: d.typ})
-			if err != nil && !errors.Is(err, ebpf.ErrNotSupported) {
+			if err != nil && !errors.Is(err, ebpf.ErrNotSupported) && !errors.Is(err, unix.EINVAL) {
 				return fmt.Errorf("query tcx %s: %w", d.name, err)
 			}
 			if res != nil {

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf/rlimit"
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
@@ -30,6 +31,14 @@ func runMain(m *testing.M) int {
 		return probeMemlock()
 	}
 	flag.Parse()
+	// The tests' own BPF objects (neighbour programs, old layouts' pins), on a kernel that
+	// charges them to RLIMIT_MEMLOCK (before 5.11); the agents lift theirs themselves.
+	if os.Geteuid() == 0 {
+		if err := rlimit.RemoveMemlock(); err != nil {
+			fmt.Fprintln(os.Stderr, "e2e:", err)
+			return 1
+		}
+	}
 	// Build only where the privileged tests will run; elsewhere they skip (or fail in CI) on
 	// their own, without a binary.
 	if os.Geteuid() == 0 && (!testing.Short() || testutil.InCI()) {

@@ -111,8 +111,12 @@ func newNeighbourProgram(name string, verdict int32) (*ebpf.Program, *ebpf.Map, 
 func (e *Env) AttachNeighbour(t testing.TB, name string, at Placement, verdict int32) *Neighbour {
 	t.Helper()
 	if at.TCX {
-		if mode, _, err := tc.Probe(); err != nil || mode != tc.ModeTCX {
-			testutil.NotOnThisKernel(t, "a tcx neighbour needs tcx links: %v", err)
+		mode, reason, err := tc.Probe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if mode != tc.ModeTCX {
+			testutil.NotOnThisKernel(t, "a tcx neighbour needs tcx links: %s", reason)
 		}
 	}
 	prog, counter, err := newNeighbourProgram(name, verdict)

@@ -76,10 +76,11 @@ func TestRestartUnderTraffic(t *testing.T) {
 		}
 
 		// The short connections run through all the restarts; SIGTERM ends the run and has
-		// connrate print its result.
+		// connrate print its result (the duration only bounds it: restarts take longer on a
+		// slow machine, a kernel emulated in QEMU).
 		synBefore := TCPExt(ctx, t, env.Pod, "TCPSynRetrans")
 		churn := StartProcess(ctx, t, "connrate", env.Pod, connrateBin, "run", "-target", server.String(),
-			"-workers", strconv.Itoa(workers), "-duration", "1m")
+			"-workers", strconv.Itoa(workers), "-duration", ScenarioTimeout.String())
 		time.Sleep(time.Second)
 		for i := range restarts {
 			if err := ag.Kill(ctx); err != nil {

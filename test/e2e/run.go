@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -16,8 +17,20 @@ import (
 )
 
 // ScenarioTimeout bounds one scenario, so that its cleanups run long before go test's own
-// timeout would kill the binary without them.
-const ScenarioTimeout = 90 * time.Second
+// timeout would kill the binary without them: 90 s, times TimeoutScaleEnv.
+var ScenarioTimeout = 90 * time.Second * time.Duration(timeoutScale())
+
+// TimeoutScaleEnv multiplies the suite's timeouts where everything runs several times slower:
+// the kernel matrix's guests, emulated in QEMU (test/kernels sets it). Timeouts only: what the
+// tests assert of the datapath does not change.
+const TimeoutScaleEnv = "IP_MASQ_AGENT_E2E_TIMEOUT_SCALE"
+
+func timeoutScale() int {
+	if n, err := strconv.Atoi(os.Getenv(TimeoutScaleEnv)); err == nil && n > 1 {
+		return n
+	}
+	return 1
+}
 
 // LiveChangeDeadline is how long a live config change may take, file written to traffic
 // changed, before the scenario fails: a liveness bound, far above the speed target. How fast a

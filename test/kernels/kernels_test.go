@@ -29,6 +29,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/internal/vm"
+	"github.com/ip-masq-agent/ip-masq-agent/test/e2e"
 )
 
 // host names the host's own kernel in KERNELS.
@@ -47,9 +48,10 @@ type suite struct {
 	// its testdata), relative to the repository.
 	bin, dir string
 	args     []string
-	// env adds to the environment; $BIN is the tests' binary directory.
-	env     []string
-	timeout time.Duration
+	// env adds to the environment, guestEnv in the guests alone; $BIN is the tests' binary
+	// directory.
+	env, guestEnv []string
+	timeout       time.Duration
 	// e2e marks the end-to-end suite, which KERNEL_E2E places.
 	e2e bool
 	// check, where set, judges the output beside the exit code (the demo's table).
@@ -63,8 +65,10 @@ func suites() []suite {
 		{name: "pkg/bpf", bin: "bpf.test", dir: "pkg/bpf", args: []string{"-test.v", "-test.timeout=50m"}, timeout: time.Hour},
 		{name: "pkg/bpfbackend", bin: "bpfbackend.test", dir: "pkg/bpfbackend", args: []string{"-test.v", "-test.timeout=25m"}, timeout: 30 * time.Minute},
 		{name: "e2e/bpf", bin: "e2e.test", dir: "test/e2e", args: []string{"-test.v", "-test.timeout=50m"},
-			env:     []string{"IP_MASQ_AGENT_BIN=$BIN/ip-masq-agent", "IP_MASQ_AGENT_CONNRATE_BIN=$BIN/connrate", "IP_MASQ_AGENT_E2E_BACKENDS=bpf"},
-			timeout: time.Hour, e2e: true},
+			env: []string{"IP_MASQ_AGENT_BIN=$BIN/ip-masq-agent", "IP_MASQ_AGENT_CONNRATE_BIN=$BIN/connrate", e2e.BackendsEnv + "=bpf"},
+			// Under TCG the agent starts, loads and attaches several times slower.
+			guestEnv: []string{e2e.TimeoutScaleEnv + "=4"},
+			timeout:  time.Hour, e2e: true},
 		{name: "demo", bin: "demo", dir: ".", args: []string{"-bin", "$BIN/ip-masq-agent", "-backend", "bpf"}, timeout: 10 * time.Minute,
 			check: checkDemo},
 	}
@@ -104,9 +108,13 @@ func TestKernels(t *testing.T) {
 	t.Run("matrix", func(t *testing.T) {
 		for i, tg := range targets {
 			t.Run(tg.name, func(t *testing.T) {
-				t.Parallel()
-				slots <- struct{}{}
-				defer func() { <-slots }()
+				// The host's suites run alone, before the guests (a guest's emulation would take
+				// the CPUs from their time-bound tests); the guests jobs at a time.
+				if tg.img != nil {
+					t.Parallel()
+					slots <- struct{}{}
+					defer func() { <-slots }()
+				}
 				for _, s := range suites() {
 					if s.e2e && e2eOn == "oldest" && i != 0 || len(only) > 0 && !slices.Contains(only, s.name) {
 						continue
@@ -204,6 +212,9 @@ func runSuite(t *testing.T, root, binDir string, tg target, s suite) row {
 	var env []string
 	for _, e := range s.env {
 		env = append(env, expand(e))
+	}
+	if tg.img != nil {
+		env = append(env, s.guestEnv...)
 	}
 	dir := filepath.Join(root, s.dir)
 	logPath := filepath.Join(root, "bin", "kernels", "logs", tg.name, strings.ReplaceAll(s.name, "/", "-")+".log")
