@@ -45,7 +45,7 @@ func inboundEntries(n uint32) uint32 { return max(n/16, minSideEntries) }
 
 // heldEntries sizes each family's room for later fragments that wait for their first one (bpf/
 // frag.h), from the fragment table's size: 256 at the default. It is allocated as fragments are
-// held, up to FRAG_HELD_BYTES each, or preallocated where the kernel cannot (HeldRoomPreallocated).
+// held, up to FRAG_HELD_BYTES each.
 func heldEntries(frag uint32) uint32 { return max(frag/32, 8) }
 
 // LoadOptions size the maps; they are fixed once the maps exist.
@@ -105,12 +105,6 @@ func (o LoadOptions) spec() (*ebpf.CollectionSpec, error) {
 	m.KeepV4.MaxEntries, m.KeepV6.MaxEntries = keepEntries(o.NATEntries), keepEntries(o.NATEntriesV6)
 	m.FragV4.MaxEntries, m.FragV6.MaxEntries = o.FragEntries, o.FragEntries
 	m.FragHeldV4.MaxEntries, m.FragHeldV6.MaxEntries = heldEntries(o.FragEntries), heldEntries(o.FragEntries)
-	if HeldRoomPreallocated() != nil {
-		// Maps pinned on this kernel are made so again: the pins do not outlive it (a bpffs
-		// is empty after a reboot).
-		m.FragHeldV4.Flags &^= unix.BPF_F_NO_PREALLOC
-		m.FragHeldV6.Flags &^= unix.BPF_F_NO_PREALLOC
-	}
 	m.InboundV4.MaxEntries, m.InboundV6.MaxEntries = inboundEntries(o.NATEntries), inboundEntries(o.NATEntriesV6)
 	return spec, nil
 }

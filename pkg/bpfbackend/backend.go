@@ -271,9 +271,6 @@ func Missing(best string) []string {
 	if bpf.ClaimsUnsupported() != nil {
 		out = append(out, bpf.ClaimsFallback)
 	}
-	if bpf.HeldRoomPreallocated() != nil {
-		out = append(out, bpf.HeldRoomFallback)
-	}
 	return out
 }
 
