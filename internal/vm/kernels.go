@@ -17,6 +17,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"golang.org/x/sys/unix"
 )
 
@@ -131,7 +132,7 @@ func fetch(ctx context.Context, cache string, k Kernel, dir string) error {
 	cmd := exec.CommandContext(ctx, "apt-get", append(aptOptions(aptDir), "download", k.Package+"="+k.Version)...)
 	cmd.Dir = debs
 	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("apt-get download: %w: %s", err, lastLines(string(out), 10))
+		return fmt.Errorf("apt-get download: %w: %s", err, testutil.LastLines(string(out), 10))
 	}
 	matches, err := filepath.Glob(filepath.Join(debs, "*.deb"))
 	if err != nil || len(matches) != 1 {
@@ -200,7 +201,7 @@ func aptUpdate(ctx context.Context, aptDir string) error {
 	}
 	out, err := exec.CommandContext(ctx, "apt-get", append(aptOptions(aptDir), "update")...).CombinedOutput()
 	if err != nil {
-		return fmt.Errorf("apt-get update (%s): %w: %s", mirror, err, lastLines(string(out), 10))
+		return fmt.Errorf("apt-get update (%s): %w: %s", mirror, err, testutil.LastLines(string(out), 10))
 	}
 	return nil
 }
@@ -248,13 +249,4 @@ func lock(path string) (func(), error) {
 		return nil, fmt.Errorf("lock %s: %w", path, err)
 	}
 	return func() { f.Close() }, nil
-}
-
-// lastLines is the last n lines of s.
-func lastLines(s string, n int) string {
-	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
 }

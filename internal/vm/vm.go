@@ -14,6 +14,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
 // Tools are the host's commands that Prepare and Run use (test/deps.sh installs them).
@@ -140,12 +142,12 @@ func (img *Image) boot(ctx context.Context, c Command, accel string) (res Result
 	started = serr == nil
 	if ctx.Err() != nil {
 		return res, started, fmt.Errorf("the guest (%s, %s) did not end within %v; its console:\n%s",
-			img.Name, accel, c.Timeout, lastLines(res.Console, 30))
+			img.Name, accel, c.Timeout, testutil.LastLines(res.Console, 30))
 	}
 	rc, rerr := os.ReadFile(filepath.Join(run, "rc"))
 	if rerr != nil {
 		return res, started, fmt.Errorf("the guest (%s, %s) ended without the command's exit code (qemu: %v); its console:\n%s",
-			img.Name, accel, werr, lastLines(res.Console, 30))
+			img.Name, accel, werr, testutil.LastLines(res.Console, 30))
 	}
 	res.ExitCode, err = strconv.Atoi(strings.TrimSpace(string(rc)))
 	return res, started, err

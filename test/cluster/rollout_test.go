@@ -109,7 +109,7 @@ func (w *world) rollTo(ctx context.Context, t *testing.T, img agentImage, s stra
 	wait(ctx, t, "the old agent's last words", func() error {
 		for _, line := range oldWant {
 			if !strings.Contains(oldLog.String(), line) {
-				return fmt.Errorf("no %q; its log ends:\n%s", line, tail(oldLog.String(), 5))
+				return fmt.Errorf("no %q; its log ends:\n%s", line, testutil.LastLines(oldLog.String(), 5))
 			}
 		}
 		return nil
@@ -194,11 +194,6 @@ func (w *world) followLog(ctx context.Context, t *testing.T, pod *corev1.Pod) *t
 		}
 	}()
 	return buf
-}
-
-func tail(s string, n int) string {
-	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
-	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }
 
 // forgetFlows deletes the node's conntrack entries of the client pod's flows. A BPF datapath

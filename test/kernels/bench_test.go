@@ -60,7 +60,7 @@ func BenchmarkKernels(b *testing.B) {
 				release, accel = tg.img.Release, res.Accel
 			}
 			if err != nil {
-				b.Fatalf("benchmarks on %s: %v\n%s", tg.name, err, lastLines(out.String(), 40))
+				b.Fatalf("benchmarks on %s: %v\n%s", tg.name, err, testutil.LastLines(out.String(), 40))
 			}
 			fmt.Fprintf(&all, "kernel: %s %s %s\n%s", tg.name, release, accel, out.String())
 		}

@@ -327,7 +327,7 @@ func (r results) failures(out string) string {
 		}
 	}
 	if b.Len() == 0 || strings.Contains(out, "panic:") {
-		b.WriteString(lastLines(out, 60))
+		b.WriteString(testutil.LastLines(out, 60))
 	}
 	return b.String()
 }
@@ -389,7 +389,7 @@ var (
 // checkDemo: the demo printed its table.
 func checkDemo(t *testing.T, out string) {
 	if demoTable(out) == "" {
-		t.Errorf("the demo printed no table of what the external host saw:\n%s", lastLines(out, 40))
+		t.Errorf("the demo printed no table of what the external host saw:\n%s", testutil.LastLines(out, 40))
 	}
 }
 
@@ -414,12 +414,4 @@ func compareDemos(t *testing.T, targets []target, tables map[string]string) {
 		}
 	}
 	t.Logf("the demo's table on %s, the same on every kernel that ran it:\n%s", ref, tables[ref])
-}
-
-func lastLines(s string, n int) string {
-	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
 }
