@@ -23,8 +23,8 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
-// cmdTimeout bounds every command the harness runs.
-const cmdTimeout = 20 * time.Second
+// cmdTimeout bounds every command the harness runs (times TimeoutScaleEnv).
+var cmdTimeout = 20 * time.Second * time.Duration(timeoutScale())
 
 // run runs a command with the payload on stdin and returns its output; the error carries stderr.
 func run(ctx context.Context, stdin string, name string, args ...string) ([]byte, error) {
