@@ -7,11 +7,12 @@
 //	KERNELS      the kernels to run, by name ("5.10 6.1 6.12 host"; default: all of them)
 //	KERNEL_E2E   where the end-to-end suite runs: "all" kernels (default) or the "oldest" of KERNELS
 //	KERNEL_SUITES  the suites to run, by name ("pkg/bpf demo"; default: all of them)
-//	KERNEL_JOBS  how many kernels run at once (default 2: a guest's tests mostly keep one of
-//	             its processors busy, and TCG runs each on a thread of the host)
+//	KERNEL_JOBS  how many guests run at once (default 3: a guest's tests mostly keep one of its
+//	             processors busy, or less, and TCG runs each on a thread of the host)
 package kernels
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"maps"
@@ -54,6 +55,8 @@ type suite struct {
 	timeout       time.Duration
 	// e2e marks the end-to-end suite, which KERNEL_E2E places.
 	e2e bool
+	// cost orders the guests' jobs, the costliest first: minutes under TCG, roughly.
+	cost int
 	// check, where set, judges the output beside the exit code (the demo's table).
 	check func(t *testing.T, out string)
 }
@@ -62,15 +65,15 @@ type suite struct {
 // kernel can attach (tcx from 6.6, tc everywhere: e2e.Backends probes).
 func suites() []suite {
 	return []suite{
-		{name: "pkg/bpf", bin: "bpf.test", dir: "pkg/bpf", args: []string{"-test.v", "-test.timeout=50m"}, timeout: time.Hour},
-		{name: "pkg/bpfbackend", bin: "bpfbackend.test", dir: "pkg/bpfbackend", args: []string{"-test.v", "-test.timeout=25m"}, timeout: 30 * time.Minute},
+		{name: "pkg/bpf", bin: "bpf.test", dir: "pkg/bpf", args: []string{"-test.v", "-test.timeout=50m"}, timeout: time.Hour, cost: 10},
+		{name: "pkg/bpfbackend", bin: "bpfbackend.test", dir: "pkg/bpfbackend", args: []string{"-test.v", "-test.timeout=25m"}, timeout: 30 * time.Minute, cost: 2},
 		{name: "e2e/bpf", bin: "e2e.test", dir: "test/e2e", args: []string{"-test.v", "-test.timeout=50m"},
 			env: []string{"IP_MASQ_AGENT_BIN=$BIN/ip-masq-agent", "IP_MASQ_AGENT_CONNRATE_BIN=$BIN/connrate", e2e.BackendsEnv + "=bpf"},
 			// Under TCG the agent starts, loads and attaches several times slower.
 			guestEnv: []string{e2e.TimeoutScaleEnv + "=4"},
-			timeout:  time.Hour, e2e: true},
+			timeout:  time.Hour, e2e: true, cost: 15},
 		{name: "demo", bin: "demo", dir: ".", args: []string{"-bin", "$BIN/ip-masq-agent", "-backend", "bpf"}, timeout: 10 * time.Minute,
-			check: checkDemo},
+			check: checkDemo, cost: 1},
 	}
 }
 
@@ -97,43 +100,92 @@ func TestKernels(t *testing.T) {
 	build(t, root, binDir)
 	e2eOn := os.Getenv("KERNEL_E2E")
 	only := strings.Fields(os.Getenv("KERNEL_SUITES"))
-	jobs := 2
+	workers := 3
 	if n, err := strconv.Atoi(os.Getenv("KERNEL_JOBS")); err == nil && n > 0 {
-		jobs = n
+		workers = n
 	}
-	slots := make(chan struct{}, jobs)
+	// The jobs, a suite on a kernel each: the host's first, one at a time (a guest's emulation
+	// would take the CPUs from their time-bound tests); then the guests', the longest suites
+	// first (suite.cost), so that the last to start are short.
+	type job struct {
+		tg target
+		s  suite
+	}
+	var hostJobs, guestJobs []job
+	for _, s := range suites() {
+		for i, tg := range targets {
+			if s.e2e && e2eOn == "oldest" && i != 0 || len(only) > 0 && !slices.Contains(only, s.name) {
+				continue
+			}
+			if tg.img == nil {
+				hostJobs = append(hostJobs, job{tg, s})
+			} else {
+				guestJobs = append(guestJobs, job{tg, s})
+			}
+		}
+	}
+	slices.SortStableFunc(guestJobs, func(a, b job) int { return cmp.Compare(b.s.cost, a.s.cost) })
 	var mu sync.Mutex
 	var summary []row
 	demoTables := map[string]string{}
+	run := func(t *testing.T, j job) {
+		r := runSuite(t, root, binDir, j.tg, j.s)
+		mu.Lock()
+		defer mu.Unlock()
+		summary = append(summary, r)
+		if j.s.name == "demo" {
+			demoTables[j.tg.name] = demoTable(r.output)
+		}
+	}
 	t.Run("matrix", func(t *testing.T) {
-		for i, tg := range targets {
-			t.Run(tg.name, func(t *testing.T) {
-				// The host's suites run alone, before the guests (a guest's emulation would take
-				// the CPUs from their time-bound tests); the guests jobs at a time.
-				if tg.img != nil {
-					t.Parallel()
-					slots <- struct{}{}
-					defer func() { <-slots }()
-				}
-				for _, s := range suites() {
-					if s.e2e && e2eOn == "oldest" && i != 0 || len(only) > 0 && !slices.Contains(only, s.name) {
-						continue
-					}
-					t.Run(s.name, func(t *testing.T) {
-						r := runSuite(t, root, binDir, tg, s)
-						mu.Lock()
-						defer mu.Unlock()
-						summary = append(summary, r)
-						if s.name == "demo" {
-							demoTables[tg.name] = demoTable(r.output)
-						}
-					})
-				}
+		for _, j := range hostJobs {
+			t.Run(j.tg.name+"/"+j.s.name, func(t *testing.T) { run(t, j) })
+		}
+		q := newQueue(workers)
+		for i, j := range guestJobs {
+			t.Run(j.tg.name+"/"+j.s.name, func(t *testing.T) {
+				t.Parallel()
+				q.acquire(i)
+				defer q.release()
+				run(t, j)
 			})
 		}
 	})
 	printSummary(t, summary)
 	compareDemos(t, targets, demoTables)
+}
+
+// queue lets jobs run, workers at a time, in the order of their index.
+type queue struct {
+	mu            sync.Mutex
+	cond          *sync.Cond
+	next, running int
+	workers       int
+}
+
+func newQueue(workers int) *queue {
+	q := &queue{workers: workers}
+	q.cond = sync.NewCond(&q.mu)
+	return q
+}
+
+// acquire waits until job i is the next to start and a worker is free.
+func (q *queue) acquire(i int) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for i != q.next || q.running >= q.workers {
+		q.cond.Wait()
+	}
+	q.next++
+	q.running++
+	q.cond.Broadcast()
+}
+
+func (q *queue) release() {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.running--
+	q.cond.Broadcast()
 }
 
 // chooseTargets prepares the kernels KERNELS names, oldest first, the host last.
