@@ -110,15 +110,10 @@ static __always_inline int frag_hold(struct __sk_buff *skb, const int v6, __u8 d
 		frag_held_slot(v6, &hk, i);
 		err = v6 ? map_update(&frag_held_v6, &hk.k6, blank, BPF_NOEXIST)
 			 : map_update(&frag_held_v4, &hk.k4, blank, BPF_NOEXIST);
-		if (err == -17 /* EEXIST: the slot holds another fragment */) {
-			event_add(EV_NAT_RACE, 1);
+		if (err == -17 /* EEXIST: the slot holds another fragment */)
 			continue;
-		}
-		if (err) {
-			event_add(EV_REPAIR, -err);
+		if (err)
 			return 0; /* the map is full */
-		}
-		event_add(EV_ORPHAN, 1);
 		h = frag_held_get(v6, &hk);
 		if (!h)
 			return 0;
