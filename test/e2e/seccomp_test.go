@@ -25,7 +25,9 @@ func TestWithoutBPFSyscall(t *testing.T) {
 		t.Parallel()
 		ctx, cancel := context.WithTimeout(context.Background(), ScenarioTimeout)
 		defer cancel()
-		env := NewEnv(ctx, t, nobpf, nil)
+		// As in such a container: the DaemonSet's capabilities (no SYS_RESOURCE) and a
+		// container's RLIMIT_MEMLOCK, which the agent cannot lift; seccomp is still the cause.
+		env := NewEnv(ctx, t, testutil.WithoutBPFExecutable(t, restricted(t, daemonSetCapabilities(t))), nil)
 		b.Prepare(ctx, t, env)
 		auto := b
 		auto.Flags = []string{"--backend=auto"}
@@ -45,6 +47,9 @@ func TestWithoutBPFSyscall(t *testing.T) {
 			if !strings.Contains(fallback, want) {
 				t.Errorf("the fallback does not say %q:\n%s", want, a.Logs())
 			}
+		}
+		if strings.Contains(fallback, "RLIMIT_MEMLOCK") {
+			t.Errorf("the fallback blames RLIMIT_MEMLOCK:\n%s", fallback)
 		}
 	})
 
