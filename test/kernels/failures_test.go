@@ -56,3 +56,14 @@ func TestDemoTable(t *testing.T) {
 		t.Errorf("tables:\n%s\n%s\n%s", demoTable(a), demoTable(b), demoTable(c))
 	}
 }
+
+// TestVerifierLine: TestVerifierComplexity's report of each program is found in a log.
+func TestVerifierLine(t *testing.T) {
+	out := "=== RUN   TestVerifierComplexity\n" +
+		"    sync_test.go:412: tc_egress: 99747 instructions processed by the verifier, 3.0x headroom under the guard of 300000\n" +
+		"    sync_test.go:412: tc_ingress: 69438 instructions processed by the verifier, 4.3x headroom under the guard of 300000\n"
+	m := verifierLine.FindAllStringSubmatch(out, -1)
+	if len(m) != 2 || m[0][1] != "tc_egress: 99747 instructions processed by the verifier, 3.0x headroom under the guard of 300000" {
+		t.Errorf("found %q", m)
+	}
+}

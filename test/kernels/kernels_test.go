@@ -251,7 +251,9 @@ type row struct {
 var (
 	resultLine = regexp.MustCompile(`^\s*--- (PASS|FAIL|SKIP): (\S+)`)
 	eventLine  = regexp.MustCompile(`^=== (?:RUN|NAME|CONT|PAUSE)\s+(\S+)`)
-	skipReason = regexp.MustCompile(`^\s+\S+\.go:\d+: (.*)$`)
+	// TestVerifierComplexity's report of a program.
+	verifierLine = regexp.MustCompile(`(?m)^\s+\S+\.go:\d+: (\S+: \d+ instructions processed by the verifier.*)$`)
+	skipReason   = regexp.MustCompile(`^\s+\S+\.go:\d+: (.*)$`)
 )
 
 // runSuite runs s on tg, keeps its output in bin/kernels/logs, and fails t with what failed.
@@ -394,6 +396,12 @@ func printSummary(t *testing.T, rows []row) {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.kernel, r.suite, r.accel, r.pass, r.skip, r.fail, r.took)
 	}
 	tw.Flush()
+	// The verifier's work per program on each kernel (pkg/bpf's TestVerifierComplexity).
+	for _, r := range rows {
+		for _, m := range verifierLine.FindAllStringSubmatch(r.output, -1) {
+			fmt.Fprintf(&b, "verifier on %s: %s\n", r.kernel, m[1])
+		}
+	}
 	for _, r := range rows {
 		// By reason: a reason that stops a test stops its subtests with it.
 		byReason := map[string][]string{}
