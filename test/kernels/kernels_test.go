@@ -141,51 +141,25 @@ func TestKernels(t *testing.T) {
 		for _, j := range hostJobs {
 			t.Run(j.tg.name+"/"+j.s.name, func(t *testing.T) { run(t, j) })
 		}
-		q := newQueue(workers)
-		for i, j := range guestJobs {
-			t.Run(j.tg.name+"/"+j.s.name, func(t *testing.T) {
-				t.Parallel()
-				q.acquire(i)
-				defer q.release()
-				run(t, j)
+		// Workers take the jobs in order; t.Run may be called from several goroutines at once
+		// (parallel subtests would be bounded by -test.parallel, and not in this order).
+		next := make(chan job, len(guestJobs))
+		for _, j := range guestJobs {
+			next <- j
+		}
+		close(next)
+		var wg sync.WaitGroup
+		for range workers {
+			wg.Go(func() {
+				for j := range next {
+					t.Run(j.tg.name+"/"+j.s.name, func(t *testing.T) { run(t, j) })
+				}
 			})
 		}
+		wg.Wait()
 	})
 	printSummary(t, summary)
 	compareDemos(t, targets, demoTables)
-}
-
-// queue lets jobs run, workers at a time, in the order of their index.
-type queue struct {
-	mu            sync.Mutex
-	cond          *sync.Cond
-	next, running int
-	workers       int
-}
-
-func newQueue(workers int) *queue {
-	q := &queue{workers: workers}
-	q.cond = sync.NewCond(&q.mu)
-	return q
-}
-
-// acquire waits until job i is the next to start and a worker is free.
-func (q *queue) acquire(i int) {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	for i != q.next || q.running >= q.workers {
-		q.cond.Wait()
-	}
-	q.next++
-	q.running++
-	q.cond.Broadcast()
-}
-
-func (q *queue) release() {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	q.running--
-	q.cond.Broadcast()
 }
 
 // chooseTargets prepares the kernels KERNELS names, oldest first, the host last.
