@@ -15,7 +15,7 @@ import (
 )
 
 // takeoverLimit is how soon after the holder's exit a waiting agent must hold the node lock.
-const takeoverLimit = time.Second
+var takeoverLimit = time.Second * time.Duration(timeoutScale())
 
 // lockHolder asks the node lock, inside the node namespace, who holds it (the zero Holder when
 // nobody does).

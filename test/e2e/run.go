@@ -20,9 +20,11 @@ import (
 // timeout would kill the binary without them: 90 s, times TimeoutScaleEnv.
 var ScenarioTimeout = 90 * time.Second * time.Duration(timeoutScale())
 
-// TimeoutScaleEnv multiplies the suite's timeouts where everything runs several times slower:
-// the kernel matrix's guests, emulated in QEMU (test/kernels sets it). Timeouts only: what the
-// tests assert of the datapath does not change.
+// TimeoutScaleEnv multiplies the suite's timeouts, and the limits it holds the agent's reactions
+// to (HealLimit, the node lock's takeover, LiveChangeDeadline, a bypass's report), where
+// everything runs several times slower: the kernel matrix's guests, emulated in QEMU
+// (test/kernels sets it). What the tests assert of the datapath does not change; the limits
+// themselves are held on the host's run.
 const TimeoutScaleEnv = "IP_MASQ_AGENT_E2E_TIMEOUT_SCALE"
 
 func timeoutScale() int {
@@ -37,7 +39,7 @@ func timeoutScale() int {
 // change goes live is the benchmarks' to measure (make bench, "Config apply latency"); a
 // scenario only logs what it saw, which on a loaded machine is mostly the probe's wait for a
 // core.
-const LiveChangeDeadline = 10 * time.Second
+var LiveChangeDeadline = 10 * time.Second * time.Duration(timeoutScale())
 
 // Backend says how to run the agent with one datapath and how to check what it installed. The
 // scenario table is the same for every backend.
