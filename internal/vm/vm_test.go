@@ -110,11 +110,11 @@ func TestModuleOrder(t *testing.T) {
 // TestDebianMirror: the mirror of sources.list lines and deb822 URIs.
 func TestDebianMirror(t *testing.T) {
 	for line, want := range map[string]string{
-		"deb http://deb.debian.org/debian bookworm main":                               "http://deb.debian.org/debian",
+		"deb http://deb.debian.org/debian bookworm main":                                "http://deb.debian.org/debian",
 		"deb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian/ bookworm main": "http://mirror.example/debian",
-		"URIs: http://proxy.example:3142/debian":                                       "http://proxy.example:3142/debian",
-		"URIs: http://deb.debian.org/debian-security":                                  "",
-		"deb https://packages.cloud.google.com/apt cloud-sdk-bookworm main":            "",
+		"URIs: http://proxy.example:3142/debian":                                        "http://proxy.example:3142/debian",
+		"URIs: http://deb.debian.org/debian-security":                                   "",
+		"deb https://packages.cloud.google.com/apt cloud-sdk-bookworm main":             "",
 	} {
 		got := ""
 		if m := mirrorLine.FindStringSubmatch(line); m != nil {
