@@ -19,8 +19,13 @@ var benchOut = flag.String("out", "", "BenchmarkKernels: the directory kernels.t
 
 // kernelBenchmarks are pkg/bpf's per-packet benchmarks BenchmarkKernels runs on each kernel: a
 // new flow, an established one, a reply, a RETURN, and the empty program, whose cost on the same
-// kernel is what the others are read against (under TCG only such ratios mean anything).
-const kernelBenchmarks = "^Benchmark(EgressEstablished|EgressNewFlow|IngressReverse|EgressReturn|TestRunFloor)$/^cidrs=1$"
+// kernel is what the others are read against (under TCG only such ratios mean anything). Two
+// patterns, since with "X/Y" a benchmark without sub-benchmarks (the floor) only matches in part
+// and is not measured.
+var kernelBenchmarks = []string{
+	"^Benchmark(EgressEstablished|EgressNewFlow|IngressReverse|EgressReturn)$/^cidrs=1$",
+	"^BenchmarkTestRunFloor$",
+}
 
 // BenchmarkKernels runs the per-packet benchmarks of pkg/bpf on every kernel of KERNELS, one
 // after the other, and writes their output to -out's kernels.txt, each kernel's under a
@@ -37,8 +42,14 @@ func BenchmarkKernels(b *testing.B) {
 	targets := chooseTargets(b, root)
 	binDir := filepath.Join(root, "bin", "kernels", "tests")
 	build(b, root, binDir)
-	args := []string{filepath.Join(binDir, "bpf.test"), "-test.run=^$", "-test.bench=" + kernelBenchmarks,
-		"-test.benchtime=3000x", "-test.count=3"}
+	// One command per kernel, so one boot: sh runs the test binary once per pattern.
+	var script strings.Builder
+	script.WriteString("set -e")
+	for _, pattern := range kernelBenchmarks {
+		fmt.Fprintf(&script, "; '%s' -test.run='^$' -test.bench='%s' -test.benchtime=3000x -test.count=3",
+			filepath.Join(binDir, "bpf.test"), pattern)
+	}
+	args := []string{"/bin/sh", "-c", script.String()}
 	var all strings.Builder
 	for range b.N {
 		for _, tg := range targets {
