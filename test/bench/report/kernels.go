@@ -59,7 +59,16 @@ func readKernels(path string) ([]kernelRun, error) {
 		k := &runs[len(runs)-1]
 		k.ns[m[1]] = append(k.ns[m[1]], v)
 	}
-	return runs, sc.Err()
+	if err := sc.Err(); err != nil {
+		return nil, err
+	}
+	// Every figure is read against the floor: without it the section would be dashes.
+	for _, k := range runs {
+		if len(k.ns[floorBench]) == 0 {
+			return nil, fmt.Errorf("%s: kernel %s has no Benchmark%s runs", path, k.name, floorBench)
+		}
+	}
+	return runs, nil
 }
 
 // kernelPaths are the rows of the per-kernel table, the benchmarks' names and titles.

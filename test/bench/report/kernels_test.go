@@ -41,3 +41,16 @@ BenchmarkTestRunFloor-2                	    3000	      2592 ns/op	        80.0 n
 		t.Errorf("the section was not kept:\n%s", kept)
 	}
 }
+
+// TestKernelsWithoutFloor: a kernel whose empty program was not measured is an error, not a
+// section of dashes.
+func TestKernelsWithoutFloor(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "kernels.txt")
+	txt := "kernel: 6.1 6.1.0-50-amd64 tcg\nBenchmarkEgressEstablished/cidrs=1-2   3000   26340 ns/op   900.0 ns/pkt\n"
+	if err := os.WriteFile(path, []byte(txt), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := readKernels(path); err == nil || !strings.Contains(err.Error(), "kernel 6.1 has no BenchmarkTestRunFloor") {
+		t.Errorf("readKernels = %v, want an error naming the kernel without its floor", err)
+	}
+}
