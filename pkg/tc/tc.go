@@ -144,30 +144,51 @@ func (o Options) logger() *slog.Logger {
 var ErrNoDevice = errors.New("no such device")
 
 // Probe tells which attach mode the kernel supports: tcx when it has tcx links, else tc. It
-// asks the kernel (it creates a tcx link on no device), rather than guessing from the version;
-// reason says what it found, for the logs.
+// asks the kernel (HaveTCX), rather than guessing from the version; reason says what it found,
+// for the logs. Only a kernel that loads no tc program at all is an error: a tcx probe that
+// fails otherwise leaves the agent on clsact, which it then says.
 func Probe() (mode string, reason string, err error) {
+	has, loadErr, attachErr := probeTCX()
+	switch {
+	case loadErr != nil:
+		return "", "", loadErr
+	case attachErr != nil:
+		return ModeTC, fmt.Sprintf("%v: clsact and cls_bpf", attachErr), nil
+	case has:
+		return ModeTCX, "the kernel has tcx links", nil
+	}
+	return ModeTC, "the kernel has no tcx links (Linux 6.6+): clsact and cls_bpf", nil
+}
+
+// HaveTCX tells whether the kernel has tcx links, with an error where the probe could not tell
+// (no privileges, a sandbox): the tests' question, where only a kernel without them may skip.
+func HaveTCX() (bool, error) {
+	has, loadErr, attachErr := probeTCX()
+	return has, errors.Join(loadErr, attachErr)
+}
+
+// probeTCX creates a tcx link on no device: a kernel with tcx answers ENODEV, one without it
+// does not know the attach type.
+func probeTCX() (has bool, loadErr, attachErr error) {
 	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
 		Type: ebpf.SchedCLS, License: "GPL",
 		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 0), asm.Return()},
 	})
 	if err != nil {
-		return "", "", fmt.Errorf("probe tc programs: %w", err)
+		return false, fmt.Errorf("probe tc programs: %w", err), nil
 	}
 	defer prog.Close()
-	// Ifindex 0 is no device: a kernel with tcx answers ENODEV, one without it does not know
-	// the attach type.
 	l, err := link.AttachTCX(link.TCXOptions{Interface: 0, Program: prog, Attach: ebpf.AttachTCXIngress})
 	switch {
 	case err == nil:
 		l.Close()
-		return ModeTCX, "tcx links supported", nil
+		return true, nil, nil
 	case errors.Is(err, unix.ENODEV):
-		return ModeTCX, "the kernel has tcx links", nil
+		return true, nil, nil
 	case errors.Is(err, ebpf.ErrNotSupported):
-		return ModeTC, "the kernel has no tcx links (Linux 6.6+): clsact and cls_bpf", nil
+		return false, nil, nil
 	}
-	return ModeTC, fmt.Sprintf("tcx probe failed (%v): clsact and cls_bpf", err), nil
+	return false, nil, fmt.Errorf("tcx probe failed: %w", err)
 }
 
 // NewHook returns the hook of a mode.

@@ -1,7 +1,9 @@
 package e2e
 
 import (
+	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 
@@ -31,22 +33,39 @@ func Backends() []Backend {
 		return all
 	}
 	var out []Backend
-	for _, b := range all {
-		for _, w := range want {
-			if strings.HasPrefix(b.Name, strings.TrimSpace(w)) {
-				out = append(out, b)
-				break
+	for _, w := range want {
+		w = strings.TrimSpace(w)
+		matched := false
+		for _, b := range all {
+			if !strings.HasPrefix(b.Name, w) {
+				continue
 			}
+			matched = true
+			if !slices.ContainsFunc(out, func(o Backend) bool { return o.Name == b.Name }) {
+				out = append(out, b)
+			}
+		}
+		if !matched {
+			// A misspelt name would leave the tables empty and every scenario passing unrun.
+			panic(fmt.Sprintf("%s=%q: %q names none of the backends %v", BackendsEnv, os.Getenv(BackendsEnv), w, names(all)))
 		}
 	}
 	return out
 }
 
+func names(bs []Backend) []string {
+	out := make([]string, len(bs))
+	for i, b := range bs {
+		out[i] = b.Name
+	}
+	return out
+}
+
 // BPFModes are the attach modes of the BPF backend this kernel has, the best first: tcx (Linux
-// 6.6+, probed) and tc. Where the probe cannot run (no privileges) both are listed, and the
-// tests that need privileges stop on their own.
+// 6.6+, probed) and tc. Where the probe cannot tell (no privileges) both are listed, and the
+// tests stop on their own: a skip without privileges, a failure in CI.
 var BPFModes = sync.OnceValue(func() []string {
-	if mode, _, err := tc.Probe(); err == nil && mode != tc.ModeTCX {
+	if has, err := tc.HaveTCX(); err == nil && !has {
 		return []string{tc.ModeTC}
 	}
 	return []string{tc.ModeTCX, tc.ModeTC}
