@@ -36,7 +36,9 @@ type Kernel struct {
 // Matrix are the kernels the datapath is tested on besides the host's, oldest first: the oldest
 // a fleet runs (5.10, Amazon Linux 2, the minimum), the LTS kernels of Debian, COS and Amazon
 // Linux 2023 (6.1), and the one before this machine's (6.12). The versions are pinned so that
-// a run is repeatable; these suites no longer move.
+// a run is repeatable. Bullseye no longer moves, but bookworm's point releases and its
+// backports replace their kernels: where the mirror no longer serves a pinned version, fetch
+// says so, and the pin moves to the version the mirror has (apt-cache policy PACKAGE).
 var Matrix = []Kernel{
 	{Name: "5.10", Suite: "bullseye", Package: "linux-image-5.10.0-32-amd64", Version: "5.10.223-1",
 		Runs: "Amazon Linux 2, Debian 11"},

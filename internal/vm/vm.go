@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
@@ -122,6 +123,9 @@ func (img *Image) boot(ctx context.Context, c Command, accel string) (res Result
 	cmd := exec.CommandContext(ctx, "qemu-system-x86_64", img.qemuArgs(c, accel, run)...)
 	cmd.Stdout, cmd.Stderr = &console, &console
 	cmd.WaitDelay = 5 * time.Second
+	// A guest takes gigabytes and every CPU: it must not outlive a test binary killed by its
+	// -timeout, which no deferred cancel survives.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	start := time.Now()
 	if err := cmd.Start(); err != nil {
 		return res, false, fmt.Errorf("start qemu: %w", err)
