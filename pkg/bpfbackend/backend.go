@@ -18,6 +18,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cilium/ebpf"
+
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpf"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -268,7 +270,8 @@ func Missing(best string) []string {
 	if best != tc.ModeTCX {
 		out = append(out, "tcx links (Linux 6.6): clsact qdiscs and cls_bpf filters in their place")
 	}
-	if bpf.ClaimsUnsupported() != nil {
+	// Only a kernel without the helpers: any other error stops the load before this matters.
+	if errors.Is(bpf.ClaimsUnsupported(), ebpf.ErrNotSupported) {
 		out = append(out, bpf.ClaimsFallback)
 	}
 	return out

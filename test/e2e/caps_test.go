@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 	appsv1 "k8s.io/api/apps/v1"
@@ -185,7 +186,9 @@ const memlockProbeEnv = "IP_MASQ_AGENT_E2E_PROBE_MEMLOCK"
 // (in a process of its own: the limit is the whole process's).
 func memlockCharged(t *testing.T) bool {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), memlockProbeEnv+"=1")
 	out, err := cmd.CombinedOutput()
 	var exit *exec.ExitError

@@ -134,5 +134,6 @@ func spliceKernels(doc, old []byte, runs []kernelRun) []byte {
 	if i < 0 || j < i {
 		return append(append(bytes.TrimRight(doc, "\n"), '\n', '\n'), block...)
 	}
-	return slices.Concat(doc[:i], block, doc[j+len(kernelsEnd)+1:])
+	rest := bytes.TrimPrefix(doc[j+len(kernelsEnd):], []byte("\n"))
+	return slices.Concat(doc[:i], block, rest)
 }

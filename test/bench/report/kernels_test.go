@@ -54,3 +54,14 @@ func TestKernelsWithoutFloor(t *testing.T) {
 		t.Errorf("readKernels = %v, want an error naming the kernel without its floor", err)
 	}
 }
+
+// TestKernelsSectionAtEnd: a report that ends with the section's end marker, no newline after it,
+// has the section replaced.
+func TestKernelsSectionAtEnd(t *testing.T) {
+	doc := []byte("# Benchmarks\n\n" + kernelsBegin + "\n\nold\n" + kernelsEnd)
+	runs := []kernelRun{{name: "host", release: "6.18", accel: "-", ns: map[string][]float64{floorBench: {80}}}}
+	got := string(spliceKernels(doc, nil, runs))
+	if strings.Contains(got, "old") || strings.Count(got, kernelsEnd) != 1 || !strings.Contains(got, "| host (6.18, -) |") {
+		t.Errorf("spliced:\n%s", got)
+	}
+}
