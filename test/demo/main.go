@@ -247,7 +247,7 @@ func (sb *sandbox) startAgent(ctx context.Context) (time.Duration, error) {
 		return 0, fmt.Errorf("start agent: %w", err)
 	}
 	sb.agent = a
-	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	wctx, cancel := context.WithTimeout(ctx, e2e.Scaled(20*time.Second))
 	defer cancel()
 	if err := a.WaitReady(wctx); err != nil {
 		return 0, fmt.Errorf("the agent is not ready (%v); its log:\n%s", err, a.Logs())
@@ -259,7 +259,7 @@ func (sb *sandbox) startAgent(ctx context.Context) (time.Duration, error) {
 func (sb *sandbox) probe(ctx context.Context, p pod, proto string, dst netip.Addr, srcPort int) (string, error) {
 	var reply string
 	err := testutil.Do(sb.pods[p.name], func() error {
-		ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		ctx, cancel := context.WithTimeout(ctx, e2e.Scaled(3*time.Second))
 		defer cancel()
 		d := net.Dialer{}
 		if srcPort != 0 {
@@ -371,7 +371,7 @@ func joinFields(as []netip.Addr) []string {
 // teardown stops the agent, removes what it installed, and deletes every namespace, the pins
 // and the temporary directory. It runs whatever happened before.
 func (sb *sandbox) teardown() error {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), e2e.Scaled(30*time.Second))
 	defer cancel()
 	var errs []error
 	if sb.agent != nil {

@@ -34,6 +34,10 @@ func timeoutScale() int {
 	return 1
 }
 
+// Scaled is d times TimeoutScaleEnv: for the suites built on this one (the demo) to wait as
+// long as the scenarios do where everything runs slower.
+func Scaled(d time.Duration) time.Duration { return d * time.Duration(timeoutScale()) }
+
 // LiveChangeDeadline is how long a live config change may take, file written to traffic
 // changed, before the scenario fails: a liveness bound, far above the speed target. How fast a
 // change goes live is the benchmarks' to measure (make bench, "Config apply latency"); a

@@ -65,7 +65,8 @@ type suite struct {
 // kernel can attach (tcx from 6.6, tc everywhere: e2e.Backends probes).
 func suites() []suite {
 	return []suite{
-		{name: "pkg/bpf", bin: "bpf.test", dir: "pkg/bpf", args: []string{"-test.v", "-test.timeout=50m"}, timeout: time.Hour, cost: 10},
+		// -short: fewer random probes where they check what does not differ between kernels.
+		{name: "pkg/bpf", bin: "bpf.test", dir: "pkg/bpf", args: []string{"-test.v", "-test.short", "-test.timeout=50m"}, timeout: time.Hour, cost: 10},
 		{name: "pkg/bpfbackend", bin: "bpfbackend.test", dir: "pkg/bpfbackend", args: []string{"-test.v", "-test.timeout=25m"}, timeout: 30 * time.Minute, cost: 2},
 		{name: "e2e/bpf", bin: "e2e.test", dir: "test/e2e", args: []string{"-test.v", "-test.timeout=50m"},
 			env: []string{"IP_MASQ_AGENT_BIN=$BIN/ip-masq-agent", "IP_MASQ_AGENT_CONNRATE_BIN=$BIN/connrate", e2e.BackendsEnv + "=bpf"},
@@ -73,7 +74,9 @@ func suites() []suite {
 			guestEnv: []string{e2e.TimeoutScaleEnv + "=4"},
 			timeout:  time.Hour, e2e: true, cost: 15},
 		{name: "demo", bin: "demo", dir: ".", args: []string{"-bin", "$BIN/ip-masq-agent", "-backend", "bpf"}, timeout: 10 * time.Minute,
-			check: checkDemo, cost: 1},
+			// Its waits (the agent's readiness above all) scale as the end-to-end suite's.
+			guestEnv: []string{e2e.TimeoutScaleEnv + "=4"},
+			check:    checkDemo, cost: 1},
 	}
 }
 
