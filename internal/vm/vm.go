@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
@@ -104,11 +106,14 @@ func chooseAccel() string {
 // boot runs c in one guest on accel; started tells whether the guest got as far as the command.
 func (img *Image) boot(ctx context.Context, c Command, accel string) (res Result, started bool, err error) {
 	res.Accel = accel
-	run, err := os.MkdirTemp("", "ip-masq-agent-vm-")
+	// Pdeathsig (below) follows the thread that started QEMU, not the process: this one stays.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	run, release, err := newRunDir()
 	if err != nil {
 		return res, false, err
 	}
-	defer os.RemoveAll(run)
+	defer release()
 	if err := os.WriteFile(filepath.Join(run, "cmd"), []byte(script(c)), 0o644); err != nil {
 		return res, false, err
 	}
@@ -155,6 +160,48 @@ func (img *Image) boot(ctx context.Context, c Command, accel string) (res Result
 	}
 	res.ExitCode, err = strconv.Atoi(strings.TrimSpace(string(rc)))
 	return res, started, err
+}
+
+// runDirPrefix names the run directories in the temporary directory.
+const runDirPrefix = "ip-masq-agent-vm-"
+
+// newRunDir makes the directory of one boot (the command, its output and exit code, which the
+// guest reaches through the host's root) and holds a lock on it until release, which removes it.
+// A killed runner cannot remove its own: the directories whose lock nobody holds go first.
+func newRunDir() (dir string, release func(), err error) {
+	removeStaleRunDirs()
+	dir, err = os.MkdirTemp("", runDirPrefix)
+	if err != nil {
+		return "", nil, err
+	}
+	f, err := os.Open(dir)
+	if err == nil {
+		err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+	}
+	if err != nil {
+		os.RemoveAll(dir)
+		return "", nil, fmt.Errorf("lock %s: %w", dir, err)
+	}
+	return dir, func() { os.RemoveAll(dir); f.Close() }, nil
+}
+
+// removeStaleRunDirs removes the run directories of runners that died (their lock free). One
+// made in the last minute is left alone: its runner may not have locked it yet.
+func removeStaleRunDirs() {
+	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), runDirPrefix+"*"))
+	for _, d := range dirs {
+		if fi, err := os.Stat(d); err != nil || time.Since(fi.ModTime()) < time.Minute {
+			continue
+		}
+		f, err := os.Open(d)
+		if err != nil {
+			continue
+		}
+		if unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB) == nil {
+			os.RemoveAll(d)
+		}
+		f.Close()
+	}
 }
 
 // qemuArgs boots img with the host's root (hostroot), the kernel's modules (modules) and the

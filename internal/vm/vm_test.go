@@ -1,10 +1,14 @@
 package vm
 
 import (
+	"bufio"
 	"context"
+	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -77,6 +81,91 @@ func TestRunTimeout(t *testing.T) {
 	if took := time.Since(start); took > 2*time.Minute {
 		t.Errorf("the guest was ended after %v", took)
 	}
+}
+
+// killedRunnerEnv makes TestKilledRunnerLeavesNothing the runner it kills.
+const killedRunnerEnv = "VM_TEST_KILLED_RUNNER"
+
+// TestKilledRunnerLeavesNothing: a test binary killed while its guest runs (as go test's -timeout
+// does) takes the guest with it, and its run directory goes with the next run.
+func TestKilledRunnerLeavesNothing(t *testing.T) {
+	img := oldest(t)
+	if os.Getenv(killedRunnerEnv) != "" {
+		_, err := img.Run(context.Background(), Command{Args: []string{"/bin/sh", "-c", "echo up; sleep 600"},
+			Timeout: 15 * time.Minute, Output: os.Stdout})
+		t.Fatalf("the guest ended (%v); the test should have been killed", err)
+	}
+	before, _ := filepath.Glob(filepath.Join(os.TempDir(), runDirPrefix+"*"))
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	runner := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestKilledRunnerLeavesNothing$", "-test.v")
+	runner.Env = append(os.Environ(), killedRunnerEnv+"=1")
+	stdout, err := runner.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := runner.Start(); err != nil {
+		t.Fatal(err)
+	}
+	sc := bufio.NewScanner(stdout)
+	for sc.Scan() && sc.Text() != "up" {
+	}
+	after, _ := filepath.Glob(filepath.Join(os.TempDir(), runDirPrefix+"*"))
+	var runs []string
+	for _, d := range after {
+		if !slices.Contains(before, d) {
+			runs = append(runs, d)
+		}
+	}
+	if len(runs) != 1 {
+		runner.Process.Kill()
+		runner.Wait()
+		t.Fatalf("run directories made by the runner: %v, want one (did its guest start?)", runs)
+	}
+	run := runs[0]
+	if qemuOf(run) == 0 {
+		t.Fatalf("no QEMU runs with %s", run)
+	}
+	runner.Process.Kill()
+	runner.Wait()
+	for deadline := time.Now().Add(30 * time.Second); qemuOf(run) != 0; time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			pid := qemuOf(run)
+			if p, err := os.FindProcess(pid); err == nil {
+				p.Kill()
+			}
+			os.RemoveAll(run)
+			t.Fatalf("QEMU (pid %d) outlived its runner by 30 s", pid)
+		}
+	}
+	if _, err := os.Stat(run); err != nil {
+		t.Fatalf("the killed runner's directory: %v, want it left (nothing ran to remove it)", err)
+	}
+	old := time.Now().Add(-2 * time.Minute)
+	if err := os.Chtimes(run, old, old); err != nil {
+		t.Fatal(err)
+	}
+	removeStaleRunDirs()
+	if _, err := os.Stat(run); !os.IsNotExist(err) {
+		os.RemoveAll(run)
+		t.Errorf("the next run left the killed runner's directory: %v", err)
+	}
+}
+
+// qemuOf is the pid of the QEMU whose command line names run, 0 where there is none.
+func qemuOf(run string) int {
+	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	for _, p := range procs {
+		b, err := os.ReadFile(p)
+		if err != nil || !strings.Contains(string(b), run) || !strings.HasPrefix(string(b), "qemu-system") {
+			continue
+		}
+		var pid int
+		if _, err := fmt.Sscanf(p, "/proc/%d/cmdline", &pid); err == nil {
+			return pid
+		}
+	}
+	return 0
 }
 
 // TestModuleOrder: boot modules come after what they depend on, built-in ones are left out, and
