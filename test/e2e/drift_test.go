@@ -15,7 +15,7 @@ import (
 // times TimeoutScaleEnv under emulation).
 // The agent checks every second (--drift-check-interval), so a heal takes a second at most plus
 // the apply; the rest is slack for a loaded machine.
-var HealLimit = 2 * time.Second * time.Duration(timeoutScale())
+var HealLimit = Scaled(2 * time.Second)
 
 // heals reads ip_masq_agent_heals_total by what.
 func heals(ctx context.Context, t *testing.T, ag *Agent) map[string]float64 {

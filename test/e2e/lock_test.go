@@ -15,7 +15,7 @@ import (
 )
 
 // takeoverLimit is how soon after the holder's exit a waiting agent must hold the node lock.
-var takeoverLimit = time.Second * time.Duration(timeoutScale())
+var takeoverLimit = Scaled(time.Second)
 
 // lockHolder asks the node lock, inside the node namespace, who holds it (the zero Holder when
 // nobody does).

@@ -111,12 +111,12 @@ func newNeighbourProgram(name string, verdict int32) (*ebpf.Program, *ebpf.Map, 
 func (e *Env) AttachNeighbour(t testing.TB, name string, at Placement, verdict int32) *Neighbour {
 	t.Helper()
 	if at.TCX {
-		mode, reason, err := tc.Probe()
+		has, err := tc.HaveTCX()
 		if err != nil {
 			t.Fatal(err)
 		}
-		if mode != tc.ModeTCX {
-			testutil.NotOnThisKernel(t, "a tcx neighbour needs tcx links: %s", reason)
+		if !has {
+			testutil.NotOnThisKernel(t, "a tcx neighbour needs tcx links")
 		}
 	}
 	prog, counter, err := newNeighbourProgram(name, verdict)

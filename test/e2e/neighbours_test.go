@@ -152,7 +152,7 @@ func TestNeighbourAheadEndsChain(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if took := at.Sub(attached); took > (3*interval+time.Second)*time.Duration(timeoutScale()) {
+				if took := at.Sub(attached); took > Scaled(3*interval+time.Second) {
 					t.Errorf("bypass reported %v after the program came, want within about two drift intervals (%v)", took, interval)
 				}
 				if dir == tc.Egress {

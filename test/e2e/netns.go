@@ -24,7 +24,7 @@ import (
 )
 
 // cmdTimeout bounds every command the harness runs (times TimeoutScaleEnv).
-var cmdTimeout = 20 * time.Second * time.Duration(timeoutScale())
+var cmdTimeout = Scaled(20 * time.Second)
 
 // run runs a command with the payload on stdin and returns its output; the error carries stderr.
 func run(ctx context.Context, stdin string, name string, args ...string) ([]byte, error) {

@@ -18,7 +18,7 @@ import (
 
 // ScenarioTimeout bounds one scenario, so that its cleanups run long before go test's own
 // timeout would kill the binary without them: 90 s, times TimeoutScaleEnv.
-var ScenarioTimeout = 90 * time.Second * time.Duration(timeoutScale())
+var ScenarioTimeout = Scaled(90 * time.Second)
 
 // TimeoutScaleEnv multiplies the suite's timeouts, and the limits it holds the agent's reactions
 // to (HealLimit, the node lock's takeover, LiveChangeDeadline, a bypass's report), where
@@ -27,23 +27,21 @@ var ScenarioTimeout = 90 * time.Second * time.Duration(timeoutScale())
 // themselves are held on the host's run.
 const TimeoutScaleEnv = "IP_MASQ_AGENT_E2E_TIMEOUT_SCALE"
 
-func timeoutScale() int {
+// Scaled is d times TimeoutScaleEnv: the suite's timeouts and limits, and those of the suites
+// built on this one (the demo), where everything runs slower.
+func Scaled(d time.Duration) time.Duration {
 	if n, err := strconv.Atoi(os.Getenv(TimeoutScaleEnv)); err == nil && n > 1 {
-		return n
+		return d * time.Duration(n)
 	}
-	return 1
+	return d
 }
-
-// Scaled is d times TimeoutScaleEnv: for the suites built on this one (the demo) to wait as
-// long as the scenarios do where everything runs slower.
-func Scaled(d time.Duration) time.Duration { return d * time.Duration(timeoutScale()) }
 
 // LiveChangeDeadline is how long a live config change may take, file written to traffic
 // changed, before the scenario fails: a liveness bound, far above the speed target. How fast a
 // change goes live is the benchmarks' to measure (make bench, "Config apply latency"); a
 // scenario only logs what it saw, which on a loaded machine is mostly the probe's wait for a
 // core.
-var LiveChangeDeadline = 10 * time.Second * time.Duration(timeoutScale())
+var LiveChangeDeadline = Scaled(10 * time.Second)
 
 // Backend says how to run the agent with one datapath and how to check what it installed. The
 // scenario table is the same for every backend.

@@ -1,18 +1,15 @@
 package kernels
 
 import (
-	"context"
 	"flag"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
-	"github.com/ip-masq-agent/ip-masq-agent/internal/vm"
 )
 
 var benchOut = flag.String("out", "", "BenchmarkKernels: the directory kernels.txt goes to (make bench's results)")
@@ -31,17 +28,10 @@ var kernelBenchmarks = []string{
 // after the other, and writes their output to -out's kernels.txt, each kernel's under a
 // "kernel:" line, for test/bench/report. Run it once (-benchtime 1x).
 func BenchmarkKernels(b *testing.B) {
-	testutil.RequirePrivileged(b, append([]string{"go"}, vm.Tools...)...)
 	if *benchOut == "" {
 		b.Fatal("-out names the directory of the results")
 	}
-	root, err := testutil.RepoRoot()
-	if err != nil {
-		b.Fatal(err)
-	}
-	targets := chooseTargets(b, root)
-	binDir := filepath.Join(root, "bin", "kernels", "tests")
-	build(b, root, binDir)
+	root, targets, binDir := setUp(b)
 	// One command per kernel, so one boot: sh runs the test binary once per pattern.
 	var script strings.Builder
 	script.WriteString("set -e")
@@ -54,21 +44,13 @@ func BenchmarkKernels(b *testing.B) {
 	for range b.N {
 		for _, tg := range targets {
 			var out strings.Builder
-			release, accel := hostRelease(), "-"
-			if tg.img == nil {
-				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
-				cmd := exec.CommandContext(ctx, args[0], args[1:]...)
-				cmd.Dir, cmd.Stdout, cmd.Stderr = filepath.Join(root, "pkg", "bpf"), &out, &out
-				err = cmd.Run()
-				cancel()
-			} else {
-				var res vm.Result
-				res, err = tg.img.Run(context.Background(), vm.Command{Args: args, Dir: filepath.Join(root, "pkg", "bpf"),
-					Timeout: 30 * time.Minute, Output: &out})
-				if err == nil && res.ExitCode != 0 {
-					err = fmt.Errorf("exit code %d", res.ExitCode)
-				}
-				release, accel = tg.img.Release, res.Accel
+			exitCode, accel, err := tg.run(args, filepath.Join(root, "pkg", "bpf"), nil, 30*time.Minute, &out)
+			if err == nil && exitCode != 0 {
+				err = fmt.Errorf("exit code %d", exitCode)
+			}
+			release := hostRelease()
+			if tg.img != nil {
+				release = tg.img.Release
 			}
 			if err != nil {
 				b.Fatalf("benchmarks on %s: %v\n%s", tg.name, err, testutil.LastLines(out.String(), 40))

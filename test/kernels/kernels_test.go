@@ -15,6 +15,7 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"io"
 	"maps"
 	"os"
 	"os/exec"
@@ -40,6 +41,40 @@ const host = "host"
 type target struct {
 	name string
 	img  *vm.Image
+}
+
+// run runs args on tg, in dir with env added, its output to out: in a guest, or as a process
+// of the host's. The error is about the run; the command's own failure is the exit code.
+func (tg target) run(args []string, dir string, env []string, timeout time.Duration, out io.Writer) (exitCode int, accel string, err error) {
+	if tg.img != nil {
+		res, err := tg.img.Run(context.Background(), vm.Command{Args: args, Dir: dir, Env: env, Timeout: timeout, Output: out})
+		return res.ExitCode, res.Accel, err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, args[0], args[1:]...)
+	cmd.Dir, cmd.Env = dir, append(os.Environ(), env...)
+	cmd.Stdout, cmd.Stderr = out, out
+	err = cmd.Run()
+	if exit, ok := err.(*exec.ExitError); ok {
+		return exit.ExitCode(), "-", nil
+	}
+	return 0, "-", err
+}
+
+// setUp prepares what TestKernels and BenchmarkKernels run on: the repository's root, the
+// targets KERNELS names, and the directory of the binaries, built.
+func setUp(tb testing.TB) (root string, targets []target, binDir string) {
+	tb.Helper()
+	testutil.RequirePrivileged(tb, append([]string{"go", "ip"}, vm.Tools...)...)
+	root, err := testutil.RepoRoot()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	targets = chooseTargets(tb, root)
+	binDir = filepath.Join(root, "bin", "kernels", "tests")
+	build(tb, root, binDir)
+	return root, targets, binDir
 }
 
 // suite is a set of tests run as one binary on every target.
@@ -93,14 +128,7 @@ var builds = []struct{ out, pkg string }{
 
 // TestKernels runs every suite on every kernel of KERNELS, and prints what ran where.
 func TestKernels(t *testing.T) {
-	testutil.RequirePrivileged(t, append([]string{"go", "ip"}, vm.Tools...)...)
-	root, err := testutil.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	targets := chooseTargets(t, root)
-	binDir := filepath.Join(root, "bin", "kernels", "tests")
-	build(t, root, binDir)
+	root, targets, binDir := setUp(t)
 	e2eOn := os.Getenv("KERNEL_E2E")
 	only := strings.Fields(os.Getenv("KERNEL_SUITES"))
 	workers := 3
@@ -258,24 +286,10 @@ func runSuite(t *testing.T, root, binDir string, tg target, s suite) row {
 	}
 	defer logFile.Close()
 
-	r := row{kernel: tg.name, suite: s.name, accel: "-"}
+	r := row{kernel: tg.name, suite: s.name}
 	start := time.Now()
-	var exitCode int
-	if tg.img == nil {
-		ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, args[0], args[1:]...)
-		cmd.Dir, cmd.Env = dir, append(os.Environ(), env...)
-		cmd.Stdout, cmd.Stderr = logFile, logFile
-		err = cmd.Run()
-		if exit, ok := err.(*exec.ExitError); ok {
-			exitCode, err = exit.ExitCode(), nil
-		}
-	} else {
-		var res vm.Result
-		res, err = tg.img.Run(context.Background(), vm.Command{Args: args, Dir: dir, Env: env, Timeout: s.timeout, Output: logFile})
-		exitCode, r.accel = res.ExitCode, res.Accel
-	}
+	exitCode, accel, err := tg.run(args, dir, env, s.timeout, logFile)
+	r.accel = accel
 	r.took = time.Since(start).Round(time.Second).String()
 	if err != nil {
 		t.Fatalf("%s on %s: %v (output: %s)", s.name, tg.name, err, logPath)
