@@ -87,7 +87,7 @@ func Prepare(ctx context.Context, cache string, k Kernel) (*Image, error) {
 	if err := os.MkdirAll(cache, 0o755); err != nil {
 		return nil, err
 	}
-	unlock, err := lock(filepath.Join(cache, ".lock"))
+	unlock, err := lock(filepath.Join(cache, ".lock"), true)
 	if err != nil {
 		return nil, err
 	}
@@ -234,14 +234,20 @@ func debianMirror() string {
 	return defaultMirror
 }
 
-// lock takes an exclusive lock on path (flock), waiting for it; the returned func releases it.
-func lock(path string) (func(), error) {
+// lock takes an exclusive lock on path (flock), made where missing, waiting for it where wait
+// is set, else failing at once where another holds it; the returned func releases it. A lock
+// dies with its process, however it ends.
+func lock(path string, wait bool) (func(), error) {
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o644)
 	if err != nil {
 		return nil, err
 	}
+	how := unix.LOCK_EX
+	if !wait {
+		how |= unix.LOCK_NB
+	}
 	for {
-		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
+		err = unix.Flock(int(f.Fd()), how)
 		if !errors.Is(err, unix.EINTR) {
 			break
 		}

@@ -16,8 +16,6 @@ import (
 	"syscall"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
@@ -174,15 +172,12 @@ func newRunDir() (dir string, release func(), err error) {
 	if err != nil {
 		return "", nil, err
 	}
-	f, err := os.Open(dir)
-	if err == nil {
-		err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-	}
+	unlock, err := lock(filepath.Join(dir, "lock"), false)
 	if err != nil {
 		os.RemoveAll(dir)
-		return "", nil, fmt.Errorf("lock %s: %w", dir, err)
+		return "", nil, err
 	}
-	return dir, func() { os.RemoveAll(dir); f.Close() }, nil
+	return dir, func() { os.RemoveAll(dir); unlock() }, nil
 }
 
 // removeStaleRunDirs removes the run directories of runners that died (their lock free). One
@@ -193,14 +188,10 @@ func removeStaleRunDirs() {
 		if fi, err := os.Stat(d); err != nil || time.Since(fi.ModTime()) < time.Minute {
 			continue
 		}
-		f, err := os.Open(d)
-		if err != nil {
-			continue
-		}
-		if unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB) == nil {
+		if unlock, err := lock(filepath.Join(d, "lock"), false); err == nil {
 			os.RemoveAll(d)
+			unlock()
 		}
-		f.Close()
 	}
 }
 
