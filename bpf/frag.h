@@ -39,13 +39,49 @@
 
 #include "maps.h"
 #include "parse.h"
-#include "nat.h"
+#include "flow.h"
 #include "scope.h"
 
 /* frag_later's result for a later fragment whose datagram's first fragment was not seen, and
  * frag_release's for a first fragment that had no held fragments. */
 #define FRAG_UNSEEN 0x102
 #define NOT_HELD 0x103
+
+/* Later fragments carry no ports; the first fragment's are remembered by datagram. */
+static __always_inline void frag_remember(const int v6, const struct pkt *p, __u8 dir)
+{
+	struct frag_ports fp = {.sport = p->sport, .dport = p->dport};
+
+	if (v6) {
+		struct frag6_key fk = {.id = p->frag_id, .proto = p->proto, .dir = dir};
+
+		__builtin_memcpy(fk.saddr, p->saddr, 16);
+		__builtin_memcpy(fk.daddr, p->daddr, 16);
+		bpf_map_update_elem(&frag_v6, &fk, &fp, BPF_ANY);
+	} else {
+		struct frag4_key fk = {.id = (__be16)p->frag_id, .proto = p->proto, .dir = dir};
+
+		__builtin_memcpy(fk.saddr, p->saddr, 4);
+		__builtin_memcpy(fk.daddr, p->daddr, 4);
+		bpf_map_update_elem(&frag_v4, &fk, &fp, BPF_ANY);
+	}
+}
+
+static __always_inline struct frag_ports *frag_lookup(const int v6, const struct pkt *p, __u8 dir)
+{
+	if (v6) {
+		struct frag6_key fk = {.id = p->frag_id, .proto = p->proto, .dir = dir};
+
+		__builtin_memcpy(fk.saddr, p->saddr, 16);
+		__builtin_memcpy(fk.daddr, p->daddr, 16);
+		return bpf_map_lookup_elem(&frag_v6, &fk);
+	}
+	struct frag4_key fk = {.id = (__be16)p->frag_id, .proto = p->proto, .dir = dir};
+
+	__builtin_memcpy(fk.saddr, p->saddr, 4);
+	__builtin_memcpy(fk.daddr, p->daddr, 4);
+	return bpf_map_lookup_elem(&frag_v4, &fk);
+}
 
 union frag_held_key {
 	struct frag4_held_key k4;

@@ -20,7 +20,7 @@
 #include <bpf/bpf_helpers.h>
 
 #include "csum.h"
-#include "nat.h"
+#include "flow.h"
 #include "parse.h"
 #include "sctp.h"
 

@@ -99,7 +99,7 @@ struct {
 
 #include "rules.h"
 
-/* The NAT tables (bpf/nat.h has the design). Confirmed flows, which nothing evicts: */
+/* The NAT tables (bpf/flow.h has the design). Confirmed flows, which nothing evicts: */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1); /* load time */

@@ -21,7 +21,7 @@
  * family's egress and ingress, its ICMP errors, later fragments, untranslatable packets, new
  * mappings and rewrites run in global functions of their own (name_v4, name_v6), which find the
  * packet there. A global function takes the skb and scalars only; what else it needs is in the
- * per-CPU nat_scratch (nat.h: its fields say whose). The hot path (a packet of an established
+ * per-CPU nat_scratch (flow.h: its fields say whose). The hot path (a packet of an established
  * flow) makes two calls: its family's egress or ingress, and the rewrite. New code that adds paths
  * goes into a global function of its own; TestVerifierComplexity prints the instructions checked
  * and the headroom left. */
@@ -35,6 +35,9 @@
 #include "parse.h"
 #include "csum.h"
 #include "policy.h"
+#include "flow.h"
+#include "tcp.h"
+#include "ports.h"
 #include "nat.h"
 #include "icmp.h"
 #include "scope.h"

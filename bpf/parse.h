@@ -167,7 +167,7 @@ struct pkt {
 	__u8 transit;   /* IPv6 routing header with segments left: not at its destination yet */
 	__u8 tcp_hlen;  /* TCP header bytes, options included */
 	__u16 tcp_win;  /* the TCP window field as sent */
-	/* TCP, host byte order: what flow tracking reads (bpf/nat.h). */
+	/* TCP, host byte order: what flow tracking reads (bpf/tcp.h). */
 	__u32 tcp_seq;
 	__u32 tcp_ack;
 	__u32 tcp_len;  /* payload bytes */
@@ -180,7 +180,7 @@ struct pkt {
 
 /* The packet being handled, per CPU: the entry points parse it here (parse_packet), and the
  * global functions they call, which take no pointer but the skb, read it here (see masq.c). Like
- * the scratch (nat.h), it holds nothing from one run to the next: not pinned, in no layout. */
+ * the scratch (flow.h), it holds nothing from one run to the next: not pinned, in no layout. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, 1);

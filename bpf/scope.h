@@ -38,7 +38,7 @@
 #include <bpf/bpf_helpers.h>
 
 #include "maps.h"
-#include "nat.h"
+#include "flow.h"
 #include "parse.h"
 #include "policy.h"
 

@@ -145,7 +145,7 @@ func (d *Datapath) mapFields() map[string]**ebpf.Map {
 	return out
 }
 
-// scratchMaps are the programs' per-CPU working space (bpf/parse.h: cpu_packet, bpf/nat.h:
+// scratchMaps are the programs' per-CPU working space (bpf/parse.h: cpu_packet, bpf/flow.h:
 // cpu_scratch) and the empty held fragment new ones are made from (bpf/maps.h: frag_blank):
 // nothing in them outlives a run of a program, so each load has its own, unpinned,
 // and no layout has them (their types may change in any build). Every other function of this
