@@ -665,7 +665,7 @@ func TestDashboardQueriesExportedMetrics(t *testing.T) {
 		t.Fatal(err)
 	}
 	defs := map[string]metrics.Definition{}
-	for _, d := range metrics.Definitions() {
+	for _, d := range metrics.Definitions(nil) {
 		defs[d.Name] = d
 	}
 	// The PodMonitor's relabeling adds node; Prometheus adds job, instance, pod and namespace.

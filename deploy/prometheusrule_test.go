@@ -72,7 +72,7 @@ func TestPrometheusRuleAlerts(t *testing.T) {
 func TestPrometheusRuleQueriesExportedMetrics(t *testing.T) {
 	rule, _ := ruleFile(t)
 	labels := map[string][]string{} // metric or recording rule -> its labels
-	for _, d := range metrics.Definitions() {
+	for _, d := range metrics.Definitions(nil) {
 		labels[d.Name] = d.Labels
 	}
 	targetLabels := []string{"node", "job", "instance", "pod", "namespace"}

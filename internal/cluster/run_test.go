@@ -1,7 +1,6 @@
 package cluster
 
 import (
-	"bufio"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -78,13 +77,15 @@ func sleepIn(t *testing.T, path string) *Process {
 	}
 	t.Cleanup(func() { _ = p.Kill() })
 	// nsenter execs sleep once it has entered: wait for that.
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		if exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", p.Pid())); err == nil && filepath.Base(exe) == "sleep" {
-			return p
+	if err := testutil.Poll(10*time.Second, 10*time.Millisecond, func() error {
+		if exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", p.Pid())); err != nil || filepath.Base(exe) != "sleep" {
+			return testutil.NotYet("sleep to start: pid %d runs %s (%v)", p.Pid(), exe, err)
 		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
-	t.Fatal("sleep did not start within 10s")
-	return nil
+	return p
 }
 
 // deadRunEnv makes TestReapDeadRun the dead run: a cluster with a pod, killed with SIGKILL.
@@ -105,32 +106,22 @@ func TestReapDeadRun(t *testing.T) {
 	defer cancel()
 	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestReapDeadRun$", "-test.v")
 	cmd.Env = append(os.Environ(), deadRunEnv+"=1")
-	cmd.Stderr = os.Stderr
-	out, err := cmd.StdoutPipe()
+	runner := testutil.StartCmd(t, cmd)
+	line, err := runner.WaitLine(3*time.Minute, "dead run: ")
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("the dead run's cluster did not come up: %v", err)
 	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
-	var dead run
+	dir := strings.TrimPrefix(line, "dead run: ")
+	dead := run{dir: dir, id: strings.TrimPrefix(filepath.Base(dir), NetnsPrefix)}
 	var node holder
 	defer node.release()
-	for sc := bufio.NewScanner(out); sc.Scan(); {
-		if dir, ok := strings.CutPrefix(sc.Text(), "dead run: "); ok {
-			dead = run{dir: dir, id: strings.TrimPrefix(filepath.Base(dir), NetnsPrefix)}
-			break
-		}
-	}
-	if dead.id == "" {
-		t.Fatal("the dead run's cluster did not come up")
-	}
 	if err := node.hold(netnsPath(dead.netnsName("node")), "net"); err != nil {
 		t.Fatal(err)
 	}
-	_ = cmd.Process.Kill()
-	_ = cmd.Wait()
+	// The runner alone, as go test's timeout kills a test binary: its cluster is left behind.
+	if err := runner.Kill(ctx); err != nil {
+		t.Fatal(err)
+	}
 	pids, err := node.processes(dead.cgroupRoot(), 0)
 	if err != nil || len(pids) == 0 {
 		t.Fatalf("the dead run left no process (%v): nothing to reap", err)

@@ -1,7 +1,6 @@
 package vm
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"os"
@@ -98,17 +97,11 @@ func TestKilledRunnerLeavesNothing(t *testing.T) {
 	before, _ := filepath.Glob(filepath.Join(os.TempDir(), runDirPrefix+"*"))
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	runner := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestKilledRunnerLeavesNothing$", "-test.v")
-	runner.Env = append(os.Environ(), killedRunnerEnv+"=1")
-	stdout, err := runner.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := runner.Start(); err != nil {
-		t.Fatal(err)
-	}
-	sc := bufio.NewScanner(stdout)
-	for sc.Scan() && sc.Text() != "up" {
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestKilledRunnerLeavesNothing$", "-test.v")
+	cmd.Env = append(os.Environ(), killedRunnerEnv+"=1")
+	runner := testutil.StartCmd(t, cmd)
+	if _, err := runner.WaitLine(5*time.Minute, "up"); err != nil {
+		t.Fatalf("the runner's guest did not start: %v", err)
 	}
 	after, _ := filepath.Glob(filepath.Join(os.TempDir(), runDirPrefix+"*"))
 	var runs []string
@@ -118,25 +111,27 @@ func TestKilledRunnerLeavesNothing(t *testing.T) {
 		}
 	}
 	if len(runs) != 1 {
-		runner.Process.Kill()
-		runner.Wait()
-		t.Fatalf("run directories made by the runner: %v, want one (did its guest start?)", runs)
+		t.Fatalf("run directories made by the runner: %v, want one", runs)
 	}
 	run := runs[0]
 	if qemuOf(run) == 0 {
 		t.Fatalf("no QEMU runs with %s", run)
 	}
-	runner.Process.Kill()
-	runner.Wait()
-	for deadline := time.Now().Add(30 * time.Second); qemuOf(run) != 0; time.Sleep(100 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			pid := qemuOf(run)
-			if p, err := os.FindProcess(pid); err == nil {
-				p.Kill()
-			}
-			os.RemoveAll(run)
-			t.Fatalf("QEMU (pid %d) outlived its runner by 30 s", pid)
+	if err := runner.Kill(ctx); err != nil { // the runner alone, not its process group with QEMU
+		t.Fatal(err)
+	}
+	if err := testutil.Poll(30*time.Second, 100*time.Millisecond, func() error {
+		if pid := qemuOf(run); pid != 0 {
+			return testutil.NotYet("QEMU (pid %d) still runs", pid)
 		}
+		return nil
+	}); err != nil {
+		pid := qemuOf(run)
+		if p, err := os.FindProcess(pid); err == nil {
+			p.Kill()
+		}
+		os.RemoveAll(run)
+		t.Fatalf("QEMU (pid %d) outlived its runner by 30 s", pid)
 	}
 	if _, err := os.Stat(run); err != nil {
 		t.Fatalf("the killed runner's directory: %v, want it left (nothing ran to remove it)", err)

@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -29,24 +28,6 @@ import (
 // waitFor bounds every wait of these tests; the loop reacts in milliseconds, so reaching it
 // means a lost event, not a slow machine.
 const waitFor = datapathtest.Wait
-
-// syncBuffer is a log sink the test reads while the agent writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // configMap is a config directory the kubelet updates (testutil.Projection) holding the
 // one key ip-masq-agent.
@@ -80,7 +61,7 @@ func fileSource(t *testing.T, path string, opts configwatch.Options) config.Sour
 
 type running struct {
 	agent *Agent
-	log   *syncBuffer
+	log   *testutil.Buffer
 	done  chan error
 	stop  context.CancelFunc
 }
@@ -93,7 +74,7 @@ func startAgent(t *testing.T, path string, b datapath.Backend, opts ...func(*Opt
 // startAgentWatching runs an agent on the file at path, watched with fopts.
 func startAgentWatching(t *testing.T, path string, fopts configwatch.Options, b datapath.Backend, opts ...func(*Options)) *running {
 	t.Helper()
-	logs := &syncBuffer{}
+	logs := &testutil.Buffer{}
 	fopts.Logger = slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	o := Options{Source: fileSource(t, path, fopts), Backend: b, RetryMin: 20 * time.Millisecond,
 		RetryMax: 80 * time.Millisecond, Logger: fopts.Logger}

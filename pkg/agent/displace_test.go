@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath/datapathtest"
 )
 
@@ -18,7 +19,7 @@ func TestDisplaceAfterFirstApply(t *testing.T) {
 	other := &datapathtest.Backend{}
 	other.FailCleanups(1)
 	third := &datapathtest.Backend{}
-	r := startAgent(t, cm.path(), b, func(o *Options) { o.Displace = []Displaced{other, third} })
+	r := startAgent(t, cm.path(), b, func(o *Options) { o.Displace = []datapath.Displaced{other, third} })
 	b.NoApply(t, 200*time.Millisecond)
 	if n := other.Cleanups(); n != 0 {
 		t.Fatalf("the other backend was removed %d times before any policy was applied", n)

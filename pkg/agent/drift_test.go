@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath/datapathtest"
 )
@@ -114,8 +115,13 @@ func TestDriftCheckFails(t *testing.T) {
 	b.FailChecks(errors.New("iptables: resource busy"))
 	b.Damage(datapath.DriftChain)
 	from := b.Checks()
-	for b.Checks() < from+5 {
-		time.Sleep(5 * time.Millisecond)
+	if err := testutil.Poll(waitFor, 5*time.Millisecond, func() error {
+		if n := b.Checks() - from; n < 5 {
+			return testutil.NotYet("five failing checks, %d so far", n)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
 	if n := len(b.Applied()); n != 0 {
 		t.Fatalf("%d applies while the check failed", n)

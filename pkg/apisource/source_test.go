@@ -1,14 +1,12 @@
 package apisource_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -18,6 +16,7 @@ import (
 	"k8s.io/client-go/dynamic"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/cluster"
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/apisource"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
@@ -27,29 +26,11 @@ import (
 // the API server's restart and the informer's backoff after it.
 const wait = 60 * time.Second
 
-// logs is a log sink the test reads while the source writes.
-type logs struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *logs) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *logs) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // watching is a source being watched, with its log.
 type watching struct {
 	*apisource.Source
 	changes <-chan struct{}
-	log     *logs
+	log     *testutil.Buffer
 }
 
 func watch(ctx context.Context, t *testing.T, cp *cluster.ControlPlane, kubeconfig string, obj apisource.Object) *watching {
@@ -58,7 +39,7 @@ func watch(ctx context.Context, t *testing.T, cp *cluster.ControlPlane, kubeconf
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := &logs{}
+	l := &testutil.Buffer{}
 	src, err := apisource.New(cfg, obj, apisource.Options{Logger: slog.New(slog.NewTextHandler(l, nil))})
 	if err != nil {
 		t.Fatal(err)
@@ -96,15 +77,17 @@ func (w *watching) next(t *testing.T, what string) (config.Config, error) {
 // until loads at each change report until cond holds of what Load returns.
 func (w *watching) until(t *testing.T, what string, cond func(config.Config, error) bool) config.Config {
 	t.Helper()
-	deadline := time.Now().Add(wait)
-	for time.Now().Before(deadline) {
-		cfg, err := w.next(t, what)
-		if cond(cfg, err) {
-			return cfg
+	var cfg config.Config
+	if err := testutil.Poll(wait, 0, func() error {
+		var err error
+		if cfg, err = w.next(t, what); !cond(cfg, err) {
+			return testutil.NotYet("%s (last: %s, %v)", what, nonMasq(cfg), err)
 		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
-	t.Fatalf("%s: not within %v", what, wait)
-	return config.Config{}
+	return cfg
 }
 
 func nonMasq(cfg config.Config) string {

@@ -14,7 +14,6 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/bpfbackend"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
@@ -36,8 +35,6 @@ const Auto = "auto"
 type Options struct {
 	// Interfaces are the uplinks (--interfaces); empty means the devices pod traffic leaves by.
 	Interfaces []string
-	// EnableIPv6 is --enable-ipv6.
-	EnableIPv6 bool
 	// Logger receives the backends' logs; nil discards them.
 	Logger *slog.Logger
 	// Settings are each backend's own (RegisterFlags); a backend without any gets the defaults
@@ -83,7 +80,7 @@ func (s Settings) Check() error {
 
 // env is what b's functions are given under o.
 func (o Options) env(b datapath.Entry) datapath.Env {
-	e := datapath.Env{Interfaces: o.Interfaces, EnableIPv6: o.EnableIPv6, Logger: o.Logger, Own: o.Settings[b.Name]}
+	e := datapath.Env{Interfaces: o.Interfaces, Logger: o.Logger, Own: o.Settings[b.Name]}
 	if e.Logger == nil {
 		e.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -160,8 +157,9 @@ type Chosen struct {
 	Backend datapath.Backend
 	// Displace are the other backends, to remove once Backend holds a policy
 	// (agent.Options.Displace).
-	Displace []agent.Displaced
-	// Changes are the backend's events (such as uplink changes), nil when it has none.
+	Displace []datapath.Displaced
+	// Changes are the backend's events, such as uplink changes (datapath.ChangeReporter); nil when
+	// it has none.
 	Changes <-chan string
 	// Reason says why this backend runs: named by --backend, or what auto found of the
 	// backends it passed over.
@@ -285,7 +283,7 @@ func (c *chooser) take(ctx context.Context, b datapath.Entry) *Chosen {
 			chosen.Reason = "auto: " + strings.Join(why, "; ")
 		}
 	}
-	if ch, ok := dp.(interface{ Changes() <-chan string }); ok {
+	if ch, ok := dp.(datapath.ChangeReporter); ok {
 		chosen.Changes = ch.Changes()
 	}
 	return chosen
@@ -298,7 +296,7 @@ func (o Options) logger() *slog.Logger {
 	return o.Logger
 }
 
-// displaced is a backend another one displaces (agent.Displaced).
+// displaced is a backend another one displaces (datapath.Displaced).
 type displaced struct {
 	b datapath.Entry
 	o Options
@@ -312,8 +310,8 @@ func (d displaced) Cleanup(ctx context.Context) error {
 }
 
 // others are every backend but the named one, for it to displace.
-func others(name string, o Options) []agent.Displaced {
-	var out []agent.Displaced
+func others(name string, o Options) []datapath.Displaced {
+	var out []datapath.Displaced
 	for _, b := range All {
 		if b.Name != name {
 			out = append(out, displaced{b, o})

@@ -160,7 +160,7 @@ func TestTrieWalkByKey(t *testing.T) {
 		return all
 	}
 	batched := read(lpmOps[masqLpm4Key, masqLpm4Val]{}.walk(h.dp.objs.NomasqV4), 64)
-	byKey := read(&lpmWalk[masqLpm4Key, masqLpm4Val]{m: h.dp.objs.NomasqV4, byKey: true}, 64)
+	byKey := read(&lpmWalk[masqLpm4Key, masqLpm4Val]{mapReader: keyByKey(h.dp.objs.NomasqV4)}, 64)
 	if len(batched) != len(h.dp.tries[1].held) || !slices.Equal(batched, byKey) {
 		t.Fatalf("batched walk %d entries, by key %d, the sync wrote %d", len(batched), len(byKey), len(h.dp.tries[1].held))
 	}

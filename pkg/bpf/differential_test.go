@@ -47,7 +47,7 @@ func TestDifferentialDecide(t *testing.T) {
 			t.Fatal(err)
 		}
 		// Flows from earlier rounds are gone, as after an expiry: every probe is a new flow.
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range policy.Families() {
 			if err := h.dp.deleteAllNAT(fam); err != nil {
 				t.Fatal(err)
 			}
@@ -58,7 +58,7 @@ func TestDifferentialDecide(t *testing.T) {
 		}
 		held := map[heldKey]bool{}
 		slots := h.dp.slotsByRule()
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range policy.Families() {
 			want := map[uint32]uint64{}
 			before := h.slotPackets()
 			for i := 0; i < perFamily; i++ {

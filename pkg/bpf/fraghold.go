@@ -34,7 +34,7 @@ func (d *Datapath) heldMap(fam policy.Family) *ebpf.Map {
 // sweepHeld removes the held fragments that waited longer than FragHoldTimeout at now, and
 // returns how many it removed and how many it left.
 func (d *Datapath) sweepHeld(now time.Duration) (removed, left int, err error) {
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		var found, n int
 		if fam == policy.IPv6 {
 			found, n, err = scanHeld[masqFrag6HeldKey](d.heldMap(fam), now, FragHoldTimeout(fam))

@@ -3,7 +3,6 @@ package bpf
 import (
 	"bytes"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"hash/crc32"
 	"net/netip"
@@ -560,22 +559,22 @@ type fuzzRun struct {
 // replays alone exactly as it ran.
 func (fz *fuzzRun) reset() {
 	fz.t.Helper()
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		if err := fz.h.dp.deleteAllNAT(fam); err != nil {
 			fz.t.Fatal(err)
 		}
 	}
-	if err := deleteAll[masqFrag4Key, masqFragPorts](fz.h.dp.objs.FragV4); err != nil {
+	if err := emptyMap[masqFrag4Key, masqFragPorts](fz.h.dp.objs.FragV4); err != nil {
 		fz.t.Fatal(err)
 	}
-	if err := deleteAll[masqFrag6Key, masqFragPorts](fz.h.dp.objs.FragV6); err != nil {
+	if err := emptyMap[masqFrag6Key, masqFragPorts](fz.h.dp.objs.FragV6); err != nil {
 		fz.t.Fatal(err)
 	}
 	for _, err := range []error{
-		deleteAll[masqFrag4HeldKey, masqFragHeld](fz.h.dp.objs.FragHeldV4),
-		deleteAll[masqFrag6HeldKey, masqFragHeld](fz.h.dp.objs.FragHeldV6),
-		deleteAll[masqNat4Key, masqNatEntry](fz.h.dp.objs.InboundV4),
-		deleteAll[masqNat6Key, masqNatEntry](fz.h.dp.objs.InboundV6),
+		emptyMap[masqFrag4HeldKey, masqFragHeld](fz.h.dp.objs.FragHeldV4),
+		emptyMap[masqFrag6HeldKey, masqFragHeld](fz.h.dp.objs.FragHeldV6),
+		emptyMap[masqNat4Key, masqNatEntry](fz.h.dp.objs.InboundV4),
+		emptyMap[masqNat6Key, masqNatEntry](fz.h.dp.objs.InboundV6),
 	} {
 		if err != nil {
 			fz.t.Fatal(err)
@@ -583,21 +582,14 @@ func (fz *fuzzRun) reset() {
 	}
 }
 
-func deleteAll[K, V any](m *ebpf.Map) error {
+// emptyMap deletes every entry of m.
+func emptyMap[K, V any](m *ebpf.Map) error {
 	var keys []K
-	var k K
-	var v V
-	it := m.Iterate()
-	for it.Next(&k, &v) {
-		keys = append(keys, k)
+	if err := eachEntry(m, func(k K, _ *V) { keys = append(keys, k) }); err != nil {
+		return fmt.Errorf("read %s: %w", m, err)
 	}
-	if err := it.Err(); err != nil {
-		return fmt.Errorf("iterate %s: %w", m, err)
-	}
-	for _, k := range keys {
-		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return fmt.Errorf("delete from %s: %w", m, err)
-		}
+	if _, err := deleteAll(m, keys); err != nil {
+		return fmt.Errorf("delete from %s: %w", m, err)
 	}
 	return nil
 }
@@ -606,7 +598,7 @@ func (fz *fuzzRun) state() fuzzState {
 	fz.t.Helper()
 	s := fuzzState{nat: map[natKeyT]NATEntry{}, frag: map[fragKeyT][2]uint16{}, held: map[fragKeyT]bool{},
 		inbound: map[natKeyT]bool{}, slots: map[uint32][2]uint64{}}
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		err := fz.h.dp.NATEntries(fam, func(e NATEntry) bool {
 			s.nat[natKeyT{e.Dir, e.Proto, e.Src, e.Dst}] = e
 			return true

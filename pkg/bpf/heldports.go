@@ -9,7 +9,7 @@ import (
 
 // Held ports: a change of --to-ports must not strand the flows mapped to ports of the ranges in
 // force before, as conntrack keeps every binding until its flow ends. The programs look a reply
-// up only when its port is one a mapping can hold (bpf/nat.h, port_mapped): a port of the
+// up only when its port is one a mapping can hold (bpf/ports.h, port_mapped): a port of the
 // ranges, or one of held_ports. So a sync that changes the ranges first holds the ports of the
 // ranges it leaves (and, where it cannot tell which ranges the flows in the tables were given,
 // every port), and TrimHeldPorts, after each sweep, lets go of those that no flow holds any
@@ -104,7 +104,7 @@ func (d *Datapath) writeHeld(held portBits) error {
 			keys, words = append(keys, uint32(i)), append(words, w)
 		}
 	}
-	if err := putArray(d.objs.HeldPorts, keys, words); err != nil {
+	if err := putAll(d.objs.HeldPorts, keys, words); err != nil {
 		return fmt.Errorf("write held_ports: %w", err)
 	}
 	d.held = held
@@ -123,7 +123,7 @@ func (d *Datapath) TrimHeldPorts() (int, error) {
 		return 0, nil
 	}
 	var used portBits
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		err := d.natTable(fam).entries(func(e NATEntry) bool {
 			if p, ok := mappedPort(e); ok {
 				used.add(p)

@@ -33,14 +33,13 @@ func (e *scopeEnv) addNodeAddress(t *testing.T, a netip.Addr) {
 		}
 		// An IPv6 address's local route comes a moment after the address (the kernel's address
 		// work queue), and the programs ask the routes.
-		for deadline := time.Now().Add(2 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-			rs, err := netlink.RouteGet(a.AsSlice())
-			if err == nil && len(rs) > 0 && rs[0].Type == unix.RTN_LOCAL {
-				return
+		if err := testutil.Poll(2*time.Second, 10*time.Millisecond, func() error {
+			if rs, err := netlink.RouteGet(a.AsSlice()); err != nil || len(rs) == 0 || rs[0].Type != unix.RTN_LOCAL {
+				return testutil.NotYet("%s a local address: %v %v", a, rs, err)
 			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s is no local address after 2 s: %v %v", a, rs, err)
-			}
+			return nil
+		}); err != nil {
+			t.Fatal(err)
 		}
 	})
 }

@@ -244,12 +244,13 @@ func (d *Datapath) deleteEntries(fam policy.Family, entries []NATEntry) error {
 }
 
 func (t natTableOf[K]) deleteKeys(keys []natTuple) error {
-	for _, kt := range keys {
-		k := K.withTuple(*new(K), kt)
-		for _, m := range t.tables() {
-			if err := m.Delete(&k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-				return err
-			}
+	ks := make([]K, len(keys))
+	for i, kt := range keys {
+		ks[i] = K.withTuple(*new(K), kt)
+	}
+	for _, m := range t.tables() {
+		if _, err := deleteAll(m, ks); err != nil {
+			return err
 		}
 	}
 	return nil
@@ -258,7 +259,7 @@ func (t natTableOf[K]) deleteKeys(keys []natTuple) error {
 // The NAT tables as the maps hold them: keys of two layouts (masqNat4Key, masqNat6Key) over one
 // value (masqNatEntry), and the walk that reads them in batches. Everything that reads the
 // tables goes through natTuple, so that a key's fields, a flow's partner and what the datapath
-// calls "points back" are written once for both families (bpf/nat.h has the C side), and a
+// calls "points back" are written once for both families (bpf/flow.h has the C side), and a
 // NATEntry is only what decode makes of them.
 
 // natTuple is a NAT key's fields, for either family (IPv4 in the first 4 bytes of src and dst);
@@ -428,69 +429,9 @@ func (d *Datapath) natTable(fam policy.Family) natTable {
 const natBatch = 4096
 
 // walkNAT calls fn with the entries of a NAT table a batch at a time, until fn returns false:
-// keys[:n] and vals[:n] hold the batch, valid only during the call (see natWalk).
+// keys[:n] and vals[:n] hold the batch, valid only during the call (see mapReader).
 func walkNAT[K, V any](m *ebpf.Map, fn func(keys []K, vals []V, n int) bool) error {
-	return newNATWalk[K, V](m).each(fn)
-}
-
-// walkNATByKey is walkNAT with one syscall per key, as on kernels before 5.6, into keys and vals.
-func walkNATByKey[K, V any](m *ebpf.Map, keys []K, vals []V, fn func(keys []K, vals []V, n int) bool) error {
-	return (&natWalk[K, V]{m: m, keys: keys, vals: vals, it: m.Iterate()}).each(fn)
-}
-
-// natWalk reads a NAT table a batch at a time, and can stop between batches and go on later. It
-// reads with BPF_MAP_LOOKUP_BATCH, bucket by bucket: the cursor is the next bucket's index, and
-// a hash map's buckets never move, so a table the programs change meanwhile is still walked once
-// (each entry that stays is read once; one added or removed during the walk may be missed),
-// however long the walk pauses. Kernels without batch operations are walked key by key.
-type natWalk[K, V any] struct {
-	m      *ebpf.Map
-	keys   []K
-	vals   []V
-	cursor ebpf.MapBatchCursor
-	it     *ebpf.MapIterator // key by key, once the kernel refused a batch
-}
-
-func newNATWalk[K, V any](m *ebpf.Map) *natWalk[K, V] {
-	return &natWalk[K, V]{m: m, keys: make([]K, natBatch), vals: make([]V, natBatch)}
-}
-
-// restart makes w walk m from its start, with the same buffers.
-func (w *natWalk[K, V]) restart(m *ebpf.Map) { *w = natWalk[K, V]{m: m, keys: w.keys, vals: w.vals} }
-
-// next reads the next batch into keys[:n] and vals[:n]; over tells that the table ends there.
-func (w *natWalk[K, V]) next() (n int, over bool, err error) {
-	if w.it == nil {
-		n, err := w.m.BatchLookup(&w.cursor, w.keys, w.vals, nil)
-		if !errors.Is(err, ebpf.ErrNotSupported) {
-			over := errors.Is(err, ebpf.ErrKeyNotExist)
-			if err != nil && !over {
-				return 0, false, err
-			}
-			return n, over, nil
-		}
-		w.it = w.m.Iterate()
-	}
-	for n < len(w.keys) && w.it.Next(&w.keys[n], &w.vals[n]) {
-		n++
-	}
-	if n < len(w.keys) {
-		return n, true, w.it.Err()
-	}
-	return n, false, nil
-}
-
-// each calls fn with each batch to the table's end, until fn returns false.
-func (w *natWalk[K, V]) each(fn func(keys []K, vals []V, n int) bool) error {
-	for {
-		n, over, err := w.next()
-		if err != nil {
-			return err
-		}
-		if n > 0 && !fn(w.keys, w.vals, n) || over {
-			return nil
-		}
-	}
+	return newMapWalk[K, V](m, natBatch).each(fn)
 }
 
 // each is walkNAT over both flow tables, confirmed first, one entry at a time.

@@ -90,7 +90,7 @@ func TestWalkNATByKey(t *testing.T) {
 		return walkNAT(h.dp.objs.NatV4, fn)
 	}, 0)
 	byKey, calls := collect(func(fn func([]masqNat4Key, []masqNatEntry, int) bool) error {
-		return walkNATByKey(h.dp.objs.NatV4, make([]masqNat4Key, natBatch), make([]masqNatEntry, natBatch), fn)
+		return byKeyWalk[masqNat4Key, masqNatEntry](h.dp.objs.NatV4, natBatch).each(fn)
 	}, 0)
 	if len(batched) != 2*(natBatch+10) || calls != 3 {
 		t.Fatalf("batched walk saw %d entries, key walk %d calls", len(batched), calls)
@@ -101,14 +101,14 @@ func TestWalkNATByKey(t *testing.T) {
 		t.Errorf("the walks differ: %d and %d entries", len(batched), len(byKey))
 	}
 	if part, calls := collect(func(fn func([]masqNat4Key, []masqNatEntry, int) bool) error {
-		return walkNATByKey(h.dp.objs.NatV4, make([]masqNat4Key, natBatch), make([]masqNatEntry, natBatch), fn)
+		return byKeyWalk[masqNat4Key, masqNatEntry](h.dp.objs.NatV4, natBatch).each(fn)
 	}, 1); calls != 1 || len(part) != natBatch {
 		t.Errorf("a walk stopped after one batch made %d calls with %d entries", calls, len(part))
 	}
 }
 
-// TestDeleteKeys: keys that are gone already are skipped, the others deleted.
-func TestDeleteKeys(t *testing.T) {
+// TestDeleteAll: keys that are gone already are skipped, the others deleted.
+func TestDeleteAll(t *testing.T) {
 	h := newHarness(t, defaultPolicy(true), LoadOptions{NATEntries: 1 << 10})
 	fillFlows(t, h.dp, 0, 3, MonotonicNow())
 	var keys []masqNat4Key
@@ -121,7 +121,7 @@ func TestDeleteKeys(t *testing.T) {
 	missing := keys[1]
 	missing.Sport++
 	doomed := []masqNat4Key{keys[0], missing, keys[1], missing}
-	gone, err := deleteKeys(h.dp.objs.NatV4, doomed)
+	gone, err := deleteAll(h.dp.objs.NatV4, doomed)
 	if err != nil {
 		t.Fatal(err)
 	}

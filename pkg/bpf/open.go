@@ -8,13 +8,9 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
-	"strings"
 	"time"
-	"unsafe"
 
 	"github.com/cilium/ebpf"
-	"golang.org/x/sys/unix"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
@@ -163,41 +159,6 @@ func Load(opts LoadOptions) (*Datapath, error) {
 	return d, nil
 }
 
-// makePinDir makes dir, when it does not exist, with every map of spec pinned in it and the
-// layout record written: in a staging directory renamed into place, so that the directory
-// appears whole or not at all (a staging directory left by a crash is never used).
-func makePinDir(dir string, spec *ebpf.CollectionSpec) error {
-	if _, err := os.Stat(dir); !errors.Is(err, fs.ErrNotExist) {
-		return err // there already (or unreadable)
-	}
-	staging := stagingDir(dir)
-	if err := os.RemoveAll(staging); err != nil {
-		return fmt.Errorf("remove the staging directory of an earlier attempt: %w", err)
-	}
-	if err := os.MkdirAll(staging, 0o700); err != nil {
-		return fmt.Errorf("create pin directory: %w", err)
-	}
-	for name, ms := range spec.Maps {
-		if ownMap(name) {
-			continue
-		}
-		m, err := ebpf.NewMapWithOptions(ms, ebpf.MapOptions{PinPath: staging})
-		if err == nil && name == masqMapLayout {
-			err = m.Put(uint32(0), layoutRecord())
-		}
-		if m != nil {
-			m.Close()
-		}
-		if err != nil {
-			return fmt.Errorf("create map %s: %w", name, err)
-		}
-	}
-	if err := os.Rename(staging, dir); err != nil {
-		return fmt.Errorf("move the new maps' pins into place: %w", err)
-	}
-	return nil
-}
-
 // smallIPv6Entries sizes the IPv6 NAT tables when the policy does not enable IPv6: the programs
 // then record no IPv6 flow, and the tables are preallocated (the default size is ~33 MB).
 const smallIPv6Entries = 1024
@@ -323,38 +284,6 @@ func (o OpenOptions) loadOptions(pins Pins) (LoadOptions, error) {
 	return lopts, nil
 }
 
-// replaceResized makes Load make anew the maps of opened.Resized: the flow state's are set
-// aside (SetAside) for a migration to carry, which it tells, the others' pins removed.
-func replaceResized(dir string, opened *Opened) (aside bool, err error) {
-	var dropped []string
-	for _, m := range opened.Resized {
-		if carriedOnResize(m.Map) {
-			opened.Carried = append(opened.Carried, m.Map)
-		} else {
-			dropped = append(dropped, m.Map)
-		}
-	}
-	if len(opened.Carried) > 0 {
-		if _, err := SetAside(dir, opened.Carried...); err != nil {
-			return false, err
-		}
-	}
-	return len(opened.Carried) > 0, RemovePins(dir, dropped...)
-}
-
-// pinnedRuleCapacity returns the MaxRules of the maps pinned in dir, or 0 when none are pinned.
-func pinnedRuleCapacity(dir string) (uint32, error) {
-	m, err := ebpf.LoadPinnedMap(filepath.Join(dir, masqMapRuleSlots), &ebpf.LoadPinOptions{ReadOnly: true})
-	if errors.Is(err, os.ErrNotExist) {
-		return 0, nil
-	}
-	if err != nil {
-		return 0, fmt.Errorf("open pinned %s: %w", masqMapRuleSlots, err)
-	}
-	defer m.Close()
-	return m.MaxEntries(), nil
-}
-
 // The rule maps (the four tries, rule_stats and rule_slots) are sized by LoadOptions.MaxRules.
 // A policy larger than they allow is served by loading maps with more room and adopting the old
 // ones' slots and counters (AdoptRuleSlots); these helpers tell when and how large.
@@ -369,183 +298,6 @@ const (
 	minRules      = 4096
 	maxStartRules = 32768
 )
-
-// DefaultMaxRules is the MaxRules the rule maps are loaded with when nothing asks for more.
-func DefaultMaxRules() uint32 {
-	perSlot := uint32(unsafe.Sizeof(masqRuleStats{}))*uint32(ebpf.MustPossibleCPU()) + uint32(unsafe.Sizeof(masqRuleSlot{}))
-	n := uint32(maxStartRules)
-	for n > minRules && n*perSlot > ruleMapBudget {
-		n /= 2
-	}
-	return n
-}
-
-// RuleCapacity is the number of rule counter slots of the loaded maps.
-func (d *Datapath) RuleCapacity() int { return int(d.opts.MaxRules) }
-
-// CapacityFor is the MaxRules to load for n rules: the default, or twice n rounded up to a power
-// of two, so that a policy can be replaced by one of the same size (both hold slots during the
-// sync) and growth is rare.
-func CapacityFor(n int) uint32 {
-	c := DefaultMaxRules()
-	for int(c) < 2*n {
-		c *= 2
-	}
-	return c
-}
-
-// Grow returns a datapath whose rule maps hold need slots (a policy's SlotsNeeded): d itself
-// where they do, else one loaded over the same pins with larger rule maps (CapacityFor), every
-// other map kept (the NAT tables with their flows), that continues d's slot assignment and
-// counters (AdoptRuleSlots). The programs still attached keep using d's rule maps until the
-// caller replaces them with the new ones, so traffic always meets a complete rule set; then the
-// caller closes d.
-func (d *Datapath) Grow(need int) (*Datapath, error) {
-	if need <= d.RuleCapacity() {
-		return d, nil
-	}
-	lopts := d.opts
-	lopts.MaxRules = CapacityFor(need)
-	resized, err := CheckPins(lopts)
-	if err != nil {
-		return nil, err
-	}
-	for _, m := range resized {
-		if err := RemovePins(lopts.PinPath, m.Map); err != nil {
-			return nil, err
-		}
-	}
-	bigger, err := Load(lopts)
-	if err != nil {
-		return nil, err
-	}
-	if err := bigger.AdoptRuleSlots(d); err != nil {
-		bigger.Close()
-		return nil, err
-	}
-	return bigger, nil
-}
-
-// AdoptRuleSlots copies from's counter slot assignment and counters into d, slot for slot, so
-// that d continues where from left off: rules that stay keep their counters, and established
-// flows, whose NAT entries name a slot, keep counting into their rule. d must have at least
-// from's capacity and hold no rules yet (its rule maps were just created).
-func (d *Datapath) AdoptRuleSlots(from *Datapath) error {
-	if d.RuleCapacity() < from.RuleCapacity() {
-		return fmt.Errorf("adopt rule slots: %d slots cannot hold %d", d.RuleCapacity(), from.RuleCapacity())
-	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if len(d.slots.byKey) > 0 {
-		return errors.New("adopt rule slots: the maps already hold rules")
-	}
-	from.mu.Lock()
-	defer from.mu.Unlock()
-	var stats []masqRuleStats
-	for s, k := range from.slots.bySlt {
-		v := k.value()
-		if err := d.objs.RuleSlots.Put(s, &v); err != nil {
-			return fmt.Errorf("adopt rule slots: write slot %d: %w", s, err)
-		}
-		if err := from.objs.RuleStats.Lookup(s, &stats); err != nil {
-			return fmt.Errorf("adopt rule slots: read counters of slot %d: %w", s, err)
-		}
-		if err := d.objs.RuleStats.Put(s, stats); err != nil {
-			return fmt.Errorf("adopt rule slots: write counters of slot %d: %w", s, err)
-		}
-	}
-	// Read the assignment back as a restarted agent would; the tries are still empty, so the
-	// next SyncPolicy writes them whole.
-	return d.recover()
-}
-
-// PinMismatch is a map pinned under LoadOptions.PinPath whose layout differs from what Load
-// would create (another size, key or value), so Load cannot reuse it.
-type PinMismatch struct {
-	Map string
-	// Reason says what differs, e.g. "MaxEntries: 1024 changed to 262144".
-	Reason string
-}
-
-// CheckPins compares the maps pinned under opts.PinPath with those Load(opts) would create, and
-// returns the ones that differ. A map that is not pinned is not a mismatch: Load creates it.
-// Removing the pins of the mismatches (RemovePins), or setting them aside so that a migration
-// carries their entries (SetAside), lets Load replace just those maps, keeping the rest.
-func CheckPins(opts LoadOptions) ([]PinMismatch, error) {
-	opts = opts.withDefaults()
-	if opts.PinPath == "" {
-		return nil, nil
-	}
-	spec, err := opts.spec()
-	if err != nil {
-		return nil, err
-	}
-	var out []PinMismatch
-	for _, name := range MapNames() {
-		m, err := ebpf.LoadPinnedMap(filepath.Join(opts.PinPath, name), nil)
-		if errors.Is(err, fs.ErrNotExist) {
-			continue
-		}
-		if err != nil {
-			return nil, fmt.Errorf("open pinned map %s: %w", name, err)
-		}
-		cerr := spec.Maps[name].Compatible(m)
-		m.Close()
-		if errors.Is(cerr, ebpf.ErrMapIncompatible) {
-			out = append(out, PinMismatch{Map: name, Reason: strings.TrimSuffix(cerr.Error(), ": "+ebpf.ErrMapIncompatible.Error())})
-		} else if cerr != nil {
-			return nil, fmt.Errorf("compare pinned map %s: %w", name, cerr)
-		}
-	}
-	return out, nil
-}
-
-// RemovePins removes the pins of the named maps under dir; pins already gone are fine. Maps
-// still in use (by attached programs) live on until those let go of them.
-func RemovePins(dir string, names ...string) error {
-	for _, name := range names {
-		if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			return fmt.Errorf("remove pin of %s: %w", name, err)
-		}
-	}
-	return nil
-}
-
-// carriedOnResize tells whether the entries of a map whose size changed are carried into the
-// new one (SetAside): the flow state's (NAT tables, kept verdicts, fragments, inbound openers).
-// The other maps whose size can change are the policy's, which a sync writes again, and the rule
-// counters, which a policy that outgrows them carries itself (Grow).
-func carriedOnResize(name string) bool {
-	return carried[name] == carryFlows || carried[name] == carryEntries
-}
-
-// SetAside moves the pins of the named maps of dir, a layout directory (LayoutDir), into a
-// directory of resized maps beside it, <dir>-resized-<k> with the first k not in use, and
-// returns that directory. Load then makes those maps anew, and Inspect reports the directory as
-// a source of dir's layout, whose entries a migration carries into the new maps before it
-// removes it; the programs attached meanwhile keep the set-aside maps, as with an older
-// layout's. A directory of resized maps is never written to again: maps set aside later, even
-// of the same names, go to a directory of their own, merged after it.
-func SetAside(dir string, names ...string) (string, error) {
-	to := ""
-	for k := 1; ; k++ {
-		to = dir + "-resized-" + strconv.Itoa(k)
-		if _, err := os.Stat(to); errors.Is(err, fs.ErrNotExist) {
-			break
-		} else if err != nil {
-			return "", fmt.Errorf("set aside resized maps: %w", err)
-		}
-	}
-	if err := os.Mkdir(to, 0o700); err != nil {
-		return "", fmt.Errorf("set aside resized maps: %w", err)
-	}
-	for _, name := range names {
-		if err := os.Rename(filepath.Join(dir, name), filepath.Join(to, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			return to, fmt.Errorf("set aside resized map %s: %w", name, err)
-		}
-	}
-	return to, nil
-}
 
 // ErrOtherLayout is the error of OpenReadOnly for pins of another layout than this build's:
 // an older layout's are migrated by the next agent, a newer one's belong to a newer agent.
@@ -610,36 +362,5 @@ func openPinned(dir string, pinOpts *ebpf.LoadPinOptions) (*Datapath, error) {
 	return d, nil
 }
 
-// RemovePinned removes every pin under root, the maps of every layout with them (they live on
-// while programs or descriptors hold them), and tells whether there was anything. Pins are
-// touched only where root is on a BPF filesystem.
-func RemovePinned(root string) (bool, error) {
-	if _, err := os.Stat(root); errors.Is(err, fs.ErrNotExist) {
-		return false, nil
-	}
-	if err := CheckBPFFS(filepath.Dir(root)); err != nil {
-		return false, fmt.Errorf("leave %s alone: %w", root, err)
-	}
-	if err := os.RemoveAll(root); err != nil {
-		return false, fmt.Errorf("remove BPF pins: %w", err)
-	}
-	return true, nil
-}
-
 // bpfFSMagic is the statfs magic of a BPF filesystem (BPF_FS_MAGIC).
 const bpfFSMagic = 0xcafe4a11
-
-// CheckBPFFS checks that dir is a writable BPF filesystem.
-func CheckBPFFS(dir string) error {
-	var st unix.Statfs_t
-	if err := unix.Statfs(dir, &st); err != nil {
-		return fmt.Errorf("--bpffs %s: %w", dir, err)
-	}
-	if uint32(st.Type) != bpfFSMagic {
-		return fmt.Errorf("--bpffs %s is not a BPF filesystem (filesystem magic %#x); mount one there (mount -t bpf bpf %s) or give another --bpffs", dir, uint32(st.Type), dir)
-	}
-	if err := unix.Access(dir, unix.W_OK); err != nil {
-		return fmt.Errorf("--bpffs %s is not writable: %w", dir, err)
-	}
-	return nil
-}

@@ -344,7 +344,7 @@ func TestResizedMapsKeepFlows(t *testing.T) {
 	if mig.NoRoom != 2*12 {
 		t.Errorf("%d entries without room, want 24", mig.NoRoom)
 	}
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		confirmed, noRoom := 0, 0
 		if err := dp.NATEntries(fam, func(e NATEntry) bool {
 			switch {

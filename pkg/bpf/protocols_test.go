@@ -92,7 +92,7 @@ func TestUntranslatable(t *testing.T) {
 			})
 		}
 	}
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		n := 0
 		if err := h.dp.NATEntries(fam, func(NATEntry) bool { n++; return true }); err != nil {
 			t.Fatal(err)

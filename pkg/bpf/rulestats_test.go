@@ -24,7 +24,7 @@ func (d *Datapath) RuleStats() ([]RuleStats, error) {
 	}
 	slots := d.slotsByRule()
 	var out []RuleStats
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		rules := d.synced.Rules(fam)
 		if !d.synced.Enabled(fam) {
 			continue

@@ -114,7 +114,7 @@ func withMACs(frame []byte, src, dst net.HardwareAddr) []byte {
 func (e *scopeEnv) entries(t *testing.T) int {
 	t.Helper()
 	n := 0
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		if err := e.dp.NATEntries(fam, func(NATEntry) bool { n++; return true }); err != nil {
 			t.Fatal(err)
 		}

@@ -69,7 +69,7 @@ func (d *Datapath) Sweep(now time.Duration, t Timeouts) (SweepResult, error) {
 
 // A SweepPass is a sweep (Sweep) taken in steps, each going on from where the last stopped, so
 // that the walk of a large table can be spread over many ticks and cost little in any of them.
-// The walk's cursor is a bucket index (natWalk): an entry that stays in the table is read once
+// The walk's cursor is a bucket index (mapReader): an entry that stays in the table is read once
 // however long the pass takes; one made or changed after its bucket was read is left to the next
 // pass, which SweepResult.Due accounts for from the pass's start.
 type SweepPass struct {
@@ -84,7 +84,7 @@ type SweepPass struct {
 	from  uint64   // the datapath's count of confirmed flows when it began
 }
 
-var sweepFamilies = [2]policy.Family{policy.IPv4, policy.IPv6}
+var sweepFamilies = policy.Families()
 
 // NewSweep begins a sweep pass at now (MonotonicNow) that judges by t.
 func (d *Datapath) NewSweep(now time.Duration, t Timeouts) *SweepPass {
@@ -265,8 +265,8 @@ type tableSweep[K rawNATKey[K]] struct {
 	table natTableOf[K]
 	gone  func(int)
 	at    int // the table being swept: a Table, then the keep table (2)
-	flows *natWalk[K, masqNatEntry]
-	keep  *natWalk[K, masqKeepEntry]
+	flows *mapWalk[K, masqNatEntry]
+	keep  *mapWalk[K, masqKeepEntry]
 	read  int // entries read in the confirmed table
 	// A batch's scratch: the keys to delete by table, the expired flows, the verdicts.
 	doomed     [2][]K
@@ -275,7 +275,7 @@ type tableSweep[K rawNATKey[K]] struct {
 }
 
 func (table natTableOf[K]) sweeper(gone func(int)) natSweep {
-	return &tableSweep[K]{table: table, gone: gone, flows: newNATWalk[K, masqNatEntry](table.confirmed)}
+	return &tableSweep[K]{table: table, gone: gone, flows: newMapWalk[K, masqNatEntry](table.confirmed, natBatch)}
 }
 
 func (s *tableSweep[K]) confirmed() int { return s.read }
@@ -283,7 +283,7 @@ func (s *tableSweep[K]) confirmed() int { return s.read }
 func (s *tableSweep[K]) step(now time.Duration, t Timeouts, res *SweepResult, c *census, swept map[uint8]uint64) (bool, error) {
 	if s.at == 2 {
 		if s.keep == nil {
-			s.keep = newNATWalk[K, masqKeepEntry](s.table.keep)
+			s.keep = newMapWalk[K, masqKeepEntry](s.table.keep, natBatch)
 		}
 		n, over, err := s.keep.next()
 		res.Read += n
@@ -384,8 +384,8 @@ func (s *tableSweep[K]) deleteDoomed(tbl Table, doomed [2][]K, flows []doomedFlo
 	var gone [2][]bool
 	for i, m := range s.table.tables() {
 		var err error
-		if gone[i], err = deleteKeys(m, doomed[i]); err != nil {
-			return err
+		if gone[i], err = deleteAll(m, doomed[i]); err != nil {
+			return fmt.Errorf("delete nat entries: %w", err)
 		}
 	}
 	s.gone(trues(gone[TableConfirmed]))
@@ -433,9 +433,9 @@ func (s *tableSweep[K]) sweepKeep(keys []K, vals []masqKeepEntry, now time.Durat
 		c.n[natCountKey{proto, TableKeep, StateKept}]++
 		*c.due = min(*c.due, time.Duration(vals[i].LastSeen)+t.timeout(proto, st))
 	}
-	gone, err := deleteKeys(s.table.keep, doomed)
+	gone, err := deleteAll(s.table.keep, doomed)
 	if err != nil {
-		return err
+		return fmt.Errorf("delete kept verdicts: %w", err)
 	}
 	for i, g := range gone {
 		if g {
@@ -468,37 +468,6 @@ func touchedSince(m *ebpf.Map, key any, lastSeen uint64) (bool, error) {
 		return false, fmt.Errorf("lookup nat entry: %w", err)
 	}
 	return cur.LastSeen != lastSeen, nil
-}
-
-// deleteKeys deletes keys from a NAT table, a batch at a time where the kernel can, and tells
-// which it deleted: a key that is gone already (an LRU eviction, another CPU) is skipped.
-func deleteKeys[K any](m *ebpf.Map, keys []K) ([]bool, error) {
-	gone := make([]bool, len(keys))
-	for at := 0; at < len(keys); {
-		n, err := m.BatchDelete(keys[at:], nil)
-		if errors.Is(err, ebpf.ErrNotSupported) {
-			for i := at; i < len(keys); i++ {
-				err := m.Delete(&keys[i])
-				if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-					return nil, fmt.Errorf("delete nat entry: %w", err)
-				}
-				gone[i] = err == nil
-			}
-			return gone, nil
-		}
-		for i := at; i < at+n; i++ {
-			gone[i] = true
-		}
-		at += n
-		switch {
-		case err == nil:
-		case errors.Is(err, ebpf.ErrKeyNotExist):
-			at++ // keys[at] is gone already: go on after it
-		default:
-			return nil, fmt.Errorf("delete nat entries: %w", err)
-		}
-	}
-	return gone, nil
 }
 
 // addSwept adds removed entries by protocol to sweep_stats.

@@ -62,7 +62,7 @@ func BenchmarkTrieWrite(b *testing.B) {
 	for i := range vals {
 		vals[i] = masqLpm4Val{Action: masqActionACTION_RETURN, Slot: uint32(i)}
 	}
-	if err := putBatch(m, sets[0], vals); err != nil {
+	if err := putAll(m, sets[0], vals); err != nil {
 		b.Fatal(err)
 	}
 	var put, del time.Duration
@@ -70,7 +70,7 @@ func BenchmarkTrieWrite(b *testing.B) {
 	for i := 0; i < b.N; i++ {
 		in, out := sets[(i+1)%2], sets[i%2]
 		start := time.Now()
-		if err := putBatch(m, in, vals); err != nil {
+		if err := putAll(m, in, vals); err != nil {
 			b.Fatal(err)
 		}
 		mid := time.Now()

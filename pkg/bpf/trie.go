@@ -2,7 +2,6 @@ package bpf
 
 import (
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"iter"
 	"math"
@@ -215,82 +214,36 @@ func (o lpmOps[K, V]) put(m *ebpf.Map, entries []trieEntry) error {
 	for i, e := range entries {
 		keys[i], vals[i] = zk.withPrefix(e.prefix), zv.withValue(e.trieValue)
 	}
-	return putBatch(m, keys, vals)
+	return putAll(m, keys, vals)
 }
 
 func (o lpmOps[K, V]) delete(m *ebpf.Map, prefixes []trieKey) error {
-	keys := o.keys(prefixes)
-	_, err := m.BatchDelete(keys, nil)
-	if !errors.Is(err, ebpf.ErrNotSupported) {
-		return err
-	}
-	for i := range keys {
-		if err := m.Delete(&keys[i]); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return err
-		}
-	}
-	return nil
+	_, err := deleteAll(m, o.keys(prefixes))
+	return err
 }
 
-func (lpmOps[K, V]) walk(m *ebpf.Map) trieWalk { return &lpmWalk[K, V]{m: m} }
+func (lpmOps[K, V]) walk(m *ebpf.Map) trieWalk { return &lpmWalk[K, V]{mapReader: mapReader{m: m}} }
 
-// lpmWalk implements trieWalk with batch lookups (a syscall per call), or on kernels without
-// them, a key and a lookup per entry.
+// lpmWalk implements trieWalk with a mapReader.
 type lpmWalk[K rawLPMKey[K], V rawLPMVal[V]] struct {
-	m      *ebpf.Map
-	cursor ebpf.MapBatchCursor
-	byKey  bool
-	last   *K // the key read last, when walking by key
-	keys   []K
-	vals   []V
+	mapReader
+	keys []K
+	vals []V
 }
 
 func (w *lpmWalk[K, V]) next(max int) ([]trieEntry, bool, error) {
 	if len(w.keys) < max {
 		w.keys, w.vals = make([]K, max), make([]V, max)
 	}
-	keys, vals := w.keys[:max], w.vals[:max]
-	n, done := 0, false
-	if !w.byKey {
-		var err error
-		n, err = w.m.BatchLookup(&w.cursor, keys, vals, nil)
-		switch {
-		case errors.Is(err, ebpf.ErrNotSupported):
-			w.byKey = true
-		case errors.Is(err, ebpf.ErrKeyNotExist):
-			done = true
-		case err != nil:
-			return nil, false, err
-		}
-	}
-	for w.byKey && !done && n < max {
-		var after any // nil: the first key
-		if w.last != nil {
-			after = w.last
-		}
-		var k K
-		err := w.m.NextKey(after, &k)
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			done = true
-			break
-		}
-		if err != nil {
-			return nil, false, err
-		}
-		w.last = &k
-		// The exact entry while it exists: a lookup matches no longer prefix than its key.
-		if err := w.m.Lookup(&k, &vals[n]); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return nil, false, err
-		} else if err == nil {
-			keys[n] = k
-			n++
-		}
+	n, over, err := readInto(&w.mapReader, w.keys[:max], w.vals[:max])
+	if err != nil {
+		return nil, false, err
 	}
 	entries := make([]trieEntry, n)
 	for i := range n {
-		entries[i] = trieEntry{keys[i].prefix(), vals[i].value()}
+		entries[i] = trieEntry{w.keys[i].prefix(), w.vals[i].value()}
 	}
-	return entries, done || n == 0, nil
+	return entries, over || n == 0, nil
 }
 
 // trieChunk is how many entries a sync writes into a trie at a time where it deletes the stale

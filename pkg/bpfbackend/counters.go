@@ -35,7 +35,7 @@ func ruleCounters(ctx context.Context, dp *bpf.Datapath, p *policy.Policy, unexp
 		byKey[key{ir.Family, ir.Prefix, ir.Action, ir.Origin, ir.Dup}] = ir
 	}
 	var out []datapath.RuleCounter
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		if p != nil && p.Enabled(fam) {
 			seen := map[key]int{}
 			for i, rule := range p.Rules(fam) {

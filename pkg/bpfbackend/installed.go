@@ -153,7 +153,7 @@ func setEvent(st *datapath.NATStats, e bpf.Event, n uint64) {
 // natStats are dp's NAT statistics, with its tables' entries as counted gives them.
 func natStats(ctx context.Context, dp *bpf.Datapath, counted func(policy.Family) ([]bpf.NATCount, error)) (datapath.NATStats, error) {
 	st := emptyStats()
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		if err := ctx.Err(); err != nil {
 			return datapath.NATStats{}, err
 		}
@@ -206,15 +206,6 @@ func natStats(ctx context.Context, dp *bpf.Datapath, counted func(policy.Family)
 	return st, nil
 }
 
-func sortedNames(m map[string]uint64) []string {
-	out := make([]string, 0, len(m))
-	for k := range m {
-		out = append(out, k)
-	}
-	slices.Sort(out)
-	return out
-}
-
 // natSummary counts entries by family, protocol and state (a flow's two halves count in its
 // state; a half without its partner by its own flags), and the remote endpoints with the most.
 func natSummary(ctx context.Context, dp *bpf.Datapath, top int) (datapath.NATSummary, error) {
@@ -233,7 +224,7 @@ func natSummary(ctx context.Context, dp *bpf.Datapath, top int) (datapath.NATSum
 	}
 	states := map[stateKey]uint64{}
 	remotes := map[remoteKey]uint64{}
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		paired := map[halfKey]bool{}
 		if err := dp.Flows(fam, func(f bpf.Flow) bool {
 			n := uint64(1)

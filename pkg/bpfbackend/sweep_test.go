@@ -108,12 +108,13 @@ func TestSweepFollowsNodeTimeouts(t *testing.T) {
 		t.Fatalf("%d entries left while the node keeps UDP flows an hour, want the 6 of the flows", n)
 	}
 	udpTimeout("1")
-	deadline := time.Now().Add(5 * time.Second)
-	for entries() != 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("the flows outlived the node's UDP timeout of 1 s:\n%s", logs.String())
+	if err := testutil.Poll(5*time.Second, 20*time.Millisecond, func() error {
+		if n := entries(); n != 0 {
+			return testutil.NotYet("%d entries", n)
 		}
-		time.Sleep(20 * time.Millisecond)
+		return nil
+	}); err != nil {
+		t.Fatalf("the flows outlived the node's UDP timeout of 1 s: %v\n%s", err, logs.String())
 	}
 	for _, want := range []string{`udp="1h0m0s (the node's conntrack sysctl)"`, `udp="1s (the node's conntrack sysctl)"`,
 		`tcp-established="120h0m0s (conntrack's default)"`} {

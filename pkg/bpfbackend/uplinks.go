@@ -19,6 +19,7 @@ import (
 var (
 	_ datapath.UplinkReporter = (*Backend)(nil)
 	_ datapath.UplinkReporter = (*Installed)(nil)
+	_ datapath.ChangeReporter = (*Backend)(nil)
 )
 
 // Changes carries uplink changes (an uplink appeared or went away, an address changed); each one

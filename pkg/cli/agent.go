@@ -169,8 +169,8 @@ func (af *agentFlags) serve(ctx context.Context, dp *backends.Chosen, src config
 	if err != nil {
 		return err
 	}
-	mo := metrics.Options{Backend: dp.Backend, Agent: a, Observer: obs, Logger: log, Fallback: dp.CannotRun,
-		RuleSeries: af.ruleSeries(), Source: src}
+	mo := metrics.Options{Backend: dp.Backend, Entries: backends.All, Agent: a, Observer: obs, Logger: log,
+		Fallback: dp.CannotRun, RuleSeries: af.ruleSeries(), Source: src}
 	if pub != nil {
 		mo.Status = pub
 	}
@@ -266,7 +266,7 @@ func serveMetrics(ctx context.Context, a *agent.Agent, opts metrics.Options, add
 
 // backendOptions are what the backends take from the flags.
 func (f *agentFlags) backendOptions(log *slog.Logger) backends.Options {
-	return backends.Options{Interfaces: f.interfaceList(), EnableIPv6: f.enableIPv6, Logger: log, Settings: f.own}
+	return backends.Options{Interfaces: f.interfaceList(), Logger: log, Settings: f.own}
 }
 
 // newLogger logs text to stderr; --v 4 or more adds debug messages, as klog's verbosity did.

@@ -292,6 +292,6 @@ func runRender(_ context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return err
 	}
-	_, err = io.WriteString(stdout, render(p, backends.Options{EnableIPv6: pf.enableIPv6, Settings: bf.own}))
+	_, err = io.WriteString(stdout, render(p, backends.Options{Settings: bf.own}))
 	return err
 }

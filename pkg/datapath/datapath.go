@@ -70,6 +70,26 @@ type Backend interface {
 	Cleanup(ctx context.Context) error
 }
 
+// ChangeReporter is implemented by backends that follow changes of the node outside the
+// configuration (BPF: an uplink appeared or went away, an uplink's address changed), which only
+// a new Apply puts into the datapath.
+//
+//   - Changes returns the same channel at every call, from the backend's creation on; it is
+//     never closed. Each value is a short reason, for the logs.
+//   - A value asks for an Apply (agent.Options.Changes), which installs what the backend last
+//     read of the node: while a reason waits to be received, later ones may be dropped.
+type ChangeReporter interface {
+	Changes() <-chan string
+}
+
+// Displaced is a backend whose state the agent removes once its own backend holds a policy
+// (backends are exclusive): one of the others, as the registry (package backends) gives them.
+type Displaced interface {
+	Name() string
+	// Cleanup removes everything the backend installed; absent state is not an error.
+	Cleanup(ctx context.Context) error
+}
+
 // DriftChecker is implemented by backends that can tell, cheaply enough to ask every second,
 // whether what their last successful Apply installed is still in place. Drift is a change
 // behind the agent's back: a rule, program, map entry or pin removed or altered by hand or by

@@ -67,8 +67,6 @@ type Settings interface {
 type Env struct {
 	// Interfaces are the uplinks (--interfaces); empty means the devices pod traffic leaves by.
 	Interfaces []string
-	// EnableIPv6 is --enable-ipv6.
-	EnableIPv6 bool
 	// Logger receives the backend's logs; never nil.
 	Logger *slog.Logger
 	// Own are the backend's own settings, of the type its Entry.Flags returns.

@@ -17,9 +17,6 @@ import (
 // Name is the backend's name on the command line.
 const Name = "iptables"
 
-// families are the address families, in the order the backend handles them.
-var families = []policy.Family{policy.IPv4, policy.IPv6}
-
 // probeChain is a throwaway chain used once to ask the kernel whether it accepts
 // MASQUERADE --random-fully. It is removed right after.
 const probeChain = "IP-MASQ-AGENT-PROBE"
@@ -185,7 +182,7 @@ func (b *Backend) eachApplied(ctx context.Context, fn func(fam policy.Family, p 
 	b.mu.Lock()
 	applied := b.applied
 	b.mu.Unlock()
-	for _, fam := range families {
+	for _, fam := range policy.Families() {
 		p, ok := applied[fam]
 		if !ok {
 			continue
@@ -418,7 +415,7 @@ func mapLines(p *policy.Policy, fam policy.Family, chain string, live []SavedRul
 func (b *Backend) Cleanup(ctx context.Context) error {
 	var errs []error
 	for _, mode := range []Mode{b.mode, otherMode(b.mode)} {
-		for _, fam := range families {
+		for _, fam := range policy.Families() {
 			t, err := resolveTools(ctx, b.runner, mode, fam)
 			if err != nil {
 				b.log.Debug("no tools, nothing to clean up", "mode", mode, "family", fam)

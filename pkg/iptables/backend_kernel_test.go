@@ -85,7 +85,7 @@ func TestBackendInKernel(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+			for _, fam := range policy.Families() {
 				chain, jumps := readChain(ctx, t, env.Node, mode, fam)
 				if want := wantLines(p, fam); !slices.Equal(chain, want) {
 					t.Errorf("%s chain read back:\n %q\nwant\n %q", fam, chain, want)
@@ -172,7 +172,7 @@ func TestBackendInKernel(t *testing.T) {
 					t.Fatalf("cleanup #%d: %v", i+1, err)
 				}
 				for _, m := range []iptables.Mode{iptables.ModeNFT, iptables.ModeLegacy} {
-					for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+					for _, fam := range policy.Families() {
 						if chain, jumps := readChain(ctx, t, env.Node, m, fam); len(chain)+len(jumps) != 0 {
 							t.Errorf("cleanup #%d left %s %s: %q %q", i+1, m, fam, chain, jumps)
 						}
@@ -253,7 +253,7 @@ masqueradeCIDRs:
 				if err := b.Apply(ctx, p); err != nil {
 					t.Fatal(err)
 				}
-				for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+				for _, fam := range policy.Families() {
 					chain, _ := readChain(ctx, t, ns, mode, fam)
 					if want := wantLines(p, fam); !slices.Equal(chain, want) {
 						t.Errorf("%s chain read back:\n %q\nwant\n %q", fam, chain, want)

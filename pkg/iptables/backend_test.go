@@ -385,7 +385,7 @@ func TestCounters(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Give every live line distinct counters: line i gets i+1 packets and 100*(i+1) bytes.
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		rules := f.NAT(iptables.ModeNFT, fam).Rules[iptables.DefaultChain]
 		for i := range rules {
 			rules[i].Packets, rules[i].Bytes = uint64(i+1), uint64(100*(i+1))
@@ -397,7 +397,7 @@ func TestCounters(t *testing.T) {
 	}
 	// Expected: per policy rule, the sum over its lines, in policy order.
 	var want []datapath.RuleCounter
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		line := 0
 		for i, r := range p.Rules(fam) {
 			c := datapath.RuleCounter{Family: fam, Rule: i + 1, Prefix: r.Prefix, Action: r.Action, Origin: r.Origin, Entry: r.Entry}

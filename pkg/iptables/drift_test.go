@@ -51,7 +51,7 @@ func TestCheckDrift(t *testing.T) {
 		t.Errorf("the check ran %d commands, want 4 (two chains, two families)", n)
 	}
 
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		// A restore replaces the table: look it up afresh each time.
 		nat := func() *iptablestest.Table { return f.NAT(iptables.ModeNFT, fam) }
 		nat().Rules["POSTROUTING"] = nil

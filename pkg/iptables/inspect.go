@@ -37,7 +37,7 @@ func Inspect(ctx context.Context, r Runner, chain string, p *policy.Policy) ([]*
 	var errs []error
 	for _, mode := range []Mode{ModeNFT, ModeLegacy} {
 		in := &Installed{mode: mode, chain: chain, runner: r, policy: p, tools: map[policy.Family]*tools{}}
-		for _, fam := range families {
+		for _, fam := range policy.Families() {
 			t, err := resolveTools(ctx, r, mode, fam)
 			if err != nil {
 				var missing *MissingToolsError
@@ -80,7 +80,7 @@ func (in *Installed) Mode() Mode { return in.mode }
 // Info implements datapath.InfoReporter.
 func (in *Installed) Info() datapath.Info {
 	var fams []string
-	for _, fam := range families {
+	for _, fam := range policy.Families() {
 		if in.tools[fam] != nil {
 			fams = append(fams, fam.String())
 		}
@@ -94,7 +94,7 @@ func (in *Installed) Info() datapath.Info {
 // one each (Rule 0).
 func (in *Installed) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
 	var out []datapath.RuleCounter
-	for _, fam := range families {
+	for _, fam := range policy.Families() {
 		t := in.tools[fam]
 		if t == nil {
 			continue

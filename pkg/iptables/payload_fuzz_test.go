@@ -46,7 +46,7 @@ func FuzzPayloadFromConfig(f *testing.F) {
 		}
 		p := policy.Compile(cfg, opts)
 		comments := []string{policy.CommentSpecificMasquerade, policy.CommentNonMasquerade, policy.CommentOutbound}
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range policy.Families() {
 			if fam == policy.IPv6 && !v6 {
 				continue
 			}

@@ -153,7 +153,7 @@ func TestReadsOnlyItsChains(t *testing.T) {
 		if err := b.Apply(ctx, p); err != nil {
 			t.Fatal(err)
 		}
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range policy.Families() {
 			rules := f.NAT(mode, fam).Rules[iptables.DefaultChain]
 			for i := range rules {
 				rules[i].Packets, rules[i].Bytes = uint64(i+1), uint64(100*(i+1))
@@ -191,7 +191,7 @@ func TestReadsOnlyItsChains(t *testing.T) {
 			t.Errorf("%s chain after the change: %q", mode, got)
 		}
 		// A chain deleted behind the agent's back has no counters; that is no error.
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range policy.Families() {
 			nat := f.NAT(mode, fam)
 			nat.Rules["POSTROUTING"] = nil
 			delete(nat.Rules, iptables.DefaultChain)

@@ -393,7 +393,7 @@ func TestDecideEqualsFirstMatchOverRenderedChain(t *testing.T) {
 		payload4 := Render(p, policy.IPv4, DefaultChain, true)
 		payload6 := Render(p, policy.IPv6, DefaultChain, true)
 		for range 200 {
-			addr := policytest.Destination(r, p, []policy.Family{policy.IPv4, policy.IPv6}[r.IntN(2)])
+			addr := policytest.Destination(r, p, policy.Families()[r.IntN(2)])
 			payload := payload4
 			if addr.Is6() {
 				payload = payload6

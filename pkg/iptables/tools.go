@@ -142,7 +142,7 @@ func DetectMode(ctx context.Context, r Runner) (ModeChoice, error) {
 	}
 	rules := map[Mode]int{}
 	for _, m := range avail {
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range policy.Families() {
 			t, err := resolveTools(ctx, r, m, fam)
 			if err != nil {
 				continue

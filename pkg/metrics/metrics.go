@@ -25,7 +25,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
-	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -118,10 +117,11 @@ var (
 func hookLabels(extra ...string) []string { return append([]string{"device", "direction"}, extra...) }
 
 // Definitions returns every metric the agent exports, besides the go_* and process_* metrics
-// of client_golang's standard collectors.
-func Definitions() []Definition {
+// of client_golang's standard collectors. entries are the backends (backends.All), whose
+// Counts and DriftKinds the help of RulePackets and Heals quotes.
+func Definitions(entries []datapath.Entry) []Definition {
 	return []Definition{
-		{RulePackets, "counter", ruleLabels, "Packets that matched the rule, by backend: " + countsHelp() + "."},
+		{RulePackets, "counter", ruleLabels, "Packets that matched the rule, by backend: " + countsHelp(entries) + "."},
 		{RuleBytes, "counter", ruleLabels, "Bytes (IP packet lengths) of the packets counted in " + RulePackets + "."},
 		{OriginPackets, "counter", originLabels, "Packets that matched the rules of each origin, every rule counted (" + RulePackets + " has series only for the busiest rules of a long policy); a removed rule's packets stay in its origin's total."},
 		{OriginBytes, "counter", originLabels, "Bytes of the packets counted in " + OriginPackets + "."},
@@ -151,7 +151,7 @@ func Definitions() []Definition {
 		{DatapathRefused, "gauge", nil, "1 while the backend refuses to take over what is installed on the node (BPF: pinned maps of a layout newer than the agent's, or of one it does not know), which it leaves alone; the agent is then not ready and retries. 0 otherwise."},
 		{BuildInfo, "gauge", []string{"version", "revision", "goversion"}, "Always 1; the agent's version, VCS revision and Go version."},
 		{ScrapeErrors, "counter", []string{"source"}, "Scrapes whose read of the datapath failed, by source (rules, nat, hooks); the scrape then leaves those metrics out."},
-		{Heals, "counter", []string{"what"}, "Repairs of what was changed behind the agent's back, by kind: " + healsHelp() + "."},
+		{Heals, "counter", []string{"what"}, "Repairs of what was changed behind the agent's back, by kind: " + healsHelp(entries) + "."},
 		{HookNeighbours, "gauge", hookLabels("position"), "Programs of other components on an uplink's tc hook (BPF), by position: ahead of ours (their verdict decides whether ours runs) or behind it (ours lets every packet through to them)."},
 		{HookBypassed, "gauge", hookLabels(), "1 while a program ahead of ours on the hook ends the chain, so that ours sees none of the device's packets and the policy is not enforced there (BPF); else 0."},
 		{HookBypasses, "counter", hookLabels(), "Times a program ahead of ours was found ending the chain on the hook (BPF), each logged once."},
@@ -161,10 +161,10 @@ func Definitions() []Definition {
 
 // countsHelp says what each backend's rule counters count: "every packet (bpf); connections:
 // the first packet of each (nftables, iptables)".
-func countsHelp() string {
+func countsHelp(entries []datapath.Entry) string {
 	var counts []string
 	byCounts := map[string][]string{}
-	for _, b := range backends.All {
+	for _, b := range entries {
 		c := cmp.Or(b.Counts, "every packet")
 		if byCounts[c] == nil {
 			counts = append(counts, c)
@@ -179,9 +179,9 @@ func countsHelp() string {
 }
 
 // healsHelp lists each backend's kinds of drift: "chain, jump (iptables); ...".
-func healsHelp() string {
+func healsHelp(entries []datapath.Entry) string {
 	var parts []string
-	for _, b := range backends.All {
+	for _, b := range entries {
 		if len(b.DriftKinds) > 0 {
 			parts = append(parts, strings.Join(b.DriftKinds, ", ")+" ("+b.Name+")")
 		}
@@ -189,14 +189,15 @@ func healsHelp() string {
 	return strings.Join(parts, "; ")
 }
 
+// definition is the Definition named name, of a metric whose help quotes no backend.
 func definition(name string) Definition {
-	defs := Definitions()
+	defs := Definitions(nil)
 	return defs[slices.IndexFunc(defs, func(d Definition) bool { return d.Name == name })]
 }
 
 // Names returns the names of Definitions, in the same order.
 func Names() []string {
-	defs := Definitions()
+	defs := Definitions(nil)
 	out := make([]string, len(defs))
 	for i, d := range defs {
 		out[i] = d.Name
@@ -239,6 +240,9 @@ func (o *Observer) ObserveApply(took time.Duration, _ error) {
 type Options struct {
 	Backend datapath.Backend
 	Agent   StatsSource
+	// Entries are the backends (backends.All), for the help of RulePackets and Heals (see
+	// Definitions).
+	Entries []datapath.Entry
 	// Observer, when set, is the one the agent reports to: its metrics are collected too.
 	Observer *Observer
 	// Logger receives a warning for each failed datapath read; nil discards them.
@@ -287,7 +291,7 @@ func NewCollector(opts Options) *Collector {
 	}
 	c := &Collector{opts: opts, log: log.With("component", "metrics"), descs: map[string]*prometheus.Desc{},
 		build: [3]string{version.Version, version.Revision(), runtime.Version()}, rules: newRuleTable(opts.RuleSeries)}
-	for _, d := range Definitions() {
+	for _, d := range Definitions(opts.Entries) {
 		if d.Name != DatapathSyncDuration { // the Observer's own
 			c.descs[d.Name] = prometheus.NewDesc(d.Name, d.Help, d.Labels, nil)
 		}
@@ -468,7 +472,7 @@ func (c *Collector) collectRules(ctx context.Context, gauge func(string, float64
 		counter(OriginPackets, o.packets, labels...)
 		counter(OriginBytes, o.bytes, labels...)
 	}
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		if n, ok := s.perFamily[fam]; ok {
 			gauge(Rules, float64(n), fam.String())
 		}

@@ -86,7 +86,7 @@ func TestRuleMetrics(t *testing.T) {
 		// Not a rule of the policy (only a dump's Reader reports these): left out.
 		{Family: policy.IPv4, Prefix: netip.MustParsePrefix("192.0.2.0/24"), Packets: 1},
 	}}
-	c := NewCollector(Options{Backend: b})
+	c := NewCollector(Options{Backend: b, Entries: backends.All})
 	// The help says what each backend of the registry counts (countsHelp), naming every one.
 	for _, b := range backends.All {
 		if help := helpOf(RulePackets); !strings.Contains(help, cmp.Or(b.Counts, "every packet")) || !strings.Contains(help, b.Name) {
@@ -278,7 +278,7 @@ ip_masq_agent_node_status_writes_total{result="success"} 3
 }
 
 func helpOf(name string) string {
-	for _, d := range Definitions() {
+	for _, d := range Definitions(backends.All) {
 		if d.Name == name {
 			return d.Help
 		}
@@ -521,7 +521,7 @@ func TestNamesAndLint(t *testing.T) {
 	if !slices.Equal(got, want) {
 		t.Errorf("exported %q\nNames    %q", got, want)
 	}
-	for _, d := range Definitions() {
+	for _, d := range Definitions(backends.All) {
 		for _, m := range fams[d.Name].GetMetric() {
 			var labels []string
 			for _, l := range m.Label {
@@ -596,11 +596,11 @@ func TestReferenceListsEveryMetric(t *testing.T) {
 			t.Errorf("%s lists %s twice", page, name)
 		}
 		rows[name] = labels
-		if typ := cells[1]; !slices.ContainsFunc(Definitions(), func(d Definition) bool { return d.Name == name && d.Type == typ }) {
+		if typ := cells[1]; !slices.ContainsFunc(Definitions(backends.All), func(d Definition) bool { return d.Name == name && d.Type == typ }) {
 			t.Errorf("%s: %s is a %q, which no definition says", page, name, typ)
 		}
 	}
-	for _, d := range Definitions() {
+	for _, d := range Definitions(backends.All) {
 		labels, ok := rows[d.Name]
 		if !ok {
 			t.Errorf("%s does not list %s: add a row to its Metrics table", page, d.Name)

@@ -177,7 +177,7 @@ func (b *Backend) appliedFamilies() []policy.Family {
 	applied := b.applied
 	b.mu.Unlock()
 	var out []policy.Family
-	for _, fam := range families {
+	for _, fam := range policy.Families() {
 		if applied[fam] != nil {
 			out = append(out, fam)
 		}
@@ -420,7 +420,7 @@ func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) 
 	applied := b.applied
 	b.mu.Unlock()
 	var out []datapath.RuleCounter
-	for _, fam := range families {
+	for _, fam := range policy.Families() {
 		a := applied[fam]
 		if a == nil {
 			continue
@@ -464,7 +464,7 @@ func Cleanup(ctx context.Context, opts Options) ([]string, error) {
 func (b *Backend) cleanup(ctx context.Context) ([]string, error) {
 	var removed []string
 	var errs []error
-	for _, fam := range families {
+	for _, fam := range policy.Families() {
 		delete(b.known, fam)
 		b.publish(fam, nil)
 		names, err := b.kernel.TableNames(ctx, fam)

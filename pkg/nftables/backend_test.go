@@ -142,7 +142,7 @@ func TestSNATLayout(t *testing.T) {
 // destinations are addresses where the order matters, for both families.
 func destinations(r *rand.Rand, p *policy.Policy) []netip.Addr {
 	var out []netip.Addr
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		for range 30 {
 			out = append(out, policytest.Destination(r, p, fam))
 		}
@@ -166,7 +166,7 @@ func TestTracedRulesEqualDecide(t *testing.T) {
 		p := compile(cfg, r.IntN(4) > 0)
 		apply(t, b, p)
 		layouts := map[policy.Family]*nftables.Layout{}
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range policy.Families() {
 			if p.Enabled(fam) {
 				layouts[fam] = nftables.NewLayout(p, fam)
 			}
@@ -197,7 +197,7 @@ func TestTracedRulesEqualDecide(t *testing.T) {
 		}
 		fresh := nftablestest.New()
 		apply(t, newBackend(t, fresh), p)
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range policy.Families() {
 			if got, want := sortedDump(f.Dump(fam)), sortedDump(fresh.Dump(fam)); got != want {
 				t.Fatalf("iteration %d: %s: updated table\n%s\ndiffers from a fresh one\n%s", iter, fam, got, want)
 			}

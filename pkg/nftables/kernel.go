@@ -65,7 +65,7 @@ func KubeProxyTables(ctx context.Context, kernel Kernel) ([]string, error) {
 		kernel = NetlinkKernel{}
 	}
 	var out []string
-	for _, fam := range families {
+	for _, fam := range policy.Families() {
 		names, err := kernel.TableNames(ctx, fam)
 		if err != nil {
 			return nil, err

@@ -38,7 +38,7 @@ func nft(t *testing.T, args ...string) string {
 func checkKernel(t *testing.T, p *policy.Policy) {
 	t.Helper()
 	ctx := context.Background()
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		st, err := nftables.NetlinkKernel{}.Table(ctx, fam, true)
 		if err != nil {
 			t.Fatal(err)
@@ -261,7 +261,7 @@ func TestChangeElements(t *testing.T) {
 	testutil.InNetns(t, ns, func() {
 		ctx := context.Background()
 		k := nftables.NetlinkKernel{}
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range policy.Families() {
 			family, typ := "ip", "ipv4_addr"
 			if fam == policy.IPv6 {
 				family, typ = "ip6", "ipv6_addr"

@@ -77,9 +77,6 @@ const tableComment = "ip-masq-agent: masquerade policy; changes behind the agent
 // toPortsProtocols are the protocols --to-ports applies to, as MASQUERADE --to-ports upstream.
 const toPortsProtocols = "{ tcp, udp, sctp }"
 
-// families are the address families, in the order the backend handles them.
-var families = []policy.Family{policy.IPv4, policy.IPv6}
-
 // nftFamily is the nftables family of an address family.
 func nftFamily(fam policy.Family) knftables.Family {
 	if fam == policy.IPv6 {

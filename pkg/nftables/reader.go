@@ -139,7 +139,7 @@ func Inspect(ctx context.Context, kernel Kernel, p *policy.Policy) (*Installed, 
 		kernel = NetlinkKernel{}
 	}
 	in := &Installed{kernel: kernel, policy: p}
-	for _, fam := range families {
+	for _, fam := range policy.Families() {
 		st, err := kernel.Table(ctx, fam, false)
 		if err != nil {
 			return nil, err

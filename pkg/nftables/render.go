@@ -496,7 +496,7 @@ func Render(p *policy.Policy, fam policy.Family) string {
 func RenderAll(p *policy.Policy) string {
 	var b strings.Builder
 	b.WriteString("# nft -f -\n")
-	for _, fam := range families {
+	for _, fam := range policy.Families() {
 		if p.Enabled(fam) {
 			b.WriteString(Render(p, fam))
 		}

@@ -1,7 +1,6 @@
 package nodelock
 
 import (
-	"bufio"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -186,32 +185,28 @@ func TestReleasedByDeath(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(self)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, self)
 	cmd.Env = append(os.Environ(), holdEnv+"="+name)
-	out, err := cmd.StdoutPipe()
+	helper := testutil.StartCmd(t, cmd)
+	line, err := helper.WaitLine(time.Minute, "held ")
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("helper: %v", err)
 	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	line, err := bufio.NewReader(out).ReadString('\n')
 	var sleeper int
-	if _, serr := fmt.Sscanf(line, "held %d", &sleeper); err != nil || serr != nil {
-		cmd.Process.Kill()
-		cmd.Wait()
-		t.Fatalf("helper: %q %v %v", line, err, serr)
+	if _, err := fmt.Sscanf(line, "held %d", &sleeper); err != nil {
+		t.Fatalf("helper: %q: %v", line, err)
 	}
 	defer syscall.Kill(sleeper, syscall.SIGKILL)
 
 	_, err = TryAcquire(name, Me("agent", "test"))
-	if held, ok := errors.AsType[*HeldError](err); !ok || held.Holder.Pid != cmd.Process.Pid {
-		t.Fatalf("while the helper holds it: %v, want held by pid %d", err, cmd.Process.Pid)
+	if held, ok := errors.AsType[*HeldError](err); !ok || held.Holder.Pid != helper.Pid() {
+		t.Fatalf("while the helper holds it: %v, want held by pid %d", err, helper.Pid())
 	}
-	if err := cmd.Process.Kill(); err != nil {
+	if err := helper.Kill(ctx); err != nil { // the helper alone: its child lives on
 		t.Fatal(err)
 	}
-	cmd.Wait()
 	if err := syscall.Kill(sleeper, 0); err != nil {
 		t.Fatalf("the helper's child is gone too (%v): the test proves nothing", err)
 	}

@@ -1,7 +1,6 @@
 package nodestatus_test
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"path/filepath"
@@ -16,6 +15,7 @@ import (
 	"k8s.io/client-go/dynamic"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/cluster"
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath/datapathtest"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
@@ -43,30 +43,13 @@ func (s *stats) set(f func(*agent.Stats)) {
 	f(&s.s)
 }
 
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-func publish(ctx context.Context, t *testing.T, cp *cluster.ControlPlane, kubeconfig, node string, st *stats) (*nodestatus.Publisher, *syncBuffer) {
+func publish(ctx context.Context, t *testing.T, cp *cluster.ControlPlane, kubeconfig, node string, st *stats) (*nodestatus.Publisher, *testutil.Buffer) {
 	t.Helper()
 	cfg, err := cp.RESTConfig(kubeconfig)
 	if err != nil {
 		t.Fatal(err)
 	}
-	logs := &syncBuffer{}
+	logs := &testutil.Buffer{}
 	p, err := nodestatus.New(cfg, nodestatus.Options{Node: node, Agent: st, Backend: &datapathtest.Backend{},
 		Source: "configmap kube-system/ip-masq-agent", Reason: "--backend=fake", Delay: 200 * time.Millisecond,
 		Logger: slog.New(slog.NewTextHandler(logs, nil))})
@@ -92,15 +75,17 @@ func publish(ctx context.Context, t *testing.T, cp *cluster.ControlPlane, kubeco
 // statusOf polls the node's IPMasqAgentNode until cond holds of it.
 func statusOf(ctx context.Context, t *testing.T, res dynamic.ResourceInterface, node, what string, cond func(*unstructured.Unstructured) bool) *unstructured.Unstructured {
 	t.Helper()
-	deadline := time.Now().Add(wait)
-	for time.Now().Before(deadline) {
-		if o, err := res.Get(ctx, node, metav1.GetOptions{}); err == nil && cond(o) {
-			return o
+	var o *unstructured.Unstructured
+	if err := testutil.Poll(wait, 50*time.Millisecond, func() error {
+		var err error
+		if o, err = res.Get(ctx, node, metav1.GetOptions{}); err != nil || !cond(o) {
+			return testutil.NotYet("%s (%v)", what, err)
 		}
-		time.Sleep(50 * time.Millisecond)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
-	t.Fatalf("%s: not within %v", what, wait)
-	return nil
+	return o
 }
 
 func field(o *unstructured.Unstructured, path ...string) string {
@@ -161,10 +146,12 @@ func TestPublish(t *testing.T) {
 		t.Errorf("status %v", o.Object["status"])
 	}
 	// The server holds the write before the publisher has counted it.
-	deadline := time.Now().Add(wait)
-	for ok, _ := p.Writes(); ok < 2 && time.Now().Before(deadline); ok, _ = p.Writes() {
-		time.Sleep(20 * time.Millisecond)
-	}
+	_ = testutil.Poll(wait, 20*time.Millisecond, func() error {
+		if ok, _ := p.Writes(); ok < 2 {
+			return testutil.NotYet("%d writes", ok)
+		}
+		return nil
+	})
 	if ok, _ := p.Writes(); ok != 2 {
 		t.Errorf("%d writes for two states", ok)
 	}
@@ -175,10 +162,12 @@ func TestPublish(t *testing.T) {
 			t.Fatal(err)
 		}
 		p, logs := publish(ctx, t, cp, nobody, "node-a", &stats{s: agent.Stats{Ready: true}})
-		deadline := time.Now().Add(wait)
-		for _, failed := p.Writes(); failed == 0 && time.Now().Before(deadline); _, failed = p.Writes() {
-			time.Sleep(50 * time.Millisecond)
-		}
+		_ = testutil.Poll(wait, 50*time.Millisecond, func() error {
+			if _, failed := p.Writes(); failed == 0 {
+				return testutil.NotYet("a failed write")
+			}
+			return nil
+		}) // the log says why, or that nothing failed
 		if l := logs.String(); !strings.Contains(l, "cannot write the node's status") || !strings.Contains(l, "need=\"create and patch on ipmasqagentnodes") ||
 			!strings.Contains(l, "need=\"get on nodes\"") {
 			t.Errorf("log:\n%s", l)

@@ -44,6 +44,10 @@ const (
 	IPv6 Family = 6
 )
 
+// Families returns the address families, in the order the agent handles them: IPv4, then IPv6.
+// Each call returns a new slice.
+func Families() []Family { return []Family{IPv4, IPv6} }
+
 func (f Family) String() string {
 	if f == IPv6 {
 		return "ipv6"
@@ -193,7 +197,7 @@ func (p *Policy) Addresses() []AddressUse {
 	}
 	add(p.MasqueradeAddress, config.KeyMasqueradeAddress, netip.PrefixFrom(netip.IPv4Unspecified(), 0))
 	add(p.MasqueradeAddressIPv6, config.KeyMasqueradeAddressIPv6, netip.PrefixFrom(netip.IPv6Unspecified(), 0))
-	for _, fam := range []Family{IPv4, IPv6} {
+	for _, fam := range Families() {
 		for _, r := range p.Rules(fam) {
 			if r.Address != p.Address(fam) {
 				add(r.Address, r.Source(), r.Prefix)

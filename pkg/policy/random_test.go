@@ -26,7 +26,7 @@ func TestCompileAndDecideRandom(t *testing.T) {
 		}
 		lists := map[policy.Origin][]netip.Prefix{policy.OriginMasqueradeCIDRs: masq,
 			policy.OriginNonMasqueradeCIDRs: cfg.NonMasqueradeCIDRs}
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range policy.Families() {
 			rules := p.Rules(fam)
 			want := map[policy.Origin]int{}
 			for origin, list := range lists {

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -43,26 +44,24 @@ func (w *world) editConfigMap(ctx context.Context, t *testing.T, agent agentPod)
 		t.Fatal(err)
 	}
 	written := time.Now()
-	deadline := written.Add(configMapDeadline)
-	for {
-		if b, err := os.ReadFile(file); err == nil && string(b) == edited {
-			break
+	within, cancel := context.WithDeadline(ctx, written.Add(configMapDeadline))
+	defer cancel()
+	if err := testutil.PollContext(within, 50*time.Millisecond, func() error {
+		if b, err := os.ReadFile(file); err != nil || string(b) != edited {
+			return testutil.NotYet("the edit in %s (%v)", file, err)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the kubelet did not project the edit into %s within %v", file, configMapDeadline)
-		}
-		time.Sleep(50 * time.Millisecond)
+		return nil
+	}); err != nil {
+		t.Fatalf("the kubelet did not project the edit within %v: %v", configMapDeadline, err)
 	}
 	projected := time.Now()
-	for {
-		got, err := w.client.whoami(ctx, "tcp", netip.AddrPortFrom(outsideMasq, WhoamiPort))
-		if err == nil && got == w.podIP {
-			break
+	if err := testutil.PollContext(within, 20*time.Millisecond, func() error {
+		if got, err := w.client.whoami(ctx, "tcp", netip.AddrPortFrom(outsideMasq, WhoamiPort)); err != nil || got != w.podIP {
+			return testutil.NotYet("the pod's own address to be seen (last: %s, %v)", got, err)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the pod's traffic to %s is still masqueraded %v after the edit (last: %s, %v)", outsideMasq, configMapDeadline, got, err)
-		}
-		time.Sleep(20 * time.Millisecond)
+		return nil
+	}); err != nil {
+		t.Fatalf("the pod's traffic to %s is still masqueraded %v after the edit: %v", outsideMasq, configMapDeadline, err)
 	}
 	changed := time.Now()
 	t.Logf("ConfigMap edit to changed verdict: %v (the kubelet's projection %v, then the agent %v, give or take the 50 ms file poll)",

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/cluster"
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"helm.sh/helm/v3/pkg/action"
 	"helm.sh/helm/v3/pkg/chart"
 	"helm.sh/helm/v3/pkg/chart/loader"
@@ -258,15 +259,12 @@ func wait(ctx context.Context, t testing.TB, what string, cond func() error) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(ctx, deployTimeout)
 	defer cancel()
-	for {
-		err := cond()
-		if err == nil {
-			return
+	if err := testutil.PollContext(ctx, 250*time.Millisecond, func() error {
+		if err := cond(); err != nil {
+			return testutil.NotYet("%v", err)
 		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("%s: not within %v: %v", what, deployTimeout, err)
-		case <-time.After(250 * time.Millisecond):
-		}
+		return nil
+	}); err != nil {
+		t.Fatalf("%s: not within %v: %v", what, deployTimeout, err)
 	}
 }

@@ -468,13 +468,12 @@ func runDaemonSet(t *testing.T, img *builtImage, seccomp, cleanupSeccomp string,
 		}
 		// The kernel frees a link whose last reference (its pin) went in a work item of its
 		// own: the programs leave the uplink shortly after.
-		for deadline := time.Now().Add(5 * time.Second); ; {
-			progs, _ := env.UplinkPrograms(t)
-			if len(progs) == 0 || time.Now().After(deadline) {
-				break
+		_ = testutil.Poll(5*time.Second, 10*time.Millisecond, func() error {
+			if progs, _ := env.UplinkPrograms(t); len(progs) != 0 {
+				return testutil.NotYet("programs on the uplink: %v", progs)
 			}
-			time.Sleep(10 * time.Millisecond)
-		}
+			return nil
+		}) // what is left, Gone below reports
 	}
 	e2e.BPFBackend(tc.ModeTCX).Gone(ctx, t, env)
 	e2e.IptablesBackend(iptables.ModeNFT).Gone(ctx, t, env)
@@ -504,19 +503,17 @@ func checkNetns(t *testing.T, pid, netns string) {
 // waitReady polls the readiness probe until it answers 200, while the container runs.
 func waitReady(ctx context.Context, t *testing.T, name, netns, url string) {
 	t.Helper()
-	for {
+	if err := testutil.PollContext(ctx, 50*time.Millisecond, func() error {
 		code, _, err := e2e.HTTPGet(ctx, netns, url)
 		if err == nil && code == http.StatusOK {
-			return
+			return nil
 		}
 		if running, ierr := podman.Inspect(ctx, name, "{{.State.Running}}"); ierr != nil || running != "true" {
-			t.Fatalf("the container stopped before it was ready (%s %v)", running, ierr)
+			return fmt.Errorf("the container stopped before it was ready (%s %v)", running, ierr)
 		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("not ready: %v (last: %d %v)", ctx.Err(), code, err)
-		case <-time.After(50 * time.Millisecond):
-		}
+		return testutil.NotYet("ready (last: %d %v)", code, err)
+	}); err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -9,10 +9,8 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"runtime"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -24,115 +22,27 @@ import (
 const MetricsAddress = "127.0.0.1:9808"
 
 // Process is a command running inside a network namespace (ip netns exec), its output
-// collected. It is killed with its process group when the test ends, and by the kernel if the
-// test binary dies first.
-type Process struct {
-	cmd  *exec.Cmd
-	logs *testutil.Buffer
-	done chan struct{}
-	err  error // exit status, valid once done is closed
-}
+// collected.
+type Process = testutil.Process
 
 // StartProcess runs name with args inside ns, bound to the test: killed with its process group
-// when the test ends, its output logged if the test failed. what names it in the test's log.
-func StartProcess(ctx context.Context, t testing.TB, what, ns, name string, args ...string) *Process {
+// when the test ends, its output logged if the test failed.
+func StartProcess(ctx context.Context, t testing.TB, ns, name string, args ...string) *Process {
 	t.Helper()
-	p, err := Spawn(ctx, ns, name, args...)
-	if err != nil {
-		t.Fatalf("start %s: %v", what, err)
-	}
-	t.Cleanup(func() {
-		if err := p.KillGroup(10 * time.Second); err != nil {
-			t.Errorf("%s: %v", what, err)
-		}
-		if t.Failed() {
-			t.Logf("%s log (%s):\n%s", what, strings.Join(args, " "), p.Logs())
-		}
-	})
-	return p
+	return testutil.StartCmd(t, netnsCommand(ctx, ns, name, args...))
 }
 
 // Spawn runs name with args inside ns, bound to no test: the caller ends it (Stop, Kill,
 // KillGroup). The kernel kills it if this process dies first.
 func Spawn(ctx context.Context, ns, name string, args ...string) (*Process, error) {
-	p := &Process{logs: &testutil.Buffer{}, done: make(chan struct{})}
-	// The process outlives this call, so it gets a context of its own rather than one that a
-	// caller might cancel early.
-	cmd := exec.CommandContext(context.WithoutCancel(ctx), "ip", append([]string{"netns", "exec", ns, name}, args...)...)
-	cmd.Stdout, cmd.Stderr = p.logs, p.logs
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	cmd.WaitDelay = 2 * time.Second
-	// The kernel sends Pdeathsig when the forking *thread* exits, and Go ends threads whose
-	// goroutine exits while locked (as testutil.Do's do). So fork from a thread of our own,
-	// locked until the process is gone.
-	started := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		if err := cmd.Start(); err != nil {
-			started <- err
-			return
-		}
-		started <- nil
-		p.err = cmd.Wait()
-		close(p.done)
-	}()
-	if err := <-started; err != nil {
-		return nil, err
-	}
-	p.cmd = cmd
-	return p, nil
+	return testutil.Spawn(netnsCommand(ctx, ns, name, args...))
 }
 
-// KillGroup kills the process with its process group and waits, at most timeout, for its exit.
-func (p *Process) KillGroup(timeout time.Duration) error {
-	_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
-	select {
-	case <-p.done:
-		return nil
-	case <-time.After(timeout):
-		return fmt.Errorf("pid %d did not die", p.cmd.Process.Pid)
-	}
-}
-
-// Wait waits for the process to exit and returns its exit status.
-func (p *Process) Wait(ctx context.Context) error {
-	select {
-	case <-p.done:
-		return p.err
-	case <-ctx.Done():
-		return fmt.Errorf("waiting for pid %d: %w", p.cmd.Process.Pid, ctx.Err())
-	}
-}
-
-// Pid is the process id (ip netns exec execs the command in place).
-func (p *Process) Pid() int { return p.cmd.Process.Pid }
-
-// Logs returns what the process wrote so far, standard output and error together.
-func (p *Process) Logs() string { return p.logs.String() }
-
-// Stop sends SIGTERM and waits for the exit; the error is the exit status.
-func (p *Process) Stop(ctx context.Context) error {
-	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		return fmt.Errorf("signal pid %d: %w", p.Pid(), err)
-	}
-	select {
-	case <-p.done:
-		return p.err
-	case <-ctx.Done():
-		return fmt.Errorf("pid %d did not exit after SIGTERM: %w", p.Pid(), ctx.Err())
-	}
-}
-
-// Kill sends SIGKILL and waits for the exit.
-func (p *Process) Kill(ctx context.Context) error {
-	if err := p.cmd.Process.Signal(syscall.SIGKILL); err != nil {
-		return fmt.Errorf("kill pid %d: %w", p.Pid(), err)
-	}
-	if err := p.Wait(ctx); ctx.Err() != nil {
-		return err
-	}
-	return nil
+// netnsCommand runs name with args inside ns (ip netns exec, which execs the command in place).
+// The process outlives the call, so it gets a context of its own rather than one that a caller
+// might cancel early.
+func netnsCommand(ctx context.Context, ns, name string, args ...string) *exec.Cmd {
+	return exec.CommandContext(context.WithoutCancel(ctx), "ip", append([]string{"netns", "exec", ns, name}, args...)...)
 }
 
 // Agent is the agent binary running inside the node namespace.
@@ -150,7 +60,7 @@ func AgentArgs(args ...string) []string {
 // StartAgent runs bin inside ns with AgentArgs(args), as a Process bound to the test.
 func StartAgent(ctx context.Context, t testing.TB, ns, bin string, args ...string) *Agent {
 	t.Helper()
-	return &Agent{Process: StartProcess(ctx, t, "agent", ns, bin, AgentArgs(args...)...), ns: ns}
+	return &Agent{Process: StartProcess(ctx, t, ns, bin, AgentArgs(args...)...), ns: ns}
 }
 
 // SpawnAgent runs bin inside ns with AgentArgs(args), as a Process bound to no test.
@@ -245,16 +155,6 @@ func (a *Agent) WaitLog(ctx context.Context, n int, subs ...string) error {
 	})
 }
 
-// Exited reports whether the agent process ended, and how.
-func (a *Agent) Exited() (bool, error) {
-	select {
-	case <-a.done:
-		return true, a.err
-	default:
-		return false, nil
-	}
-}
-
 // Get fetches a path of the agent's HTTP endpoint from inside the node namespace.
 func (a *Agent) Get(ctx context.Context, path string) (int, string, error) {
 	return HTTPGet(ctx, a.ns, "http://"+MetricsAddress+path)
@@ -311,25 +211,20 @@ func (a *Agent) WaitServing(ctx context.Context) (int, string, error) {
 	return code, body, err
 }
 
-// poll checks cond until it holds, the agent exits, or ctx ends.
+// poll checks cond every 5 ms until it holds, the agent exits, or ctx ends.
 func (a *Agent) poll(ctx context.Context, what string, cond func() (bool, error)) error {
-	for {
-		ok, err := cond()
-		if err != nil {
+	if err := testutil.PollContext(ctx, 5*time.Millisecond, func() error {
+		if ok, err := cond(); ok || err != nil {
 			return err
 		}
-		if ok {
-			return nil
-		}
 		if exited, err := a.Exited(); exited {
-			return fmt.Errorf("waiting for %s: the agent exited (%v)", what, err)
+			return fmt.Errorf("the agent exited (%v); its log ends:\n%s", err, testutil.LastLines(a.Logs(), 20))
 		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("waiting for %s: %w", what, ctx.Err())
-		case <-time.After(5 * time.Millisecond):
-		}
+		return testutil.NotYet("%s", what)
+	}); err != nil {
+		return fmt.Errorf("waiting for %s: %w", what, err)
 	}
+	return nil
 }
 
 // ConfigDir is a config directory that is updated the way the kubelet updates a ConfigMap

@@ -274,7 +274,7 @@ func verifyBPF(ctx context.Context, t testing.TB, env *Env, mode string) {
 		origin policy.Origin
 	}
 	wantRules := map[ruleKey]bool{}
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		masq, nomasq := bpf.TrieMaps(fam)
 		want[masq], want[nomasq] = []netip.Prefix{}, []netip.Prefix{}
 		if !p.Enabled(fam) {
@@ -344,7 +344,7 @@ func verifyBPF(ctx context.Context, t testing.TB, env *Env, mode string) {
 
 	// Exclusive: nothing of the iptables backend.
 	for _, m := range []iptables.Mode{iptables.ModeNFT, iptables.ModeLegacy} {
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range policy.Families() {
 			if s := installed(ctx, t, env, m, fam); s != "" {
 				t.Errorf("the BPF backend runs, but iptables-%s %s holds:\n%s", m, fam, s)
 			}

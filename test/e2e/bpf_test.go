@@ -10,7 +10,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -223,10 +222,9 @@ func TestBPFRestart(t *testing.T) {
 		}
 
 		ag := env.Agent
-		if err := ag.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		if err := ag.Kill(ctx); err != nil {
 			t.Fatal(err)
 		}
-		<-ag.done
 		check("agent killed")
 		b.Verify(ctx, t, env)
 
@@ -258,7 +256,7 @@ func TestBPFRestart(t *testing.T) {
 			t.Errorf("left after cleanup: %s", s)
 		}
 		for _, m := range []iptables.Mode{iptables.ModeNFT, iptables.ModeLegacy} {
-			for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+			for _, fam := range policy.Families() {
 				if s := installed(ctx, t, env, m, fam); s != "" {
 					t.Errorf("iptables-%s %s after cleanup:\n%s", m, fam, s)
 				}

@@ -30,7 +30,7 @@ func IptablesBackend(mode iptables.Mode) Backend {
 		Gone: func(ctx context.Context, t testing.TB, env *Env) {
 			t.Helper()
 			for _, m := range []iptables.Mode{iptables.ModeNFT, iptables.ModeLegacy} {
-				for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+				for _, fam := range policy.Families() {
 					if s := installed(ctx, t, env, m, fam); s != "" {
 						t.Errorf("%s %s still holds:\n%s", m, fam, s)
 					}
@@ -204,7 +204,7 @@ func verifyIptables(ctx context.Context, t testing.TB, env *Env, mode iptables.M
 	if mode == iptables.ModeLegacy {
 		other = iptables.ModeNFT
 	}
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		if s := installed(ctx, t, env, other, fam); s != "" {
 			t.Errorf("the agent also installed into %s (%s):\n%s", other, fam, s)
 		}

@@ -66,7 +66,7 @@ func hash16(parts ...string) string {
 // iptables mode with the iptables variant ipt), both families.
 func InstallServices(ctx context.Context, t testing.TB, env *Env, mode ProxyMode, ipt iptables.Mode, svcs []Service) {
 	t.Helper()
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		var these []Service
 		for _, s := range svcs {
 			if s.family() == fam {

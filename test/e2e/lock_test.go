@@ -32,15 +32,16 @@ func lockHolder(t *testing.T, env *Env) nodelock.Holder {
 func waitHolder(ctx context.Context, t *testing.T, env *Env, a *Agent) time.Duration {
 	t.Helper()
 	start := time.Now()
-	for lockHolder(t, env).Pid != a.Pid() {
-		if exited, err := a.Exited(); exited {
-			t.Fatalf("agent %d exited (%v) before it held the node lock:\n%s", a.Pid(), err, a.Logs())
+	if err := testutil.PollContext(ctx, 5*time.Millisecond, func() error {
+		if h := lockHolder(t, env); h.Pid != a.Pid() {
+			if exited, err := a.Exited(); exited {
+				return fmt.Errorf("exited (%v) before it held the node lock:\n%s", err, a.Logs())
+			}
+			return testutil.NotYet("the node lock held by %s", h)
 		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("agent %d never held the node lock (held by %s)", a.Pid(), lockHolder(t, env))
-		case <-time.After(5 * time.Millisecond):
-		}
+		return nil
+	}); err != nil {
+		t.Fatalf("agent %d: %v", a.Pid(), err)
 	}
 	return time.Since(start)
 }
@@ -72,18 +73,18 @@ func TestTwoAgents(t *testing.T) {
 		// Both at once (same flags, same metrics address): one binds the lock first.
 		a1, a2 := env.StartAgent(ctx, t, b), env.StartAgent(ctx, t, b)
 		var holder, waiter *Agent
-		for holder == nil {
-			switch lockHolder(t, env).Pid {
+		if err := testutil.PollContext(ctx, 5*time.Millisecond, func() error {
+			switch h := lockHolder(t, env); h.Pid {
 			case a1.Pid():
 				holder, waiter = a1, a2
 			case a2.Pid():
 				holder, waiter = a2, a1
 			default:
-				time.Sleep(5 * time.Millisecond)
+				return testutil.NotYet("neither agent took the node lock (held by %s)", h)
 			}
-			if ctx.Err() != nil {
-				t.Fatal("neither agent took the node lock")
-			}
+			return nil
+		}); err != nil {
+			t.Fatal(err)
 		}
 		if err := holder.WaitReady(ctx); err != nil {
 			t.Fatal(err)

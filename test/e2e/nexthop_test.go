@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net/netip"
 	"testing"
-	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
@@ -46,15 +45,13 @@ route replace ::/0 nhid 2
 		}
 		for _, c := range []struct{ dst, want netip.Addr }{{ext2Masq4, uplink2Addr4}, {ext2Masq6, uplink2Addr6}} {
 			for _, proto := range []string{"tcp", "udp"} {
-				deadline := time.Now().Add(LiveChangeDeadline)
-				for {
-					got, err := env.Probe(ctx, proto, c.dst)
-					if err == nil && got.Addr() == c.want {
-						break
+				if err := testutil.Poll(LiveChangeDeadline, 0, func() error {
+					if got, err := env.Probe(ctx, proto, c.dst); err != nil || got.Addr() != c.want {
+						return testutil.NotYet("the host saw %s (%v), want %s", got, err, c.want)
 					}
-					if time.Now().After(deadline) {
-						t.Fatalf("%s to %s after the nexthops moved: the host saw %s (%v), want %s", proto, c.dst, got, err, c.want)
-					}
+					return nil
+				}); err != nil {
+					t.Fatalf("%s to %s after the nexthops moved: %v", proto, c.dst, err)
 				}
 			}
 		}

@@ -34,7 +34,7 @@ func NftablesBackend() Backend {
 		},
 		Gone: func(ctx context.Context, t testing.TB, env *Env) {
 			t.Helper()
-			for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+			for _, fam := range policy.Families() {
 				if st := readTable(t, env.Node, fam); st != nil {
 					t.Errorf("the %s table is still there", fam)
 				}
@@ -95,7 +95,7 @@ func nftablesDiff(ctx context.Context, t testing.TB, env *Env) string {
 	if _, err := NSExec(ctx, scratch, env.Render(ctx, t, "--backend=nftables"), "nft", "-f", "-"); err != nil {
 		t.Fatalf("load render's transactions: %v", err)
 	}
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		got, want := readTable(t, env.Node, fam), readTable(t, scratch, fam)
 		switch {
 		case got == nil && want == nil:

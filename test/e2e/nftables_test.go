@@ -16,7 +16,7 @@ func TestNftablesExclusive(t *testing.T) {
 	bpfb := BestBPFBackend()
 	switchBackends(t, []Backend{ipt, nft, bpfb}, []Backend{ipt, nft, bpfb, nft, ipt}, func(ctx context.Context, t *testing.T, env *Env, run int, b Backend) {
 		if b.Name != nft.Name {
-			for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+			for _, fam := range policy.Families() {
 				if readTable(t, env.Node, fam) != nil {
 					t.Errorf("run %d (%s): the %s nftables table stays", run, b.Name, fam)
 				}
@@ -26,7 +26,7 @@ func TestNftablesExclusive(t *testing.T) {
 		if s := bpfLeft(t, env); s != "" {
 			t.Errorf("run %d (%s): BPF state left: %s", run, b.Name, s)
 		}
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range policy.Families() {
 			if s := installed(ctx, t, env, iptables.ModeNFT, fam); s != "" {
 				t.Errorf("run %d (%s): the iptables chain stays:\n%s", run, b.Name, s)
 			}

@@ -118,19 +118,17 @@ func TestPolicyRoutedUplink(t *testing.T) {
 		// 5-tuple each); within a few seconds every one must.
 		check := func(when string, probes []probe) {
 			t.Helper()
-			deadline := time.Now().Add(10 * time.Second)
+			within, cancel := context.WithTimeout(ctx, 10*time.Second)
+			defer cancel()
 			for _, c := range probes {
 				for _, proto := range []string{"tcp", "udp"} {
-					var got netip.AddrPort
-					var err error
-					for {
-						got, err = env.Probe(ctx, proto, c.dst)
-						if err == nil && got.Addr() == c.want || time.Now().After(deadline) {
-							break
+					if err := testutil.PollContext(within, 0, func() error {
+						if got, err := env.Probe(ctx, proto, c.dst); err != nil || got.Addr() != c.want {
+							return testutil.NotYet("the host saw %s (%v), want %s", got, err, c.want)
 						}
-					}
-					if err != nil || got.Addr() != c.want {
-						t.Errorf("%s: %s to %s: the host saw %s (%v), want %s", when, proto, c.dst, got, err, c.want)
+						return nil
+					}); err != nil {
+						t.Errorf("%s: %s to %s: %v", when, proto, c.dst, err)
 					}
 				}
 			}

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/iptables"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -371,19 +372,19 @@ func applyStep(ctx context.Context, t *testing.T, env *Env, prev, st Step) {
 		t.Fatal(err)
 	}
 	var probeErrs []error
-	for {
+	dctx, dcancel := context.WithDeadline(ctx, start.Add(LiveChangeDeadline))
+	defer dcancel()
+	if err := testutil.PollContext(dctx, time.Millisecond, func() error {
 		got, _, err := env.Observe(ctx, "tcp", dst)
 		if err == nil && got == sentinel.Want {
-			break
+			return nil
 		}
 		if err != nil {
 			probeErrs = append(probeErrs, err)
 		}
-		if ctx.Err() != nil || time.Since(start) > LiveChangeDeadline {
-			t.Fatalf("the change did not take effect within %v: tcp to %s still %s (%v); probe errors meanwhile: %v",
-				time.Since(start), dst, got, err, probeErrs)
-		}
-		time.Sleep(time.Millisecond)
+		return testutil.NotYet("tcp to %s still %s (%v)", dst, got, err)
+	}); err != nil {
+		t.Fatalf("the change did not take effect within %v: %v; probe errors meanwhile: %v", time.Since(start), err, probeErrs)
 	}
 	t.Logf("live config change: file written to traffic changed (tcp to %s %s) in %v; probe errors meanwhile: %v",
 		dst, sentinel.Want, time.Since(start), probeErrs)

@@ -158,19 +158,19 @@ func TestUplinkMACChange(t *testing.T) {
 			return
 		}
 		want := bpf.MACOf(mustMAC(t, failedOver))
-		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if err := testutil.Poll(10*time.Second, 50*time.Millisecond, func() error {
 			dp, err := bpf.OpenPinnedReadOnly(env.PinDir())
 			if err != nil {
-				t.Fatal(err)
+				return err
 			}
 			u, _, err := dp.Uplink(env.UplinkIndex(t))
 			dp.Close()
 			if err == nil && u.MAC == want {
-				break
+				return nil
 			}
-			if time.Now().After(deadline) {
-				t.Fatalf("uplink_macs holds %s (%v), want the new MAC %s", u.MAC, err, want)
-			}
+			return testutil.NotYet("uplink_macs holds %s (%v), want the new MAC %s", u.MAC, err, want)
+		}); err != nil {
+			t.Fatal(err)
 		}
 	})
 }

@@ -37,7 +37,7 @@ const (
 // load-balancer IP, an external IP and a NodePort, its endpoint the pod's line echo server.
 func testServices() []Service {
 	var out []Service
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		lb, ext, cip := lbAddr4, extIPAddr4, clusterIP4
 		if fam == policy.IPv6 {
 			lb, ext, cip = lbAddr6, extIPAddr6, clusterIP6
@@ -134,7 +134,7 @@ func TestServicesOnOutsideAddresses(t *testing.T) {
 		env.StartReady(ctx, t, b, keepLocalConfig)
 		StartLineEcho(t, env.Pod, []netip.Addr{PodAddr4, PodAddr6})
 		var failed []string
-		for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+		for _, fam := range policy.Families() {
 			for _, p := range serviceProbes(env, fam) {
 				for _, proto := range []string{"tcp", "udp"} {
 					if msg := p.run(ctx, proto); msg != "" {

@@ -5,6 +5,8 @@ import (
 	"net/netip"
 	"testing"
 	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 )
 
 // TestIdleEstablishedSurvives: an established TCP connection, IPv4 and IPv6, idle far past the
@@ -75,12 +77,13 @@ func TestIdleEstablishedSurvives(t *testing.T) {
 		if n := entries(); n < 4 {
 			t.Fatalf("%v established TCP entries before the long idle, want the connections' (at least 4)", n)
 		}
-		deadline := time.Now().Add(established + 5*time.Second)
-		for entries() != 0 {
-			if time.Now().After(deadline) {
-				t.Fatalf("the idle connections are still in the table %v after their last packet (the node's timeout: %v)", established+5*time.Second, established)
+		if err := testutil.Poll(established+5*time.Second, 200*time.Millisecond, func() error {
+			if n := entries(); n != 0 {
+				return testutil.NotYet("the idle connections (%v entries) out of the table (the node's timeout: %v)", n, established)
 			}
-			time.Sleep(200 * time.Millisecond)
+			return nil
+		}); err != nil {
+			t.Fatalf("%v after their last packet", err)
 		}
 	})
 }

@@ -393,22 +393,19 @@ func UDPFlows(ctx context.Context, ns string, dst netip.Addr, sockets, flows int
 // in the background listens a moment later, and connections before that are refused.
 func WaitListening(ctx context.Context, t testing.TB, ns string, addr netip.AddrPort) {
 	t.Helper()
-	for {
-		err := testutil.Do(ns, func() error {
+	if err := testutil.PollContext(ctx, 10*time.Millisecond, func() error {
+		if err := testutil.Do(ns, func() error {
 			c, err := net.DialTimeout("tcp", addr.String(), time.Second)
 			if err == nil {
 				c.Close()
 			}
 			return err
-		})
-		if err == nil {
-			return
+		}); err != nil {
+			return testutil.NotYet("%v", err)
 		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("%s does not listen in %s: %v", addr, ns, err)
-		case <-time.After(10 * time.Millisecond):
-		}
+		return nil
+	}); err != nil {
+		t.Fatalf("%s does not listen in %s: %v", addr, ns, err)
 	}
 }
 

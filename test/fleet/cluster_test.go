@@ -11,6 +11,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/cluster"
+	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
 )
 
@@ -76,11 +77,12 @@ func applyEdited(ctx context.Context, t *testing.T, cp *cluster.ControlPlane, pa
 // eventually polls cond every 20ms until it holds, failing the test after a liveness bound.
 func eventually(t *testing.T, what string, bound time.Duration, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(bound)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within %v", what, bound)
+	if err := testutil.Poll(bound, 20*time.Millisecond, func() error {
+		if !cond() {
+			return testutil.NotYet("%s", what)
 		}
-		time.Sleep(20 * time.Millisecond)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
 }

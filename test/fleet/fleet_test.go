@@ -191,13 +191,13 @@ func (f *fleet) rollout(ctx context.Context, t *testing.T, what string, want e2e
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for time.Since(start) < liveness {
-				if w, err := verdict(ctx, n); err == nil && w == want {
-					took[i] = time.Since(start)
-					return
+			_ = testutil.Poll(time.Until(start.Add(liveness)), 2*time.Millisecond, func() error {
+				if w, err := verdict(ctx, n); err != nil || w != want {
+					return testutil.NotYet("%s, %v", w, err)
 				}
-				time.Sleep(2 * time.Millisecond)
-			}
+				took[i] = time.Since(start)
+				return nil
+			}) // a verdict that did not change leaves took[i] zero, reported below
 		}()
 	}
 	wg.Wait()

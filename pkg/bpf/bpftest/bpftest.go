@@ -210,7 +210,7 @@ func (o *Old) write(opts Options, recordLayout int) error {
 	ne := binary.NativeEndian
 	slot := uint32(0)
 	outSlot := map[policy.Family]uint32{policy.IPv4: noSlot, policy.IPv6: noSlot}
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		if !p.Enabled(fam) {
 			continue
 		}
@@ -309,7 +309,7 @@ var legacyPolicy = policyLayout{familyCfg: 8, trieValue: func(_ policy.Family, _
 // and the ranges.
 func (l policyLayout) natConfig(p *policy.Policy, outSlot map[policy.Family]uint32) []byte {
 	var v []byte
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		fc := make([]byte, l.familyCfg)
 		if p.Enabled(fam) {
 			fc[0] = 1

@@ -54,7 +54,7 @@ type countKey struct {
 func New() *Fake {
 	f := &Fake{fakes: map[policy.Family]*knftables.Fake{}, counts: map[countKey]nftables.Count{},
 		Runs: map[policy.Family]int{}, Batches: map[policy.Family]int{}}
-	for _, fam := range []policy.Family{policy.IPv4, policy.IPv6} {
+	for _, fam := range policy.Families() {
 		kf := knftables.IPv4Family
 		if fam == policy.IPv6 {
 			kf = knftables.IPv6Family

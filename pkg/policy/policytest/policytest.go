@@ -23,7 +23,7 @@ func Config(rng *rand.Rand, nonMasq int) config.Config {
 	}
 	var pool []netip.Prefix
 	pick := func() netip.Prefix {
-		fam := []policy.Family{policy.IPv4, policy.IPv6}[rng.IntN(2)]
+		fam := policy.Families()[rng.IntN(2)]
 		if len(pool) > 0 && rng.IntN(3) == 0 {
 			if p := pool[rng.IntN(len(pool))]; policy.FamilyOf(p.Addr()) == fam {
 				if rng.IntN(3) == 0 || p.Bits() == 0 {
