@@ -706,7 +706,15 @@ func TestMigrateAfterTheSwap(t *testing.T) {
 	for range 3 {
 		h.mustPass(dp.Egress(), udpPacket(live, peer, nil))
 	}
+	// Another pod finds the one port taken: a drop only the new programs counted.
+	if ret, _ := h.run(t, dp.Egress(), udpPacket(ap(pod4(4), 4000), peer, nil)); ret != tcActShot {
+		t.Fatalf("a second flow on the one port: verdict %d, want a drop", int32(ret))
+	}
 	counted := outboundPackets(t, dp)
+	events := eventCounts(t, dp)
+	if events[EventDropNoPort] == 0 {
+		t.Fatalf("the new programs counted no drop_no_port: %v", events)
+	}
 	dp.Close() // killed before Finish
 
 	// The next agent, over the same pins.
@@ -731,6 +739,7 @@ func TestMigrateAfterTheSwap(t *testing.T) {
 	if got := outboundPackets(t, dp); got != counted {
 		t.Errorf("the outbound rule counted %d packets after the second agent's first pass, %d before", got, counted)
 	}
+	countersGrew(t, "the second agent's first pass", events, eventCounts(t, dp))
 	h.dp = dp
 	if back := tupleOf(t, h.mustPass(dp.Ingress(), udpPacket(peer, liveSeen.src, nil))); back.dst != live {
 		t.Errorf("the reply to the new programs' flow goes to %s, want its pod %s (the frozen flow's is %s)", back.dst, live, stale)
@@ -749,6 +758,30 @@ func TestMigrateAfterTheSwap(t *testing.T) {
 	}
 	if got := outboundPackets(t, dp); got != counted+2 {
 		t.Errorf("the outbound rule counted %d packets after Finish, want %d", got, counted+2)
+	}
+	countersGrew(t, "Finish", events, eventCounts(t, dp))
+}
+
+func eventCounts(t *testing.T, dp *Datapath) map[Event]uint64 {
+	t.Helper()
+	n, err := dp.EventCounts()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// countersGrew fails the test where a counter of after is below before's: a counter that goes
+// back breaks Prometheus' rate.
+func countersGrew(t *testing.T, what string, before, after map[Event]uint64) {
+	t.Helper()
+	if len(before) == 0 {
+		t.Fatal("no event counted before")
+	}
+	for e, n := range before {
+		if after[e] < n {
+			t.Errorf("after %s event %s counts %d, before %d", what, e, after[e], n)
+		}
 	}
 }
 

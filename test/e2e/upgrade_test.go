@@ -114,6 +114,7 @@ func TestUpgradeFromLayout(t *testing.T) {
 				t.Logf("through layout %d's programs: TCP seen from %s, UDP from %s", from, seen[0], seen[1])
 				w := watchFlows(ctx, env, conns, seen)
 				time.Sleep(200 * time.Millisecond)
+				events := pinnedEvents(t, env)
 
 				ag := env.StartAgent(ctx, t, b)
 				if err := ag.WaitReady(ctx); err != nil {
@@ -121,6 +122,12 @@ func TestUpgradeFromLayout(t *testing.T) {
 				}
 				if err := ag.WaitLog(ctx, 1, "migration finished"); err != nil {
 					t.Fatal(err)
+				}
+				// Counters only grow (a counter that goes back breaks Prometheus' rate).
+				for e, n := range pinnedEvents(t, env) {
+					if n < events[e] {
+						t.Errorf("after the migration event %s counts %d, before the agent %d", e, n, events[e])
+					}
 				}
 				if ag.Count("migrating the pinned maps of an older layout", fmt.Sprintf("layout %d pinned under %s", from, env.PinRoot())) != 1 {
 					t.Errorf("the agent did not say it migrates from layout %d:\n%s", from, ag.Logs())
@@ -237,6 +244,7 @@ func TestUpgradeInterrupted(t *testing.T) {
 				}
 				w := watchFlows(ctx, env, conns, seen)
 				time.Sleep(200 * time.Millisecond)
+				events := pinnedEvents(t, env)
 
 				ag := env.StartAgent(ctx, t, b)
 				if err := ag.WaitReady(ctx); err != nil {
@@ -244,6 +252,12 @@ func TestUpgradeInterrupted(t *testing.T) {
 				}
 				if err := ag.WaitLog(ctx, 1, "migration finished"); err != nil {
 					t.Fatal(err)
+				}
+				// Counters only grow (a counter that goes back breaks Prometheus' rate).
+				for e, n := range pinnedEvents(t, env) {
+					if n < events[e] {
+						t.Errorf("after the migration event %s counts %d, before the agent %d", e, n, events[e])
+					}
 				}
 				resumed := ag.Count("resuming a migration whose agent stopped after the swap") == 1
 				if resumed != (step != beforeSwap) {
@@ -262,6 +276,21 @@ func TestUpgradeInterrupted(t *testing.T) {
 			})
 		}
 	}
+}
+
+// pinnedEvents reads the event counters of this layout's pinned maps.
+func pinnedEvents(t *testing.T, env *Env) map[bpf.Event]uint64 {
+	t.Helper()
+	dp, err := bpf.OpenReadOnly(env.PinRoot())
+	if err != nil || dp == nil {
+		t.Fatalf("open the pinned maps: %v (%v)", err, dp)
+	}
+	defer dp.Close()
+	n, err := dp.EventCounts()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
 }
 
 // pinNames lists the names under dir.
