@@ -160,6 +160,11 @@ func (a *Agent) Get(ctx context.Context, path string) (int, string, error) {
 	return HTTPGet(ctx, a.ns, "http://"+MetricsAddress+path)
 }
 
+// httpTimeout bounds one request: a liveness bound, so that a poll asks again after a request
+// that hangs. A scrape reads every counter of the datapath, which in a TCG guest beside other
+// guests took over 2 s (the iptables backend's counters on 5.10).
+var httpTimeout = Scaled(10 * time.Second)
+
 // HTTPGet fetches url from inside the namespace ns.
 func HTTPGet(ctx context.Context, ns, url string) (int, string, error) {
 	client := http.Client{Transport: &http.Transport{
@@ -176,7 +181,7 @@ func HTTPGet(ctx context.Context, ns, url string) (int, string, error) {
 			return c, err
 		},
 	}}
-	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, httpTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
