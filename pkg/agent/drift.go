@@ -41,9 +41,6 @@ func (a *Agent) checkDrift(ctx context.Context, st *loopState, log *slog.Logger)
 	kinds = a.unenforced(kinds, log)
 	if len(kinds) == 0 {
 		a.healed(st, nil, log) // repaired by an earlier apply whose own check failed
-		a.mu.Lock()
-		a.stats.Persisting = nil
-		a.mu.Unlock()
 		st.persisting = ""
 		return false
 	}
@@ -75,9 +72,6 @@ func (a *Agent) settleDrift(ctx context.Context, st *loopState, log *slog.Logger
 	}
 	left = a.unenforced(left, log)
 	a.healed(st, left, log)
-	a.mu.Lock()
-	a.stats.Persisting = slices.Clone(left)
-	a.mu.Unlock()
 	if len(left) == 0 {
 		st.persisting = ""
 		return
@@ -114,18 +108,25 @@ func (a *Agent) unenforced(kinds []string, log *slog.Logger) []string {
 	return repairable
 }
 
-// healed counts and logs, once each, the pending kinds of drift that are not in left.
+// healed counts and logs, once each, the pending kinds of drift that are not in left, and
+// records left as what persists. Both change under one lock, so Stats never shows a kind as
+// healed and still persisting.
 func (a *Agent) healed(st *loopState, left []string, log *slog.Logger) {
+	var done []string
+	a.mu.Lock()
 	for _, k := range slices.Sorted(maps.Keys(st.drift)) {
 		if slices.Contains(left, k) {
 			continue
 		}
-		a.mu.Lock()
 		if a.stats.Heals == nil {
 			a.stats.Heals = map[string]uint64{}
 		}
 		a.stats.Heals[k]++
-		a.mu.Unlock()
+		done = append(done, k)
+	}
+	a.stats.Persisting = slices.Clone(left)
+	a.mu.Unlock()
+	for _, k := range done {
 		log.Warn("drift healed: restored what was changed behind the agent's back", "what", k,
 			"took", time.Since(st.drift[k]).Round(time.Millisecond))
 		delete(st.drift, k)

@@ -79,6 +79,24 @@ func TestDriftPersists(t *testing.T) {
 	r := startAgent(t, filepath.Join(t.TempDir(), "ip-masq-agent"), b, withDrift(10*time.Millisecond))
 	b.WaitApply(t)
 	r.waitReady(t)
+	// Stats is read without pause throughout: a kind must never show as healed and still
+	// persisting at once (it did, between two locks, and failed CI).
+	stop := make(chan struct{})
+	torn := make(chan Stats, 1)
+	go func() {
+		defer close(torn)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if s := r.agent.Stats(); s.Heals[datapath.DriftProgram] > 0 && slices.Contains(s.Persisting, datapath.DriftProgram) {
+				torn <- s
+				return
+			}
+		}
+	}()
 	b.Stick(datapath.DriftProgram)
 	b.Damage(datapath.DriftProgram)
 	for range 3 {
@@ -94,6 +112,10 @@ func TestDriftPersists(t *testing.T) {
 	r.waitStats(t, "the heal", func(s Stats) bool { return s.Heals[datapath.DriftProgram] == 1 })
 	if p := r.agent.Stats().Persisting; p != nil {
 		t.Errorf("persisting %q after the heal", p)
+	}
+	close(stop)
+	if s, ok := <-torn; ok {
+		t.Errorf("stats showed %q healed %d times and still persisting", datapath.DriftProgram, s.Heals[datapath.DriftProgram])
 	}
 	b.Drain()
 	b.NoApply(t, 100*time.Millisecond)
