@@ -129,6 +129,20 @@ func checkSchema(t *testing.T, path string, typ reflect.Type, s apiextensionsv1.
 	}
 }
 
+// Both CRDs have the status subresource: the agent writes a node's status through it (and
+// RBAC grants it there), and an IPMasqAgentConfig's generation counts its spec's changes only.
+func TestCRDsHaveStatusSubresource(t *testing.T) {
+	all := manifests(t)
+	for _, path := range []string{"crds/ipmasqagentconfigs.yaml", "crds/ipmasqagentnodes.yaml"} {
+		crd := one[*apiextensionsv1.CustomResourceDefinition](t, all, path)
+		for _, v := range crd.Spec.Versions {
+			if v.Subresources == nil || v.Subresources.Status == nil {
+				t.Errorf("%s %s: no status subresource", path, v.Name)
+			}
+		}
+	}
+}
+
 // Least privilege: each source's role reads its one object, the status role writes node statuses
 // and reads Nodes, and nothing more.
 func TestRBACIsLeast(t *testing.T) {
@@ -138,9 +152,14 @@ func TestRBACIsLeast(t *testing.T) {
 	}
 	read := []string{"get", "list", "watch"}
 	for path, want := range map[string][]rbacv1.PolicyRule{
-		"rbac/configmap/role.yaml":     {rule([]string{""}, []string{"configmaps"}, []string{kube.DefaultConfigMapName}, read)},
-		"rbac/crd/clusterrole.yaml":    {rule([]string{kube.Group}, []string{kube.Configs.Plural}, []string{kube.DefaultConfigName}, read)},
-		"rbac/status/clusterrole.yaml": {rule([]string{kube.Group}, []string{kube.Nodes.Plural}, nil, []string{"create", "patch"}), rule([]string{""}, []string{"nodes"}, nil, []string{"get"})},
+		"rbac/configmap/role.yaml":  {rule([]string{""}, []string{"configmaps"}, []string{kube.DefaultConfigMapName}, read)},
+		"rbac/crd/clusterrole.yaml": {rule([]string{kube.Group}, []string{kube.Configs.Plural}, []string{kube.DefaultConfigName}, read)},
+		"rbac/status/clusterrole.yaml": {rule([]string{kube.Group}, []string{kube.Nodes.Plural}, nil, []string{"create", "patch"}),
+			rule([]string{kube.Group}, []string{kube.Nodes.Plural + "/status"}, nil, []string{"patch"}), rule([]string{""}, []string{"nodes"}, nil, []string{"get"})},
+		// --metrics-secure: the agent asks about its scrapers; a scraper gets /metrics.
+		"rbac/metrics/clusterrole.yaml": {rule([]string{"authentication.k8s.io"}, []string{"tokenreviews"}, nil, []string{"create"}),
+			rule([]string{"authorization.k8s.io"}, []string{"subjectaccessreviews"}, nil, []string{"create"})},
+		"rbac/metrics/reader.yaml": {{NonResourceURLs: []string{"/metrics"}, Verbs: []string{"get"}}},
 	} {
 		var got []rbacv1.PolicyRule
 		switch r := all[path][0].(type) {

@@ -68,6 +68,15 @@ type podMonitor struct {
 			Path        string       `json:"path"`
 			Interval    string       `json:"interval"`
 			Relabelings []relabeling `json:"relabelings"`
+			// Of the chart's PodMonitor of a secure endpoint (metrics.secure).
+			Scheme    string `json:"scheme"`
+			TLSConfig *struct {
+				InsecureSkipVerify bool `json:"insecureSkipVerify"`
+			} `json:"tlsConfig"`
+			Authorization *struct {
+				Type        string                   `json:"type"`
+				Credentials corev1.SecretKeySelector `json:"credentials"`
+			} `json:"authorization"`
 		} `json:"podMetricsEndpoints"`
 	} `json:"spec"`
 }
@@ -188,6 +197,8 @@ func decode(doc []byte) (any, error) {
 		obj = &prometheusRule{}
 	case "v1/ServiceAccount":
 		obj = &corev1.ServiceAccount{}
+	case "v1/Secret":
+		obj = &corev1.Secret{}
 	case "apiextensions.k8s.io/v1/CustomResourceDefinition":
 		obj = &apiextensionsv1.CustomResourceDefinition{}
 	case "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy":

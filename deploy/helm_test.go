@@ -198,12 +198,49 @@ func expected(t *testing.T) (release, hooks objects) {
 	return kustomize(t, "base"), hooked(kustomize(t, "cleanup"))
 }
 
+// secured makes the kustomize manifests what the chart renders with metrics.secure, its
+// default: the agent's service account (../rbac/status) and ../rbac/metrics (its scraper account
+// only beside a PodMonitor, which scrapes with it), --metrics-secure after --metrics-address, and
+// the probes over HTTPS. The kustomize base serves plain HTTP: it never talks to the API server.
+func secured(t *testing.T, r objects) {
+	t.Helper()
+	sa := "ServiceAccount " + namespace + "/ip-masq-agent"
+	if _, ok := r[sa]; !ok {
+		r[sa] = kustomize(t, "rbac/status")[sa]
+	}
+	pm, podMonitor := r["PodMonitor "+namespace+"/ip-masq-agent"]
+	for k, o := range kustomize(t, "rbac/metrics") {
+		if podMonitor || !strings.Contains(k, "-scraper") {
+			r[k] = o
+		}
+	}
+	ds := r[agentDS]
+	set(ds, true, pod("automountServiceAccountToken")...)
+	set(ds, "ip-masq-agent", pod("serviceAccountName")...)
+	args := at(ds, pod("containers", 0, "args")...).([]any)
+	if !strings.HasPrefix(args[3].(string), "--metrics-address=") {
+		t.Fatalf("args[3] = %q, want --metrics-address", args[3])
+	}
+	set(ds, slices.Insert(slices.Clone(args), 4, any("--metrics-secure")), pod("containers", 0, "args")...)
+	for _, probe := range []string{"livenessProbe", "readinessProbe"} {
+		set(ds, "HTTPS", pod("containers", 0, probe, "httpGet", "scheme")...)
+	}
+	if podMonitor {
+		ep := at(pm, "spec", "podMetricsEndpoints", 0).(map[string]any)
+		ep["scheme"] = "https"
+		ep["tlsConfig"] = generic(t, "{insecureSkipVerify: true}")
+		ep["authorization"] = generic(t, "{type: Bearer, credentials: {name: ip-masq-agent-metrics-scraper, key: token}}")
+	}
+}
+
+// The chart's defaults render the kustomize base, with the metrics secured.
 func TestChartDefaultsAreTheKustomizeBase(t *testing.T) {
 	release, hooks, err := helmTemplate(t, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	wantRelease, wantHooks := expected(t)
+	secured(t, wantRelease)
 	if d := diff(release, wantRelease); d != "" {
 		t.Errorf("helm template against deploy/base:\n%s", d)
 	}
@@ -319,6 +356,9 @@ func TestChartValues(t *testing.T) {
 			delete(r, "Service "+namespace+"/ip-masq-agent-metrics")
 		}},
 		{"pod monitor", "metrics: {podMonitor: {enabled: true}}", []string{"metrics.podMonitor.enabled"}, monitoring("PodMonitor", nil)},
+		// Plain HTTP renders the kustomize base as it is, its PodMonitor too.
+		{"plain metrics", "metrics: {secure: false}", []string{"metrics.secure"}, func(t *testing.T, r, h objects) {}},
+		{"pod monitor of plain metrics", "metrics: {secure: false, podMonitor: {enabled: true}}", []string{"metrics.secure"}, monitoring("PodMonitor", nil)},
 		{"pod monitor interval", "metrics: {podMonitor: {enabled: true, interval: 10s}}", []string{"metrics.podMonitor.interval"},
 			monitoring("PodMonitor", func(o object) { set(o, "10s", "spec", "podMetricsEndpoints", 0, "interval") })},
 		{"dashboard", "metrics: {dashboard: {enabled: true}}", []string{"metrics.dashboard.enabled"}, monitoring("ConfigMap", nil)},
@@ -354,6 +394,9 @@ func TestChartValues(t *testing.T) {
 			}
 			wantRelease, wantHooks := expected(t)
 			tt.want(t, wantRelease, wantHooks)
+			if m, _ := values["metrics"].(map[string]any); m["secure"] != false {
+				secured(t, wantRelease)
+			}
 			if d := diff(release, wantRelease); d != "" {
 				t.Errorf("%s:\n%s", tt.values, d)
 			}

@@ -59,7 +59,8 @@ func TestPrometheusRuleAlerts(t *testing.T) {
 	}
 	for _, want := range []string{"IPMasqAgentConfigRejected", "IPMasqAgentNotReady", "IPMasqAgentFallbackBackend",
 		"IPMasqAgentMasqueradeAddressMissing", "IPMasqAgentNATTableFull", "IPMasqAgentDriftPersisting",
-		"IPMasqAgentPortAllocationFailures"} {
+		"IPMasqAgentPortAllocationFailures", "IPMasqAgentConfigObjectDeleted", "IPMasqAgentDown", "IPMasqAgentAbsent",
+		"IPMasqAgentNodeStatusStale", "IPMasqAgentConfigDiverged"} {
 		if !alerts[want] {
 			t.Errorf("no alert %s (have %v)", want, slices.Sorted(maps.Keys(alerts)))
 		}
@@ -75,6 +76,7 @@ func TestPrometheusRuleQueriesExportedMetrics(t *testing.T) {
 	for _, d := range metrics.Definitions(nil) {
 		labels[d.Name] = d.Labels
 	}
+	labels["up"] = nil // Prometheus' own, one per target: only the target labels
 	targetLabels := []string{"node", "job", "instance", "pod", "namespace"}
 	promql := parser.NewParser(parser.Options{})
 	for _, g := range rule.Spec.Groups {
@@ -141,7 +143,10 @@ func exprLabels(t *testing.T, rule string, expr parser.Expr, known map[string][]
 		return exprLabels(t, rule, e.VectorSelector, known, target)
 	case *parser.BinaryExpr:
 		lhs := exprLabels(t, rule, e.LHS, known, target)
-		exprLabels(t, rule, e.RHS, known, target)
+		rhs := exprLabels(t, rule, e.RHS, known, target)
+		if e.LHS.Type() == parser.ValueTypeScalar {
+			return rhs // scalar op vector: the vector's labels
+		}
 		return lhs
 	case *parser.ParenExpr:
 		return exprLabels(t, rule, e.Expr, known, target)

@@ -192,6 +192,9 @@ func configText(doc string) (string, error) {
 // what the binary prints: its output, or "ip-masq-agent: " and the error it fails with.
 func run(args []string, cfg string) (string, error) {
 	cmd := []string{args[0], "--config", cfg}
+	if args[0] == "explain" {
+		cmd = append(cmd, "--from-file") // the page's configuration, not that of an agent running here
+	}
 	named := config.DefaultPath
 	for i := 1; i < len(args); i++ {
 		switch a := args[i]; {

@@ -109,23 +109,24 @@ func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg conf
 		// The datapath implements this configuration too (it may differ in settings that do
 		// not reach the datapath, such as resyncInterval): it is the one in force now.
 		hash := ConfigHash(cfg)
-		st.desiredHash, st.unhashed, st.desiredRevision = hash, nil, rev
-		a.reloaded(hash, rev)
+		st.desiredHash, st.unhashed, st.desiredRevision, st.desiredConfig = hash, nil, rev, cfg
+		a.reloaded(hash, rev, cfg)
 		return
 	}
 	if changed {
 		log.Info("config changed", "path", a.opts.Source.String())
 	}
-	st.desired, st.desiredHash, st.unhashed, st.desiredRevision = p, "", &cfg, rev
+	st.desired, st.desiredHash, st.unhashed, st.desiredRevision, st.desiredConfig = p, "", &cfg, rev, cfg
 	_ = a.apply(ctx, st, log, true)
 }
 
-// reloaded counts a reload whose configuration, of the given hash and revision, is in force
-// already.
-func (a *Agent) reloaded(hash string, rev config.Revision) {
+// reloaded counts a reload whose configuration cfg, of the given hash and revision, is in
+// force already.
+func (a *Agent) reloaded(hash string, rev config.Revision, cfg config.Config) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.stats.Reloads++
 	a.stats.LastReload = time.Now()
 	a.stats.ConfigSHA256, a.stats.ConfigRevision = hash, rev
+	a.inForce = &cfg
 }

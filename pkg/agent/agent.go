@@ -97,6 +97,8 @@ type Agent struct {
 	// addrGone says which masquerade address of the policy in force the node lacks; /readyz
 	// fails while it is set.
 	addrGone string
+	// inForce is the configuration in force (Stats.ConfigSHA256's), nil before the first.
+	inForce *config.Config
 }
 
 // New checks the options and returns an agent; it touches neither the configuration nor the

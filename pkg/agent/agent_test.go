@@ -452,8 +452,21 @@ func hashOf(t *testing.T, doc string) string {
 	return ConfigHash(cfg)
 }
 
-// Every reload counts once by result; the hash follows the configuration in force; every apply
-// is timed.
+// appliedIs checks that the agent's Applied is the configuration of doc, with its hash.
+func (r *running) appliedIs(t *testing.T, what, doc string) {
+	t.Helper()
+	got, ok := r.agent.Applied()
+	want, err := config.Parse([]byte(doc), config.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !ok || string(got.Config.Canonical()) != string(want.Canonical()) || got.SHA256 != ConfigHash(want) {
+		t.Errorf("%s: applied %s (ok %v, hash %s), want %s", what, got.Config.Canonical(), ok, got.SHA256, want.Canonical())
+	}
+}
+
+// Every reload counts once by result; the hash and Applied follow the configuration in force;
+// every apply is timed.
 func TestReloadStats(t *testing.T) {
 	const (
 		docA     = "nonMasqueradeCIDRs: [10.0.0.0/8]\n"
@@ -471,6 +484,7 @@ func TestReloadStats(t *testing.T) {
 	if s.ConfigSHA256 != hashOf(t, docA) || s.LastReload.Before(start) || s.ConfigErrors+s.ReloadApplyErrors != 0 {
 		t.Errorf("after the first reload: %+v", s)
 	}
+	r.appliedIs(t, "after the first reload", docA)
 	if took, errs := obs.applies(); len(took) != 1 || took[0] <= 0 || errs != 0 {
 		t.Errorf("applies observed: %v, %d failed; want one", took, errs)
 	}
@@ -485,6 +499,7 @@ func TestReloadStats(t *testing.T) {
 	if s.ConfigSHA256 != hashOf(t, docASame) || !s.LastReload.After(last) || s.Applies != 1 {
 		t.Errorf("after a reload of the same policy: %+v", s)
 	}
+	r.appliedIs(t, "after a reload of the same policy", docASame)
 	b.NoApply(t, 50*time.Millisecond)
 
 	// A bad file: counted, the hash stays.
@@ -493,6 +508,7 @@ func TestReloadStats(t *testing.T) {
 	if s.ConfigSHA256 != hashOf(t, docASame) || s.Reloads != 2 {
 		t.Errorf("after a bad file: %+v", s)
 	}
+	r.appliedIs(t, "after a bad file", docASame)
 
 	// A good file whose first apply fails: one apply error, then the retry's reload succeeds.
 	b.FailApplies(1)
@@ -502,6 +518,7 @@ func TestReloadStats(t *testing.T) {
 	if s.ReloadApplyErrors != 1 || s.ApplyErrors != 1 || s.Applies != 2 || s.ConfigSHA256 != hashOf(t, docB) {
 		t.Errorf("after a failed then retried apply: %+v", s)
 	}
+	r.appliedIs(t, "after a failed then retried apply", docB)
 	if took, errs := obs.applies(); len(took) != 3 || errs != 1 {
 		t.Errorf("applies observed: %v, %d failed; want three, one failed", took, errs)
 	}

@@ -27,11 +27,12 @@ func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger, relo
 	}
 	changed := !p.Equal(st.applied)
 	st.applied, st.backoff = p, 0
-	hash := st.hash()
+	hash, cfg := st.hash(), st.desiredConfig
 	a.mu.Lock()
 	a.stats.Applies++
 	a.stats.LastApply = time.Now()
 	a.stats.ConfigSHA256, a.stats.ConfigRevision = hash, st.desiredRevision
+	a.inForce = &cfg
 	if reload {
 		a.stats.Reloads++
 		a.stats.LastReload = a.stats.LastApply

@@ -87,8 +87,10 @@ type loopState struct {
 	desired     *policy.Policy
 	desiredHash string
 	unhashed    *config.Config
-	// desiredRevision is the revision of the object desired was read from (config.Revisioned).
+	// desiredRevision is the revision of the object desired was read from (config.Revisioned),
+	// desiredConfig that configuration.
 	desiredRevision config.Revision
+	desiredConfig   config.Config
 	// applied is the policy the backend last applied successfully.
 	applied *policy.Policy
 	// backoff is the delay before the retry of a failed apply, zero while none failed.

@@ -83,3 +83,21 @@ func (a *Agent) Stats() Stats {
 	s.MissingAddresses = slices.Clone(a.stats.MissingAddresses)
 	return s
 }
+
+// Applied is the configuration in force: the one whose policy the datapath implements.
+type Applied struct {
+	Config config.Config
+	// SHA256 and Revision are Stats.ConfigSHA256 and Stats.ConfigRevision.
+	SHA256   string
+	Revision config.Revision
+}
+
+// Applied returns the configuration in force, ok false before the first is applied.
+func (a *Agent) Applied() (_ Applied, ok bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.inForce == nil {
+		return Applied{}, false
+	}
+	return Applied{Config: *a.inForce, SHA256: a.stats.ConfigSHA256, Revision: a.stats.ConfigRevision}, true
+}

@@ -4,9 +4,18 @@
 // mounted as a file waits for the kubelet's sync (about a minute). While the API server cannot
 // be reached the informer's last copy stays what Load returns: the configuration in force stays,
 // and the source says so once, and again when the server answers.
+//
+// A deleted object is not an instruction: the configuration in force stays (Load returns
+// config.ErrUnavailable, Deleted says so), the source warns once, and the agent follows the
+// object again once it is created again; an object without a configuration (an empty spec, a
+// ConfigMap without the key) is how an operator asks for the defaults. Only an agent that starts
+// while there is no object applies the defaults, as for a missing file. An edit that leaves the
+// configuration as it was (labels, annotations) is not reported, and keeps the revision: it costs
+// the fleet no reload and no status write.
 package apisource
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -108,12 +117,18 @@ type Source struct {
 	// lost says why the API server cannot be read, nil while it answers.
 	lost     error
 	revision config.Revision // of the last Load
+	// doc is the document the last Load read, nil for none: an object whose document is the
+	// same keeps its revision.
+	doc []byte
+	// deleted is true from the deletion of the object until it is created again.
+	deleted bool
 }
 
 var (
 	_ config.Source     = (*Source)(nil)
 	_ config.Revisioned = (*Source)(nil)
 	_ config.Reachable  = (*Source)(nil)
+	_ config.Deletable  = (*Source)(nil)
 )
 
 // New returns the source of obj, read through the API server cfg names; it touches nothing
@@ -173,9 +188,8 @@ func (s *Source) Watch(ctx context.Context) (<-chan struct{}, error) {
 	}); err != nil {
 		return nil, err
 	}
-	notify := func(any) { s.changes.Notify() }
-	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: notify,
-		UpdateFunc: func(_, obj any) { s.changes.Notify() }, DeleteFunc: notify}); err != nil {
+	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: s.added, UpdateFunc: s.updated,
+		DeleteFunc: s.removed}); err != nil {
 		return nil, err
 	}
 	s.mu.Lock()
@@ -195,6 +209,47 @@ func (s *Source) Watch(ctx context.Context) (<-chan struct{}, error) {
 		s.changes.Stop()
 	}()
 	return s.changes.C(), nil
+}
+
+// added reports the object's creation, and its return after a deletion.
+func (s *Source) added(any) {
+	s.mu.Lock()
+	was := s.deleted
+	s.deleted = false
+	s.mu.Unlock()
+	if was {
+		s.log.Info("the configuration's object exists again; the configuration follows it again")
+	}
+	s.changes.Notify()
+}
+
+// updated reports an edit of the object that changes its configuration; one that does not
+// (labels, annotations, status) is not a change.
+func (s *Source) updated(old, obj any) {
+	before, _, errOld := document(s.obj.Kind, old)
+	after, _, errNew := document(s.obj.Kind, obj)
+	if errOld == nil && errNew == nil && bytes.Equal(before, after) {
+		return
+	}
+	s.changes.Notify()
+}
+
+// removed reports the object's deletion, which is not an instruction: the configuration in
+// force stays.
+func (s *Source) removed(any) {
+	s.mu.Lock()
+	s.deleted = true
+	s.mu.Unlock()
+	s.log.Warn("the configuration's object was deleted; the configuration in force stays until it is created again",
+		"defaults", "a deletion is not an instruction: create the object with an empty configuration to apply them")
+	s.changes.Notify()
+}
+
+// Deleted implements config.Deletable.
+func (s *Source) Deleted() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.deleted
 }
 
 // answered records what a request to the API server found: an answer (err nil, or the
@@ -240,8 +295,10 @@ func (s *Source) Revision() config.Revision {
 	return s.revision
 }
 
-// Load implements config.Source: the object as the informer last saw it. No object means the
-// defaults, as a missing file does; before the first list there is nothing to load yet.
+// Load implements config.Source: the object as the informer last saw it. No object at the start
+// means the defaults, as a missing file does; a deleted object means nothing to load
+// (config.ErrUnavailable), so that the configuration in force stays; before the first list there
+// is nothing to load yet.
 func (s *Source) Load() (config.Config, error) {
 	s.mu.Lock()
 	inf, lost := s.informer, s.lost
@@ -272,7 +329,16 @@ func (s *Source) Load() (config.Config, error) {
 		}
 	}
 	s.mu.Lock()
-	s.revision = rev
+	// Deleted: the handler said so, or it has yet to (the store changes first), and a Load read
+	// the object before.
+	if !exists && (s.deleted || s.revision.ResourceVersion != "") {
+		s.mu.Unlock()
+		return config.Config{}, fmt.Errorf("%s: %w: the object was deleted; the configuration in force stays until it is created again",
+			s.obj, config.ErrUnavailable)
+	}
+	if !exists || s.revision.ResourceVersion == "" || !bytes.Equal(doc, s.doc) {
+		s.revision, s.doc = rev, doc
+	}
 	s.mu.Unlock()
 	if doc == nil {
 		return config.Default(s.opts.Config), nil

@@ -74,6 +74,21 @@ func (w *watching) next(t *testing.T, what string) (config.Config, error) {
 	return w.Load()
 }
 
+// quiet takes the change reports already made, until none comes for a second.
+func (w *watching) quiet(t *testing.T) {
+	t.Helper()
+	for {
+		select {
+		case _, ok := <-w.changes:
+			if !ok {
+				t.Fatal("the source stopped")
+			}
+		case <-time.After(time.Second):
+			return
+		}
+	}
+}
+
 // until loads at each change report until cond holds of what Load returns.
 func (w *watching) until(t *testing.T, what string, cond func(config.Config, error) bool) config.Config {
 	t.Helper()
@@ -129,14 +144,23 @@ func TestSources(t *testing.T) {
 		src.until(t, "the bad document", func(_ config.Config, err error) bool {
 			return err != nil && strings.Contains(err.Error(), `configmap kube-system/ip-masq-agent: nonMasqueradeCIDRs[0]: "10.0.0.1/8": host bits are set`)
 		})
+		bad := src.Revision()
 		if err := cms.Delete(ctx, cmObj.Name, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		src.until(t, "the deletion", func(cfg config.Config, err error) bool {
+		deleted(t, src, bad)
+		// An object without the key is how an operator asks for the defaults.
+		if _, err := cms.Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: cmObj.Name}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		src.until(t, "a ConfigMap without the key", func(cfg config.Config, err error) bool {
 			return err == nil && nonMasq(cfg) == nonMasq(config.Default(config.Options{}))
 		})
-		if rev := src.Revision(); rev != (config.Revision{}) {
-			t.Errorf("revision %+v of no object", rev)
+		if src.Deleted() {
+			t.Error("Deleted after the object's return")
+		}
+		if err := cms.Delete(ctx, cmObj.Name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
 		}
 	})
 
@@ -164,8 +188,50 @@ func TestSources(t *testing.T) {
 			t.Fatal(err)
 		}
 		src.until(t, "the edit", func(cfg config.Config, err error) bool { return err == nil && nonMasq(cfg) == "192.168.0.0/16" })
-		if rev := src.Revision(); rev.Generation != 2 {
+		rev := src.Revision()
+		if rev.Generation != 2 {
 			t.Errorf("revision %+v after one edit, want generation 2", rev)
+		}
+
+		// Labels and annotations are not the configuration: no change, the same revision.
+		src.quiet(t)
+		got, err = res.Get(ctx, "one", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got.SetLabels(map[string]string{"team": "net"})
+		got.SetAnnotations(map[string]string{"note": "metadata only"})
+		edited, err := res.Update(ctx, got, metav1.UpdateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if edited.GetResourceVersion() == rev.ResourceVersion || edited.GetGeneration() != rev.Generation {
+			t.Fatalf("the metadata edit: resourceVersion %s, generation %d (before: %+v)", edited.GetResourceVersion(), edited.GetGeneration(), rev)
+		}
+		select {
+		case <-src.changes:
+			t.Error("a metadata-only edit reported as a change")
+		case <-time.After(2 * time.Second):
+		}
+		if cfg, err := src.Load(); err != nil || nonMasq(cfg) != "192.168.0.0/16" || src.Revision() != rev {
+			t.Errorf("after the metadata edit: %s, %v, revision %+v; want the same configuration and revision %+v", nonMasq(cfg), err, src.Revision(), rev)
+		}
+
+		if err := res.Delete(ctx, "one", metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		deleted(t, src, rev)
+		// An empty spec is how an operator asks for the defaults.
+		obj.SetResourceVersion("")
+		obj.Object["spec"] = map[string]any{}
+		if _, err := res.Create(ctx, obj, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		src.until(t, "an empty spec", func(cfg config.Config, err error) bool {
+			return err == nil && nonMasq(cfg) == nonMasq(config.Default(config.Options{})) && cfg.MasqOutBound
+		})
+		if src.Deleted() || !strings.Contains(src.log.String(), "the configuration's object exists again") {
+			t.Errorf("Deleted %v after the object's return", src.Deleted())
 		}
 	})
 
@@ -223,6 +289,23 @@ func TestSources(t *testing.T) {
 			t.Errorf("%d lines about the return, want 1", n)
 		}
 	})
+}
+
+// deleted checks a source whose object was just deleted: nothing to load (the configuration in
+// force stays, of revision rev), Deleted, and one warning saying what the deletion does not do.
+func deleted(t *testing.T, src *watching, rev config.Revision) {
+	t.Helper()
+	src.until(t, "the deletion", func(_ config.Config, err error) bool { return err != nil })
+	if _, err := src.Load(); !errors.Is(err, config.ErrUnavailable) || !strings.Contains(err.Error(), "deleted") {
+		t.Errorf("Load after the deletion: %v; want config.ErrUnavailable saying why", err)
+	}
+	if !src.Deleted() || src.Unreachable() != nil || src.Revision() != rev {
+		t.Errorf("Deleted %v, Unreachable %v, revision %+v; want deleted, reachable, revision %+v", src.Deleted(), src.Unreachable(), src.Revision(), rev)
+	}
+	l := src.log.String()
+	if n := strings.Count(l, "level=WARN msg=\"the configuration's object was deleted; the configuration in force stays"); n != 1 {
+		t.Errorf("%d warnings about the deletion, want 1:\n%s", n, l)
+	}
 }
 
 // applyCRDs installs the project's CRDs (deploy/crds) and waits until they serve.

@@ -2,6 +2,8 @@ package cli
 
 import (
 	"context"
+	"crypto/tls"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -29,6 +31,9 @@ type agentFlags struct {
 	backend        string
 	interfaces     string
 	metricsAddress string
+	metricsSecure  bool
+	metricsCert    string
+	metricsKey     string
 	verbosity      int
 	driftInterval  time.Duration
 	ruleMetrics    int
@@ -48,6 +53,9 @@ func (f *agentFlags) register(fs *flagSet) {
 	f.backendFlags.register(fs)
 	fs.group("observability", func() {
 		fs.StringVar(&f.metricsAddress, "metrics-address", ":9743", "HOST:PORT serving /metrics, /healthz and /readyz; empty disables")
+		fs.BoolVar(&f.metricsSecure, "metrics-secure", false, "serve HTTPS, and /metrics only to clients the API server vouches for: a bearer token that passes a TokenReview, of a user allowed to get the non-resource URL /metrics (SubjectAccessReview); /healthz and /readyz stay open. Needs the API server (--kubeconfig)")
+		fs.StringVar(&f.metricsCert, "metrics-cert-file", "", "PEM certificate of --metrics-secure, read at start; empty means a self-signed one made at start, in memory")
+		fs.StringVar(&f.metricsKey, "metrics-key-file", "", "PEM private key of --metrics-cert-file")
 		f.statusFlags.register(fs.FlagSet)
 		fs.IntVar(&f.ruleMetrics, "rule-metrics-limit", metrics.DefaultRuleSeries, "how many rules have series of their own in the per-rule metrics: a policy of more rules exports the busiest (every rule counts in the per-origin totals, and dump shows them all); 0 exports every rule, two series each")
 		// Accepted so that upstream manifests keep working: klog verbosity (4 and above log debug).
@@ -58,12 +66,14 @@ func (f *agentFlags) register(fs *flagSet) {
 
 // parseAgentFlags parses the arguments of the command named name, which takes the agent's flags
 // (so that the DaemonSet's arguments can be reused) and its own, which own registers, and no
-// positional argument; the backends' flags are checked.
-func parseAgentFlags(name string, args []string, stderr io.Writer, own func(fs *flagSet)) (*agentFlags, error) {
+// positional argument; the backends' flags are checked. Its help lists its own flags and the
+// agent's it reads (reads), and names the others as accepted.
+func parseAgentFlags(name string, args []string, stderr io.Writer, reads []string, own func(fs *flagSet)) (*agentFlags, error) {
 	var af agentFlags
 	fs := newFlagSet(commandNamed(name), stderr)
 	fs.group(name, func() { own(fs) })
 	af.register(fs)
+	fs.listOnly(append(fs.groups[0].names, reads...))
 	if err := parseNoArgs(fs.FlagSet, args); err != nil {
 		return nil, err
 	}
@@ -135,7 +145,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	defer stopWatch()
-	return af.serve(ctx, dp, src, popts, addrs, log)
+	return af.serve(ctx, dp, src, popts, addrs, lock, log)
 }
 
 // watchNodeAddresses follows the node's addresses (nodeaddr) until stop is called.
@@ -157,15 +167,16 @@ func watchNodeAddresses(ctx context.Context, interfaces []string, log *slog.Logg
 }
 
 // serve runs the agent over the chosen datapath until ctx ends: its loop, the status it
-// publishes, and its endpoint with the metrics.
-func (af *agentFlags) serve(ctx context.Context, dp *backends.Chosen, src config.Source, popts policy.Options, addrs *nodeaddr.Checker, log *slog.Logger) error {
+// publishes, its endpoint with the metrics, and the configuration it applied (on the lock).
+func (af *agentFlags) serve(ctx context.Context, dp *backends.Chosen, src config.Source, popts policy.Options, addrs *nodeaddr.Checker, lock *nodelock.Lock, log *slog.Logger) error {
 	obs := metrics.NewObserver()
 	a, err := agent.New(agent.Options{Source: src, PolicyOptions: popts, Backend: dp.Backend, Logger: log,
 		Observer: obs, Changes: dp.Changes, Displace: dp.Displace, DriftInterval: af.driftInterval, Addresses: addrs})
 	if err != nil {
 		return err
 	}
-	pub, err := af.publisher(a, dp, src.String(), log)
+	answerConfig(lock, a, af.sourceName(), af.policyFlags)
+	pub, err := af.publisher(a, dp, src, log)
 	if err != nil {
 		return err
 	}
@@ -174,7 +185,7 @@ func (af *agentFlags) serve(ctx context.Context, dp *backends.Chosen, src config
 	if pub != nil {
 		mo.Status = pub
 	}
-	ln, err := serveMetrics(ctx, a, mo, af.metricsAddress)
+	ln, err := af.serveMetrics(ctx, a, mo, log)
 	if err != nil {
 		return err
 	}
@@ -224,6 +235,12 @@ func (f *agentFlags) agentBackendOptions() (backends.Options, error) {
 	if err := f.statusFlags.check(); err != nil {
 		return backends.Options{}, err
 	}
+	if !f.metricsSecure && f.metricsCert+f.metricsKey != "" {
+		return backends.Options{}, usageError{errors.New("metrics-cert-file and metrics-key-file need --metrics-secure")}
+	}
+	if (f.metricsCert == "") != (f.metricsKey == "") {
+		return backends.Options{}, usageError{errors.New("metrics-cert-file and metrics-key-file go together")}
+	}
 	if f.ruleMetrics < 0 {
 		return backends.Options{}, usageError{fmt.Errorf("rule-metrics-limit %d: must be 0 (every rule) or more", f.ruleMetrics)}
 	}
@@ -246,20 +263,39 @@ func (f *agentFlags) ruleSeries() int {
 }
 
 // serveMetrics adds /metrics to the agent's endpoint, with the applies obs records, and listens
-// on addr (none when empty). Listening before the loop starts makes a taken port an immediate,
-// clear error.
-func serveMetrics(ctx context.Context, a *agent.Agent, opts metrics.Options, addr string) (net.Listener, error) {
+// on --metrics-address (none when empty): with --metrics-secure, over TLS, /metrics served only
+// to the clients the API server authenticates and authorizes. Listening before the loop starts
+// makes a taken port an immediate, clear error.
+func (af *agentFlags) serveMetrics(ctx context.Context, a *agent.Agent, opts metrics.Options, log *slog.Logger) (net.Listener, error) {
 	reg, err := metrics.NewRegistry(opts)
 	if err != nil {
 		return nil, fmt.Errorf("metrics: %w", err)
 	}
-	a.Mux().Handle("GET /metrics", metrics.Handler(reg, opts.Logger))
-	if addr == "" {
+	h := metrics.Handler(reg, opts.Logger)
+	if af.metricsAddress == "" {
+		a.Mux().Handle("GET "+metrics.Path, h)
 		return nil, nil
 	}
-	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", addr)
+	var tlsConfig *tls.Config
+	if af.metricsSecure {
+		cfg, err := af.restConfig(log)
+		if err != nil {
+			return nil, fmt.Errorf("metrics-secure: %w", err)
+		}
+		if h, err = metrics.Protect(h, cfg, log); err != nil {
+			return nil, fmt.Errorf("metrics-secure: %w", err)
+		}
+		if tlsConfig, err = metrics.TLSConfig(af.metricsCert, af.metricsKey); err != nil {
+			return nil, fmt.Errorf("metrics-secure: %w", err)
+		}
+	}
+	a.Mux().Handle("GET "+metrics.Path, h)
+	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", af.metricsAddress)
 	if err != nil {
 		return nil, fmt.Errorf("metrics-address: %w", err)
+	}
+	if tlsConfig != nil {
+		ln = tls.NewListener(ln, tlsConfig)
 	}
 	return ln, nil
 }

@@ -13,15 +13,15 @@ import (
 
 // runCleanup removes everything the agent installs, for both address families and whatever
 // backend or flags it ran with: every backend's state (backends.Installs). It takes the agent's
-// flags, so that the DaemonSet's arguments can be reused as they are; the backends' own flags,
-// --force and --v are those that matter.
+// flags, so that the DaemonSet's arguments can be reused as they are; the backends' own flags
+// (with --interfaces), --force and --v are those it reads.
 //
 // It holds the node lock while it works, so no agent starts meanwhile, and refuses to run while
 // an agent holds it: removing a running agent's datapath would only last until its drift check
 // put it back, or, worse, leave it half removed. --force runs it anyway.
 func runCleanup(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var force bool
-	af, err := parseAgentFlags("cleanup", args, stderr, func(fs *flagSet) {
+	af, err := parseAgentFlags("cleanup", args, stderr, append(datapathFlagNames(), "v"), func(fs *flagSet) {
 		fs.BoolVar(&force, "force", false, "remove everything even while an agent runs on the node (it holds the node lock)")
 	})
 	if err != nil {

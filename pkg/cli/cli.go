@@ -81,22 +81,68 @@ func commandNames() string {
 	return strings.Join(names, ", ")
 }
 
-// Run executes the command line args (without the program name).
+// Run executes the command line args (without the program name). A command's help (--help, -h,
+// or help COMMAND) goes to stdout, and is no error; a mistake on the command line writes the
+// command's usage line to stderr and returns the error, for the caller to print once.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
-		for _, c := range commands() {
-			if c.name == args[0] {
-				return c.run(ctx, args[1:], stdout, stderr)
-			}
-		}
-		if args[0] == "help" {
-			printUsage(stdout)
-			return nil
-		}
-		return usageError{fmt.Errorf("unknown command %q (see ip-masq-agent help)", args[0])}
+	c, args, err := commandOf(args)
+	if err == nil {
+		err = c.run(ctx, args, stdout, stderr)
 	}
-	return runAgent(ctx, args, stdout, stderr)
+	if h, ok := errors.AsType[helpText](err); ok {
+		_, err = io.WriteString(stdout, string(h))
+		return err
+	}
+	if _, ok := errors.AsType[usageError](err); ok {
+		printShortUsage(stderr, c)
+	}
+	return err
 }
+
+// commandOf finds the command args run, and its arguments: help COMMAND is COMMAND --help.
+func commandOf(args []string) (command, []string, error) {
+	agent := agentCommand
+	agent.run = runAgent // not in agentCommand: runAgent reads it
+	if len(args) == 0 || strings.HasPrefix(args[0], "-") {
+		return agent, args, nil
+	}
+	name, rest := args[0], args[1:]
+	if name == "help" {
+		switch {
+		case len(rest) == 0 || rest[0] == "-h" || rest[0] == "--help" || rest[0] == "-help":
+			return command{name: "help", run: func(_ context.Context, _ []string, stdout, _ io.Writer) error {
+				printUsage(stdout)
+				return nil
+			}}, nil, nil
+		case len(rest) > 1:
+			return command{name: "help", args: "[COMMAND]"}, nil, usageError{fmt.Errorf("help takes one command, got %q", rest)}
+		case rest[0] == "agent":
+			return agent, []string{"--help"}, nil
+		}
+		name, rest = rest[0], []string{"--help"}
+	}
+	for _, c := range commands() {
+		if c.name == name {
+			return c, rest, nil
+		}
+	}
+	return command{name: "help", args: "[COMMAND]"}, nil, usageError{fmt.Errorf("unknown command %q (commands: %s)", name, commandNames())}
+}
+
+// printShortUsage writes c's usage line, and where to read more, after a mistake.
+func printShortUsage(w io.Writer, c command) {
+	if c.name == "help" {
+		fmt.Fprintln(w, "usage: ip-masq-agent help [COMMAND]\nrun 'ip-masq-agent help' for the commands")
+		return
+	}
+	name := strings.TrimSpace("ip-masq-agent " + c.name)
+	fmt.Fprintf(w, "usage: %s %s\nrun '%s --help' for its flags, and an example\n", name, c.args, name)
+}
+
+// helpText is a command's help, asked for with --help or -h: what Run writes to stdout.
+type helpText string
+
+func (h helpText) Error() string { return "help requested" }
 
 func printUsage(w io.Writer) {
 	tw := tabwriter.NewWriter(w, 0, 4, 3, ' ', 0)
@@ -105,7 +151,7 @@ func printUsage(w io.Writer) {
 		fmt.Fprintf(tw, "       ip-masq-agent %s %s\t%s\n", c.name, c.args, c.summary)
 	}
 	tw.Flush()
-	fmt.Fprintln(w, "\nrun 'ip-masq-agent COMMAND --help' for the flags of a command, and an example")
+	fmt.Fprintln(w, "\nrun 'ip-masq-agent COMMAND --help' (or 'ip-masq-agent help COMMAND') for the flags of a command, and an example")
 }
 
 // policyFlags are the flags that decide the policy; the agent and every subcommand take them.
@@ -177,7 +223,7 @@ func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
 	for {
 		if err := fs.Parse(args); err != nil {
 			if errors.Is(err, flag.ErrHelp) {
-				return nil, err
+				return nil, help(fs)
 			}
 			return nil, usageError{err}
 		}
@@ -208,6 +254,8 @@ func parseNoArgs(fs *flag.FlagSet, args []string) error {
 type flagSet struct {
 	*flag.FlagSet
 	groups []flagGroup
+	// unlisted are flags accepted and not read (listOnly): the help names them, apart.
+	unlisted []string
 }
 
 type flagGroup struct {
@@ -215,18 +263,73 @@ type flagGroup struct {
 	names []string
 }
 
-func newFlagSet(c command, stderr io.Writer) *flagSet {
+// newFlagSet returns the flag set of c. It writes nothing itself: parsing returns the help
+// (helpText) when asked for it, and mistakes as errors, which Run reports.
+func newFlagSet(c command, _ io.Writer) *flagSet {
 	name := strings.TrimSpace("ip-masq-agent " + c.name)
 	fs := &flagSet{FlagSet: flag.NewFlagSet(name, flag.ContinueOnError)}
-	fs.SetOutput(stderr)
+	fs.SetOutput(io.Discard)
+	// The flag package calls Usage on every mistake as well: only help writes it somewhere.
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "usage: %s %s\n%s\n\nexample:\n  ip-masq-agent %s\n", name, c.args, c.summary, c.example)
+		w := fs.Output()
+		fmt.Fprintf(w, "usage: %s %s\n%s\n\nexample:\n  ip-masq-agent %s\n", name, c.args, c.summary, c.example)
 		for _, g := range fs.groups {
-			fmt.Fprintf(stderr, "\n%s flags:\n", g.title)
-			fs.printDefaults(stderr, g.names)
+			if len(g.names) > 0 {
+				fmt.Fprintf(w, "\n%s flags:\n", g.title)
+				fs.printDefaults(w, g.names)
+			}
+		}
+		if len(fs.unlisted) > 0 {
+			fmt.Fprintf(w, "\naccepted and not read, so that the agent's arguments can be reused: --%s\n", strings.Join(fs.unlisted, ", --"))
 		}
 	}
 	return fs
+}
+
+// listOnly keeps the flags named in the help, and moves the others to the list of those
+// accepted and not read.
+func (fs *flagSet) listOnly(names []string) {
+	for i, g := range fs.groups {
+		fs.groups[i].names = slices.DeleteFunc(slices.Clone(g.names), func(n string) bool {
+			if slices.Contains(names, n) {
+				return false
+			}
+			fs.unlisted = append(fs.unlisted, n)
+			return true
+		})
+	}
+}
+
+// policyFlagNames are the flags of policyFlags: they say what the configuration is, and how its
+// policy is made.
+func policyFlagNames() []string {
+	fs := newFlagSet(command{}, io.Discard)
+	new(policyFlags).register(fs)
+	return flagNames(fs)
+}
+
+// datapathFlagNames are the flags that say where the installed datapath is: the backends' own,
+// and --interfaces.
+func datapathFlagNames() []string {
+	fs := newFlagSet(command{}, io.Discard)
+	new(backendFlags).register(fs)
+	return append(flagNames(fs), "interfaces")
+}
+
+func flagNames(fs *flagSet) []string {
+	var out []string
+	fs.VisitAll(func(f *flag.Flag) { out = append(out, f.Name) })
+	return out
+}
+
+// help is the help of the command whose flags fs are.
+func help(fs *flag.FlagSet) helpText {
+	var b strings.Builder
+	out := fs.Output()
+	fs.SetOutput(&b)
+	fs.Usage()
+	fs.SetOutput(out)
+	return helpText(b.String())
 }
 
 // group registers flags (register), under title in the help: added to the group of that title

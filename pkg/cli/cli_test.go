@@ -3,7 +3,7 @@ package cli
 import (
 	"bytes"
 	"context"
-	"flag"
+	"crypto/rand"
 	"os"
 	"path/filepath"
 	"strings"
@@ -18,8 +18,15 @@ import (
 func run(t *testing.T, args ...string) (string, string, error) {
 	t.Helper()
 	var out, errOut bytes.Buffer
-	err := Run(context.Background(), args, &out, &errOut)
+	err := Run(testContext(t), args, &out, &errOut)
 	return out.String(), errOut.String(), err
+}
+
+// testContext names a node lock of the test's own, which nothing holds: explain and dump, run in
+// the host's namespace, never ask an agent running there.
+func testContext(t *testing.T) context.Context {
+	t.Helper()
+	return context.WithValue(context.Background(), lockNameKey{}, "ip-masq-agent-test-"+rand.Text())
 }
 
 func writeConfig(t *testing.T, body string) string {
@@ -46,7 +53,7 @@ masqOutBoundIPv6: true
 func TestExplain(t *testing.T) {
 	path := writeConfig(t, seedScenario3)
 	// Flags before, between and after the addresses; both --flag value and --flag=value.
-	out, _, err := run(t, "explain", "10.10.10.10", "--config", path, "172.16.5.5", "--enable-ipv6=true", "8.8.8.8", "fd00::1", "2001:db8::1", "169.254.169.254")
+	out, stderr, err := run(t, "explain", "10.10.10.10", "--config", path, "172.16.5.5", "--enable-ipv6=true", "8.8.8.8", "fd00::1", "2001:db8::1", "169.254.169.254")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -67,6 +74,9 @@ func TestExplain(t *testing.T) {
 		if got := strings.Fields(lines[i]); strings.Join(got, " ") != strings.Join(w, " ") {
 			t.Errorf("line %d:\n got  %q\n want %q", i, got, w)
 		}
+	}
+	if want := "config: file " + path + " (no running agent answered)\n"; stderr != want {
+		t.Errorf("stderr %q, want %q", stderr, want)
 	}
 }
 
@@ -92,6 +102,16 @@ func TestExplainErrors(t *testing.T) {
 	}
 }
 
+// explainRows are the rows of explain's table (without its header), each row's fields.
+func explainRows(out string) [][]string {
+	table, _, _ := strings.Cut(out, "\n\n")
+	var rows [][]string
+	for _, l := range strings.Split(strings.TrimSpace(table), "\n")[1:] {
+		rows = append(rows, strings.Fields(l))
+	}
+	return rows
+}
+
 // TestExplainAddresses: explain shows the address each destination leaves from: an entry's own,
 // the family's masqueradeAddress, the uplink's, or the pod's.
 func TestExplainAddresses(t *testing.T) {
@@ -108,8 +128,7 @@ nonMasqueradeCIDRs: [10.0.0.0/8]
 	}
 	want := map[string]string{"10.10.10.10": "192.0.2.12", "10.20.1.1": "192.0.2.11", "8.8.8.8": "192.0.2.11",
 		"10.1.2.3": "pod", "2001:db8::1": "2001:db8::11"}
-	for _, line := range strings.Split(strings.TrimSpace(out), "\n")[1:] {
-		f := strings.Fields(line)
+	for _, f := range explainRows(out) {
 		if want[f[0]] != f[2] {
 			t.Errorf("%s leaves from %s, want %s:\n%s", f[0], f[2], want[f[0]], out)
 		}
@@ -219,8 +238,7 @@ func TestVersionAndHelp(t *testing.T) {
 	if err != nil || !strings.Contains(out, "explain") || !strings.Contains(out, "render") {
 		t.Errorf("help: %q, %v", out, err)
 	}
-	_, errOut, err := run(t, "explain", "--help")
-	if ExitCode(err) != 2 || err != flag.ErrHelp || !strings.Contains(errOut, "-enable-ipv6") {
-		t.Errorf("explain --help: %v %q", err, errOut)
+	if out := helpOf(t, "explain"); !strings.Contains(out, "-enable-ipv6") {
+		t.Errorf("explain --help: %q", out)
 	}
 }

@@ -3,8 +3,6 @@ package cli
 import (
 	"bytes"
 	"context"
-	"errors"
-	"flag"
 	"regexp"
 	"strings"
 	"testing"
@@ -15,8 +13,7 @@ import (
 // test and SECURITY.md together.
 func TestNoDebugFlags(t *testing.T) {
 	var stdout, stderr bytes.Buffer
-	err := Run(context.Background(), []string{"--help"}, &stdout, &stderr)
-	if !errors.Is(err, flag.ErrHelp) {
+	if err := Run(context.Background(), []string{"--help"}, &stdout, &stderr); err != nil {
 		t.Fatalf("--help: %v", err)
 	}
 	names := regexp.MustCompile(`(?m)^\s+-{1,2}([a-z0-9-]+)`).FindAllStringSubmatch(stderr.String()+stdout.String(), -1)

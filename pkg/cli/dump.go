@@ -16,14 +16,17 @@ import (
 const defaultTop = 10
 
 // runDump prints the installed datapath: its rules with their hit counters and, for a datapath
-// with a NAT table of its own, a summary of that table. It reads the kernel, not the agent, so
+// with a NAT table of its own, a summary of that table. It reads them from the kernel, so
 // it works while the agent runs and after it stopped. It takes the agent's flags, so that the
-// DaemonSet's arguments can be reused: the configuration and policy flags say which rule each
-// installed one is (its origin), the backends' own flags where to look.
+// DaemonSet's arguments can be reused, and reads some: the configuration the running agent
+// applied, or where none answers the configuration and policy flags, say which rule each
+// installed one is (its origin); the backends' own flags, and --interfaces, where to look.
 func runDump(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var top int
-	af, err := parseAgentFlags("dump", args, stderr, func(fs *flagSet) {
+	var fromFile bool
+	af, err := parseAgentFlags("dump", args, stderr, append(policyFlagNames(), datapathFlagNames()...), func(fs *flagSet) {
 		fs.IntVar(&top, "top", defaultTop, "how many of the busiest remote endpoints of the NAT table to show")
+		registerFromFile(fs, &fromFile)
 	})
 	if err != nil {
 		return err
@@ -31,15 +34,16 @@ func runDump(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if _, _, err := af.options(); err != nil {
 		return err
 	}
-	return dump(ctx, af, top, stdout, stderr)
+	return dump(ctx, af, top, fromFile, stdout, stderr)
 }
 
-// dump prints what is installed.
-func dump(ctx context.Context, af *agentFlags, top int, stdout, stderr io.Writer) error {
-	p, err := af.load()
+// dump prints what is installed, and on stderr which configuration (livePolicy) names its rules.
+func dump(ctx context.Context, af *agentFlags, top int, fromFile bool, stdout, stderr io.Writer) error {
+	p, which, err := af.livePolicy(ctx, fromFile)
 	if err != nil {
-		// The agent keeps the last good configuration; dump cannot know it, but the counters
-		// are still worth seeing.
+		// No agent answered and the file is bad (the agent keeps the last good configuration,
+		// which dump cannot know then), or the agent's answer is: the counters are still worth
+		// seeing.
 		fmt.Fprintf(stderr, "warning: %v\nwarning: rules are shown without their origin\n", err)
 		p = nil
 	}
@@ -62,6 +66,7 @@ func dump(ctx context.Context, af *agentFlags, top int, stdout, stderr io.Writer
 			errs = append(errs, c.Close())
 		}
 	}
+	fmt.Fprintln(stderr, which)
 	return errors.Join(append(errs, findErr)...)
 }
 

@@ -72,7 +72,7 @@ func runDumpWith(t *testing.T, r iptables.Runner, args ...string) (string, strin
 	var out, errOut bytes.Buffer
 	af := dumpFlags(t, args...)
 	af.own[iptables.Name].(*iptables.Settings).Runner = r
-	err := dump(context.Background(), af, defaultTop, &out, &errOut)
+	err := dump(testContext(t), af, defaultTop, false, &out, &errOut)
 	return out.String(), errOut.String(), err
 }
 
@@ -184,11 +184,17 @@ func TestDumpCommandLine(t *testing.T) {
 			t.Errorf("%q: err %v (exit %d), want %q (exit 2)", tc.args, err, ExitCode(err), tc.wantErr)
 		}
 	}
-	// It takes the agent's flags, so that the DaemonSet's arguments can be reused, and --top.
-	_, stderr, _ := run(t, "dump", "--help")
-	for _, flag := range []string{"-config", "-masq-chain", "-bpffs", "-enable-ipv6", "-metrics-address", "-top"} {
-		if !strings.Contains(stderr, flag) {
-			t.Errorf("dump --help does not list %s", flag)
+	// It takes the agent's flags, so that the DaemonSet's arguments can be reused, and lists
+	// those it reads: the configuration's, the datapath's, and its own.
+	help := helpOf(t, "dump")
+	for _, flag := range []string{"-config", "-masq-chain", "-bpffs", "-enable-ipv6", "-interfaces", "-top", "-from-file"} {
+		if !strings.Contains(help, "\n  "+flag+" ") && !strings.Contains(help, "\n  "+flag+"\n") {
+			t.Errorf("dump --help does not list %s:\n%s", flag, help)
+		}
+	}
+	for _, flag := range []string{"--metrics-address", "--config-source", "--backend"} {
+		if strings.Contains(help, "\n  -"+flag[2:]) || !strings.Contains(help, flag) {
+			t.Errorf("dump --help lists %s, which it does not read, or does not name it as accepted:\n%s", flag, help)
 		}
 	}
 }

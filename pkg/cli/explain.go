@@ -14,7 +14,9 @@ import (
 func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var pf policyFlags
 	var bf backendFlags
+	var fromFile bool
 	fs := newFlagSet(commandNamed("explain"), stderr)
+	fs.group("explain", func() { registerFromFile(fs, &fromFile) })
 	pf.register(fs)
 	bf.register(fs)
 	pos, err := parseInterspersed(fs.FlagSet, args)
@@ -35,7 +37,7 @@ func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if err := bf.check(); err != nil {
 		return err
 	}
-	p, err := pf.load()
+	p, which, err := pf.livePolicy(ctx, fromFile)
 	if err != nil {
 		return err
 	}
@@ -52,6 +54,7 @@ func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	fmt.Fprintln(stderr, which)
 	installedOn(ctx, stdout, bf, p)
 	return nil
 }

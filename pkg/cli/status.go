@@ -10,6 +10,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodestatus"
 )
@@ -19,6 +20,7 @@ type statusFlags struct {
 	nodeStatus bool
 	nodeName   string
 	delay      time.Duration
+	heartbeat  time.Duration
 }
 
 func (f *statusFlags) register(fs *flag.FlagSet) {
@@ -27,6 +29,8 @@ func (f *statusFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.nodeName, "node-name", os.Getenv("NODE_NAME"), "the node's name, for --node-status (default $NODE_NAME)")
 	fs.DurationVar(&f.delay, "node-status-delay", nodestatus.DefaultDelay, "the most a status change waits before it is written, "+
 		"and the least time between two writes: a change of every node at once reaches the API server spread over it")
+	fs.DurationVar(&f.heartbeat, "node-status-heartbeat", nodestatus.DefaultHeartbeat, "how often the status is written when "+
+		"nothing changes (its lastHeartbeatTime), so that a node whose agent is gone shows a stale one: 5,000 nodes write 17 a second at 5m")
 }
 
 func (f *statusFlags) check() error {
@@ -39,11 +43,14 @@ func (f *statusFlags) check() error {
 	if f.delay <= 0 {
 		return usageError{fmt.Errorf("node-status-delay %v: must be positive", f.delay)}
 	}
+	if f.heartbeat < time.Minute {
+		return usageError{fmt.Errorf("node-status-heartbeat %v: must be a minute or more (each node writes once per heartbeat)", f.heartbeat)}
+	}
 	return nil
 }
 
 // publisher returns the node status publisher the flags ask for, nil for none.
-func (f *agentFlags) publisher(a *agent.Agent, dp *backends.Chosen, source string, log *slog.Logger) (*nodestatus.Publisher, error) {
+func (f *agentFlags) publisher(a *agent.Agent, dp *backends.Chosen, src config.Source, log *slog.Logger) (*nodestatus.Publisher, error) {
 	if !f.nodeStatus {
 		return nil, nil
 	}
@@ -51,8 +58,9 @@ func (f *agentFlags) publisher(a *agent.Agent, dp *backends.Chosen, source strin
 	if err != nil {
 		return nil, fmt.Errorf("node-status: %w", err)
 	}
-	return nodestatus.New(cfg, nodestatus.Options{Node: f.nodeName, Agent: a, Backend: dp.Backend, Source: source,
-		Reason: dp.Reason, Fallback: dp.CannotRun, Delay: f.delay, Logger: log})
+	deleted, _ := src.(config.Deletable)
+	return nodestatus.New(cfg, nodestatus.Options{Node: f.nodeName, Agent: a, Backend: dp.Backend, Source: src.String(),
+		Reason: dp.Reason, Fallback: dp.CannotRun, Delay: f.delay, Heartbeat: f.heartbeat, Deleted: deleted, Logger: log})
 }
 
 // runPublisher runs p until ctx is done, and returns a function that waits for it to stop.

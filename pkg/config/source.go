@@ -87,3 +87,11 @@ type Revisioned interface {
 type Reachable interface {
 	Unreachable() error
 }
+
+// Deletable is implemented by sources that read one API object, whose deletion is not an
+// instruction: Deleted is true while the object the source read is gone, and Load meanwhile
+// returns ErrUnavailable, so that the configuration in force stays. An object with an empty
+// configuration is how an operator asks for the defaults.
+type Deletable interface {
+	Deleted() bool
+}

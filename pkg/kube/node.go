@@ -19,6 +19,10 @@ type NodeStatus struct {
 	Backend  BackendStatus   `json:"backend"`
 	// Conditions say, one aspect each (the Condition types), whether it is well.
 	Conditions []metav1.Condition `json:"conditions,omitempty"`
+	// LastHeartbeatTime is when the agent last wrote the status: at each change, and every
+	// --node-status-heartbeat when nothing changes, so that the row of a node whose agent is
+	// gone stops being fresh.
+	LastHeartbeatTime *metav1.Time `json:"lastHeartbeatTime,omitempty"`
 }
 
 // States of a node.
@@ -48,7 +52,14 @@ const (
 	ConditionNATRoom = "NATTableHasRoom"
 	// ConditionPreferredBackend is false while --backend=auto runs a fallback.
 	ConditionPreferredBackend = "PreferredBackend"
+	// ConditionConfigObjectPresent is false (reason ReasonConfigObjectDeleted) while the API
+	// object the configuration is read from is deleted, and the last configuration applied
+	// stays in force; only for --config-source configmap or crd.
+	ConditionConfigObjectPresent = "ConfigObjectPresent"
 )
+
+// ReasonConfigObjectDeleted is ConditionConfigObjectPresent's reason while the object is deleted.
+const ReasonConfigObjectDeleted = "ConfigObjectDeleted"
 
 // ConfigStatus is the configuration in force.
 type ConfigStatus struct {

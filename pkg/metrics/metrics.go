@@ -63,6 +63,9 @@ const (
 	DatapathFallback     = Namespace + "_datapath_fallback"
 	SourceReachable      = Namespace + "_config_source_reachable"
 	StatusWrites         = Namespace + "_node_status_writes_total"
+	SourceDeleted        = Namespace + "_config_source_deleted"
+	StatusLastWrite      = Namespace + "_node_status_last_write_timestamp_seconds"
+	StatusHeartbeat      = Namespace + "_node_status_heartbeat_interval_seconds"
 	AddressMissing       = Namespace + "_masquerade_address_missing"
 	DatapathSyncDuration = Namespace + "_datapath_sync_duration_seconds"
 	DatapathSyncErrors   = Namespace + "_datapath_sync_errors_total"
@@ -142,7 +145,10 @@ func Definitions(entries []datapath.Entry) []Definition {
 		{Ready, "gauge", nil, "1 while /readyz answers 200: a configuration is in the datapath, enforced everywhere, with its masquerade addresses on the node; else 0."},
 		{DriftPersisting, "gauge", []string{"what"}, "1 for each kind of drift that persists: one no apply can repair (a program ahead of ours ending the chain), or one the last repair did not fix (something keeps changing the datapath); no series while there is none."},
 		{SourceReachable, "gauge", nil, "1 while the configuration source reaches the configuration (the API server answers), 0 while not: the configuration in force stays, changes wait. Only for --config-source configmap or crd."},
-		{StatusWrites, "counter", []string{"result"}, "Writes of the node's IPMasqAgentNode status (--node-status), by result: success, error. None while nothing changes."},
+		{StatusWrites, "counter", []string{"result"}, "Writes of the node's IPMasqAgentNode status (--node-status), by result: success, error. Only heartbeats while nothing changes."},
+		{SourceDeleted, "gauge", nil, "1 while the API object the configuration is read from is deleted: the last configuration applied stays in force (a deletion is not an instruction; an object with an empty configuration means the defaults); else 0. Only for --config-source configmap or crd."},
+		{StatusLastWrite, "gauge", nil, "Unix time of the last successful write of the node's status (a change or a heartbeat); 0 before the first. Only with --node-status."},
+		{StatusHeartbeat, "gauge", nil, "How often the node's status is written when nothing changes (--node-status-heartbeat), in seconds. Only with --node-status."},
 		{DatapathFallback, "gauge", []string{"backend"}, "1 for each backend that --backend=auto passed over because it cannot run on this node (not because it does not fit), so that a fallback runs; no series otherwise."},
 		{AddressMissing, "gauge", []string{"address"}, "1 for each masquerade address that the configuration in force, or the last one read, names and no uplink of the node has; no series while all are there."},
 		{DatapathSyncDuration, "histogram", nil, "Time to apply the policy to the datapath, failed applies included."},
@@ -341,14 +347,32 @@ func (c *Collector) collectSetup(gauge func(string, float64, ...string), counter
 	if r, ok := c.opts.Source.(config.Reachable); ok {
 		gauge(SourceReachable, boolValue(r.Unreachable() == nil))
 	}
+	if d, ok := c.opts.Source.(config.Deletable); ok {
+		gauge(SourceDeleted, boolValue(d.Deleted()))
+	}
 	if c.opts.Status != nil {
 		ok, failed := c.opts.Status.Writes()
 		counter(StatusWrites, ok, WriteSuccess)
 		counter(StatusWrites, failed, WriteError)
 	}
+	if h, ok := c.opts.Status.(heartbeater); ok {
+		last, every := h.Heartbeat()
+		var at float64
+		if !last.IsZero() {
+			at = float64(last.UnixNano()) / 1e9
+		}
+		gauge(StatusLastWrite, at)
+		gauge(StatusHeartbeat, every.Seconds())
+	}
 	for _, b := range c.opts.Fallback {
 		gauge(DatapathFallback, 1, b)
 	}
+}
+
+// heartbeater is a node status publisher that renews the status when nothing changes: when it
+// last wrote, and how often it writes (nodestatus.Publisher).
+type heartbeater interface {
+	Heartbeat() (last time.Time, every time.Duration)
 }
 
 // collectAgent collects the agent's stats s: reloads, the configuration in force, readiness,

@@ -249,6 +249,23 @@ type reachable struct {
 
 func (r reachable) Unreachable() error { return r.err }
 
+// deletable is an API source whose object is deleted or not (config.Deletable).
+type deletable struct {
+	reachable
+	deleted bool
+}
+
+func (d deletable) Deleted() bool { return d.deleted }
+
+// beating is a node status publisher with a heartbeat.
+type beating struct {
+	writes
+	last  time.Time
+	every time.Duration
+}
+
+func (b beating) Heartbeat() (time.Time, time.Duration) { return b.last, b.every }
+
 // writes is a node status publisher's count of writes.
 type writes struct{ ok, failed uint64 }
 
@@ -272,8 +289,25 @@ ip_masq_agent_node_status_writes_total{result="success"} 3
 		t.Error(err)
 	}
 	c = NewCollector(Options{Backend: &datapathtest.Backend{}})
-	if n := testutil.CollectAndCount(c, SourceReachable, StatusWrites); n != 0 {
+	if n := testutil.CollectAndCount(c, SourceReachable, StatusWrites, SourceDeleted, StatusLastWrite, StatusHeartbeat); n != 0 {
 		t.Errorf("%d series without an API source or a publisher", n)
+	}
+	// A deleted object, and the heartbeat of a publisher that has one.
+	c = NewCollector(Options{Backend: &datapathtest.Backend{}, Source: deletable{deleted: true},
+		Status: beating{last: time.Unix(1_700_000_000, 500_000_000), every: 5 * time.Minute}})
+	want = `
+# HELP ip_masq_agent_config_source_deleted ` + helpOf(SourceDeleted) + `
+# TYPE ip_masq_agent_config_source_deleted gauge
+ip_masq_agent_config_source_deleted 1
+# HELP ip_masq_agent_node_status_last_write_timestamp_seconds ` + helpOf(StatusLastWrite) + `
+# TYPE ip_masq_agent_node_status_last_write_timestamp_seconds gauge
+ip_masq_agent_node_status_last_write_timestamp_seconds 1.7000000005e+09
+# HELP ip_masq_agent_node_status_heartbeat_interval_seconds ` + helpOf(StatusHeartbeat) + `
+# TYPE ip_masq_agent_node_status_heartbeat_interval_seconds gauge
+ip_masq_agent_node_status_heartbeat_interval_seconds 300
+`
+	if err := testutil.CollectAndCompare(c, strings.NewReader(want), SourceDeleted, StatusLastWrite, StatusHeartbeat); err != nil {
+		t.Error(err)
 	}
 }
 
@@ -499,7 +533,7 @@ func TestNamesAndLint(t *testing.T) {
 	}, Hook: []datapath.Hook{{Device: "eth0", Ifindex: 2, Direction: "egress"}},
 		Uplink: []datapath.Uplink{{Device: "eth0", Ifindex: 2, Via: "default route", Covered: true}}}
 	c := NewCollector(Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver(), Fallback: []string{"bpf"},
-		Source: reachable{}, Status: writes{}})
+		Source: deletable{}, Status: beating{}})
 	problems, err := testutil.CollectAndLint(c)
 	if err != nil {
 		t.Fatal(err)
@@ -508,7 +542,7 @@ func TestNamesAndLint(t *testing.T) {
 		t.Errorf("lint: %s: %s", p.Metric, p.Text)
 	}
 	fams := scrape(t, newRegistry(t, Options{Backend: b, Agent: fakeStats{s}, Observer: NewObserver(), Fallback: []string{"bpf"},
-		Source: reachable{}, Status: writes{}}))
+		Source: deletable{}, Status: beating{}}))
 	var got []string
 	for name := range fams {
 		if strings.HasPrefix(name, Namespace+"_") {

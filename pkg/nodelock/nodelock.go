@@ -24,6 +24,11 @@
 // metrics port) and releases the lock, which the newer agent takes at its next try. Any other
 // answer leaves the newer agent waiting for the holder's exit, as does a holder of a release
 // before the handover, which hangs up after its line.
+//
+// A client may instead send a query (Ask), which the holder answers in one JSON line when it
+// was given that query's answer (Lock.Answer): the agent answers "config" with the
+// configuration it applied, which `explain` and `dump` read. A holder without that answer
+// (cleanup, a release before queries) hangs up after its line.
 package nodelock
 
 import (
@@ -107,13 +112,21 @@ type Lock struct {
 
 	handOvers chan Holder // receives the agent handed over to, once
 	mu        sync.Mutex
-	agreed    bool // a handover was agreed: no second one
+	agreed    bool                           // a handover was agreed: no second one
+	answers   map[string]func() (any, error) // the queries the holder answers (Answer)
 }
 
-// handOverRequest is the line a newer agent sends after the holder's; handOverReply the
-// holder's answer.
-type handOverRequest struct {
-	HandOver *Holder `json:"handOver"`
+// request is the line a client sends after the holder's: a newer agent's handover request
+// (answered with a handOverReply), or a query (answered with a queryReply).
+type request struct {
+	HandOver *Holder `json:"handOver,omitempty"`
+	Query    string  `json:"query,omitempty"`
+}
+
+// queryReply is the holder's answer to a query: the answer, or why there is none.
+type queryReply struct {
+	Answer json.RawMessage `json:"answer,omitempty"`
+	Error  string          `json:"error,omitempty"`
 }
 
 type handOverReply struct {
@@ -213,7 +226,7 @@ func askHandOver(name string, me Holder) (bool, string) {
 	}
 	defer c.Close()
 	_ = c.SetDeadline(time.Now().Add(describeTimeout))
-	req, err := json.Marshal(handOverRequest{HandOver: &me})
+	req, err := json.Marshal(request{HandOver: &me})
 	if err != nil {
 		return false, err.Error()
 	}
@@ -269,8 +282,15 @@ func (l *Lock) answer(c *net.UnixConn, line []byte) {
 	if err != nil {
 		return
 	}
-	var req handOverRequest
-	if json.Unmarshal(b, &req) != nil || req.HandOver == nil {
+	var req request
+	if json.Unmarshal(b, &req) != nil {
+		return
+	}
+	if req.Query != "" {
+		l.answerQuery(c, req.Query)
+		return
+	}
+	if req.HandOver == nil {
 		return
 	}
 	from := *req.HandOver
@@ -279,6 +299,91 @@ func (l *Lock) answer(c *net.UnixConn, line []byte) {
 	if err == nil {
 		_, _ = c.Write(append(reply, '\n'))
 	}
+}
+
+// queryTimeout bounds a query, from the asker's connection to the end of the answer: an answer
+// may be large (a configuration of 100k CIDRs).
+const queryTimeout = 10 * time.Second
+
+// ErrNoAnswer is what Ask returns, wrapped, when the holder does not answer the query: it
+// answers no such query (another command, a release before the query), or nothing holds the
+// lock.
+var ErrNoAnswer = errors.New("the holder does not answer")
+
+// Answer makes the holder answer the query named query, from now on, with what fn returns
+// (marshalled as JSON), or with fn's error.
+func (l *Lock) Answer(query string, fn func() (any, error)) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.answers == nil {
+		l.answers = map[string]func() (any, error){}
+	}
+	l.answers[query] = fn
+}
+
+// answerQuery answers a query on c; a query the holder does not answer gets no reply.
+func (l *Lock) answerQuery(c *net.UnixConn, query string) {
+	l.mu.Lock()
+	fn := l.answers[query]
+	l.mu.Unlock()
+	if fn == nil {
+		return
+	}
+	_ = c.SetDeadline(time.Now().Add(queryTimeout))
+	var reply queryReply
+	v, err := fn()
+	if err == nil {
+		reply.Answer, err = json.Marshal(v)
+	}
+	if err != nil {
+		reply = queryReply{Error: err.Error()}
+	}
+	line, err := json.Marshal(reply)
+	if err == nil {
+		_, _ = c.Write(append(line, '\n'))
+	}
+}
+
+// Ask sends the holder of the lock named name the query, and decodes its answer into v. It
+// returns who the holder is (the zero Holder when nothing holds the lock), and an error
+// wrapping ErrNoAnswer when the holder does not answer the query, or the holder's error.
+func Ask(name, query string, v any) (Holder, error) {
+	c, err := net.DialTimeout("unix", "@"+name, describeTimeout)
+	if err != nil {
+		return Holder{}, fmt.Errorf("%w: nothing holds the node lock @%s", ErrNoAnswer, name)
+	}
+	defer c.Close()
+	var h Holder
+	h.UID, h.LocalPid = peerCred(c.(*net.UnixConn))
+	_ = c.SetDeadline(time.Now().Add(describeTimeout))
+	r := bufio.NewReader(c)
+	line, err := r.ReadBytes('\n')
+	if err != nil || json.Unmarshal(line, &h) != nil {
+		return h, fmt.Errorf("%w: %s", ErrNoAnswer, h)
+	}
+	req, err := json.Marshal(request{Query: query})
+	if err != nil {
+		return h, err
+	}
+	_ = c.SetDeadline(time.Now().Add(queryTimeout))
+	if _, err := c.Write(append(req, '\n')); err != nil {
+		return h, fmt.Errorf("%w: %s", ErrNoAnswer, h)
+	}
+	line, err = r.ReadBytes('\n')
+	if err != nil {
+		return h, fmt.Errorf("%w %s: %s", ErrNoAnswer, query, h)
+	}
+	var reply queryReply
+	if err := json.Unmarshal(line, &reply); err != nil {
+		return h, fmt.Errorf("the answer of %s to %s: %w", h, query, err)
+	}
+	if reply.Error != "" {
+		return h, fmt.Errorf("%s: %s", h, reply.Error)
+	}
+	if err := json.Unmarshal(reply.Answer, v); err != nil {
+		return h, fmt.Errorf("the answer of %s to %s: %w", h, query, err)
+	}
+	return h, nil
 }
 
 // Release gives the lock up; a waiting process takes it within PollInterval. Releasing twice

@@ -447,3 +447,33 @@ func TestLocalPid(t *testing.T) {
 		t.Errorf("described from another pid namespace: %q, want %q", out, want)
 	}
 }
+
+// TestAnswer: the holder answers the queries it was given with their function's value or error;
+// any other query, and a lock nobody holds, give ErrNoAnswer.
+func TestAnswer(t *testing.T) {
+	name := testName(t)
+	var got map[string]int
+	if _, err := Ask(name, "config", &got); !errors.Is(err, ErrNoAnswer) {
+		t.Errorf("nothing holds the lock: %v, want ErrNoAnswer", err)
+	}
+	l, err := TryAcquire(name, Me("agent", "v1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release()
+	if h, err := Ask(name, "config", &got); !errors.Is(err, ErrNoAnswer) || h.Pid != os.Getpid() {
+		t.Errorf("a query the holder does not answer: %v (holder %+v), want ErrNoAnswer from this process", err, h)
+	}
+	l.Answer("config", func() (any, error) { return map[string]int{"generation": 7}, nil })
+	l.Answer("broken", func() (any, error) { return nil, errors.New("nothing applied yet") })
+	if h, err := Ask(name, "config", &got); err != nil || got["generation"] != 7 || h.Command != "agent" {
+		t.Errorf("config: %v, %v (holder %+v)", got, err, h)
+	}
+	if _, err := Ask(name, "broken", &got); err == nil || errors.Is(err, ErrNoAnswer) || !strings.Contains(err.Error(), "nothing applied yet") {
+		t.Errorf("broken: %v, want the holder's error", err)
+	}
+	// A describe still reads the holder's line only.
+	if h := Describe(name); h.Pid != os.Getpid() {
+		t.Errorf("described as %+v", h)
+	}
+}

@@ -3,10 +3,11 @@
 // line: the configuration's hash and revision, the backend and why, the state and what keeps
 // it from Ready.
 //
-// It writes only when the status changes, after a random delay of up to Options.Delay and at
-// least Delay after its previous write: a change made to every node at once (a new
-// configuration) reaches the API server spread over Delay, and a node whose state does not
-// change writes nothing. See Publisher.
+// It writes when the status changes, after a random delay of up to Options.Delay and at least
+// Delay after its previous write: a change made to every node at once (a new configuration)
+// reaches the API server spread over Delay. A node whose state does not change writes only its
+// heartbeat (lastHeartbeatTime), every Options.Heartbeat, so that a node whose agent is gone
+// shows a stale one. It writes through the status subresource. See Publisher.
 package nodestatus
 
 import (
@@ -43,6 +44,9 @@ type facts struct {
 	// full names the NAT tables almost full, "" when none (or no NAT table).
 	full string
 	nat  bool
+	// object is true when the source reads an API object (config.Deletable), deleted while
+	// that object is deleted.
+	object, deleted bool
 }
 
 // build returns the status of facts; conditions are the last status's, so that a condition
@@ -84,6 +88,13 @@ func build(f facts, conditions []metav1.Condition) kube.NodeStatus {
 	} else {
 		meta.RemoveStatusCondition(&st.Conditions, kube.ConditionNATRoom)
 	}
+	if f.object {
+		set(kube.ConditionConfigObjectPresent, !f.deleted, pick(!f.deleted, "Present", kube.ReasonConfigObjectDeleted),
+			pick(!f.deleted, "", f.source+" was deleted; the last configuration applied stays in force "+
+				"(a deletion is not an instruction: to apply the defaults, create it with an empty configuration)"))
+	} else {
+		meta.RemoveStatusCondition(&st.Conditions, kube.ConditionConfigObjectPresent)
+	}
 	st.State, st.Message = state(st.Conditions)
 	return st
 }
@@ -94,8 +105,8 @@ func state(conditions []metav1.Condition) (string, string) {
 	if c := meta.FindStatusCondition(conditions, kube.ConditionReady); c != nil && c.Status != metav1.ConditionTrue {
 		return kube.StateNotReady, firstLine(c.Message)
 	}
-	for _, typ := range []string{kube.ConditionConfigAccepted, kube.ConditionMasqueradeAddresses, kube.ConditionEnforced,
-		kube.ConditionNATRoom, kube.ConditionPreferredBackend} {
+	for _, typ := range []string{kube.ConditionConfigAccepted, kube.ConditionConfigObjectPresent, kube.ConditionMasqueradeAddresses,
+		kube.ConditionEnforced, kube.ConditionNATRoom, kube.ConditionPreferredBackend} {
 		if c := meta.FindStatusCondition(conditions, typ); c != nil && c.Status != metav1.ConditionTrue {
 			return kube.StateDegraded, firstLine(c.Message)
 		}

@@ -75,6 +75,8 @@ func TestBuildProblems(t *testing.T) {
 		{"fallback", func(f *facts) { f.fallback = []string{"bpf"}; f.info.Backend = "iptables" }, kube.StateDegraded,
 			kube.ConditionPreferredBackend, "bpf cannot run"},
 		{"NAT full", func(f *facts) { f.full = "NAT tables at least 90% full: ipv4 confirmed" }, kube.StateDegraded, kube.ConditionNATRoom, "ipv4 confirmed"},
+		{"config object deleted", func(f *facts) { f.object, f.deleted = true, true }, kube.StateDegraded,
+			kube.ConditionConfigObjectPresent, "configmap kube-system/ip-masq-agent was deleted; the last configuration applied stays"},
 		{"not ready", func(f *facts) {
 			f.stats.NotReady = "no valid configuration yet: ..."
 			f.stats.Rejected = "bad"

@@ -307,7 +307,7 @@ func explain(t *testing.T, config string, addrs ...netip.Addr) map[netip.Addr]st
 	if err := os.WriteFile(f, []byte(config), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	args := []string{"explain", "--config", f}
+	args := []string{"explain", "--from-file", "--config", f}
 	for _, a := range addrs {
 		args = append(args, a.String())
 	}

@@ -175,9 +175,11 @@ func ownNodeOnly(ctx context.Context, t *testing.T, f *fleet) {
 		"metadata": map[string]any{"name": f.nodes[1].name}, "status": map[string]any{"state": kube.StateNotReady}}
 	data, _ := json.Marshal(obj)
 	force := true
-	_, err = res.Patch(ctx, f.nodes[1].name, types.ApplyPatchType, data, metav1.PatchOptions{FieldManager: "ip-masq-agent", Force: &force})
-	if err == nil || !strings.Contains(err.Error(), "an agent writes only its own node's IPMasqAgentNode: this one runs on node-0") {
-		t.Errorf("node-0's agent writing node-1's status: %v", err)
+	for _, sub := range [][]string{nil, {"status"}} { // the object, and its status subresource, where the agent writes
+		_, err = res.Patch(ctx, f.nodes[1].name, types.ApplyPatchType, data, metav1.PatchOptions{FieldManager: "ip-masq-agent", Force: &force}, sub...)
+		if err == nil || !strings.Contains(err.Error(), "an agent writes only its own node's IPMasqAgentNode: this one runs on node-0") {
+			t.Errorf("node-0's agent writing node-1's status (subresource %q): %v", sub, err)
+		}
 	}
 }
 

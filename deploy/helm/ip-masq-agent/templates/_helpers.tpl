@@ -43,9 +43,9 @@ capabilities:
 {{- end }}
 
 {{/* Whether the agent talks to the API server (a non-empty string when it does): to read its
-configuration or to write its node's status. */}}
+configuration, to write its node's status, or to check its scrapers (metrics.secure). */}}
 {{- define "ip-masq-agent.api" -}}
-{{- if or (ne .Values.configSource "file") .Values.nodeStatus.enabled }}true{{ end }}
+{{- if or (ne .Values.configSource "file") .Values.nodeStatus.enabled .Values.metrics.secure }}true{{ end }}
 {{- end }}
 
 {{/* The objects of a file of deploy/, one document each, in the release's namespace where they
@@ -57,7 +57,7 @@ are namespaced: its ServiceAccount subjects and the ConfigMap policy's binding f
 {{- $_ := set .matchLabels "kubernetes.io/metadata.name" $.root.Release.Namespace }}
 {{- end }}{{- end }}{{- end }}
 {{- range $o.subjects }}{{- $_ := set . "namespace" $.root.Release.Namespace }}{{- end }}
-{{- if has $o.kind (list "ServiceAccount" "Role" "RoleBinding") }}{{- $_ := set $o.metadata "namespace" $.root.Release.Namespace }}{{- end }}
+{{- if has $o.kind (list "ServiceAccount" "Secret" "Role" "RoleBinding") }}{{- $_ := set $o.metadata "namespace" $.root.Release.Namespace }}{{- end }}
 ---
 {{ toYaml $o }}
 {{- end }}
