@@ -217,6 +217,7 @@ func secured(t *testing.T, r objects) {
 	ds := r[agentDS]
 	set(ds, true, pod("automountServiceAccountToken")...)
 	set(ds, "ip-masq-agent", pod("serviceAccountName")...)
+	set(ds, "ip-masq-agent", pod("serviceAccount")...)
 	args := at(ds, pod("containers", 0, "args")...).([]any)
 	if !strings.HasPrefix(args[3].(string), "--metrics-address=") {
 		t.Fatalf("args[3] = %q, want --metrics-address", args[3])
@@ -506,5 +507,49 @@ func TestVersionsArePinned(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// TestServiceAccountNamedTwice: every pod template that names a ServiceAccount names it in the
+// deprecated serviceAccount too. The API server copies serviceAccountName into it; a rollback
+// to a release without a ServiceAccount (helm rollback, kubectl apply) then drops
+// serviceAccountName only, the alias keeps naming the ServiceAccount the rollback deleted, and
+// the DaemonSet can create no pod (test/cluster's rollback found it).
+func TestServiceAccountNamedTwice(t *testing.T) {
+	// named says whether where must name one, so that the check is seen to look.
+	check := func(where string, objs objects, named bool) {
+		seen := false
+		for k, o := range objs {
+			spec, _ := at(o, "spec", "template", "spec").(map[string]any)
+			if spec == nil {
+				continue
+			}
+			name, alias := spec["serviceAccountName"], spec["serviceAccount"]
+			seen = seen || name != nil
+			if name != alias {
+				t.Errorf("%s: %s: serviceAccountName %v, serviceAccount %v: want both the same", where, k, name, alias)
+			}
+		}
+		if named && !seen {
+			t.Errorf("%s: no pod template names a ServiceAccount: the check saw nothing", where)
+		}
+	}
+	dirs, err := filepath.Glob("overlays/*")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, dir := range append([]string{"base"}, dirs...) {
+		check("kustomize "+dir, kustomize(t, dir), strings.HasPrefix(dir, "overlays/api-server"))
+	}
+	for _, values := range []string{"{}", "configSource: crd", "configSource: configmap", "nodeStatus: {enabled: true}"} {
+		var v map[string]any
+		if err := yaml.Unmarshal([]byte(values), &v); err != nil {
+			t.Fatal(err)
+		}
+		r, _, err := helmTemplate(t, v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		check("chart with "+values, r, true)
 	}
 }

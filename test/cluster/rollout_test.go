@@ -146,6 +146,9 @@ func (w *world) waitRolledOut(ctx context.Context, t *testing.T, old types.UID, 
 			for _, p := range pods.Items {
 				s = append(s, p.Name+" "+string(p.Status.Phase)+" "+describe(&p))
 			}
+			if len(pods.Items) == 0 {
+				s = append(s, "the DaemonSet's last warning: "+lastWarning(ctx, w.c, "DaemonSet", Release))
+			}
 			return fmt.Errorf("%d pods: %s", len(pods.Items), strings.Join(s, "; "))
 		}
 		p := &pods.Items[0]
@@ -159,6 +162,24 @@ func (w *world) waitRolledOut(ctx context.Context, t *testing.T, old types.UID, 
 		return nil
 	})
 	return pod
+}
+
+// lastWarning is the message of the latest warning event about the object (kind, name) in
+// Namespace, such as why a DaemonSet creates no pod; "none" when there is none.
+func lastWarning(ctx context.Context, c *cluster.Cluster, kind, name string) string {
+	evs, err := c.Client.CoreV1().Events(Namespace).List(ctx, metav1.ListOptions{
+		FieldSelector: "type=Warning,involvedObject.kind=" + kind + ",involvedObject.name=" + name})
+	if err != nil {
+		return "cannot list events: " + err.Error()
+	}
+	last := "none"
+	var at time.Time
+	for _, e := range evs.Items {
+		if t := e.LastTimestamp.Time; last == "none" || t.After(at) {
+			last, at = e.Reason+": "+e.Message, t
+		}
+	}
+	return last
 }
 
 // describe is a pod's containers' states, for a timeout's error.
