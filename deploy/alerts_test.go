@@ -171,6 +171,22 @@ func TestAlertsFire(t *testing.T) {
 			`ip_masq_agent_config_info{node="a",sha256="bbbb",` + job + `} _x40 ` + strings.Repeat("1 ", 80),
 			`ip_masq_agent_config_info{node="b",sha256="bbbb",` + job + `} _x50 ` + strings.Repeat("1 ", 70),
 		}, nil},
+		{"configurations diverge while a rollout progresses", "IPMasqAgentConfigDiverged", hour, []string{
+			series(`ip_masq_agent_config_info{node="a",sha256="aaaa",`+job+`}`, hour, always(1)),
+			series(`ip_masq_agent_config_info{node="b",sha256="bbbb",`+job+`}`, hour, always(1)),
+			series(`ip_masq_agent_rollout_phase{phase="Progressing",job="kube-system/ip-masq-agent-rollout"}`, hour, always(1)),
+			series(`ip_masq_agent_rollout_phase{phase="Halted",job="kube-system/ip-masq-agent-rollout"}`, hour, always(0)),
+		}, nil},
+		{"a halted rollout", "IPMasqAgentRolloutHalted", hour, []string{
+			series(`ip_masq_agent_rollout_phase{phase="Halted",job="kube-system/ip-masq-agent-rollout"}`, hour, func(t time.Duration) float64 {
+				return map[bool]float64{true: 1}[t >= 30*time.Minute]
+			}),
+		}, []string{`{alertname="IPMasqAgentRolloutHalted", severity="warning"}`}},
+		{"a rollout that halts for a moment", "IPMasqAgentRolloutHalted", hour, []string{
+			series(`ip_masq_agent_rollout_phase{phase="Halted",job="kube-system/ip-masq-agent-rollout"}`, hour, func(t time.Duration) float64 {
+				return map[bool]float64{true: 1}[t >= 30*time.Minute && t < 30*time.Minute+30*time.Second]
+			}),
+		}, nil},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			if got := firing(t, tt.alert, tt.span, tt.recorded...); !slices.Equal(got, tt.want) {

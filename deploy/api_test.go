@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"encoding/json"
 	"reflect"
 	"regexp"
 	"slices"
@@ -95,9 +96,19 @@ func TestNodeCRDIsTheStatus(t *testing.T) {
 	}
 }
 
+// The IPMasqAgentConfig's status schema is the rollout controller's kube.ConfigObjectStatus.
+func TestConfigCRDStatusIsTheRollout(t *testing.T) {
+	crd := one[*apiextensionsv1.CustomResourceDefinition](t, manifests(t), "crds/ipmasqagentconfigs.yaml")
+	status := crd.Spec.Versions[0].Schema.OpenAPIV3Schema.Properties["status"]
+	checkSchema(t, "status", reflect.TypeFor[kube.ConfigObjectStatus](), status)
+}
+
 // checkSchema compares a Go type's JSON fields with an object schema's properties, recursively.
 func checkSchema(t *testing.T, path string, typ reflect.Type, s apiextensionsv1.JSONSchemaProps) {
 	t.Helper()
+	if typ == reflect.TypeFor[json.RawMessage]() {
+		return // any JSON: the schema says which
+	}
 	for typ.Kind() == reflect.Pointer || typ.Kind() == reflect.Slice {
 		if typ.Kind() == reflect.Slice {
 			if s.Items == nil || s.Items.Schema == nil {
@@ -160,6 +171,11 @@ func TestRBACIsLeast(t *testing.T) {
 		"rbac/metrics/clusterrole.yaml": {rule([]string{"authentication.k8s.io"}, []string{"tokenreviews"}, nil, []string{"create"}),
 			rule([]string{"authorization.k8s.io"}, []string{"subjectaccessreviews"}, nil, []string{"create"})},
 		"rbac/metrics/reader.yaml": {{NonResourceURLs: []string{"/metrics"}, Verbs: []string{"get"}}},
+		// The rollout controller reads the object and writes its status, and reads the nodes'.
+		"rbac/rollout/clusterrole.yaml": {
+			rule([]string{kube.Group}, []string{kube.Configs.Plural}, []string{kube.DefaultConfigName}, []string{"get", "list", "watch", "patch"}),
+			rule([]string{kube.Group}, []string{kube.Configs.Plural + "/status"}, []string{kube.DefaultConfigName}, []string{"update"}),
+			rule([]string{kube.Group}, []string{kube.Nodes.Plural}, nil, read)},
 	} {
 		var got []rbacv1.PolicyRule
 		switch r := all[path][0].(type) {

@@ -185,6 +185,8 @@ func decode(doc []byte) (any, error) {
 	switch tm.APIVersion + "/" + tm.Kind {
 	case "apps/v1/DaemonSet":
 		obj = &appsv1.DaemonSet{}
+	case "apps/v1/Deployment":
+		obj = &appsv1.Deployment{}
 	case "v1/ConfigMap":
 		obj = &corev1.ConfigMap{}
 	case "v1/Service":

@@ -208,7 +208,7 @@ func secured(t *testing.T, r objects) {
 	if _, ok := r[sa]; !ok {
 		r[sa] = kustomize(t, "rbac/status")[sa]
 	}
-	pm, podMonitor := r["PodMonitor "+namespace+"/ip-masq-agent"]
+	_, podMonitor := r["PodMonitor "+namespace+"/ip-masq-agent"]
 	for k, o := range kustomize(t, "rbac/metrics") {
 		if podMonitor || !strings.Contains(k, "-scraper") {
 			r[k] = o
@@ -226,11 +226,21 @@ func secured(t *testing.T, r objects) {
 	for _, probe := range []string{"livenessProbe", "readinessProbe"} {
 		set(ds, "HTTPS", pod("containers", 0, probe, "httpGet", "scheme")...)
 	}
-	if podMonitor {
-		ep := at(pm, "spec", "podMetricsEndpoints", 0).(map[string]any)
-		ep["scheme"] = "https"
-		ep["tlsConfig"] = generic(t, "{insecureSkipVerify: true}")
-		ep["authorization"] = generic(t, "{type: Bearer, credentials: {name: ip-masq-agent-metrics-scraper, key: token}}")
+	if d, ok := r["Deployment "+namespace+"/ip-masq-agent-rollout"]; ok {
+		args := at(d, pod("containers", 0, "args")...).([]any)
+		if !strings.HasPrefix(args[5].(string), "--metrics-address=") {
+			t.Fatalf("the rollout controller's args[5] = %q, want --metrics-address", args[5])
+		}
+		set(d, slices.Insert(slices.Clone(args), 6, any("--metrics-secure")), pod("containers", 0, "args")...)
+		set(d, "HTTPS", pod("containers", 0, "livenessProbe", "httpGet", "scheme")...)
+	}
+	for _, name := range []string{"ip-masq-agent", "ip-masq-agent-rollout"} {
+		if pm, ok := r["PodMonitor "+namespace+"/"+name]; ok {
+			ep := at(pm, "spec", "podMetricsEndpoints", 0).(map[string]any)
+			ep["scheme"] = "https"
+			ep["tlsConfig"] = generic(t, "{insecureSkipVerify: true}")
+			ep["authorization"] = generic(t, "{type: Bearer, credentials: {name: ip-masq-agent-metrics-scraper, key: token}}")
+		}
 	}
 }
 
@@ -372,6 +382,21 @@ func TestChartValues(t *testing.T) {
 				clear(r)
 				maps.Copy(r, kustomize(t, "overlays/api-server-crd"))
 			}},
+		{"config from an IPMasqAgentConfig without the rollout controller", "{configSource: crd, nodeStatus: {enabled: true}, rollout: {enabled: false}}",
+			[]string{"rollout.enabled"}, func(t *testing.T, r, h objects) {
+				clear(r)
+				maps.Copy(r, kustomize(t, "overlays/api-server-crd"))
+				for k := range kustomize(t, "rollout") {
+					delete(r, k)
+				}
+			}},
+		{"rollout waves", "{configSource: crd, nodeStatus: {enabled: true}, rollout: {waves: '20,100', hold: 30s, deadline: 1h}}",
+			[]string{"rollout.waves", "rollout.hold", "rollout.deadline"}, func(t *testing.T, r, h objects) {
+				clear(r)
+				maps.Copy(r, kustomize(t, "overlays/api-server-crd"))
+				args := at(r["Deployment "+namespace+"/ip-masq-agent-rollout"], pod("containers", 0, "args")...).([]any)
+				args[2], args[3], args[4] = "--waves=20,100", "--hold=30s", "--deadline=1h"
+			}},
 		{"no admission policy", "admissionPolicy: {enabled: false}", []string{"admissionPolicy.enabled"}, func(t *testing.T, r, h objects) {
 			for _, name := range []string{"ip-masq-agent-configmap", "ip-masq-agent-config"} {
 				delete(r, "ValidatingAdmissionPolicy <nil>/"+name)
@@ -447,6 +472,9 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{"extraConfigMaps: [Not/A/Name]", "extraConfigMaps"},
 		{"seccompProfile: {type: Default}", "seccompProfile"},
 		{"imag: {tag: v1}", "imag"},
+		// Without node statuses the controller would see no node, and release every generation
+		// to all at once.
+		{"configSource: crd", "needs nodeStatus.enabled"},
 	} {
 		var values map[string]any
 		if err := yaml.Unmarshal([]byte(tt.values), &values); err != nil {
@@ -541,7 +569,7 @@ func TestServiceAccountNamedTwice(t *testing.T) {
 	for _, dir := range append([]string{"base"}, dirs...) {
 		check("kustomize "+dir, kustomize(t, dir), strings.HasPrefix(dir, "overlays/api-server"))
 	}
-	for _, values := range []string{"{}", "configSource: crd", "configSource: configmap", "nodeStatus: {enabled: true}"} {
+	for _, values := range []string{"{}", "{configSource: crd, nodeStatus: {enabled: true}}", "configSource: configmap", "nodeStatus: {enabled: true}"} {
 		var v map[string]any
 		if err := yaml.Unmarshal([]byte(values), &v); err != nil {
 			t.Fatal(err)

@@ -60,7 +60,7 @@ func TestPrometheusRuleAlerts(t *testing.T) {
 	for _, want := range []string{"IPMasqAgentConfigRejected", "IPMasqAgentNotReady", "IPMasqAgentFallbackBackend",
 		"IPMasqAgentMasqueradeAddressMissing", "IPMasqAgentNATTableFull", "IPMasqAgentDriftPersisting",
 		"IPMasqAgentPortAllocationFailures", "IPMasqAgentConfigObjectDeleted", "IPMasqAgentDown", "IPMasqAgentAbsent",
-		"IPMasqAgentNodeStatusStale", "IPMasqAgentConfigDiverged"} {
+		"IPMasqAgentNodeStatusStale", "IPMasqAgentConfigDiverged", "IPMasqAgentRolloutHalted"} {
 		if !alerts[want] {
 			t.Errorf("no alert %s (have %v)", want, slices.Sorted(maps.Keys(alerts)))
 		}
@@ -73,7 +73,7 @@ func TestPrometheusRuleAlerts(t *testing.T) {
 func TestPrometheusRuleQueriesExportedMetrics(t *testing.T) {
 	rule, _ := ruleFile(t)
 	labels := map[string][]string{} // metric or recording rule -> its labels
-	for _, d := range metrics.Definitions(nil) {
+	for _, d := range append(metrics.Definitions(nil), metrics.RolloutDefinitions()...) {
 		labels[d.Name] = d.Labels
 	}
 	labels["up"] = nil // Prometheus' own, one per target: only the target labels

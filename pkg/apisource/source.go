@@ -36,6 +36,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/rollout"
 )
 
 // Kinds of object the source reads (the --config-source values besides "file").
@@ -100,6 +101,9 @@ func (o Object) permission() string {
 type Options struct {
 	// Config says how the configuration is read, as for a file.
 	Config config.Options
+	// Node is the node's name, which places it in a rollout's waves (an IPMasqAgentConfig's);
+	// empty is a node no rollout releases before the last wave.
+	Node string
 	// Logger receives the source's logs; nil discards them.
 	Logger *slog.Logger
 }
@@ -122,6 +126,8 @@ type Source struct {
 	doc []byte
 	// deleted is true from the deletion of the object until it is created again.
 	deleted bool
+	// held is the last generation a rollout kept from this node, logged once.
+	held int64
 }
 
 var (
@@ -226,9 +232,9 @@ func (s *Source) added(any) {
 // updated reports an edit of the object that changes its configuration; one that does not
 // (labels, annotations, status) is not a change.
 func (s *Source) updated(old, obj any) {
-	before, _, errOld := document(s.obj.Kind, old)
-	after, _, errNew := document(s.obj.Kind, obj)
-	if errOld == nil && errNew == nil && bytes.Equal(before, after) {
+	before, revOld, errOld := s.document(old)
+	after, revNew, errNew := s.document(obj)
+	if errOld == nil && errNew == nil && bytes.Equal(before, after) && revOld.Generation == revNew.Generation {
 		return
 	}
 	s.changes.Notify()
@@ -323,8 +329,10 @@ func (s *Source) Load() (config.Config, error) {
 	}
 	var doc []byte
 	var rev config.Revision
+	var objGen int64
 	if exists {
-		if doc, rev, err = document(s.obj.Kind, item); err != nil {
+		objGen = item.(*unstructured.Unstructured).GetGeneration()
+		if doc, rev, err = s.document(item); err != nil {
 			return config.Config{}, fmt.Errorf("%s: %w", s.obj, err)
 		}
 	}
@@ -336,10 +344,18 @@ func (s *Source) Load() (config.Config, error) {
 		return config.Config{}, fmt.Errorf("%s: %w: the object was deleted; the configuration in force stays until it is created again",
 			s.obj, config.ErrUnavailable)
 	}
-	if !exists || s.revision.ResourceVersion == "" || !bytes.Equal(doc, s.doc) {
+	if !exists || s.revision.ResourceVersion == "" || !bytes.Equal(doc, s.doc) || rev.Generation != s.revision.Generation {
 		s.revision, s.doc = rev, doc
 	}
+	held := rev.Generation != objGen && s.held != objGen
+	if held {
+		s.held = objGen
+	}
 	s.mu.Unlock()
+	if held {
+		s.log.Info("a new generation of the configuration is rolled out in waves; this node keeps the stable one until its wave",
+			"generation", objGen, "applying", rev.Generation)
+	}
 	if doc == nil {
 		return config.Default(s.opts.Config), nil
 	}
@@ -353,15 +369,17 @@ func (s *Source) Load() (config.Config, error) {
 // configMaps are the core API's ConfigMaps.
 var configMaps = schema.GroupVersionResource{Version: "v1", Resource: "configmaps"}
 
-// document returns the configuration an object holds, nil for none (the defaults): a
-// ConfigMap's ConfigMapKey, an IPMasqAgentConfig's spec as JSON; and the object's revision.
-func document(kind string, item any) ([]byte, config.Revision, error) {
+// document returns the configuration an object holds for this node, nil for none (the
+// defaults): a ConfigMap's ConfigMapKey; an IPMasqAgentConfig's spec, or the stable spec its
+// rollout keeps for the nodes it has not released yet (rollout.Pick). The revision is the
+// object's, with the generation of the spec returned.
+func (s *Source) document(item any) ([]byte, config.Revision, error) {
 	o, ok := item.(*unstructured.Unstructured)
 	if !ok {
 		return nil, config.Revision{}, fmt.Errorf("not an API object but a %T", item)
 	}
 	rev := config.Revision{ResourceVersion: o.GetResourceVersion(), Generation: o.GetGeneration()}
-	if kind == KindConfigMap {
+	if s.obj.Kind == KindConfigMap {
 		rev.Generation = 0 // a ConfigMap has none
 		data, found, err := unstructured.NestedString(o.Object, "data", kube.ConfigMapKey)
 		if err != nil || !found {
@@ -369,10 +387,26 @@ func document(kind string, item any) ([]byte, config.Revision, error) {
 		}
 		return []byte(data), rev, nil
 	}
-	spec, ok := o.Object["spec"]
-	if !ok || spec == nil {
+	var spec json.RawMessage
+	if v, ok := o.Object["spec"]; ok && v != nil {
+		var err error
+		if spec, err = json.Marshal(v); err != nil {
+			return nil, rev, err
+		}
+	}
+	var st kube.ConfigObjectStatus
+	if v, ok := o.Object["status"]; ok && v != nil {
+		raw, err := json.Marshal(v)
+		if err == nil {
+			err = json.Unmarshal(raw, &st)
+		}
+		if err != nil {
+			return nil, rev, fmt.Errorf("status: %w", err)
+		}
+	}
+	spec, rev.Generation = rollout.Pick(spec, rev.Generation, st.Rollout, s.opts.Node)
+	if len(spec) == 0 || string(spec) == "null" {
 		return nil, rev, nil
 	}
-	doc, err := json.Marshal(spec)
-	return doc, rev, err
+	return spec, rev, nil
 }

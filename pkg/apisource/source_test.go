@@ -2,7 +2,10 @@ package apisource_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/rollout"
+	"k8s.io/apimachinery/pkg/types"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -35,12 +38,18 @@ type watching struct {
 
 func watch(ctx context.Context, t *testing.T, cp *cluster.ControlPlane, kubeconfig string, obj apisource.Object) *watching {
 	t.Helper()
+	return watchAs(ctx, t, cp, kubeconfig, obj, "")
+}
+
+// watchAs is watch for the agent of the node named node.
+func watchAs(ctx context.Context, t *testing.T, cp *cluster.ControlPlane, kubeconfig string, obj apisource.Object, node string) *watching {
+	t.Helper()
 	cfg, err := cp.RESTConfig(kubeconfig)
 	if err != nil {
 		t.Fatal(err)
 	}
 	l := &testutil.Buffer{}
-	src, err := apisource.New(cfg, obj, apisource.Options{Logger: slog.New(slog.NewTextHandler(l, nil))})
+	src, err := apisource.New(cfg, obj, apisource.Options{Node: node, Logger: slog.New(slog.NewTextHandler(l, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -232,6 +241,66 @@ func TestSources(t *testing.T) {
 		})
 		if src.Deleted() || !strings.Contains(src.log.String(), "the configuration's object exists again") {
 			t.Errorf("Deleted %v after the object's return", src.Deleted())
+		}
+	})
+
+	// A rollout in the object's status: the node applies the stable spec until the rollout of
+	// the object's generation releases it; a status write that changes nothing for the node is
+	// no change.
+	t.Run("rollout", func(t *testing.T) {
+		applyCRDs(ctx, t, cp)
+		res := dynamic.NewForConfigOrDie(cp.Config).Resource(kube.Configs.GVR())
+		specA := map[string]any{"nonMasqueradeCIDRs": []any{"10.0.0.0/8"}}
+		obj := &unstructured.Unstructured{Object: map[string]any{"apiVersion": kube.Configs.APIVersion(), "kind": kube.Configs.Kind,
+			"metadata": map[string]any{"name": "waves"}, "spec": specA}}
+		obj, err := res.Create(ctx, obj, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		src := watchAs(ctx, t, cp, cp.Kubeconfig, apisource.Object{Kind: apisource.KindConfig, Name: "waves"}, "node-x")
+		src.until(t, "the first list", func(cfg config.Config, err error) bool { return err == nil && nonMasq(cfg) == "10.0.0.0/8" })
+		src.quiet(t)
+		setRollout := func(r kube.Rollout) {
+			t.Helper()
+			o, err := res.Get(ctx, "waves", metav1.GetOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			raw, _ := json.Marshal(kube.ConfigObjectStatus{Rollout: &r})
+			var st map[string]any
+			_ = json.Unmarshal(raw, &st)
+			o.Object["status"] = st
+			if _, err := res.UpdateStatus(ctx, o, metav1.UpdateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		stableA := &kube.StableConfig{Generation: 1, Spec: json.RawMessage(`{"nonMasqueradeCIDRs":["10.0.0.0/8"]}`)}
+		setRollout(kube.Rollout{Generation: 1, Phase: kube.RolloutComplete, ReleasedBelow: kube.AllNodes, Stable: stableA})
+		select {
+		case <-src.changes:
+			t.Error("a rollout status that changes nothing for the node reported as a change")
+		case <-time.After(2 * time.Second):
+		}
+		// A new generation the controller has not released to this node: the stable spec stays.
+		if _, err := res.Patch(ctx, "waves", types.MergePatchType, []byte(`{"spec":{"nonMasqueradeCIDRs":["192.168.0.0/16"]}}`), metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		src.quiet(t)
+		if cfg, err := src.Load(); err != nil || nonMasq(cfg) != "10.0.0.0/8" || src.Revision().Generation != 1 {
+			t.Errorf("before its wave: %s, %v, revision %+v; want the stable spec of generation 1", nonMasq(cfg), err, src.Revision())
+		}
+		if !strings.Contains(src.log.String(), "rolled out in waves; this node keeps the stable one until its wave") {
+			t.Error("the wait for the wave is not logged")
+		}
+		setRollout(kube.Rollout{Generation: 2, Phase: kube.RolloutProgressing, ReleasedBelow: rollout.NodeHash("node-x"), Stable: stableA})
+		src.quiet(t)
+		if cfg, err := src.Load(); err != nil || nonMasq(cfg) != "10.0.0.0/8" {
+			t.Errorf("a wave of the nodes below it: %s, %v", nonMasq(cfg), err)
+		}
+		setRollout(kube.Rollout{Generation: 2, Phase: kube.RolloutProgressing, ReleasedBelow: rollout.NodeHash("node-x") + 1, Stable: stableA})
+		src.until(t, "its wave", func(cfg config.Config, err error) bool { return err == nil && nonMasq(cfg) == "192.168.0.0/16" })
+		if g := src.Revision().Generation; g != 2 {
+			t.Errorf("in its wave: generation %d, want 2", g)
 		}
 	})
 

@@ -136,7 +136,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	defer lock.Release()
 	ctx = handOver.watch(ctx, lock, log)
-	src, err := af.open(af.configPath, copts, log)
+	src, err := af.open(af.configPath, copts, af.nodeName, log)
 	if err != nil {
 		return err
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
 )
@@ -56,6 +57,8 @@ func commands() []command {
 			"dump --config=/etc/config/ip-masq-agent --top=5", runDump},
 		{"cleanup", "[flags]", "remove everything the agent installed (" + backends.Installs() + ")",
 			"cleanup --bpffs=/sys/fs/bpf --masq-chain=IP-MASQ-AGENT", runCleanup},
+		{"rollout", "[flags]", "run the rollout controller: one per cluster, it rolls each new generation of an " + kube.Configs.Kind + " out in waves",
+			"rollout --config-name=default --waves=1,10,50,100 --hold=2m", runRollout},
 		{"holder", "[--mine]", "who holds the node lock; --mine fails unless this container's agent does (the DaemonSet's startup probe)",
 			"holder --mine", runHolder},
 		{"version", "", "print the version", "version", runVersion},

@@ -57,8 +57,8 @@ func (f *sourceFlags) restConfig(log *slog.Logger) (*rest.Config, error) {
 }
 
 // open returns the configuration source the flags name: the file or directory at path, or the
-// API object.
-func (f *sourceFlags) open(path string, copts config.Options, log *slog.Logger) (config.Source, error) {
+// API object, read for the node named node (its place in a rollout's waves).
+func (f *sourceFlags) open(path string, copts config.Options, node string, log *slog.Logger) (config.Source, error) {
 	obj, api, err := f.object()
 	if err != nil {
 		return nil, err
@@ -70,5 +70,5 @@ func (f *sourceFlags) open(path string, copts config.Options, log *slog.Logger) 
 	if err != nil {
 		return nil, fmt.Errorf("config-source %s: %w", f.source, err)
 	}
-	return apisource.New(cfg, obj, apisource.Options{Config: copts, Logger: log})
+	return apisource.New(cfg, obj, apisource.Options{Config: copts, Node: node, Logger: log})
 }

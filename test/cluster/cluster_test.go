@@ -88,6 +88,9 @@ func TestCluster(t *testing.T) {
 			// The ConfigMap's way to the datapath is the kubelet's and the agent's, whatever
 			// kube-proxy does: timed on the first node only, as it takes the kubelet a minute.
 			t.Run("kustomize", func(t *testing.T) { w.kustomizeBase(ctx, t, i == 0) })
+			if i == 0 { // the API source does not depend on kube-proxy's mode
+				t.Run("api-source", func(t *testing.T) { w.apiSource(ctx, t) })
+			}
 			for _, b := range backends {
 				t.Run("chart/"+b.name, func(t *testing.T) { w.chart(ctx, t, b) })
 			}
