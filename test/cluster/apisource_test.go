@@ -1,11 +1,14 @@
 package cluster
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
+	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -14,6 +17,7 @@ import (
 	"k8s.io/client-go/dynamic"
 	"sigs.k8s.io/yaml"
 
+	"github.com/ip-masq-agent/ip-masq-agent/internal/cluster"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
 )
 
@@ -95,19 +99,28 @@ func (w *world) apiSource(ctx context.Context, t *testing.T) {
 }
 
 // explainInPod runs explain for dst in the agent's pod (kubectl exec) and returns its SOURCE
-// column; with t, it must be want.
+// column; with t, it must be want, and the footer must say that the running agent's
+// configuration answered. The table (stdout) and the footer (stderr) are read apart: the two
+// streams of kubectl exec interleave mid-line.
 func (w *world) explainInPod(ctx context.Context, t *testing.T, dst fmt.Stringer, want string) string {
-	out, err := w.c.Kubectl(ctx, "exec", "-n", Namespace, "ds/"+Release, "--", "ip-masq-agent", "explain", dst.String())
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	cmd := cluster.Namespaces{Net: "/run/netns/" + w.c.Netns}.Command(ctx, filepath.Join(w.c.Bin, "kubectl"),
+		"--kubeconfig="+w.c.Kubeconfig, "exec", "-n", Namespace, "ds/"+Release, "--", "ip-masq-agent", "explain", dst.String())
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := cmd.Run()
 	got := "?"
-	for _, line := range strings.Split(out, "\n") {
+	for _, line := range strings.Split(stdout.String(), "\n") {
 		if f := strings.Fields(line); len(f) > 2 && f[0] == dst.String() {
 			got = f[2] // ADDRESS VERDICT SOURCE ...
 		}
 	}
 	if t != nil {
 		t.Helper()
-		if err != nil || got != want {
-			t.Errorf("kubectl exec ds/%s -- ip-masq-agent explain %s: %v, source %s, want %s:\n%s", Release, dst, err, got, want, out)
+		out := stdout.String() + stderr.String()
+		if err != nil || got != want || !strings.Contains(stderr.String(), "config: applied by the running agent") {
+			t.Errorf("kubectl exec ds/%s -- ip-masq-agent explain %s: %v, source %s, want %s, from the running agent:\n%s", Release, dst, err, got, want, out)
 		} else {
 			t.Logf("kubectl exec ds/%s -- ip-masq-agent explain %s:\n%s", Release, dst, out)
 		}

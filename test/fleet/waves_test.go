@@ -35,7 +35,9 @@ const configMissingAddress = "nonMasqueradeCIDRs: [10.0.0.0/8]\nmasqueradeAddres
 // deploy/rbac/rollout: a good generation reaches one node, then two, then all, each wave after
 // the hold (the time the three waves take is printed); a valid but wrong one reaches only the
 // canary and halts the rollout, while the other nodes keep the good one and the table of
-// kubectl get says why; putting the good spec back reaches every node at once.
+// kubectl get says why; putting the good spec back reaches every node at once; deleting the
+// object changes no node (each says so, in its status and a metric), and an object with an
+// empty spec brings the defaults.
 func TestRolloutInWaves(t *testing.T) {
 	eachBackend(t, func(ctx context.Context, t *testing.T, b e2e.Backend) {
 		f := newFleet(ctx, t, b, 3)
@@ -114,7 +116,47 @@ func TestRolloutInWaves(t *testing.T) {
 			t.Errorf("rolled back because %q", r.Reason)
 		}
 		f.waitStatus(ctx, t, kube.StateReady, hashOf(t, configKeep))
+
+		// A deleted object is not an instruction: every node keeps what it applied and says so;
+		// an object with an empty spec is how to ask for the defaults.
+		if err := crs.Delete(ctx, kube.DefaultConfigName, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "every node saying the object is deleted", liveness, func() bool {
+			st := f.statuses(ctx, t)
+			for _, n := range f.nodes {
+				if conditionStatus(st[n.name], kube.ConditionConfigObjectPresent) != "False" {
+					return false
+				}
+			}
+			return true
+		})
+		for _, n := range f.nodes {
+			if w, err := verdict(ctx, n); err != nil || w != e2e.Keep {
+				t.Errorf("%s: %v, %v after the deletion; want the configuration in force kept", n.name, w, err)
+			}
+			if _, body, err := n.agent.Get(ctx, "/metrics"); err != nil || !strings.Contains(body, "\nip_masq_agent_config_source_deleted 1\n") {
+				t.Errorf("%s: ip_masq_agent_config_source_deleted is not 1 (%v)", n.name, err)
+			}
+		}
+		f.rollout(ctx, t, "an empty spec after the deletion", e2e.Masq, func() {
+			if _, err := crs.Create(ctx, ipMasqAgentConfig(kube.DefaultConfigName, map[string]any{}), metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		})
 	})
+}
+
+// conditionStatus is the status of the condition typ of an IPMasqAgentNode, "" when it has none.
+func conditionStatus(o *unstructured.Unstructured, typ string) string {
+	conds, _, _ := unstructured.NestedSlice(o.Object, "status", "conditions")
+	for _, c := range conds {
+		if m, ok := c.(map[string]any); ok && m["type"] == typ {
+			s, _ := m["status"].(string)
+			return s
+		}
+	}
+	return ""
 }
 
 // startController runs the rollout controller with its service account's token and RBAC, as a
