@@ -70,6 +70,28 @@ exit 3`
 }
 
 // TestRunTimeout: a command that does not end within the timeout ends the guest, with an error.
+// A guest whose kernel dies before its command starts is booted once more, and the output says
+// so: here the first boot's kernel finds no init and panics.
+func TestRunBootsAgain(t *testing.T) {
+	img := oldest(t)
+	t.Setenv(AccelEnv, "tcg") // the first boot is the one that fails, not a KVM that cannot boot it
+	kernelArgsOf = func(boot int) string {
+		if boot == 1 {
+			return "rdinit=/nonexistent init=/nonexistent"
+		}
+		return ""
+	}
+	defer func() { kernelArgsOf = nil }()
+	var out strings.Builder
+	res, err := img.Run(context.Background(), Command{Args: []string{"/bin/sh", "-c", "echo ran"}, Timeout: 5 * time.Minute, Output: &out})
+	if err != nil || res.ExitCode != 0 || !strings.Contains(out.String(), "ran\n") {
+		t.Fatalf("Run = %+v, %v; output:\n%s", res.ExitCode, err, out.String())
+	}
+	if !strings.Contains(out.String(), "died before its command started; booting it once more") {
+		t.Errorf("the second boot is not told:\n%s", out.String())
+	}
+}
+
 func TestRunTimeout(t *testing.T) {
 	img := oldest(t)
 	start := time.Now()
