@@ -17,7 +17,6 @@ package apisource
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -387,24 +386,12 @@ func (s *Source) document(item any) ([]byte, config.Revision, error) {
 		}
 		return []byte(data), rev, nil
 	}
-	var spec json.RawMessage
-	if v, ok := o.Object["spec"]; ok && v != nil {
-		var err error
-		if spec, err = json.Marshal(v); err != nil {
-			return nil, rev, err
-		}
+	ro, err := rollout.ObjectOf(o)
+	if err != nil {
+		return nil, rev, err
 	}
-	var st kube.ConfigObjectStatus
-	if v, ok := o.Object["status"]; ok && v != nil {
-		raw, err := json.Marshal(v)
-		if err == nil {
-			err = json.Unmarshal(raw, &st)
-		}
-		if err != nil {
-			return nil, rev, fmt.Errorf("status: %w", err)
-		}
-	}
-	spec, rev.Generation = rollout.Pick(spec, rev.Generation, st.Rollout, s.opts.Node)
+	spec, gen := rollout.Pick(ro.Spec, ro.Generation, ro.Rollout, s.opts.Node)
+	rev.Generation = gen
 	if len(spec) == 0 || string(spec) == "null" {
 		return nil, rev, nil
 	}

@@ -2,7 +2,6 @@ package cli
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -19,6 +18,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/nodelock"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/version"
+	"k8s.io/client-go/rest"
 )
 
 // agentFlags are the flags of the agent itself: the policy flags, the datapath's (with each
@@ -276,27 +276,12 @@ func (af *agentFlags) serveMetrics(ctx context.Context, a *agent.Agent, opts met
 		a.Mux().Handle("GET "+metrics.Path, h)
 		return nil, nil
 	}
-	var tlsConfig *tls.Config
-	if af.metricsSecure {
-		cfg, err := af.restConfig(log)
-		if err != nil {
-			return nil, fmt.Errorf("metrics-secure: %w", err)
-		}
-		if h, err = metrics.Protect(h, cfg, log); err != nil {
-			return nil, fmt.Errorf("metrics-secure: %w", err)
-		}
-		if tlsConfig, err = metrics.TLSConfig(af.metricsCert, af.metricsKey); err != nil {
-			return nil, fmt.Errorf("metrics-secure: %w", err)
-		}
+	h, ln, err := listenMetrics(ctx, af.metricsAddress, af.metricsSecure, af.metricsCert, af.metricsKey, h,
+		func() (*rest.Config, error) { return af.restConfig(log) }, log)
+	if err != nil {
+		return nil, err
 	}
 	a.Mux().Handle("GET "+metrics.Path, h)
-	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", af.metricsAddress)
-	if err != nil {
-		return nil, fmt.Errorf("metrics-address: %w", err)
-	}
-	if tlsConfig != nil {
-		ln = tls.NewListener(ln, tlsConfig)
-	}
 	return ln, nil
 }
 

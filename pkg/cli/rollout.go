@@ -2,13 +2,13 @@ package cli
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"time"
+
+	"k8s.io/client-go/rest"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/metrics"
@@ -76,24 +76,12 @@ func runRollout(ctx context.Context, args []string, _, stderr io.Writer) error {
 		}
 		mux := http.NewServeMux()
 		mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
-		h := metrics.Handler(reg, log)
-		var tlsConfig *tls.Config
-		if f.metricsSecure {
-			if h, err = metrics.Protect(h, cfg, log); err != nil {
-				return fmt.Errorf("metrics-secure: %w", err)
-			}
-			if tlsConfig, err = metrics.TLSConfig(f.metricsCert, f.metricsKey); err != nil {
-				return fmt.Errorf("metrics-secure: %w", err)
-			}
+		h, ln, err := listenMetrics(ctx, f.metricsAddress, f.metricsSecure, f.metricsCert, f.metricsKey, metrics.Handler(reg, log),
+			func() (*rest.Config, error) { return cfg, nil }, log)
+		if err != nil {
+			return err
 		}
 		mux.Handle("GET "+metrics.Path, h)
-		ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", f.metricsAddress)
-		if err != nil {
-			return fmt.Errorf("metrics-address: %w", err)
-		}
-		if tlsConfig != nil {
-			ln = tls.NewListener(ln, tlsConfig)
-		}
 		srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 		go func() {
 			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {

@@ -141,7 +141,7 @@ func (c *Controller) step(ctx context.Context) time.Duration {
 		return 0 // nothing to roll out; its creation is an event
 	}
 	obj := item.(*unstructured.Unstructured)
-	o, err := objectOf(obj)
+	o, err := ObjectOf(obj)
 	if err != nil {
 		c.log.Error("cannot read the object's status; nothing is written until it is fixed", "error", err)
 		return 0
@@ -263,8 +263,9 @@ func (c *Controller) State() *kube.Rollout {
 	return c.state
 }
 
-// objectOf reads what Step needs of the object.
-func objectOf(obj *unstructured.Unstructured) (Object, error) {
+// ObjectOf reads an IPMasqAgentConfig as the controller and the agents see it: its generation,
+// its spec as JSON, its rollout and the resume annotation.
+func ObjectOf(obj *unstructured.Unstructured) (Object, error) {
 	o := Object{Generation: obj.GetGeneration()}
 	if v, ok := obj.Object["spec"]; ok && v != nil {
 		spec, err := json.Marshal(v)

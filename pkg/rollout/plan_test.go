@@ -68,6 +68,19 @@ func settle(t *testing.T, p Plan, o *Object, f fleet, now time.Time) time.Durati
 	return 0
 }
 
+// firstWave is a fleet of n nodes on which generation 1 (specGood) was rolled out, and
+// generation 2 (specNew) whose first wave the plan has just released and its nodes applied.
+func firstWave(t *testing.T, p Plan, n int) (Object, fleet) {
+	t.Helper()
+	f := newFleet(n)
+	o := Object{Generation: 1, Spec: specGood}
+	settle(t, p, &o, f, t0)
+	o.Generation, o.Spec = 2, specNew
+	o.Rollout, _, _ = p.Step(o, f, t0)
+	f.apply(o)
+	return o, f
+}
+
 func plan(waves ...int) Plan {
 	return Plan{Waves: waves, Hold: time.Minute, Deadline: 5 * time.Minute}
 }
@@ -113,12 +126,7 @@ func TestWavesRollOut(t *testing.T) {
 // the stable spec; a resume accepts the released nodes and sends the next wave out.
 func TestRejectHaltsAndResumeGoesOn(t *testing.T) {
 	p := plan(10, 50, 100)
-	f := newFleet(20)
-	o := Object{Generation: 1, Spec: specGood}
-	settle(t, p, &o, f, t0)
-	o.Generation, o.Spec = 2, specNew
-	o.Rollout, _, _ = p.Step(o, f, t0)
-	f.apply(o)
+	o, f := firstWave(t, p, 20)
 	canaries := map[string]bool{}
 	for i := range f {
 		if _, gen := Pick(o.Spec, o.Generation, o.Rollout, f[i].Name); gen == 2 {
@@ -178,12 +186,7 @@ func TestUnwellOrLateHalts(t *testing.T) {
 		{"late", func(n *Node) { n.Status.Config.Generation = 1 }, p.Deadline, "did not apply generation 2 within 5m0s"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			f := newFleet(4)
-			o := Object{Generation: 1, Spec: specGood}
-			settle(t, p, &o, f, t0)
-			o.Generation, o.Spec = 2, specNew
-			o.Rollout, _, _ = p.Step(o, f, t0)
-			f.apply(o)
+			o, f := firstWave(t, p, 4)
 			for i := range f {
 				if _, gen := Pick(o.Spec, o.Generation, o.Rollout, f[i].Name); gen == 2 {
 					tc.spoil(&f[i])
@@ -205,11 +208,7 @@ func TestUnwellOrLateHalts(t *testing.T) {
 // Going back to the stable spec, and the immediate strategy, reach every node at once.
 func TestAtOnce(t *testing.T) {
 	p := plan(10, 100)
-	f := newFleet(10)
-	o := Object{Generation: 1, Spec: specGood}
-	settle(t, p, &o, f, t0)
-	o.Generation, o.Spec = 2, specNew
-	o.Rollout, _, _ = p.Step(o, f, t0)
+	o, f := firstWave(t, p, 10)
 	o.Generation, o.Spec = 3, json.RawMessage(`{ "nonMasqueradeCIDRs": ["10.0.0.0/8"] }`) // the stable one, spelt otherwise
 	next, _, _ := p.Step(o, f, t0)
 	if next.Phase != kube.RolloutComplete || next.Stable.Generation != 3 || !strings.Contains(next.Reason, "stable configuration of generation 1") {

@@ -190,14 +190,14 @@ func (f *fleet) rolloutState(ctx context.Context, t *testing.T) kube.Rollout {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var st kube.ConfigObjectStatus
-	if raw, err := json.Marshal(o.Object["status"]); err == nil {
-		_ = json.Unmarshal(raw, &st)
+	ro, err := rollout.ObjectOf(o)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if st.Rollout == nil {
+	if ro.Rollout == nil {
 		return kube.Rollout{}
 	}
-	return *st.Rollout
+	return *ro.Rollout
 }
 
 // waitRollout waits until the rollout of generation gen is in phase.
