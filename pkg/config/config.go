@@ -34,6 +34,7 @@ type Config struct {
 	ResyncInterval        time.Duration
 	MasqueradeAddress     netip.Addr
 	MasqueradeAddressIPv6 netip.Addr
+	SourceRules           []SourceRule
 }
 
 // Options are the command-line flags that change how a file is read.
@@ -160,13 +161,19 @@ func flatten(err error) []error {
 
 // validate checks what involves more than one key or entry.
 func (c Config) validate() error {
+	return errors.Join(append(c.checks(), c.validateSourceRules()...)...)
+}
+
+// checks are validate's checks of the global keys, which validateSourceRules makes of each
+// rule's keys too.
+func (c Config) checks() []error {
 	errs := c.validateMasqueradeCIDRs()
 	if n := len(c.NonMasqueradeCIDRs); n > c.CIDRLimit {
 		errs = append(errs, &FieldError{Key: KeyNonMasqueradeCIDRs, Index: -1, Value: fmt.Sprintf("%d entries", n),
 			Problem: fmt.Sprintf("more than %s (%d) entries", KeyCIDRLimit, c.CIDRLimit),
 			Hint:    fmt.Sprintf("raise %s to at least %d if this many is intended", KeyCIDRLimit, n)})
 	}
-	return errors.Join(errs...)
+	return errs
 }
 
 // FieldError is a validation failure of one key or one list entry.
@@ -286,6 +293,10 @@ func describeJSON(js []byte) string {
 func (c Config) Canonical() []byte {
 	b := []byte{'{'}
 	for i, k := range Keys {
+		// Left out while empty, so that the configs of before source rules keep their hashes.
+		if k.Name == KeySourceRules && len(c.SourceRules) == 0 {
+			continue
+		}
 		if i > 0 {
 			b = append(b, ',')
 		}

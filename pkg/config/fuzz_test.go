@@ -72,14 +72,6 @@ func FuzzParse(f *testing.F) {
 	})
 }
 
-func prefixStrings[P interface{ String() string }](ps []P) []string {
-	out := make([]string, len(ps))
-	for i, p := range ps {
-		out[i] = p.String()
-	}
-	return out
-}
-
 // checkErrorBounded: an error names what was wrong without echoing unbounded input.
 func checkErrorBounded(t *testing.T, err error) {
 	var fes []error = []error{err}

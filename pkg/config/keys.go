@@ -50,6 +50,8 @@ var Keys = []Key{
 		address(func(c *Config) *netip.Addr { return &c.MasqueradeAddress }, 4)},
 	{KeyMasqueradeAddressIPv6, "the same for IPv6",
 		address(func(c *Config) *netip.Addr { return &c.MasqueradeAddressIPv6 }, 6)},
+	{KeySourceRules, "pods whose traffic is decided by keys of their own: each rule names its sources (`cidrs`, `namespaceSelector`, `podSelector`) and the keys it sets for them (see [configuration](docs/configuration.md#source-rules))",
+		sourceRules(func(c *Config) *[]SourceRule { return &c.SourceRules })},
 }
 
 // Key is one key of the configuration file.

@@ -33,6 +33,8 @@ func TestKeysCoverConfig(t *testing.T) {
 			*v = append(*v, MasqueradeCIDR{CIDR: netip.MustParsePrefix("192.0.2.0/24")})
 		case *netip.Addr:
 			*v = netip.MustParseAddr("192.0.2.1")
+		case *[]SourceRule:
+			*v = append(*v, SourceRule{Name: "a", CIDRs: []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24")}})
 		default:
 			t.Fatalf("Config.%s: a %s, which this test cannot change", typ.Field(i).Name, f.Type())
 		}

@@ -200,6 +200,9 @@ var ErrRefused = errors.New("refused to take over the datapath installed on the 
 
 // RuleCounter is the hit count of one policy rule.
 type RuleCounter struct {
+	// Set is the source rule whose list holds the rule (policy.Rule.Set); empty for the global
+	// list. The global lists' counters come first, then each source rule's, in rule order.
+	Set    string
 	Family policy.Family
 	// Rule is the rule's 1-based position in its family's list (as policy.Verdict.Number), or 0
 	// when a Reader found an installed rule that the configuration it was given does not contain.

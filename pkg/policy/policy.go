@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 )
@@ -89,6 +90,8 @@ var (
 // Rule is one entry of the chain. Its number, as `iptables -L --line-numbers` shows it, is its
 // 1-based position in its family's list.
 type Rule struct {
+	// Set is the name of the source rule whose list holds the rule; empty in the global list.
+	Set    string
 	Family Family
 	// Prefix is the destination; 0.0.0.0/0 or ::/0 for the outbound rule.
 	Prefix netip.Prefix
@@ -105,15 +108,19 @@ type Rule struct {
 
 // Source describes where the rule came from, e.g. "nonMasqueradeCIDRs[2]" or "masqOutBound: true".
 func (r Rule) Source() string {
+	in := ""
+	if r.Set != "" {
+		in = fmt.Sprintf("%s[%s].", config.KeySourceRules, r.Set)
+	}
 	switch r.Origin {
 	case OriginMasqueradeCIDRs, OriginNonMasqueradeCIDRs:
-		return fmt.Sprintf("%s[%d]", r.Origin, r.Entry)
+		return fmt.Sprintf("%s%s[%d]", in, r.Origin, r.Entry)
 	case OriginLinkLocal:
-		return fmt.Sprintf("link-local (%s: false)", linkLocalKey(r.Family))
+		return fmt.Sprintf("link-local (%s%s: false)", in, linkLocalKey(r.Family))
 	case OriginOutbound:
-		return outboundKey(r.Family) + ": true"
+		return in + outboundKey(r.Family) + ": true"
 	}
-	return string(r.Origin)
+	return in + string(r.Origin)
 }
 
 // linkLocalKey and outboundKey are the config keys that decide a family's link-local and
@@ -138,6 +145,9 @@ type Options struct {
 	RandomFully bool
 	// ToPorts restricts masquerade source ports; empty means the backend's default.
 	ToPorts PortRanges
+	// Pods are, by source rule name, the addresses of this node's pods that the rule's
+	// selectors choose (see SourceRule.Pods).
+	Pods map[string][]netip.Addr
 }
 
 // Policy is the compiled rule list of each family plus the NAT settings.
@@ -153,6 +163,10 @@ type Policy struct {
 	// name none of their own (see Rule.Address), and the node's own source where the datapath
 	// needs one (BPF: host flows).
 	MasqueradeAddress, MasqueradeAddressIPv6 netip.Addr
+	// Sources are the source rules, in order: the first whose sources hold a packet's source
+	// decides it by its own lists (see DecideFrom); a source none holds is decided by the lists
+	// above.
+	Sources []SourceRule
 }
 
 // Address is the family's masquerade address (MasqueradeAddress or MasqueradeAddressIPv6).
@@ -204,6 +218,17 @@ func (p *Policy) Addresses() []AddressUse {
 			}
 		}
 	}
+	for _, s := range p.Sources {
+		for _, u := range s.Policy.Addresses() {
+			for _, to := range u.To {
+				from := u.From
+				if !strings.HasPrefix(from, config.KeySourceRules) {
+					from = fmt.Sprintf("%s[%s].%s", config.KeySourceRules, s.Name, from)
+				}
+				add(u.Addr, from, to)
+			}
+		}
+	}
 	return out
 }
 
@@ -219,7 +244,8 @@ func (p *Policy) Equal(q *Policy) bool {
 	}
 	return p == q || (p.Enabled(IPv6) == q.Enabled(IPv6) && p.RandomFully == q.RandomFully &&
 		slices.Equal(p.IPv4, q.IPv4) && slices.Equal(p.IPv6, q.IPv6) && slices.Equal(p.ToPorts, q.ToPorts) &&
-		p.MasqueradeAddress == q.MasqueradeAddress && p.MasqueradeAddressIPv6 == q.MasqueradeAddressIPv6)
+		p.MasqueradeAddress == q.MasqueradeAddress && p.MasqueradeAddressIPv6 == q.MasqueradeAddressIPv6 &&
+		slices.EqualFunc(p.Sources, q.Sources, SourceRule.equal))
 }
 
 // Compile builds the rule lists from a validated configuration.
@@ -229,6 +255,21 @@ func Compile(cfg config.Config, opts Options) *Policy {
 	if opts.EnableIPv6 {
 		p.MasqueradeAddressIPv6 = cfg.MasqueradeAddressIPv6
 		p.IPv6 = compileFamily(cfg, IPv6, cfg.MasqueradeAddressIPv6)
+	}
+	for i, r := range cfg.SourceRules {
+		sub := Compile(r.Effective(cfg), Options{EnableIPv6: opts.EnableIPv6, RandomFully: opts.RandomFully, ToPorts: opts.ToPorts})
+		for _, fam := range Families() {
+			for j := range sub.Rules(fam) {
+				sub.Rules(fam)[j].Set = r.Name
+			}
+		}
+		sr := SourceRule{Name: r.Name, Index: i, CIDRs: r.CIDRs, Selects: r.Selects(), Policy: sub}
+		if sr.Selects {
+			sr.Pods = slices.Clone(opts.Pods[r.Name])
+			slices.SortFunc(sr.Pods, netip.Addr.Compare)
+			sr.Pods = slices.Compact(sr.Pods)
+		}
+		p.Sources = append(p.Sources, sr)
 	}
 	return p
 }
@@ -303,9 +344,12 @@ type Verdict struct {
 	Number int
 	// Reason explains a verdict that no rule gave.
 	Reason string
+	// SourceRule is the source rule whose lists decided (DecideFrom), or nil: the global ones.
+	SourceRule *SourceRule
 }
 
-// Decide returns what the chain does with a packet to addr: first match over the rule list.
+// Decide returns what the chain does with a packet to addr from a source that no source rule
+// holds: first match over the rule list.
 func (p *Policy) Decide(addr netip.Addr) Verdict {
 	addr = addr.Unmap()
 	fam := FamilyOf(addr)
@@ -329,6 +373,11 @@ func (p *Policy) MayMasquerade(dst netip.Prefix) bool {
 	dst = dst.Masked()
 	if !dst.IsValid() || !p.Enabled(FamilyOf(dst.Addr())) {
 		return false
+	}
+	for _, s := range p.Sources {
+		if s.Policy.MayMasquerade(dst) {
+			return true
+		}
 	}
 	for _, r := range p.Rules(FamilyOf(dst.Addr())) {
 		switch {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
 // Config draws a configuration of both families with nonMasq nonMasqueradeCIDRs and up to ten
@@ -163,6 +164,106 @@ func Destination(rng *rand.Rand, p *policy.Policy, fam policy.Family) netip.Addr
 	}
 	if len(rules) > 0 && rng.IntN(10) < 7 {
 		pr := rules[rng.IntN(len(rules))].Prefix
+		switch rng.IntN(6) {
+		case 0:
+			return pr.Addr()
+		case 1:
+			return LastAddr(pr)
+		default:
+			return AddrIn(rng, pr)
+		}
+	}
+	if fam == policy.IPv4 {
+		return AddrIn(rng, netip.PrefixFrom(netip.IPv4Unspecified(), 0))
+	}
+	return AddrIn(rng, netip.PrefixFrom(netip.IPv6Unspecified(), 0))
+}
+
+// WithSourceRules gives cfg up to n source rules, with options for Compile that give the
+// selector rules their pods. Their source CIDRs nest in and overlap each other (and some are
+// repeated across rules), now and then a rule selects pods (by a selector that matches
+// everything; the pods are drawn from the rules' CIDRs and beyond) and now and then holds the
+// whole address space; each rule sets a random subset of the rule keys to values drawn as
+// Config draws them.
+func WithSourceRules(rng *rand.Rand, cfg config.Config, n int, opts policy.Options) (config.Config, policy.Options) {
+	cfg.SourceRules = nil
+	opts.Pods = map[string][]netip.Addr{}
+	var pool []netip.Prefix
+	for i := range rng.IntN(n + 1) {
+		r := config.SourceRule{Name: "r" + string(rune('a'+i%26)) + string(rune('0'+i/26%10)) + string(rune('a'+i/260))}
+		for range 1 + rng.IntN(3) {
+			fam := policy.IPv4
+			if opts.EnableIPv6 && rng.IntN(3) == 0 {
+				fam = policy.IPv6
+			}
+			var p netip.Prefix
+			switch {
+			case len(pool) > 0 && rng.IntN(3) == 0:
+				q := pool[rng.IntN(len(pool))]
+				if rng.IntN(2) == 0 {
+					p = q
+				} else {
+					p, _ = AddrIn(rng, q).Prefix(min(q.Addr().BitLen(), q.Bits()+rng.IntN(9)))
+				}
+			case rng.IntN(12) == 0:
+				p = netip.PrefixFrom(netip.IPv4Unspecified(), 0)
+				if fam == policy.IPv6 {
+					p = netip.PrefixFrom(netip.IPv6Unspecified(), 0)
+				}
+			default:
+				p = Prefix(rng, fam)
+			}
+			pool = append(pool, p)
+			r.CIDRs = append(r.CIDRs, p)
+		}
+		if rng.IntN(4) == 0 {
+			r.PodSelector = &metav1.LabelSelector{}
+			for range 1 + rng.IntN(4) {
+				var a netip.Addr
+				if rng.IntN(2) == 0 {
+					a = AddrIn(rng, pool[rng.IntN(len(pool))])
+				} else {
+					a = AddrIn(rng, Prefix(rng, policy.IPv4))
+				}
+				opts.Pods[r.Name] = append(opts.Pods[r.Name], a)
+			}
+			if rng.IntN(2) == 0 {
+				r.CIDRs = nil
+			}
+		}
+		own := Config(rng, rng.IntN(6))
+		if !opts.EnableIPv6 {
+			own = v4Only(own)
+		}
+		own = WithAddresses(rng, own)
+		for _, key := range config.RuleKeys {
+			if rng.IntN(2) == 0 {
+				r.Set = append(r.Set, key)
+			}
+		}
+		r.Own = own
+		cfg.SourceRules = append(cfg.SourceRules, r)
+	}
+	return cfg, opts
+}
+
+// v4Only drops the IPv6 entries of a config's lists.
+func v4Only(cfg config.Config) config.Config {
+	cfg.NonMasqueradeCIDRs = slices.DeleteFunc(slices.Clone(cfg.NonMasqueradeCIDRs), func(p netip.Prefix) bool { return p.Addr().Is6() })
+	cfg.MasqueradeCIDRs = slices.DeleteFunc(slices.Clone(cfg.MasqueradeCIDRs), func(m config.MasqueradeCIDR) bool { return m.CIDR.Addr().Is6() })
+	cfg.CIDRLimit = len(cfg.NonMasqueradeCIDRs)
+	return cfg
+}
+
+// Source draws a source address of a family to probe p with, aimed at the source rules: inside
+// a random rule's source prefix, at its first or last address, a selected pod, or anywhere.
+func Source(rng *rand.Rand, p *policy.Policy, fam policy.Family) netip.Addr {
+	var prefixes []netip.Prefix
+	for _, s := range p.Sources {
+		prefixes = append(prefixes, s.Prefixes(fam)...)
+	}
+	if len(prefixes) > 0 && rng.IntN(10) < 8 {
+		pr := prefixes[rng.IntN(len(prefixes))]
 		switch rng.IntN(6) {
 		case 0:
 			return pr.Addr()
