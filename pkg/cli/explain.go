@@ -15,8 +15,13 @@ func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	var pf policyFlags
 	var bf backendFlags
 	var fromFile bool
+	var from, kubeconfig string
 	fs := newFlagSet(commandNamed("explain"), stderr)
-	fs.group("explain", func() { registerFromFile(fs, &fromFile) })
+	fs.group("explain", func() {
+		registerFromFile(fs, &fromFile)
+		fs.StringVar(&from, "from", "", "the source: a pod address, or NAMESPACE/POD (read from the API server); its source rule, if one holds it, decides")
+		fs.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file of the API server, for --from NAMESPACE/POD; empty means the pod's service account")
+	})
 	pf.register(fs)
 	bf.register(fs)
 	pos, err := parseInterspersed(fs.FlagSet, args)
@@ -41,10 +46,17 @@ func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if err != nil {
 		return err
 	}
+	var src *explainSource
+	if from != "" {
+		if src, err = resolveSource(ctx, from, kubeconfig, p); err != nil {
+			return err
+		}
+		fmt.Fprintln(stdout, src.describe())
+	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "ADDRESS\tVERDICT\tSOURCE\tRULE\tCIDR\tFROM")
 	for _, a := range addrs {
-		v := p.Decide(a)
+		v := src.decide(p, a)
 		if v.Rule == nil {
 			fmt.Fprintf(tw, "%s\t%s\t%s\t-\t-\t%s\n", a, v.Action, leavesFrom(v), v.Reason)
 			continue
@@ -55,6 +67,9 @@ func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return err
 	}
 	fmt.Fprintln(stderr, which)
+	if n := len(p.Sources); n > 0 && src == nil {
+		fmt.Fprintf(stderr, "note: %d source rules decide the traffic of their own sources; these verdicts are for a source none holds (--from SRC explains a source's)\n", n)
+	}
 	installedOn(ctx, stdout, bf, p)
 	return nil
 }

@@ -11,8 +11,10 @@ package datapath
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
@@ -236,7 +238,9 @@ func (c RuleCounter) Source() string {
 	case c.Origin == "":
 		return "?"
 	case c.Entry >= 0:
-		return policy.Rule{Origin: c.Origin, Entry: c.Entry}.Source()
+		return policy.Rule{Set: c.Set, Origin: c.Origin, Entry: c.Entry}.Source()
+	case c.Set != "":
+		return fmt.Sprintf("%s[%s].%s", config.KeySourceRules, c.Set, c.Origin)
 	}
 	return string(c.Origin)
 }

@@ -487,12 +487,12 @@ func (c *Collector) collectRules(ctx context.Context, gauge func(string, float64
 	}
 	s := c.rules.scrape(rules)
 	for _, r := range s.rules {
-		labels := []string{r.Family.String(), r.Action.String(), r.Prefix.String(), string(r.Origin)}
+		labels := []string{r.Family.String(), r.Action.String(), r.Prefix.String(), originLabel(r.Set, r.Origin)}
 		counter(RulePackets, r.Packets, labels...)
 		counter(RuleBytes, r.Bytes, labels...)
 	}
 	for _, o := range s.origins {
-		labels := []string{o.family.String(), o.action.String(), string(o.origin)}
+		labels := []string{o.family.String(), o.action.String(), originLabel(o.set, o.origin)}
 		counter(OriginPackets, o.packets, labels...)
 		counter(OriginBytes, o.bytes, labels...)
 	}
@@ -501,6 +501,16 @@ func (c *Collector) collectRules(ctx context.Context, gauge func(string, float64
 			gauge(Rules, float64(n), fam.String())
 		}
 	}
+}
+
+// originLabel is the origin label of a rule: its origin, and for a source rule's, the rule's
+// name before it (sourceRules[batch].nonMasqueradeCIDRs), so that a source rule adds one value
+// per origin, and the global lists' series stay what they were before source rules.
+func originLabel(set string, origin policy.Origin) string {
+	if set == "" {
+		return string(origin)
+	}
+	return config.KeySourceRules + "[" + set + "]." + string(origin)
 }
 
 func (c *Collector) collectNAT(ctx context.Context, ch chan<- prometheus.Metric, nat datapath.NATReporter, gauge func(string, float64, ...string), counter func(string, uint64, ...string)) {

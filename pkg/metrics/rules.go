@@ -22,6 +22,7 @@ const displaceFactor = 2
 
 // ruleID identifies a rule across scrapes: what its series' labels say.
 type ruleID struct {
+	set    string
 	family policy.Family
 	prefix netip.Prefix
 	action policy.Action
@@ -30,6 +31,7 @@ type ruleID struct {
 
 // originID identifies a series of the per-origin totals.
 type originID struct {
+	set    string
 	family policy.Family
 	action policy.Action
 	origin policy.Origin
@@ -93,7 +95,7 @@ func (t *ruleTable) scrape(all []datapath.RuleCounter) ruleScrape {
 	ids := make([]ruleID, 0, len(all))
 	dup := make(map[ruleID]bool, len(all))
 	for _, r := range all {
-		id := ruleID{r.Family, r.Prefix, r.Action, r.Origin}
+		id := ruleID{r.Set, r.Family, r.Prefix, r.Action, r.Origin}
 		if r.Origin == "" || dup[id] {
 			continue
 		}
@@ -121,7 +123,7 @@ func (t *ruleTable) totals(rules []datapath.RuleCounter, ids []ruleID) []originT
 	var out []originTotal
 	index := map[originID]int{}
 	for i, r := range rules {
-		o := originID{r.Family, r.Action, r.Origin}
+		o := originID{r.Set, r.Family, r.Action, r.Origin}
 		c := counts{r.Packets, r.Bytes}
 		now[maphash.Comparable(t.seed, ids[i])] = seen{c, o}
 		j, ok := index[o]

@@ -146,3 +146,37 @@ func newRegistryOf(t *testing.T, c *Collector) *prometheus.Registry {
 	}
 	return reg
 }
+
+// A source rule's rules are series of their own, told apart from the global lists' by an origin
+// that names the rule, even where the two hold the same CIDR: one origin value per source rule
+// and origin, however many pods the rule selects.
+func TestSourceRuleSeries(t *testing.T) {
+	rules := manyRules(1, map[int]uint64{0: 4, 1: 6})
+	for _, r := range manyRules(1, map[int]uint64{0: 1, 1: 2}) {
+		r.Set = "batch"
+		rules = append(rules, r)
+	}
+	c := NewCollector(Options{Backend: &datapathtest.Backend{RuleCounters: rules}})
+	fams := scrape(t, newRegistryOf(t, c))
+	got := map[string]float64{}
+	for _, m := range fams[OriginPackets].GetMetric() {
+		for _, l := range m.GetLabel() {
+			if l.GetName() == "origin" {
+				got[l.GetValue()] = m.GetCounter().GetValue()
+			}
+		}
+	}
+	want := map[string]float64{"nonMasqueradeCIDRs": 4, "outbound": 6,
+		"sourceRules[batch].nonMasqueradeCIDRs": 1, "sourceRules[batch].outbound": 2}
+	if len(got) != len(want) {
+		t.Errorf("origin totals %v, want %v", got, want)
+	}
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("origin %s: %v packets, want %v (all: %v)", k, got[k], v, got)
+		}
+	}
+	if n := testutil.CollectAndCount(c, RulePackets); n != 4 {
+		t.Errorf("%d rule series, want 4: the same CIDR in two lists is two rules", n)
+	}
+}

@@ -263,7 +263,7 @@ func Compile(cfg config.Config, opts Options) *Policy {
 				sub.Rules(fam)[j].Set = r.Name
 			}
 		}
-		sr := SourceRule{Name: r.Name, Index: i, CIDRs: r.CIDRs, Selects: r.Selects(), Policy: sub}
+		sr := SourceRule{Name: r.Name, Index: i, CIDRs: r.CIDRs, Selects: r.Selects(), Policy: sub, Config: r}
 		if sr.Selects {
 			sr.Pods = slices.Clone(opts.Pods[r.Name])
 			slices.SortFunc(sr.Pods, netip.Addr.Compare)

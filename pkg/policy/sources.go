@@ -5,6 +5,9 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"k8s.io/apimachinery/pkg/labels"
 )
 
 // SourceRule is a compiled sourceRules entry: the sources it holds and the rule lists that
@@ -23,6 +26,9 @@ type SourceRule struct {
 	// Its rules' Set is Name. Its own Sources are empty; its RandomFully and ToPorts are the
 	// global policy's.
 	Policy *Policy
+	// Config is the sourceRules entry the rule was compiled from (its selectors, for explain;
+	// the datapath sees their effect in Pods only, so Equal leaves it out).
+	Config config.SourceRule
 }
 
 func (s SourceRule) equal(o SourceRule) bool {
@@ -58,6 +64,31 @@ func (s SourceRule) Holds(src netip.Addr) bool {
 	return false
 }
 
+// Why tells why the rule holds src: "cidrs[i] PREFIX", or "selects the pod" for a pod address
+// of Pods; empty when it does not.
+func (s SourceRule) Why(src netip.Addr) string {
+	src = src.Unmap()
+	for i, c := range s.CIDRs {
+		if c.Contains(src) {
+			return fmt.Sprintf("cidrs[%d] %s", i, c)
+		}
+	}
+	if slices.Contains(s.Pods, src) {
+		return "selects the pod"
+	}
+	return ""
+}
+
+// SelectsPod reports whether the rule's selectors choose a pod of these labels in a namespace
+// of these: false for a rule without selectors.
+func (s SourceRule) SelectsPod(namespace, pod labels.Labels) bool {
+	if !s.Selects {
+		return false
+	}
+	ns, ps := s.Config.Selectors()
+	return ns.Matches(namespace) && ps.Matches(pod)
+}
+
 // SourceRuleOf returns the source rule that decides traffic from src (the first that holds
 // it), or nil: the global lists decide.
 func (p *Policy) SourceRuleOf(src netip.Addr) *SourceRule {
@@ -80,6 +111,11 @@ func (p *Policy) DecideFrom(src, dst netip.Addr) Verdict {
 	if s == nil {
 		return p.Decide(dst)
 	}
+	return s.Decide(dst)
+}
+
+// Decide is the verdict of the rule's lists for traffic from one of its sources to dst.
+func (s *SourceRule) Decide(dst netip.Addr) Verdict {
 	v := s.Policy.Decide(dst)
 	v.SourceRule = s
 	if v.Rule == nil {
