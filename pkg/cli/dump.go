@@ -10,6 +10,7 @@ import (
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/backends"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
 // defaultTop is how many of the busiest remote endpoints dump shows.
@@ -66,8 +67,46 @@ func dump(ctx context.Context, af *agentFlags, top int, fromFile bool, stdout, s
 			errs = append(errs, c.Close())
 		}
 	}
+	if p != nil && len(p.Sources) > 0 {
+		fmt.Fprintln(stdout)
+		errs = append(errs, writeSourceRules(stdout, p))
+	}
 	fmt.Fprintln(stderr, which)
 	return errors.Join(append(errs, findErr)...)
+}
+
+// writeSourceRules prints the source rules in their order of precedence, each with its sources:
+// its CIDRs and the pods of this node its selectors chose, which the datapath holds.
+func writeSourceRules(w io.Writer, p *policy.Policy) error {
+	fmt.Fprintln(w, "source rules (the first that holds a source decides its traffic)")
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "#\tNAME\tCIDRS\tSELECTORS\tPODS")
+	for _, s := range p.Sources {
+		cidrs, sel, pods := "-", "-", "-"
+		if len(s.CIDRs) > 0 {
+			cidrs = joinStrings(s.CIDRs)
+		}
+		if s.Selects {
+			sel = selectorWhy(&s)
+			pods = fmt.Sprint(len(s.Pods))
+			if len(s.Pods) > 0 && len(s.Pods) <= maxPodsShown {
+				pods += " (" + joinAddrs(s.Pods) + ")"
+			}
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\n", s.Index, s.Name, cidrs, sel, pods)
+	}
+	return tw.Flush()
+}
+
+// maxPodsShown bounds the pod addresses dump lists per source rule (it counts them all).
+const maxPodsShown = 8
+
+func joinStrings[S fmt.Stringer](ss []S) string {
+	out := make([]string, len(ss))
+	for i, s := range ss {
+		out[i] = s.String()
+	}
+	return strings.Join(out, ", ")
 }
 
 // writeReader prints one datapath: a title, its rules as `iptables -L -v` shows them (with the

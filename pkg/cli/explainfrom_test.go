@@ -1,8 +1,12 @@
 package cli
 
 import (
+	"net/netip"
 	"strings"
 	"testing"
+
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
 const sourceRulesConfig = `
@@ -70,6 +74,37 @@ func TestExplainFrom(t *testing.T) {
 		_, _, err := run(t, "explain", "--config", path, "--from", bad, "8.8.8.8")
 		if err == nil || ExitCode(err) != 2 || !strings.Contains(err.Error(), "want an IP address or NAMESPACE/POD") {
 			t.Errorf("--from %q: %v (exit %d)", bad, err, ExitCode(err))
+		}
+	}
+}
+
+// dump lists the source rules in their order, each with its sources: its CIDRs, its selectors
+// and the pods they chose.
+func TestWriteSourceRules(t *testing.T) {
+	cfg, err := config.Parse([]byte(sourceRulesConfig+`- name: batch
+  namespaceSelector: {matchLabels: {team: batch}}
+`), config.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := policy.Compile(cfg, policy.Options{Pods: map[string][]netip.Addr{"batch": {netip.MustParseAddr("10.244.9.3")}}})
+	var b strings.Builder
+	if err := writeSourceRules(&b, p); err != nil {
+		t.Fatal(err)
+	}
+	want := [][]string{
+		{"#", "NAME", "CIDRS", "SELECTORS", "PODS"},
+		{"0", "partner", "10.244.1.0/24", "-", "-"},
+		{"1", "quiet", "10.244.0.0/16", "-", "-"},
+		{"2", "batch", "-", "namespaceSelector", "team=batch", "1", "(10.244.9.3)"},
+	}
+	lines := strings.Split(strings.TrimSpace(b.String()), "\n")[1:]
+	if len(lines) != len(want) {
+		t.Fatalf("dump's source rules:\n%s", b.String())
+	}
+	for i, l := range lines {
+		if got := strings.Fields(l); strings.Join(got, " ") != strings.Join(want[i], " ") {
+			t.Errorf("line %d: %q, want %q", i, got, want[i])
 		}
 	}
 }
