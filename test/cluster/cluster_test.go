@@ -90,6 +90,7 @@ func TestCluster(t *testing.T) {
 			t.Run("kustomize", func(t *testing.T) { w.kustomizeBase(ctx, t, i == 0) })
 			if i == 0 { // the API source does not depend on kube-proxy's mode
 				t.Run("api-source", func(t *testing.T) { w.apiSource(ctx, t) })
+				t.Run("source-selectors", func(t *testing.T) { w.sourceSelectors(ctx, t, backends[0]) })
 			}
 			for _, b := range backends {
 				t.Run("chart/"+b.name, func(t *testing.T) { w.chart(ctx, t, b) })
