@@ -68,7 +68,7 @@ type knownTable struct {
 	policy *policy.Policy
 	in     *installed
 	layout *Layout
-	chains map[string][]string
+	links  links
 	// stale: a drift check found the sets' elements changed, so the next apply reads every
 	// set whole rather than the known elements by key (see current).
 	stale bool
@@ -237,10 +237,10 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 		return nil
 	}
 	l := NewLayout(p, fam)
-	cur, chains := (*installed)(nil), map[string][]string(nil)
+	cur, read := (*installed)(nil), links{}
 	if trusted && known != nil {
-		cur, chains = known.in, known.chains
-	} else if cur, chains, err = b.current(ctx, fam, known, l); err != nil {
+		cur, read = known.in, known.links
+	} else if cur, read, err = b.current(ctx, fam, known, l); err != nil {
 		return fmt.Errorf("apply %s: %w", nftFamily(fam), err)
 	}
 	// old is the layout the table's chains hold, nil when that is not known.
@@ -248,7 +248,7 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 	switch {
 	case !cur.table:
 		old = &Layout{Family: fam, Outbound: -1}
-	case known != nil && sameChains(chains, known.chains):
+	case known != nil && read.same(known.links):
 		old = known.layout
 	}
 	start := time.Now()
@@ -281,8 +281,8 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 	b.publish(fam, &appliedFamily{policy: p, layout: l})
 	// The chains' fingerprints, to tell later whether someone changed them: cheap, the
 	// elements are not read.
-	read, err := b.kernel.Table(ctx, fam, false)
-	if err != nil || read == nil {
+	back, err := b.kernel.Table(ctx, fam, false)
+	if err != nil || back == nil {
 		delete(b.known, fam)
 		if err == nil {
 			err = fmt.Errorf("the %s table is gone right after it was applied", nftFamily(fam))
@@ -290,7 +290,7 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 		b.log.Warn("cannot read the chains back; the next apply reads the whole table", "family", fam, "error", err)
 		return nil
 	}
-	b.known[fam] = &knownTable{policy: p, in: st.want, layout: l, chains: read.Chains}
+	b.known[fam] = &knownTable{policy: p, in: st.want, layout: l, links: linksOf(back)}
 	return nil
 }
 
@@ -299,16 +299,16 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 // walked whole costs time quadratic in its elements, and on a node whose kube-proxy writes
 // nftables the ruleset changes all the time. An element added behind the agent's back is then
 // the drift check's walk to find, after which (stale) every set is read whole.
-func (b *Backend) current(ctx context.Context, fam policy.Family, known *knownTable, l *Layout) (*installed, map[string][]string, error) {
+func (b *Backend) current(ctx context.Context, fam policy.Family, known *knownTable, l *Layout) (*installed, links, error) {
 	st, err := b.kernel.Table(ctx, fam, false)
 	switch {
 	case err != nil:
-		return nil, nil, err
+		return nil, links{}, err
 	case st == nil:
-		return empty(), nil, nil
-	case known == nil || known.stale || !sameChains(st.Chains, known.chains) || !sameSets(st, known.in, false):
+		return empty(), links{}, nil
+	case known == nil || known.stale || !linksOf(st).same(known.links) || !sameSets(st, known.in, false):
 		if st, err = b.kernel.Table(ctx, fam, true); err != nil || st == nil {
-			return empty(), nil, err
+			return empty(), links{}, err
 		}
 		// What the walk missed of the elements to install, and of those installed.
 		want := l.keys()
@@ -318,16 +318,16 @@ func (b *Backend) current(ctx context.Context, fam policy.Family, known *knownTa
 			}
 		}
 		if err := completeWalk(ctx, b.kernel, fam, st, want); err != nil {
-			return nil, nil, err
+			return nil, links{}, err
 		}
-		return installedFrom(st), st.Chains, nil
+		return installedFrom(st), linksOf(st), nil
 	}
-	in := &installed{table: true, sets: known.in.sets, snat: known.in.snat, outbound: st.Outbound != nil,
-		elems: make(map[string]map[netip.Addr]string, len(known.in.elems))}
+	in := installedFrom(st)
+	in.sets, in.elems = known.in.sets, make(map[string]map[netip.Addr]string, len(known.in.elems))
 	for set, keys := range keysOf(known.in.elems) {
 		got, err := b.kernel.Elements(ctx, fam, set, keys)
 		if err != nil {
-			return nil, nil, err
+			return nil, links{}, err
 		}
 		m := make(map[netip.Addr]string, len(got))
 		for k, e := range got {
@@ -335,7 +335,7 @@ func (b *Backend) current(ctx context.Context, fam policy.Family, known *knownTa
 		}
 		in.elems[set] = m
 	}
-	return in, st.Chains, nil
+	return in, linksOf(st), nil
 }
 
 // runSteps runs an apply's steps (see phased). A step that fails leaves the table deciding as
@@ -411,14 +411,16 @@ func deleteTable(ctx context.Context, nft knftables.Interface) error {
 	return nft.Run(ctx, tx)
 }
 
-// Counters implements datapath.Backend: per rule, the sum of its elements' counters (the
-// outbound rule's named counter), read from the kernel. A rule with an element missing is
-// left out; a rule that earlier rules cover entirely has no element and reports zero.
+// Counters implements datapath.Backend: per rule, the sum of its elements' counters (an
+// outbound rule's named counter), read from the kernel: the global lists' rules, then each
+// source rule's. A rule with an element missing is left out; a rule that earlier rules cover
+// entirely has no element and reports zero, and so do the rules of a source rule that decides
+// no source of the family (its list is not installed).
 func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
 	b.mu.Lock()
 	applied := b.applied
 	b.mu.Unlock()
-	var out []datapath.RuleCounter
+	var out listCounters
 	for _, fam := range policy.Families() {
 		a := applied[fam]
 		if a == nil {
@@ -440,10 +442,10 @@ func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) 
 				}
 			}
 		}
-		counters, _ := countRules(a.policy, a.layout, st)
-		out = append(out, counters...)
+		c, _ := countRules(a.policy, a.layout, st)
+		out.add(c)
 	}
-	return out, nil
+	return out.ordered(), nil
 }
 
 // Cleanup implements datapath.Backend: both tables are deleted (see Cleanup).

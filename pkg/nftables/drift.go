@@ -59,7 +59,10 @@ func (b *Backend) CheckDrift(ctx context.Context) ([]string, error) {
 			found[datapath.DriftChain] = true
 			continue
 		}
-		found[datapath.DriftChain] = found[datapath.DriftChain] || !sameChains(st.Chains, known.chains)
+		found[datapath.DriftChain] = found[datapath.DriftChain] || !sameChains(st.Chains, known.links.chains)
+		if !slices.Equal(st.SourceMap, known.links.sources) {
+			found[datapath.DriftSet] = true
+		}
 		if walk {
 			if err := completeWalk(ctx, b.kernel, fam, st, keysOf(known.in.elems)); err != nil {
 				return nil, err
@@ -110,6 +113,20 @@ func completeWalk(ctx context.Context, k Kernel, fam policy.Family, st *TableSta
 		maps.Copy(s.Elements, got)
 	}
 	return nil
+}
+
+// links are the fingerprints of what sends a packet where in a table: its chains' rules and
+// the source map's elements.
+type links struct {
+	chains  map[string][]string
+	sources []string
+}
+
+func linksOf(st *TableState) links { return links{chains: st.Chains, sources: st.SourceMap} }
+
+// same tells whether two tables send packets alike; never when a table's chains are unknown.
+func (a links) same(b links) bool {
+	return sameChains(a.chains, b.chains) && slices.Equal(a.sources, b.sources)
 }
 
 // keysOf are the keys of elements by set.

@@ -81,14 +81,20 @@ func KubeProxyTables(ctx context.Context, kernel Kernel) ([]string, error) {
 type TableState struct {
 	// Sets by name; a set's Elements is nil when they were not read.
 	Sets map[string]*SetState
-	// Outbound is the outbound counter, nil when there is none.
-	Outbound *Count
+	// Outbound is the outbound counter, nil when there is none; SourceOutbound the source
+	// rules' outbound counters, by source rule name.
+	Outbound       *Count
+	SourceOutbound map[string]Count
 	// Chains holds, per chain that exists, a fingerprint of each of its rules: equal
-	// fingerprints from one Kernel mean equal rules.
+	// fingerprints from one Kernel mean equal rules. The source rules' chains are those the
+	// source map goes to.
 	Chains map[string][]string
-	// SNAT holds the address a masquerade set's lookup in the base chain, or the outbound rule
-	// (under CounterOutbound), rewrites to: the `snat to` of the chain it goes to. Absent where
-	// that chain masquerades to the uplink's address.
+	// SourceMap holds a fingerprint of each element of the source map, sorted; nil when there
+	// is no map. Equal fingerprints from one Kernel mean equal elements.
+	SourceMap []string
+	// SNAT holds the address a masquerade set's lookup, or an outbound rule (under its counter's
+	// name), rewrites to: the `snat to` of the chain it goes to. Absent where that chain
+	// masquerades to the uplink's address.
 	SNAT map[string]netip.Addr
 }
 

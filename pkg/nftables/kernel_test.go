@@ -3,6 +3,7 @@ package nftables_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"math/rand/v2"
 	"net/netip"
@@ -11,6 +12,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
@@ -57,8 +60,9 @@ func checkKernel(t *testing.T, p *policy.Policy) {
 		for _, s := range l.Sets {
 			want[s.Name] = map[string]string{}
 		}
+		rules := l.Rules(p)
 		for _, e := range l.Elements {
-			want[e.Set][e.Key.String()] = nftables.Comment(p.Rules(fam)[e.Rule])
+			want[e.Set][e.Key.String()] = nftables.Comment(rules[e.Rule])
 		}
 		got := map[string]map[string]string{}
 		for name, s := range st.Sets {
@@ -84,17 +88,36 @@ func checkKernel(t *testing.T, p *policy.Policy) {
 			t.Errorf("%s: chains hold %d and %d rules, want %d and %d", fam, len(st.Chains[nftables.ChainPostrouting]),
 				len(st.Chains[nftables.ChainMasq]), len(l.Postrouting), len(l.Masq))
 		}
-		// The SNAT chains, and no stale one after them.
-		if len(st.Chains) != 2+len(l.SNAT) {
-			t.Errorf("%s: %d chains, want 2 and %d SNAT chains", fam, len(st.Chains), len(l.SNAT))
+		// The SNAT chains, and no stale one after them; the chains the source map goes to, and
+		// none else.
+		if len(st.Chains) != 2+len(l.SNAT)+len(l.Sources) {
+			t.Errorf("%s: %d chains, want 2, %d SNAT chains and %d source chains", fam, len(st.Chains), len(l.SNAT), len(l.Sources))
 		}
 		for _, c := range l.SNAT {
 			if len(st.Chains[c.Name]) != len(c.Rules) {
 				t.Errorf("%s: chain %s holds %d rules, want %d", fam, c.Name, len(st.Chains[c.Name]), len(c.Rules))
 			}
 		}
+		wantCounters := map[string]bool{}
+		for _, s := range l.Sources {
+			if got := st.Chains[nftables.SourceChainName(s.Name)]; len(got) != len(s.Rules) {
+				t.Errorf("%s: source chain of %s holds %d rules, want %d", fam, s.Name, len(got), len(s.Rules))
+			}
+			wantCounters[s.Name] = s.Outbound >= 0
+		}
+		if (st.SourceMap != nil) != (len(l.SourceMap) > 0) || len(st.SourceMap) < len(l.SourceMap) {
+			t.Errorf("%s: source map of %d elements read back, want %d pieces", fam, len(st.SourceMap), len(l.SourceMap))
+		}
 		if (st.Outbound != nil) != (l.Outbound >= 0) {
 			t.Errorf("%s: outbound counter %v, outbound rule %d", fam, st.Outbound, l.Outbound)
+		}
+		for name, want := range wantCounters {
+			if _, ok := st.SourceOutbound[name]; ok != want {
+				t.Errorf("%s: source rule %s's outbound counter there: %v, want %v", fam, name, ok, want)
+			}
+		}
+		if len(st.SourceOutbound) > len(wantCounters) {
+			t.Errorf("%s: source outbound counters %v, want those of %v", fam, st.SourceOutbound, wantCounters)
 		}
 		// What each masquerade set's lookup, and the outbound rule, SNAT to, read back from the
 		// rules of the chains they go to.
@@ -106,6 +129,11 @@ func checkKernel(t *testing.T, p *policy.Policy) {
 		}
 		if l.Outbound >= 0 && p.Rules(fam)[l.Outbound].Address.IsValid() {
 			wantSNAT[nftables.CounterOutbound] = p.Rules(fam)[l.Outbound].Address
+		}
+		for _, s := range l.Sources {
+			if s.Outbound >= 0 && rules[s.Outbound].Address.IsValid() {
+				wantSNAT[nftables.SourceCounterName(s.Name)] = rules[s.Outbound].Address
+			}
 		}
 		if !maps.Equal(st.SNAT, wantSNAT) {
 			t.Errorf("%s: SNAT read back %v, want %v", fam, st.SNAT, wantSNAT)
@@ -147,8 +175,17 @@ func checkDumpAddresses(t *testing.T, kernel nftables.Kernel, p *policy.Policy) 
 // cover has no set to read an address from, and never matches.
 func dumpedAddress(p *policy.Policy, c datapath.RuleCounter) netip.Addr {
 	l := nftables.NewLayout(p, c.Family)
-	rules := p.Rules(c.Family)
-	read := func(i int) bool { return l.Pieces[i] > 0 || i == l.Outbound }
+	rules, first, outbound := p.Rules(c.Family), 0, l.Outbound
+	if c.Set != "" {
+		// A source rule's list: none when the rule decides no source of the family.
+		i := slices.IndexFunc(l.Sources, func(s nftables.SourceList) bool { return s.Name == c.Set })
+		if i < 0 {
+			return netip.Addr{}
+		}
+		s := l.Sources[i]
+		rules, first, outbound = p.Sources[s.Index].Policy.Rules(c.Family), s.First, s.Outbound
+	}
+	read := func(i int) bool { return l.Pieces[first+i] > 0 || first+i == outbound }
 	if c.Rule > 0 {
 		if !read(c.Rule - 1) {
 			return netip.Addr{}
@@ -177,12 +214,16 @@ func TestKernel(t *testing.T) {
 		}
 		r := rand.New(rand.NewPCG(15, 2))
 		var p *policy.Policy
-		for i := range 12 {
+		for i := range 18 {
 			cfg := policytest.Config(r, r.IntN(20))
 			if i%4 != 3 {
 				cfg = policytest.WithAddresses(r, cfg)
 			}
-			p = compile(cfg, i%3 != 2)
+			opts := policy.Options{EnableIPv6: i%3 != 2, RandomFully: true}
+			if i%3 != 0 {
+				cfg, opts = policytest.WithSourceRules(r, cfg, 5, opts)
+			}
+			p = policy.Compile(cfg, opts)
 			if i%2 == 0 {
 				p.ToPorts = policy.PortRanges{{First: 1024, Last: 29999}, {First: 32768, Last: 65535}}
 			}
@@ -195,7 +236,14 @@ func TestKernel(t *testing.T) {
 			}
 		}
 		p = compile(config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("10.0.0.0/8"), pfx("fd00::/8")}, MasqOutBound: true, MasqOutBoundIPv6: true,
-			MasqueradeCIDRs: []config.MasqueradeCIDR{{CIDR: pfx("10.1.0.0/16"), Address: netip.MustParseAddr("192.0.2.11")}}}, true)
+			MasqueradeCIDRs: []config.MasqueradeCIDR{{CIDR: pfx("10.1.0.0/16"), Address: netip.MustParseAddr("192.0.2.11")}},
+			SourceRules: []config.SourceRule{{Name: "batch", CIDRs: []netip.Prefix{pfx("10.244.0.0/16")}, Set: []string{config.KeyNonMasqueradeCIDRs},
+				Own: config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("172.16.0.0/12")}}},
+				// The longest names and comments: a rule name of config's 40 characters, an IPv6
+				// address in a set name, a /128 of eight full groups in a comment.
+				{Name: longRule, CIDRs: []netip.Prefix{pfx("fd00::/8")}, Set: []string{config.KeyNonMasqueradeCIDRs, config.KeyMasqueradeCIDRs},
+					Own: config.Config{NonMasqueradeCIDRs: []netip.Prefix{pfx("ffff:ffff:ffff:ffff:ffff:ffff:ffff:fffe/128")},
+						MasqueradeCIDRs: []config.MasqueradeCIDR{{CIDR: pfx("2001:db8:ffff:ffff:ffff:ffff:ffff:ffff/128"), Address: netip.MustParseAddr("2001:db8:ffff:ffff:ffff:ffff:ffff:fff1")}}}}}}, true)
 		if err := b.Apply(ctx, p); err != nil {
 			t.Fatal(err)
 		}
@@ -207,6 +255,13 @@ func TestKernel(t *testing.T) {
 			{[]string{"delete", "table", "ip6", nftables.TableName}, []string{datapath.DriftTable}},
 			{[]string{"insert", "rule", "ip", nftables.TableName, nftables.ChainPostrouting, "return"}, []string{datapath.DriftChain}},
 			{[]string{"flush", "chain", "ip", nftables.TableName, nftables.SNATChainName(0)}, []string{datapath.DriftChain}},
+			{[]string{"flush", "set", "ip", nftables.TableName, "src.batch.return-12"}, []string{datapath.DriftSet}},
+			{[]string{"flush", "chain", "ip", nftables.TableName, nftables.SourceChainName("batch")}, []string{datapath.DriftChain}},
+			// The source chains are read where the map goes: with its elements gone, so are they.
+			{[]string{"flush", "map", "ip", nftables.TableName, nftables.SourceMapName}, []string{datapath.DriftChain, datapath.DriftSet}},
+			{[]string{"delete", "element", "ip", nftables.TableName, nftables.SourceMapName, "{ 10.244.0.0/16 }"}, []string{datapath.DriftChain, datapath.DriftSet}},
+			{[]string{"add", "element", "ip", nftables.TableName, nftables.SourceMapName, "{ 10.245.0.0/16 : goto " + nftables.SourceChainName("batch") + " }"},
+				[]string{datapath.DriftSet}},
 			{[]string{"flush chain ip " + nftables.TableName + " " + nftables.ChainPostrouting + "; delete chain ip " + nftables.TableName + " " +
 				nftables.ChainPostrouting}, []string{datapath.DriftChain}},
 		} {
@@ -354,5 +409,172 @@ func TestChangeElements(t *testing.T) {
 				}
 			}
 		}
+	})
+}
+
+// longRule is a source rule name as long as the configuration takes.
+var longRule = strings.Repeat("long-", 8)[:39] + "x"
+
+// uplink is the address of the veth uplink of TestKernelPacketsDecideFrom, which masquerade
+// takes: a probe to it is to a node address, and is left out.
+var uplink = map[policy.Family]netip.Prefix{policy.IPv4: pfx("100.64.0.1/32"), policy.IPv6: pfx("fd00:ffff::1/128")}
+
+// sendable tells whether a packet from src to dst can leave by the uplink: both unicast, not
+// loopback, not the uplink's address; no IPv6 link-local address (it needs a zone), no IPv4
+// "this network" source.
+func sendable(src, dst netip.Addr) bool {
+	for _, a := range []netip.Addr{src, dst} {
+		if a.IsMulticast() || a.IsLoopback() || a.IsUnspecified() || (a.Is6() && (a.IsLinkLocalUnicast() || a.Is4In6())) ||
+			a == netip.AddrFrom4([4]byte{255, 255, 255, 255}) || uplink[policy.FamilyOf(a)].Addr() == a {
+			return false
+		}
+	}
+	zero := pfx("0.0.0.0/8")
+	return !zero.Contains(src) && !zero.Contains(dst)
+}
+
+// send sends one UDP packet from src:port to dst, from a socket bound to src whatever the
+// node's addresses are (IP_TRANSPARENT).
+func send(src, dst netip.Addr, port int) error {
+	domain, level, opt := unix.AF_INET6, unix.SOL_IPV6, unix.IPV6_TRANSPARENT
+	var from, to unix.Sockaddr = &unix.SockaddrInet6{Port: port, Addr: src.As16()}, &unix.SockaddrInet6{Port: 9, Addr: dst.As16()}
+	if src.Is4() {
+		domain, level, opt = unix.AF_INET, unix.SOL_IP, unix.IP_TRANSPARENT
+		from, to = &unix.SockaddrInet4{Port: port, Addr: src.As4()}, &unix.SockaddrInet4{Port: 9, Addr: dst.As4()}
+	}
+	fd, err := unix.Socket(domain, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = unix.Close(fd) }() // a datagram socket: nothing to flush
+	if err := unix.SetsockoptInt(fd, level, opt, 1); err != nil {
+		return fmt.Errorf("transparent: %w", err)
+	}
+	if err := unix.Bind(fd, from); err != nil {
+		return fmt.Errorf("bind %s: %w", src, err)
+	}
+	return unix.Sendto(fd, []byte("probe"), 0, to)
+}
+
+// kernelCounts reads the packets of the layout's elements, by set and key, and of the outbound
+// counters, by source rule ("" for the global one's).
+func kernelCounts(t *testing.T, l *nftables.Layout) (elems map[nftables.Element]uint64, outbound map[string]uint64) {
+	t.Helper()
+	ctx := context.Background()
+	k := nftables.NetlinkKernel{}
+	st, err := k.Table(ctx, l.Family, false)
+	if err != nil || st == nil {
+		t.Fatalf("%s: read the table: %v, %v", l.Family, st, err)
+	}
+	elems, outbound = map[nftables.Element]uint64{}, map[string]uint64{}
+	keys := map[string][]netip.Addr{}
+	for _, e := range l.Elements {
+		keys[e.Set] = append(keys[e.Set], e.Key)
+	}
+	for set, ks := range keys {
+		got, err := k.Elements(ctx, l.Family, set, ks)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for key, e := range got {
+			elems[nftables.Element{Set: set, Key: key}] = e.Count.Packets
+		}
+	}
+	if st.Outbound != nil {
+		outbound[""] = st.Outbound.Packets
+	}
+	for rule, c := range st.SourceOutbound {
+		outbound[rule] = c.Packets
+	}
+	return elems, outbound
+}
+
+// Packets through the kernel decide as DecideFrom says: in a namespace of its own with a veth
+// uplink, for random policies with source rules applied one over the other, a UDP packet of
+// each probe leaves by the uplink through the postrouting hook, and the one element or outbound
+// counter whose count grows is that of the rule DecideFrom names, in the lists of the source
+// rule it names (none grows where no rule decides).
+func TestKernelPacketsDecideFrom(t *testing.T) {
+	testutil.RequirePrivileged(t, "ip", "nft")
+	ctx := context.Background()
+	ns := testutil.NewNetns(t)
+	if err := testutil.IPBatch(ctx, ns, "link set lo up\nlink add up0 type veth peer name up1\nlink set up1 up\nlink set up0 up\naddr add "+uplink[policy.IPv4].String()+
+		" dev up0\naddr add "+uplink[policy.IPv6].String()+" dev up0 nodad\nroute add default dev up0\n"); err != nil {
+		t.Fatal(err)
+	}
+	if err := testutil.IPBatch(ctx, ns, "route add default dev up0\n", "-6"); err != nil {
+		t.Fatal(err)
+	}
+	testutil.InNetns(t, ns, func() {
+		b, err := nftables.New(ctx, nftables.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := rand.New(rand.NewPCG(40, 3))
+		port, sent, bySource := 1024, 0, 0
+		for i := range 8 {
+			p := drawPolicy(r, 5)
+			if err := b.Apply(ctx, p); err != nil {
+				t.Fatalf("apply %d: %v", i, err)
+			}
+			layouts := map[policy.Family]*nftables.Layout{}
+			for _, fam := range policy.Families() {
+				if p.Enabled(fam) {
+					layouts[fam] = nftables.NewLayout(p, fam)
+				}
+			}
+			for _, pr := range probes(r, p, 25) {
+				l := layouts[policy.FamilyOf(pr.dst)]
+				if l == nil || !sendable(pr.src, pr.dst) {
+					continue
+				}
+				elems, outbound := kernelCounts(t, l)
+				port++
+				if err := send(pr.src, pr.dst, port); err != nil {
+					t.Fatalf("policy %d: %s: %v", i, pr, err)
+				}
+				sent++
+				after, afterOut := kernelCounts(t, l)
+				var grew []string
+				gotSet, gotRule := "", 0
+				rules := l.Rules(p)
+				for e, n := range after {
+					if n == elems[e] {
+						continue
+					}
+					j := slices.IndexFunc(l.Elements, func(x nftables.Element) bool { return x.Set == e.Set && x.Key == e.Key })
+					ri := l.Elements[j].Rule
+					gotSet, gotRule = rules[ri].Set, ri+1
+					if gotSet != "" {
+						gotRule -= l.Sources[slices.IndexFunc(l.Sources, func(s nftables.SourceList) bool { return s.Name == gotSet })].First
+					}
+					grew = append(grew, fmt.Sprintf("%s %s", e.Set, e.Key))
+				}
+				for rule, n := range afterOut {
+					if n == outbound[rule] {
+						continue
+					}
+					gotSet, gotRule = rule, l.Outbound+1
+					if rule != "" {
+						s := l.Sources[slices.IndexFunc(l.Sources, func(s nftables.SourceList) bool { return s.Name == rule })]
+						gotRule = s.Outbound - s.First + 1
+					}
+					grew = append(grew, "outbound counter of "+rule)
+				}
+				want := p.DecideFrom(pr.src, pr.dst)
+				// Where no rule decides, nothing counts, in whichever lists.
+				if len(grew) > 1 || gotRule != want.Number || (gotRule > 0 && gotSet != sourceRuleName(want)) {
+					t.Fatalf("policy %d: %s: counted by %v: rule %d of %q, DecideFrom's rule %d of %q\n%s", i, pr, grew, gotRule, gotSet,
+						want.Number, sourceRuleName(want), nft(t, "list", "table", string(map[policy.Family]string{policy.IPv4: "ip", policy.IPv6: "ip6"}[l.Family]), nftables.TableName))
+				}
+				if want.SourceRule != nil {
+					bySource++
+				}
+			}
+		}
+		if sent < 200 || bySource < 50 {
+			t.Errorf("%d packets sent, %d of them decided by a source rule: too few to tell", sent, bySource)
+		}
+		t.Logf("%d packets, %d decided by a source rule", sent, bySource)
 	})
 }

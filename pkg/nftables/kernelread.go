@@ -9,6 +9,8 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"slices"
+	"strings"
 	"syscall"
 
 	gnft "github.com/google/nftables"
@@ -30,7 +32,7 @@ func (NetlinkKernel) Generation(ctx context.Context) (uint32, error) {
 	if err != nil {
 		return 0, fmt.Errorf("netlink: %w", err)
 	}
-	defer c.Close()
+	defer func() { _ = c.Close() }() // a request answered: nothing left to lose
 	if d, ok := ctx.Deadline(); ok {
 		if err := c.SetDeadline(d); err != nil {
 			return 0, err
@@ -87,10 +89,10 @@ func (NetlinkKernel) Table(ctx context.Context, fam policy.Family, elements bool
 	if err != nil || r == nil {
 		return nil, err
 	}
-	if err := r.readChains(); err != nil {
+	if err := r.readSets(ctx, elements); err != nil {
 		return nil, err
 	}
-	if err := r.readSets(ctx, elements); err != nil {
+	if err := r.readChains(); err != nil {
 		return nil, err
 	}
 	return r.st, r.readOutbound()
@@ -115,6 +117,8 @@ type tableReader struct {
 	t   *gnft.Table
 	fam policy.Family
 	st  *TableState
+	// sourceChains are the chains the source map goes to.
+	sourceChains []string
 }
 
 // openTable finds the family's table of the agent: nil when there is none.
@@ -125,7 +129,8 @@ func openTable(fam policy.Family) (*tableReader, error) {
 	}
 	for _, t := range tables {
 		if t.Name == TableName {
-			st := &TableState{Sets: map[string]*SetState{}, Chains: map[string][]string{}, SNAT: map[string]netip.Addr{}}
+			st := &TableState{Sets: map[string]*SetState{}, Chains: map[string][]string{}, SNAT: map[string]netip.Addr{},
+				SourceOutbound: map[string]Count{}}
 			return &tableReader{c: c, t: t, fam: fam, st: st}, nil
 		}
 	}
@@ -133,12 +138,12 @@ func openTable(fam policy.Family) (*tableReader, error) {
 }
 
 // readChains reads the agent's chains by name (listing every chain of the family would read
-// kube-proxy's thousands too): the base chain, the masquerade chain, and the SNAT chains,
-// numbered from 1, up to the first that does not exist; and then where each of the base
-// chain's lookups goes and what it SNATs to (TableState.SNAT).
+// kube-proxy's thousands too): the base chain, the masquerade chain, the SNAT chains, numbered
+// from 1, up to the first that does not exist, and the chains the source map goes to; and then
+// where each lookup goes and what it SNATs to (TableState.SNAT).
 func (r *tableReader) readChains() error {
 	gotos, snatTo := map[string]string{}, map[string]netip.Addr{}
-	for _, name := range []string{ChainPostrouting, ChainMasq} {
+	for _, name := range append([]string{ChainPostrouting, ChainMasq}, r.sourceChains...) {
 		if _, err := r.readChain(name, gotos, snatTo); err != nil {
 			return err
 		}
@@ -175,7 +180,7 @@ func (r *tableReader) readChain(name string, gotos map[string]string, snatTo map
 	prints := []string{}
 	for _, rule := range rules {
 		prints = append(prints, fingerprint(ch, rule))
-		if name == ChainPostrouting {
+		if name == ChainPostrouting || strings.HasPrefix(name, ChainSourcePrefix) {
 			if key, to := lookupGoto(rule.Exprs); key != "" && to != "" {
 				gotos[key] = to
 			}
@@ -201,6 +206,12 @@ func (r *tableReader) readSets(ctx context.Context, elements bool) error {
 	for _, s := range sets {
 		if s.Anonymous {
 			continue // the { tcp, udp, sctp } of a rule
+		}
+		if s.Name == SourceMapName {
+			if err := r.readSourceMap(dumps, s); err != nil {
+				return err
+			}
+			continue
 		}
 		ss := &SetState{}
 		r.st.Sets[s.Name] = ss
@@ -230,25 +241,78 @@ func (r *tableReader) readSets(ctx context.Context, elements bool) error {
 	return nil
 }
 
-// readOutbound reads the outbound counter.
+// readSourceMap reads the source map's elements, always (they are few): their fingerprints,
+// and the chains they go to.
+func (r *tableReader) readSourceMap(dumps *gnft.Conn, s *gnft.Set) error {
+	elems, err := dumps.GetSetElements(s)
+	if err != nil {
+		return fmt.Errorf("list the elements of %s %s %s: %w", nftFamily(r.fam), TableName, s.Name, err)
+	}
+	r.st.SourceMap = []string{}
+	chains := map[string]bool{}
+	for _, e := range elems {
+		to, err := verdictChain(e.Val)
+		if err != nil {
+			return fmt.Errorf("%s %s %s: element %x: %w", nftFamily(r.fam), TableName, s.Name, e.Key, err)
+		}
+		if to != "" && !chains[to] {
+			chains[to] = true
+			r.sourceChains = append(r.sourceChains, to)
+		}
+		r.st.SourceMap = append(r.st.SourceMap, fmt.Sprintf("%x end=%v %x", e.Key, e.IntervalEnd, e.Val))
+	}
+	slices.Sort(r.st.SourceMap)
+	slices.Sort(r.sourceChains)
+	return nil
+}
+
+// verdictChain reads the chain of a verdict map element's data, as the netlink library leaves it
+// (the attributes of NFTA_DATA_VERDICT): "" for a verdict without a chain, and for none (an
+// interval's end).
+func verdictChain(data []byte) (string, error) {
+	if len(data) == 0 {
+		return "", nil
+	}
+	chain := ""
+	err := decodeAttrs(data, func(ad *netlink.AttributeDecoder) error {
+		for ad.Next() {
+			if ad.Type() == unix.NFTA_VERDICT_CHAIN {
+				chain = ad.String()
+			}
+		}
+		return nil
+	})
+	return chain, err
+}
+
+// readOutbound reads the outbound counters.
 func (r *tableReader) readOutbound() error {
 	objs, err := r.c.GetNamedObjects(r.t)
 	if err != nil {
 		return fmt.Errorf("list %s counters: %w", nftFamily(r.fam), err)
 	}
 	for _, o := range objs {
-		if no, ok := o.(*gnft.NamedObj); ok && no.Name == CounterOutbound && no.Type == gnft.ObjTypeCounter {
-			if cnt, ok := no.Obj.(*expr.Counter); ok {
-				r.st.Outbound = &Count{Packets: cnt.Packets, Bytes: cnt.Bytes}
-			}
+		no, ok := o.(*gnft.NamedObj)
+		if !ok || no.Type != gnft.ObjTypeCounter {
+			continue
+		}
+		cnt, ok := no.Obj.(*expr.Counter)
+		if !ok {
+			continue
+		}
+		switch rule, own := parseSourceName(no.Name); {
+		case no.Name == CounterOutbound:
+			r.st.Outbound = &Count{Packets: cnt.Packets, Bytes: cnt.Bytes}
+		case rule != "" && own == CounterOutbound:
+			r.st.SourceOutbound[rule] = Count{Packets: cnt.Packets, Bytes: cnt.Bytes}
 		}
 	}
 	return nil
 }
 
-// lookupGoto reads a rule of the base chain: the set it looks the destination up in
-// (CounterOutbound for the outbound rule, whatever gate set it has) and the chain it goes to;
-// empty for what it does not have.
+// lookupGoto reads a rule of the base chain or a source chain: the set it looks the destination
+// up in (the counter's name for an outbound rule, whatever gate set it has) and the chain it
+// goes to; empty for what it does not have.
 func lookupGoto(exprs []expr.Any) (key, chain string) {
 	for _, e := range exprs {
 		switch e := e.(type) {
@@ -257,8 +321,8 @@ func lookupGoto(exprs []expr.Any) (key, chain string) {
 				key = e.SetName
 			}
 		case *expr.Objref:
-			if e.Name == CounterOutbound {
-				key = CounterOutbound
+			if _, own := parseSourceName(e.Name); own == CounterOutbound {
+				key = e.Name
 			}
 		case *expr.Verdict:
 			if e.Kind == expr.VerdictGoto {
@@ -324,7 +388,7 @@ func (NetlinkKernel) Elements(ctx context.Context, fam policy.Family, set string
 	if err != nil {
 		return nil, fmt.Errorf("netlink: %w", err)
 	}
-	defer c.Close()
+	defer func() { _ = c.Close() }() // a request answered: nothing left to lose
 	if err := c.SetDeadline(deadline(ctx)); err != nil {
 		return nil, err
 	}

@@ -12,20 +12,23 @@ import (
 )
 
 // installed is what a family's table holds as far as the backend knows: whether it exists,
-// its sets, their elements (with their comments), its SNAT chains and whether the outbound
-// counter exists.
+// its sets, their elements (with their comments), its chains other than the base and masquerade
+// chains, its counters and whether the source map exists.
 type installed struct {
 	table bool
 	sets  map[string]bool
 	// elems holds, per set, its elements' comments by key.
-	elems    map[string]map[netip.Addr]string
-	snat     map[string]bool
-	outbound bool
+	elems map[string]map[netip.Addr]string
+	// chains are the SNAT chains and the source rules' chains.
+	chains map[string]bool
+	// counters are the outbound rules' named counters.
+	counters map[string]bool
+	sources  bool
 }
 
 // empty is a table that does not exist yet.
 func empty() *installed {
-	return &installed{sets: map[string]bool{}, elems: map[string]map[netip.Addr]string{}, snat: map[string]bool{}}
+	return &installed{sets: map[string]bool{}, elems: map[string]map[netip.Addr]string{}, chains: map[string]bool{}, counters: map[string]bool{}}
 }
 
 // elements counts the elements.
@@ -40,12 +43,15 @@ func (in *installed) elements() int {
 // installedOf is what a layout installs, given its rules' comments.
 func installedOf(l *Layout, comments []string) *installed {
 	in := &installed{table: true, sets: make(map[string]bool, len(l.Sets)), elems: make(map[string]map[netip.Addr]string, len(l.Sets)),
-		snat: make(map[string]bool, len(l.SNAT)), outbound: l.Outbound >= 0}
+		chains: make(map[string]bool, len(l.SNAT)+len(l.Sources)), counters: map[string]bool{}, sources: len(l.SourceMap) > 0}
 	for _, s := range l.Sets {
 		in.sets[s.Name] = true
 	}
-	for _, c := range l.SNAT {
-		in.snat[c.Name] = true
+	for _, c := range l.chains() {
+		in.chains[c] = true
+	}
+	for _, c := range l.counters() {
+		in.counters[c] = true
 	}
 	for set, elems := range l.bySet() {
 		m := make(map[netip.Addr]string, len(elems))
@@ -55,6 +61,33 @@ func installedOf(l *Layout, comments []string) *installed {
 		in.elems[set] = m
 	}
 	return in
+}
+
+// chains are the names of the layout's chains other than the base and masquerade chains: the
+// SNAT chains, then the source lists'.
+func (l *Layout) chains() []string {
+	var out []string
+	for _, c := range l.SNAT {
+		out = append(out, c.Name)
+	}
+	for _, s := range l.Sources {
+		out = append(out, SourceChainName(s.Name))
+	}
+	return out
+}
+
+// counters are the names of the layout's outbound counters.
+func (l *Layout) counters() []string {
+	var out []string
+	if l.Outbound >= 0 {
+		out = append(out, CounterOutbound)
+	}
+	for _, s := range l.Sources {
+		if s.Outbound >= 0 {
+			out = append(out, SourceCounterName(s.Name))
+		}
+	}
+	return out
 }
 
 // bySet yields the layout's elements set by set (they are in order of their sets).
@@ -90,10 +123,16 @@ func (l *Layout) keys() map[string][]netip.Addr {
 // read.
 func installedFrom(st *TableState) *installed {
 	in := empty()
-	in.table, in.outbound = true, st.Outbound != nil
+	in.table, in.sources = true, st.SourceMap != nil
+	if st.Outbound != nil {
+		in.counters[CounterOutbound] = true
+	}
+	for rule := range st.SourceOutbound {
+		in.counters[SourceCounterName(rule)] = true
+	}
 	for name := range st.Chains {
-		if strings.HasPrefix(name, ChainSNATPrefix) {
-			in.snat[name] = true
+		if strings.HasPrefix(name, ChainSNATPrefix) || strings.HasPrefix(name, ChainSourcePrefix) {
+			in.chains[name] = true
 		}
 	}
 	for name, s := range st.Sets {
@@ -107,9 +146,9 @@ func installedFrom(st *TableState) *installed {
 	return in
 }
 
-// comments are the comments of the rules' elements, by rule index.
+// comments are the comments of the layout's rules' elements, by rule index (see Rules).
 func (l *Layout) comments(p *policy.Policy) []string {
-	rules := p.Rules(l.Family)
+	rules := l.Rules(p)
 	out := make([]string, len(rules))
 	for i, r := range rules {
 		out[i] = Comment(r)
@@ -197,24 +236,34 @@ func diffElements(p *policy.Policy, l *Layout, cur *installed) *elementDiff {
 // of policy p, in one transaction, and returns what the table then holds and how many
 // elements it adds and deletes (see elementDiff):
 //
-//   - the table, chains, counter and sets declared (declaring what exists changes nothing);
-//   - the chains refilled (flushed first when the table exists); SNAT chains no longer used
-//     deleted;
+//   - the table, chains, counters, sets and source map declared (declaring what exists changes
+//     nothing);
+//   - the chains refilled (flushed first when the table exists), and the source map too; SNAT
+//     and source chains no longer used deleted;
 //   - a set emptied is deleted and declared again (the chains' refill allows it); a set no rule
-//     uses any more is deleted, and so is an unused outbound counter.
+//     uses any more is deleted, and so are unused outbound counters and an unused source map.
 func update(tx *knftables.Transaction, p *policy.Policy, l *Layout, cur *installed) (want *installed, added, deleted int) {
 	d := diffElements(p, l, cur)
 	want = d.want
-	declare(tx, l, want)
+	declare(tx, l)
 	if cur.table {
 		tx.Flush(&knftables.Chain{Name: ChainPostrouting})
 		tx.Flush(&knftables.Chain{Name: ChainMasq})
-		for _, name := range slices.Sorted(maps.Keys(cur.snat)) {
+		if cur.sources {
+			// Its elements go to the source chains: gone before any of them is deleted.
+			tx.Flush(&knftables.Map{Name: SourceMapName})
+		}
+		// The chains it refills too: a source chain that the source map no longer goes to (an
+		// element deleted behind the agent's back) is not in cur, yet may exist.
+		for _, name := range slices.Sorted(maps.Keys(union(cur.chains, want.chains))) {
 			tx.Flush(&knftables.Chain{Name: name})
-			if !want.snat[name] {
+			if !want.chains[name] {
 				tx.Delete(&knftables.Chain{Name: name}) // unreferenced now, and empty
 			}
 		}
+	}
+	if cur.sources && !want.sources {
+		tx.Delete(&knftables.Map{Name: SourceMapName})
 	}
 	for _, name := range slices.Sorted(maps.Keys(cur.sets)) {
 		if !want.sets[name] || d.empty[name] {
@@ -227,6 +276,12 @@ func update(tx *knftables.Transaction, p *policy.Policy, l *Layout, cur *install
 	for _, c := range l.SNAT {
 		addRules(tx, c.Name, c.Rules)
 	}
+	for _, s := range l.Sources {
+		addRules(tx, SourceChainName(s.Name), s.Rules)
+	}
+	for _, piece := range l.SourceMap {
+		tx.Add(&knftables.Element{Map: SourceMapName, Key: []string{piece.Prefix.String()}, Value: []string{"goto " + piece.Chain}})
+	}
 	for _, set := range slices.Sorted(maps.Keys(d.del)) {
 		for _, key := range d.del[set] {
 			tx.Delete(&knftables.Element{Set: set, Key: []string{key.String()}})
@@ -235,31 +290,37 @@ func update(tx *knftables.Transaction, p *policy.Policy, l *Layout, cur *install
 	for _, e := range d.add {
 		tx.Add(&knftables.Element{Set: e.Set, Key: []string{e.Key.String()}, Comment: knftables.PtrTo(d.comment[e.Rule])})
 	}
-	if cur.outbound && !want.outbound {
-		tx.Delete(&knftables.Counter{Name: CounterOutbound})
+	for _, name := range slices.Sorted(maps.Keys(cur.counters)) {
+		if !want.counters[name] {
+			tx.Delete(&knftables.Counter{Name: name})
+		}
 	}
 	return want, len(d.add), d.deleted
 }
 
-// declare adds to tx the table, its chains and the outbound counter, as layout l has them
+// declare adds to tx the table, its chains and the outbound counters, as layout l has them
 // (declaring what exists changes nothing).
-func declare(tx *knftables.Transaction, l *Layout, want *installed) {
+func declare(tx *knftables.Transaction, l *Layout) {
 	tx.Add(&knftables.Table{Comment: knftables.PtrTo(tableComment)})
 	tx.Add(&knftables.Chain{Name: ChainPostrouting, Type: knftables.PtrTo(knftables.NATType),
 		Hook: knftables.PtrTo(knftables.PostroutingHook), Priority: knftables.PtrTo(knftables.SNATPriority)})
 	tx.Add(&knftables.Chain{Name: ChainMasq})
-	for _, c := range l.SNAT {
-		tx.Add(&knftables.Chain{Name: c.Name})
+	for _, c := range l.chains() {
+		tx.Add(&knftables.Chain{Name: c})
 	}
-	if want.outbound {
-		tx.Add(&knftables.Counter{Name: CounterOutbound})
+	for _, c := range l.counters() {
+		tx.Add(&knftables.Counter{Name: c})
 	}
 }
 
-// declareSets adds to tx the sets of layout l.
+// declareSets adds to tx the sets of layout l, and its source map: an interval map, whose
+// elements are few (the source rules' CIDRs and pods), so that one lookup finds a source's rule.
 func declareSets(tx *knftables.Transaction, l *Layout) {
 	for _, s := range l.Sets {
 		tx.Add(&knftables.Set{Name: s.Name, Type: setType(l.Family)})
+	}
+	if len(l.SourceMap) > 0 {
+		tx.Add(&knftables.Map{Name: SourceMapName, Type: addrType(l.Family) + " : verdict", Flags: []knftables.SetFlag{knftables.IntervalFlag}})
 	}
 }
 
@@ -282,15 +343,17 @@ type steps struct {
 
 // phased returns the steps that take the table from cur, whose chains hold layout old (an
 // empty layout when there is no table), to the layout l of policy p with the elements over
-// netlink, and false when it cannot: when the masquerade chain's rules differ, or an SNAT
-// chain that both layouts have differs (then one transaction must change them, update).
+// netlink, and false when it cannot: when the masquerade chain's rules differ, an SNAT chain
+// that both layouts have differs, or the source rules' part differs (the source map or a source
+// list's chain; then one transaction must change them, update). With the source part the same,
+// the source lists' elements change in the batch with the global ones.
 //
 // Every state the steps leave decides every packet as old does or as l does, never partly
 // one and partly the other: prepare (declareTransition) still decides as old, the element
 // batch (swapElements) makes the chain decide as l, and finish (dropLeftovers) removes what
 // matched nothing any more.
 func phased(nft knftables.Interface, p *policy.Policy, l, old *Layout, cur *installed) (steps, bool) {
-	if cur.table && !slices.Equal(old.Masq, l.Masq) {
+	if cur.table && !slices.Equal(old.Masq, l.Masq) || !sameSources(old, l) {
 		return steps{}, false
 	}
 	for _, c := range l.SNAT {
@@ -334,18 +397,21 @@ type phase struct {
 // decides as old. Nil when l adds nothing, and then the base chain stays old's.
 func (t phase) declareTransition(nft knftables.Interface) (*knftables.Transaction, []string) {
 	cur, l, d := t.cur, t.l, t.d
-	fresh := !cur.table || len(t.gates) > 0 || d.want.outbound && !cur.outbound
+	fresh := !cur.table || len(t.gates) > 0
 	for _, s := range l.Sets {
 		fresh = fresh || !cur.sets[s.Name]
 	}
-	for name := range d.want.snat {
-		fresh = fresh || !cur.snat[name]
+	for name := range d.want.chains {
+		fresh = fresh || !cur.chains[name]
+	}
+	for name := range d.want.counters {
+		fresh = fresh || !cur.counters[name]
 	}
 	if !fresh {
 		return nil, t.old.Postrouting
 	}
 	tx := nft.NewTransaction()
-	declare(tx, l, d.want)
+	declare(tx, l)
 	declareSets(tx, l)
 	for _, g := range t.gates {
 		tx.Add(&knftables.Set{Name: g, Type: addrType(l.Family)})
@@ -358,7 +424,7 @@ func (t phase) declareTransition(nft knftables.Interface) (*knftables.Transactio
 		addRules(tx, ChainMasq, l.Masq)
 	}
 	for _, c := range l.SNAT {
-		if !cur.snat[c.Name] {
+		if !cur.chains[c.Name] {
 			addRules(tx, c.Name, c.Rules)
 		}
 	}
@@ -426,19 +492,35 @@ func (t phase) dropLeftovers(nft knftables.Interface) *knftables.Transaction {
 			tx.Delete(&knftables.Set{Name: name})
 		}
 	}
-	for _, name := range slices.Sorted(maps.Keys(cur.snat)) {
-		if !d.want.snat[name] {
+	for _, name := range slices.Sorted(maps.Keys(cur.chains)) {
+		if !d.want.chains[name] {
 			tx.Flush(&knftables.Chain{Name: name})
 			tx.Delete(&knftables.Chain{Name: name})
 		}
 	}
-	if cur.outbound && !d.want.outbound {
-		tx.Delete(&knftables.Counter{Name: CounterOutbound})
+	for _, name := range slices.Sorted(maps.Keys(cur.counters)) {
+		if !d.want.counters[name] {
+			tx.Delete(&knftables.Counter{Name: name})
+		}
 	}
 	if tx.NumOperations() == 0 {
 		return nil
 	}
 	return tx
+}
+
+// union is the keys of a and b.
+func union(a, b map[string]bool) map[string]bool {
+	out := maps.Clone(a)
+	maps.Copy(out, b)
+	return out
+}
+
+// sameSources tells whether two layouts have the same source map and source lists' chains.
+func sameSources(a, b *Layout) bool {
+	return slices.Equal(a.SourceMap, b.SourceMap) && slices.EqualFunc(a.Sources, b.Sources, func(x, y SourceList) bool {
+		return x.Name == y.Name && slices.Equal(x.Rules, y.Rules)
+	})
 }
 
 // changedRules returns the comments of the rules of the layout whose elements differ from

@@ -26,7 +26,7 @@ type Fake struct {
 	fakes map[policy.Family]*knftables.Fake
 	gen   uint32
 	// counts are the counters of elements (by family, set, key and comment: an element
-	// deleted and added again starts over) and of the outbound counter (Set "").
+	// deleted and added again starts over) and of the named counters (by family and counter).
 	counts map[countKey]nftables.Count
 	// Runs counts the transactions run, per family; Batches the element batches.
 	Runs, Batches map[policy.Family]int
@@ -45,9 +45,9 @@ type Fake struct {
 }
 
 type countKey struct {
-	fam          policy.Family
-	set, comment string
-	key          netip.Addr
+	fam                   policy.Family
+	set, comment, counter string
+	key                   netip.Addr
 }
 
 // New returns an empty fake.
@@ -143,8 +143,8 @@ func (f *Fake) forgetGone(fam policy.Family) {
 			delete(f.counts, k)
 			continue
 		}
-		if k.set == "" {
-			if t.Counters[nftables.CounterOutbound] == nil {
+		if k.counter != "" {
+			if t.Counters[k.counter] == nil {
 				delete(f.counts, k)
 			}
 			continue
@@ -186,16 +186,34 @@ func (f *Fake) TableState(fam policy.Family, elements bool) (*nftables.TableStat
 	if t == nil {
 		return nil, nil
 	}
-	st := &nftables.TableState{Sets: map[string]*nftables.SetState{}, Chains: map[string][]string{}, SNAT: map[string]netip.Addr{}}
+	st := &nftables.TableState{Sets: map[string]*nftables.SetState{}, Chains: map[string][]string{}, SNAT: map[string]netip.Addr{},
+		SourceOutbound: map[string]nftables.Count{}}
+	// As over netlink, the source chains are those the source map goes to.
+	reached := map[string]bool{}
+	if m := t.Maps[nftables.SourceMapName]; m != nil {
+		for _, e := range m.Elements {
+			reached[strings.TrimPrefix(strings.Join(e.Value, " "), "goto ")] = true
+		}
+	}
 	for name, c := range t.Chains {
+		if strings.HasPrefix(name, nftables.ChainSourcePrefix) && !reached[name] {
+			continue
+		}
 		rules := []string{}
 		for _, r := range c.Rules {
 			rules = append(rules, r.Rule)
-			if name == nftables.ChainPostrouting {
+			if name == nftables.ChainPostrouting || strings.HasPrefix(name, nftables.ChainSourcePrefix) {
 				f.noteSNAT(t, st, r.Rule)
 			}
 		}
 		st.Chains[name] = rules
+	}
+	if m := t.Maps[nftables.SourceMapName]; m != nil {
+		st.SourceMap = []string{}
+		for _, e := range m.Elements {
+			st.SourceMap = append(st.SourceMap, strings.Join(e.Key, " ")+" : "+strings.Join(e.Value, " "))
+		}
+		slices.Sort(st.SourceMap)
 	}
 	for name, s := range t.Sets {
 		ss := &nftables.SetState{}
@@ -213,15 +231,19 @@ func (f *Fake) TableState(fam policy.Family, elements bool) (*nftables.TableStat
 				Count: f.counts[countKey{fam: fam, set: name, key: key, comment: comment(e)}]}
 		}
 	}
-	if t.Counters[nftables.CounterOutbound] != nil {
-		c := f.counts[countKey{fam: fam}]
-		st.Outbound = &c
+	for name := range t.Counters {
+		c := f.counts[countKey{fam: fam, counter: name}]
+		if name == nftables.CounterOutbound {
+			st.Outbound = &c
+		} else if rule, ok := strings.CutPrefix(strings.TrimSuffix(name, "."+nftables.CounterOutbound), nftables.ChainSourcePrefix); ok {
+			st.SourceOutbound[rule] = c
+		}
 	}
 	return st, nil
 }
 
-// noteSNAT records in st.SNAT where a rule of the base chain (@SET ... goto CHAIN, or the
-// outbound counter's) goes, when that chain SNATs.
+// noteSNAT records in st.SNAT where a rule of the base chain or a source chain (@SET ... goto
+// CHAIN, or an outbound counter's) goes, when that chain SNATs.
 func (f *Fake) noteSNAT(t *knftables.FakeTable, st *nftables.TableState, rule string) {
 	words := strings.Fields(rule)
 	key, chain := "", ""
@@ -229,8 +251,8 @@ func (f *Fake) noteSNAT(t *knftables.FakeTable, st *nftables.TableState, rule st
 		switch {
 		case strings.HasPrefix(w, "@") && key == "":
 			key = w[1:]
-		case w == strconv.Quote(nftables.CounterOutbound) && i > 0 && words[i-1] == "name":
-			key = nftables.CounterOutbound
+		case i > 0 && words[i-1] == "name":
+			key, _ = strconv.Unquote(w)
 		case w == "goto" && i+1 < len(words):
 			chain = words[i+1]
 		}
@@ -324,11 +346,14 @@ func (k kernel) TableNames(_ context.Context, fam policy.Family) ([]string, erro
 type Verdict struct {
 	Action policy.Action
 	// Set and Key are the element that decided, Set "" when no element did (the node's own
-	// address, the outbound rule or the end of the chain).
+	// address, an outbound rule or the end of a chain).
 	Set string
 	Key netip.Addr
-	// Outbound is set when the outbound rule decided.
+	// Outbound is set when an outbound rule decided.
 	Outbound bool
+	// SourceRule is the source rule whose chain the source map sent the packet to, "" for the
+	// global lists.
+	SourceRule string
 	// Masq are the rules of the chain that masqueraded the packet (the masquerade chain or an
 	// SNAT chain), and Source the address its last rule SNATs to (invalid for masquerade).
 	Masq   []string
@@ -336,10 +361,18 @@ type Verdict struct {
 	chain  string
 }
 
-// Trace runs a packet to dst through the family's postrouting chain as nft would (local says
-// whether dst is one of the node's addresses) and counts it where nft would. It understands the
-// statements the backend writes and fails on any other.
+// Trace runs a packet to dst from a source that no source rule holds through the family's
+// postrouting chain (see TraceFrom).
 func (f *Fake) Trace(dst netip.Addr, local bool) (Verdict, error) {
+	return f.TraceFrom(netip.Addr{}, dst, local)
+}
+
+// TraceFrom runs a packet from src to dst through the family's postrouting chain as nft would
+// (local says whether dst is one of the node's addresses) and counts it where nft would: the
+// source map sends it to a source rule's chain, whose end ends the base chain (goto). An invalid
+// src is a source no source map element holds. It understands the statements the backend
+// writes and fails on any other.
+func (f *Fake) TraceFrom(src, dst netip.Addr, local bool) (Verdict, error) {
 	fam := policy.FamilyOf(dst)
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -347,14 +380,32 @@ func (f *Fake) Trace(dst netip.Addr, local bool) (Verdict, error) {
 	if t == nil || t.Chains[nftables.ChainPostrouting] == nil {
 		return Verdict{Action: policy.Return}, nil
 	}
-	for _, r := range t.Chains[nftables.ChainPostrouting].Rules {
-		v, matched, err := f.step(t, fam, r.Rule, dst, local)
+	rules := t.Chains[nftables.ChainPostrouting].Rules
+	rule := ""
+	for i := 0; i < len(rules); i++ {
+		to, lookup, err := f.sourceLookup(t, fam, rules[i].Rule, src)
 		if err != nil {
-			return Verdict{}, fmt.Errorf("rule %q: %w", r.Rule, err)
+			return Verdict{}, fmt.Errorf("rule %q: %w", rules[i].Rule, err)
+		}
+		if lookup && to == "" {
+			continue
+		}
+		if lookup {
+			// goto: the chain's rules instead of the rest of the base chain.
+			if t.Chains[to] == nil {
+				return Verdict{}, fmt.Errorf("rule %q: no chain %s", rules[i].Rule, to)
+			}
+			rules, i, rule = t.Chains[to].Rules, -1, strings.TrimPrefix(to, nftables.ChainSourcePrefix)
+			continue
+		}
+		v, matched, err := f.step(t, fam, rules[i].Rule, dst, local)
+		if err != nil {
+			return Verdict{}, fmt.Errorf("rule %q: %w", rules[i].Rule, err)
 		}
 		if !matched {
 			continue
 		}
+		v.SourceRule = rule
 		if v.Action == policy.Masquerade {
 			if err := f.masquerade(t, &v); err != nil {
 				return Verdict{}, err
@@ -362,10 +413,49 @@ func (f *Fake) Trace(dst netip.Addr, local bool) (Verdict, error) {
 		}
 		return v, nil
 	}
-	return Verdict{Action: policy.Return}, nil
+	return Verdict{Action: policy.Return, SourceRule: rule}, nil
 }
 
-// masquerade fills in v what the chain it went to does.
+// sourceLookup evaluates a rule that looks the source up in the source map (`ip saddr vmap
+// @sources`): the chain its element goes to, "" for no element; lookup is false for another
+// rule.
+func (f *Fake) sourceLookup(t *knftables.FakeTable, fam policy.Family, rule string, src netip.Addr) (to string, lookup bool, err error) {
+	words := strings.Fields(rule)
+	match := "ip"
+	if fam == policy.IPv6 {
+		match = "ip6"
+	}
+	if len(words) != 4 || words[0] != match || words[1] != "saddr" || words[2] != "vmap" {
+		return "", false, nil
+	}
+	m := t.Maps[strings.TrimPrefix(words[3], "@")]
+	if m == nil {
+		return "", true, fmt.Errorf("no map %s", words[3])
+	}
+	if !src.IsValid() {
+		return "", true, nil
+	}
+	for _, e := range m.Elements {
+		p, err := netip.ParsePrefix(e.Key[0])
+		if err != nil {
+			return "", true, fmt.Errorf("map %s: key %q: %w", words[3], e.Key[0], err)
+		}
+		if !p.Contains(src) {
+			continue
+		}
+		if to != "" {
+			// The kernel refuses overlapping intervals.
+			return "", true, fmt.Errorf("map %s: %s is in more than one interval", words[3], src)
+		}
+		chain, ok := strings.CutPrefix(strings.Join(e.Value, " "), "goto ")
+		if !ok {
+			return "", true, fmt.Errorf("map %s: value %q", words[3], e.Value)
+		}
+		to = chain
+	}
+	return to, true, nil
+}
+
 func (f *Fake) masquerade(t *knftables.FakeTable, v *Verdict) error {
 	c := t.Chains[v.chain]
 	if c == nil || len(c.Rules) == 0 {
@@ -414,7 +504,7 @@ func (f *Fake) step(t *knftables.FakeTable, fam policy.Family, rule string, dst 
 		if err != nil {
 			return Verdict{}, false, err
 		}
-		k := countKey{fam: fam}
+		k := countKey{fam: fam, counter: name}
 		c := f.counts[k]
 		c.Packets++
 		f.counts[k] = c
