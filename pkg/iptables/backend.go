@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -34,7 +35,8 @@ type Options struct {
 }
 
 // Backend is the iptables datapath: the policy as one nat chain per family, hooked from
-// POSTROUTING, each family applied with one iptables-restore --noflush transaction.
+// POSTROUTING, and one more per source rule that holds sources of the family (Layout), each
+// family applied with one iptables-restore --noflush transaction.
 //
 // Apply and Cleanup run on the agent's loop; Counters and Info may run at the same time (a
 // metrics scrape), so what they share is guarded by mu.
@@ -129,9 +131,10 @@ func (b *Backend) toolsFor(ctx context.Context, fam policy.Family) (*tools, erro
 }
 
 // Apply implements datapath.Backend: per family, one iptables-restore --noflush --counters
-// transaction that declares (and so flushes) the chain, refills it with the live counters of
-// the lines that stay and, when missing, adds the POSTROUTING jump. A family whose chain and
-// jump are already exactly as wanted is left alone: rewriting it would lose the packets counted
+// transaction that declares (and so flushes) the chains of the layout, refills them with the
+// live counters of the lines that stay, removes the chains of source rules that went away and,
+// when missing, adds the POSTROUTING jump. A family whose chains and jump are already exactly
+// as wanted is left alone: rewriting it would lose the packets counted
 // between reading the counters and the restore. With IPv6 disabled, the first Apply removes an
 // IPv6 chain and jump left by an earlier run with --enable-ipv6, so that no stale IPv6 policy
 // stays in force unmanaged.
@@ -203,18 +206,18 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 	if err != nil {
 		return err
 	}
-	nat, err := readChains(ctx, b.runner, t, true, "POSTROUTING", b.chain)
+	layout := Layout(p, fam, b.chain)
+	nat, err := readChains(ctx, b.runner, t, true, layoutChains(layout, "POSTROUTING")...)
 	if err != nil {
 		return err
 	}
 	jumps := countJumps(nat.ChainRules("POSTROUTING"), b.chain)
-	live := nat.ChainRules(b.chain)
-	lines := ChainLines(p, fam, b.chain)
-	if jumps == 1 && nat.HasChain(b.chain) && sameLines(lines, live) {
-		b.log.Debug("chain unchanged; nothing to restore", "family", fam, "rules", len(p.Rules(fam)))
+	stale := staleChains(layout, nat.ChainRules(b.chain))
+	if jumps == 1 && len(stale) == 0 && sameLayout(layout, nat) {
+		b.log.Debug("chains unchanged; nothing to restore", "family", fam, "rules", len(p.Rules(fam)), "sourceRules", len(p.Sources))
 		return nil
 	}
-	tx, kept := chainTransaction(lines, b.chain, jumps == 0, live)
+	tx, kept := layoutTransaction(layout, jumps == 0, nat.Rules, stale)
 	// Two agents overlapping in a rolling update may each have added the jump; keep one.
 	for i := 1; i < jumps; i++ {
 		tx.Delete(JumpRule(b.chain))
@@ -222,8 +225,31 @@ func (b *Backend) applyFamily(ctx context.Context, p *policy.Policy, fam policy.
 	if err := b.restore(ctx, t, tx.Bytes(), "--counters"); err != nil {
 		return fmt.Errorf("apply %s chain %s: %w", fam, b.chain, err)
 	}
-	b.log.Debug("chain applied", "family", fam, "rules", len(p.Rules(fam)), "linesKeepingCounters", kept, "jumpAdded", jumps == 0)
+	b.log.Debug("chain applied", "family", fam, "rules", len(p.Rules(fam)), "sourceRules", len(p.Sources),
+		"linesKeepingCounters", kept, "jumpAdded", jumps == 0, "staleChainsRemoved", len(stale))
 	return nil
+}
+
+// layoutChains are the names of the layout's chains, after the extra ones.
+func layoutChains(layout []Chain, extra ...string) []string {
+	names := extra
+	for _, c := range layout {
+		names = append(names, c.Name)
+	}
+	return names
+}
+
+// staleChains are the source chains that the live main chain jumps to and the layout does not
+// have: those of source rules that went away, each once.
+func staleChains(layout []Chain, main []SavedRule) []string {
+	var stale []string
+	for _, r := range main {
+		if isSourceChain(layout[0].Name, r.Target) && !slices.Contains(stale, r.Target) &&
+			!slices.ContainsFunc(layout, func(c Chain) bool { return c.Name == r.Target }) {
+			stale = append(stale, r.Target)
+		}
+	}
+	return stale
 }
 
 // countJumps counts the rules of POSTROUTING that are the chain's jump.
@@ -236,6 +262,17 @@ func countJumps(postrouting []SavedRule, chain string) int {
 		}
 	}
 	return n
+}
+
+// sameLayout reports whether the live chains are exactly the rendered ones.
+func sameLayout(layout []Chain, nat *Table) bool {
+	live := nat.byChain()
+	for _, c := range layout {
+		if !nat.HasChain(c.Name) || !sameLines(c.Lines, live[c.Name]) {
+			return false
+		}
+	}
+	return true
 }
 
 // sameLines reports whether the live chain is exactly the rendered one.
@@ -341,63 +378,62 @@ func (b *Backend) probe(ctx context.Context, t *tools, fam policy.Family, random
 	return err
 }
 
-// Counters implements datapath.Backend: the live counters of the chain (readChains), mapped back
-// to the policy rules through the lines Render produced for them.
+// Counters implements datapath.Backend: the live counters of the chains (readChains), mapped
+// back to the policy rules through the lines Render produced for them: the global lists' first,
+// then each source rule's, in rule order. A source rule has counters in the families where it
+// holds sources, the only ones where it has a chain.
 func (b *Backend) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
-	var out []datapath.RuleCounter
+	var byList [][]datapath.RuleCounter
 	err := b.eachApplied(ctx, func(fam policy.Family, p *policy.Policy, t *tools) error {
-		nat, err := readChains(ctx, b.runner, t, true, b.chain)
+		layout := Layout(p, fam, b.chain)
+		nat, err := readChains(ctx, b.runner, t, true, layoutChains(layout)...)
 		if err != nil {
 			return err
 		}
-		counters, _ := mapLines(p, fam, b.chain, nat.ChainRules(b.chain))
-		out = append(out, counters...)
+		counters, _ := mapLines(layout, nat.Rules)
+		byList = appendByList(byList, layout, counters)
 		return nil
 	})
 	if err != nil {
 		return nil, err
 	}
+	var out []datapath.RuleCounter
+	for _, cs := range byList {
+		out = append(out, cs...)
+	}
 	return out, nil
 }
 
-// mapLines pairs the lines rendered for p with the live ones and sums the live counters per
-// rule. Each rendered line takes the first unused live line with the same text, so duplicate
-// rules each find their own line; a masquerade rule's address is its live lines' --to-source. A
-// rule with any of its lines missing is not (fully) installed and is left out; rest are the
-// indexes of the live lines no reported rule took, in chain order.
-func mapLines(p *policy.Policy, fam policy.Family, chain string, live []SavedRule) (counters []datapath.RuleCounter, rest []int) {
-	lines := ChainLines(p, fam, chain)
+// appendByList adds a family's counters, per chain of its layout, to those of the families
+// before it, by list: the global list's first (0), then each source rule's by its index (1+).
+func appendByList(all [][]datapath.RuleCounter, layout []Chain, counters [][]datapath.RuleCounter) [][]datapath.RuleCounter {
+	for i, c := range layout {
+		at := 0
+		if c.Source != nil {
+			at = 1 + c.Source.Index
+		}
+		for len(all) <= at {
+			all = append(all, nil)
+		}
+		all[at] = append(all[at], counters[i]...)
+	}
+	return all
+}
+
+// mapLines pairs the lines of the layout's chains with the live lines of those chains and sums
+// the live counters per policy rule, per chain of the layout. Each rendered line takes the
+// first unused live line of its chain with the same text, so duplicate rules each find their
+// own line; a masquerade rule's address is its live lines' --to-source. A rule with any of its
+// lines missing is not (fully) installed and is left out. rest are the indexes of the live
+// lines that no reported rule and no line between the chains (a jump, a chain's final RETURN)
+// took, in order.
+func mapLines(layout []Chain, live []SavedRule) (counters [][]datapath.RuleCounter, rest []int) {
 	pair := newPairing(live)
-	match := make([]int, len(lines))
-	index := map[int]int{} // rule number -> position in counters
-	missing := map[int]bool{}
-	for i, l := range lines {
-		r := l.Policy
-		j := pair.take(l.Rule.Spec())
-		match[i] = j
-		if j < 0 {
-			missing[l.Number] = true
-			continue
-		}
-		k, ok := index[l.Number]
-		if !ok {
-			k = len(counters)
-			index[l.Number] = k
-			counters = append(counters, datapath.RuleCounter{Family: fam, Rule: l.Number, Prefix: r.Prefix,
-				Action: r.Action, Origin: r.Origin, Entry: r.Entry, Address: live[j].ToSource})
-		}
-		counters[k].Packets += live[j].Packets
-		counters[k].Bytes += live[j].Bytes
-	}
-	kept := counters[:0]
-	for _, c := range counters {
-		if !missing[c.Rule] {
-			kept = append(kept, c)
-		}
-	}
 	taken := make([]bool, len(live))
-	for i, l := range lines {
-		if j := match[i]; j >= 0 && !missing[l.Number] {
+	for _, c := range layout {
+		cs, took := mapChain(c, live, pair)
+		counters = append(counters, cs)
+		for _, j := range took {
 			taken[j] = true
 		}
 	}
@@ -406,7 +442,47 @@ func mapLines(p *policy.Policy, fam policy.Family, chain string, live []SavedRul
 			rest = append(rest, j)
 		}
 	}
-	return kept, rest
+	return counters, rest
+}
+
+// mapChain is mapLines for one chain: its rules' counters, and the live lines it took.
+func mapChain(c Chain, live []SavedRule, pair pairing) (counters []datapath.RuleCounter, took []int) {
+	match := make([]int, len(c.Lines))
+	index := map[int]int{} // rule number -> position in counters
+	missing := map[int]bool{}
+	for i, l := range c.Lines {
+		j := pair.take(c.Name, l.Rule.Spec())
+		match[i] = j
+		r := l.Policy
+		if r == nil {
+			continue
+		}
+		if j < 0 {
+			missing[l.Number] = true
+			continue
+		}
+		k, ok := index[l.Number]
+		if !ok {
+			k = len(counters)
+			index[l.Number] = k
+			counters = append(counters, datapath.RuleCounter{Set: r.Set, Family: r.Family, Rule: l.Number, Prefix: r.Prefix,
+				Action: r.Action, Origin: r.Origin, Entry: r.Entry, Address: live[j].ToSource})
+		}
+		counters[k].Packets += live[j].Packets
+		counters[k].Bytes += live[j].Bytes
+	}
+	kept := counters[:0]
+	for _, rc := range counters {
+		if !missing[rc.Rule] {
+			kept = append(kept, rc)
+		}
+	}
+	for i, l := range c.Lines {
+		if j := match[i]; j >= 0 && (l.Policy == nil || !missing[l.Number]) {
+			took = append(took, j)
+		}
+	}
+	return kept, took
 }
 
 // Cleanup implements datapath.Backend: in both modes whose tools are installed and for both
@@ -450,33 +526,44 @@ func (b *Backend) removeStale(ctx context.Context, fam policy.Family) error {
 	return b.removeChains(ctx, t)
 }
 
-// removeChains deletes the rules that target the backend's chains (the policy chain and a
-// leftover probe chain) and the chains themselves, in one transaction, if there are any. It
-// reads the dump without -t so that a legacy table nobody uses is not created by reading it.
+// removeChains deletes the rules that target the backend's chains (the policy chain, its source
+// chains, those it jumps to and any left without a jump to them, and a leftover probe chain)
+// and the chains themselves, in one transaction, if there are any. It finds the source chains
+// by their names (SourceChain), so it needs no configuration. It reads the dump without -t so
+// that a legacy table nobody uses is not created by reading it.
 func (b *Backend) removeChains(ctx context.Context, t *tools) error {
 	nat, err := b.save(ctx, t)
 	if err != nil {
 		return err
 	}
-	tx := NewTransaction()
+	candidates := append([]string{b.chain, probeChain}, nat.SourceChains(b.chain)...)
 	var removed []string
-	jumps := 0
-	for _, chain := range []string{b.chain, probeChain} {
-		refs := nat.RulesTargeting(chain)
-		if len(refs) == 0 && !nat.HasChain(chain) {
-			continue
+	for _, chain := range candidates {
+		if nat.HasChain(chain) || len(nat.RulesTargeting(chain)) > 0 {
+			removed = append(removed, chain)
 		}
-		for _, r := range refs {
-			tx.DeleteSaved(r)
-		}
-		// Declaring the chain flushes it (or creates it, so that -X is valid either way).
-		tx.Declare(chain)
-		tx.DeleteChain(chain)
-		removed = append(removed, chain)
-		jumps += len(refs)
 	}
 	if len(removed) == 0 {
 		return nil
+	}
+	tx := NewTransaction()
+	jumps := 0
+	for _, chain := range removed {
+		for _, r := range nat.RulesTargeting(chain) {
+			// The jumps from chains that go too go with their flush.
+			if !slices.Contains(removed, r.Chain) {
+				tx.DeleteSaved(r)
+				jumps++
+			}
+		}
+	}
+	// Declaring a chain flushes it (or creates it, so that -X is valid either way); every chain
+	// is flushed before any is removed, so that none is referenced by then.
+	for _, chain := range removed {
+		tx.Declare(chain)
+	}
+	for _, chain := range removed {
+		tx.DeleteChain(chain)
 	}
 	if err := b.restore(ctx, t, tx.Bytes()); err != nil {
 		return fmt.Errorf("remove chain %s: %w", strings.Join(removed, ", "), err)

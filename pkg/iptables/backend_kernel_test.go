@@ -2,7 +2,9 @@ package iptables_test
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
+	"maps"
 	"net/netip"
 	"path/filepath"
 	"slices"
@@ -316,4 +318,234 @@ func ruleAddress(p *policy.Policy, c datapath.RuleCounter) netip.Addr {
 		}
 	}
 	return netip.Addr{}
+}
+
+// readOurChains reads every chain of the nat table that is the main chain or one of its source
+// rules' chains (by name), with its rules, from the kernel.
+func readOurChains(ctx context.Context, t *testing.T, ns string, mode iptables.Mode, fam policy.Family) map[string][]string {
+	t.Helper()
+	tool := "iptables-" + string(mode) + "-save"
+	if fam == policy.IPv6 {
+		tool = "ip6" + tool[2:]
+	}
+	out, err := e2e.NSExec(ctx, ns, "", tool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	nat, err := iptables.ParseSave(out, "nat")
+	if err != nil {
+		t.Fatal(err)
+	}
+	chains := map[string][]string{}
+	for _, c := range nat.Chains {
+		if c == iptables.DefaultChain || strings.HasPrefix(c, iptables.DefaultChain+"-") {
+			chains[c] = []string{}
+			for _, r := range nat.ChainRules(c) {
+				chains[c] = append(chains[c], r.Text())
+			}
+		}
+	}
+	return chains
+}
+
+// layoutTexts is what readOurChains should find for a policy.
+func layoutTexts(p *policy.Policy, fam policy.Family) map[string][]string {
+	chains := map[string][]string{}
+	for _, c := range iptables.Layout(p, fam, iptables.DefaultChain) {
+		chains[c.Name] = []string{}
+		for _, l := range c.Lines {
+			chains[c.Name] = append(chains[c.Name], l.Rule.String())
+		}
+	}
+	return chains
+}
+
+// Source rules against the real kernel and tools: three pod addresses to the same
+// destinations, decided by the global lists, by a rule that masquerades everything to the
+// node's second address, and by one that keeps every source (its end must not fall back to the
+// global outbound rule); counters per rule; rules added and removed across applies, each
+// apply's chains read back as rendered; and cleanup.
+func TestSourceRulesInKernel(t *testing.T) {
+	const first = `nonMasqueradeCIDRs: [10.0.0.0/8]
+masqOutBound: true
+masqOutBoundIPv6: true
+sourceRules:
+  - name: batch
+    cidrs: [10.244.1.3/32, "fd00:10:244:1::3/128"]
+    masqueradeAddress: 10.99.0.11
+    masqueradeAddressIPv6: "2001:db8:99::11"
+    nonMasqueradeCIDRs: []
+  - name: keep
+    cidrs: [10.244.1.4/32]
+    masqOutBound: false
+`
+	// keep goes; fresh masquerades its source (keep's) to the second address; batch stays.
+	const second = `nonMasqueradeCIDRs: [10.0.0.0/8]
+masqOutBound: true
+masqOutBoundIPv6: true
+sourceRules:
+  - name: fresh
+    cidrs: [10.244.1.4/32]
+    masqueradeAddress: 10.99.0.11
+  - name: batch
+    cidrs: [10.244.1.3/32, "fd00:10:244:1::3/128"]
+    masqueradeAddress: 10.99.0.11
+    masqueradeAddressIPv6: "2001:db8:99::11"
+    nonMasqueradeCIDRs: []
+`
+	const none = "nonMasqueradeCIDRs: [10.0.0.0/8]\nmasqOutBound: true\nmasqOutBoundIPv6: true\n"
+	var (
+		global  = e2e.PodAddr4
+		batch   = netip.MustParseAddr("10.244.1.3")
+		keep    = netip.MustParseAddr("10.244.1.4")
+		batch6  = netip.MustParseAddr("fd00:10:244:1::3")
+		local   = netip.MustParseAddr("10.1.2.3")
+		public  = netip.MustParseAddr("8.8.8.8")
+		public6 = netip.MustParseAddr("2001:4860:4860::8888")
+	)
+	compile := func(t *testing.T, doc string) *policy.Policy {
+		t.Helper()
+		cfg, err := config.Parse([]byte(doc), config.Options{EnableIPv6: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return policy.Compile(cfg, policy.Options{EnableIPv6: true, RandomFully: true})
+	}
+	for _, mode := range []iptables.Mode{iptables.ModeNFT, iptables.ModeLegacy} {
+		t.Run(string(mode), func(t *testing.T) {
+			t.Parallel()
+			testutil.RequirePrivileged(t, "ip", "iptables-"+string(mode)+"-restore", "ip6tables-"+string(mode)+"-restore")
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			env := &e2e.Env{Topology: e2e.NewTopology(ctx, t)}
+			if err := env.AddAltAddresses(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := testutil.IPBatch(ctx, env.Pod, fmt.Sprintf("addr add %s/24 dev eth0\naddr add %s/24 dev eth0\naddr add %s/64 dev eth0 nodad\n", batch, keep, batch6)); err != nil {
+				t.Fatal(err)
+			}
+			runner := iptables.ExecRunner{Prefix: []string{"ip", "netns", "exec", env.Node}}
+			b, err := iptables.New(ctx, iptables.Options{Mode: mode, Runner: runner})
+			if err != nil {
+				t.Fatal(err)
+			}
+			// apply installs a policy and checks that the kernel holds exactly its chains.
+			apply := func(t *testing.T, p *policy.Policy) {
+				t.Helper()
+				if err := b.Apply(ctx, p); err != nil {
+					t.Fatal(err)
+				}
+				for _, fam := range policy.Families() {
+					if got, want := readOurChains(ctx, t, env.Node, mode, fam), layoutTexts(p, fam); !maps.EqualFunc(got, want, slices.Equal) {
+						t.Errorf("%s chains read back:\n %q\nwant\n %q", fam, got, want)
+					}
+				}
+				if drift, err := b.CheckDrift(ctx); err != nil || len(drift) != 0 {
+					t.Errorf("drift check right after the apply: %q %v", drift, err)
+				}
+			}
+			// expect probes each destination from each source over TCP and checks the source
+			// address the external host saw.
+			expect := func(t *testing.T, cases []struct{ src, dst, seen netip.Addr }) {
+				t.Helper()
+				for _, c := range cases {
+					got, err := env.ProbeFrom(ctx, env.Pod, c.src, "tcp", c.dst)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if got.Addr() != c.seen {
+						t.Errorf("%s -> %s: seen from %s, want %s", c.src, c.dst, got.Addr(), c.seen)
+					}
+				}
+			}
+
+			p1 := compile(t, first)
+			apply(t, p1)
+			// The same destinations, three sources, three outcomes.
+			expect(t, []struct{ src, dst, seen netip.Addr }{
+				{global, local, global}, {batch, local, e2e.NodeAlt4}, {keep, local, keep},
+				{global, public, e2e.NodeAddr4}, {batch, public, e2e.NodeAlt4}, {keep, public, keep},
+				{e2e.PodAddr6, public6, e2e.NodeAddr6}, {batch6, public6, e2e.NodeAlt6},
+			})
+			counters, err := b.Counters(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("counters: %+v", counters)
+			// counted is the packets of the rule of a list (source rule name, "" the global one)
+			// with a family, prefix and origin.
+			counted := func(cs []datapath.RuleCounter, set string, fam policy.Family, prefix string, origin policy.Origin) (uint64, bool) {
+				for _, c := range cs {
+					if c.Set == set && c.Family == fam && c.Prefix == netip.MustParsePrefix(prefix) && c.Origin == origin {
+						return c.Packets, true
+					}
+				}
+				return 0, false
+			}
+			for _, w := range []struct {
+				set    string
+				fam    policy.Family
+				prefix string
+				origin policy.Origin
+				want   uint64
+			}{
+				{"", policy.IPv4, "10.0.0.0/8", policy.OriginNonMasqueradeCIDRs, 1},
+				{"", policy.IPv4, "0.0.0.0/0", policy.OriginOutbound, 1},
+				{"batch", policy.IPv4, "0.0.0.0/0", policy.OriginOutbound, 2},
+				{"keep", policy.IPv4, "10.0.0.0/8", policy.OriginNonMasqueradeCIDRs, 1},
+				{"", policy.IPv6, "::/0", policy.OriginOutbound, 1},
+				{"batch", policy.IPv6, "::/0", policy.OriginOutbound, 1},
+			} {
+				if got, ok := counted(counters, w.set, w.fam, w.prefix, w.origin); !ok || got != w.want {
+					t.Errorf("list %q %s %s %s: %d packets (reported: %v), want %d", w.set, w.fam, w.prefix, w.origin, got, ok, w.want)
+				}
+			}
+			if _, ok := counted(counters, "keep", policy.IPv4, "0.0.0.0/0", policy.OriginOutbound); ok {
+				t.Errorf("keep has no outbound rule, yet it is counted")
+			}
+
+			// Rules added and removed: keep's chain goes, fresh's comes, batch keeps its counts.
+			p2 := compile(t, second)
+			apply(t, p2)
+			expect(t, []struct{ src, dst, seen netip.Addr }{
+				{keep, public, e2e.NodeAlt4}, {keep, local, keep}, {batch, local, e2e.NodeAlt4}, {global, public, e2e.NodeAddr4},
+			})
+			counters, err = b.Counters(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got, _ := counted(counters, "batch", policy.IPv4, "0.0.0.0/0", policy.OriginOutbound); got != 3 {
+				t.Errorf("batch's outbound rule counted %d packets through the reload and one more, want 3", got)
+			}
+			if got, _ := counted(counters, "fresh", policy.IPv4, "0.0.0.0/0", policy.OriginOutbound); got != 1 {
+				t.Errorf("fresh's outbound rule counted %d packets, want 1", got)
+			}
+			for _, c := range counters {
+				if c.Set == "keep" {
+					t.Errorf("a counter of the removed rule: %+v", c)
+				}
+			}
+
+			// No source rules: every source decided by the global lists again.
+			apply(t, compile(t, none))
+			expect(t, []struct{ src, dst, seen netip.Addr }{
+				{batch, public, e2e.NodeAddr4}, {keep, public, e2e.NodeAddr4}, {batch6, public6, e2e.NodeAddr6},
+			})
+
+			// Cleanup, by a backend that knows no rule, removes the source chains too.
+			apply(t, p1)
+			b2, err := iptables.New(ctx, iptables.Options{Mode: mode, Runner: runner})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := b2.Cleanup(ctx); err != nil {
+				t.Fatal(err)
+			}
+			for _, fam := range policy.Families() {
+				if got := readOurChains(ctx, t, env.Node, mode, fam); len(got) != 0 {
+					t.Errorf("%s: cleanup left %q", fam, got)
+				}
+			}
+		})
+	}
 }

@@ -524,9 +524,9 @@ COMMIT
 	rules := nat.ChainRules("IP-MASQ-AGENT")
 	want := []iptables.SavedRule{
 		{Chain: "IP-MASQ-AGENT", Spec: `-d 169.254.0.0/16 -m comment --comment "x y" -j RETURN`,
-			Target: "RETURN", Dst: netip.MustParsePrefix("169.254.0.0/16")},
+			Target: "RETURN", Dst: netip.MustParsePrefix("169.254.0.0/16"), Comment: "x y"},
 		{Chain: "IP-MASQ-AGENT", Spec: "-m comment --comment o -j MASQUERADE --random-fully",
-			Target: "MASQUERADE", RandomFully: true, Packets: 1<<64 - 1, Bytes: 7},
+			Target: "MASQUERADE", Comment: "o", RandomFully: true, Packets: 1<<64 - 1, Bytes: 7},
 	}
 	if !slices.Equal(rules, want) {
 		t.Errorf("rules\n got %+v\nwant %+v", rules, want)

@@ -17,17 +17,19 @@ var driftKinds = []string{datapath.DriftChain, datapath.DriftJump}
 func (b *Backend) DriftKinds() []string { return driftKinds }
 
 // CheckDrift implements datapath.DriftChecker: for each family the last Apply installed, the
-// chain must hold exactly the rendered lines and POSTROUTING exactly one jump to it. It reads just
-// those two chains, without counters (readChains).
+// chain and each source rule's chain must hold exactly the rendered lines (so the main chain
+// jumps to no chain of a rule that went away), and POSTROUTING exactly one jump to the chain.
+// It reads just those chains, without counters (readChains).
 func (b *Backend) CheckDrift(ctx context.Context) ([]string, error) {
 	var chain, jump bool
 	err := b.eachApplied(ctx, func(fam policy.Family, p *policy.Policy, t *tools) error {
-		nat, err := readChains(ctx, b.runner, t, false, "POSTROUTING", b.chain)
+		layout := Layout(p, fam, b.chain)
+		nat, err := readChains(ctx, b.runner, t, false, layoutChains(layout, "POSTROUTING")...)
 		if err != nil {
 			return fmt.Errorf("check %s: %w", fam, err)
 		}
 		jump = jump || countJumps(nat.ChainRules("POSTROUTING"), b.chain) != 1
-		chain = chain || !nat.HasChain(b.chain) || !sameLines(ChainLines(p, fam, b.chain), nat.ChainRules(b.chain))
+		chain = chain || !sameLayout(layout, nat)
 		return nil
 	})
 	if err != nil {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/datapath"
@@ -20,6 +21,8 @@ type Installed struct {
 	policy *policy.Policy
 	// tools of each family whose nat table holds the chain.
 	tools map[policy.Family]*tools
+	// sources are the names of the source rules whose chains either family holds, in order.
+	sources []string
 }
 
 var _ datapath.Reader = (*Installed)(nil)
@@ -53,6 +56,7 @@ func Inspect(ctx context.Context, r Runner, chain string, p *policy.Policy) ([]*
 			}
 			if nat.HasChain(chain) {
 				in.tools[fam] = t
+				in.addSources(nat)
 			}
 		}
 		if len(in.tools) > 0 {
@@ -85,15 +89,56 @@ func (in *Installed) Info() datapath.Info {
 			fams = append(fams, fam.String())
 		}
 	}
-	return datapath.Info{Backend: Name, AttachMode: datapath.AttachNone,
-		Details: fmt.Sprintf("iptables-%s, chain %s (%s)", in.mode, in.chain, strings.Join(fams, ", "))}
+	details := fmt.Sprintf("iptables-%s, chain %s (%s)", in.mode, in.chain, strings.Join(fams, ", "))
+	if len(in.sources) > 0 {
+		details += ", source rules " + strings.Join(in.sources, ", ")
+	}
+	return datapath.Info{Backend: Name, AttachMode: datapath.AttachNone, Details: details}
 }
 
-// Counters implements datapath.Reader: the live counters of each family's chain, summed per rule
-// of the policy as the backend's Counters does, then the lines that implement no rule of it,
-// one each (Rule 0).
+// addSources notes the source rules whose chains nat holds.
+func (in *Installed) addSources(nat *Table) {
+	names := sourceNames(in.chain, ourRules(nat, in.chain))
+	for _, c := range nat.SourceChains(in.chain) {
+		if name := names[c]; name != "" && !slices.Contains(in.sources, name) {
+			in.sources = append(in.sources, name)
+		}
+	}
+}
+
+// ourRules are the rules of the main chain and of its source chains, in dump order.
+func ourRules(nat *Table, chain string) []SavedRule {
+	return nat.rules(func(r SavedRule) bool { return r.Chain == chain || isSourceChain(chain, r.Chain) })
+}
+
+// sourceNames names the source chains among live by the source rules whose chains they are, as
+// the comments of their jumps and ends say; by the chain's name where no comment does.
+func sourceNames(chain string, live []SavedRule) map[string]string {
+	names := map[string]string{}
+	for _, r := range live {
+		c := r.Chain
+		if c == chain {
+			c = r.Target
+		}
+		if !isSourceChain(chain, c) {
+			continue
+		}
+		if name := sourceRuleOf(r.Comment); name != "" {
+			names[c] = name
+		} else if _, ok := names[c]; !ok {
+			names[c] = c
+		}
+	}
+	return names
+}
+
+// Counters implements datapath.Reader: the live counters of each family's chains, summed per
+// rule of the policy as the backend's Counters does, then the lines that implement no rule of
+// it, one each (Rule 0), a source chain's named by its rule (Set). The lines that lead packets
+// between the chains (jumps to source chains, their ends) are no rules and not reported.
 func (in *Installed) Counters(ctx context.Context) ([]datapath.RuleCounter, error) {
-	var out []datapath.RuleCounter
+	var byList [][]datapath.RuleCounter
+	var rest []datapath.RuleCounter
 	for _, fam := range policy.Families() {
 		t := in.tools[fam]
 		if t == nil {
@@ -103,27 +148,33 @@ func (in *Installed) Counters(ctx context.Context) ([]datapath.RuleCounter, erro
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", fam, err)
 		}
-		live := nat.ChainRules(in.chain)
-		var counters []datapath.RuleCounter
-		var rest []int
+		live := ourRules(nat, in.chain)
+		var layout []Chain
 		if p := in.policy; p != nil {
 			if p.RandomFully && !usesRandomFully(live) {
 				plain := *p
 				plain.RandomFully = false
 				p = &plain
 			}
-			counters, rest = mapLines(p, fam, in.chain, live)
-		} else {
-			for i := range live {
-				rest = append(rest, i)
-			}
+			layout = Layout(p, fam, in.chain)
 		}
-		out = append(out, counters...)
-		for _, i := range rest {
-			out = append(out, unexplained(fam, live[i]))
+		counters, unexplainedLines := mapLines(layout, live)
+		byList = appendByList(byList, layout, counters)
+		names := sourceNames(in.chain, live)
+		for _, i := range unexplainedLines {
+			if sourceRuleOf(live[i].Comment) != "" {
+				continue
+			}
+			c := unexplained(fam, live[i])
+			c.Set = names[live[i].Chain]
+			rest = append(rest, c)
 		}
 	}
-	return out, nil
+	var out []datapath.RuleCounter
+	for _, cs := range byList {
+		out = append(out, cs...)
+	}
+	return append(out, rest...), nil
 }
 
 // usesRandomFully tells whether the agent that filled the chain used --random-fully: it drops

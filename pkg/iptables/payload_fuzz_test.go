@@ -11,10 +11,15 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
 )
 
-// ruleLine is the whole vocabulary of a rendered rule: the chain, a prefix, a protocol, a fixed
-// comment, the port split's statistic match, the target and its options.
-var ruleLine = regexp.MustCompile(`^-A IP-MASQ-AGENT(?: -d (\S+))?(?: -p (?:tcp|udp|sctp))? -m comment --comment "([^"\\]*)"` +
-	`(?: -m statistic --mode random --probability 0\.\d{11})? -j (?:MASQUERADE|RETURN)(?: --to-ports \d{1,5}-\d{1,5})?(?: --random-fully)?$`)
+// ruleLine is the whole vocabulary of a rendered rule: the chain (the main one or a source
+// rule's), a source prefix, a destination prefix, a protocol, a fixed comment, the port split's
+// statistic match, the target and its options.
+var ruleLine = regexp.MustCompile(`^-A (IP-MASQ-AGENT(?:-[A-Z2-7]{10})?)(?: -s (\S+))?(?: -d (\S+))?(?: -p (?:tcp|udp|sctp))? -m comment --comment "([^"\\]*)"` +
+	`(?: -m statistic --mode random --probability 0\.\d{11})? (?:-j (?:MASQUERADE|RETURN)|-j SNAT --to-source [0-9a-f.:\[\]-]+|-g (IP-MASQ-AGENT-[A-Z2-7]{10}))` +
+	`(?: --to-ports \d{1,5}-\d{1,5})?(?: --random-fully)?$`)
+
+// chainLine declares a chain: the main one or a source rule's.
+var chainLine = regexp.MustCompile(`^:IP-MASQ-AGENT(?:-[A-Z2-7]{10})? - \[0:0\]$`)
 
 // FuzzPayloadFromConfig: whatever document the agent reads, the iptables-restore payload made
 // from it consists of the renderer's fixed lines and of rule lines in ruleLine's vocabulary,
@@ -31,6 +36,9 @@ func FuzzPayloadFromConfig(f *testing.F) {
 		"nonMasqueradeCIDRs:\n  - 10.0.0.0/8 # -j ACCEPT\n  - 192.168.0.0/16\nmasqueradeCIDRs: [10.10.10.0/24]",
 		`{"nonMasqueradeCIDRs": ["fd00::/8", "10.0.0.0/8"], "masqOutBoundIPv6": false}`,
 		"masqLinkLocal: true\nmasqOutBound: false",
+		"masqueradeAddress: 192.0.2.1\nsourceRules:\n  - {name: a, cidrs: [10.244.0.0/16, \"fd00::/8\"], nonMasqueradeCIDRs: [10.0.0.0/8], masqueradeAddress: 192.0.2.2}\n  - {name: b, cidrs: [0.0.0.0/0], masqOutBound: false}",
+		`sourceRules: [{name: "a\" -j ACCEPT", cidrs: ["10.0.0.0/8 -j ACCEPT"]}]`,
+		"sourceRules:\n  - name: x\n    cidrs: [\"10.1.0.0/16\\nCOMMIT\"]",
 	} {
 		f.Add([]byte(doc), true, true)
 	}
@@ -45,22 +53,46 @@ func FuzzPayloadFromConfig(f *testing.F) {
 			opts.ToPorts = ports
 		}
 		p := policy.Compile(cfg, opts)
+		lists := []*policy.Policy{p}
 		comments := []string{policy.CommentSpecificMasquerade, policy.CommentNonMasquerade, policy.CommentOutbound}
+		for _, s := range p.Sources {
+			lists = append(lists, s.Policy)
+			comments = append(comments, SourceJumpComment(s.Name), SourceEndComment(s.Name))
+		}
 		for _, fam := range policy.Families() {
 			if fam == policy.IPv6 && !v6 {
 				continue
 			}
-			known := map[string]bool{}
-			for _, r := range p.Rules(fam) {
-				known[r.Prefix.String()] = true
+			known, sources := map[string]bool{}, map[string]bool{}
+			for _, l := range lists {
+				for _, r := range l.Rules(fam) {
+					known[r.Prefix.String()] = true
+				}
 			}
+			for _, s := range p.Sources {
+				for _, pr := range s.Prefixes(fam) {
+					sources[pr.String()] = true
+				}
+			}
+			layout := Layout(p, fam, DefaultChain)
 			lines := strings.Split(string(Render(p, fam, DefaultChain, true)), "\n")
-			head, tail := []string{"*nat", ":IP-MASQ-AGENT - [0:0]"}, []string{JumpRule(DefaultChain).String(), "COMMIT", ""}
-			if len(lines) < len(head)+len(tail) || !slices.Equal(lines[:2], head) || !slices.Equal(lines[len(lines)-3:], tail) {
-				t.Fatalf("%s payload is not framed as *nat, the chain, rules, the jump, COMMIT:\n%s", fam, strings.Join(lines, "\n"))
+			head, tail := 1+len(layout), []string{JumpRule(DefaultChain).String(), "COMMIT", ""}
+			if len(lines) < head+len(tail) || lines[0] != "*nat" || lines[1] != ":IP-MASQ-AGENT - [0:0]" || !slices.Equal(lines[len(lines)-3:], tail) {
+				t.Fatalf("%s payload is not framed as *nat, the chains, rules, the jump, COMMIT:\n%s", fam, strings.Join(lines, "\n"))
 			}
-			rules := lines[2 : len(lines)-3]
-			if want := len(ChainLines(p, fam, DefaultChain)); len(rules) != want {
+			declared := map[string]bool{}
+			for _, l := range lines[1:head] {
+				if !chainLine.MatchString(l) {
+					t.Fatalf("%s chain line outside the renderer's vocabulary: %q", fam, l)
+				}
+				declared[l[1:strings.IndexByte(l, ' ')]] = true
+			}
+			rules := lines[head : len(lines)-3]
+			want := 0
+			for _, c := range layout {
+				want += len(c.Lines)
+			}
+			if len(rules) != want {
 				t.Fatalf("%s payload has %d rule lines, the policy %d", fam, len(rules), want)
 			}
 			for _, l := range rules {
@@ -68,15 +100,29 @@ func FuzzPayloadFromConfig(f *testing.F) {
 				if m == nil {
 					t.Fatalf("%s rule line outside the renderer's vocabulary: %q", fam, l)
 				}
-				if m[1] == "" { // a rule for every destination (the outbound one, or a /0)
+				chain, src, dst, comment, gotoChain := m[1], m[2], m[3], m[4], m[5]
+				if !declared[chain] || (gotoChain != "" && !declared[gotoChain]) {
+					t.Fatalf("%s rule line of or to a chain the payload does not declare: %q", fam, l)
+				}
+				if src != "" {
+					if pr, err := netip.ParsePrefix(src); err != nil || pr.String() != src || pr.Masked() != pr || !sources[src] {
+						t.Fatalf("%s rule line with source %q that the policy does not hold canonically: %q", fam, src, l)
+					}
+				}
+				switch {
+				case dst != "":
+					if pr, err := netip.ParsePrefix(dst); err != nil || pr.String() != dst || pr.Masked() != pr || !known[dst] {
+						t.Fatalf("%s rule line with prefix %q that the policy does not hold canonically: %q", fam, dst, l)
+					}
+				case gotoChain != "" || strings.Contains(comment, "source rule"):
+					// A goto to a source rule's chain, or the end of one: no destination.
+				default: // a rule for every destination (the outbound one, or a /0)
 					if all := map[policy.Family]string{policy.IPv4: "0.0.0.0/0", policy.IPv6: "::/0"}[fam]; !known[all] {
 						t.Fatalf("%s rule line without a destination, but no %s rule: %q", fam, all, l)
 					}
-				} else if pr, err := netip.ParsePrefix(m[1]); err != nil || pr.String() != m[1] || pr.Masked() != pr || !known[m[1]] {
-					t.Fatalf("%s rule line with prefix %q that the policy does not hold canonically: %q", fam, m[1], l)
 				}
-				if !slices.Contains(comments, m[2]) {
-					t.Fatalf("%s rule line with comment %q: %q", fam, m[2], l)
+				if !slices.Contains(comments, comment) {
+					t.Fatalf("%s rule line with comment %q: %q", fam, comment, l)
 				}
 			}
 		}

@@ -10,6 +10,9 @@ import (
 	"strings"
 )
 
+// maxListedChains is the most chains readChains lists one by one.
+const maxListedChains = 16
+
 // readChains reads the named nat chains of one mode and family, with their rules' counters when
 // counters is set, as cheaply as the mode allows on a node whose nat table holds kube-proxy's
 // tens of thousands of rules: the table it returns holds those chains only (HasChain tells which
@@ -24,6 +27,8 @@ import (
 //     (IPT_SO_GET_ENTRIES, 12 MB at 20,000 rules, the kernel summing every rule's counters) and
 //     that fetch is most of its cost. One chain is listed; two are read from one dump, parsed
 //     for those chains only.
+//   - Many chains (a policy with source rules) are read from one dump too: each listing is a
+//     process of its own, and a few dozen of them cost as much as the dump.
 //   - Where the iptables command itself is not installed (only the save and restore tools), the
 //     save tool answers.
 //
@@ -32,7 +37,7 @@ import (
 // `nat' is incompatible", as it does for a chain holding rules it cannot read), while a tool that
 // cannot run at all (no permission, the xtables lock) exits 4.
 func readChains(ctx context.Context, r Runner, t *tools, counters bool, chains ...string) (*Table, error) {
-	if t.list == "" || (t.mode == ModeLegacy && len(chains) > 1) {
+	if t.list == "" || (t.mode == ModeLegacy && len(chains) > 1) || len(chains) > maxListedChains {
 		args := []string{"-t", "nat"}
 		if counters {
 			args = append(args, "-c")

@@ -331,49 +331,73 @@ func TestValidateChain(t *testing.T) {
 	}
 }
 
-// decideFromPayload is a tiny tracer over a rendered payload: first match of the destination
-// over the chain's rules, the way the kernel walks the chain; with the source address an SNAT
-// rule rewrites to (invalid for MASQUERADE, the uplink's address).
-func decideFromPayload(t *testing.T, payload []byte, chain string, addr netip.Addr) (policy.Action, netip.Addr) {
+// decideFromPayload is a tiny tracer over a rendered payload: it walks the chains from the main
+// chain for a packet from src to dst the way the kernel does (first match of -s and -d; -j
+// resumes the calling chain after a RETURN or the callee's end, -g does not) and returns what
+// happens, with the source address an SNAT rule rewrites to (invalid for MASQUERADE, the
+// uplink's address).
+func decideFromPayload(t *testing.T, payload []byte, chain string, src, dst netip.Addr) (policy.Action, netip.Addr) {
 	t.Helper()
+	chains := map[string][][]string{}
 	for _, line := range strings.Split(string(payload), "\n") {
-		if !strings.HasPrefix(line, "-A "+chain+" ") {
-			continue
-		}
-		f := strings.Fields(line)
-		dst := netip.PrefixFrom(netip.IPv4Unspecified(), 0)
-		if addr.Is6() {
-			dst = netip.PrefixFrom(netip.IPv6Unspecified(), 0)
-		}
-		target, source := "", netip.Addr{}
-		for i := 0; i < len(f)-1; i++ {
-			switch f[i] {
-			case "-d":
-				dst = netip.MustParsePrefix(f[i+1])
-			case "-j":
-				target = f[i+1]
-			case "--to-source":
-				s, _, _ := strings.Cut(strings.TrimPrefix(f[i+1], "["), "]")
-				if addr.Is4() {
-					s, _, _ = strings.Cut(s, ":")
-				}
-				source = netip.MustParseAddr(s)
+		if rest, ok := strings.CutPrefix(line, "-A "); ok {
+			args, err := splitArgs(rest)
+			if err != nil {
+				t.Fatalf("line %q: %v", line, err)
 			}
-		}
-		if dst.Contains(addr) {
-			switch target {
-			case "RETURN":
-				return policy.Return, netip.Addr{}
-			case "MASQUERADE":
-				return policy.Masquerade, netip.Addr{}
-			case "SNAT":
-				return policy.Masquerade, source
-			default:
-				t.Fatalf("unexpected target in %q", line)
-			}
+			chains[args[0]] = append(chains[args[0]], args[1:])
 		}
 	}
-	return policy.Return, netip.Addr{} // the end of the chain
+	// walk returns whether the packet's fate was decided in chain (or a chain it went to), and
+	// how.
+	var walk func(chain string, depth int) (bool, policy.Action, netip.Addr)
+	walk = func(chain string, depth int) (bool, policy.Action, netip.Addr) {
+		if depth > 3 {
+			t.Fatalf("chains nest deeper than the layout has them:\n%s", payload)
+		}
+		for _, args := range chains[chain] {
+			match := true
+			var target, source string
+			var gotoChain bool
+			for i := 0; i < len(args)-1; i++ {
+				switch v := args[i+1]; args[i] {
+				case "-s":
+					match = match && netip.MustParsePrefix(v).Contains(src)
+				case "-d":
+					match = match && netip.MustParsePrefix(v).Contains(dst)
+				case "-j", "-g":
+					target, gotoChain = v, args[i] == "-g"
+				case "--to-source":
+					source, _, _ = strings.Cut(strings.TrimPrefix(v, "["), "]")
+					if dst.Is4() {
+						source, _, _ = strings.Cut(source, ":")
+					}
+				}
+			}
+			if !match {
+				continue
+			}
+			switch target {
+			case "RETURN":
+				return false, policy.Return, netip.Addr{}
+			case "MASQUERADE":
+				return true, policy.Masquerade, netip.Addr{}
+			case "SNAT":
+				return true, policy.Masquerade, netip.MustParseAddr(source)
+			}
+			if _, ok := chains[target]; !ok && !strings.Contains(string(payload), ":"+target+" ") {
+				t.Fatalf("target %s is neither a target nor a chain of the payload", target)
+			}
+			decided, action, addr := walk(target, depth+1)
+			if decided || gotoChain {
+				// A chain gone to returns to the chain that jumped to this one.
+				return decided, action, addr
+			}
+		}
+		return false, policy.Return, netip.Addr{} // the end of the chain
+	}
+	_, action, addr := walk(chain, 0)
+	return action, addr
 }
 
 // Decide equals first match over the rendered rule list, for random configurations and
@@ -393,16 +417,151 @@ func TestDecideEqualsFirstMatchOverRenderedChain(t *testing.T) {
 		payload4 := Render(p, policy.IPv4, DefaultChain, true)
 		payload6 := Render(p, policy.IPv6, DefaultChain, true)
 		for range 200 {
-			addr := policytest.Destination(r, p, policy.Families()[r.IntN(2)])
+			fam := policy.Families()[r.IntN(2)]
+			addr := policytest.Destination(r, p, fam)
 			payload := payload4
 			if addr.Is6() {
 				payload = payload6
 			}
-			want, source := decideFromPayload(t, payload, DefaultChain, addr)
+			want, source := decideFromPayload(t, payload, DefaultChain, policytest.Source(r, p, fam), addr)
 			got := p.Decide(addr)
 			if got.Action != want || (got.Rule != nil && got.Rule.Address != source) {
 				t.Fatalf("config %s\naddress %s: Decide = %v (rule %+v), rendered chain says %v from %v\n%s",
 					cfg.Canonical(), addr, got.Action, got.Rule, want, source, payload)
+			}
+		}
+	}
+}
+
+// DecideFrom equals the kernel's walk over the rendered chains, for random policies with
+// source rules (nested and overlapping sources, selected pods, whole address spaces) and
+// random sources and destinations, most of them inside the rules' prefixes.
+func TestDecideFromEqualsRenderedChains(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	withSources := 0
+	for iter := range 300 {
+		cfg := policytest.Config(r, r.IntN(8))
+		if iter%2 == 1 {
+			cfg = policytest.WithAddresses(r, cfg)
+		}
+		opts := policy.Options{EnableIPv6: iter%4 != 3, RandomFully: iter%2 == 0}
+		if iter%3 == 0 {
+			opts.ToPorts = policy.PortRanges{{First: 1024, Last: 2047}, {First: 40000, Last: 50000}}
+		}
+		cfg, opts = policytest.WithSourceRules(r, cfg, 6, opts)
+		p := policy.Compile(cfg, opts)
+		if len(p.Sources) > 0 {
+			withSources++
+		}
+		payloads := map[policy.Family][]byte{}
+		for _, fam := range policy.Families() {
+			if p.Enabled(fam) {
+				payloads[fam] = Render(p, fam, DefaultChain, true)
+			}
+		}
+		for range 200 {
+			fam := policy.Families()[r.IntN(2)]
+			if !p.Enabled(fam) {
+				continue
+			}
+			src, dst := policytest.Source(r, p, fam), policytest.Destination(r, p, fam)
+			want, source := decideFromPayload(t, payloads[fam], DefaultChain, src, dst)
+			got := p.DecideFrom(src, dst)
+			if got.Action != want || (got.Rule != nil && got.Rule.Address != source) {
+				t.Fatalf("config %s\n%s -> %s: DecideFrom = %v (source rule %v, rule %+v), rendered chains say %v from %v\n%s",
+					cfg.Canonical(), src, dst, got.Action, got.SourceRule != nil, got.Rule, want, source, payloads[fam])
+			}
+		}
+	}
+	if withSources < 200 {
+		t.Errorf("only %d of 300 policies had source rules", withSources)
+	}
+}
+
+// A source rule's chain is named from --masq-chain and the rule within iptables' 28
+// characters, a valid chain name of its own, distinct per rule and per main chain, and
+// recognised as a source chain of its main chain only.
+func TestSourceChainNames(t *testing.T) {
+	long := strings.Repeat("C", 28)
+	seen := map[string]bool{}
+	for _, chain := range []string{DefaultChain, "MASQ", long, long[:27] + "D"} {
+		for _, rule := range []string{"a", "batch", strings.Repeat("x", 40), strings.Repeat("x", 39) + "y"} {
+			name := SourceChain(chain, rule)
+			if err := ValidateChain(name); err != nil {
+				t.Errorf("SourceChain(%q, %q) = %q: %v", chain, rule, name, err)
+			}
+			if seen[name] {
+				t.Errorf("SourceChain(%q, %q) = %q, as for another rule or chain", chain, rule, name)
+			}
+			seen[name] = true
+			if name != SourceChain(chain, rule) || !isSourceChain(chain, name) {
+				t.Errorf("SourceChain(%q, %q) = %q: not stable or not recognised", chain, rule, name)
+			}
+			if isSourceChain("OTHER", name) {
+				t.Errorf("%q taken for a source chain of OTHER", name)
+			}
+		}
+	}
+	if got := SourceChain(DefaultChain, "batch"); !strings.HasPrefix(got, DefaultChain+"-") {
+		t.Errorf("SourceChain(%q, batch) = %q, want it to start with the chain's name", DefaultChain, got)
+	}
+	for _, name := range []string{DefaultChain, ProbeChain, DefaultChain + "-ABCDEFGHI", DefaultChain + "-abcdefghij", DefaultChain + "-ABCDEFGHI1"} {
+		if isSourceChain(DefaultChain, name) {
+			t.Errorf("%q taken for a source chain", name)
+		}
+	}
+	if own := "ABCDEFGHIJKLMNOPQ-ABCDEFGHIJ"; isSourceChain(own, own) {
+		t.Errorf("main chain %q taken for a source chain of its own", own)
+	}
+}
+
+// One source rule renders as gotos from the top of the main chain, one per source prefix of
+// the family, and a chain of its own ending in RETURN; Render of a policy without source rules
+// is unchanged (TestRenderPayload).
+func TestRenderSourceRule(t *testing.T) {
+	cfg, err := config.Parse([]byte(`nonMasqueradeCIDRs: [10.0.0.0/8]
+masqLinkLocal: true
+sourceRules:
+  - name: batch
+    cidrs: [10.244.8.0/21, 10.244.20.7/32, "fd00:10:244:8::/64"]
+    masqueradeAddress: 192.0.2.11
+    nonMasqueradeCIDRs: []
+`), config.Options{EnableIPv6: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := policy.Compile(cfg, policy.Options{EnableIPv6: true})
+	c := SourceChain(DefaultChain, "batch")
+	want := `*nat
+:IP-MASQ-AGENT - [0:0]
+:` + c + ` - [0:0]
+-A IP-MASQ-AGENT -s 10.244.8.0/21 -m comment --comment "ip-masq-agent: traffic from the sources of source rule batch is decided by its chain" -g ` + c + `
+-A IP-MASQ-AGENT -s 10.244.20.7/32 -m comment --comment "ip-masq-agent: traffic from the sources of source rule batch is decided by its chain" -g ` + c + `
+-A IP-MASQ-AGENT -d 10.0.0.0/8 -m comment --comment "ip-masq-agent: local traffic is not subject to MASQUERADE" -j RETURN
+-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)" -j MASQUERADE
+-A ` + c + ` -m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)" -j SNAT --to-source 192.0.2.11
+-A ` + c + ` -m comment --comment "ip-masq-agent: the rest of the traffic of source rule batch is not subject to MASQUERADE (must be last in chain)" -j RETURN
+-A POSTROUTING -m comment --comment "ip-masq-agent: ensure nat POSTROUTING directs all non-LOCAL destination traffic to our custom IP-MASQ-AGENT chain" -m addrtype ! --dst-type LOCAL -j IP-MASQ-AGENT
+COMMIT
+`
+	if got := string(Render(p, policy.IPv4, DefaultChain, true)); got != want {
+		t.Errorf("IPv4 payload:\n%s\nwant:\n%s", got, want)
+	}
+	// The rule's chain is there in IPv6 too, with its own lines.
+	got6 := string(Render(p, policy.IPv6, DefaultChain, false))
+	for _, line := range []string{":" + c + " - [0:0]", "-A IP-MASQ-AGENT -s fd00:10:244:8::/64 ", "-A " + c + " -d fe80::/10 "} {
+		if !strings.Contains(got6, line) {
+			t.Errorf("IPv6 payload has no %q:\n%s", line, got6)
+		}
+	}
+	// The lines between the chains implement no rule; the rule's own lines name it.
+	for _, ch := range Layout(p, policy.IPv4, DefaultChain) {
+		for _, l := range ch.Lines {
+			if (l.Policy == nil) != (l.Rule.Goto || strings.Contains(l.Rule.Comment, "source rule")) {
+				t.Errorf("line %s: policy rule %+v", l.Rule, l.Policy)
+			}
+			if l.Policy != nil && (ch.Source == nil) != (l.Policy.Set == "") {
+				t.Errorf("line %s of chain %s is of list %q", l.Rule, ch.Name, l.Policy.Set)
 			}
 		}
 	}

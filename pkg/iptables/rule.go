@@ -25,9 +25,9 @@ const (
 // compares equal to the rendered one as text.
 type Rule struct {
 	Chain string
-	// Dst is the destination (-d). A zero or /0 prefix matches every address and is not
-	// written, as iptables-save leaves it out.
-	Dst netip.Prefix
+	// Src and Dst are the source (-s) and destination (-d). A zero or /0 prefix matches every
+	// address and is not written, as iptables-save leaves it out.
+	Src, Dst netip.Prefix
 	// Protocol is -p; empty for every protocol.
 	Protocol string
 	// Comment is the comment match's text; empty for none.
@@ -39,6 +39,9 @@ type Rule struct {
 	NotLocal bool
 	// Jump is the target: TargetReturn, TargetMasquerade, TargetSNAT or a chain.
 	Jump string
+	// Goto goes to the chain Jump names (-g) instead of jumping to it (-j): a RETURN there, or
+	// its end, leaves the calling chain too, as if that had returned.
+	Goto bool
 	// ToSource is SNAT's address.
 	ToSource netip.Addr
 	// ToPorts and RandomFully are the options of MASQUERADE and SNAT; a zero ToPorts keeps the
@@ -50,6 +53,9 @@ type Rule struct {
 // appendArgs appends the rule's options to a, in iptables-save's order, as the arguments of
 // an iptables command.
 func (r Rule) appendArgs(a []string) []string {
+	if r.Src.Bits() > 0 {
+		a = append(a, "-s", r.Src.String())
+	}
 	if r.Dst.Bits() > 0 {
 		a = append(a, "-d", r.Dst.String())
 	}
@@ -65,7 +71,11 @@ func (r Rule) appendArgs(a []string) []string {
 	if r.NotLocal {
 		a = append(a, "-m", "addrtype", "!", "--dst-type", "LOCAL")
 	}
-	a = append(a, "-j", r.Jump)
+	if r.Goto {
+		a = append(a, "-g", r.Jump)
+	} else {
+		a = append(a, "-j", r.Jump)
+	}
 	switch {
 	case r.ToSource.IsValid():
 		a = append(a, "--to-source", r.toSource())

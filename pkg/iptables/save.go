@@ -30,6 +30,8 @@ type SavedRule struct {
 	Target string
 	// Dst is the destination (-d); the zero prefix when the rule has none.
 	Dst netip.Prefix
+	// Comment is the comment match's text; empty for none.
+	Comment string
 	// RandomFully is set when the target has the --random-fully option.
 	RandomFully bool
 	// ToSource is the address SNAT rewrites to (--to-source); invalid for other targets and
@@ -53,6 +55,34 @@ func (t *Table) HasChain(name string) bool { return slices.Contains(t.Chains, na
 // ChainRules returns the rules of one chain, in order.
 func (t *Table) ChainRules(chain string) []SavedRule {
 	return t.rules(func(r SavedRule) bool { return r.Chain == chain })
+}
+
+// SourceChains returns the chains of the main chain's source rules (SourceChain) that the table
+// declares or the main chain goes to: in the order the main chain first goes to them, which is
+// the order of the rules, then the others in dump order.
+func (t *Table) SourceChains(chain string) []string {
+	var out []string
+	add := func(name string) {
+		if isSourceChain(chain, name) && !slices.Contains(out, name) {
+			out = append(out, name)
+		}
+	}
+	for _, r := range t.ChainRules(chain) {
+		add(r.Target)
+	}
+	for _, name := range t.Chains {
+		add(name)
+	}
+	return out
+}
+
+// byChain returns the rules of each chain, in order.
+func (t *Table) byChain() map[string][]SavedRule {
+	out := map[string][]SavedRule{}
+	for _, r := range t.Rules {
+		out[r.Chain] = append(out[r.Chain], r)
+	}
+	return out
 }
 
 // RulesTargeting returns the rules of any chain that jump or go to the chain.
@@ -149,7 +179,7 @@ func parseRuleLine(line string) (SavedRule, error) {
 		switch a {
 		case "--random-fully":
 			r.RandomFully = true
-		case "-j", "-g", "-d", "--to-source":
+		case "-j", "-g", "-d", "--to-source", "--comment":
 			if i+1 == len(args) {
 				return r, fmt.Errorf("rule %q: %s without a value", line, a)
 			}
@@ -158,6 +188,8 @@ func parseRuleLine(line string) (SavedRule, error) {
 				r.Dst = parseDst(args[i+1])
 			case "--to-source":
 				r.ToSource = parseToSource(args[i+1])
+			case "--comment":
+				r.Comment = args[i+1]
 			default:
 				r.Target = args[i+1]
 			}

@@ -367,7 +367,14 @@ func (f *Fake) command(work *Table, line string, n int, withCounters bool, fail 
 	}
 	switch fields[0] {
 	case "-A":
-		target := fields[slices.Index(fields, "-j")+1]
+		at := slices.Index(fields, "-j")
+		if at < 0 {
+			at = slices.Index(fields, "-g")
+		}
+		if at < 0 || at+1 == len(fields) {
+			return fail("rule without a target")
+		}
+		target := fields[at+1]
 		if !slices.Contains(builtinTargets, target) && !work.Has(target) {
 			return fail(fmt.Sprintf("Couldn't load target `%s'", target))
 		}
@@ -385,7 +392,7 @@ func (f *Fake) command(work *Table, line string, n int, withCounters bool, fail 
 	case "-X":
 		for c, rules := range work.Rules {
 			for _, r := range rules {
-				if strings.HasSuffix(r.Text, "-j "+chain) && c != chain {
+				if (strings.HasSuffix(r.Text, "-j "+chain) || strings.HasSuffix(r.Text, "-g "+chain)) && c != chain {
 					return fmt.Errorf("iptables-restore: line %d failed: Directory not empty.", n)
 				}
 			}
