@@ -177,11 +177,19 @@ func installed(ctx context.Context, t testing.TB, env *Env, mode iptables.Mode, 
 	}
 	var b strings.Builder
 	b.WriteString("# " + tool + "-restore --noflush\n*nat\n")
+	// The source rules' chains, which the main chain goes to, in rule order as render gives
+	// them (iptables-legacy-save sorts chains by name).
+	sources := nat.SourceChains(chain)
 	if nat.HasChain(chain) {
 		b.WriteString(":" + chain + " - [0:0]\n")
 	}
-	for _, r := range nat.ChainRules(chain) {
-		b.WriteString(r.Text() + "\n")
+	for _, c := range sources {
+		b.WriteString(":" + c + " - [0:0]\n")
+	}
+	for _, c := range append([]string{chain}, sources...) {
+		for _, r := range nat.ChainRules(c) {
+			b.WriteString(r.Text() + "\n")
+		}
 	}
 	for _, r := range jumps {
 		b.WriteString(r.Text() + "\n")

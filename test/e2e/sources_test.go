@@ -14,10 +14,13 @@ var sourceRulesConfig = keepPodsConfig + `sourceRules:
 - name: keep-public
   cidrs: [10.244.2.0/24, fd00:10:244:2::/64]
   nonMasqueradeCIDRs: [10.0.0.0/8, 8.8.8.0/24, ` + PodNet6.String() + `, 2001:4860::/32]
-- name: second-address
+` + secondAddressRule
+
+// secondAddressRule is sourceRulesConfig's second rule.
+const secondAddressRule = `- name: second-address
   cidrs: [10.244.3.0/24, fd00:10:244:3::/64]
-  masqueradeAddress: ` + NodeAlt4.String() + `
-  masqueradeAddressIPv6: ` + NodeAlt6.String() + `
+  masqueradeAddress: 10.99.0.11
+  masqueradeAddressIPv6: 2001:db8:99::11
 `
 
 // TestSourceRules, on every backend: three pods send to the same destinations, and each leaves
@@ -69,6 +72,7 @@ func TestSourceRules(t *testing.T) {
 			}
 		}
 		check("source rules", false)
+		b.Verify(ctx, t, env)
 		// Established connections of every pod, to see that they keep their verdicts.
 		for i, p := range pods {
 			for f, dst := range []netip.Addr{public4, public6} {
@@ -85,18 +89,16 @@ func TestSourceRules(t *testing.T) {
 		}
 
 		applied := ag.Count("policy applied")
-		if err := env.Config.Write(keepPodsConfig + `sourceRules:
-- name: second-address
-  cidrs: [10.244.3.0/24, fd00:10:244:3::/64]
-  masqueradeAddress: ` + NodeAlt4.String() + `
-  masqueradeAddressIPv6: ` + NodeAlt6.String() + `
-`); err != nil {
+		after := keepPodsConfig + "sourceRules:\n" + secondAddressRule
+		if err := env.Config.Write(after); err != nil {
 			t.Fatal(err)
 		}
 		if err := ag.WaitLog(ctx, applied+1, "policy applied"); err != nil {
 			t.Fatal(err)
 		}
+		env.SetGood(after, false)
 		check("the second pod's rule removed", true)
+		b.Verify(ctx, t, env)
 		for i, p := range pods {
 			for f := range p.persistent {
 				if src, err := p.persistent[f].Exchange(fmt.Sprintf("pod%d-after", i+1)); err != nil || src.Addr() != p.want[f] {
