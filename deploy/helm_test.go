@@ -475,6 +475,8 @@ func TestChartRefusesBadValues(t *testing.T) {
 		// Without node statuses the controller would see no node, and release every generation
 		// to all at once.
 		{"configSource: crd", "needs nodeStatus.enabled"},
+		// From a file the agent rejects a configuration whose rules select by labels.
+		{"config: 'sourceRules: [{name: a, cidrs: [10.1.0.0/16]}, {name: batch, podSelector: {}}]'", "source rule batch selects pods by labels"},
 	} {
 		var values map[string]any
 		if err := yaml.Unmarshal([]byte(tt.values), &values); err != nil {
@@ -482,6 +484,37 @@ func TestChartRefusesBadValues(t *testing.T) {
 		}
 		if _, _, err := helmTemplate(t, values); err == nil || !strings.Contains(err.Error(), tt.want) {
 			t.Errorf("%s: %v, want an error naming %s", tt.values, err, tt.want)
+		}
+	}
+}
+
+// Source rules are the agent's to judge: the chart renders them as written, those of cidrs from
+// any source, those of selectors where the agent reads the API server.
+func TestChartTakesSourceRules(t *testing.T) {
+	for _, values := range []string{
+		"config: 'sourceRules: [{name: pool-b, cidrs: [10.244.128.0/17], masqOutBound: false}]'",
+		"{configSource: configmap, config: 'sourceRules: [{name: batch, podSelector: {matchLabels: {workload: batch}}}]'}",
+		// Null selectors are absent ones, to the agent too.
+		"config: 'sourceRules: [{name: a, cidrs: [10.1.0.0/16], podSelector: null}]'",
+		// Not YAML the chart reads: the agent says what is wrong.
+		"config: 'sourceRules: {name: a}'",
+	} {
+		var v map[string]any
+		if err := yaml.Unmarshal([]byte(values), &v); err != nil {
+			t.Fatal(err)
+		}
+		r, _, err := helmTemplate(t, v)
+		if err != nil {
+			t.Errorf("%s: %v", values, err)
+			continue
+		}
+		cm, ok := r["ConfigMap kube-system/ip-masq-agent"]
+		if !ok {
+			t.Errorf("%s: no ConfigMap ip-masq-agent among %v", values, slices.Sorted(maps.Keys(r)))
+			continue
+		}
+		if got, want := at(cm, "data", "config"), v["config"].(string)+"\n"; got != want {
+			t.Errorf("%s: config %q, want %q", values, got, want)
 		}
 	}
 }
