@@ -263,6 +263,8 @@ func TestRBACIsLeast(t *testing.T) {
 		"rbac/metrics/clusterrole.yaml": {rule([]string{"authentication.k8s.io"}, []string{"tokenreviews"}, nil, []string{"create"}),
 			rule([]string{"authorization.k8s.io"}, []string{"subjectaccessreviews"}, nil, []string{"create"})},
 		"rbac/metrics/reader.yaml": {{NonResourceURLs: []string{"/metrics"}, Verbs: []string{"get"}}},
+		// Source rules' selectors: the node's pods (RBAC cannot say which node) and namespaces.
+		"rbac/pods/clusterrole.yaml": {rule([]string{""}, []string{"pods", "namespaces"}, nil, []string{"list", "watch"})},
 		// The rollout controller reads the object and writes its status, and reads the nodes'.
 		"rbac/rollout/clusterrole.yaml": {
 			rule([]string{kube.Group}, []string{kube.Configs.Plural}, []string{kube.DefaultConfigName}, []string{"get", "list", "watch", "patch"}),
