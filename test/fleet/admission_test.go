@@ -78,7 +78,8 @@ func configMapManifest(doc string) []byte {
 // configurations that the policies judge, with the agent's own message, and admits the others;
 // an IPMasqAgentConfig of the same keys likewise. Differentially, over configurations made at
 // random: whatever a policy refuses the agent rejects, in the agent's words; and a bad entry at
-// the end of 10k CIDRs is refused too.
+// the end of 10k CIDRs is refused too. Source rules: each malformed rule refused (by the policy
+// or the CRD's schema), good ones admitted, random specs of rules refused only as the agent says.
 func TestAdmissionRefusesBadConfigs(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
