@@ -2,6 +2,7 @@ package deploy
 
 import (
 	"encoding/json"
+	"fmt"
 	"reflect"
 	"regexp"
 	"slices"
@@ -11,6 +12,7 @@ import (
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
@@ -46,11 +48,33 @@ func TestAdmissionPoliciesKnowTheKeys(t *testing.T) {
 		if !slices.Equal(got, keyNames()) {
 			t.Errorf("%s knows %q, the agent %q", path, got, keyNames())
 		}
+		// What a source rule takes, where the policy reads rules.
+		if i := slices.IndexFunc(p.Spec.Variables, func(v admissionregistrationv1.Variable) bool { return v.Name == "ruleKnown" }); i >= 0 {
+			var got []string
+			for _, m := range quoted.FindAllStringSubmatch(p.Spec.Variables[i].Expression, -1) {
+				got = append(got, m[1])
+			}
+			if want := ruleFields(); !slices.Equal(got, want) {
+				t.Errorf("%s: a rule takes %q, the agent's %q", path, got, want)
+			}
+		} else if path == "admission/ipmasqagentconfig.yaml" {
+			t.Errorf("%s: no variable ruleKnown", path)
+		}
 		if p.Spec.FailurePolicy == nil || *p.Spec.FailurePolicy != admissionregistrationv1.Ignore {
 			t.Errorf("%s: failurePolicy %v, want Ignore: the agent judges what the policy cannot", path, p.Spec.FailurePolicy)
 		}
 	}
 }
+
+// ruleFields are what a source rule takes, in the agent's order: its name and sources (as
+// pkg/config names them in its messages), then the keys it may set.
+func ruleFields() []string {
+	return append([]string{"name", "cidrs", "namespaceSelector", "podSelector"}, config.RuleKeys...)
+}
+
+// keyTypes are the schema types of the kinds of Key.Type.
+var keyTypes = map[string]string{"list of CIDRs": "array", "list of CIDRs or `{cidr, address}`": "array", "bool": "boolean",
+	"int": "integer", "duration": "string", "address": "string", "list of source rules": "array"}
 
 // The IPMasqAgentConfig's schema has a property for each key, of the key's type, and keeps
 // unknown keys for the policy and the agent to refuse by name.
@@ -63,20 +87,88 @@ func TestConfigCRDIsTheKeys(t *testing.T) {
 	if spec.XPreserveUnknownFields == nil || !*spec.XPreserveUnknownFields {
 		t.Error("spec drops unknown keys: the agent would never see a misspelt one")
 	}
-	types := map[string]string{"list of CIDRs": "array", "list of CIDRs or `{cidr, address}`": "array", "bool": "boolean",
-		"int": "integer", "duration": "string", "address": "string"}
 	for _, k := range config.Keys {
 		prop, ok := spec.Properties[k.Name]
 		if !ok {
 			t.Errorf("no property %s", k.Name)
 			continue
 		}
-		if want := types[k.Type()]; prop.Type != want {
+		if want := keyTypes[k.Type()]; prop.Type != want {
 			t.Errorf("%s is of type %q, a %s wants %q", k.Name, prop.Type, k.Type(), want)
 		}
 	}
 	if len(spec.Properties) != len(config.Keys) {
 		t.Errorf("%d properties for %d keys", len(spec.Properties), len(config.Keys))
+	}
+}
+
+// A source rule's schema has its name and sources, and each key it may set as the global key's
+// schema has it; it refuses what the agent refuses of a name and of the list's length, keeps
+// the list's order whole (the first matching rule decides), and keeps unknown fields in a rule
+// and its selectors (a pruned one would change what the rule selects) for the policy and the
+// agent to refuse by name.
+func TestConfigCRDSourceRules(t *testing.T) {
+	crd := one[*apiextensionsv1.CustomResourceDefinition](t, manifests(t), "crds/ipmasqagentconfigs.yaml")
+	spec := crd.Spec.Versions[0].Schema.OpenAPIV3Schema.Properties["spec"]
+	list := spec.Properties[config.KeySourceRules]
+	if list.MaxItems == nil || *list.MaxItems != config.MaxSourceRules {
+		t.Errorf("sourceRules: maxItems %v, the agent takes %d", list.MaxItems, config.MaxSourceRules)
+	}
+	if list.XListType == nil || *list.XListType != "atomic" {
+		t.Errorf("sourceRules: list type %v, want atomic: a merge must not reorder the rules", list.XListType)
+	}
+	if list.Items == nil || list.Items.Schema == nil {
+		t.Fatal("sourceRules: no schema of a rule")
+	}
+	rule := *list.Items.Schema
+	keeps := func(what string, s apiextensionsv1.JSONSchemaProps) {
+		if s.XPreserveUnknownFields == nil || !*s.XPreserveUnknownFields {
+			t.Errorf("%s drops unknown fields: the agent would never see a misspelt one", what)
+		}
+	}
+	keeps("a rule", rule)
+	for _, name := range config.RuleKeys {
+		if !reflect.DeepEqual(rule.Properties[name], spec.Properties[name]) {
+			t.Errorf("a rule's %s is %+v, the global key's %+v", name, rule.Properties[name], spec.Properties[name])
+		}
+	}
+	if len(rule.Properties) != len(ruleFields()) {
+		t.Errorf("a rule has %d properties, the agent's %d", len(rule.Properties), len(ruleFields()))
+	}
+	if !reflect.DeepEqual(rule.Properties["cidrs"], spec.Properties[config.KeyNonMasqueradeCIDRs]) {
+		t.Errorf("a rule's cidrs are %+v, not a list of CIDRs", rule.Properties["cidrs"])
+	}
+	for _, name := range []string{"namespaceSelector", "podSelector"} {
+		sel := rule.Properties[name]
+		keeps(name, sel)
+		exprs := sel.Properties["matchExpressions"]
+		if sel.Properties["matchLabels"].AdditionalProperties == nil || exprs.Items == nil {
+			t.Fatalf("%s is not a label selector: %+v", name, sel)
+		}
+		keeps(name+".matchExpressions[]", *exprs.Items.Schema)
+		var ops []string
+		for _, op := range exprs.Items.Schema.Properties["operator"].Enum {
+			ops = append(ops, strings.Trim(string(op.Raw), `"`))
+		}
+		want := []string{string(metav1.LabelSelectorOpIn), string(metav1.LabelSelectorOpNotIn),
+			string(metav1.LabelSelectorOpExists), string(metav1.LabelSelectorOpDoesNotExist)}
+		if !slices.Equal(ops, want) {
+			t.Errorf("%s's operators %q, a label selector's %q", name, ops, want)
+		}
+	}
+	if !slices.Equal(rule.Required, []string{"name"}) {
+		t.Errorf("a rule requires %q, the agent its name", rule.Required)
+	}
+	// The name's pattern and length are the agent's: it accepts exactly the names the schema does.
+	nameSchema := rule.Properties["name"]
+	pattern := regexp.MustCompile(nameSchema.Pattern)
+	for _, name := range []string{"a", "batch", "partner-a", "0", "a-0", strings.Repeat("a", 40), strings.Repeat("a", 41),
+		"Batch", "-a", "a-", "a_b", "a.b", "", "\u00e9"} {
+		_, err := config.Parse(fmt.Appendf(nil, `{"sourceRules": [{"name": %q, "cidrs": ["10.0.0.0/8"]}]}`, name), config.Options{})
+		schema := pattern.MatchString(name) && int64(len(name)) <= *nameSchema.MaxLength
+		if schema != (err == nil) {
+			t.Errorf("name %q: the schema takes it %v, the agent says %v", name, schema, err)
+		}
 	}
 }
 
@@ -171,6 +263,8 @@ func TestRBACIsLeast(t *testing.T) {
 		"rbac/metrics/clusterrole.yaml": {rule([]string{"authentication.k8s.io"}, []string{"tokenreviews"}, nil, []string{"create"}),
 			rule([]string{"authorization.k8s.io"}, []string{"subjectaccessreviews"}, nil, []string{"create"})},
 		"rbac/metrics/reader.yaml": {{NonResourceURLs: []string{"/metrics"}, Verbs: []string{"get"}}},
+		// Source rules' selectors: the node's pods (RBAC cannot say which node) and namespaces.
+		"rbac/pods/clusterrole.yaml": {rule([]string{""}, []string{"pods", "namespaces"}, nil, []string{"list", "watch"})},
 		// The rollout controller reads the object and writes its status, and reads the nodes'.
 		"rbac/rollout/clusterrole.yaml": {
 			rule([]string{kube.Group}, []string{kube.Configs.Plural}, []string{kube.DefaultConfigName}, []string{"get", "list", "watch", "patch"}),

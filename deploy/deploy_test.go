@@ -467,6 +467,11 @@ func TestConfigMapExamples(t *testing.T) {
 		action policy.Action
 	}
 	M, R := policy.Masquerade, policy.Return
+	// A source rule's verdict: traffic from src to dst.
+	type fromVerdict struct {
+		src, dst string
+		action   policy.Action
+	}
 	examples := map[string]struct {
 		seed     string // config in pkg/iptables/testdata/seeds, "" for the defaults
 		verdicts []verdict
@@ -495,11 +500,26 @@ func TestConfigMapExamples(t *testing.T) {
 		"examples/ipmasqagentconfig-defaults.yaml": {"", []verdict{
 			{"10.1.2.3", R}, {"169.254.169.254", R}, {"8.8.8.8", M},
 		}},
+		// A pod that no rule matches is decided by the defaults (fromSources has the others).
+		"examples/ipmasqagentconfig-source-rules.yaml": {"", []verdict{
+			{"10.1.2.3", R}, {"198.51.100.7", M}, {"8.8.8.8", M},
+		}},
 		"examples/configmap-user.yaml": {"", []verdict{
 			{"100.64.1.1", R}, {"10.10.10.10", M}, // the user's
 			{"10.1.2.3", R}, {"192.168.1.1", R}, {"8.8.8.8", M}, // the platform's
 		}},
 	}
+	// With source rules: the pods the selectors choose (by rule name), and the verdicts of
+	// traffic from them and from the rules' CIDRs. The partner's pods keep their addresses
+	// toward its network, pool B's everywhere.
+	fromSources := map[string]struct {
+		pods map[string][]netip.Addr
+		from []fromVerdict
+	}{"examples/ipmasqagentconfig-source-rules.yaml": {map[string][]netip.Addr{"partner": {netip.MustParseAddr("10.244.1.5")}}, []fromVerdict{
+		{"10.244.1.5", "198.51.100.7", R}, {"10.244.1.5", "10.1.2.3", R}, {"10.244.1.5", "8.8.8.8", M},
+		{"10.244.130.9", "8.8.8.8", R}, {"10.244.130.9", "198.51.100.7", R},
+		{"10.244.1.6", "198.51.100.7", M}, {"10.244.1.6", "8.8.8.8", M}, // in no rule: as the global keys
+	}}}
 	// Where masqueraded traffic leaves from, by example and destination.
 	sources := map[string]map[string]netip.Addr{"examples/configmap-masquerade-address.yaml": {
 		"203.0.113.7": netip.MustParseAddr("10.0.0.11"), // the partner's
@@ -522,12 +542,23 @@ func TestConfigMapExamples(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
+			global := cfg
+			global.SourceRules = nil
 			if platform, ok := mergedWith[path]; ok {
 				cfg = projected(t, one[*corev1.ConfigMap](t, all, platform), cm)
-			} else if _, ok := sources[path]; !ok && !bytes.Equal(cfg.Canonical(), want.Canonical()) {
-				t.Errorf("config %s\nwant     %s", cfg.Canonical(), want.Canonical())
+			} else if _, ok := sources[path]; !ok && !bytes.Equal(global.Canonical(), want.Canonical()) {
+				t.Errorf("config %s\nwant     %s", global.Canonical(), want.Canonical())
 			}
-			p := policy.Compile(cfg, policy.Options{EnableIPv6: true})
+			fs, ok := fromSources[path]
+			if len(cfg.SourceRules) > 0 && !ok {
+				t.Errorf("source rules %v, and no verdict from a source", cfg.SourceRules)
+			}
+			p := policy.Compile(cfg, policy.Options{EnableIPv6: true, Pods: fs.pods})
+			for _, v := range fs.from {
+				if got := p.DecideFrom(netip.MustParseAddr(v.src), netip.MustParseAddr(v.dst)); got.Action != v.action {
+					t.Errorf("from %s to %s: %v, want %v", v.src, v.dst, got.Action, v.action)
+				}
+			}
 			for _, v := range ex.verdicts {
 				if got := p.Decide(netip.MustParseAddr(v.addr)); got.Action != v.action {
 					t.Errorf("%s: %v, want %v", v.addr, got.Action, v.action)

@@ -377,6 +377,11 @@ func TestChartValues(t *testing.T) {
 		// The configuration from the API server, and each node's status: the overlay, RBAC and all.
 		{"config from the API server", "{configSource: configmap, nodeStatus: {enabled: true}}", []string{"configSource", "nodeStatus.enabled"},
 			func(t *testing.T, r, h objects) { maps.Copy(r, kustomize(t, "overlays/api-server")) }},
+		{"pods of source rules", "{configSource: configmap, nodeStatus: {enabled: true}, podSelectors: {enabled: true}}", []string{"podSelectors.enabled"},
+			func(t *testing.T, r, h objects) {
+				maps.Copy(r, kustomize(t, "overlays/api-server"))
+				maps.Copy(r, kustomize(t, "rbac/pods"))
+			}},
 		{"config from an IPMasqAgentConfig", "{configSource: crd, nodeStatus: {enabled: true}}", []string{"configSource", "nodeStatus.enabled"},
 			func(t *testing.T, r, h objects) {
 				clear(r)
@@ -475,6 +480,10 @@ func TestChartRefusesBadValues(t *testing.T) {
 		// Without node statuses the controller would see no node, and release every generation
 		// to all at once.
 		{"configSource: crd", "needs nodeStatus.enabled"},
+		// From a file the agent rejects a configuration whose rules select by labels.
+		{"config: 'sourceRules: [{name: a, cidrs: [10.1.0.0/16]}, {name: batch, podSelector: {}}]'", "source rule batch selects pods by labels, which needs the API server"},
+		{"{configSource: configmap, config: 'sourceRules: [{name: batch, namespaceSelector: {}}]'}", "set podSelectors.enabled=true"},
+		{"podSelectors: {enabled: true}", "podSelectors.enabled needs configSource"},
 	} {
 		var values map[string]any
 		if err := yaml.Unmarshal([]byte(tt.values), &values); err != nil {
@@ -482,6 +491,44 @@ func TestChartRefusesBadValues(t *testing.T) {
 		}
 		if _, _, err := helmTemplate(t, values); err == nil || !strings.Contains(err.Error(), tt.want) {
 			t.Errorf("%s: %v, want an error naming %s", tt.values, err, tt.want)
+		}
+	}
+}
+
+// Source rules are the agent's to judge: the chart renders them as written, those of cidrs from
+// any source, those of selectors where the agent reads the API server.
+func TestChartTakesSourceRules(t *testing.T) {
+	for _, values := range []string{
+		"config: 'sourceRules: [{name: pool-b, cidrs: [10.244.128.0/17], masqOutBound: false}]'",
+		"{configSource: configmap, podSelectors: {enabled: true}, config: 'sourceRules: [{name: batch, podSelector: {matchLabels: {workload: batch}}}]'}",
+		// Null selectors are absent ones, to the agent too.
+		"config: 'sourceRules: [{name: a, cidrs: [10.1.0.0/16], podSelector: null}]'",
+		// Not YAML the chart reads: the agent says what is wrong.
+		"config: 'sourceRules: {name: a}'",
+	} {
+		var v map[string]any
+		if err := yaml.Unmarshal([]byte(values), &v); err != nil {
+			t.Fatal(err)
+		}
+		r, _, err := helmTemplate(t, v)
+		if err != nil {
+			t.Errorf("%s: %v", values, err)
+			continue
+		}
+		cm, ok := r["ConfigMap kube-system/ip-masq-agent"]
+		if !ok {
+			t.Errorf("%s: no ConfigMap ip-masq-agent among %v", values, slices.Sorted(maps.Keys(r)))
+			continue
+		}
+		if got, want := at(cm, "data", "config"), v["config"].(string)+"\n"; got != want {
+			t.Errorf("%s: config %q, want %q", values, got, want)
+		}
+		// The pod watcher follows the node's pods: the agent is told its node.
+		if pods, _ := v["podSelectors"].(map[string]any); pods["enabled"] == true {
+			env, _ := at(r[agentDS], pod("containers", 0, "env")...).([]any)
+			if !slices.ContainsFunc(env, func(e any) bool { return at(e, "name") == "NODE_NAME" }) {
+				t.Errorf("%s: no NODE_NAME among %v", values, env)
+			}
 		}
 	}
 }

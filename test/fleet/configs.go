@@ -30,6 +30,7 @@ func RandomConfigs(seed uint64, n int) []string {
 type gen struct{ r *rand.Rand }
 
 func (g *gen) pick(s ...string) string { return s[g.r.IntN(len(s))] }
+func (g *gen) pick2(s ...[]any) []any  { return s[g.r.IntN(len(s))] }
 func (g *gen) chance(p float64) bool   { return g.r.Float64() < p }
 
 func (g *gen) doc() string {
@@ -95,6 +96,30 @@ func (g *gen) entry(k string) string {
 		return k + ": " + g.pick("10.0.0.11", `"2001:db8::11"`, "bogus", "127.0.0.1", "10.0.0.11/32", "12") + "\n"
 	case config.KeyMasqOutBound, config.KeyMasqOutBoundIPv6, config.KeyMasqLinkLocal, config.KeyMasqLinkLocalIPv6:
 		return k + ": " + g.pick("true", "false", "yes", "off", `"false"`, "1", "maybe", "") + g.comment() + "\n"
+	case config.KeySourceRules:
+		// The ConfigMap policy reads no rules: any, good or bad, in flow or block form.
+		rules := make([]string, 1+g.r.IntN(2))
+		for i := range rules {
+			rules[i] = g.pick("{name: a, cidrs: [10.0.0.0/8]}", "{name: b, podSelector: {matchLabels: {a: b}}, masqOutBound: false}",
+				"{cidrs: [10.0.0.1/8]}", "{name: a, masqOutBund: true}", "{name: c, nonMasqueradeCIDRs: [10.0.0.1/8], cidrs: [10.1.0.0/16]}")
+		}
+		if g.chance(0.5) {
+			return k + ": [" + strings.Join(rules, ", ") + "]" + g.comment() + "\n"
+		}
+		var b strings.Builder
+		b.WriteString(k + ":\n")
+		for _, r := range rules {
+			// A flow mapping's fields as block lines under "- ".
+			fields := strings.Split(strings.TrimSuffix(strings.TrimPrefix(r, "{"), "}"), ", ")
+			for i, f := range fields {
+				if i == 0 {
+					b.WriteString("- " + f + "\n")
+				} else {
+					b.WriteString("  " + f + "\n")
+				}
+			}
+		}
+		return b.String()
 	}
 	return k + ": " + g.pick("1", "true", "10.0.0.0/8", "[10.0.0.0/8]", "") + "\n"
 }
@@ -175,4 +200,112 @@ func (g *gen) cidr(masq bool) string {
 		return "cidr: " + strings.Trim(e, `"'`)
 	}
 	return e
+}
+
+// RandomRuleSpecs returns n IPMasqAgentConfig specs made at random (the same seed and n give
+// the same specs) whose source rules hold every kind of mistake the agent rejects in a rule,
+// and good rules: names missing, bad or repeated; CIDRs with host bits or of IPv6; unknown
+// keys; label selectors with unknown fields, operators without the values they need or with
+// values they take none of, label keys that are no labels; rules without sources. They drive
+// the IPMasqAgentConfig policy's differential test.
+func RandomRuleSpecs(seed uint64, n int) []map[string]any {
+	g := &gen{r: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))}
+	out := make([]map[string]any, n)
+	for i := range out {
+		spec := map[string]any{}
+		if g.chance(0.2) {
+			spec[config.KeyNonMasqueradeCIDRs] = []any{g.pick("10.0.0.0/8", "10.0.0.1/8")}
+		}
+		rules := make([]any, 1+g.r.IntN(3))
+		for j := range rules {
+			rules[j] = g.rule(j)
+		}
+		spec[config.KeySourceRules] = rules
+		out[i] = spec
+	}
+	return out
+}
+
+// rule is the j-th rule of a list: of a name of its own but now and then.
+func (g *gen) rule(j int) map[string]any {
+	r := map[string]any{}
+	switch g.r.IntN(30) {
+	case 0:
+	case 1:
+		r["name"] = g.pick("Batch", "a_b", "-a")
+	case 2, 3:
+		r["name"] = g.pick("a", "batch")
+	default:
+		r["name"] = fmt.Sprintf("%s-%d", g.pick("a", "batch", "partner"), j)
+	}
+	for !g.chance(0.1) && r["cidrs"] == nil && r["namespaceSelector"] == nil && r["podSelector"] == nil {
+		if g.chance(0.6) {
+			r["cidrs"] = g.cidrs()
+		}
+		for _, k := range []string{"namespaceSelector", "podSelector"} {
+			if g.chance(0.35) {
+				r[k] = g.selector()
+			}
+		}
+	}
+	for _, k := range config.RuleKeys {
+		if !g.chance(0.15) {
+			continue
+		}
+		switch k {
+		case config.KeyNonMasqueradeCIDRs:
+			r[k] = g.cidrs()
+		case config.KeyMasqueradeCIDRs:
+			r[k] = []any{g.pick("10.0.0.0/8", "10.0.0.0/8", "10.0.0.1/8"), map[string]any{"cidr": g.pick("10.10.10.10/32", "10.10.10.10/32", "10.10.10.10/8"), "address": "10.0.0.11"}}
+		case config.KeyMasqueradeAddress:
+			r[k] = g.pick("10.0.0.11", "10.0.0.11", "2001:db8::11", "bogus")
+		case config.KeyMasqueradeAddressIPv6:
+			r[k] = g.pick("2001:db8::11", "2001:db8::11", "10.0.0.11")
+		default:
+			r[k] = g.chance(0.5)
+		}
+	}
+	if g.chance(0.05) {
+		r[g.pick("masqOutBund", "cidr", "Name", "podselector", "cidrLimit", "snatTarget", "masqueradeCIDR")] = g.pick("x", "10.0.0.0/8")
+	}
+	return r
+}
+
+func (g *gen) cidrs() []any {
+	out := make([]any, g.r.IntN(3))
+	for i := range out {
+		out[i] = g.pick("10.0.0.0/8", "10.244.8.0/21", "192.168.0.0/16", "10.1.0.0/16", "fd00::/8")
+		if g.chance(0.1) {
+			out[i] = g.pick("10.0.0.1/8", "bogus", "::ffff:10.0.0.0/104", "10.0.0.0/33")
+		}
+	}
+	return out
+}
+
+func (g *gen) selector() map[string]any {
+	s := map[string]any{}
+	if g.chance(0.5) {
+		s["matchLabels"] = map[string]any{g.pick("team", "app.kubernetes.io/name", "tier", "team", "a b"): g.pick("batch", "web", "jobs", "batch", "x y")}
+	}
+	if g.chance(0.6) {
+		exprs := make([]any, 1+g.r.IntN(2))
+		for i := range exprs {
+			e := map[string]any{"key": g.pick("tier", "canary", "example.com/tier", "tier", "a b"), "operator": g.pick("In", "NotIn", "Exists", "DoesNotExist")}
+			switch op := e["operator"].(string); {
+			case g.chance(0.1):
+				e["values"] = g.pick2([]any{"jobs"}, []any{}, []any{"x y"})
+			case op == "In" || op == "NotIn":
+				e["values"] = []any{"jobs", "batch"}
+			}
+			if g.chance(0.05) {
+				e["value"] = []any{"jobs"}
+			}
+			exprs[i] = e
+		}
+		s["matchExpressions"] = exprs
+	}
+	if g.chance(0.05) {
+		s[g.pick("matchLabel", "matchlabels", "labels")] = map[string]any{"a": "b"}
+	}
+	return s
 }

@@ -65,9 +65,9 @@ type fleet struct {
 	nodes []*node
 }
 
-// newFleet starts a control plane, installs the CRDs, the RBAC of deploy/rbac (status and
-// both sources) and the node-status policy, and readies n nodes for backend b. The agents start
-// with start.
+// newFleet starts a control plane, installs the CRDs, the RBAC of deploy/rbac (status, both
+// sources and the pods of source rules) and the node-status policy, and readies n nodes for
+// backend b. The agents start with start.
 func newFleet(ctx context.Context, t *testing.T, b e2e.Backend, n int) *fleet {
 	t.Helper()
 	testutil.RequirePrivileged(t, append([]string{"ip"}, b.Tools...)...)
@@ -77,7 +77,7 @@ func newFleet(ctx context.Context, t *testing.T, b e2e.Backend, n int) *fleet {
 	f := &fleet{cp: cluster.StartControlPlane(t, cluster.Options{}), b: b}
 	applyCRDs(ctx, t, f.cp)
 	for _, path := range []string{"rbac/status/serviceaccount.yaml", "rbac/status/clusterrole.yaml", "rbac/status/nodestatus.yaml",
-		"rbac/configmap/role.yaml", "rbac/crd/clusterrole.yaml"} {
+		"rbac/configmap/role.yaml", "rbac/crd/clusterrole.yaml", "rbac/pods/clusterrole.yaml"} {
 		kubectl(ctx, t, f.cp, "apply", "-f", deployPath(t, path))
 	}
 	for i := range n {
