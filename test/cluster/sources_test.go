@@ -32,6 +32,7 @@ var partnerConfig = agentConfig + `sourceRules:
 func (w *world) sourceSelectors(ctx context.Context, t *testing.T, b backend) {
 	v := w.values(b, w.img)
 	v["configSource"] = "configmap"
+	v["podSelectors"] = map[string]any{"enabled": true}
 	v["config"] = partnerConfig
 	helmInstall(t, w.c, v)
 	waitDaemonSet(ctx, t, w.c, Release)
