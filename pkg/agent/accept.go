@@ -86,9 +86,23 @@ func (a *Agent) reject(ctx context.Context, st *loopState, why trigger, err erro
 
 // accept makes a good configuration the desired one and applies its policy. A change applies
 // only a policy that differs from the one in place; a resync or retry always applies, which
-// heals drift.
+// heals drift. A configuration that selects pods is rejected without Options.Pods, and waits
+// while they are not known yet (the one in force stays).
 func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg config.Config, log *slog.Logger) {
-	p := policy.Compile(cfg, a.opts.PolicyOptions)
+	popts, since, err := a.policyOptions(cfg)
+	switch {
+	case errors.Is(err, errPodsUnknown):
+		a.unavailable(err)
+		log.Info("waiting for the pods the configuration selects; the configuration in force stays until they are known", "error", err)
+		if st.desired != nil && why.reapplies() {
+			_ = a.apply(ctx, st, log, false)
+		}
+		return
+	case err != nil:
+		a.reject(ctx, st, why, err, log, &a.stats.ConfigErrors)
+		return
+	}
+	p := policy.Compile(cfg, popts)
 	changed := st.desired != nil && !p.Equal(st.desired)
 	if !changed && st.desired != nil {
 		// The same policy: hand the backend the object it already knows, so that it can tell a
@@ -96,6 +110,9 @@ func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg conf
 		p = st.desired
 	}
 	if err := a.checkAddresses(ctx, st, p, log); err != nil && p != st.desired {
+		if a.followInForce(st) && !why.reapplies() {
+			_ = a.apply(ctx, st, log, false) // the pods of the policy in force moved meanwhile
+		}
 		a.reject(ctx, st, why, err, log, &a.stats.AddressErrors)
 		return
 	}
@@ -104,7 +121,7 @@ func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg conf
 	a.mu.Lock()
 	a.stats.Rejected, a.stats.RejectedRevision = "", config.Revision{}
 	a.mu.Unlock()
-	if (why == triggerChange || why == triggerAddress) && !st.failing() && p.Equal(st.applied) {
+	if (why == triggerChange || why == triggerAddress || why == triggerPods) && !st.failing() && p.Equal(st.applied) {
 		log.Debug("config unchanged; nothing to apply")
 		// The datapath implements this configuration too (it may differ in settings that do
 		// not reach the datapath, such as resyncInterval): it is the one in force now.
@@ -113,10 +130,16 @@ func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg conf
 		a.reloaded(hash, rev, cfg)
 		return
 	}
-	if changed {
+	switch {
+	case changed && why == triggerPods:
+		log.Info("the pods the configuration selects changed")
+	case changed:
 		log.Info("config changed", "path", a.opts.Source.String())
 	}
 	st.desired, st.desiredHash, st.unhashed, st.desiredRevision, st.desiredConfig = p, "", &cfg, rev, cfg
+	if changed || st.applied == nil {
+		st.podsChanged(since)
+	}
 	_ = a.apply(ctx, st, log, true)
 }
 
