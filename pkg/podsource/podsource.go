@@ -62,6 +62,8 @@ type Watcher struct {
 	changes          *config.Changes
 	// dirty wakes the worker that computes the mapping again after an event.
 	dirty chan struct{}
+	// running counts the informers' goroutines: Watch's channel closes once they have ended.
+	running sync.WaitGroup
 
 	mu sync.Mutex
 	// parent is Watch's context, nil before Watch; the informers run under a child of it while
@@ -161,6 +163,7 @@ func (w *Watcher) Watch(ctx context.Context) (<-chan struct{}, error) {
 				w.mu.Lock()
 				w.stopInformers()
 				w.mu.Unlock()
+				w.running.Wait()
 				return
 			case <-w.dirty:
 				w.recompute()
@@ -249,9 +252,9 @@ func (w *Watcher) startInformers() error {
 	}
 	ctx, stop := context.WithCancel(w.parent)
 	w.stop, w.podInf, w.nsInf, w.synced = stop, pods, nss, false
-	go pods.RunWithContext(ctx)
-	go nss.RunWithContext(ctx)
-	go func() {
+	w.running.Go(func() { pods.RunWithContext(ctx) })
+	w.running.Go(func() { nss.RunWithContext(ctx) })
+	w.running.Go(func() {
 		if !cache.WaitForCacheSync(ctx.Done(), pods.HasSynced, nss.HasSynced) {
 			return
 		}
@@ -262,7 +265,7 @@ func (w *Watcher) startInformers() error {
 		}
 		w.mu.Unlock()
 		w.changed()
-	}()
+	})
 	w.log.Info("the configuration selects pods; watching the node's pods and the namespaces' labels", "rules", len(w.rules))
 	return nil
 }

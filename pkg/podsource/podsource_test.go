@@ -18,6 +18,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/internal/cluster"
 	"github.com/ip-masq-agent/ip-masq-agent/internal/testutil"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/podsource"
 )
 
@@ -53,8 +54,19 @@ type watching struct {
 
 func watch(ctx context.Context, t *testing.T, cp *cluster.ControlPlane, rs []config.SourceRule) *watching {
 	t.Helper()
+	return watchAs(ctx, t, cp, cp.Kubeconfig, rs)
+}
+
+// watchAs is watch through the client of a kubeconfig file.
+func watchAs(ctx context.Context, t *testing.T, cp *cluster.ControlPlane, kubeconfig string, rs []config.SourceRule) *watching {
+	t.Helper()
+	cfg, err := cp.RESTConfig(kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
 	l := &testutil.Buffer{}
-	w, err := podsource.New(cp.Config, podsource.Options{Node: node, Logger: slog.New(slog.NewTextHandler(l, nil))})
+	kube.LogTo(slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelDebug})))
+	w, err := podsource.New(cfg, podsource.Options{Node: node, Logger: slog.New(slog.NewTextHandler(l, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -224,7 +236,7 @@ func TestWatcher(t *testing.T) {
 		write()
 		took, since := w.until(t, what, want, start)
 		latencies = append(latencies, took)
-		t.Logf("%-40s write -> report and mapping %8v (of which event -> mapping %v)", what+":", took.Round(time.Microsecond),
+		t.Logf("%-40s write -> report and mapping %8v (watch event received -> mapping %v)", what+":", took.Round(time.Microsecond),
 			time.Since(since).Round(time.Microsecond))
 		w.quiet(t)
 	}
@@ -312,6 +324,26 @@ func TestWatcher(t *testing.T) {
 		}
 		if !strings.Contains(l, "the API server answers again") {
 			t.Error("the return is not logged")
+		}
+	})
+
+	t.Run("no permission", func(t *testing.T) {
+		nobody, err := cp.UserKubeconfig("nobody")
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := watchAs(ctx, t, cp, nobody, rules(t))
+		if err := testutil.Poll(wait, 50*time.Millisecond, func() error {
+			_, _, err := w.Select(w.rules)
+			if !errors.Is(err, podsource.ErrUnknown) || !strings.Contains(err.Error(), "forbidden") || !strings.Contains(err.Error(), podsource.Permission) {
+				return testutil.NotYet("Select: %v; want ErrUnknown naming the refusal and the permission", err)
+			}
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+		if l := w.log.String(); !strings.Contains(l, "need=") {
+			t.Errorf("the refusal is not logged with the permission:\n%s", l)
 		}
 	})
 
