@@ -22,8 +22,9 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, log *
 		if errors.Is(err, config.ErrUnavailable) {
 			a.unavailable(err)
 		}
-		if st.desired != nil && why.reapplies() {
-			_ = a.apply(ctx, st, log, false) // the drift repair does not wait for the configuration
+		// The drift repair, and the pods of the policy in force, do not wait for the configuration.
+		if st.desired != nil && (why == triggerPods && a.followInForce(st) || why.reapplies()) {
+			_ = a.apply(ctx, st, log, false)
 		}
 	case err != nil:
 		a.reject(ctx, st, why, err, log, &a.stats.ConfigErrors)
@@ -63,8 +64,9 @@ func summary(err error) string {
 
 // reject counts a configuration that does not parse or validate (in count: Stats.ConfigErrors),
 // or names a masquerade address the node lacks (Stats.AddressErrors), and keeps the last good
-// one.
+// one, with the pods its rules select now.
 func (a *Agent) reject(ctx context.Context, st *loopState, why trigger, err error, log *slog.Logger, count *uint64) {
+	moved := a.followInForce(st)
 	a.mu.Lock()
 	*count++
 	a.stats.Rejected, a.stats.RejectedRevision = summary(err), a.revision()
@@ -79,7 +81,7 @@ func (a *Agent) reject(ctx context.Context, st *loopState, why trigger, err erro
 	}
 	log.Error("config rejected; the last good configuration stays in force",
 		"path", a.opts.Source.String(), "error", err)
-	if why.reapplies() {
+	if moved || why.reapplies() {
 		_ = a.apply(ctx, st, log, false) // counted as an apply, not as a reload of this configuration
 	}
 }
@@ -110,9 +112,6 @@ func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg conf
 		p = st.desired
 	}
 	if err := a.checkAddresses(ctx, st, p, log); err != nil && p != st.desired {
-		if a.followInForce(st) && !why.reapplies() {
-			_ = a.apply(ctx, st, log, false) // the pods of the policy in force moved meanwhile
-		}
 		a.reject(ctx, st, why, err, log, &a.stats.AddressErrors)
 		return
 	}

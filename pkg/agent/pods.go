@@ -57,9 +57,10 @@ func noPods(cfg config.Config, why string) error {
 	return errors.Join(errs...)
 }
 
-// followInForce makes Options.Pods follow the rules of the configuration in force again once a
-// newer one, whose rules it followed, was refused; it returns true when the policy in force
-// changed with the pods they choose now (st.desired is that policy then, to apply).
+// followInForce makes Options.Pods follow the rules of the configuration in force (again, when
+// a refused one's were followed) and gives its policy the pods they choose now: a change of
+// them must reach the datapath while the configuration cannot be read, or is refused. It
+// returns true when the policy changed (st.desired is then the one to apply).
 func (a *Agent) followInForce(st *loopState) bool {
 	if a.opts.Pods == nil {
 		return false

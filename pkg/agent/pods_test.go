@@ -171,7 +171,8 @@ func TestSelectorsNeedTheAPIServer(t *testing.T) {
 
 // TestPodsFollowed: a configuration that selects pods waits until they are known (the one in
 // force stays), then applies with their addresses; a change of the pods applies again and is
-// timed from its event; a configuration without selectors makes the source follow nothing.
+// timed from its event, and applies while a bad configuration is at hand; a configuration
+// without selectors makes the source follow nothing.
 func TestPodsFollowed(t *testing.T) {
 	cm := newConfigMap(t)
 	cm.write("resyncInterval: 1h\n")
@@ -218,6 +219,14 @@ func TestPodsFollowed(t *testing.T) {
 		t.Errorf("pod latencies %v; want two, the last at most the %v since the event", lat, bound)
 	}
 	t.Logf("pod event -> policy applied (fake source, datapathtest backend): %v", lat[1])
+
+	// A bad configuration does not hold the pods of the one in force up.
+	cm.write(selecting + "masqOutBound: maybe\n")
+	r.waitStats(t, "the rejection", func(s Stats) bool { return s.ConfigErrors == 1 })
+	pods.set(time.Now(), map[string][]netip.Addr{"batch": {a2}})
+	if got := sourcePods(b.WaitApply(t), "batch"); got != "[10.244.0.11]" {
+		t.Fatalf("with a bad configuration at hand applied batch's pods %s", got)
+	}
 
 	cm.write("resyncInterval: 1h\n")
 	if p := b.WaitApply(t); len(p.Sources) != 0 {
