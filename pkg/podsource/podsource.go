@@ -255,13 +255,15 @@ func (w *Watcher) startInformers() error {
 	w.running.Go(func() { pods.RunWithContext(ctx) })
 	w.running.Go(func() { nss.RunWithContext(ctx) })
 	w.running.Go(func() {
-		if !cache.WaitForCacheSync(ctx.Done(), pods.HasSynced, nss.HasSynced) {
+		// WaitFor, unlike WaitForCacheSync, does not poll (every 100 ms): the first apply waits
+		// for this.
+		if !cache.WaitFor(ctx, "", pods.HasSyncedChecker(), nss.HasSyncedChecker()) {
 			return
 		}
 		w.mu.Lock()
 		if w.podInf == pods { // not stopped and started again meanwhile
 			w.synced = true
-			w.log.Info("watching the node's pods and the namespaces' labels")
+			w.log.Info("listed the node's pods and the namespaces' labels; following their changes")
 		}
 		w.mu.Unlock()
 		w.changed()
