@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -21,6 +22,13 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/podsource"
 )
+
+// TestMain quiets client-go's own logs (klog, global: set before any informer runs), which
+// the watcher's say again.
+func TestMain(m *testing.M) {
+	kube.LogTo(slog.New(slog.DiscardHandler))
+	os.Exit(m.Run())
+}
 
 // wait bounds each wait for a change: a watch event arrives in milliseconds; the bound is for
 // the API server's restart and the informers' backoff after it.
@@ -65,7 +73,6 @@ func watchAs(ctx context.Context, t *testing.T, cp *cluster.ControlPlane, kubeco
 		t.Fatal(err)
 	}
 	l := &testutil.Buffer{}
-	kube.LogTo(slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelDebug})))
 	w, err := podsource.New(cfg, podsource.Options{Node: node, Logger: slog.New(slog.NewTextHandler(l, nil))})
 	if err != nil {
 		t.Fatal(err)
