@@ -72,8 +72,7 @@ type Watcher struct {
 	stop   context.CancelFunc
 	podInf cache.SharedIndexInformer
 	nsInf  cache.SharedIndexInformer
-	// rules are the selector rules followed; selectors theirs, converted once.
-	rules     []config.SourceRule
+	// selectors are those of the selector rules followed, converted once.
 	selectors []selector
 	// current is the mapping as last computed for rules; valid once the informers synced.
 	current map[string][]netip.Addr
@@ -179,12 +178,11 @@ func (w *Watcher) Watch(ctx context.Context) (<-chan struct{}, error) {
 // Select returns nil. Until the informers have listed all it returns an error wrapping
 // ErrUnknown.
 func (w *Watcher) Select(rules []config.SourceRule) (map[string][]netip.Addr, time.Time, error) {
-	var sel []config.SourceRule
 	var sels []selector
 	for _, r := range rules {
 		if r.Selects() {
 			ns, pod := r.Selectors()
-			sel, sels = append(sel, r), append(sels, selector{name: r.Name, namespaces: ns, pod: pod})
+			sels = append(sels, selector{name: r.Name, namespaces: ns, pod: pod})
 		}
 	}
 	w.mu.Lock()
@@ -194,15 +192,15 @@ func (w *Watcher) Select(rules []config.SourceRule) (map[string][]netip.Addr, ti
 	}
 	since := w.since
 	w.since = time.Time{}
-	if len(sel) == 0 {
+	if len(sels) == 0 {
 		if w.stop != nil {
 			w.log.Info("no source rule selects pods; stopped watching them")
 		}
 		w.stopInformers()
-		w.rules, w.selectors, w.current = nil, nil, nil
+		w.selectors, w.current = nil, nil
 		return nil, since, nil
 	}
-	w.rules, w.selectors = sel, sels
+	w.selectors = sels
 	if w.stop == nil {
 		if err := w.startInformers(); err != nil {
 			return nil, since, err
@@ -231,6 +229,9 @@ func (w *Watcher) Unreachable() error {
 
 // startInformers starts the informers under a child of the parent context; w.mu is held.
 func (w *Watcher) startInformers() error {
+	if err := w.parent.Err(); err != nil {
+		return fmt.Errorf("pod source stopped: %w", err) // Watch's goroutine waits for the informers
+	}
 	pods := cache.NewSharedIndexInformerWithOptions(w.pods, &corev1.Pod{}, cache.SharedIndexInformerOptions{})
 	nss := cache.NewSharedIndexInformerWithOptions(w.namespaces, &metav1.PartialObjectMetadata{}, cache.SharedIndexInformerOptions{})
 	for _, inf := range []struct {
@@ -268,7 +269,7 @@ func (w *Watcher) startInformers() error {
 		w.mu.Unlock()
 		w.changed()
 	})
-	w.log.Info("the configuration selects pods; watching the node's pods and the namespaces' labels", "rules", len(w.rules))
+	w.log.Info("the configuration selects pods; watching the node's pods and the namespaces' labels", "rules", len(w.selectors))
 	return nil
 }
 
