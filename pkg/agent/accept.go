@@ -22,8 +22,9 @@ func (a *Agent) reconcile(ctx context.Context, st *loopState, why trigger, log *
 		if errors.Is(err, config.ErrUnavailable) {
 			a.unavailable(err)
 		}
-		if st.desired != nil && why.reapplies() {
-			_ = a.apply(ctx, st, log, false) // the drift repair does not wait for the configuration
+		// The drift repair, and the pods of the policy in force, do not wait for the configuration.
+		if st.desired != nil && (why == triggerPods && a.followInForce(st) || why.reapplies()) {
+			_ = a.apply(ctx, st, log, false)
 		}
 	case err != nil:
 		a.reject(ctx, st, why, err, log, &a.stats.ConfigErrors)
@@ -63,8 +64,9 @@ func summary(err error) string {
 
 // reject counts a configuration that does not parse or validate (in count: Stats.ConfigErrors),
 // or names a masquerade address the node lacks (Stats.AddressErrors), and keeps the last good
-// one.
+// one, with the pods its rules select now.
 func (a *Agent) reject(ctx context.Context, st *loopState, why trigger, err error, log *slog.Logger, count *uint64) {
+	moved := a.followInForce(st)
 	a.mu.Lock()
 	*count++
 	a.stats.Rejected, a.stats.RejectedRevision = summary(err), a.revision()
@@ -79,16 +81,30 @@ func (a *Agent) reject(ctx context.Context, st *loopState, why trigger, err erro
 	}
 	log.Error("config rejected; the last good configuration stays in force",
 		"path", a.opts.Source.String(), "error", err)
-	if why.reapplies() {
+	if moved || why.reapplies() {
 		_ = a.apply(ctx, st, log, false) // counted as an apply, not as a reload of this configuration
 	}
 }
 
 // accept makes a good configuration the desired one and applies its policy. A change applies
 // only a policy that differs from the one in place; a resync or retry always applies, which
-// heals drift.
+// heals drift. A configuration that selects pods is rejected without Options.Pods, and waits
+// while they are not known yet (the one in force stays).
 func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg config.Config, log *slog.Logger) {
-	p := policy.Compile(cfg, a.opts.PolicyOptions)
+	popts, since, err := a.policyOptions(cfg)
+	switch {
+	case errors.Is(err, errPodsUnknown):
+		a.unavailable(err)
+		log.Info("waiting for the pods the configuration selects; the configuration in force stays until they are known", "error", err)
+		if st.desired != nil && why.reapplies() {
+			_ = a.apply(ctx, st, log, false)
+		}
+		return
+	case err != nil:
+		a.reject(ctx, st, why, err, log, &a.stats.ConfigErrors)
+		return
+	}
+	p := policy.Compile(cfg, popts)
 	changed := st.desired != nil && !p.Equal(st.desired)
 	if !changed && st.desired != nil {
 		// The same policy: hand the backend the object it already knows, so that it can tell a
@@ -104,7 +120,7 @@ func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg conf
 	a.mu.Lock()
 	a.stats.Rejected, a.stats.RejectedRevision = "", config.Revision{}
 	a.mu.Unlock()
-	if (why == triggerChange || why == triggerAddress) && !st.failing() && p.Equal(st.applied) {
+	if (why == triggerChange || why == triggerAddress || why == triggerPods) && !st.failing() && p.Equal(st.applied) {
 		log.Debug("config unchanged; nothing to apply")
 		// The datapath implements this configuration too (it may differ in settings that do
 		// not reach the datapath, such as resyncInterval): it is the one in force now.
@@ -113,10 +129,16 @@ func (a *Agent) accept(ctx context.Context, st *loopState, why trigger, cfg conf
 		a.reloaded(hash, rev, cfg)
 		return
 	}
-	if changed {
+	switch {
+	case changed && why == triggerPods:
+		log.Info("the pods the configuration selects changed")
+	case changed:
 		log.Info("config changed", "path", a.opts.Source.String())
 	}
 	st.desired, st.desiredHash, st.unhashed, st.desiredRevision, st.desiredConfig = p, "", &cfg, rev, cfg
+	if changed || st.applied == nil {
+		st.podsChanged(since)
+	}
 	_ = a.apply(ctx, st, log, true)
 }
 

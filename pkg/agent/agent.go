@@ -13,6 +13,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"net/netip"
 	"sync"
 	"time"
 
@@ -63,6 +64,28 @@ type Options struct {
 	// node lacks is rejected as a bad one is, and the policy in force keeps its address when it
 	// goes away (the last good state) while /readyz fails and Stats.MissingAddresses says so.
 	Addresses AddressChecker
+	// Pods, when set, tells which of the node's pods the selector rules of a configuration
+	// choose (config.SourceRule.Selects): their addresses reach the policy, and a change of
+	// them makes the loop load the configuration and apply, as an address change does. It
+	// follows the rules of the configuration being applied, and of none when it has none. While
+	// it cannot tell yet, such a configuration waits and the one in force stays. Without Pods
+	// a configuration whose rules select pods is rejected, with NoPods as the hint.
+	Pods PodSource
+	// NoPods says why there is no Pods and how to run the agent with it, for that rejection.
+	NoPods string
+}
+
+// PodSource tells which of the node's pods selector rules choose (pkg/podsource).
+type PodSource interface {
+	// Watch starts the source; the channel receives a value whenever the pods the rules of the
+	// last Select choose changed, and once they are first known, and is closed once the source
+	// has stopped, after ctx is done. Watch is called once, before Select.
+	Watch(ctx context.Context) (<-chan struct{}, error)
+	// Select makes the selector rules among rules the ones followed (none: follow nothing)
+	// and returns, by rule name, the addresses of the pods each chooses now, and when the
+	// first event that changed them since the last Select arrived (zero for none). It returns an
+	// error while it cannot tell yet; the channel reports when it can.
+	Select(rules []config.SourceRule) (map[string][]netip.Addr, time.Time, error)
 }
 
 // AddressChecker tells whether the masquerade addresses of a policy are the node's own
@@ -83,6 +106,13 @@ type Observer interface {
 	// ObserveApply follows every apply of the policy, except one cut short by a shutdown: how
 	// long it took, and its error (nil when it succeeded).
 	ObserveApply(took time.Duration, err error)
+}
+
+// PodsObserver, when the Observer implements it, is told how long each change of the pods the
+// selector rules choose took to reach the datapath: from the event of the API server's watch
+// that changed them to the end of the apply that put them in place.
+type PodsObserver interface {
+	ObservePodsApplied(took time.Duration)
 }
 
 // Agent is the daemon. Create it with New, add handlers to Mux if needed, then Run it.

@@ -46,6 +46,7 @@ func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger, relo
 	}
 	log.Log(ctx, level, "policy applied", "ipv4Rules", len(p.IPv4), "ipv6Rules", len(p.IPv6),
 		"ipv6", p.Enabled(policy.IPv6), "took", took)
+	a.podsApplied(st, log)
 	if len(st.drift) > 0 {
 		a.settleDrift(ctx, st, log)
 	}

@@ -70,6 +70,8 @@ const (
 	// triggerAddress: the uplinks' addresses changed while the configuration names
 	// masquerade addresses.
 	triggerAddress trigger = "address-change"
+	// triggerPods: the pods the configuration's selector rules choose changed (Options.Pods).
+	triggerPods trigger = "pods-change"
 )
 
 // reapplies tells whether the trigger applies the last good policy again whatever the
@@ -108,6 +110,9 @@ type loopState struct {
 	// addresses tells that the configuration the last reload found, or the one in force, names
 	// masquerade addresses: only then does a change of the uplinks' addresses call for a reload.
 	addresses bool
+	// podsSince is when the event arrived that changed the selected pods of the desired policy,
+	// zero once that policy is applied (or none changed).
+	podsSince time.Time
 	// The timers of the resync and of the retry of a failed apply.
 	resyncTimer, retryTimer *time.Timer
 }
@@ -123,9 +128,22 @@ func (a *Agent) loop(ctx context.Context) error {
 		stopWatching()
 		return err
 	}
+	var pods <-chan struct{}
+	if a.opts.Pods != nil {
+		if pods, err = a.opts.Pods.Watch(watchCtx); err != nil {
+			stopWatching()
+			for range changes {
+			}
+			return err
+		}
+	}
 	defer func() {
 		stopWatching()
 		for range changes { // closed once the source has stopped
+		}
+		if pods != nil {
+			for range pods {
+			}
 		}
 	}()
 	st := &loopState{resync: config.Default(config.Options{}).ResyncInterval,
@@ -139,7 +157,7 @@ func (a *Agent) loop(ctx context.Context) error {
 		defer t.Stop()
 		driftTick = t.C
 	}
-	w := waiter{changes: changes, events: a.opts.Changes, driftTick: driftTick}
+	w := waiter{changes: changes, events: a.opts.Changes, driftTick: driftTick, pods: pods}
 	if a.opts.Addresses != nil {
 		w.addrs = a.opts.Addresses.Changes()
 	}
@@ -180,6 +198,7 @@ type waiter struct {
 	events    <-chan string
 	driftTick <-chan time.Time
 	addrs     <-chan string
+	pods      <-chan struct{}
 }
 
 // next waits for the next trigger; it returns false once ctx is done.
@@ -220,6 +239,12 @@ func (a *Agent) next(ctx context.Context, st *loopState, w *waiter, log *slog.Lo
 			}
 			log.Info("the uplinks' addresses changed; checking the masquerade addresses again", "event", why)
 			return triggerAddress, true
+		case _, ok := <-w.pods:
+			if !ok {
+				w.pods = nil
+				continue
+			}
+			return triggerPods, true
 		}
 	}
 }

@@ -170,8 +170,15 @@ func watchNodeAddresses(ctx context.Context, interfaces []string, log *slog.Logg
 // publishes, its endpoint with the metrics, and the configuration it applied (on the lock).
 func (af *agentFlags) serve(ctx context.Context, dp *backends.Chosen, src config.Source, popts policy.Options, addrs *nodeaddr.Checker, lock *nodelock.Lock, log *slog.Logger) error {
 	obs := metrics.NewObserver()
-	a, err := agent.New(agent.Options{Source: src, PolicyOptions: popts, Backend: dp.Backend, Logger: log,
-		Observer: obs, Changes: dp.Changes, Displace: dp.Displace, DriftInterval: af.driftInterval, Addresses: addrs})
+	opts := agent.Options{Source: src, PolicyOptions: popts, Backend: dp.Backend, Logger: log,
+		Observer: obs, Changes: dp.Changes, Displace: dp.Displace, DriftInterval: af.driftInterval, Addresses: addrs}
+	// A nil *podsource.Watcher must not become a non-nil agent.PodSource.
+	if pods, why := af.pods(af.nodeName, log); pods != nil {
+		opts.Pods = pods
+	} else {
+		opts.NoPods = why
+	}
+	a, err := agent.New(opts)
 	if err != nil {
 		return err
 	}

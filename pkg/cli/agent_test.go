@@ -1,7 +1,9 @@
 package cli
 
 import (
+	"log/slog"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -72,6 +74,43 @@ func TestParseGeneration(t *testing.T) {
 		var got int64 = -1
 		if err := parseGeneration(s, &got); err != nil || got != want {
 			t.Errorf("parseGeneration(%q) = %d, %v; want %d", s, got, err, want)
+		}
+	}
+}
+
+// Source rules that select pods need the node's name and a client of the API server; without
+// either the agent runs, and says which is missing when a configuration selects pods.
+func TestPodsNeedNodeAndClient(t *testing.T) {
+	t.Setenv("KUBERNETES_SERVICE_HOST", "") // not in a pod, whatever runs the tests
+	kubeconfig := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := os.WriteFile(kubeconfig, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://192.0.2.1:6443"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: c, context: {cluster: c, user: u}}]
+current-context: c
+`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	missing := filepath.Join(t.TempDir(), "missing")
+	log := slog.New(slog.DiscardHandler)
+	for _, tc := range []struct {
+		node, kubeconfig string
+		wantWhy          string // empty: a watcher
+	}{
+		{"", kubeconfig, "no --node-name, and NODE_NAME is not set"},
+		{"node-a", "", "no --kubeconfig, and not in a pod with a service account"},
+		{"node-a", missing, "kubeconfig " + missing},
+		{"node-a", kubeconfig, ""},
+	} {
+		f := &sourceFlags{kubeconfig: tc.kubeconfig}
+		w, why := f.pods(tc.node, log)
+		switch {
+		case tc.wantWhy == "" && (w == nil || why != ""):
+			t.Errorf("node %q, kubeconfig %q: no watcher: %s", tc.node, tc.kubeconfig, why)
+		case tc.wantWhy != "" && (w != nil || !strings.HasPrefix(why, "run the agent with --config-source=configmap or crd") ||
+			!strings.Contains(why, tc.wantWhy)):
+			t.Errorf("node %q, kubeconfig %q: watcher %v, %q; want none because %q", tc.node, tc.kubeconfig, w != nil, why, tc.wantWhy)
 		}
 	}
 }

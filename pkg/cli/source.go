@@ -12,6 +12,7 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/configwatch"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/kube"
+	"github.com/ip-masq-agent/ip-masq-agent/pkg/podsource"
 )
 
 // sourceFile is the --config-source of the mounted file (or directory), the default.
@@ -71,4 +72,24 @@ func (f *sourceFlags) open(path string, copts config.Options, node string, log *
 		return nil, fmt.Errorf("config-source %s: %w", f.source, err)
 	}
 	return apisource.New(cfg, obj, apisource.Options{Config: copts, Node: node, Logger: log})
+}
+
+// pods returns the watcher of the node's pods that source rules with selectors need, or, when
+// the agent cannot reach the API server, nil and why (with how to run it so that it can): the
+// agent then rejects a configuration that selects pods. It needs the node's name and a client:
+// --kubeconfig, or the pod's service account, as --config-source=configmap or crd does.
+func (f *sourceFlags) pods(node string, log *slog.Logger) (*podsource.Watcher, string) {
+	const how = "run the agent with --config-source=configmap or crd (or --kubeconfig), with --node-name or $NODE_NAME set"
+	if node == "" {
+		return nil, how + ": no --node-name, and NODE_NAME is not set"
+	}
+	cfg, err := f.restConfig(log)
+	if err != nil {
+		return nil, how + ": " + err.Error()
+	}
+	w, err := podsource.New(cfg, podsource.Options{Node: node, Logger: log})
+	if err != nil {
+		return nil, how + ": " + err.Error()
+	}
+	return w, ""
 }

@@ -26,8 +26,8 @@ type statusFlags struct {
 func (f *statusFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&f.nodeStatus, "node-status", false, "publish what the agent applied in the status of the node's "+kube.Nodes.Kind+
 		" (kubectl get "+kube.Nodes.Plural+"), through the API server of --kubeconfig")
-	fs.StringVar(&f.nodeName, "node-name", os.Getenv("NODE_NAME"), "the node's name, for --node-status, and its place in the waves of an "+
-		kube.Configs.Kind+"'s rollout (default $NODE_NAME)")
+	fs.StringVar(&f.nodeName, "node-name", os.Getenv("NODE_NAME"), "the node's name, for --node-status, its place in the waves of an "+
+		kube.Configs.Kind+"'s rollout, and its pods, which source rules with selectors choose (default $NODE_NAME)")
 	fs.DurationVar(&f.delay, "node-status-delay", nodestatus.DefaultDelay, "the most a status change waits before it is written, "+
 		"and the least time between two writes: a change of every node at once reaches the API server spread over it")
 	fs.DurationVar(&f.heartbeat, "node-status-heartbeat", nodestatus.DefaultHeartbeat, "how often the status is written when "+
