@@ -50,8 +50,7 @@ func noPods(cfg config.Config, why string) error {
 		if sel == nil {
 			field, sel = "podSelector", r.PodSelector
 		}
-		// The key as config.FieldError names a rule's fields: sourceRules[i](name).field.
-		errs = append(errs, &config.FieldError{Key: fmt.Sprintf("%s[%d](%s).%s", config.KeySourceRules, i, r.Name, field), Index: -1,
+		errs = append(errs, &config.FieldError{Key: config.RuleLabel(i, r.Name) + "." + field, Index: -1,
 			Value: metav1.FormatLabelSelector(sel), Problem: "selects pods, which needs the API server", Hint: why})
 	}
 	return errors.Join(errs...)

@@ -175,8 +175,9 @@ func joinSourceRules(have, got []SourceRule) ([]SourceRule, *conflict) {
 	return out, nil
 }
 
-// ruleLabel names a rule in errors: its position and, once known, its name.
-func ruleLabel(i int, name string) string {
+// RuleLabel names a rule in errors: its position and, once known, its name
+// (sourceRules[2](batch)); a rule's field follows it after a dot.
+func RuleLabel(i int, name string) string {
 	if name == "" {
 		return fmt.Sprintf("%s[%d]", KeySourceRules, i)
 	}
@@ -214,16 +215,16 @@ func decodeSourceRule(i int, item json.RawMessage, opts Options) (SourceRule, er
 	}
 	var errs []error
 	if raw, ok := fields[ruleName]; !ok || string(raw) == "null" {
-		errs = append(errs, &FieldError{Key: ruleLabel(i, ""), Index: -1, Value: display(item), Problem: "a rule without a name",
+		errs = append(errs, &FieldError{Key: RuleLabel(i, ""), Index: -1, Value: display(item), Problem: "a rule without a name",
 			Hint: "name it: name: batch"})
 	} else if err := json.Unmarshal(raw, &r.Name); err != nil {
-		errs = append(errs, &FieldError{Key: ruleLabel(i, "") + "." + ruleName, Index: -1, Value: display(raw), Problem: "must be a string, not " + describeJSON(raw)})
+		errs = append(errs, &FieldError{Key: RuleLabel(i, "") + "." + ruleName, Index: -1, Value: display(raw), Problem: "must be a string, not " + describeJSON(raw)})
 	} else if len(r.Name) > maxRuleName || !dnsLabel.MatchString(r.Name) {
-		errs = append(errs, &FieldError{Key: ruleLabel(i, "") + "." + ruleName, Index: -1, Value: r.Name,
+		errs = append(errs, &FieldError{Key: RuleLabel(i, "") + "." + ruleName, Index: -1, Value: r.Name,
 			Problem: fmt.Sprintf("must be at most %d lower-case letters, digits and '-', starting and ending with a letter or digit", maxRuleName)})
 		r.Name = ""
 	}
-	label := ruleLabel(i, r.Name)
+	label := RuleLabel(i, r.Name)
 	for _, name := range slices.Sorted(maps.Keys(fields)) {
 		raw := fields[name]
 		if string(raw) == "null" {
@@ -304,14 +305,14 @@ func (c Config) validateSourceRules() []error {
 	}
 	for i, r := range c.SourceRules {
 		if j := slices.IndexFunc(c.SourceRules[:i], func(o SourceRule) bool { return o.Name == r.Name }); j >= 0 && r.Name != "" {
-			errs = append(errs, &FieldError{Key: ruleLabel(i, r.Name), Index: -1, Value: r.Name,
-				Problem: fmt.Sprintf("the name of %s too", ruleLabel(j, r.Name)), Hint: "give every rule a name of its own"})
+			errs = append(errs, &FieldError{Key: RuleLabel(i, r.Name), Index: -1, Value: r.Name,
+				Problem: fmt.Sprintf("the name of %s too", RuleLabel(j, r.Name)), Hint: "give every rule a name of its own"})
 		}
 		eff := r.Effective(c)
 		for _, e := range eff.checks() {
 			// The global keys' own errors are reported once, by checks.
 			if fe, ok := errors.AsType[*FieldError](e); ok && r.Sets(fe.Key) {
-				fe.Key = ruleLabel(i, r.Name) + "." + fe.Key
+				fe.Key = RuleLabel(i, r.Name) + "." + fe.Key
 				errs = append(errs, e)
 			}
 		}
