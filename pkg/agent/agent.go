@@ -129,6 +129,8 @@ type Agent struct {
 	addrGone string
 	// inForce is the configuration in force (Stats.ConfigSHA256's), nil before the first.
 	inForce *config.Config
+	// inForcePods are the pods the source rules of the policy in force select (see Applied).
+	inForcePods map[string][]netip.Addr
 }
 
 // New checks the options and returns an agent; it touches neither the configuration nor the

@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"log/slog"
+	"net/netip"
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -32,7 +33,7 @@ func (a *Agent) apply(ctx context.Context, st *loopState, log *slog.Logger, relo
 	a.stats.Applies++
 	a.stats.LastApply = time.Now()
 	a.stats.ConfigSHA256, a.stats.ConfigRevision = hash, st.desiredRevision
-	a.inForce = &cfg
+	a.inForce, a.inForcePods = &cfg, selectedPods(p)
 	if reload {
 		a.stats.Reloads++
 		a.stats.LastReload = a.stats.LastApply
@@ -76,4 +77,18 @@ func (a *Agent) applyFailed(st *loopState, err error, log *slog.Logger, reload b
 	}
 	a.mu.Unlock()
 	log.Error("apply failed; retrying", "error", err, "retryIn", st.backoff)
+}
+
+// selectedPods are the pods a policy's source rules hold by their selectors, by rule name.
+func selectedPods(p *policy.Policy) map[string][]netip.Addr {
+	var out map[string][]netip.Addr
+	for _, s := range p.Sources {
+		if s.Selects {
+			if out == nil {
+				out = map[string][]netip.Addr{}
+			}
+			out[s.Name] = s.Pods
+		}
+	}
+	return out
 }

@@ -90,6 +90,9 @@ type Applied struct {
 	// SHA256 and Revision are Stats.ConfigSHA256 and Stats.ConfigRevision.
 	SHA256   string
 	Revision config.Revision
+	// Pods are the addresses of the node's pods that its source rules select, by rule name, as
+	// the datapath holds them.
+	Pods map[string][]netip.Addr
 }
 
 // Applied returns the configuration in force, ok false before the first is applied.
@@ -99,5 +102,5 @@ func (a *Agent) Applied() (_ Applied, ok bool) {
 	if a.inForce == nil {
 		return Applied{}, false
 	}
-	return Applied{Config: *a.inForce, SHA256: a.stats.ConfigSHA256, Revision: a.stats.ConfigRevision}, true
+	return Applied{Config: *a.inForce, SHA256: a.stats.ConfigSHA256, Revision: a.stats.ConfigRevision, Pods: a.inForcePods}, true
 }

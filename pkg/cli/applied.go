@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/netip"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/agent"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
@@ -36,6 +37,8 @@ type appliedConfig struct {
 	RandomFully     bool            `json:"randomFully"`
 	ToPorts         string          `json:"toPorts,omitempty"`
 	Config          json.RawMessage `json:"config"`
+	// Pods are the node's pods the source rules select, by rule name (agent.Applied.Pods).
+	Pods map[string][]netip.Addr `json:"pods,omitempty"`
 }
 
 // answerConfig makes the node lock answer configQuery with what a applied.
@@ -47,7 +50,7 @@ func answerConfig(lock *nodelock.Lock, a *agent.Agent, source string, pf policyF
 		}
 		return appliedConfig{Source: source, SHA256: ap.SHA256, ResourceVersion: ap.Revision.ResourceVersion,
 			Generation: ap.Revision.Generation, EnableIPv6: pf.enableIPv6, RandomFully: pf.randomFully,
-			ToPorts: pf.toPorts, Config: ap.Config.Canonical()}, nil
+			ToPorts: pf.toPorts, Config: ap.Config.Canonical(), Pods: ap.Pods}, nil
 	})
 }
 
@@ -69,7 +72,8 @@ func (ac appliedConfig) policy() (*policy.Policy, error) {
 	if err != nil {
 		return nil, fmt.Errorf("the running agent's --to-ports: %w", err)
 	}
-	return policy.Compile(cfg, policy.Options{EnableIPv6: ac.EnableIPv6, RandomFully: ac.RandomFully, ToPorts: ports}), nil
+	return policy.Compile(cfg, policy.Options{EnableIPv6: ac.EnableIPv6, RandomFully: ac.RandomFully, ToPorts: ports,
+		Pods: ac.Pods}), nil
 }
 
 // describe is the "config:" line of an answer.
