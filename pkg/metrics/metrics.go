@@ -68,6 +68,7 @@ const (
 	StatusHeartbeat      = Namespace + "_node_status_heartbeat_interval_seconds"
 	AddressMissing       = Namespace + "_masquerade_address_missing"
 	DatapathSyncDuration = Namespace + "_datapath_sync_duration_seconds"
+	SourcePodsApply      = Namespace + "_source_pods_apply_seconds"
 	DatapathSyncErrors   = Namespace + "_datapath_sync_errors_total"
 	DatapathInfo         = Namespace + "_datapath_info"
 	DatapathRefused      = Namespace + "_datapath_refused"
@@ -152,6 +153,7 @@ func Definitions(entries []datapath.Entry) []Definition {
 		{DatapathFallback, "gauge", []string{"backend"}, "1 for each backend that --backend=auto passed over because it cannot run on this node (not because it does not fit), so that a fallback runs; no series otherwise."},
 		{AddressMissing, "gauge", []string{"address"}, "1 for each masquerade address that the configuration in force, or the last one read, names and no uplink of the node has; no series while all are there."},
 		{DatapathSyncDuration, "histogram", nil, "Time to apply the policy to the datapath, failed applies included."},
+		{SourcePodsApply, "histogram", nil, "Time from the API server's watch event that changed the pods a source rule selects (a pod's labels or address, a namespace's labels, a pod come or gone) to the end of the apply that put them in the datapath."},
 		{DatapathSyncErrors, "counter", nil, "Applies of the policy that failed (each is retried)."},
 		{DatapathInfo, "gauge", []string{"backend", "attach_mode"}, "Always 1; the datapath backend and how its programs are attached (none for a backend without programs)."},
 		{DatapathRefused, "gauge", nil, "1 while the backend refuses to take over what is installed on the node (BPF: pinned maps of a layout newer than the agent's, or of one it does not know), which it leaves alone; the agent is then not ready and retries. 0 otherwise."},
@@ -219,10 +221,13 @@ type StatsSource interface {
 // Observer records the agent's applies as they happen (it is an agent.Observer): their
 // durations, failed applies included, in DatapathSyncDuration.
 type Observer struct {
-	syncDuration prometheus.Histogram
+	syncDuration, podsApply prometheus.Histogram
 }
 
-var _ agent.Observer = (*Observer)(nil)
+var (
+	_ agent.Observer     = (*Observer)(nil)
+	_ agent.PodsObserver = (*Observer)(nil)
+)
 
 // syncBuckets are the upper bounds, in seconds, of DatapathSyncDuration's buckets: from a BPF
 // map update (a millisecond) to an iptables-restore of thousands of rules or one that waits for
@@ -232,9 +237,15 @@ var syncBuckets = []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 // NewObserver returns an Observer to give to the agent (agent.Options.Observer) and to the
 // collector (Options.Observer).
 func NewObserver() *Observer {
-	def := definition(DatapathSyncDuration)
+	def, pods := definition(DatapathSyncDuration), definition(SourcePodsApply)
 	return &Observer{syncDuration: prometheus.NewHistogram(prometheus.HistogramOpts{Name: def.Name, Help: def.Help,
-		Buckets: syncBuckets})}
+		Buckets: syncBuckets}),
+		podsApply: prometheus.NewHistogram(prometheus.HistogramOpts{Name: pods.Name, Help: pods.Help, Buckets: syncBuckets})}
+}
+
+// ObservePodsApplied implements agent.PodsObserver.
+func (o *Observer) ObservePodsApplied(took time.Duration) {
+	o.podsApply.Observe(took.Seconds())
 }
 
 // ObserveApply implements agent.Observer.
@@ -298,7 +309,7 @@ func NewCollector(opts Options) *Collector {
 	c := &Collector{opts: opts, log: log.With("component", "metrics"), descs: map[string]*prometheus.Desc{},
 		build: [3]string{version.Version, version.Revision(), runtime.Version()}, rules: newRuleTable(opts.RuleSeries)}
 	for _, d := range Definitions(opts.Entries) {
-		if d.Name != DatapathSyncDuration { // the Observer's own
+		if d.Name != DatapathSyncDuration && d.Name != SourcePodsApply { // the Observer's own
 			c.descs[d.Name] = prometheus.NewDesc(d.Name, d.Help, d.Labels, nil)
 		}
 	}
@@ -312,6 +323,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	}
 	if c.opts.Observer != nil {
 		c.opts.Observer.syncDuration.Describe(ch)
+		c.opts.Observer.podsApply.Describe(ch)
 	}
 }
 
@@ -331,6 +343,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	if c.opts.Observer != nil {
 		c.opts.Observer.syncDuration.Collect(ch)
+		c.opts.Observer.podsApply.Collect(ch)
 	}
 	c.collectReads(ch, gauge, counter)
 }

@@ -4,6 +4,7 @@ import (
 	"net/netip"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -178,5 +179,18 @@ func TestSourceRuleSeries(t *testing.T) {
 	}
 	if n := testutil.CollectAndCount(c, RulePackets); n != 4 {
 		t.Errorf("%d rule series, want 4: the same CIDR in two lists is two rules", n)
+	}
+}
+
+// The time each change of the selected pods took to reach the datapath is a histogram of the
+// agent's Observer.
+func TestSourcePodsApply(t *testing.T) {
+	obs := NewObserver()
+	obs.ObservePodsApplied(time.Second / 256)
+	obs.ObservePodsApplied(time.Second / 32)
+	fams := scrape(t, newRegistryOf(t, NewCollector(Options{Backend: &datapathtest.Backend{}, Observer: obs})))
+	h := fams[SourcePodsApply].GetMetric()
+	if len(h) != 1 || h[0].GetHistogram().GetSampleCount() != 2 || h[0].GetHistogram().GetSampleSum() != 0.03515625 || h[0].GetHistogram().GetBucket()[2].GetCumulativeCount() != 1 {
+		t.Errorf("%s: %v, want 2 samples of 1/256 s (le=0.005) and 1/32 s", SourcePodsApply, h)
 	}
 }
