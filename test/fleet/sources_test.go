@@ -49,6 +49,11 @@ func TestSourceSelectors(t *testing.T) {
 				metav1.CreateOptions{}); err != nil {
 				t.Fatal(err)
 			}
+			// No controller manager makes it here; the service account admission wants it.
+			if _, err := core.ServiceAccounts(name).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}},
+				metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
 		}
 		// podOn creates a pod bound to the node with the address, as the kubelet reports one.
 		podOn := func(ns, name string, addr netip.Addr, labels map[string]string) {
