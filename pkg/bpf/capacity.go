@@ -125,6 +125,9 @@ func (d *Datapath) AdoptRuleSlots(from *Datapath) error {
 		if err := d.objs.RuleStats.Put(s, stats); err != nil {
 			return fmt.Errorf("adopt rule slots: write counters of slot %d: %w", s, err)
 		}
+		if err := d.objs.SlotSource.Put(s, uint32(k.set)); err != nil {
+			return fmt.Errorf("adopt rule slots: write the source rule of slot %d: %w", s, err)
+		}
 	}
 	// Read the assignment back as a restarted agent would; the tries are still empty, so the
 	// next SyncPolicy writes them whole.
