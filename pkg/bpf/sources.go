@@ -25,6 +25,14 @@ import (
 // address decides, at each step, by the old or the new rule of its source, with that rule's
 // lists as SyncPolicy says of the global ones (at worst, briefly, a mix of its old and new).
 
+// ruleTrieMaps are the rule tries; sourceMaps the maps that name source rules by id. Where the
+// rule tries are made anew (Grow, a resize on Open), so are the others, so that programs still
+// attached to the old rule tries never meet an id that only the new ones hold.
+var (
+	ruleTrieMaps = []string{masqMapRmasqV4, masqMapRnomasqV4, masqMapRmasqV6, masqMapRnomasqV6}
+	sourceMaps   = []string{masqMapSrcV4, masqMapSrcV6, masqMapSrcCfg}
+)
+
 // maxSourceEntries bounds the entries of each source trie: every rule's CIDRs and this node's
 // pods that selector rules choose. The tries allocate per entry, so the room costs nothing unused.
 const maxSourceEntries = 65536
