@@ -50,6 +50,64 @@ struct {
 	__type(value, struct lpm6_val);
 } nomasq_v6 SEC(".maps");
 
+/* Source rules (types.h: src_val): the source tries, the rule tries that hold every rule's
+ * masquerade and non-masquerade lists under its id, and each rule's settings. New maps, so that
+ * no pinned layout changes: an agent before them never reads them. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct lpm4_key);
+	__type(value, struct src_val);
+} src_v4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct lpm6_key);
+	__type(value, struct src_val);
+} src_v6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct rlpm4_key);
+	__type(value, struct lpm4_val);
+} rmasq_v4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct rlpm4_key);
+	__type(value, struct lpm4_val);
+} rnomasq_v4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct rlpm6_key);
+	__type(value, struct lpm6_val);
+} rmasq_v6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1); /* load time */
+	__type(key, struct rlpm6_key);
+	__type(value, struct lpm6_val);
+} rnomasq_v6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_SOURCE_IDS);
+	__type(key, __u32);
+	__type(value, struct src_rule);
+} src_cfg SEC(".maps");
+
 /* Policy: rule 4 and the NAT settings, in entry 0. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -98,6 +156,15 @@ struct {
 } uplink_macs SEC(".maps");
 
 #include "rules.h"
+
+/* The source rule (its id in src_cfg) whose list holds each counter slot's rule; 0: the global
+ * lists. Userspace bookkeeping beside rule_slots (a new map, so that no layout changes). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1); /* load time */
+	__type(key, __u32);
+	__type(value, __u32);
+} slot_source SEC(".maps");
 
 /* The NAT tables (bpf/flow.h has the design). Confirmed flows, which nothing evicts: */
 struct {

@@ -318,7 +318,7 @@ static __always_inline int pod_decide(struct __sk_buff *skb, const struct pkt *p
 {
 	if (p->l4 == L4_ECHO && !p->echo_request)
 		return TC_NEXT; /* an echo reply opens nothing */
-	if (classify_snat(v6, p->daddr, family_cfg(cfg, v6), slot, to) == ACTION_RETURN) {
+	if (classify_snat(v6, p->saddr, p->daddr, cfg, slot, to) == ACTION_RETURN) {
 		count_rule(*slot, p->len);
 		keep_return(v6, k, *slot, now);
 		return TC_NEXT;
@@ -418,7 +418,7 @@ static __always_inline int untranslatable(struct __sk_buff *skb, const int v6)
 	fc = family_cfg(cfg, v6);
 	if (!fc->enabled || !ingress_ifindex(skb) || from_node_stack(skb, p, v6, snat_addr(skb, v6)) != FROM_POD)
 		return TC_NEXT;
-	if (classify(v6, p->daddr, fc, &slot) == ACTION_RETURN) {
+	if (classify(v6, p->saddr, p->daddr, cfg, &slot) == ACTION_RETURN) {
 		count_rule(slot, p->len);
 		return TC_NEXT;
 	}
@@ -505,7 +505,7 @@ static __always_inline int egress_known(struct __sk_buff *skb, const struct pkt 
 		 * same address keeps its port (the far side sees it again); any other starts over as a
 		 * new flow, as conntrack binds a new connection by the rules in force. */
 		if (kind == NAT_MASQ && cfg &&
-		    classify_snat(v6, p->daddr, family_cfg(cfg, v6), &nslot, &rule_to) == ACTION_MASQUERADE) {
+		    classify_snat(v6, p->saddr, p->daddr, cfg, &nslot, &rule_to) == ACTION_MASQUERADE) {
 			now_to = rule_to ? rule_to : uplink_snat_of(ifindex, v6);
 			keep = now_to && addr_eq(v6, now_to, WORDS(e->addr));
 		}
@@ -714,8 +714,9 @@ static __always_inline int ingress_new(struct __sk_buff *skb, const int v6, __u6
 	if (snat && addr_eq(v6, p->daddr, snat))
 		return TC_NEXT; /* to the host itself: its replies are host flows */
 	/* Only a remote whose traffic the policy masquerades needs its replies protected: replies to
-	 * any other remote leave untouched anyway. */
-	if (classify(v6, p->saddr, family_cfg(cfg, v6), &slot) != ACTION_MASQUERADE)
+	 * any other remote leave untouched anyway. The pod (the destination) is the replies' source,
+	 * which picks the source rule. */
+	if (classify(v6, p->daddr, p->saddr, cfg, &slot) != ACTION_MASQUERADE)
 		return TC_NEXT;
 	e = (struct nat_entry){.port = p->dport, .kind = NAT_INBOUND, .slot = NO_SLOT, .last_seen = now,
 			       .wscale = NAT_WSCALE_UNKNOWN};

@@ -65,6 +65,34 @@ struct family_cfg {
 	__u8 snat[16] ADDR_WORDS;
 };
 
+/* Source rules (sourceRules): each has an id (1-based, kept by its name across syncs; 0 is the
+ * global lists), src_v4/src_v6 map a source prefix to the id of the first rule that holds its
+ * addresses (the longest match gives the first-match rule: policy.SourceTable), and the rule's
+ * own lists live in the rule tries (rmasq_v4, rnomasq_v4, ...) under its id. */
+#define MAX_SOURCE_IDS 2048 /* ids 1..2047: a sync's new rules take ids its removed ones did not hold */
+#define SOURCE_NAME_LEN 48
+
+/* Value of the source tries: the id of the rule that decides the addresses. */
+struct src_val {
+	__u32 rule;
+};
+
+/* Key of the rule tries: a rule's id, then a destination prefix; prefixlen counts the id's 32
+ * bits too (32 + the prefix's bits), so that a lookup matches the rule's own entries only. The
+ * id is always matched whole, so its byte order does not matter: it is kept in host order, as
+ * bpftool prints it. */
+struct rlpm4_key {
+	__u32 prefixlen;
+	__u32 rule;
+	__u8 addr[4];
+};
+
+struct rlpm6_key {
+	__u32 prefixlen;
+	__u32 rule;
+	__u8 addr[16];
+};
+
 #define MAX_PORT_RANGES 16
 #define NAT_PORTS_MAX 65536
 
@@ -83,6 +111,16 @@ struct nat_config {
 	__u32 nports; /* sum of the range sizes: the entries of nat_ports in use */
 	__u32 port_seed; /* secret of the per-endpoint port sequences (nat_alloc), chosen once per node */
 	struct port_range ranges[MAX_PORT_RANGES]; /* as configured, for port_in_ranges and dumps */
+};
+
+/* A source rule's settings (src_cfg, indexed by its id): what nat_config's family_cfg is to the
+ * global lists (the outbound rule, its counter slot, the family's masquerade address: the rule's
+ * own masqueradeAddress or else the global one), and its name, so that an agent that finds the
+ * maps pinned keeps each rule's id (and its counters). An id no rule holds is all zero. */
+struct src_rule {
+	struct family_cfg v4;
+	struct family_cfg v6;
+	char name[SOURCE_NAME_LEN];
 };
 
 /* The SNAT addresses of an uplink (uplink_snat, keyed by ifindex): its own, or the family's

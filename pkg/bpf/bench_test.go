@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
 	"golang.org/x/sys/unix"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/config"
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy"
@@ -317,6 +318,53 @@ func BenchmarkSyncPolicyReplace(b *testing.B) {
 					b.Fatal(err)
 				}
 			}
+		})
+	}
+}
+
+// sourceBenchPolicy is benchPolicy(1) with rules source rules, each holding a /24 of
+// 100.64.0.0/10 and, as a selector rule, its share of pods /32 entries (pod4(0) on): its own
+// non-masquerade list (10.0.0.0/8 and a /16 of its own) and the outbound rule.
+func sourceBenchPolicy(rules, pods int) *policy.Policy {
+	cfg := config.Config{NonMasqueradeCIDRs: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}, MasqOutBound: true}
+	opts := policy.Options{RandomFully: true, Pods: map[string][]netip.Addr{}}
+	for i := range rules {
+		r := config.SourceRule{Name: fmt.Sprintf("rule%d", i), PodSelector: &metav1.LabelSelector{},
+			CIDRs: []netip.Prefix{netip.PrefixFrom(netip.AddrFrom4([4]byte{100, byte(64 + i/256), byte(i), 0}), 24)},
+			Set:   []string{config.KeyNonMasqueradeCIDRs}}
+		r.Own.NonMasqueradeCIDRs = []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"),
+			netip.PrefixFrom(netip.AddrFrom4([4]byte{11, byte(i / 256), byte(i), 0}), 24)}
+		cfg.SourceRules = append(cfg.SourceRules, r)
+	}
+	for k := range pods {
+		name := cfg.SourceRules[k%rules].Name
+		opts.Pods[name] = append(opts.Pods[name], pod4(k))
+	}
+	return policy.Compile(cfg, opts)
+}
+
+// BenchmarkSourceRules: a new flow from a pod that a source rule holds by its /32 entry (the
+// source trie, then the rule's tries and settings), and a packet of an established flow (which
+// looks none of them up), by the number of source rules and pod entries; rules=0 is the global
+// lists alone.
+func BenchmarkSourceRules(b *testing.B) {
+	for _, size := range []struct{ rules, pods int }{{0, 0}, {1, 1}, {1, 250}, {1000, 1}, {1000, 250}} {
+		p := benchPolicy(1)
+		if size.rules > 0 {
+			p = sourceBenchPolicy(size.rules, size.pods)
+		}
+		pods := max(size.pods, 1)
+		b.Run(fmt.Sprintf("new/rules=%d/pods=%d", size.rules, size.pods), func(b *testing.B) {
+			h := newHarness(b, p, LoadOptions{MaxRules: 1 << 14, NATEntries: 1 << 20})
+			measure(b, h, h.dp.Egress(), tcNext, func(i int) []byte {
+				return tcpPacket(ap(pod4(i%pods), uint16(1024+(i/pods)&0x3fff)), ap(remoteN(i), 443), tcpSYN, nil)
+			})
+		})
+		b.Run(fmt.Sprintf("established/rules=%d/pods=%d", size.rules, size.pods), func(b *testing.B) {
+			h := newHarness(b, p, LoadOptions{MaxRules: 1 << 14, NATEntries: 1 << 20})
+			h.established(ap(pod4(0), 40000), ap(remote4, 443))
+			frame := tcpPacket(ap(pod4(0), 40000), ap(remote4, 443), tcpACK, make([]byte, 64))
+			measure(b, h, h.dp.Egress(), tcNext, func(int) []byte { return frame })
 		})
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"unsafe"
 
 	"github.com/cilium/ebpf"
@@ -19,6 +20,9 @@ func replaceResized(dir string, opened *Opened) (aside bool, err error) {
 			opened.Carried = append(opened.Carried, m.Map)
 		} else {
 			dropped = append(dropped, m.Map)
+		}
+		if slices.Contains(ruleTrieMaps, m.Map) && !slices.Contains(dropped, sourceMaps[0]) {
+			dropped = append(dropped, sourceMaps...)
 		}
 	}
 	if len(opened.Carried) > 0 {
@@ -87,6 +91,11 @@ func (d *Datapath) Grow(need int) (*Datapath, error) {
 			return nil, err
 		}
 	}
+	// The rule tries are made anew (they are sized by MaxRules), and so are the maps that name
+	// their ids: AdoptRuleSlots carries the ids.
+	if err := RemovePins(lopts.PinPath, sourceMaps...); err != nil {
+		return nil, err
+	}
 	bigger, err := Load(lopts)
 	if err != nil {
 		return nil, err
@@ -98,10 +107,11 @@ func (d *Datapath) Grow(need int) (*Datapath, error) {
 	return bigger, nil
 }
 
-// AdoptRuleSlots copies from's counter slot assignment and counters into d, slot for slot, so
-// that d continues where from left off: rules that stay keep their counters, and established
-// flows, whose NAT entries name a slot, keep counting into their rule. d must have at least
-// from's capacity and hold no rules yet (its rule maps were just created).
+// AdoptRuleSlots copies from's counter slot assignment and counters into d, slot for slot, and
+// its source rules' ids and settings, so that d continues where from left off: rules that stay
+// keep their counters, and established flows, whose NAT entries name a slot, keep counting into
+// their rule. d must have at least from's capacity and hold no rules yet (its rule maps were
+// just created).
 func (d *Datapath) AdoptRuleSlots(from *Datapath) error {
 	if d.RuleCapacity() < from.RuleCapacity() {
 		return fmt.Errorf("adopt rule slots: %d slots cannot hold %d", d.RuleCapacity(), from.RuleCapacity())
@@ -124,6 +134,18 @@ func (d *Datapath) AdoptRuleSlots(from *Datapath) error {
 		}
 		if err := d.objs.RuleStats.Put(s, stats); err != nil {
 			return fmt.Errorf("adopt rule slots: write counters of slot %d: %w", s, err)
+		}
+		if err := d.objs.SlotSource.Put(s, uint32(k.set)); err != nil {
+			return fmt.Errorf("adopt rule slots: write the source rule of slot %d: %w", s, err)
+		}
+	}
+	for id := range from.srcNames {
+		var rule masqSrcRule
+		if err := from.objs.SrcCfg.Lookup(id, &rule); err != nil {
+			return fmt.Errorf("adopt rule slots: read source rule %d: %w", id, err)
+		}
+		if err := d.objs.SrcCfg.Put(id, &rule); err != nil {
+			return fmt.Errorf("adopt rule slots: write source rule %d: %w", id, err)
 		}
 	}
 	// Read the assignment back as a restarted agent would; the tries are still empty, so the

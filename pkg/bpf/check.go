@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 )
 
 // checkBudget bounds the trie entries CheckPolicy reads in one call: a policy of the usual size
@@ -31,7 +32,8 @@ type checkState struct {
 // PolicyDrift says which of the maps that decide verdicts no longer hold what the last
 // SyncPolicy wrote.
 type PolicyDrift struct {
-	// Tries names the tries (masq_v4, nomasq_v4, masq_v6, nomasq_v6) found changed.
+	// Tries names the tries (masq_v4, nomasq_v4, masq_v6, nomasq_v6, src_v4, src_v6) found
+	// changed. The source rules' own tries (rmasq_v4, ...) and src_cfg are not checked.
 	Tries []string
 	// NATConfig tells that nat_config changed.
 	NATConfig bool
@@ -60,7 +62,7 @@ func (d *Datapath) CheckPolicy() (PolicyDrift, error) {
 	if err != nil {
 		return drift, err
 	}
-	for _, t := range d.tries {
+	for _, t := range d.checked() {
 		if changed[t] {
 			drift.Tries = append(drift.Tries, t.name)
 		}
@@ -78,8 +80,9 @@ func (d *Datapath) CheckPolicy() (PolicyDrift, error) {
 func (d *Datapath) walkTries(budget int) (map[*trie]bool, error) {
 	c := &d.check
 	changed := map[*trie]bool{}
-	for ends := 0; budget > 0 && ends < len(d.tries); {
-		t := d.tries[c.trie]
+	tries := d.checked()
+	for ends := 0; budget > 0 && ends < len(tries); {
+		t := tries[c.trie]
 		if c.walk == nil {
 			c.walk, c.walked, c.matched = t.ops.walk(t.m), 0, 0
 		}
@@ -107,12 +110,15 @@ func (d *Datapath) walkTries(budget int) (map[*trie]bool, error) {
 			if restarted || c.matched != len(t.held) {
 				changed[t] = true // deleted
 			}
-			c.trie, c.walk = (c.trie+1)%len(d.tries), nil
+			c.trie, c.walk = (c.trie+1)%len(tries), nil
 			ends++
 		}
 	}
 	return changed, nil
 }
+
+// checked are the tries CheckPolicy walks: the global ones and the source tries.
+func (d *Datapath) checked() []*trie { return append(slices.Clip(d.tries), d.srcTries...) }
 
 // MissingPins returns the names of the maps whose pin under LoadOptions.PinPath is gone (nil
 // when the datapath was loaded without pinning). Without its pin a map lives on while the

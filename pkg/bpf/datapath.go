@@ -64,6 +64,12 @@ type Datapath struct {
 	// its content that lets a sync write only the difference.
 	slots *slotTable
 	tries []*trie
+	// srcTries are the source tries (IPv4 first), ruleTries the rule tries of each source rule
+	// id that a sync writes or whose entries the maps hold, srcNames the name of each id the
+	// last sync wrote (sources.go).
+	srcTries  []*trie
+	ruleTries map[uint32][]*trie
+	srcNames  map[uint32]string
 	// ports are the ranges nat_ports holds; held the ports held_ports holds (heldports.go), and
 	// heldGen counts the syncs that held more of them.
 	ports   policy.PortRanges

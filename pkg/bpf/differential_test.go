@@ -12,13 +12,14 @@ import (
 	"github.com/ip-masq-agent/ip-masq-agent/pkg/policy/policytest"
 )
 
-// TestDifferentialDecide: for random configurations and random destinations, with packets of
-// every protocol the NAT translates (builders: ports, queries, address only, IPv6 extension
-// headers), the verdict of the real egress program (masqueraded or not, read from the packet)
-// and the rule it counted (read from the per-rule counters) equal policy.Decide, and a masqueraded
-// packet leaves from the address of Decide's rule (its own, the family's masqueradeAddress, which
-// the uplink holds as the backend writes it, else the uplink's). The configurations are synced one
-// after the other into the same datapath, so stale entries of an earlier policy would show.
+// TestDifferentialDecide: for random configurations (most with source rules) and random sources
+// and destinations, with packets of every protocol the NAT translates (builders: ports, queries,
+// address only, IPv6 extension headers), the verdict of the real egress program (masqueraded or
+// not, read from the packet) and the rule it counted (read from the per-rule counters) equal
+// policy.DecideFrom, and a masqueraded packet leaves from the address of DecideFrom's rule (its
+// own, the masqueradeAddress of its lists, which for the global lists the uplink holds as the
+// backend writes it, else the uplink's). The configurations are synced one after the other into
+// the same datapath, so stale entries of an earlier policy (and of its source rules) would show.
 func TestDifferentialDecide(t *testing.T) {
 	perFamily := 10000
 	if testing.Short() {
@@ -38,7 +39,15 @@ func TestDifferentialDecide(t *testing.T) {
 			nonMasq = 3000 // a large list, as users raise cidrLimit
 		}
 		cfg := policytest.WithAddresses(rng, policytest.Config(rng, nonMasq))
-		p := policy.Compile(cfg, policy.Options{EnableIPv6: round%4 != 3, RandomFully: rng.IntN(2) == 0})
+		opts := policy.Options{EnableIPv6: round%4 != 3, RandomFully: rng.IntN(2) == 0}
+		if round > 0 && round < 7 {
+			rules := 8
+			if round == 6 {
+				rules = 200
+			}
+			cfg, opts = policytest.WithSourceRules(rng, cfg, rules, opts)
+		}
+		p := policy.Compile(cfg, opts)
 		if err := h.dp.SyncPolicy(p); err != nil {
 			t.Fatalf("round %d: %v", round, err)
 		}
@@ -52,11 +61,13 @@ func TestDifferentialDecide(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
+		// The pod that holds each mapping of a protocol without ports (one per remote and
+		// masquerade address).
 		type heldKey struct {
-			proto uint8
-			dst   netip.Addr
+			proto    uint8
+			dst, src netip.Addr
 		}
-		held := map[heldKey]bool{}
+		held := map[heldKey]netip.Addr{}
 		slots := h.dp.slotsByRule()
 		for _, fam := range policy.Families() {
 			want := map[uint32]uint64{}
@@ -64,22 +75,39 @@ func TestDifferentialDecide(t *testing.T) {
 			for i := 0; i < perFamily; i++ {
 				dst := policytest.Destination(rng, p, fam)
 				probe++
-				// A fresh source per probe: the verdict must come from the tries, not the table.
+				// A fresh source per probe (the verdict must come from the tries, not the
+				// table), or one aimed at the source rules; never the uplink's own.
+				pod := probeSource(fam, probe)
+				if len(p.Sources) > 0 && probe%4 != 0 {
+					if a := policytest.Source(rng, p, fam); a != up.IPv4 && a != up.IPv6 {
+						pod = a
+					}
+				}
 				bs := builders(fam == policy.IPv6)
 				b := bs[probe%len(bs)]
-				src, to := b.ends(ap(probeSource(fam, probe), uint16(1024+probe%60000)), ap(dst, 53))
+				src, to := b.ends(ap(pod, uint16(1024+probe%60000)), ap(dst, 53))
 				in := b.out(src, to)
 				ret, out := h.egress(in)
-				v := p.Decide(dst)
+				v := p.DecideFrom(pod, dst)
 				wantMasq := v.Action == policy.Masquerade
 				if !p.Enabled(fam) {
 					wantMasq = false
 				}
-				// A protocol without ports has one mapping per remote: a destination drawn
-				// again finds it held by the earlier probe's flow, and is dropped.
-				clash := held[heldKey{b.proto, dst}] && wantMasq
-				if wantMasq && b.kind == pktAddr {
-					held[heldKey{b.proto, dst}] = true
+				wantSrc := up.IPv4
+				if fam == policy.IPv6 {
+					wantSrc = up.IPv6
+				}
+				if v.Rule != nil && v.Rule.Address.IsValid() {
+					wantSrc = v.Rule.Address
+				}
+				// A protocol without ports has one mapping per remote and address: another
+				// pod's probe to a remote drawn again finds it held by the earlier flow, and
+				// is dropped (the same pod's finds its own flow).
+				hk := heldKey{b.proto, dst, wantSrc}
+				holder, isHeld := held[hk]
+				clash := isHeld && holder != pod && wantMasq
+				if wantMasq && b.kind == pktAddr && !isHeld {
+					held[hk] = pod
 				}
 				if clash {
 					if ret != tcActShot {
@@ -94,17 +122,10 @@ func TestDifferentialDecide(t *testing.T) {
 					t.Fatalf("round %d %s: %s over %s: verdict %d", round, fam, dst, b.name, int32(ret))
 				}
 				got := tupleOf(t, out)
-				wantSrc := up.IPv4
-				if fam == policy.IPv6 {
-					wantSrc = up.IPv6
-				}
-				if v.Rule != nil && v.Rule.Address.IsValid() {
-					wantSrc = v.Rule.Address
-				}
 				masqueraded := got.src.Addr() != src.Addr()
 				if masqueraded != wantMasq || (!masqueraded && !bytes.Equal(in, out)) || (masqueraded && got.src.Addr() != wantSrc) {
-					t.Fatalf("round %d %s: %s over %s: program masqueraded=%v (packet %s), Decide says %s (%v) from %s",
-						round, fam, dst, b.name, masqueraded, got, v.Action, ruleName(v.Rule), wantSrc)
+					t.Fatalf("round %d %s: %s -> %s over %s: program masqueraded=%v (packet %s), DecideFrom says %s (%v) from %s",
+						round, fam, pod, dst, b.name, masqueraded, got, v.Action, ruleName(v.Rule), wantSrc)
 				}
 				if v.Rule != nil && p.Enabled(fam) {
 					s := slots[v.Rule]

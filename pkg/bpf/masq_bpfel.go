@@ -293,6 +293,20 @@ type masqPkt struct {
 	TcpLen      uint32
 }
 
+type masqRlpm4Key struct {
+	_         structs.HostLayout
+	Prefixlen uint32
+	Rule      uint32
+	Addr      [4]uint8
+}
+
+type masqRlpm6Key struct {
+	_         structs.HostLayout
+	Prefixlen uint32
+	Rule      uint32
+	Addr      [16]uint8
+}
+
 type masqRuleOrigin uint8
 
 const (
@@ -317,6 +331,32 @@ type masqRuleStats struct {
 	_       structs.HostLayout
 	Packets uint64
 	Bytes   uint64
+}
+
+type masqSrcRule struct {
+	_  structs.HostLayout
+	V4 struct {
+		_        structs.HostLayout
+		Enabled  uint8
+		Outbound masqAction
+		Pad      [2]uint8
+		OutSlot  uint32
+		Snat     [16]uint8
+	}
+	V6 struct {
+		_        structs.HostLayout
+		Enabled  uint8
+		Outbound masqAction
+		Pad      [2]uint8
+		OutSlot  uint32
+		Snat     [16]uint8
+	}
+	Name [48]int8
+}
+
+type masqSrcVal struct {
+	_    structs.HostLayout
+	Rule uint32
 }
 
 type masqUplink struct {
@@ -365,8 +405,16 @@ const (
 	masqMapNomasqV6        = "nomasq_v6"
 	masqMapPortAttempts    = "port_attempts"
 	masqMapPortTurns       = "port_turns"
+	masqMapRmasqV4         = "rmasq_v4"
+	masqMapRmasqV6         = "rmasq_v6"
+	masqMapRnomasqV4       = "rnomasq_v4"
+	masqMapRnomasqV6       = "rnomasq_v6"
 	masqMapRuleSlots       = "rule_slots"
 	masqMapRuleStats       = "rule_stats"
+	masqMapSlotSource      = "slot_source"
+	masqMapSrcCfg          = "src_cfg"
+	masqMapSrcV4           = "src_v4"
+	masqMapSrcV6           = "src_v6"
 	masqMapSweepStats      = "sweep_stats"
 	masqMapUplinkMacs      = "uplink_macs"
 	masqMapUplinkSnat      = "uplink_snat"
@@ -452,8 +500,16 @@ type masqMapSpecs struct {
 	NomasqV6     *ebpf.MapSpec `ebpf:"nomasq_v6"`
 	PortAttempts *ebpf.MapSpec `ebpf:"port_attempts"`
 	PortTurns    *ebpf.MapSpec `ebpf:"port_turns"`
+	RmasqV4      *ebpf.MapSpec `ebpf:"rmasq_v4"`
+	RmasqV6      *ebpf.MapSpec `ebpf:"rmasq_v6"`
+	RnomasqV4    *ebpf.MapSpec `ebpf:"rnomasq_v4"`
+	RnomasqV6    *ebpf.MapSpec `ebpf:"rnomasq_v6"`
 	RuleSlots    *ebpf.MapSpec `ebpf:"rule_slots"`
 	RuleStats    *ebpf.MapSpec `ebpf:"rule_stats"`
+	SlotSource   *ebpf.MapSpec `ebpf:"slot_source"`
+	SrcCfg       *ebpf.MapSpec `ebpf:"src_cfg"`
+	SrcV4        *ebpf.MapSpec `ebpf:"src_v4"`
+	SrcV6        *ebpf.MapSpec `ebpf:"src_v6"`
 	SweepStats   *ebpf.MapSpec `ebpf:"sweep_stats"`
 	UplinkMacs   *ebpf.MapSpec `ebpf:"uplink_macs"`
 	UplinkSnat   *ebpf.MapSpec `ebpf:"uplink_snat"`
@@ -513,8 +569,16 @@ type masqMaps struct {
 	NomasqV6     *ebpf.Map `ebpf:"nomasq_v6"`
 	PortAttempts *ebpf.Map `ebpf:"port_attempts"`
 	PortTurns    *ebpf.Map `ebpf:"port_turns"`
+	RmasqV4      *ebpf.Map `ebpf:"rmasq_v4"`
+	RmasqV6      *ebpf.Map `ebpf:"rmasq_v6"`
+	RnomasqV4    *ebpf.Map `ebpf:"rnomasq_v4"`
+	RnomasqV6    *ebpf.Map `ebpf:"rnomasq_v6"`
 	RuleSlots    *ebpf.Map `ebpf:"rule_slots"`
 	RuleStats    *ebpf.Map `ebpf:"rule_stats"`
+	SlotSource   *ebpf.Map `ebpf:"slot_source"`
+	SrcCfg       *ebpf.Map `ebpf:"src_cfg"`
+	SrcV4        *ebpf.Map `ebpf:"src_v4"`
+	SrcV6        *ebpf.Map `ebpf:"src_v6"`
 	SweepStats   *ebpf.Map `ebpf:"sweep_stats"`
 	UplinkMacs   *ebpf.Map `ebpf:"uplink_macs"`
 	UplinkSnat   *ebpf.Map `ebpf:"uplink_snat"`
@@ -549,8 +613,16 @@ func (m *masqMaps) Close() error {
 		m.NomasqV6,
 		m.PortAttempts,
 		m.PortTurns,
+		m.RmasqV4,
+		m.RmasqV6,
+		m.RnomasqV4,
+		m.RnomasqV6,
 		m.RuleSlots,
 		m.RuleStats,
+		m.SlotSource,
+		m.SrcCfg,
+		m.SrcV4,
+		m.SrcV6,
 		m.SweepStats,
 		m.UplinkMacs,
 		m.UplinkSnat,

@@ -93,9 +93,11 @@ func (o LoadOptions) spec() (*ebpf.CollectionSpec, error) {
 	if err := spec.Assign(&m); err != nil {
 		return nil, fmt.Errorf("load bpf spec: %w", err)
 	}
-	for _, rules := range []*ebpf.MapSpec{m.MasqV4, m.NomasqV4, m.MasqV6, m.NomasqV6, m.RuleStats, m.RuleSlots} {
+	for _, rules := range []*ebpf.MapSpec{m.MasqV4, m.NomasqV4, m.MasqV6, m.NomasqV6, m.RuleStats, m.RuleSlots,
+		m.RmasqV4, m.RnomasqV4, m.RmasqV6, m.RnomasqV6, m.SlotSource} {
 		rules.MaxEntries = o.MaxRules
 	}
+	m.SrcV4.MaxEntries, m.SrcV6.MaxEntries = maxSourceEntries, maxSourceEntries
 	m.NatV4.MaxEntries, m.NatV6.MaxEntries = o.NATEntries, o.NATEntriesV6
 	m.NatNewV4.MaxEntries, m.NatNewV6.MaxEntries = unrepliedEntries(o.NATEntries), unrepliedEntries(o.NATEntriesV6)
 	m.KeepV4.MaxEntries, m.KeepV6.MaxEntries = keepEntries(o.NATEntries), keepEntries(o.NATEntriesV6)
@@ -279,7 +281,7 @@ func (o OpenOptions) loadOptions(pins Pins) (LoadOptions, error) {
 		lopts.MaxRules = max(lopts.MaxRules, pinned)
 	}
 	if lopts.MaxRules == 0 && o.Policy != nil {
-		lopts.MaxRules = CapacityFor(len(o.Policy.IPv4) + len(o.Policy.IPv6))
+		lopts.MaxRules = CapacityFor(PolicyRules(o.Policy))
 	}
 	return lopts, nil
 }

@@ -12,15 +12,32 @@ type plan struct {
 	rules []*policy.Rule // same order
 	// tries are each trie's entries, each prefix once, in prefixOrder: sorted slices rather than
 	// maps, which for 100k rules cost more to fill and to read than the sort.
-	tries  map[trieKind][]planned
-	out    map[policy.Family]int // index into keys of the outbound rule, or -1
-	config masqNatConfig         // without slots
+	tries map[trieKind][]planned
+	// sets are the lists the policy decides by: the global ones first (set 0), then each source
+	// rule's (set: its id), in rule order.
+	sets   []planSet
+	config masqNatConfig // without slots
 	ranges policy.PortRanges
+	// sources are each family's source table (policy.SourceTable), its rules as ids, in
+	// prefixOrder: what src_v4 and src_v6 hold.
+	sources map[policy.Family][]trieEntry
 	// held is the slot each key holds in the table (noSlot: none) as heldSlots found it, while
 	// the table is heldIn at generation heldGen.
 	held    []uint32
 	heldIn  *slotTable
 	heldGen uint64
+}
+
+// planSet is the plan of one set of lists: the global ones or a source rule's.
+type planSet struct {
+	// set is the source rule's id (0: the global lists), name its name.
+	set  uint32
+	name string
+	// out is the index into keys of each family's outbound rule, or -1.
+	out map[policy.Family]int
+	// config holds the families' settings (enabled, masquerade address), without slots: the
+	// global lists' in nat_config, a source rule's in its src_cfg entry.
+	config masqNatConfig
 }
 
 // planned is an entry of a trie's plan: a prefix and the rule whose slot it carries, first the
@@ -38,16 +55,17 @@ func prefixOrder(a, b trieKey) int {
 	return a.Bits() - b.Bits()
 }
 
-func makePlan(p *policy.Policy) (*plan, error) {
-	n := len(p.IPv4) + len(p.IPv6)
-	pl := &plan{keys: make([]slotKey, 0, n), rules: make([]*policy.Rule, 0, n), tries: map[trieKind][]planned{},
-		out: map[policy.Family]int{policy.IPv4: -1, policy.IPv6: -1}}
-	for _, fam := range policy.Families() {
-		if !p.Enabled(fam) {
-			continue
-		}
-		if err := pl.addFamily(p, fam); err != nil {
-			return nil, err
+// makePlan plans p, whose source rules have the ids ids (in p.Sources' order).
+func makePlan(p *policy.Policy, ids []uint32) (*plan, error) {
+	n := PolicyRules(p)
+	pl := &plan{keys: make([]slotKey, 0, n), rules: make([]*policy.Rule, 0, n), tries: map[trieKind][]planned{}}
+	if err := pl.addSet(p, 0, ""); err != nil {
+		return nil, err
+	}
+	for i := range p.Sources {
+		s := &p.Sources[i]
+		if err := pl.addSet(s.Policy, ids[i], s.Name); err != nil {
+			return nil, fmt.Errorf("source rule %s: %w", s.Name, err)
 		}
 	}
 	for kind, entries := range pl.tries {
@@ -57,12 +75,47 @@ func makePlan(p *policy.Policy) (*plan, error) {
 	if err := pl.settings(p); err != nil {
 		return nil, err
 	}
+	if err := pl.planSources(p, ids); err != nil {
+		return nil, err
+	}
 	return pl, nil
 }
 
-// addFamily plans the rules of a family: their keys (dup 0, see dedup), the outbound rule, and
-// each trie's entries in policy order.
-func (pl *plan) addFamily(p *policy.Policy, fam policy.Family) error {
+// PolicyRules is the number of rules of p that hold a counter slot: the global lists' and every
+// source rule's.
+func PolicyRules(p *policy.Policy) int {
+	n := len(p.IPv4) + len(p.IPv6)
+	for _, s := range p.Sources {
+		n += len(s.Policy.IPv4) + len(s.Policy.IPv6)
+	}
+	return n
+}
+
+// addSet plans the lists of p (the global policy, or a source rule's) as set: its rules and the
+// settings of its families.
+func (pl *plan) addSet(p *policy.Policy, set uint32, name string) error {
+	ps := planSet{set: set, name: name, out: map[policy.Family]int{policy.IPv4: -1, policy.IPv6: -1}}
+	for _, fam := range policy.Families() {
+		if !p.Enabled(fam) {
+			continue
+		}
+		if err := pl.addFamily(p, fam, &ps); err != nil {
+			return err
+		}
+	}
+	ps.config.V4.Enabled = 1
+	ps.config.setMasqueradeAddress(policy.IPv4, p.MasqueradeAddress)
+	if p.Enabled(policy.IPv6) {
+		ps.config.V6.Enabled = 1
+		ps.config.setMasqueradeAddress(policy.IPv6, p.MasqueradeAddressIPv6)
+	}
+	pl.sets = append(pl.sets, ps)
+	return nil
+}
+
+// addFamily plans the rules of a family of set ps: their keys (dup 0, see dedup), the outbound
+// rule, and each trie's entries in policy order.
+func (pl *plan) addFamily(p *policy.Policy, fam policy.Family, ps *planSet) error {
 	rules := p.Rules(fam)
 	_, outbound := p.OutboundAction(fam) // always MASQUERADE when there is one
 	returned := false
@@ -79,10 +132,12 @@ func (pl *plan) addFamily(p *policy.Policy, fam policy.Family) error {
 			return fmt.Errorf("%s rule %d: masquerade address %s is not a %s address", fam, i+1, r.Address, fam)
 		}
 		idx := len(pl.keys)
-		pl.keys, pl.rules = append(pl.keys, newSlotKey(fam, r.Prefix, r.Action, r.Origin)), append(pl.rules, r)
+		key := newSlotKey(fam, r.Prefix, r.Action, r.Origin)
+		key.set = uint16(ps.set)
+		pl.keys, pl.rules = append(pl.keys, key), append(pl.rules, r)
 		if r == outbound {
 			// The fallback: rule 4 of the chain (the only rule of its origin: dup 0).
-			pl.out[fam] = idx
+			ps.out[fam] = idx
 			continue
 		}
 		if int(r.Action) >= len(byAction) {
@@ -102,7 +157,7 @@ func (pl *plan) addFamily(p *policy.Policy, fam policy.Family) error {
 	}
 	for action, entries := range byAction {
 		if entries != nil {
-			pl.tries[trieKind{fam, policy.Action(action)}] = entries
+			pl.tries[trieKind{fam, policy.Action(action), ps.set}] = entries
 		}
 	}
 	return nil
@@ -144,7 +199,7 @@ func countAction(rules []policy.Rule, action policy.Action) int {
 }
 
 // settings plans nat_config but for the outbound rules' slots (the families, their
-// masquerade addresses, the NAT settings) and the port ranges.
+// masquerade addresses: the global set's, the NAT settings) and the port ranges.
 func (pl *plan) settings(p *policy.Policy) error {
 	ranges := p.ToPorts
 	if len(ranges) == 0 {
@@ -154,12 +209,7 @@ func (pl *plan) settings(p *policy.Policy) error {
 		return fmt.Errorf("to-ports: %d ranges given, the datapath takes at most %d", len(ranges), len(pl.config.Ranges))
 	}
 	c := &pl.config
-	c.V4.Enabled = 1
-	c.setMasqueradeAddress(policy.IPv4, p.MasqueradeAddress)
-	if p.Enabled(policy.IPv6) {
-		c.V6.Enabled = 1
-		c.setMasqueradeAddress(policy.IPv6, p.MasqueradeAddressIPv6)
-	}
+	c.V4, c.V6 = pl.sets[0].config.V4, pl.sets[0].config.V6
 	if p.RandomFully {
 		c.RandomFully = 1
 	}
@@ -216,7 +266,7 @@ func (pl *plan) trieEntries(tries []*trie, slots []uint32) [][]trieEntry {
 	for i, t := range tries {
 		planned := pl.tries[t.trieKind]
 		masq := t.action == policy.Masquerade
-		family := pl.config.masqueradeAddress(t.family)
+		family := pl.setConfig(t.set).masqueradeAddress(t.family)
 		entries := make([]trieEntry, len(planned))
 		for j, e := range planned {
 			entries[j] = trieEntry{e.prefix, trieValue{action: t.action, slot: slots[e.idx]}}
@@ -233,14 +283,32 @@ func (pl *plan) trieEntries(tries []*trie, slots []uint32) [][]trieEntry {
 func (pl *plan) natConfig(slots []uint32, portSeed uint32) masqNatConfig {
 	cfg := pl.config
 	cfg.PortSeed = portSeed
+	set := pl.sets[0].withSlots(slots)
+	cfg.V4, cfg.V6 = set.V4, set.V6
+	return cfg
+}
+
+// withSlots is the set's settings with its outbound rules' slots.
+func (ps *planSet) withSlots(slots []uint32) masqNatConfig {
+	cfg := ps.config
 	cfg.V4.OutSlot, cfg.V6.OutSlot = noSlot, noSlot
-	if i := pl.out[policy.IPv4]; i >= 0 {
+	if i := ps.out[policy.IPv4]; i >= 0 {
 		cfg.V4.Outbound, cfg.V4.OutSlot = masqActionACTION_MASQUERADE, slots[i]
 	}
-	if i := pl.out[policy.IPv6]; i >= 0 {
+	if i := ps.out[policy.IPv6]; i >= 0 {
 		cfg.V6.Outbound, cfg.V6.OutSlot = masqActionACTION_MASQUERADE, slots[i]
 	}
 	return cfg
+}
+
+// setConfig is the settings of set (planSet.config); the global ones for a set pl lacks.
+func (pl *plan) setConfig(set uint32) *masqNatConfig {
+	for i := range pl.sets {
+		if pl.sets[i].set == set {
+			return &pl.sets[i].config
+		}
+	}
+	return &pl.sets[0].config
 }
 
 // planFor returns the plan of p, computed once for the policy last asked about: SlotsNeeded and
@@ -248,7 +316,7 @@ func (pl *plan) natConfig(slots []uint32, portSeed uint32) masqNatConfig {
 // d.mu must be held.
 func (d *Datapath) planFor(p *policy.Policy) (*plan, error) {
 	if d.planned != p || d.plan == nil {
-		pl, err := makePlan(p)
+		pl, err := makePlan(p, d.sourceIDs(p))
 		if err != nil {
 			return nil, err
 		}

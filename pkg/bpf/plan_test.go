@@ -18,7 +18,7 @@ func TestPlanDupsAndFirstRules(t *testing.T) {
 	a, b, ll := pfx("10.1.0.0/16"), pfx("10.2.0.0/16"), policy.LinkLocalIPv4
 	cfg := config.Config{NonMasqueradeCIDRs: []netip.Prefix{a, b, a, ll, a, b}, MasqOutBound: true}
 	p := policy.Compile(cfg, policy.Options{})
-	pl, err := makePlan(p)
+	pl, err := makePlan(p, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -38,7 +38,7 @@ func TestPlanDupsAndFirstRules(t *testing.T) {
 		}
 		seen[k] = true
 	}
-	entries := pl.tries[trieKind{policy.IPv4, policy.Return}]
+	entries := pl.tries[trieKind{policy.IPv4, policy.Return, 0}]
 	want := map[netip.Prefix]int{ll: 0, a: 1, b: 2}
 	if len(entries) != len(want) {
 		t.Fatalf("trie entries %v, want %v", entries, want)

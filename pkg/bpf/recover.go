@@ -23,10 +23,21 @@ func (d *Datapath) Refresh() error {
 func (d *Datapath) recover() error {
 	d.slots = newSlotTable(d.opts.MaxRules)
 	d.syncedPlan, d.syncedSlots = nil, nil // of another table
+	// Which source rule's list each slot's rule is in (0, the global lists, where the maps
+	// predate source rules).
+	sets := map[uint32]uint16{}
+	if err := eachEntry(d.objs.SlotSource, func(slot uint32, set *uint32) {
+		if *set != 0 {
+			sets[slot] = uint16(*set)
+		}
+	}); err != nil {
+		return fmt.Errorf("read %s: %w", masqMapSlotSource, err)
+	}
 	last := -1
 	inUse := map[uint32]bool{}
 	if err := eachEntry(d.objs.RuleSlots, func(slot uint32, value *masqRuleSlot) {
 		if k, ok := slotKeyOf(*value); ok {
+			k.set = sets[slot]
 			d.slots.bySlt[slot], d.slots.byKey[k] = k, slot
 			inUse[slot] = true
 			last = max(last, int(slot))
@@ -68,7 +79,9 @@ func (d *Datapath) recoverTries() error {
 			return err
 		}
 	}
-	return nil
+	// The source rules' ids may differ from those the cached plan was made with.
+	d.planned, d.plan = nil, nil
+	return d.recoverSources()
 }
 
 // newPortSeed is a secret for nat_config's port_seed: nonzero, so that a zero read back means

@@ -23,6 +23,9 @@ type slotKey struct {
 	action policy.Action
 	origin masqRuleOrigin
 	dup    uint16
+	// set is the id of the source rule whose list holds the rule (0: the global lists), which
+	// slot_source records beside rule_slots.
+	set uint16
 }
 
 // newSlotKey is the key of a rule with dup 0.
@@ -189,6 +192,9 @@ func (d *Datapath) freeSlots(slots []uint32) error {
 	if err := putAll(d.objs.RuleSlots, gone, make([]masqRuleSlot, len(gone))); err != nil {
 		return fmt.Errorf("free slots: %w", err)
 	}
+	if err := putAll(d.objs.SlotSource, gone, make([]uint32, len(gone))); err != nil {
+		return fmt.Errorf("free slots: %w", err)
+	}
 	for _, s := range gone {
 		d.slots.release(s)
 	}
@@ -264,17 +270,27 @@ func (d *Datapath) heldSlots(pl *plan) []uint32 {
 // i's owner(i).
 func (d *Datapath) resetSlots(slots []uint32, owner func(i int) slotKey) error {
 	if d.claim != nil {
-		return d.claim.claim(slots, owner)
+		if err := d.claim.claim(slots, owner); err != nil {
+			return err
+		}
+	} else {
+		owners := make([]masqRuleSlot, len(slots))
+		for i := range slots {
+			owners[i] = owner(i).value()
+		}
+		if err := putAll(d.objs.RuleStats, slots, zeroPerCPU(len(slots), int(d.objs.RuleStats.ValueSize()))); err != nil {
+			return fmt.Errorf("zero rule_stats: %w", err)
+		}
+		if err := putAll(d.objs.RuleSlots, slots, owners); err != nil {
+			return fmt.Errorf("write rule_slots: %w", err)
+		}
 	}
-	owners := make([]masqRuleSlot, len(slots))
+	sets := make([]uint32, len(slots))
 	for i := range slots {
-		owners[i] = owner(i).value()
+		sets[i] = uint32(owner(i).set)
 	}
-	if err := putAll(d.objs.RuleStats, slots, zeroPerCPU(len(slots), int(d.objs.RuleStats.ValueSize()))); err != nil {
-		return fmt.Errorf("zero rule_stats: %w", err)
-	}
-	if err := putAll(d.objs.RuleSlots, slots, owners); err != nil {
-		return fmt.Errorf("write rule_slots: %w", err)
+	if err := putAll(d.objs.SlotSource, slots, sets); err != nil {
+		return fmt.Errorf("write %s: %w", masqMapSlotSource, err)
 	}
 	return nil
 }

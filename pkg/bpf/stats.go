@@ -19,6 +19,8 @@ func (d *Datapath) Synced() *policy.Policy {
 // InstalledRule is a rule as the maps record it (rule_slots), with its counters: what a reader
 // without the configuration (`dump` in another process) can know.
 type InstalledRule struct {
+	// Set is the name of the source rule whose list holds the rule ("": the global lists).
+	Set    string
 	Family policy.Family
 	Prefix netip.Prefix
 	Action policy.Action
@@ -55,15 +57,23 @@ func (d *Datapath) InstalledRules() ([]InstalledRule, error) {
 		if err != nil {
 			return nil, err
 		}
-		ir := InstalledRule{Family: k.family, Prefix: k.prefix(), Action: k.action, Origin: k.policyOrigin(),
+		ir := InstalledRule{Set: d.sourceRuleName(uint32(k.set)), Family: k.family, Prefix: k.prefix(), Action: k.action, Origin: k.policyOrigin(),
 			Dup: int(k.dup), Slot: s, Packets: packets, Bytes: bytes}
 		if k.action == policy.Masquerade {
-			ir.Address = d.addressOf(k, s, &cfg)
+			set := &cfg
+			if k.set != 0 {
+				sc, err := d.sourceSettings(uint32(k.set))
+				if err != nil {
+					return nil, err
+				}
+				set = &sc
+			}
+			ir.Address = d.addressOf(k, s, set)
 		}
 		out = append(out, ir)
 	}
 	slices.SortFunc(out, func(a, b InstalledRule) int {
-		return cmp.Or(cmp.Compare(a.Family, b.Family), cmp.Compare(originOrder[a.Origin], originOrder[b.Origin]),
+		return cmp.Or(cmp.Compare(a.Set, b.Set), cmp.Compare(a.Family, b.Family), cmp.Compare(originOrder[a.Origin], originOrder[b.Origin]),
 			cmp.Compare(a.Slot, b.Slot))
 	})
 	return out, nil
@@ -75,8 +85,12 @@ func (d *Datapath) addressOf(k slotKey, s uint32, cfg *masqNatConfig) netip.Addr
 	if k.origin == masqRuleOriginORIGIN_OUTBOUND {
 		return cfg.masqueradeAddress(k.family)
 	}
-	for _, t := range d.tries {
-		if v, ok := t.held[k.prefix()]; ok && t.trieKind == (trieKind{k.family, k.action}) && v.slot == s {
+	tries := d.tries
+	if k.set != 0 {
+		tries = d.ruleTries[uint32(k.set)]
+	}
+	for _, t := range tries {
+		if v, ok := t.held[k.prefix()]; ok && t.trieKind == (trieKind{k.family, k.action, uint32(k.set)}) && v.slot == s {
 			return cmp.Or(v.snat, cfg.masqueradeAddress(k.family))
 		}
 	}

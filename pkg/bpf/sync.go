@@ -37,19 +37,31 @@ func (d *Datapath) syncPolicy(p *policy.Policy) error {
 	if err != nil {
 		return err
 	}
-	te := pl.trieEntries(d.tries, slots)
-	diffs, err := d.putTries(te, d.passing(pl.natConfig(slots, d.portSeed)))
+	tries := d.policyTries(pl)
+	te := pl.trieEntries(tries, slots)
+	diffs, err := d.putTries(tries, te, d.passing(tries, pl.natConfig(slots, d.portSeed)))
 	for _, i := range fresh { // written or not, the tries may hold them now
 		d.slots.assign(slots[i], pl.keys[i])
 	}
 	if err != nil {
 		return err
 	}
+	// Every list and setting of a source rule is in place before a source names it, and a
+	// source leaves a rule before its lists go (sources.go).
+	if err := d.writeSourceRules(pl, slots); err != nil {
+		return err
+	}
 	cfg, err := d.writeSettings(pl, slots)
 	if err != nil {
 		return err
 	}
-	if err := d.deleteStale(diffs); err != nil {
+	if err := d.syncSources(pl); err != nil {
+		return err
+	}
+	if err := d.deleteStale(tries, diffs); err != nil {
+		return err
+	}
+	if err := d.dropSourceRules(pl); err != nil {
 		return err
 	}
 	if err := d.freeSlots(slots); err != nil {
@@ -74,9 +86,9 @@ type trieDiff struct {
 // gives the entries to delete; else each entry is looked up in the mirror. A trie that passing
 // marks deletes its stale entries as the writes pass them (replacePassing), the others leave
 // them to deleteStale.
-func (d *Datapath) putTries(want [][]trieEntry, passing []bool) ([]trieDiff, error) {
-	diffs := make([]trieDiff, len(d.tries))
-	for i, t := range d.tries {
+func (d *Datapath) putTries(tries []*trie, want [][]trieEntry, passing []bool) ([]trieDiff, error) {
+	diffs := make([]trieDiff, len(tries))
+	for i, t := range tries {
 		diff := trieDiff{want: want[i], known: t.synced != nil}
 		var put []trieEntry
 		if diff.known {
@@ -109,15 +121,16 @@ func (d *Datapath) putTries(want [][]trieEntry, passing []bool) ([]trieDiff, err
 // trie (written whole by then) and before the outbound verdict, where that verdict stays: an
 // address whose non-masquerade entry goes, with no new entry for it, meets the outbound verdict
 // it has after the sync. The masquerade tries keep theirs to the end: an address they drop
-// meets the non-masquerade trie, which still holds old entries.
-func (d *Datapath) passing(cfg masqNatConfig) []bool {
-	out := make([]bool, len(d.tries))
+// meets the non-masquerade trie, which still holds old entries. The rule tries of the source
+// rules keep theirs to the end too (their outbound verdicts are written after their entries).
+func (d *Datapath) passing(tries []*trie, cfg masqNatConfig) []bool {
+	out := make([]bool, len(tries))
 	if d.syncedPlan == nil {
 		return out // the nat_config in force is not known
 	}
 	was := d.check.config
-	for i, t := range d.tries {
-		out[i] = t.action == policy.Return && outboundOf(&was, t.family) == outboundOf(&cfg, t.family)
+	for i, t := range tries {
+		out[i] = t.set == 0 && t.action == policy.Return && outboundOf(&was, t.family) == outboundOf(&cfg, t.family)
 	}
 	return out
 }
@@ -185,8 +198,8 @@ func comparePrefixes(a, b trieKey) int {
 
 // deleteStale deletes the entries of the tries that the sync's diffs lack, and records the
 // tries as the sync wrote them.
-func (d *Datapath) deleteStale(diffs []trieDiff) error {
-	for i, t := range d.tries {
+func (d *Datapath) deleteStale(tries []*trie, diffs []trieDiff) error {
+	for i, t := range tries {
 		diff := diffs[i]
 		del := diff.stale
 		if !diff.known && len(t.held) != len(diff.want) {

@@ -151,7 +151,7 @@ func TestSyncTries(t *testing.T) {
 		if err := h.dp.SyncPolicy(p); err != nil {
 			t.Fatal(err)
 		}
-		pl, _ := makePlan(p)
+		pl, _ := makePlan(p, nil)
 		slots := h.dp.slotsByRule()
 		for _, tr := range h.dp.tries {
 			name := tr.name
@@ -458,7 +458,7 @@ func TestHeldSlotsAcrossEdits(t *testing.T) {
 		}
 		p := compile(masq, nonMasq, rng.IntN(4) > 0)
 		h.dp.mu.Lock()
-		pl, err := makePlan(p)
+		pl, err := makePlan(p, nil)
 		if err != nil {
 			h.dp.mu.Unlock()
 			t.Fatal(err)

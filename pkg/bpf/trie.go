@@ -15,10 +15,12 @@ import (
 // trieKey is a prefix in one of the four tries.
 type trieKey = netip.Prefix
 
-// trieKind is what a trie holds: the rules of one family and action.
+// trieKind is what a trie holds: the rules of one family and action, of the global lists (set
+// 0) or of the source rule whose id is set (its entries in the rule tries, under its id).
 type trieKind struct {
 	family policy.Family
 	action policy.Action
+	set    uint32
 }
 
 // trie is one of the four LPM tries, wrapped once: what it holds, its map with the operations of
@@ -40,10 +42,14 @@ type trie struct {
 // it, and that rule's masquerade address where it is its own (policy.Rule.Address; invalid:
 // none, the C value holds zero and the family's masqueradeAddress or else the uplink's address
 // is used).
+//
+// In the source tries (src_v4, src_v6) an entry holds rule, the id of the source rule that
+// decides its addresses, and nothing else.
 type trieValue struct {
 	action policy.Action
 	slot   uint32
 	snat   netip.Addr
+	rule   uint32
 }
 
 // newTries lists the tries of the loaded maps, in the order CheckPolicy reports them, with
@@ -52,10 +58,10 @@ func (d *Datapath) newTries() []*trie {
 	o := &d.objs
 	v4, v6 := lpmOps[masqLpm4Key, masqLpm4Val]{}, lpmOps[masqLpm6Key, masqLpm6Val]{}
 	return []*trie{
-		{trieKind{policy.IPv4, policy.Masquerade}, masqMapMasqV4, o.MasqV4, v4, map[trieKey]trieValue{}, nil},
-		{trieKind{policy.IPv4, policy.Return}, masqMapNomasqV4, o.NomasqV4, v4, map[trieKey]trieValue{}, nil},
-		{trieKind{policy.IPv6, policy.Masquerade}, masqMapMasqV6, o.MasqV6, v6, map[trieKey]trieValue{}, nil},
-		{trieKind{policy.IPv6, policy.Return}, masqMapNomasqV6, o.NomasqV6, v6, map[trieKey]trieValue{}, nil},
+		{trieKind{policy.IPv4, policy.Masquerade, 0}, masqMapMasqV4, o.MasqV4, v4, map[trieKey]trieValue{}, nil},
+		{trieKind{policy.IPv4, policy.Return, 0}, masqMapNomasqV4, o.NomasqV4, v4, map[trieKey]trieValue{}, nil},
+		{trieKind{policy.IPv6, policy.Masquerade, 0}, masqMapMasqV6, o.MasqV6, v6, map[trieKey]trieValue{}, nil},
+		{trieKind{policy.IPv6, policy.Return, 0}, masqMapNomasqV6, o.NomasqV6, v6, map[trieKey]trieValue{}, nil},
 	}
 }
 
