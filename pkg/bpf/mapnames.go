@@ -19,3 +19,12 @@ func TrieMaps(fam policy.Family) (masq, nomasq string) {
 	}
 	return masqMapMasqV4, masqMapNomasqV4
 }
+
+// SourceTrie is the name of a family's source trie: the sources of the source rules
+// (policy.Policy.SourceTable), each naming the rule that decides it.
+func SourceTrie(fam policy.Family) string {
+	if fam == policy.IPv6 {
+		return masqMapSrcV6
+	}
+	return masqMapSrcV4
+}

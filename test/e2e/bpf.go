@@ -268,6 +268,7 @@ func verifyBPF(ctx context.Context, t testing.TB, env *Env, mode string) {
 	p := env.GoodPolicy(t)
 	want := map[string][]netip.Prefix{}
 	type ruleKey struct {
+		set    string
 		fam    policy.Family
 		prefix netip.Prefix
 		action policy.Action
@@ -280,9 +281,19 @@ func verifyBPF(ctx context.Context, t testing.TB, env *Env, mode string) {
 		if !p.Enabled(fam) {
 			continue
 		}
+		for _, s := range p.Sources {
+			for _, r := range s.Policy.Rules(fam) {
+				wantRules[ruleKey{s.Name, fam, r.Prefix, r.Action, r.Origin}] = true
+			}
+		}
+		var sources []netip.Prefix
+		for _, e := range p.SourceTable(fam) {
+			sources = append(sources, e.Prefix)
+		}
+		want[bpf.SourceTrie(fam)] = sources
 		rules := p.Rules(fam)
 		for i, r := range rules {
-			wantRules[ruleKey{fam, r.Prefix, r.Action, r.Origin}] = true
+			wantRules[ruleKey{"", fam, r.Prefix, r.Action, r.Origin}] = true
 			if r.Origin == policy.OriginOutbound && i == len(rules)-1 {
 				continue // the fallback lives in nat_config
 			}
@@ -314,7 +325,7 @@ func verifyBPF(ctx context.Context, t testing.TB, env *Env, mode string) {
 	}
 	got := map[ruleKey]bool{}
 	for _, ir := range rules {
-		got[ruleKey{ir.Family, ir.Prefix, ir.Action, ir.Origin}] = true
+		got[ruleKey{ir.Set, ir.Family, ir.Prefix, ir.Action, ir.Origin}] = true
 	}
 	for k := range wantRules {
 		if !got[k] {
