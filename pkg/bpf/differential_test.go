@@ -33,6 +33,15 @@ func TestDifferentialDecide(t *testing.T) {
 
 	h := newHarness(t, nil, LoadOptions{MaxRules: 1 << 14, NATEntries: 1 << 16})
 	probe := 0
+	// The round each flow was first probed in: a pod's flow that an earlier round left alone
+	// keeps that verdict (keep_v4 and keep_v6 outlive the rounds' NAT resets), so a source rules'
+	// pod drawn again with the same flow is replaced by a fresh one.
+	type flowKey struct {
+		proto    uint8
+		pod, dst netip.Addr
+		port     uint16
+	}
+	probed := map[flowKey]int{}
 	for round := 0; round < 8; round++ {
 		nonMasq := 1 + rng.IntN(40)
 		if round == 7 {
@@ -85,7 +94,17 @@ func TestDifferentialDecide(t *testing.T) {
 				}
 				bs := builders(fam == policy.IPv6)
 				b := bs[probe%len(bs)]
-				src, to := b.ends(ap(pod, uint16(1024+probe%60000)), ap(dst, 53))
+				port := uint16(1024 + probe%60000)
+				fk := flowKey{b.proto, pod, dst, port}
+				if b.kind == pktAddr {
+					fk.port = 0
+				}
+				if r, ok := probed[fk]; ok && r != round {
+					pod = probeSource(fam, probe)
+				} else if !ok {
+					probed[fk] = round
+				}
+				src, to := b.ends(ap(pod, port), ap(dst, 53))
 				in := b.out(src, to)
 				ret, out := h.egress(in)
 				v := p.DecideFrom(pod, dst)

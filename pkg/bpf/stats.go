@@ -42,8 +42,9 @@ var originOrder = map[policy.Origin]int{
 	policy.OriginOutbound: 3,
 }
 
-// InstalledRules lists every rule that holds a counter slot, by family and in chain order as
-// far as the maps tell it (origin, then the order the rules were first installed in).
+// InstalledRules lists every rule that holds a counter slot, by list (the global one first,
+// then the source rules' by name), family and in chain order as far as the maps tell it
+// (origin, then the order the rules were first installed in).
 func (d *Datapath) InstalledRules() ([]InstalledRule, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -51,6 +52,7 @@ func (d *Datapath) InstalledRules() ([]InstalledRule, error) {
 	if err := d.objs.NatConfig.Lookup(uint32(0), &cfg); err != nil {
 		return nil, fmt.Errorf("read nat_config: %w", err)
 	}
+	sets := map[uint16]*masqNatConfig{} // the source rules' settings, read once each
 	out := make([]InstalledRule, 0, len(d.slots.bySlt))
 	for s, k := range d.slots.bySlt {
 		packets, bytes, err := d.slotStats(s)
@@ -62,11 +64,13 @@ func (d *Datapath) InstalledRules() ([]InstalledRule, error) {
 		if k.action == policy.Masquerade {
 			set := &cfg
 			if k.set != 0 {
-				sc, err := d.sourceSettings(uint32(k.set))
-				if err != nil {
-					return nil, err
+				if set = sets[k.set]; set == nil {
+					sc, err := d.sourceSettings(uint32(k.set))
+					if err != nil {
+						return nil, err
+					}
+					set, sets[k.set] = &sc, &sc
 				}
-				set = &sc
 			}
 			ir.Address = d.addressOf(k, s, set)
 		}
