@@ -308,6 +308,19 @@ func (c Config) validateSourceRules() []error {
 			errs = append(errs, &FieldError{Key: RuleLabel(i, r.Name), Index: -1, Value: r.Name,
 				Problem: fmt.Sprintf("the name of %s too", RuleLabel(j, r.Name)), Hint: "give every rule a name of its own"})
 		}
+		// The BPF datapath has one "none" address per uplink: the global masqueradeAddress when
+		// there is one. A rule cannot ask for the uplink's primary address over it.
+		for _, k := range []struct {
+			key         string
+			own, global netip.Addr
+		}{{KeyMasqueradeAddress, r.Own.MasqueradeAddress, c.MasqueradeAddress},
+			{KeyMasqueradeAddressIPv6, r.Own.MasqueradeAddressIPv6, c.MasqueradeAddressIPv6}} {
+			if r.Sets(k.key) && !k.own.IsValid() && k.global.IsValid() {
+				errs = append(errs, &FieldError{Key: RuleLabel(i, r.Name) + "." + k.key, Index: -1, Value: "",
+					Problem: fmt.Sprintf("the uplink's primary address, while the global %s is %s", k.key, k.global),
+					Hint:    "a rule leaves from the global masquerade address or an address of its own: name one, or leave the key out"})
+			}
+		}
 		eff := r.Effective(c)
 		for _, e := range eff.checks() {
 			// The global keys' own errors are reported once, by checks.

@@ -67,6 +67,8 @@ func TestSourceRulesInvalid(t *testing.T) {
 		{"cidrLimit: 1\nsourceRules: [{name: a, cidrs: [10.0.0.0/8], nonMasqueradeCIDRs: [10.0.0.0/8, 10.1.0.0/16]}]", `sourceRules[0](a).nonMasqueradeCIDRs: "2 entries": more than cidrLimit (1) entries`},
 		{`sourceRules: [{name: a, cidrs: [10.0.0.0/8], masqueradeAddress: 2001:db8::1}]`, `sourceRules[0](a).masqueradeAddress: "2001:db8::1": an IPv6 address where an IPv4 one belongs`},
 		{`sourceRules: [{name: a, cidrs: [fd00::/8]}]`, `sourceRules[0](a).cidrs[0]: "fd00::/8": IPv6 CIDR but IPv6 is not enabled`},
+		{"masqueradeAddress: 10.0.0.11\nsourceRules: [{name: a, cidrs: [10.0.0.0/8], masqueradeAddress: \"\"}]",
+			`sourceRules[0](a).masqueradeAddress: "": the uplink's primary address, while the global masqueradeAddress is 10.0.0.11`},
 	} {
 		_, err := Parse([]byte(c.doc), Options{})
 		if err == nil || !strings.Contains(err.Error(), c.want) {

@@ -241,6 +241,12 @@ func WithSourceRules(rng *rand.Rand, cfg config.Config, n int, opts policy.Optio
 				r.Set = append(r.Set, key)
 			}
 		}
+		// As the configuration requires: no rule asks for the uplink's primary address over a
+		// global masqueradeAddress.
+		r.Set = slices.DeleteFunc(r.Set, func(k string) bool {
+			return k == config.KeyMasqueradeAddress && !own.MasqueradeAddress.IsValid() && cfg.MasqueradeAddress.IsValid() ||
+				k == config.KeyMasqueradeAddressIPv6 && !own.MasqueradeAddressIPv6.IsValid() && cfg.MasqueradeAddressIPv6.IsValid()
+		})
 		r.Own = own
 		cfg.SourceRules = append(cfg.SourceRules, r)
 	}
