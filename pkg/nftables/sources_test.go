@@ -269,7 +269,9 @@ func hitFrom(t *testing.T, f *nftablestest.Fake, src, dst string, n int) nftable
 func packetsBySet(cs []datapath.RuleCounter) map[string]uint64 {
 	out := map[string]uint64{}
 	for _, c := range cs {
-		out[strings.TrimSpace(c.Set+" "+c.Source()+" "+c.Prefix.String())] += c.Packets
+		// Source names a source rule's counters by the rule too; the key names it once.
+		src := strings.TrimPrefix(c.Source(), config.KeySourceRules+"["+c.Set+"].")
+		out[strings.TrimSpace(c.Set+" "+src+" "+c.Prefix.String())] += c.Packets
 	}
 	return out
 }
