@@ -55,14 +55,24 @@ func resolveSource(ctx context.Context, from, kubeconfig string, p *policy.Polic
 	}
 	ctx, cancel := context.WithTimeout(ctx, fromTimeout)
 	defer cancel()
-	pod, err := client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+	// Listed by name rather than read: the agent's own grant (deploy/rbac/pods), which explain
+	// has in the agent's pod, is to list and watch.
+	pods, err := client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{FieldSelector: "metadata.name=" + name})
 	if err != nil {
 		return nil, fmt.Errorf("--from %s: read the pod: %w", from, err)
 	}
-	namespace, err := client.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{})
+	if len(pods.Items) == 0 {
+		return nil, fmt.Errorf("--from %s: no such pod", from)
+	}
+	pod := &pods.Items[0]
+	nss, err := client.CoreV1().Namespaces().List(ctx, metav1.ListOptions{FieldSelector: "metadata.name=" + ns})
 	if err != nil {
 		return nil, fmt.Errorf("--from %s: read its namespace: %w", from, err)
 	}
+	if len(nss.Items) == 0 {
+		return nil, fmt.Errorf("--from %s: no namespace %s", from, ns)
+	}
+	namespace := &nss.Items[0]
 	src := &explainSource{name: from}
 	for _, ip := range pod.Status.PodIPs {
 		if a, err := netip.ParseAddr(ip.IP); err == nil {

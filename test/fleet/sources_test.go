@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"net/netip"
+	"strings"
 	"testing"
 	"time"
 
@@ -132,7 +133,19 @@ func TestSourceSelectors(t *testing.T) {
 			}
 			return start
 		}
+		// explain, run beside the agent with its token: a pod by name (its labels read from the
+		// API server), and an address the running agent's selectors chose.
+		explain := func(from, want string) {
+			t.Helper()
+			out, err := e2e.NSExec(ctx, n.env.Node, "", agentBin, "explain", "--kubeconfig="+n.kubeconfig, "--from="+from, probeDst.String())
+			if err != nil || !strings.Contains(string(out), want) {
+				t.Errorf("explain --from %s: %v:\n%s\nwant %q", from, err, out, want)
+			}
+		}
+		explain("team-a/a", "from team-a/a (10.244.1.2): source rule partner (sourceRules[0]: namespaceSelector team=partner)")
+		explain("team-b/b", "from team-b/b (10.244.2.2): no source rule holds it: the global keys decide")
 		wait("pod b labelled role=batch", bp, e2e.NodeAlt4, label("pod", "team-b", "b", map[string]any{"role": "batch"}))
+		explain(pod2v4.String(), "from 10.244.2.2: source rule batch (sourceRules[1]: selects the pod)")
 		if got, err := conn.Exchange("after"); err != nil || got.Addr() != e2e.NodeAddr4 {
 			t.Errorf("pod b's established connection after its label changed: seen from %s, %v; want %s as before", got, err, e2e.NodeAddr4)
 		}
