@@ -128,7 +128,7 @@ BENCH_OUT ?= bin/bench
 bench: build
 	./test/deps.sh bench
 	mkdir -p $(BENCH_OUT)
-	$(GO) test -run '^$$' -bench 'Egress|Ingress|TestRunFloor|Connection' -benchtime 3000x -count 3 -timeout 30m ./pkg/bpf | tee $(BENCH_OUT)/micro.txt
+	$(GO) test -run '^$$' -bench 'Egress|Ingress|TestRunFloor|Connection|SourceRules' -benchtime 3000x -count 3 -timeout 30m ./pkg/bpf | tee $(BENCH_OUT)/micro.txt
 	$(GO) test -run '^$$' -bench 'SyncPolicy|CheckPolicy' -benchtime 10x -timeout 30m ./pkg/bpf | tee $(BENCH_OUT)/control.txt
 	$(GO) test -run '^$$' -bench 'Apply|Counters' -benchtime 5x -timeout 30m ./pkg/nftables | tee $(BENCH_OUT)/nftables.txt
 	$(GO) test -run '^$$' -bench BenchmarkSweep -benchtime 5x -benchmem -timeout 30m ./pkg/bpf | tee $(BENCH_OUT)/sweep.txt
