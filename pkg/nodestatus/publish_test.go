@@ -254,7 +254,11 @@ func TestPublish(t *testing.T) {
 
 	st := &stats{s: agent.Stats{Ready: true, ConfigSHA256: strings.Repeat("0123456789abcdef", 4)}}
 	p, logs := publish(ctx, t, cp, cp.Kubeconfig, "node-a", st)
-	o := statusOf(ctx, t, res, "node-a", "the first write", func(*unstructured.Unstructured) bool { return true })
+	// The object is created first, and its status written through the subresource after: the
+	// first write is done when the status is there.
+	o := statusOf(ctx, t, res, "node-a", "the first write", func(o *unstructured.Unstructured) bool {
+		return field(o, "status", "state") != ""
+	})
 	if field(o, "status", "state") != kube.StateReady || field(o, "status", "config", "hash") != "0123456789abcdef" ||
 		field(o, "status", "backend", "name") != datapathtest.Name {
 		t.Errorf("status %v", o.Object["status"])
