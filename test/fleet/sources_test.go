@@ -135,10 +135,19 @@ func TestSourceSelectors(t *testing.T) {
 		}
 		// explain, run beside the agent with its token: a pod by name (its labels read from the
 		// API server), and an address the running agent's selectors chose.
+		// The agent records what it applied a hair after the datapath has it: ask until then.
 		explain := func(from, want string) {
 			t.Helper()
-			out, err := e2e.NSExec(ctx, n.env.Node, "", agentBin, "explain", "--kubeconfig="+n.kubeconfig, "--from="+from, probeDst.String())
-			if err != nil || !strings.Contains(string(out), want) {
+			var out []byte
+			err := testutil.Poll(10*time.Second, 50*time.Millisecond, func() error {
+				var err error
+				out, err = e2e.NSExec(ctx, n.env.Node, "", agentBin, "explain", "--kubeconfig="+n.kubeconfig, "--from="+from, probeDst.String())
+				if err != nil || !strings.Contains(string(out), want) {
+					return testutil.NotYet("%v", err)
+				}
+				return nil
+			})
+			if err != nil {
 				t.Errorf("explain --from %s: %v:\n%s\nwant %q", from, err, out, want)
 			}
 		}
