@@ -399,8 +399,11 @@ func TestPublishAfterUpgrade(t *testing.T) {
 	established(crd)
 	node(ctx, t, cp, "node-u")
 	p, logs := publish(ctx, t, cp, cp.Kubeconfig, "node-u", &stats{s: agent.Stats{Ready: true}})
-	o := statusOf(ctx, t, res, "node-u", "this agent's write", func(o *unstructured.Unstructured) bool {
-		return field(o, "status", "lastHeartbeatTime") != "" // neither the older agent's nor the cleared one
+	// This agent's write, which replaces what the older agent's held: the replace may be seen
+	// a moment after the write's own fields (a status read between the two is not the end).
+	o := statusOf(ctx, t, res, "node-u", "this agent's write, the older agent's fields gone", func(o *unstructured.Unstructured) bool {
+		return field(o, "status", "lastHeartbeatTime") != "" && field(o, "status", "message") == "" &&
+			field(o, "status", "rejected", "reason") == ""
 	})
 	_ = testutil.Poll(wait, 20*time.Millisecond, func() error { // the server holds the write before the publisher counts it
 		if ok, _ := p.Writes(); ok < 1 {
