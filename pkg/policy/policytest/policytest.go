@@ -162,8 +162,18 @@ func Destination(rng *rand.Rand, p *policy.Policy, fam policy.Family) netip.Addr
 	if !p.Enabled(fam) {
 		rules = policy.Compile(config.Default(config.Options{EnableIPv6: true}), policy.Options{EnableIPv6: true}).Rules(fam)
 	}
-	if len(rules) > 0 && rng.IntN(10) < 7 {
-		pr := rules[rng.IntN(len(rules))].Prefix
+	prefixes := make([]netip.Prefix, len(rules))
+	for i, r := range rules {
+		prefixes[i] = r.Prefix
+	}
+	return aimAt(rng, prefixes, fam, 7)
+}
+
+// aimAt draws an address of a family: tenths times in ten (when there are prefixes) inside a
+// random one of prefixes, at its first or last address; else anywhere.
+func aimAt(rng *rand.Rand, prefixes []netip.Prefix, fam policy.Family, tenths int) netip.Addr {
+	if len(prefixes) > 0 && rng.IntN(10) < tenths {
+		pr := prefixes[rng.IntN(len(prefixes))]
 		switch rng.IntN(6) {
 		case 0:
 			return pr.Addr()
@@ -268,19 +278,5 @@ func Source(rng *rand.Rand, p *policy.Policy, fam policy.Family) netip.Addr {
 	for _, s := range p.Sources {
 		prefixes = append(prefixes, s.Prefixes(fam)...)
 	}
-	if len(prefixes) > 0 && rng.IntN(10) < 8 {
-		pr := prefixes[rng.IntN(len(prefixes))]
-		switch rng.IntN(6) {
-		case 0:
-			return pr.Addr()
-		case 1:
-			return LastAddr(pr)
-		default:
-			return AddrIn(rng, pr)
-		}
-	}
-	if fam == policy.IPv4 {
-		return AddrIn(rng, netip.PrefixFrom(netip.IPv4Unspecified(), 0))
-	}
-	return AddrIn(rng, netip.PrefixFrom(netip.IPv6Unspecified(), 0))
+	return aimAt(rng, prefixes, fam, 8)
 }
