@@ -131,13 +131,18 @@ func (w *world) sourceSelectors(ctx context.Context, t *testing.T, b backend) {
 	w.uninstall(ctx, t)
 }
 
-// checkFrom checks what the outside sees of cl's TCP and UDP traffic: outsideKept always as
-// podIP (every rule keeps 172.16.0.0/12), outsideMasq as want.
+// checkFrom checks what the outside sees of cl's new TCP and UDP flows: outsideKept always as
+// podIP (every rule keeps 172.16.0.0/12), outsideMasq as want. UDP leaves from a fresh port:
+// the probes before it, masqueraded by the global keys, are flows that keep their verdict.
 func (w *world) checkFrom(ctx context.Context, t *testing.T, cl client, podIP, want netip.Addr) {
 	t.Helper()
 	for dst, expect := range map[netip.Addr]netip.Addr{outsideKept: podIP, outsideMasq: want} {
 		for _, proto := range []string{"tcp", "udp"} {
-			got, err := cl.whoami(ctx, proto, netip.AddrPortFrom(dst, WhoamiPort))
+			from := cl
+			if proto == "udp" {
+				from = cl.fresh()
+			}
+			got, err := from.whoami(ctx, proto, netip.AddrPortFrom(dst, WhoamiPort))
 			if err != nil || got != expect {
 				t.Errorf("%s from %s to %s: the outside saw %s, %v; want %s", proto, cl.name, dst, got, err, expect)
 			}

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -89,11 +90,25 @@ func answerTCP(conn net.Conn) {
 	}
 }
 
-// client is where connections start: a network namespace and, optionally, a source address.
+// client is where connections start: a network namespace and, optionally, a source address
+// and port.
 type client struct {
 	name   string
 	nsPath string
 	src    netip.Addr
+	port   uint16
+}
+
+// freshPorts hands out source ports below the kernel's ephemeral range (32768 and up), each
+// once per test process, for a flow that must be new: a UDP socket on a random ephemeral port
+// may reuse the 5-tuple of an earlier probe whose translation conntrack (and the BPF
+// datapath, alike) still holds, and so keep that probe's verdict.
+var freshPorts atomic.Uint32
+
+// fresh returns cl with a source port no earlier flow of this process used.
+func (cl client) fresh() client {
+	cl.port = uint16(20000 + freshPorts.Add(1)%12000)
+	return cl
 }
 
 // whoami asks the server at dst over proto ("tcp" or "udp") and returns the address it saw.
@@ -101,11 +116,15 @@ func (cl client) whoami(ctx context.Context, proto string, dst netip.AddrPort) (
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	var laddr net.Addr
-	if cl.src.IsValid() {
+	if cl.src.IsValid() || cl.port != 0 {
+		var ip net.IP
+		if cl.src.IsValid() {
+			ip = cl.src.AsSlice()
+		}
 		if proto == "tcp" {
-			laddr = &net.TCPAddr{IP: cl.src.AsSlice()}
+			laddr = &net.TCPAddr{IP: ip, Port: int(cl.port)}
 		} else {
-			laddr = &net.UDPAddr{IP: cl.src.AsSlice()}
+			laddr = &net.UDPAddr{IP: ip, Port: int(cl.port)}
 		}
 	}
 	conn, err := cluster.Dialer(cl.nsPath, laddr)(ctx, proto, dst.String())
