@@ -23,7 +23,7 @@ TESTFLAGS ?= -count=1 -timeout 25m
 # Pinned clang flags for the BPF objects (read by the go:generate lines through the environment).
 export BPF_CFLAGS := -O2 -g -Wall -Werror -mcpu=v3
 
-.PHONY: all build image test test-kernels unit e2e demo generate check-generate bench lint deps clean k8s cluster-up cluster-down
+.PHONY: all build image test test-kernels unit e2e demo generate check-generate bench lint deps clean k8s coredns cluster-up cluster-down
 
 all: build
 
@@ -48,7 +48,7 @@ image: deps build
 ## slow the time-bound end-to-end tests beside them. The kernel matrix comes last, on the kernels
 ## other than the host's (whose run is the one above), with the end-to-end suite on the oldest.
 LATE_TESTS := ./test/container ./internal/cluster ./test/cluster ./internal/vm
-test: deps build k8s
+test: deps build k8s coredns
 	$(GO) test $(TESTFLAGS) $$($(GO) list ./... | grep -v -x -F "$$($(GO) list $(LATE_TESTS) ./test/kernels)")
 	$(GO) test $(TESTFLAGS) -p 1 $(LATE_TESTS)
 	$(MAKE) test-kernels KERNELS="$(VM_KERNELS)" KERNEL_E2E=oldest
@@ -96,6 +96,17 @@ $(K8S_BIN)/.built: $(K8S_MODULE)/go.mod $(K8S_MODULE)/go.sum
 	cd $(K8S_MODULE) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(K8S_LDFLAGS)" \
 		-o $(CURDIR)/$(K8S_BIN)/ $(addprefix k8s.io/kubernetes/cmd/,$(K8S_COMPONENTS))
 	touch $@
+
+## coredns: CoreDNS for the cluster tests' DNS (cluster.ClusterOptions.DNS), built from the Go
+## module proxy by its own module in test/cluster/coredns (a narrowed plugin list; coredns's
+## dependencies would otherwise move the tools module's) and kept in bin/coredns/VERSION.
+COREDNS_MODULE  := test/cluster/coredns
+COREDNS_VERSION := $(shell awk '$$1 == "require" && $$2 == "github.com/coredns/coredns" { print $$3 } $$1 == "github.com/coredns/coredns" { print $$2 }' $(COREDNS_MODULE)/go.mod)
+COREDNS_BIN     := bin/coredns/$(COREDNS_VERSION)/coredns
+coredns: $(COREDNS_BIN)
+$(COREDNS_BIN): $(COREDNS_MODULE)/go.mod $(COREDNS_MODULE)/go.sum $(COREDNS_MODULE)/main.go
+	mkdir -p $(dir $@)
+	cd $(COREDNS_MODULE) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-s -w" -o $(CURDIR)/$@ .
 
 ## cluster-up: a single-node Kubernetes cluster (control plane, containerd, kubelet, kube-proxy,
 ## bridge CNI) in namespaces of its own, as the cluster tests run it, until make cluster-down
