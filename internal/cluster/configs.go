@@ -8,6 +8,9 @@ import (
 
 // The components' configuration files, each written from the node's facts.
 
+// cniBinDir holds the CNI plugins (Debian's containernetworking-plugins).
+const cniBinDir = "/usr/lib/cni"
+
 // containerdConfig is containerd's: its store and state in the node's mount namespace's
 // default places, cgroupfs (no systemd), restrict_oom_score_adj (this machine's sandbox lacks
 // CAP_SYS_RESOURCE, so a pod may not get a lower score than containerd's own), the pause image
@@ -39,9 +42,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
   [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
+    bin_dir = %q
     conf_dir = %q
-`, pauseRef, cniConfDir)
+`, pauseRef, cniBinDir, cniConfDir)
 }
 
 // cniConfig is the pod network: one bridge with the node's pod range from host-local, the

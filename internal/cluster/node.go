@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -17,19 +18,26 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
-// Addresses of the node and its outside world.
+// Addresses of the nodes and their outside world.
 var (
-	// NodeNet is the link between the node's uplink (eth0, NodeAddress) and the outside
-	// namespace (OutsideAddress), the node's default gateway.
+	// NodeNet is the nodes' network: each node's uplink (eth0) is on it, and the outside
+	// namespace holds its first address (OutsideAddress) on a bridge, every node's default
+	// gateway. Node N (from 1) has the address N+1: NodeAddress is node 1's.
 	NodeNet        = netip.MustParsePrefix("172.30.0.0/24")
 	NodeAddress    = NodeNet.Addr().Next().Next()
 	OutsideAddress = NodeNet.Addr().Next()
-	// DefaultPodCIDR is the node's pod range (the bridge plugin's host-local range).
+	// ClusterPodCIDR holds every node's pod range: node N's is its (N-1)th /24, each node's
+	// bridge plugin's host-local range. DefaultPodCIDR is node 1's.
+	ClusterPodCIDR = netip.MustParsePrefix("10.244.0.0/16")
 	DefaultPodCIDR = netip.MustParsePrefix("10.244.0.0/24")
 )
 
-// NodeName is the node's name in the API.
+// NodeName is node 1's name in the API (node N's is "node-N").
 const NodeName = "node-1"
+
+// maxNodes bounds ClusterOptions.Nodes: the addresses of NodeNet, the /24s of ClusterPodCIDR
+// and the control plane's Attach pairs all run out a little above it.
+const maxNodes = 200
 
 // ProxyModes are the kube-proxy modes a node can run.
 var ProxyModes = []string{"iptables", "nftables"}
@@ -40,36 +48,97 @@ type ClusterOptions struct {
 	ProxyMode string
 	// Dir keeps the state; empty means a directory of its own, removed by Close.
 	Dir string
-	// Images are OCI archives to import into the node's containerd besides the pause image.
+	// Images are OCI archives to import into every node's containerd besides the pause image.
 	Images []string
 	// IptablesMode is the iptables the kubelet and kube-proxy run: "legacy" or "nft" (the
-	// iptables-legacy or iptables-nft commands as iptables), empty for the host's default.
-	// The agent's iptables backend follows the mode their rules are in.
+	// iptables-legacy or iptables-nft commands as iptables), empty for the host's default. The agent's iptables backend follows the mode their rules are in.
 	IptablesMode string
+	// Nodes is the number of nodes; 0 means 1.
+	Nodes int
+	// OutsideAddrs are more addresses of the outside namespace (on its loopback), which the
+	// nodes reach by their default route: a test's stand-in for a host on the Internet.
+	OutsideAddrs []netip.Prefix
 }
 
-// Cluster is a control plane and one node: the controller manager and the scheduler beside
-// the API server, and a node running containerd, the kubelet and kube-proxy in namespaces of
-// its own (a network namespace wired to an outside namespace and to the control plane, and a
-// mount namespace, see mountns.go), with the bridge CNI plugin for pods.
+// Cluster is a control plane and its nodes: the controller manager and the scheduler beside
+// the API server, and nodes running containerd, the kubelet and kube-proxy in namespaces of
+// their own (a network namespace wired to the outside namespace and to the control plane, and
+// a mount namespace, see mountns.go), with the bridge CNI plugin for pods. The nodes share one
+// network, so each routes the others' pod ranges to them directly, nothing translated.
 type Cluster struct {
 	*ControlPlane
-	// Node is the node's network namespace; Outside the namespace beyond its uplink.
+	// Nodes are the nodes, node 1 first.
+	Nodes []*Node
+	// Node is node 1's network namespace; Outside the namespace beyond the nodes' uplinks.
 	Node, Outside string
-	// CgroupRoot is the kubelet's cgroup root: every pod's cgroups are below it.
+	// CgroupRoot holds the nodes' cgroup roots: every pod's cgroups are below it.
 	CgroupRoot string
 	// ProxyMode is kube-proxy's mode.
 	ProxyMode string
-	// iptablesEnv is the environment that makes the node's components run IptablesMode.
+	// iptablesEnv is the environment that makes the nodes' components run IptablesMode.
 	iptablesEnv []string
 
-	dir        string
+	dir        string // the state the nodes share (node 1's directory)
 	trace      trace
-	mnt        *mountNamespace
 	controlled []*Process // controller manager, scheduler
+}
+
+// Node is one node: containerd, the kubelet and kube-proxy in a network namespace and a mount
+// namespace of their own.
+type Node struct {
+	// Name is the node's name in the API: node-N.
+	Name string
+	// Netns is the node's network namespace.
+	Netns string
+	// Address is the node's uplink address (eth0, on NodeNet), its InternalIP.
+	Address netip.Addr
+	// PodCIDR is the node's pod range.
+	PodCIDR netip.Prefix
+	// CgroupRoot is the node's kubelet's cgroup root, below the cluster's.
+	CgroupRoot string
+
+	index      int    // N, from 1
+	dir        string // the node's state
+	mnt        *mountNamespace
 	containerd *Process
 	kubelet    *Process
 	proxy      *Process
+}
+
+// newNode describes node N (from 1) of the cluster c; nothing is made yet.
+func (c *Cluster) newNode(index int) *Node {
+	pods := ClusterPodCIDR.Addr().As4()
+	pods[2] = byte(index - 1)
+	name := fmt.Sprintf("node-%d", index)
+	return &Node{
+		Name:       name,
+		Address:    addrAdd(NodeNet.Addr(), index+1),
+		PodCIDR:    netip.PrefixFrom(netip.AddrFrom4(pods), 24),
+		CgroupRoot: c.CgroupRoot + "/" + name,
+		index:      index,
+		dir:        filepath.Join(c.ControlPlane.Dir, n1(index, "node", name)),
+	}
+}
+
+// n1 is what names a node's network namespace, directory, logs and certificates: one for
+// node 1, whose names are a single-node cluster's as they were before there were more nodes,
+// another for the others.
+func n1(index int, first, other string) string {
+	if index == 1 {
+		return first
+	}
+	return other
+}
+
+// own names a file, log or certificate of the node: base for node 1, base-NAME for the others.
+func (n *Node) own(base string) string { return n1(n.index, base, base+"-"+n.Name) }
+
+// addrAdd is a + n.
+func addrAdd(a netip.Addr, n int) netip.Addr {
+	for range n {
+		a = a.Next()
+	}
+	return a
 }
 
 // Start brings a cluster up for the test and tears it down when the test ends; see
@@ -98,7 +167,7 @@ func Start(t testing.TB, opts ClusterOptions) *Cluster {
 func Require(t testing.TB) {
 	t.Helper()
 	testutil.RequirePrivileged(t, "etcd", "containerd", "ctr", "runc", "nsenter", "unshare", "ip")
-	if _, err := os.Stat("/usr/lib/cni/bridge"); err != nil {
+	if _, err := os.Stat(filepath.Join(cniBinDir, "bridge")); err != nil {
 		testutil.Unavailable(t, "no CNI bridge plugin (containernetworking-plugins): %v", err)
 	}
 	if _, err := Binaries(); err != nil {
@@ -106,37 +175,45 @@ func Require(t testing.TB) {
 	}
 }
 
-// New brings a cluster up and returns once the node is Ready; Close tears it down.
+// New brings a cluster up and returns once every node is Ready; Close tears it down.
 func New(ctx context.Context, opts ClusterOptions) (_ *Cluster, err error) {
 	if opts.ProxyMode == "" {
 		opts.ProxyMode = "iptables"
+	}
+	nodes := max(opts.Nodes, 1)
+	if nodes > maxNodes {
+		return nil, fmt.Errorf("%d nodes: at most %d", nodes, maxNodes)
 	}
 	cp, err := NewControlPlane(ctx, Options{Dir: opts.Dir})
 	if err != nil {
 		return nil, err
 	}
 	c := &Cluster{ControlPlane: cp, ProxyMode: opts.ProxyMode, dir: filepath.Join(cp.Dir, "node"),
-		trace: trace{hostPaths: existing(hostPaths)}}
+		CgroupRoot: cp.run.cgroupRoot(), trace: trace{hostPaths: existing(hostPaths)}}
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, c.Close())
 		}
 	}()
-	if err := os.MkdirAll(filepath.Join(c.dir, "cni"), 0o755); err != nil {
+	if err := os.MkdirAll(c.dir, 0o755); err != nil {
 		return nil, err
 	}
-	c.CgroupRoot = cp.run.cgroupRoot()
 	if c.iptablesEnv, err = iptablesMode(c.dir, opts.IptablesMode); err != nil {
 		return nil, err
 	}
-	steps := []func(context.Context) error{
-		c.startControllers, c.wireNode, c.makeMountNamespace, c.startContainerd,
-		func(context.Context) error { return c.record() },
+	if err := c.startControllers(ctx); err != nil {
+		return nil, err
 	}
-	for _, step := range steps {
-		if err := step(ctx); err != nil {
+	if err := c.wireOutside(ctx, opts.OutsideAddrs); err != nil {
+		return nil, err
+	}
+	for i := 1; i <= nodes; i++ {
+		if err := c.addNode(ctx, c.newNode(i)); err != nil {
 			return nil, err
 		}
+	}
+	if err := c.record(); err != nil {
+		return nil, err
 	}
 	pause, err := BuildPause(ctx, c.dir)
 	if err != nil {
@@ -145,12 +222,40 @@ func New(ctx context.Context, opts ClusterOptions) (_ *Cluster, err error) {
 	if err := c.Import(ctx, append([]string{pause}, opts.Images...)...); err != nil {
 		return nil, err
 	}
-	for _, step := range []func(context.Context) error{c.startKubelet, c.startProxy, c.waitNodeReady, c.waitServiceAccount} {
-		if err := step(ctx); err != nil {
+	for _, n := range c.Nodes {
+		if err := c.startKubelet(n); err != nil {
+			return nil, err
+		}
+		if err := c.startProxy(n); err != nil {
 			return nil, err
 		}
 	}
-	return c, nil
+	for _, n := range c.Nodes {
+		if err := c.waitNodeReady(ctx, n); err != nil {
+			return nil, err
+		}
+	}
+	return c, c.waitServiceAccount(ctx)
+}
+
+// addNode makes node n: its network namespace and wiring, its mount namespace and containerd.
+// The node is the cluster's from the start, so that a failure's Close removes what was made.
+func (c *Cluster) addNode(ctx context.Context, n *Node) error {
+	c.Nodes = append(c.Nodes, n)
+	if err := os.MkdirAll(filepath.Join(n.dir, "cni"), 0o755); err != nil {
+		return err
+	}
+	if err := c.wireNode(ctx, n); err != nil {
+		return err
+	}
+	if n.index == 1 {
+		c.Node = n.Netns
+	}
+	var err error
+	if n.mnt, err = newMountNamespace(ctx, n.Netns, n.dir); err != nil {
+		return err
+	}
+	return c.startContainerd(ctx, n)
 }
 
 // iptablesMode returns the environment in which iptables is iptables-MODE: a directory of
@@ -178,13 +283,13 @@ func iptablesMode(dir, mode string) ([]string, error) {
 	return []string{"PATH=" + bin + ":" + os.Getenv("PATH")}, nil
 }
 
-// kubeconfig issues a client certificate and writes its kubeconfig under the node's directory.
-func (c *Cluster) kubeconfig(name, user string, groups ...string) (string, error) {
+// kubeconfig issues a client certificate named name and writes its kubeconfig in dir.
+func (c *Cluster) kubeconfig(dir, name, user string, groups ...string) (string, error) {
 	pair, err := c.PKI.Issue(name, Cert{CommonName: user, Groups: groups})
 	if err != nil {
 		return "", err
 	}
-	path := filepath.Join(c.dir, name+".kubeconfig")
+	path := filepath.Join(dir, name+".kubeconfig")
 	return path, writeKubeconfig(path, c.URL, c.PKI.CAFile, user, pair)
 }
 
@@ -192,11 +297,11 @@ func (c *Cluster) kubeconfig(name, user string, groups ...string) (string, error
 // ServiceAccount exists) and the scheduler (without it no pod is placed) beside the API server,
 // each as its own default RBAC identity.
 func (c *Cluster) startControllers(context.Context) error {
-	cm, err := c.kubeconfig("controller-manager", "system:kube-controller-manager")
+	cm, err := c.kubeconfig(c.dir, "controller-manager", "system:kube-controller-manager")
 	if err != nil {
 		return err
 	}
-	sched, err := c.kubeconfig("scheduler", "system:kube-scheduler")
+	sched, err := c.kubeconfig(c.dir, "scheduler", "system:kube-scheduler")
 	if err != nil {
 		return err
 	}
@@ -224,140 +329,207 @@ func (c *Cluster) startControllers(context.Context) error {
 	return nil
 }
 
-// wireNode makes the node's network namespace: its uplink eth0 to the outside namespace (its
-// default gateway, which routes the pod range and the Services back to it), a link to the
-// control plane, and forwarding on.
-func (c *Cluster) wireNode(ctx context.Context) error {
+// wireOutside makes the outside namespace: a bridge holding OutsideAddress, which each node's
+// uplink joins (wireNode), and the extra addresses on its loopback.
+func (c *Cluster) wireOutside(ctx context.Context, addrs []netip.Prefix) error {
 	var err error
-	if c.Node, err = c.run.newNetns(ctx, "node"); err != nil {
-		return err
-	}
 	if c.Outside, err = c.run.newNetns(ctx, "out"); err != nil {
 		return err
 	}
-	l := Link{NsA: c.Outside, NameA: "eth0", NsB: c.Node, NameB: "eth0", Net: NodeNet}
-	if err := l.create(ctx); err != nil {
-		return err
+	cmds := [][]string{
+		{"link", "add", outsideBridge, "type", "bridge"},
+		{"addr", "add", netip.PrefixFrom(OutsideAddress, NodeNet.Bits()).String(), "dev", outsideBridge},
+		{"link", "set", outsideBridge, "up"},
 	}
-	if _, err := ip(ctx, "-n", c.Node, "route", "add", "default", "via", OutsideAddress.String()); err != nil {
-		return err
+	for _, a := range addrs {
+		cmds = append(cmds, []string{"addr", "add", a.String(), "dev", "lo"})
 	}
-	for _, p := range append([]netip.Prefix{DefaultPodCIDR}, c.opts.ServiceCIDRs...) {
-		if err := route(ctx, c.Outside, p, NodeAddress); err != nil {
+	for _, cmd := range cmds {
+		if _, err := ip(ctx, append([]string{"-n", c.Outside}, cmd...)...); err != nil {
 			return err
-		}
-	}
-	// The control plane reaches the pods and the kubelet (logs, exec) through the link.
-	if _, err := c.Attach(ctx, c.Node, DefaultPodCIDR, netip.PrefixFrom(NodeAddress, 32)); err != nil {
-		return err
-	}
-	_, err = Namespaces{Net: netnsPath(c.Node)}.Run(ctx, cmdTimeout, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
-	return err
-}
-
-func (c *Cluster) makeMountNamespace(ctx context.Context) error {
-	var err error
-	c.mnt, err = newMountNamespace(ctx, c.Node, c.dir)
-	return err
-}
-
-// NodeNamespaces are the node's network and mount namespaces, for running a command on the
-// node (NodeNamespaces().Run(ctx, timeout, "nft", "list", "ruleset")).
-func (c *Cluster) NodeNamespaces() Namespaces {
-	return Namespaces{Net: netnsPath(c.Node), Mount: c.mnt.path()}
-}
-
-// MountHolder is the pid of the process that holds the node's mount namespace
-// (/proc/PID/ns/mnt).
-func (c *Cluster) MountHolder() string { return strconv.Itoa(c.mnt.holder.Pid()) }
-
-func (c *Cluster) startContainerd(ctx context.Context) error {
-	if err := os.WriteFile(filepath.Join(c.dir, "cni", "10-pods.conflist"), []byte(cniConfig([]netip.Prefix{DefaultPodCIDR})), 0o644); err != nil {
-		return err
-	}
-	conf := filepath.Join(c.dir, "containerd.toml")
-	if err := os.WriteFile(conf, []byte(containerdConfig(filepath.Join(c.dir, "cni"), PauseRef)), 0o644); err != nil {
-		return err
-	}
-	var err error
-	if c.containerd, err = startProcess("containerd", c.logPath("containerd"), c.NodeNamespaces(), nil,
-		"containerd", "--config="+conf); err != nil {
-		return err
-	}
-	return poll(ctx, "containerd", c.containerd, func() error {
-		_, err := c.NodeNamespaces().Run(ctx, cmdTimeout, "ctr", "version")
-		return err
-	})
-}
-
-// Import imports OCI image archives into the node's containerd, where the kubelet finds them
-// (pods run them with imagePullPolicy Never or IfNotPresent).
-func (c *Cluster) Import(ctx context.Context, archives ...string) error {
-	for _, a := range archives {
-		if _, err := c.NodeNamespaces().Run(ctx, 5*time.Minute, "ctr", "-n", "k8s.io", "images", "import", "--no-unpack=false", a); err != nil {
-			return fmt.Errorf("import %s: %w", a, err)
 		}
 	}
 	return nil
 }
 
-func (c *Cluster) startKubelet(context.Context) error {
-	kc, err := c.kubeconfig("kubelet", "system:node:"+NodeName, "system:nodes")
-	if err != nil {
-		return err
-	}
-	resolv := filepath.Join(c.dir, "resolv.conf")
-	if err := os.WriteFile(resolv, []byte("nameserver "+OutsideAddress.String()+"\n"), 0o644); err != nil {
-		return err
-	}
-	conf := filepath.Join(c.dir, "kubelet.yaml")
-	if err := os.WriteFile(conf, []byte(kubeletConfig(c.PKI.CAFile, c.CgroupRoot, resolv)), 0o644); err != nil {
-		return err
-	}
-	if err := makeCgroups(c.CgroupRoot); err != nil {
-		return err
-	}
-	return c.runKubelet(kc, conf)
-}
+// outsideBridge is the outside namespace's bridge, the nodes' network.
+const outsideBridge = "br0"
 
-func (c *Cluster) runKubelet(kubeconfig, conf string) error {
+// wireNode makes node n's network namespace: its uplink eth0 on the outside's bridge (its
+// default gateway, which routes the node's pod range back to it, and the Services to node 1),
+// routes to the other nodes' pod ranges through them, a link to the control plane (which routes
+// the node's address and pod range through it: logs, exec, proxying to pods), and forwarding on.
+func (c *Cluster) wireNode(ctx context.Context, n *Node) error {
 	var err error
-	c.kubelet, err = startProcess("kubelet", c.logPath("kubelet"), c.NodeNamespaces(), c.iptablesEnv,
-		filepath.Join(c.Bin, "kubelet"), "--config="+conf, "--kubeconfig="+kubeconfig,
-		"--hostname-override="+NodeName, "--node-ip="+NodeAddress.String(), "--v=1")
+	if n.Netns, err = c.run.newNetns(ctx, n1(n.index, "node", n.Name)); err != nil {
+		return err
+	}
+	// The peer is made in the node directly, so its name need only be free there.
+	cmds := [][]string{
+		{"-n", c.Outside, "link", "add", n.Name, "type", "veth", "peer", "name", "eth0", "netns", n.Netns},
+		{"-n", c.Outside, "link", "set", n.Name, "master", outsideBridge, "up"},
+		{"-n", n.Netns, "addr", "add", netip.PrefixFrom(n.Address, NodeNet.Bits()).String(), "dev", "eth0"},
+		{"-n", n.Netns, "link", "set", "eth0", "up"},
+		{"-n", n.Netns, "route", "add", "default", "via", OutsideAddress.String()},
+	}
+	for _, cmd := range cmds {
+		if _, err := ip(ctx, cmd...); err != nil {
+			return err
+		}
+	}
+	outside := []netip.Prefix{n.PodCIDR}
+	if n.index == 1 {
+		outside = append(outside, c.opts.ServiceCIDRs...)
+	}
+	for _, p := range outside {
+		if err := route(ctx, c.Outside, p, n.Address); err != nil {
+			return err
+		}
+	}
+	for _, m := range c.Nodes {
+		if m == n {
+			continue
+		}
+		if err := route(ctx, n.Netns, m.PodCIDR, m.Address); err != nil {
+			return err
+		}
+		if err := route(ctx, m.Netns, n.PodCIDR, n.Address); err != nil {
+			return err
+		}
+	}
+	if _, err := c.Attach(ctx, n.Netns, n.PodCIDR, netip.PrefixFrom(n.Address, 32)); err != nil {
+		return err
+	}
+	_, err = Namespaces{Net: netnsPath(n.Netns)}.Run(ctx, cmdTimeout, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
 	return err
 }
 
-// RestartKubelet stops the kubelet (SIGTERM) and starts it again; the pods run on.
-func (c *Cluster) RestartKubelet(ctx context.Context) error {
-	if err := c.kubelet.Stop(20 * time.Second); err != nil {
-		return err
-	}
-	return c.runKubelet(filepath.Join(c.dir, "kubelet.kubeconfig"), filepath.Join(c.dir, "kubelet.yaml"))
+// Namespaces are the node's network and mount namespaces, for running a command on the node
+// (Namespaces().Run(ctx, timeout, "nft", "list", "ruleset")).
+func (n *Node) Namespaces() Namespaces {
+	return Namespaces{Net: netnsPath(n.Netns), Mount: n.mnt.path()}
 }
 
-func (c *Cluster) startProxy(context.Context) error {
-	kc, err := c.kubeconfig("kube-proxy", "system:kube-proxy")
+// MountHolder is the pid of the process that holds the node's mount namespace
+// (/proc/PID/ns/mnt).
+func (n *Node) MountHolder() string { return strconv.Itoa(n.mnt.holder.Pid()) }
+
+// NodeNamespaces are node 1's namespaces (Node.Namespaces).
+func (c *Cluster) NodeNamespaces() Namespaces { return c.Nodes[0].Namespaces() }
+
+// MountHolder is the pid of the process that holds node 1's mount namespace.
+func (c *Cluster) MountHolder() string { return c.Nodes[0].MountHolder() }
+
+func (c *Cluster) startContainerd(ctx context.Context, n *Node) error {
+	cni := filepath.Join(n.dir, "cni")
+	if err := os.WriteFile(filepath.Join(cni, "10-pods.conflist"), []byte(cniConfig([]netip.Prefix{n.PodCIDR})), 0o644); err != nil {
+		return err
+	}
+	conf := filepath.Join(n.dir, "containerd.toml")
+	if err := os.WriteFile(conf, []byte(containerdConfig(cni, PauseRef)), 0o644); err != nil {
+		return err
+	}
+	var err error
+	if n.containerd, err = startProcess(n.own("containerd"), c.logPath(n.own("containerd")), n.Namespaces(), nil,
+		"containerd", "--config="+conf); err != nil {
+		return err
+	}
+	return poll(ctx, n.Name+"'s containerd", func() error {
+		_, err := n.Namespaces().Run(ctx, cmdTimeout, "ctr", "version")
+		return err
+	}, n.containerd)
+}
+
+// Import imports OCI image archives into every node's containerd, where the kubelet finds them
+// (pods run them with imagePullPolicy Never or IfNotPresent). The nodes import at once.
+func (c *Cluster) Import(ctx context.Context, archives ...string) error {
+	errs := make([]error, len(c.Nodes))
+	var wg sync.WaitGroup
+	for i, n := range c.Nodes {
+		wg.Go(func() { errs[i] = n.importImages(ctx, archives) })
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+func (n *Node) importImages(ctx context.Context, archives []string) error {
+	for _, a := range archives {
+		if _, err := n.Namespaces().Run(ctx, 5*time.Minute, "ctr", "-n", "k8s.io", "images", "import", "--no-unpack=false", a); err != nil {
+			return fmt.Errorf("import %s into %s: %w", a, n.Name, err)
+		}
+	}
+	return nil
+}
+
+// kubeletFiles are node n's kubelet's kubeconfig and configuration file.
+func (n *Node) kubeletFiles() (kubeconfig, conf string) {
+	return filepath.Join(n.dir, n.own("kubelet")+".kubeconfig"), filepath.Join(n.dir, "kubelet.yaml")
+}
+
+func (c *Cluster) startKubelet(n *Node) error {
+	if _, err := c.kubeconfig(n.dir, n.own("kubelet"), "system:node:"+n.Name, "system:nodes"); err != nil {
+		return err
+	}
+	resolv := filepath.Join(n.dir, "resolv.conf")
+	if err := os.WriteFile(resolv, []byte("nameserver "+OutsideAddress.String()+"\n"), 0o644); err != nil {
+		return err
+	}
+	_, conf := n.kubeletFiles()
+	if err := os.WriteFile(conf, []byte(kubeletConfig(c.PKI.CAFile, n.CgroupRoot, resolv)), 0o644); err != nil {
+		return err
+	}
+	if err := makeCgroups(n.CgroupRoot); err != nil {
+		return err
+	}
+	return c.runKubelet(n)
+}
+
+func (c *Cluster) runKubelet(n *Node) error {
+	kc, conf := n.kubeletFiles()
+	var err error
+	n.kubelet, err = startProcess(n.own("kubelet"), c.logPath(n.own("kubelet")), n.Namespaces(), c.iptablesEnv,
+		filepath.Join(c.Bin, "kubelet"), "--config="+conf, "--kubeconfig="+kc,
+		"--hostname-override="+n.Name, "--node-ip="+n.Address.String(), "--v=1")
+	return err
+}
+
+// RestartKubelet stops every node's kubelet (SIGTERM) and starts it again; the pods run on.
+func (c *Cluster) RestartKubelet(ctx context.Context) error {
+	for _, n := range c.Nodes {
+		if err := n.kubelet.Stop(20 * time.Second); err != nil {
+			return err
+		}
+		if err := c.runKubelet(n); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// startProxy runs node n's kube-proxy. Its cluster CIDR is every node's pods': a pod of
+// another node reaching a Service is a pod, not an outside client to masquerade.
+func (c *Cluster) startProxy(n *Node) error {
+	kc, err := c.kubeconfig(n.dir, n.own("kube-proxy"), "system:kube-proxy")
 	if err != nil {
 		return err
 	}
-	conf := filepath.Join(c.dir, "kube-proxy.yaml")
-	if err := os.WriteFile(conf, []byte(kubeProxyConfig(c.ProxyMode, kc, NodeName, []netip.Prefix{DefaultPodCIDR})), 0o644); err != nil {
+	conf := filepath.Join(n.dir, "kube-proxy.yaml")
+	if err := os.WriteFile(conf, []byte(kubeProxyConfig(c.ProxyMode, kc, n.Name, []netip.Prefix{ClusterPodCIDR})), 0o644); err != nil {
 		return err
 	}
-	c.proxy, err = startProcess("kube-proxy", c.logPath("kube-proxy"), c.NodeNamespaces(), c.iptablesEnv,
+	n.proxy, err = startProcess(n.own("kube-proxy"), c.logPath(n.own("kube-proxy")), n.Namespaces(), c.iptablesEnv,
 		filepath.Join(c.Bin, "kube-proxy"), "--config="+conf)
 	return err
 }
 
-// waitNodeReady waits until the node is registered and Ready (its runtime and network up).
-func (c *Cluster) waitNodeReady(ctx context.Context) error {
-	return poll(ctx, "node "+NodeName+" ready", c.kubelet, func() error {
-		n, err := c.Client.CoreV1().Nodes().Get(ctx, NodeName, metav1.GetOptions{})
+// waitNodeReady waits until node n is registered and Ready (its runtime and network up).
+func (c *Cluster) waitNodeReady(ctx context.Context, n *Node) error {
+	return poll(ctx, "node "+n.Name+" ready", func() error {
+		node, err := c.Client.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
 		if err != nil {
 			return err
 		}
-		for _, cond := range n.Status.Conditions {
+		for _, cond := range node.Status.Conditions {
 			if cond.Type == corev1.NodeReady {
 				if cond.Status == corev1.ConditionTrue {
 					return nil
@@ -366,24 +538,36 @@ func (c *Cluster) waitNodeReady(ctx context.Context) error {
 			}
 		}
 		return errors.New("no Ready condition yet")
-	})
+	}, n.kubelet)
 }
 
 // waitServiceAccount waits for the controller manager to make the default namespace's
 // ServiceAccount, without which no pod is admitted there.
 func (c *Cluster) waitServiceAccount(ctx context.Context) error {
-	return poll(ctx, "default ServiceAccount", c.controlled[0], func() error {
+	return poll(ctx, "default ServiceAccount", func() error {
 		_, err := c.Client.CoreV1().ServiceAccounts("default").Get(ctx, "default", metav1.GetOptions{})
 		return err
-	})
+	}, c.controlled[0])
 }
 
-// poll calls cond until it succeeds, p (when set) ends, or readyTimeout passes.
-func poll(ctx context.Context, what string, p *Process, cond func() error) error {
+// kubelets are the nodes' kubelets, for polls that end when one does.
+func (c *Cluster) kubelets() []*Process {
+	var ps []*Process
+	for _, n := range c.Nodes {
+		ps = append(ps, n.kubelet)
+	}
+	return ps
+}
+
+// poll calls cond until it succeeds, one of ps (those set) ends, or readyTimeout passes.
+func poll(ctx context.Context, what string, cond func() error, ps ...*Process) error {
 	ctx, cancel := context.WithTimeout(ctx, readyTimeout)
 	defer cancel()
 	for {
-		if p != nil {
+		for _, p := range ps {
+			if p == nil {
+				continue
+			}
 			if err := p.alive(); err != nil {
 				return err
 			}
@@ -400,9 +584,9 @@ func poll(ctx context.Context, what string, p *Process, cond func() error) error
 	}
 }
 
-// Close tears the cluster down: the node's components, then every process left in the node's
-// namespaces or cgroups (the pods' processes, containerd's shims), the cgroups, the mount
-// namespace, the network namespaces, the control plane; then it notes what processes are left
+// Close tears the cluster down: each node's components, then every process left in the node's
+// namespaces or cgroups (the pods' processes, containerd's shims), its cgroups and mount
+// namespace; the network namespaces, the control plane; then it notes what processes are left
 // in them (for Gone). After a failed teardown the run directory stays, for a later run's Reap.
 func (c *Cluster) Close() error {
 	err := c.teardown()
@@ -412,33 +596,50 @@ func (c *Cluster) Close() error {
 
 func (c *Cluster) teardown() error {
 	var errs []error
-	for _, p := range []*Process{c.proxy, c.kubelet, c.containerd} {
+	for _, n := range c.Nodes {
+		errs = append(errs, n.teardown())
+	}
+	errs = append(errs, removeCgroups(c.CgroupRoot))
+	for _, p := range c.controlled {
+		errs = append(errs, p.Stop(5*time.Second))
+	}
+	for _, n := range c.Nodes {
+		if n.Netns != "" {
+			errs = append(errs, testutil.DeleteNetns(context.Background(), n.Netns))
+		}
+	}
+	if c.Outside != "" {
+		errs = append(errs, testutil.DeleteNetns(context.Background(), c.Outside))
+	}
+	errs = append(errs, c.ControlPlane.teardown())
+	return errors.Join(errs...)
+}
+
+// teardown stops the node's components, kills what is left of it and ends its mount namespace.
+func (n *Node) teardown() error {
+	var errs []error
+	for _, p := range []*Process{n.proxy, n.kubelet, n.containerd} {
 		if p != nil {
 			errs = append(errs, p.Stop(5*time.Second))
 		}
 	}
-	if c.Node != "" {
-		errs = append(errs, c.killLeftovers())
+	if n.Netns != "" {
+		errs = append(errs, n.killLeftovers())
 	}
-	if c.mnt != nil {
-		errs = append(errs, c.mnt.close())
+	if n.mnt != nil {
+		errs = append(errs, n.mnt.close())
 	}
-	for _, p := range c.controlled {
-		errs = append(errs, p.Stop(5*time.Second))
-	}
-	for _, ns := range []string{c.Node, c.Outside} {
-		if ns != "" {
-			errs = append(errs, testutil.DeleteNetns(context.Background(), ns))
-		}
-	}
-	errs = append(errs, c.ControlPlane.teardown())
 	return errors.Join(errs...)
 }
 
 // LogTails logs the end of each component's log.
 func (c *Cluster) LogTails(t testing.TB) {
 	c.ControlPlane.logTails(t)
-	for _, p := range append(c.controlled, c.containerd, c.kubelet, c.proxy) {
+	ps := append([]*Process(nil), c.controlled...)
+	for _, n := range c.Nodes {
+		ps = append(ps, n.containerd, n.kubelet, n.proxy)
+	}
+	for _, p := range ps {
 		if p != nil {
 			t.Logf("%s log (%s) ends:\n%s", p.Name, p.Log, p.Tail(40))
 		}

@@ -93,7 +93,7 @@ func Dialer(path string, laddr net.Addr) func(ctx context.Context, network, addr
 // returns it.
 func (c *Cluster) WaitPodRunning(ctx context.Context, namespace, name string) (*corev1.Pod, error) {
 	var pod *corev1.Pod
-	err := poll(ctx, "pod "+namespace+"/"+name+" running", c.kubelet, func() error {
+	err := poll(ctx, "pod "+namespace+"/"+name+" running", func() error {
 		p, err := c.Client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			return err
@@ -108,7 +108,7 @@ func (c *Cluster) WaitPodRunning(ctx context.Context, namespace, name string) (*
 		}
 		pod = p
 		return nil
-	})
+	}, c.kubelets()...)
 	return pod, err
 }
 

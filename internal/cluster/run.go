@@ -73,10 +73,11 @@ func takeLock(dir string) (*os.File, error) {
 	return f, nil
 }
 
-// cgroupRoot is the run's cgroup root, the kubelet's.
+// cgroupRoot is the run's cgroup root, which holds each node's kubelet's (Node.CgroupRoot).
 func (r *run) cgroupRoot() string { return "/" + NetnsPrefix + r.id }
 
-// netnsName is the name of the run's network namespace of a role (cp, node, out).
+// netnsName is the name of the run's network namespace of a role (cp, out, node: node 1's,
+// node-N: node N's).
 func (r *run) netnsName(role string) string { return NetnsPrefix + role + "-" + r.id }
 
 // end removes the run directory and drops the lock when the teardown left nothing behind;
@@ -164,15 +165,15 @@ func (r *run) reap(ctx context.Context) error {
 	var names []string
 	var hold holder
 	defer hold.release()
-	for _, role := range []string{"cp", "node", "out"} {
-		name := r.netnsName(role)
-		if _, err := os.Lstat(netnsPath(name)); err != nil {
-			continue
-		}
-		if err := hold.hold(netnsPath(name), "net"); err != nil {
+	paths, err := filepath.Glob(netnsPath(r.netnsName("*")))
+	if err != nil {
+		return err
+	}
+	for _, path := range paths {
+		if err := hold.hold(path, "net"); err != nil {
 			return err
 		}
-		names = append(names, name)
+		names = append(names, filepath.Base(path))
 	}
 	if err := killAll(func() ([]int, error) { return hold.processes(r.cgroupRoot(), 0) }); err != nil {
 		return fmt.Errorf("reap run %s: %w", r.id, err)

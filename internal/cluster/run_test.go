@@ -88,13 +88,14 @@ func sleepIn(t *testing.T, path string) *Process {
 	return p
 }
 
-// deadRunEnv makes TestReapDeadRun the dead run: a cluster with a pod, killed with SIGKILL.
+// deadRunEnv makes TestReapDeadRun the dead run: a cluster of two nodes with a pod on each,
+// killed with SIGKILL.
 const deadRunEnv = "IPMASQ_K8S_DEAD_RUN"
 
-// TestReapDeadRun kills a test binary whose cluster runs a pod, as go test's timeout does: the
-// pod's processes and containerd's shim outlive it, with the node's network namespaces, the
-// cgroups and the run directory. Reap, as the next run calls it, removes all of them, and
-// leaves a live run alone.
+// TestReapDeadRun kills a test binary whose two-node cluster runs a pod on each node, as go
+// test's timeout does: the pods' processes and containerd's shims outlive it, with the nodes'
+// network namespaces, the cgroups and the run directory. Reap, as the next run calls it,
+// removes all of them, and leaves a live run alone.
 func TestReapDeadRun(t *testing.T) {
 	if os.Getenv(deadRunEnv) != "" {
 		beDeadRun(t)
@@ -113,10 +114,13 @@ func TestReapDeadRun(t *testing.T) {
 	}
 	dir := strings.TrimPrefix(line, "dead run: ")
 	dead := run{dir: dir, id: strings.TrimPrefix(filepath.Base(dir), NetnsPrefix)}
+	roles := []string{"cp", "node", "node-2", "out"}
 	var node holder
 	defer node.release()
-	if err := node.hold(netnsPath(dead.netnsName("node")), "net"); err != nil {
-		t.Fatal(err)
+	for _, role := range roles[1:3] {
+		if err := node.hold(netnsPath(dead.netnsName(role)), "net"); err != nil {
+			t.Fatal(err)
+		}
 	}
 	// The runner alone, as go test's timeout kills a test binary: its cluster is left behind.
 	if err := runner.Kill(ctx); err != nil {
@@ -140,7 +144,7 @@ func TestReapDeadRun(t *testing.T) {
 	if pids, err := node.processes(dead.cgroupRoot(), 0); err != nil || len(pids) > 0 {
 		t.Errorf("processes of the dead run are left: %v (%v)", pids, err)
 	}
-	for _, role := range []string{"cp", "node", "out"} {
+	for _, role := range roles {
 		if _, err := os.Lstat(netnsPath(dead.netnsName(role))); err == nil {
 			t.Errorf("the dead run's network namespace %s is left", dead.netnsName(role))
 		}
@@ -156,19 +160,23 @@ func TestReapDeadRun(t *testing.T) {
 	}
 }
 
-// beDeadRun brings a cluster up with a running pod, says where its run directory is and waits
-// to be killed.
+// beDeadRun brings a cluster of two nodes up with a running pod on each, says where its run
+// directory is and waits to be killed.
 func beDeadRun(t *testing.T) {
 	ctx := context.Background()
-	c, err := New(ctx, ClusterOptions{})
+	c, err := New(ctx, ClusterOptions{Nodes: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := c.Client.CoreV1().Pods("default").Create(ctx, PausePod("p", nil), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.WaitPodRunning(ctx, "default", "p"); err != nil {
-		t.Fatal(err)
+	for _, n := range c.Nodes {
+		pod := PausePod("p-"+n.Name, nil)
+		pod.Spec.NodeName = n.Name
+		if _, err := c.Client.CoreV1().Pods("default").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.WaitPodRunning(ctx, "default", pod.Name); err != nil {
+			t.Fatal(err)
+		}
 	}
 	fmt.Printf("dead run: %s\n", c.run.dir)
 	time.Sleep(time.Hour)

@@ -118,23 +118,23 @@ func killAll(list func() ([]int, error)) error {
 
 // killLeftovers kills the processes in the node's network or mount namespace or below its
 // cgroup root (but the mount namespace's holder) until none is left, then removes the cgroups.
-func (c *Cluster) killLeftovers() error {
+func (n *Node) killLeftovers() error {
 	var h holder
 	defer h.release()
-	if err := h.hold(netnsPath(c.Node), "net"); err != nil {
+	if err := h.hold(netnsPath(n.Netns), "net"); err != nil {
 		return err
 	}
 	skip := 0
-	if c.mnt != nil {
-		skip = c.mnt.holder.Pid()
-		if err := h.hold(c.mnt.path(), "mnt"); err != nil {
+	if n.mnt != nil {
+		skip = n.mnt.holder.Pid()
+		if err := h.hold(n.mnt.path(), "mnt"); err != nil {
 			return err
 		}
 	}
-	if err := killAll(func() ([]int, error) { return h.processes(c.CgroupRoot, skip) }); err != nil {
-		return fmt.Errorf("the node's processes: %w", err)
+	if err := killAll(func() ([]int, error) { return h.processes(n.CgroupRoot, skip) }); err != nil {
+		return fmt.Errorf("%s's processes: %w", n.Name, err)
 	}
-	return removeCgroups(c.CgroupRoot)
+	return removeCgroups(n.CgroupRoot)
 }
 
 // cgroupDirs are the directories of root in every cgroup hierarchy mounted under
@@ -218,14 +218,19 @@ func existing(paths []string) map[string]bool {
 
 // record notes the running cluster's trace.
 func (c *Cluster) record() error {
-	c.trace.netns = []string{c.Netns, c.Node, c.Outside}
+	c.trace.netns = []string{c.Netns, c.Outside}
+	for _, n := range c.Nodes {
+		c.trace.netns = append(c.trace.netns, n.Netns)
+	}
 	for _, ns := range c.trace.netns {
 		if err := c.trace.held.hold(netnsPath(ns), "net"); err != nil {
 			return err
 		}
 	}
-	if err := c.trace.held.hold(c.mnt.path(), "mnt"); err != nil {
-		return err
+	for _, n := range c.Nodes {
+		if err := c.trace.held.hold(n.mnt.path(), "mnt"); err != nil {
+			return err
+		}
 	}
 	c.trace.cgroupRoot, c.trace.dir, c.trace.runDir = c.CgroupRoot, c.Dir, c.run.dir
 	return nil
@@ -298,8 +303,9 @@ func (c *Cluster) Gone() error {
 	return errors.Join(errs...)
 }
 
-// makeCgroups makes root's cgroup in every hierarchy, as the kubelet wants its cgroup root to
-// exist; cpuset's gets its parent's CPUs and memory nodes (a v1 cpuset starts with none).
+// makeCgroups makes root's cgroup, and each cgroup above it, in every hierarchy, as the kubelet
+// wants its cgroup root to exist; a cpuset gets its parent's CPUs and memory nodes (a v1 cpuset
+// starts with none, and a child takes only what its parent has).
 func makeCgroups(root string) error {
 	entries, err := os.ReadDir("/sys/fs/cgroup")
 	if err != nil {
@@ -309,16 +315,20 @@ func makeCgroups(root string) error {
 		if e.Type()&fs.ModeSymlink != 0 || !e.IsDir() {
 			continue
 		}
-		top := filepath.Join("/sys/fs/cgroup", e.Name())
-		if err := os.Mkdir(filepath.Join(top, root), 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
-			return err
-		}
-		for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
-			if b, err := os.ReadFile(filepath.Join(top, f)); err == nil {
-				if err := os.WriteFile(filepath.Join(top, root, f), b, 0o644); err != nil {
-					return fmt.Errorf("cgroup %s: %w", filepath.Join(top, root, f), err)
+		parent := filepath.Join("/sys/fs/cgroup", e.Name())
+		for _, elem := range strings.Split(strings.Trim(root, "/"), "/") {
+			dir := filepath.Join(parent, elem)
+			if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
+				return err
+			}
+			for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+				if b, err := os.ReadFile(filepath.Join(parent, f)); err == nil {
+					if err := os.WriteFile(filepath.Join(dir, f), b, 0o644); err != nil {
+						return fmt.Errorf("cgroup %s: %w", filepath.Join(dir, f), err)
+					}
 				}
 			}
+			parent = dir
 		}
 	}
 	return nil
