@@ -3,6 +3,8 @@ package cluster
 import (
 	"fmt"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"strings"
 )
 
@@ -48,8 +50,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 }
 
 // cniConfig is the pod network: one bridge with the node's pod range from host-local, the
-// bridge the pods' gateway, and no masquerading of the bridge plugin's own (the agent's job).
-func cniConfig(podCIDRs []netip.Prefix) string {
+// bridge the pods' gateway, and no masquerading of the bridge plugin's own (the agent's job);
+// with portmap, the portmap plugin after it for the pods' hostPorts (containerd passes their
+// portMappings).
+func cniConfig(podCIDRs []netip.Prefix, portmap bool) string {
 	var ranges, routes []string
 	for _, p := range podCIDRs {
 		ranges = append(ranges, fmt.Sprintf(`[{"subnet": %q, "gateway": %q}]`, p.Masked(), p.Masked().Addr().Next()))
@@ -58,6 +62,14 @@ func cniConfig(podCIDRs []netip.Prefix) string {
 			def = "::/0"
 		}
 		routes = append(routes, fmt.Sprintf(`{"dst": %q}`, def))
+	}
+	var more string
+	if portmap {
+		more = `,
+    {
+      "type": "portmap",
+      "capabilities": {"portMappings": true}
+    }`
 	}
 	return fmt.Sprintf(`{
   "cniVersion": "1.0.0",
@@ -74,10 +86,17 @@ func cniConfig(podCIDRs []netip.Prefix) string {
         "ranges": [%s],
         "routes": [%s]
       }
-    }
+    }%s
   ]
 }
-`, strings.Join(ranges, ", "), strings.Join(routes, ", "))
+`, strings.Join(ranges, ", "), strings.Join(routes, ", "), more)
+}
+
+// portmap reports whether the portmap plugin is installed (Debian's containernetworking-plugins
+// ship it); without it pods' hostPorts go nowhere.
+func portmap() bool {
+	_, err := os.Stat(filepath.Join(cniBinDir, "portmap"))
+	return err == nil
 }
 
 // kubeletConfig is the kubelet's: cgroupfs with a cgroup root of the node's own (so teardown

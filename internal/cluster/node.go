@@ -50,8 +50,9 @@ type ClusterOptions struct {
 	Dir string
 	// Images are OCI archives to import into every node's containerd besides the pause image.
 	Images []string
-	// IptablesMode is the iptables the kubelet and kube-proxy run: "legacy" or "nft" (the
-	// iptables-legacy or iptables-nft commands as iptables), empty for the host's default. The agent's iptables backend follows the mode their rules are in.
+	// IptablesMode is the iptables the kubelet, kube-proxy and the CNI plugins run: "legacy" or
+	// "nft" (the iptables-legacy or iptables-nft commands as iptables), empty for the host's
+	// default. The agent's iptables backend follows the mode their rules are in.
 	IptablesMode string
 	// Nodes is the number of nodes; 0 means 1.
 	Nodes int
@@ -422,7 +423,7 @@ func (c *Cluster) MountHolder() string { return c.Nodes[0].MountHolder() }
 
 func (c *Cluster) startContainerd(ctx context.Context, n *Node) error {
 	cni := filepath.Join(n.dir, "cni")
-	if err := os.WriteFile(filepath.Join(cni, "10-pods.conflist"), []byte(cniConfig([]netip.Prefix{n.PodCIDR})), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(cni, "10-pods.conflist"), []byte(cniConfig([]netip.Prefix{n.PodCIDR}, portmap())), 0o644); err != nil {
 		return err
 	}
 	conf := filepath.Join(n.dir, "containerd.toml")
@@ -430,7 +431,8 @@ func (c *Cluster) startContainerd(ctx context.Context, n *Node) error {
 		return err
 	}
 	var err error
-	if n.containerd, err = startProcess(n.own("containerd"), c.logPath(n.own("containerd")), n.Namespaces(), nil,
+	// The CNI plugins it runs (portmap) write iptables rules: in the mode of kube-proxy's.
+	if n.containerd, err = startProcess(n.own("containerd"), c.logPath(n.own("containerd")), n.Namespaces(), c.iptablesEnv,
 		"containerd", "--config="+conf); err != nil {
 		return err
 	}
