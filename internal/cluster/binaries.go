@@ -47,19 +47,25 @@ func RepoRoot() (string, error) { return testutil.RepoRoot() }
 
 // KubernetesVersion is the Kubernetes release the tools module builds.
 func KubernetesVersion(root string) (string, error) {
-	f, err := os.Open(filepath.Join(root, toolsModule))
+	return requiredVersion(filepath.Join(root, toolsModule), "k8s.io/kubernetes")
+}
+
+// requiredVersion is the version of module that the go.mod file at path requires.
+func requiredVersion(path, module string) (string, error) {
+	f, err := os.Open(path)
 	if err != nil {
 		return "", err
 	}
 	defer f.Close()
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
-		if fields := strings.Fields(sc.Text()); len(fields) >= 2 && fields[0] == "k8s.io/kubernetes" {
+		fields := strings.Fields(strings.TrimPrefix(strings.TrimSpace(sc.Text()), "require "))
+		if len(fields) >= 2 && fields[0] == module {
 			return fields[1], nil
 		}
 	}
 	if err := sc.Err(); err != nil {
 		return "", err
 	}
-	return "", fmt.Errorf("%s requires no k8s.io/kubernetes", toolsModule)
+	return "", fmt.Errorf("%s requires no %s", path, module)
 }

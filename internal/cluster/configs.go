@@ -101,8 +101,9 @@ func portmap() bool {
 
 // kubeletConfig is the kubelet's: cgroupfs with a cgroup root of the node's own (so teardown
 // knows every cgroup the pods got), cgroup v1 allowed (this machine's hierarchy is hybrid), no
-// swap check, an OOM score it may keep, eviction thresholds no test disk reaches, and
-// certificate and webhook authentication so the API server's logs and exec work.
+// swap check, an OOM score it may keep, eviction thresholds no test disk reaches, certificate
+// and webhook authentication so the API server's logs and exec work, and the cluster's DNS
+// (DNSAddress, served when ClusterOptions.DNS deploys CoreDNS) in the pods' resolv.conf.
 func kubeletConfig(caFile, cgroupRoot, resolvConf string) string {
 	return fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -122,7 +123,8 @@ failCgroupV1: false
 failSwapOn: false
 oomScoreAdj: 0
 containerRuntimeEndpoint: unix:///run/containerd/containerd.sock
-clusterDomain: cluster.local
+clusterDomain: %s
+clusterDNS: [%q]
 resolvConf: %q
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
@@ -134,7 +136,7 @@ evictionHard:
   nodefs.inodesFree: "1%%"
   imagefs.available: "1%%"
 evictionPressureTransitionPeriod: 5s
-`, caFile, cgroupRoot, resolvConf)
+`, caFile, cgroupRoot, ClusterDomain, DNSAddress, resolvConf)
 }
 
 // kubeProxyConfig is kube-proxy's in mode (iptables or nftables). Conntrack is left as the

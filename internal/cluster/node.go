@@ -56,6 +56,8 @@ type ClusterOptions struct {
 	IptablesMode string
 	// Nodes is the number of nodes; 0 means 1.
 	Nodes int
+	// DNS deploys CoreDNS (see dns.go): New returns once it is ready at DNSAddress.
+	DNS bool
 	// OutsideAddrs are more addresses of the outside namespace (on its loopback), which the
 	// nodes reach by their default route: a test's stand-in for a host on the Internet.
 	OutsideAddrs []netip.Prefix
@@ -176,7 +178,18 @@ func Require(t testing.TB) {
 	}
 }
 
-// New brings a cluster up and returns once every node is Ready; Close tears it down.
+// RequireDNS is Require for a cluster with ClusterOptions.DNS: it also needs the CoreDNS
+// binary (make coredns).
+func RequireDNS(t testing.TB) {
+	t.Helper()
+	Require(t)
+	if _, err := CoreDNSBinary(); err != nil {
+		testutil.Unavailable(t, "%v", err)
+	}
+}
+
+// New brings a cluster up and returns once every node is Ready (and CoreDNS, with
+// ClusterOptions.DNS); Close tears it down.
 func New(ctx context.Context, opts ClusterOptions) (_ *Cluster, err error) {
 	if opts.ProxyMode == "" {
 		opts.ProxyMode = "iptables"
@@ -184,6 +197,13 @@ func New(ctx context.Context, opts ClusterOptions) (_ *Cluster, err error) {
 	nodes := max(opts.Nodes, 1)
 	if nodes > maxNodes {
 		return nil, fmt.Errorf("%d nodes: at most %d", nodes, maxNodes)
+	}
+	images := opts.Images
+	if opts.DNS {
+		// Found before anything starts: a missing binary fails at once, saying how to build it.
+		if _, err := CoreDNSBinary(); err != nil {
+			return nil, err
+		}
 	}
 	cp, err := NewControlPlane(ctx, Options{Dir: opts.Dir})
 	if err != nil {
@@ -220,7 +240,15 @@ func New(ctx context.Context, opts ClusterOptions) (_ *Cluster, err error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := c.Import(ctx, append([]string{pause}, opts.Images...)...); err != nil {
+	images = append([]string{pause}, images...)
+	if opts.DNS {
+		dns, err := BuildCoreDNS(c.dir)
+		if err != nil {
+			return nil, err
+		}
+		images = append(images, dns)
+	}
+	if err := c.Import(ctx, images...); err != nil {
 		return nil, err
 	}
 	for _, n := range c.Nodes {
@@ -236,7 +264,13 @@ func New(ctx context.Context, opts ClusterOptions) (_ *Cluster, err error) {
 			return nil, err
 		}
 	}
-	return c, c.waitServiceAccount(ctx)
+	if err := c.waitServiceAccount(ctx); err != nil {
+		return nil, err
+	}
+	if opts.DNS {
+		return c, c.startDNS(ctx)
+	}
+	return c, nil
 }
 
 // addNode makes node n: its network namespace and wiring, its mount namespace and containerd.
