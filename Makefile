@@ -108,13 +108,16 @@ $(COREDNS_BIN): $(COREDNS_MODULE)/go.mod $(COREDNS_MODULE)/go.sum $(COREDNS_MODU
 	mkdir -p $(dir $@)
 	cd $(COREDNS_MODULE) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-s -w" -o $(CURDIR)/$@ .
 
-## cluster-up: a single-node Kubernetes cluster (control plane, containerd, kubelet, kube-proxy,
-## bridge CNI) in namespaces of its own, as the cluster tests run it, until make cluster-down
-## (root). It imports $(IMAGE_OUT) into the node when make image made one.
+## cluster-up: a Kubernetes cluster of CLUSTER_NODES nodes (control plane, containerd, kubelet,
+## kube-proxy, bridge CNI; CoreDNS with CLUSTER_DNS=1) in namespaces of its own, as the cluster
+## tests run it, until make cluster-down (root). It imports $(IMAGE_OUT) into the nodes when
+## make image made one.
 CLUSTER_DIR        ?= bin/cluster
 CLUSTER_PROXY_MODE ?= iptables
-cluster-up: deps build k8s
-	$(GO) run ./test/cluster/up -dir $(CLUSTER_DIR) -proxy-mode $(CLUSTER_PROXY_MODE) $(if $(wildcard $(IMAGE_OUT)),-image $(IMAGE_OUT))
+CLUSTER_NODES      ?= 1
+CLUSTER_DNS        ?=
+cluster-up: deps build k8s $(if $(CLUSTER_DNS),coredns)
+	$(GO) run ./test/cluster/up -dir $(CLUSTER_DIR) -proxy-mode $(CLUSTER_PROXY_MODE) -nodes $(CLUSTER_NODES) $(if $(CLUSTER_DNS),-dns) $(if $(wildcard $(IMAGE_OUT)),-image $(IMAGE_OUT))
 
 ## cluster-down: tear down what make cluster-up runs, and wait until nothing of it is left; then
 ## remove what dead runs (a killed cluster-up, a test binary killed by its timeout) left

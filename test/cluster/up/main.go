@@ -1,6 +1,6 @@
-// Command up runs a single-node Kubernetes cluster on this machine (package cluster: etcd, the
-// API server, controller manager and scheduler, a node with containerd, the kubelet, kube-proxy
-// and bridge CNI), entirely in namespaces of its own, until it is told to stop (SIGINT,
+// Command up runs a Kubernetes cluster on this machine (package cluster: etcd, the API server,
+// controller manager and scheduler, nodes with containerd, the kubelet, kube-proxy and bridge
+// CNI, with -dns CoreDNS), entirely in namespaces of its own, until it is told to stop (SIGINT,
 // SIGTERM: make cluster-down), then tears it down leaving nothing on the host. make cluster-up
 // runs it; it prints how to reach the cluster. With -reap it only removes what dead runs left
 // (a killed test binary's or cluster-up's clusters; see cluster.Reap), as make cluster-down does.
@@ -33,6 +33,8 @@ func run() error {
 	mode := flag.String("proxy-mode", "iptables", "kube-proxy's mode: iptables or nftables")
 	image := flag.String("image", "", "an OCI image archive to import into the node (make image writes bin/ip-masq-agent-image.tar)")
 	reapOnly := flag.Bool("reap", false, "only remove what dead runs left, then exit")
+	nodes := flag.Int("nodes", 1, "the number of nodes")
+	dns := flag.Bool("dns", false, "deploy CoreDNS (make coredns builds it)")
 	flag.Parse()
 	if err := reap(); err != nil || *reapOnly {
 		return err
@@ -54,7 +56,7 @@ func run() error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	start := time.Now()
-	c, err := cluster.New(ctx, cluster.ClusterOptions{ProxyMode: *mode, Dir: abs, Images: images})
+	c, err := cluster.New(ctx, cluster.ClusterOptions{ProxyMode: *mode, Dir: abs, Images: images, Nodes: *nodes, DNS: *dns})
 	if err != nil {
 		return err
 	}
@@ -67,12 +69,13 @@ kubectl (or helm) inside the control plane's:
 
   nsenter --net=/run/netns/%s %s/kubectl --kubeconfig=%s get nodes
 
-and commands on the node inside the node's namespaces (its network and mount namespace):
+and commands on a node inside the node's namespaces (its network and mount namespace):
 
-  nsenter --net=/run/netns/%s --mount=/proc/%s/ns/mnt crictl ...   # or ctr, nft, iptables
-
-Logs are in %s/logs. make cluster-down (or Ctrl-C) tears it down.
-`, time.Since(start).Seconds(), *mode, c.Netns, c.Bin, c.Kubeconfig, c.Node, c.MountHolder(), abs)
+`, time.Since(start).Seconds(), *mode, c.Netns, c.Bin, c.Kubeconfig)
+	for _, n := range c.Nodes {
+		fmt.Printf("  nsenter --net=/run/netns/%s --mount=/proc/%s/ns/mnt crictl ...   # %s: or ctr, nft, iptables\n", n.Netns, n.MountHolder(), n.Name)
+	}
+	fmt.Printf("\nLogs are in %s/logs. make cluster-down (or Ctrl-C) tears it down.\n", abs)
 	<-ctx.Done()
 	fmt.Println("tearing the cluster down")
 	err = c.Close()
