@@ -280,9 +280,8 @@ func describe(opts Options, layers []v1.Descriptor) ([]file, Result, error) {
 		return nil, Result{}, err
 	}
 	manifestDesc := v1.Descriptor{MediaType: v1.MediaTypeImageManifest, Digest: digest.FromBytes(manifest), Size: int64(len(manifest)),
-		Platform: &platform,
-		// The reference, for podman (the OCI annotation) and for containerd's import (its own).
-		Annotations: map[string]string{v1.AnnotationRefName: opts.Reference, "io.containerd.image.name": opts.Reference}}
+		Platform:    &platform,
+		Annotations: refAnnotations(opts.Reference)}
 	index, err := json.Marshal(v1.Index{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: v1.MediaTypeImageIndex,
 		Manifests: []v1.Descriptor{manifestDesc}})
 	if err != nil {
@@ -294,6 +293,12 @@ func describe(opts Options, layers []v1.Descriptor) ([]file, Result, error) {
 	}
 	files := []file{{"oci-layout", layout}, {"index.json", index}, {blobPath(manifestDesc.Digest), manifest}, {blobPath(configDesc.Digest), config}}
 	return files, Result{Manifest: manifestDesc.Digest, Config: configDesc.Digest, LayerSize: size}, nil
+}
+
+// refAnnotations name an index's manifest: for podman (the OCI annotation) and for containerd's
+// import (its own).
+func refAnnotations(reference string) map[string]string {
+	return map[string]string{v1.AnnotationRefName: reference, "io.containerd.image.name": reference}
 }
 
 func blobPath(d digest.Digest) string { return path.Join("blobs", d.Algorithm().String(), d.Encoded()) }

@@ -3,6 +3,8 @@ package image
 import (
 	"archive/tar"
 	"bufio"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"io/fs"
@@ -10,6 +12,8 @@ import (
 	"path"
 	"strings"
 	"time"
+
+	v1 "github.com/opencontainers/image-spec/specs-go/v1"
 )
 
 // Entry is one file, directory or symbolic link of a layer WriteLayer makes.
@@ -88,4 +92,77 @@ func writeEntry(tw *tar.Writer, epoch time.Time, e Entry) error {
 	}
 	_, err = io.Copy(tw, src)
 	return err
+}
+
+// Retag copies the OCI archive src (one image, as Pack writes it) to dst under another
+// reference: the same manifest, configuration and layers, so the same image ID, imported under
+// a second name.
+func Retag(src, dst, reference string) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.Create(dst)
+	if err != nil {
+		return err
+	}
+	defer out.Close()
+	w := bufio.NewWriterSize(out, 1<<20)
+	tw := tar.NewWriter(w)
+	tr := tar.NewReader(in)
+	renamed := false
+	for {
+		h, err := tr.Next()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return fmt.Errorf("%s: %w", src, err)
+		}
+		if h.Name != "index.json" {
+			if err := tw.WriteHeader(h); err != nil {
+				return err
+			}
+			if _, err := io.Copy(tw, tr); err != nil {
+				return err
+			}
+			continue
+		}
+		index, err := renameIndex(tr, reference)
+		if err != nil {
+			return fmt.Errorf("%s: index.json: %w", src, err)
+		}
+		h.Size = int64(len(index))
+		if err := tw.WriteHeader(h); err != nil {
+			return err
+		}
+		if _, err := tw.Write(index); err != nil {
+			return err
+		}
+		renamed = true
+	}
+	if !renamed {
+		return fmt.Errorf("%s holds no index.json", src)
+	}
+	if err := tw.Close(); err != nil {
+		return err
+	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	return out.Close()
+}
+
+// renameIndex reads an OCI index of one manifest and returns it naming the manifest reference.
+func renameIndex(r io.Reader, reference string) ([]byte, error) {
+	var index v1.Index
+	if err := json.NewDecoder(r).Decode(&index); err != nil {
+		return nil, err
+	}
+	if len(index.Manifests) != 1 {
+		return nil, fmt.Errorf("%d manifests, want 1", len(index.Manifests))
+	}
+	index.Manifests[0].Annotations = refAnnotations(reference)
+	return json.Marshal(index)
 }

@@ -199,3 +199,41 @@ func mustUnmarshal(t *testing.T, data []byte, v any) {
 		t.Fatalf("%s: %v", data, err)
 	}
 }
+
+// Retag names the same image anew: every file but the index is copied as it is, and the index
+// names the same manifest under the new reference.
+func TestRetag(t *testing.T) {
+	dir := t.TempDir()
+	layer := filepath.Join(dir, "layer.tar")
+	if err := WriteLayer(layer, time.Unix(0, 0), []Entry{{Path: "/d"}}); err != nil {
+		t.Fatal(err)
+	}
+	src, dst := filepath.Join(dir, "a.tar"), filepath.Join(dir, "b.tar")
+	res, err := Pack(Options{Spec: Spec{Binary: "/pause"}, Reference: "registry.example/pause:1", Output: src}, layer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const ref = "registry.example/pause:1.1"
+	if err := Retag(src, dst, ref); err != nil {
+		t.Fatal(err)
+	}
+	before, a := readTarFile(t, src)
+	after, b := readTarFile(t, dst)
+	if len(before) != len(after) {
+		t.Fatalf("%d entries, then %d", len(before), len(after))
+	}
+	for name, data := range a {
+		if name != "index.json" && !bytes.Equal(data, b[name]) {
+			t.Errorf("%s changed", name)
+		}
+	}
+	var index v1.Index
+	mustUnmarshal(t, b["index.json"], &index)
+	if len(index.Manifests) != 1 || index.Manifests[0].Digest != res.Manifest ||
+		index.Manifests[0].Annotations[v1.AnnotationRefName] != ref || index.Manifests[0].Annotations["io.containerd.image.name"] != ref {
+		t.Errorf("index: %+v", index)
+	}
+	if err := Retag(layer, filepath.Join(dir, "c.tar"), ref); err == nil {
+		t.Error("Retag of a tar without an index: no error")
+	}
+}
