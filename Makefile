@@ -23,7 +23,7 @@ TESTFLAGS ?= -count=1 -timeout 25m
 # Pinned clang flags for the BPF objects (read by the go:generate lines through the environment).
 export BPF_CFLAGS := -O2 -g -Wall -Werror -mcpu=v3
 
-.PHONY: all build image test test-kernels unit e2e demo generate check-generate bench lint deps clean k8s cluster-up cluster-down
+.PHONY: all build image test test-kernels unit e2e demo generate check-generate bench lint deps clean k8s k8s-e2e cluster-up cluster-down
 
 all: build
 
@@ -42,13 +42,14 @@ image: deps build
 	podman load --input $(IMAGE_OUT)
 
 ## test: every test, privileged ones included (run as root; CI=true makes a test that cannot run fail).
-## The cluster tests run the Kubernetes components make k8s builds (once per version).
+## The cluster tests run the Kubernetes components make k8s builds (once per version), and the
+## e2e images' test the binaries make k8s-e2e builds.
 ## The container and cluster suites run after the rest, one package at a time: their image
 ## builds (mmdebstrap, dpkg) and clusters take the machine's CPU and disk for minutes, which would
 ## slow the time-bound end-to-end tests beside them. The kernel matrix comes last, on the kernels
 ## other than the host's (whose run is the one above), with the end-to-end suite on the oldest.
 LATE_TESTS := ./test/container ./internal/cluster ./test/cluster ./internal/vm
-test: deps build k8s
+test: deps build k8s k8s-e2e
 	$(GO) test $(TESTFLAGS) $$($(GO) list ./... | grep -v -x -F "$$($(GO) list $(LATE_TESTS) ./test/kernels)")
 	$(GO) test $(TESTFLAGS) -p 1 $(LATE_TESTS)
 	$(MAKE) test-kernels KERNELS="$(VM_KERNELS)" KERNEL_E2E=oldest
@@ -95,6 +96,23 @@ $(K8S_BIN)/.built: $(K8S_MODULE)/go.mod $(K8S_MODULE)/go.sum
 	mkdir -p $(K8S_BIN)
 	cd $(K8S_MODULE) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(K8S_LDFLAGS)" \
 		-o $(CURDIR)/$(K8S_BIN)/ $(addprefix k8s.io/kubernetes/cmd/,$(K8S_COMPONENTS))
+	touch $@
+
+## k8s-e2e: Kubernetes' sig-network end-to-end tests and what their pods run, built by the tools
+## module into $(K8S_BIN): e2e-network.test (test/cluster/k8s/e2enet: the tests of
+## test/e2e/network and test/e2e/common/network, with upstream e2e.test's flags), agnhost (its
+## version, the image tag the tests ask for, read from upstream's test/images/agnhost/VERSION)
+## and regression-issue-74839. internal/cluster.BuildE2EImages packs them. Once per version.
+k8s-e2e: $(K8S_BIN)/.e2e-built
+$(K8S_BIN)/.e2e-built: $(K8S_MODULE)/go.mod $(K8S_MODULE)/go.sum $(wildcard $(K8S_MODULE)/e2enet/*.go)
+	mkdir -p $(K8S_BIN)
+	cd $(K8S_MODULE) && CGO_ENABLED=0 $(GO) test -c -trimpath -vet=off -ldflags "$(K8S_LDFLAGS)" \
+		-o $(CURDIR)/$(K8S_BIN)/e2e-network.test ./e2enet
+	cd $(K8S_MODULE) && agnhost=$$($(GO) list -m -f '{{.Dir}}' k8s.io/kubernetes)/test/images/agnhost && \
+		CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-s -w -X main.Version=$$(cat $$agnhost/VERSION)" \
+		-o $(CURDIR)/$(K8S_BIN)/agnhost k8s.io/kubernetes/test/images/agnhost
+	cd $(K8S_MODULE) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-s -w" \
+		-o $(CURDIR)/$(K8S_BIN)/regression-issue-74839 k8s.io/kubernetes/test/images/regression-issue-74839
 	touch $@
 
 ## cluster-up: a single-node Kubernetes cluster (control plane, containerd, kubelet, kube-proxy,
