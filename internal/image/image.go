@@ -93,16 +93,6 @@ type Result struct {
 
 // Build writes the image as an OCI archive at opts.Output.
 func Build(ctx context.Context, opts Options) (Result, error) {
-	if opts.Log == nil {
-		opts.Log = io.Discard
-	}
-	if len(opts.Sources) == 0 {
-		src, err := MachineSources(ctx, opts.Spec.Suite)
-		if err != nil {
-			return Result{}, err
-		}
-		opts.Sources = src
-	}
 	tmp, err := os.MkdirTemp(filepath.Dir(opts.Output), ".image-")
 	if err != nil {
 		return Result{}, err
