@@ -33,7 +33,7 @@ const (
 var e2eToolbox = image.Spec{
 	Suite:    "bookworm",
 	Packages: []string{"bash", "curl", "netcat-openbsd", "wget", "bind9-dnsutils", "iproute2", "iperf"},
-	Remove:   []string{"/usr/share/doc", "/usr/share/man", "/var/cache/debconf/*-old"},
+	Remove:   []string{"/usr/share/doc", "/usr/share/man", "/usr/share/info", "/usr/share/locale", "/usr/share/lintian", "/var/cache/debconf/*-old"},
 }
 
 // e2eToolboxImages are the images made of the toolbox with agnhost's layer on top: agnhost as
