@@ -23,7 +23,7 @@ TESTFLAGS ?= -count=1 -timeout 25m
 # Pinned clang flags for the BPF objects (read by the go:generate lines through the environment).
 export BPF_CFLAGS := -O2 -g -Wall -Werror -mcpu=v3
 
-.PHONY: all build image test test-kernels unit e2e demo generate check-generate bench lint deps clean k8s coredns cluster-up cluster-down
+.PHONY: all build image test test-kernels test-k8s-e2e unit e2e demo generate check-generate bench lint deps clean k8s k8s-e2e coredns cluster-up cluster-down
 
 all: build
 
@@ -42,7 +42,9 @@ image: deps build
 	podman load --input $(IMAGE_OUT)
 
 ## test: every test, privileged ones included (run as root; CI=true makes a test that cannot run fail).
-## The cluster tests run the Kubernetes components make k8s builds (once per version).
+## The cluster tests run the Kubernetes components make k8s builds (once per version) and the
+## CoreDNS make coredns builds. Kubernetes' own e2e tests (and their images' test) run in
+## make test-k8s-e2e.
 ## The container and cluster suites run after the rest, one package at a time: their image
 ## builds (mmdebstrap, dpkg) and clusters take the machine's CPU and disk for minutes, which would
 ## slow the time-bound end-to-end tests beside them. The kernel matrix comes last, on the kernels
@@ -50,7 +52,7 @@ image: deps build
 LATE_TESTS := ./test/container ./internal/cluster ./test/cluster ./internal/vm
 test: deps build k8s coredns
 	$(GO) test $(TESTFLAGS) $$($(GO) list ./... | grep -v -x -F "$$($(GO) list $(LATE_TESTS) ./test/kernels)")
-	$(GO) test $(TESTFLAGS) -p 1 $(LATE_TESTS)
+	$(GO) test $(TESTFLAGS) -p 1 -skip '$(K8S_E2E_TESTS)' $(LATE_TESTS)
 	$(MAKE) test-kernels KERNELS="$(VM_KERNELS)" KERNEL_E2E=oldest
 
 ## test-kernels: pkg/bpf, pkg/bpfbackend, the end-to-end suite on the BPF backend and the demo,
@@ -97,6 +99,23 @@ $(K8S_BIN)/.built: $(K8S_MODULE)/go.mod $(K8S_MODULE)/go.sum
 		-o $(CURDIR)/$(K8S_BIN)/ $(addprefix k8s.io/kubernetes/cmd/,$(K8S_COMPONENTS))
 	touch $@
 
+## k8s-e2e: Kubernetes' sig-network end-to-end tests and what their pods run, built by the tools
+## module into $(K8S_BIN): e2e-network.test (test/cluster/k8s/e2enet: the tests of
+## test/e2e/network and test/e2e/common/network, with upstream e2e.test's flags), agnhost (its
+## version, the image tag the tests ask for, read from upstream's test/images/agnhost/VERSION)
+## and regression-issue-74839. internal/cluster.BuildE2EImages packs them. Once per version.
+k8s-e2e: $(K8S_BIN)/.e2e-built
+$(K8S_BIN)/.e2e-built: $(K8S_MODULE)/go.mod $(K8S_MODULE)/go.sum $(wildcard $(K8S_MODULE)/e2enet/*.go)
+	mkdir -p $(K8S_BIN)
+	cd $(K8S_MODULE) && CGO_ENABLED=0 $(GO) test -c -trimpath -vet=off -ldflags "$(K8S_LDFLAGS)" \
+		-o $(CURDIR)/$(K8S_BIN)/e2e-network.test ./e2enet
+	cd $(K8S_MODULE) && agnhost=$$($(GO) list -m -f '{{.Dir}}' k8s.io/kubernetes)/test/images/agnhost && \
+		CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-s -w -X main.Version=$$(cat $$agnhost/VERSION)" \
+		-o $(CURDIR)/$(K8S_BIN)/agnhost k8s.io/kubernetes/test/images/agnhost
+	cd $(K8S_MODULE) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-s -w" \
+		-o $(CURDIR)/$(K8S_BIN)/regression-issue-74839 k8s.io/kubernetes/test/images/regression-issue-74839
+	touch $@
+
 ## coredns: CoreDNS for the cluster tests' DNS (cluster.ClusterOptions.DNS), built from the Go
 ## module proxy by its own module in test/cluster/coredns (a narrowed plugin list; coredns's
 ## dependencies would otherwise move the tools module's) and kept in bin/coredns/VERSION.
@@ -107,6 +126,17 @@ coredns: $(COREDNS_BIN)
 $(COREDNS_BIN): $(COREDNS_MODULE)/go.mod $(COREDNS_MODULE)/go.sum $(COREDNS_MODULE)/main.go
 	mkdir -p $(dir $@)
 	cd $(COREDNS_MODULE) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-s -w" -o $(CURDIR)/$@ .
+
+## test-k8s-e2e: Kubernetes' own sig-network e2e tests (make k8s-e2e) on a two-node cluster with
+## CoreDNS: the images they need built and checked, then the masquerade focus without the agent
+## (the reference) and with the chart on each backend, and the sig-network conformance tests
+## without the agent and on the default backend (root; K8S_E2E=smoke: the focus without its slow
+## tests, on the reference and the default backend). JUnit reports and logs: bin/k8s-e2e.
+K8S_E2E       ?= full
+K8S_E2E_TESTS := ^(TestE2EImages|TestKubernetesE2E)$$
+test-k8s-e2e: deps build k8s coredns k8s-e2e
+	$(GO) test -count=1 -timeout 30m -v -run '^TestE2EImages$$' ./internal/cluster
+	IP_MASQ_AGENT_K8S_E2E=$(K8S_E2E) $(GO) test -count=1 -timeout 8h -v -run '^TestKubernetesE2E$$' ./test/cluster
 
 ## cluster-up: a Kubernetes cluster of CLUSTER_NODES nodes (control plane, containerd, kubelet,
 ## kube-proxy, bridge CNI; CoreDNS with CLUSTER_DNS=1) in namespaces of its own, as the cluster

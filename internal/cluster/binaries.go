@@ -22,6 +22,13 @@ const toolsModule = "test/cluster/k8s/go.mod"
 // repository, VERSION being k8s.io/kubernetes's in the tools module, where `make k8s` builds
 // them. The error says how to build them.
 func Binaries() (string, error) {
+	return findBinaries("make k8s builds the Kubernetes components",
+		"kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy", "kubectl")
+}
+
+// findBinaries returns the directory of the Kubernetes binaries ($IP_MASQ_AGENT_K8S_BIN or
+// bin/k8s/VERSION) once every named one is in it; the error of a missing one ends with how.
+func findBinaries(how string, names ...string) (string, error) {
 	dir := os.Getenv(BinEnv)
 	if dir == "" {
 		root, err := RepoRoot()
@@ -34,9 +41,9 @@ func Binaries() (string, error) {
 		}
 		dir = filepath.Join(root, "bin", "k8s", version)
 	}
-	for _, name := range []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy", "kubectl"} {
+	for _, name := range names {
 		if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
-			return "", fmt.Errorf("no %s in %s (make k8s builds the Kubernetes components): %w", name, dir, err)
+			return "", fmt.Errorf("no %s in %s (%s): %w", name, dir, how, err)
 		}
 	}
 	return dir, nil

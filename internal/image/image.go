@@ -35,8 +35,11 @@ type Spec struct {
 	Suite string
 	// Packages are installed over Debian's essential set.
 	Packages []string
-	// Binary is where the agent is installed: the image's entrypoint.
+	// Binary is where the agent is installed: the image's entrypoint. Empty: the image has no
+	// entrypoint (Cmd is the whole command).
 	Binary string
+	// Cmd is the image's default arguments (its whole command without Binary); none if empty.
+	Cmd []string
 	// User is the image's.
 	User string
 	// Remove are the paths (shell globs) removed from the root filesystem after the install.
@@ -84,32 +87,40 @@ type Result struct {
 	Manifest digest.Digest
 	// Config is the image configuration's digest: podman's and containerd's image ID.
 	Config digest.Digest
-	// LayerSize is the root filesystem's size, uncompressed.
+	// LayerSize is the root filesystem's size, uncompressed: all the layers'.
 	LayerSize int64
 }
 
 // Build writes the image as an OCI archive at opts.Output.
 func Build(ctx context.Context, opts Options) (Result, error) {
-	if opts.Log == nil {
-		opts.Log = io.Discard
-	}
-	if len(opts.Sources) == 0 {
-		src, err := MachineSources(ctx, opts.Spec.Suite)
-		if err != nil {
-			return Result{}, err
-		}
-		opts.Sources = src
-	}
 	tmp, err := os.MkdirTemp(filepath.Dir(opts.Output), ".image-")
 	if err != nil {
 		return Result{}, err
 	}
 	defer os.RemoveAll(tmp)
 	rootfs := filepath.Join(tmp, "rootfs.tar")
-	if err := mmdebstrap(ctx, opts, rootfs); err != nil {
+	if err := RootFS(ctx, opts, rootfs); err != nil {
 		return Result{}, err
 	}
 	return Pack(opts, rootfs)
+}
+
+// RootFS makes the root filesystem Build packs, as a tar at out, without packing it: the
+// essential set and opts.Spec.Packages from opts.Sources (this machine's if empty), opts.Binary
+// at opts.Spec.Binary when opts.Binary is set, minus opts.Spec.Remove. One root filesystem can
+// be the base layer of several images (Pack with more layers).
+func RootFS(ctx context.Context, opts Options, out string) error {
+	if opts.Log == nil {
+		opts.Log = io.Discard
+	}
+	if len(opts.Sources) == 0 {
+		src, err := MachineSources(ctx, opts.Spec.Suite)
+		if err != nil {
+			return err
+		}
+		opts.Sources = src
+	}
+	return mmdebstrap(ctx, opts, out)
 }
 
 // MachineSources returns this machine's apt sources of a Debian suite and its updates and
@@ -152,7 +163,7 @@ func sourcesOf(indextargets, suite string) ([]string, error) {
 const mergedUsrHook = "/usr/share/mmdebstrap/hooks/merged-usr"
 
 // mmdebstrap makes the root filesystem as a tar: the essential set, the spec's packages, the
-// binary, minus the spec's removals; reproducible under SOURCE_DATE_EPOCH.
+// binary (if any), minus the spec's removals; reproducible under SOURCE_DATE_EPOCH.
 func mmdebstrap(ctx context.Context, opts Options, out string) error {
 	s := opts.Spec
 	remove := make([]string, len(s.Remove))
@@ -160,11 +171,15 @@ func mmdebstrap(ctx context.Context, opts Options, out string) error {
 		remove[i] = `"$1"` + r
 	}
 	args := []string{"--variant=essential", "--include=" + strings.Join(s.Packages, ","),
-		"--hook-dir=" + mergedUsrHook,
-		"--customize-hook=upload " + opts.Binary + " " + s.Binary,
-		"--customize-hook=chmod 0755 \"$1\"" + s.Binary,
-		"--customize-hook=rm -rf " + strings.Join(remove, " "),
-		s.Suite, out}
+		"--hook-dir=" + mergedUsrHook}
+	if opts.Binary != "" {
+		args = append(args, "--customize-hook=upload "+opts.Binary+" "+s.Binary,
+			"--customize-hook=chmod 0755 \"$1\""+s.Binary)
+	}
+	if len(remove) > 0 {
+		args = append(args, "--customize-hook=rm -rf "+strings.Join(remove, " "))
+	}
+	args = append(args, s.Suite, out)
 	args = append(args, opts.Sources...)
 	cmd := exec.CommandContext(ctx, "mmdebstrap", args...)
 	cmd.Env = append(os.Environ(), fmt.Sprintf("SOURCE_DATE_EPOCH=%d", opts.Epoch.Unix()))
@@ -176,20 +191,28 @@ func mmdebstrap(ctx context.Context, opts Options, out string) error {
 	return nil
 }
 
-// Pack writes the OCI archive at opts.Output: the root filesystem (a tar) as the one layer, the
-// image configuration (entrypoint opts.Spec.Binary, user opts.Spec.User), the manifest, and the
-// index naming it opts.Reference. Build packs what mmdebstrap made; the cluster tests pack a
-// pause image of one static binary.
-func Pack(opts Options, rootfs string) (Result, error) {
-	layer, size, err := fileDigest(rootfs)
+// Pack writes the OCI archive at opts.Output: the layers (tars, the root filesystem first, each
+// later one laid over the ones before), the image configuration (entrypoint opts.Spec.Binary,
+// arguments opts.Spec.Cmd, user opts.Spec.User), the manifest, and the index naming it
+// opts.Reference. Build packs what mmdebstrap made; the cluster tests pack a pause image of one
+// static binary, and the e2e images a root filesystem with a layer of WriteLayer's on top.
+func Pack(opts Options, layers ...string) (Result, error) {
+	if len(layers) == 0 {
+		return Result{}, errors.New("pack: no layer")
+	}
+	descs := make([]v1.Descriptor, len(layers))
+	for i, l := range layers {
+		d, size, err := fileDigest(l)
+		if err != nil {
+			return Result{}, err
+		}
+		descs[i] = v1.Descriptor{MediaType: v1.MediaTypeImageLayer, Digest: d, Size: size}
+	}
+	blobs, res, err := describe(opts, descs)
 	if err != nil {
 		return Result{}, err
 	}
-	blobs, res, err := describe(opts, v1.Descriptor{MediaType: v1.MediaTypeImageLayer, Digest: layer, Size: size})
-	if err != nil {
-		return Result{}, err
-	}
-	return res, writeArchive(opts.Output, opts.Epoch.UTC(), blobs, layer, rootfs)
+	return res, writeArchive(opts.Output, opts.Epoch.UTC(), blobs, descs, layers)
 }
 
 // file is one small file of the archive.
@@ -198,22 +221,36 @@ type file struct {
 	data []byte
 }
 
-// describe makes the image's JSON documents for a layer: the configuration, the manifest, the
-// index and the layout marker.
-func describe(opts Options, layer v1.Descriptor) ([]file, Result, error) {
+// describe makes the image's JSON documents for its layers (uncompressed, so each digest is
+// also the diff ID): the configuration, the manifest, the index and the layout marker.
+func describe(opts Options, layers []v1.Descriptor) ([]file, Result, error) {
 	epoch := opts.Epoch.UTC()
 	platform := v1.Platform{Architecture: runtime.GOARCH, OS: "linux"}
+	var entrypoint []string
+	if opts.Spec.Binary != "" {
+		entrypoint = []string{opts.Spec.Binary}
+	}
+	diffIDs := make([]digest.Digest, len(layers))
+	history := make([]v1.History, len(layers))
+	var size int64
+	for i, l := range layers {
+		diffIDs[i] = l.Digest
+		history[i] = v1.History{Created: &epoch, CreatedBy: fmt.Sprintf("layer %d of %s", i+1, opts.Reference)}
+		size += l.Size
+	}
+	history[0].CreatedBy = fmt.Sprintf("mmdebstrap --variant=essential --include=%s %s; %s %s",
+		strings.Join(opts.Spec.Packages, ","), opts.Spec.Suite, opts.Spec.Binary, opts.Version)
 	config, err := json.Marshal(v1.Image{
 		Created:  &epoch,
 		Platform: platform,
 		Config: v1.ImageConfig{
 			User:       opts.Spec.User,
-			Entrypoint: []string{opts.Spec.Binary},
+			Entrypoint: entrypoint,
+			Cmd:        opts.Spec.Cmd,
 			Env:        []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
 		},
-		RootFS: v1.RootFS{Type: "layers", DiffIDs: []digest.Digest{layer.Digest}},
-		History: []v1.History{{Created: &epoch, CreatedBy: fmt.Sprintf("mmdebstrap --variant=essential --include=%s %s; %s %s",
-			strings.Join(opts.Spec.Packages, ","), opts.Spec.Suite, opts.Spec.Binary, opts.Version)}},
+		RootFS:  v1.RootFS{Type: "layers", DiffIDs: diffIDs},
+		History: history,
 	})
 	if err != nil {
 		return nil, Result{}, err
@@ -223,7 +260,7 @@ func describe(opts Options, layer v1.Descriptor) ([]file, Result, error) {
 		Versioned: specs.Versioned{SchemaVersion: 2},
 		MediaType: v1.MediaTypeImageManifest,
 		Config:    configDesc,
-		Layers:    []v1.Descriptor{layer},
+		Layers:    layers,
 		Annotations: map[string]string{
 			v1.AnnotationCreated: epoch.Format(time.RFC3339),
 			v1.AnnotationVersion: opts.Version,
@@ -233,9 +270,8 @@ func describe(opts Options, layer v1.Descriptor) ([]file, Result, error) {
 		return nil, Result{}, err
 	}
 	manifestDesc := v1.Descriptor{MediaType: v1.MediaTypeImageManifest, Digest: digest.FromBytes(manifest), Size: int64(len(manifest)),
-		Platform: &platform,
-		// The reference, for podman (the OCI annotation) and for containerd's import (its own).
-		Annotations: map[string]string{v1.AnnotationRefName: opts.Reference, "io.containerd.image.name": opts.Reference}}
+		Platform:    &platform,
+		Annotations: refAnnotations(opts.Reference)}
 	index, err := json.Marshal(v1.Index{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: v1.MediaTypeImageIndex,
 		Manifests: []v1.Descriptor{manifestDesc}})
 	if err != nil {
@@ -246,14 +282,20 @@ func describe(opts Options, layer v1.Descriptor) ([]file, Result, error) {
 		return nil, Result{}, err
 	}
 	files := []file{{"oci-layout", layout}, {"index.json", index}, {blobPath(manifestDesc.Digest), manifest}, {blobPath(configDesc.Digest), config}}
-	return files, Result{Manifest: manifestDesc.Digest, Config: configDesc.Digest, LayerSize: layer.Size}, nil
+	return files, Result{Manifest: manifestDesc.Digest, Config: configDesc.Digest, LayerSize: size}, nil
+}
+
+// refAnnotations name an index's manifest: for podman (the OCI annotation) and for containerd's
+// import (its own).
+func refAnnotations(reference string) map[string]string {
+	return map[string]string{v1.AnnotationRefName: reference, "io.containerd.image.name": reference}
 }
 
 func blobPath(d digest.Digest) string { return path.Join("blobs", d.Algorithm().String(), d.Encoded()) }
 
 // writeArchive writes the OCI layout as a tar, every entry owned by root and stamped epoch:
-// the files, then the layer from rootfs.
-func writeArchive(out string, epoch time.Time, files []file, layer digest.Digest, rootfs string) error {
+// the files, then each layer's blob from its tar.
+func writeArchive(out string, epoch time.Time, files []file, descs []v1.Descriptor, layers []string) error {
 	f, err := os.Create(out)
 	if err != nil {
 		return err
@@ -280,20 +322,15 @@ func writeArchive(out string, epoch time.Time, files []file, layer digest.Digest
 			return err
 		}
 	}
-	rf, err := os.Open(rootfs)
-	if err != nil {
-		return err
-	}
-	defer rf.Close()
-	st, err := rf.Stat()
-	if err != nil {
-		return err
-	}
-	if err := tw.WriteHeader(header(blobPath(layer), st.Size())); err != nil {
-		return err
-	}
-	if _, err := io.Copy(tw, rf); err != nil {
-		return err
+	written := map[digest.Digest]bool{}
+	for i, l := range layers {
+		if written[descs[i].Digest] {
+			continue // the same layer twice: one blob
+		}
+		written[descs[i].Digest] = true
+		if err := copyBlob(tw, header(blobPath(descs[i].Digest), descs[i].Size), l); err != nil {
+			return err
+		}
 	}
 	if err := tw.Close(); err != nil {
 		return err
@@ -302,6 +339,22 @@ func writeArchive(out string, epoch time.Time, files []file, layer digest.Digest
 		return err
 	}
 	return f.Close()
+}
+
+// copyBlob writes the file src into tw under h, checking that its size is still h.Size.
+func copyBlob(tw *tar.Writer, h *tar.Header, src string) error {
+	f, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := tw.WriteHeader(h); err != nil {
+		return err
+	}
+	if _, err := io.Copy(tw, f); err != nil {
+		return fmt.Errorf("layer %s: %w", src, err)
+	}
+	return nil
 }
 
 func fileDigest(name string) (digest.Digest, int64, error) {
@@ -316,7 +369,7 @@ func fileDigest(name string) (digest.Digest, int64, error) {
 		return "", 0, err
 	}
 	if n == 0 {
-		return "", 0, errors.New("mmdebstrap wrote an empty root filesystem")
+		return "", 0, fmt.Errorf("layer %s is empty", name)
 	}
 	return digest.NewDigest(digest.SHA256, h), n, nil
 }

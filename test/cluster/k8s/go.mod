@@ -2,6 +2,12 @@ module github.com/ip-masq-agent/ip-masq-agent/test/cluster/k8s
 
 go 1.26.8
 
+// The narrowed sig-network e2e tests (e2enet) import the test framework directly.
+require (
+	github.com/onsi/ginkgo/v2 v2.21.0
+	github.com/onsi/gomega v1.35.1
+)
+
 require (
 	cel.dev/expr v0.24.0 // indirect
 	github.com/Azure/go-ansiterm v0.0.0-20230124172434-306776ec8161 // indirect
