@@ -41,7 +41,12 @@ var kubeletSysctls = map[string]string{
 	"kernel/keys/root_maxbytes": "25000000",
 }
 
-// mountNamespace is the node's mount namespace, held by a process that does nothing else.
+// The holder also holds the node's UTS namespace, whose host name is the node's: a hostNetwork
+// pod shares it, as it shares a real node's, and answers with the node's name (the e2e tests'
+// netservers do).
+
+// mountNamespace is the node's mount (and UTS) namespace, held by a process that does nothing
+// else.
 type mountNamespace struct {
 	holder *Process
 	dir    string
@@ -50,9 +55,12 @@ type mountNamespace struct {
 // path is the namespace's file, for nsenter.
 func (m *mountNamespace) path() string { return "/proc/" + strconv.Itoa(m.holder.Pid()) + "/ns/mnt" }
 
+// utsPath is the node's UTS namespace's file, for nsenter.
+func (m *mountNamespace) utsPath() string { return "/proc/" + strconv.Itoa(m.holder.Pid()) + "/ns/uts" }
+
 // newMountNamespace makes the node's mount namespace inside the network namespace netns, its
-// state under dir.
-func newMountNamespace(ctx context.Context, netns, dir string) (*mountNamespace, error) {
+// state under dir, and its UTS namespace named hostname.
+func newMountNamespace(ctx context.Context, netns, dir, hostname string) (*mountNamespace, error) {
 	for _, d := range []string{"var-lib", "var-log", "sysctl", "cgroup"} {
 		if err := os.MkdirAll(filepath.Join(dir, d), 0o755); err != nil {
 			return nil, err
@@ -64,7 +72,7 @@ func newMountNamespace(ctx context.Context, netns, dir string) (*mountNamespace,
 		}
 	}
 	holder, err := startProcess("mount-namespace", filepath.Join(dir, "mount-namespace.log"), Namespaces{Net: netnsPath(netns)}, nil,
-		"unshare", "--mount", "--propagation=private", "sleep", "infinity")
+		"unshare", "--mount", "--uts", "--propagation=private", "sleep", "infinity")
 	if err != nil {
 		return nil, err
 	}
@@ -74,6 +82,9 @@ func newMountNamespace(ctx context.Context, netns, dir string) (*mountNamespace,
 	}
 	if err := m.setUp(ctx, netns); err != nil {
 		return nil, errors.Join(err, holder.Kill())
+	}
+	if _, err := (Namespaces{UTS: m.utsPath()}).Run(ctx, cmdTimeout, "hostname", hostname); err != nil {
+		return nil, errors.Join(fmt.Errorf("node host name: %w", err), holder.Kill())
 	}
 	return m, nil
 }

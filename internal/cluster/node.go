@@ -287,7 +287,7 @@ func (c *Cluster) addNode(ctx context.Context, n *Node) error {
 		c.Node = n.Netns
 	}
 	var err error
-	if n.mnt, err = newMountNamespace(ctx, n.Netns, n.dir); err != nil {
+	if n.mnt, err = newMountNamespace(ctx, n.Netns, n.dir, n.Name); err != nil {
 		return err
 	}
 	return c.startContainerd(ctx, n)
@@ -439,10 +439,10 @@ func (c *Cluster) wireNode(ctx context.Context, n *Node) error {
 	return err
 }
 
-// Namespaces are the node's network and mount namespaces, for running a command on the node
+// Namespaces are the node's network, mount and UTS namespaces, for running a command on the node
 // (Namespaces().Run(ctx, timeout, "nft", "list", "ruleset")).
 func (n *Node) Namespaces() Namespaces {
-	return Namespaces{Net: netnsPath(n.Netns), Mount: n.mnt.path()}
+	return Namespaces{Net: netnsPath(n.Netns), Mount: n.mnt.path(), UTS: n.mnt.utsPath()}
 }
 
 // MountHolder is the pid of the process that holds the node's mount namespace

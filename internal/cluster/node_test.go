@@ -165,6 +165,27 @@ func TestNodes(t *testing.T) {
 		}
 	}
 
+	// A hostNetwork pod is in its node's UTS namespace, named after the node, as on a real
+	// node (the e2e tests' hostNetwork servers answer with their node's name).
+	for _, n := range c.Nodes {
+		if out, err := n.Namespaces().Run(ctx, 10*time.Second, "hostname"); err != nil || strings.TrimSpace(out) != n.Name {
+			t.Errorf("node %s's host name is %q (%v)", n.Name, strings.TrimSpace(out), err)
+		}
+	}
+	host := cluster.PausePod("host", nil)
+	host.Spec.NodeName, host.Spec.HostNetwork = c.Nodes[1].Name, true
+	if _, err := c.Client.CoreV1().Pods("default").Create(ctx, host, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if pod, err := c.WaitPodRunning(ctx, "default", "host"); err != nil {
+		t.Fatal(err)
+	} else if pid, err := c.PodProcess(pod.UID, "pause"); err != nil {
+		t.Fatal(err)
+	} else if out, err := (cluster.Namespaces{UTS: fmt.Sprintf("/proc/%d/ns/uts", pid)}).Run(ctx, 10*time.Second, "hostname"); err != nil ||
+		strings.TrimSpace(out) != c.Nodes[1].Name {
+		t.Errorf("a hostNetwork pod on %s has the host name %q (%v)", c.Nodes[1].Name, strings.TrimSpace(out), err)
+	}
+
 	for _, pod := range pods {
 		r := cluster.DNSResolver(paths[pod.Name])
 		for name, want := range map[string]string{

@@ -25,9 +25,9 @@ type Process struct {
 }
 
 // Namespaces are the namespaces a process is started in: each a path to a namespace file
-// (/run/netns/NAME, /proc/PID/ns/mnt); empty keeps the caller's.
+// (/run/netns/NAME, /proc/PID/ns/mnt, /proc/PID/ns/uts); empty keeps the caller's.
 type Namespaces struct {
-	Net, Mount string
+	Net, Mount, UTS string
 }
 
 // nsenter prefixes argv with the nsenter call that enters ns, which execs argv in place, so
@@ -39,6 +39,9 @@ func (ns Namespaces) nsenter(argv []string) []string {
 	}
 	if ns.Mount != "" {
 		pre = append(pre, "--mount="+ns.Mount)
+	}
+	if ns.UTS != "" {
+		pre = append(pre, "--uts="+ns.UTS)
 	}
 	if len(pre) == 0 {
 		return argv
