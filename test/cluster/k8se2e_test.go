@@ -1,0 +1,453 @@
+package cluster
+
+import (
+	"context"
+	"encoding/xml"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ip-masq-agent/ip-masq-agent/internal/cluster"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// Kubernetes' own sig-network end-to-end tests (a narrowed e2e.test, make k8s-e2e) judge the
+// agent as they judge every conformant cluster: on a two-node cluster with CoreDNS, first
+// without the agent (the reference), then with the chart on each backend.
+
+// K8sE2EEnv chooses what TestKubernetesE2E runs: "smoke" (the default: the masquerade focus
+// without its slow tests, on the default backend and the reference), "full" (the focus on
+// every backend and the sig-network conformance tests on the default one) or "off".
+const K8sE2EEnv = "IP_MASQ_AGENT_K8S_E2E"
+
+// K8sE2EFocusEnv, when set, is the focus (a regular expression of test names) of every run in
+// place of the sets', to rerun a few tests.
+const K8sE2EFocusEnv = "IP_MASQ_AGENT_K8S_E2E_FOCUS"
+
+// K8sE2EReportEnv is the directory the JUnit reports go to (bin/k8s-e2e by default).
+const K8sE2EReportEnv = "IP_MASQ_AGENT_K8S_E2E_REPORTS"
+
+// internetAddress is the address the "Internet connection" test dials (TCP port 53): a host
+// the cluster's outside namespace owns, so no packet leaves the machine.
+var internetAddress = netip.MustParseAddr("8.8.8.8")
+
+// e2eAgentConfig is what a user of this cluster would install: the cluster's own ranges (pods,
+// Services, nodes) keep their addresses, everything else is masqueraded. The chart's default
+// (10/8, 172.16/12, 192.168/16) covers the same ranges; naming them is what the tests need.
+var e2eAgentConfig = fmt.Sprintf(`nonMasqueradeCIDRs:
+  - %s
+  - %s
+  - %s
+masqOutBound: true
+`, cluster.ClusterPodCIDR, cluster.DefaultServiceCIDR, cluster.NodeNet)
+
+// masqueradeFocus is what a masquerading agent can break: pod to pod across nodes without
+// SNAT, Services from pods and nodes, the source a Service's server sees, the way out, UDP
+// and TCP flows across endpoint changes, and DNS, which rides on all of them.
+var masqueradeFocus = []string{
+	`\[sig-network\] NoSNAT`,
+	`\[sig-network\] Networking Granular Checks: (Pods|Services)`,
+	`\[sig-network\] Services should preserve source pod IP for traffic thru service cluster IP`,
+	`\[sig-network\] Networking should provide Internet connection for containers \[Feature:Networking-IPv4\]`,
+	`\[sig-network\] Conntrack`,
+	`\[sig-network\] DNS should (provide DNS for the cluster|provide DNS for services|resolve DNS of partial qualified names|provide /etc/hosts entries for the cluster|provide DNS for pods for (Hostname|Subdomain)|provide DNS for ExternalName services|support configurable pod DNS nameservers)`,
+}
+
+// conformanceFocus is every sig-network conformance test.
+var conformanceFocus = []string{`\[sig-network\].*\[Conformance\]`}
+
+// e2eSkips are the tests this cluster cannot run, and why (docs/development.md has the list).
+var e2eSkips = []string{
+	`SCTP`,                       // a feature and a kernel module the nodes do not load
+	`IPv6|[Dd]ual[- ]?[Ss]tack`,  // the cluster is IPv4 only
+	`\[Feature:Networking-DNS\]`, // resolves google.com through a real upstream
+	`LoadBalancer`,               // no cloud, no load-balancer controller
+	`\[Disruptive\]|\[Flaky\]`,   // restarts components that do not run as pods; known flaky
+}
+
+// smokeSkips leave out, besides e2eSkips, the slow tests of the focus.
+var smokeSkips = []string{`\[Slow\]`, `\[Serial\]`}
+
+// e2eBackend is a backend of the suite, or none: the reference run without the agent.
+type e2eBackend struct {
+	backend
+	none bool
+}
+
+// e2eRun is one run of the e2e binary: a set of tests by name and focus, on a backend.
+type e2eRun struct {
+	set   string
+	b     e2eBackend
+	focus []string
+}
+
+func TestKubernetesE2E(t *testing.T) {
+	scope := os.Getenv(K8sE2EEnv)
+	if scope == "" {
+		scope = "smoke"
+	}
+	if scope == "off" {
+		t.Skipf("%s=off", K8sE2EEnv)
+	}
+	if scope != "smoke" && scope != "full" {
+		t.Fatalf("%s=%q: want smoke, full or off", K8sE2EEnv, scope)
+	}
+	cluster.Require(t)
+	e2eBin, _, _, err := cluster.E2EBinaries()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Hour)
+	defer cancel()
+
+	start := time.Now()
+	img := buildAgentImage(t)
+	images, err := cluster.BuildE2EImages(ctx, t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("agent and e2e images built in %v", time.Since(start).Round(time.Second))
+
+	start = time.Now()
+	var c *cluster.Cluster
+	t.Cleanup(func() {
+		if c == nil {
+			return
+		}
+		if err := c.Gone(); err != nil {
+			t.Errorf("after teardown: %v", err)
+		}
+	})
+	c = cluster.Start(t, cluster.ClusterOptions{
+		Nodes: 2, DNS: true, ProxyMode: "iptables", IptablesMode: "nft",
+		OutsideAddrs: []netip.Prefix{netip.PrefixFrom(internetAddress, 32)},
+		Images:       append([]string{img.archive}, images...),
+	})
+	t.Logf("cluster up (%d nodes, CoreDNS) in %v", len(c.Nodes), time.Since(start).Round(time.Second))
+	serveInternet(t, c)
+
+	reports := os.Getenv(K8sE2EReportEnv)
+	if reports == "" {
+		root, err := cluster.RepoRoot()
+		if err != nil {
+			t.Fatal(err)
+		}
+		reports = filepath.Join(root, "bin", "k8s-e2e")
+	}
+	reports = filepath.Join(reports, time.Now().UTC().Format("20060102T150405Z"))
+	if err := os.MkdirAll(reports, 0o755); err != nil {
+		t.Fatal(err)
+	}
+
+	skips := e2eSkips
+	if scope == "smoke" {
+		skips = append(slices.Clip(skips), smokeSkips...)
+	}
+	// The reference (no agent) first, then the backends; the sets by name.
+	none := e2eBackend{none: true}
+	runs := []e2eRun{{"masquerade", none, masqueradeFocus}, {"masquerade", e2eBackend{backend: backends[0]}, masqueradeFocus}}
+	if scope == "full" {
+		for _, b := range backends[1:] {
+			runs = append(runs, e2eRun{"masquerade", e2eBackend{backend: b}, masqueradeFocus})
+		}
+		runs = append(runs, e2eRun{"conformance", none, conformanceFocus}, e2eRun{"conformance", e2eBackend{backend: backends[0]}, conformanceFocus})
+	}
+	if f := os.Getenv(K8sE2EFocusEnv); f != "" {
+		runs = []e2eRun{{"focus", none, []string{f}}, {"focus", e2eBackend{backend: backends[0]}, []string{f}}}
+		if scope == "full" {
+			for _, b := range backends[1:] {
+				runs = append(runs, e2eRun{"focus", e2eBackend{backend: b}, []string{f}})
+			}
+		}
+	}
+	w := &world{c: c, img: img}
+	table := resultTable{}
+	for _, r := range runs {
+		name, set := "none", r.set
+		if !r.b.none {
+			name = r.b.name
+		}
+		t.Run(set+"/"+name, func(t *testing.T) {
+			if !r.b.none {
+				v := w.values(r.b.backend, img)
+				v["config"] = e2eAgentConfig
+				helmInstall(t, c, v)
+				waitDaemonSetNodes(ctx, t, c, Release, len(c.Nodes))
+				if kind := installedKind(ctx, t, c); kind != r.b.kind {
+					t.Fatalf("the node has the %q datapath, want %s", kind, r.b.kind)
+				}
+				defer w.uninstallNodes(ctx, t)
+			}
+			report := filepath.Join(reports, set+"-"+name+".xml")
+			results := runE2E(ctx, t, c, e2eBin, r.focus, skips, report)
+			table.add(set, name, results)
+			for _, res := range results {
+				if res.state == "failed" {
+					t.Errorf("%s: %s", res.name, res.message)
+				}
+			}
+		})
+	}
+	t.Logf("Kubernetes e2e results (JUnit reports in %s):\n%s", reports, table)
+}
+
+// serveInternet listens on TCP port 53 of internetAddress in the outside namespace, as the
+// "Internet connection" test wants of 8.8.8.8: it only connects.
+func serveInternet(t *testing.T, c *cluster.Cluster) {
+	t.Helper()
+	var ln net.Listener
+	if err := cluster.DoIn("/run/netns/"+c.Outside, func() (err error) {
+		ln, err = net.Listen("tcp", netip.AddrPortFrom(internetAddress, 53).String())
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			conn.Close()
+		}
+	}()
+}
+
+// waitDaemonSetNodes waits until the DaemonSet runs one ready pod on each of n nodes.
+func waitDaemonSetNodes(ctx context.Context, t testing.TB, c *cluster.Cluster, name string, n int) {
+	t.Helper()
+	wait(ctx, t, fmt.Sprintf("DaemonSet %s ready on %d nodes", name, n), func() error {
+		ds, err := c.Client.AppsV1().DaemonSets(Namespace).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		st := ds.Status
+		if ds.Generation != st.ObservedGeneration || int(st.DesiredNumberScheduled) != n || int(st.UpdatedNumberScheduled) != n ||
+			int(st.NumberReady) != n || int(st.NumberAvailable) != n || st.NumberUnavailable != 0 {
+			return fmt.Errorf("status %+v", st)
+		}
+		return nil
+	})
+}
+
+// uninstallNodes uninstalls the chart and waits for its cleanup on every node.
+func (w *world) uninstallNodes(ctx context.Context, t *testing.T) {
+	t.Helper()
+	helmUninstall(t, w.c)
+	waitNoPods(ctx, t, w.c, "app.kubernetes.io/name=ip-masq-agent")
+	waitDaemonSetNodes(ctx, t, w.c, Release+"-cleanup", len(w.c.Nodes))
+	if kind := installedKind(ctx, t, w.c); kind != "" {
+		t.Errorf("after helm uninstall and the cleanup DaemonSet the node still has the agent's %s datapath", kind)
+	}
+	if err := w.c.Client.AppsV1().DaemonSets(Namespace).Delete(ctx, Release+"-cleanup", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	w.deleteCleanupPods(ctx, t)
+}
+
+// e2eResult is one test of a run, as its JUnit report says.
+type e2eResult struct {
+	name    string
+	state   string // passed, failed, skipped (by the test itself)
+	message string
+	took    time.Duration
+}
+
+// runE2E runs the e2e binary in the control plane's network namespace (it needs only the API
+// server: every probe is kubectl exec or the API server's proxy) with the focus and skips, its
+// JUnit report written to report, and returns the tests that ran or skipped themselves.
+func runE2E(ctx context.Context, t *testing.T, c *cluster.Cluster, bin string, focus, skips []string, report string) []e2eResult {
+	t.Helper()
+	k8s, err := cluster.Binaries()
+	if err != nil {
+		t.Fatal(err)
+	}
+	logPath := strings.TrimSuffix(report, ".xml") + ".log"
+	// The framework's own reports and its dumps of failed tests' namespaces, a directory per run.
+	dumps := strings.TrimSuffix(report, ".xml")
+	if err := os.MkdirAll(dumps, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	args := []string{bin,
+		"--kubeconfig=" + c.Kubeconfig,
+		"--kubectl-path=" + filepath.Join(k8s, "kubectl"),
+		"--provider=skeleton",
+		"--report-dir=" + dumps,
+		"-ginkgo.junit-report=" + report,
+		"-ginkgo.no-color",
+		"-ginkgo.timeout=4h",
+		"-ginkgo.focus=" + strings.Join(focus, "|"),
+		"-ginkgo.skip=" + strings.Join(skips, "|"),
+	}
+	logf, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer logf.Close()
+	cmd := cluster.Namespaces{Net: "/run/netns/" + c.Netns}.Command(ctx, args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.Dir = dumps
+	start := time.Now()
+	runErr := cmd.Run()
+	t.Logf("e2e run (%v, log %s): %v", time.Since(start).Round(time.Second), logPath, runErr)
+	results, err := readJUnit(report)
+	if err != nil {
+		t.Fatalf("the e2e run left no report (%v): %v; its log ends:\n%s", runErr, err, tail(logPath, 40))
+	}
+	ran := 0
+	for _, r := range results {
+		if r.state != "skipped" {
+			ran++
+		}
+	}
+	if ran == 0 {
+		t.Fatalf("the focus ran no test; the log ends:\n%s", tail(logPath, 40))
+	}
+	if runErr != nil && !slices.ContainsFunc(results, func(r e2eResult) bool { return r.state == "failed" }) {
+		t.Errorf("the e2e binary failed (%v) with no failed test; the log ends:\n%s", runErr, tail(logPath, 40))
+	}
+	return results
+}
+
+// junitSuites is the part of ginkgo's JUnit report the summary reads.
+type junitSuites struct {
+	Suites []struct {
+		Cases []struct {
+			Name    string  `xml:"name,attr"`
+			Status  string  `xml:"status,attr"`
+			Time    float64 `xml:"time,attr"`
+			Failure *struct {
+				Message string `xml:"message,attr"`
+			} `xml:"failure"`
+			Error *struct {
+				Message string `xml:"message,attr"`
+			} `xml:"error"`
+			Skipped *struct {
+				Message string `xml:"message,attr"`
+			} `xml:"skipped"`
+		} `xml:"testcase"`
+	} `xml:"testsuite"`
+}
+
+// readJUnit reads ginkgo's JUnit report: the tests the focus chose (the suite's own setup
+// nodes included, as they can fail too), not those its filters skipped.
+func readJUnit(path string) ([]e2eResult, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var doc junitSuites
+	if err := xml.Unmarshal(data, &doc); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	var out []e2eResult
+	for _, s := range doc.Suites {
+		for _, tc := range s.Cases {
+			r := e2eResult{name: strings.TrimPrefix(tc.Name, "[It] "), state: tc.Status, took: time.Duration(tc.Time * float64(time.Second))}
+			switch {
+			case tc.Failure != nil:
+				r.state, r.message = "failed", tc.Failure.Message
+			case tc.Error != nil:
+				r.state, r.message = "failed", tc.Error.Message
+			case tc.Skipped != nil:
+				r.state, r.message = "skipped", tc.Skipped.Message
+			}
+			// Ginkgo reports the specs its filters left out as skipped without running them.
+			// (their message is a bare "skipped"; a test that skips itself says why after it).
+			if r.state == "skipped" && (r.message == "skipped" || r.message == "") {
+				continue
+			}
+			if r.state == "" {
+				r.state = "passed"
+			}
+			out = append(out, r)
+		}
+	}
+	return out, nil
+}
+
+// resultTable is test × backend, per set of tests.
+type resultTable map[string]map[string]map[string]string
+
+func (rt resultTable) add(set, backend string, results []e2eResult) {
+	if rt[set] == nil {
+		rt[set] = map[string]map[string]string{}
+	}
+	for _, r := range results {
+		if rt[set][r.name] == nil {
+			rt[set][r.name] = map[string]string{}
+		}
+		rt[set][r.name][backend] = r.state
+	}
+}
+
+// String is the table in Markdown, a row per test, a column per backend.
+func (rt resultTable) String() string {
+	var b strings.Builder
+	for _, set := range []string{"masquerade", "conformance", "focus"} {
+		rows := rt[set]
+		if len(rows) == 0 {
+			continue
+		}
+		var cols []string
+		for _, states := range rows {
+			for be := range states {
+				if !slices.Contains(cols, be) {
+					cols = append(cols, be)
+				}
+			}
+		}
+		sort.Slice(cols, func(i, j int) bool { return order(cols[i]) < order(cols[j]) })
+		names := make([]string, 0, len(rows))
+		for n := range rows {
+			names = append(names, n)
+		}
+		sort.Strings(names)
+		fmt.Fprintf(&b, "\n%s focus:\n| test | %s |\n|---|%s\n", set, strings.Join(cols, " | "), strings.Repeat("---|", len(cols)))
+		for _, n := range names {
+			cells := make([]string, len(cols))
+			for i, c := range cols {
+				cells[i] = rows[n][c]
+				if cells[i] == "" {
+					cells[i] = "-"
+				}
+			}
+			fmt.Fprintf(&b, "| %s | %s |\n", n, strings.Join(cells, " | "))
+		}
+	}
+	return b.String()
+}
+
+// order puts the reference first, then the backends in the suite's order.
+func order(backend string) int {
+	if backend == "none" {
+		return -1
+	}
+	for i, b := range backends {
+		if b.name == backend {
+			return i
+		}
+	}
+	return len(backends)
+}
+
+// tail is the last n lines of a file.
+func tail(path string, n int) string {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return err.Error()
+	}
+	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
