@@ -182,8 +182,8 @@ func gvr(u *unstructured.Unstructured) schema.GroupVersionResource {
 	return gv.WithResource(resources[u.GetKind()])
 }
 
-// waitDaemonSet waits until the DaemonSet's pods on the node are updated, available and ready,
-// and returns the pod.
+// waitDaemonSet waits until the DaemonSet's pods on every node are updated, available and
+// ready, and returns node 1's.
 func waitDaemonSet(ctx context.Context, t testing.TB, c *cluster.Cluster, name string) *corev1.Pod {
 	t.Helper()
 	var pod *corev1.Pod
@@ -193,8 +193,9 @@ func waitDaemonSet(ctx context.Context, t testing.TB, c *cluster.Cluster, name s
 			return err
 		}
 		st := ds.Status
-		if ds.Generation != st.ObservedGeneration || st.DesiredNumberScheduled != 1 || st.UpdatedNumberScheduled != 1 ||
-			st.NumberReady != 1 || st.NumberAvailable != 1 || st.NumberUnavailable != 0 {
+		n := int32(len(c.Nodes))
+		if ds.Generation != st.ObservedGeneration || st.DesiredNumberScheduled != n || st.UpdatedNumberScheduled != n ||
+			st.NumberReady != n || st.NumberAvailable != n || st.NumberUnavailable != 0 {
 			return fmt.Errorf("status %+v", st)
 		}
 		p, err := dsPod(ctx, c, ds)
@@ -207,7 +208,7 @@ func waitDaemonSet(ctx context.Context, t testing.TB, c *cluster.Cluster, name s
 	return pod
 }
 
-// dsPod is the DaemonSet's one running pod of the current template.
+// dsPod is the DaemonSet's one running pod on node 1.
 func dsPod(ctx context.Context, c *cluster.Cluster, ds *appsv1.DaemonSet) (*corev1.Pod, error) {
 	sel, err := metav1.LabelSelectorAsSelector(ds.Spec.Selector)
 	if err != nil {
@@ -219,7 +220,7 @@ func dsPod(ctx context.Context, c *cluster.Cluster, ds *appsv1.DaemonSet) (*core
 	}
 	var found []*corev1.Pod
 	for i := range pods.Items {
-		if p := &pods.Items[i]; p.DeletionTimestamp == nil && p.Status.Phase == corev1.PodRunning {
+		if p := &pods.Items[i]; p.DeletionTimestamp == nil && p.Status.Phase == corev1.PodRunning && p.Spec.NodeName == c.Nodes[0].Name {
 			found = append(found, p)
 		}
 	}

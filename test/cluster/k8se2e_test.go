@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/xml"
 	"fmt"
-	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -15,7 +14,6 @@ import (
 	"time"
 
 	"github.com/ip-masq-agent/ip-masq-agent/internal/cluster"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
 // Kubernetes' own sig-network end-to-end tests (a narrowed e2e.test, make k8s-e2e) judge the
@@ -131,7 +129,8 @@ func TestKubernetesE2E(t *testing.T) {
 		Images:       append([]string{img.archive}, images...),
 	})
 	t.Logf("cluster up (%d nodes, CoreDNS) in %v", len(c.Nodes), time.Since(start).Round(time.Second))
-	serveInternet(t, c)
+	// "should provide Internet connection for containers" only connects to TCP port 53.
+	serveWhoami(t, "/run/netns/"+c.Outside, 53, internetAddress)
 
 	reports := os.Getenv(K8sE2EReportEnv)
 	if reports == "" {
@@ -179,11 +178,11 @@ func TestKubernetesE2E(t *testing.T) {
 				v := w.values(r.b.backend, img)
 				v["config"] = e2eAgentConfig
 				helmInstall(t, c, v)
-				waitDaemonSetNodes(ctx, t, c, Release, len(c.Nodes))
+				waitDaemonSet(ctx, t, c, Release)
 				if kind := installedKind(ctx, t, c); kind != r.b.kind {
 					t.Fatalf("the node has the %q datapath, want %s", kind, r.b.kind)
 				}
-				defer w.uninstallNodes(ctx, t)
+				defer w.uninstall(ctx, t)
 			}
 			report := filepath.Join(reports, set+"-"+name+".xml")
 			results := runE2E(ctx, t, c, e2eBin, r.focus, skips, report)
@@ -196,61 +195,6 @@ func TestKubernetesE2E(t *testing.T) {
 		})
 	}
 	t.Logf("Kubernetes e2e results (JUnit reports in %s):\n%s", reports, table)
-}
-
-// serveInternet listens on TCP port 53 of internetAddress in the outside namespace, as the
-// "Internet connection" test wants of 8.8.8.8: it only connects.
-func serveInternet(t *testing.T, c *cluster.Cluster) {
-	t.Helper()
-	var ln net.Listener
-	if err := cluster.DoIn("/run/netns/"+c.Outside, func() (err error) {
-		ln, err = net.Listen("tcp", netip.AddrPortFrom(internetAddress, 53).String())
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			conn, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			conn.Close()
-		}
-	}()
-}
-
-// waitDaemonSetNodes waits until the DaemonSet runs one ready pod on each of n nodes.
-func waitDaemonSetNodes(ctx context.Context, t testing.TB, c *cluster.Cluster, name string, n int) {
-	t.Helper()
-	wait(ctx, t, fmt.Sprintf("DaemonSet %s ready on %d nodes", name, n), func() error {
-		ds, err := c.Client.AppsV1().DaemonSets(Namespace).Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		st := ds.Status
-		if ds.Generation != st.ObservedGeneration || int(st.DesiredNumberScheduled) != n || int(st.UpdatedNumberScheduled) != n ||
-			int(st.NumberReady) != n || int(st.NumberAvailable) != n || st.NumberUnavailable != 0 {
-			return fmt.Errorf("status %+v", st)
-		}
-		return nil
-	})
-}
-
-// uninstallNodes uninstalls the chart and waits for its cleanup on every node.
-func (w *world) uninstallNodes(ctx context.Context, t *testing.T) {
-	t.Helper()
-	helmUninstall(t, w.c)
-	waitNoPods(ctx, t, w.c, "app.kubernetes.io/name=ip-masq-agent")
-	waitDaemonSetNodes(ctx, t, w.c, Release+"-cleanup", len(w.c.Nodes))
-	if kind := installedKind(ctx, t, w.c); kind != "" {
-		t.Errorf("after helm uninstall and the cleanup DaemonSet the node still has the agent's %s datapath", kind)
-	}
-	if err := w.c.Client.AppsV1().DaemonSets(Namespace).Delete(ctx, Release+"-cleanup", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	w.deleteCleanupPods(ctx, t)
 }
 
 // e2eResult is one test of a run, as its JUnit report says.
