@@ -101,10 +101,11 @@ $(K8S_BIN)/.built: $(K8S_MODULE)/go.mod $(K8S_MODULE)/go.sum
 
 ## k8s-e2e: Kubernetes' sig-network end-to-end tests and what their pods run, built by the tools
 ## module into $(K8S_BIN): e2e-network.test (test/cluster/k8s/e2enet: the tests of
-## test/e2e/network and test/e2e/common/network, with upstream e2e.test's flags), agnhost (its
+## test/e2e/network and test/e2e/common/network, with upstream e2e.test's flags), ginkgo (the
+## command that runs it in parallel processes, of the version the tests are built with), agnhost (its
 ## version, the image tag the tests ask for, read from upstream's test/images/agnhost/VERSION)
 ## and regression-issue-74839. internal/cluster.BuildE2EImages packs them. Once per version.
-k8s-e2e: $(K8S_BIN)/.e2e-built
+k8s-e2e: $(K8S_BIN)/.e2e-built $(K8S_BIN)/ginkgo
 $(K8S_BIN)/.e2e-built: $(K8S_MODULE)/go.mod $(K8S_MODULE)/go.sum $(wildcard $(K8S_MODULE)/e2enet/*.go)
 	mkdir -p $(K8S_BIN)
 	cd $(K8S_MODULE) && CGO_ENABLED=0 $(GO) test -c -trimpath -vet=off -ldflags "$(K8S_LDFLAGS)" \
@@ -115,6 +116,9 @@ $(K8S_BIN)/.e2e-built: $(K8S_MODULE)/go.mod $(K8S_MODULE)/go.sum $(wildcard $(K8
 	cd $(K8S_MODULE) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-s -w" \
 		-o $(CURDIR)/$(K8S_BIN)/regression-issue-74839 k8s.io/kubernetes/test/images/regression-issue-74839
 	touch $@
+$(K8S_BIN)/ginkgo: $(K8S_MODULE)/go.mod $(K8S_MODULE)/go.sum
+	mkdir -p $(K8S_BIN)
+	cd $(K8S_MODULE) && CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-s -w" -o $(CURDIR)/$@ github.com/onsi/ginkgo/v2/ginkgo
 
 ## coredns: CoreDNS for the cluster tests' DNS (cluster.ClusterOptions.DNS), built from the Go
 ## module proxy by its own module in test/cluster/coredns (a narrowed plugin list; coredns's

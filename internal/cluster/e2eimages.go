@@ -60,14 +60,26 @@ func E2EImages() []string {
 	return append(refs, RegressionIssue74839Ref, E2EPauseRef)
 }
 
-// E2EBinaries finds what `make k8s-e2e` builds beside the components (in Binaries' directory):
-// the sig-network e2e test binary, agnhost and regression-issue-74839.
-func E2EBinaries() (testBin, agnhost, regression string, err error) {
-	dir, err := findBinaries("run make k8s-e2e", "e2e-network.test", "agnhost", "regression-issue-74839")
+// E2EBins is what `make k8s-e2e` builds beside the components (in Binaries' directory).
+type E2EBins struct {
+	Test       string // the sig-network e2e test binary
+	Ginkgo     string // ginkgo's command, which runs Test in parallel processes
+	Agnhost    string
+	Regression string // regression-issue-74839
+}
+
+// E2EBinaries finds what `make k8s-e2e` builds.
+func E2EBinaries() (E2EBins, error) {
+	dir, err := findBinaries("run make k8s-e2e", "e2e-network.test", "ginkgo", "agnhost", "regression-issue-74839")
 	if err != nil {
-		return "", "", "", err
+		return E2EBins{}, err
 	}
-	return filepath.Join(dir, "e2e-network.test"), filepath.Join(dir, "agnhost"), filepath.Join(dir, "regression-issue-74839"), nil
+	return E2EBins{
+		Test:       filepath.Join(dir, "e2e-network.test"),
+		Ginkgo:     filepath.Join(dir, "ginkgo"),
+		Agnhost:    filepath.Join(dir, "agnhost"),
+		Regression: filepath.Join(dir, "regression-issue-74839"),
+	}, nil
 }
 
 // e2eEpoch is every timestamp of the images: they are the same bytes from the same inputs.
@@ -78,10 +90,11 @@ var e2eEpoch = time.Unix(0, 0)
 // minute or more) and packed under each of e2eToolboxImages with agnhost's layer; agnhost's and
 // regression-issue-74839's binaries are make k8s-e2e's; the pause program is BuildPause's.
 func BuildE2EImages(ctx context.Context, dir string) ([]string, error) {
-	_, agnhost, regression, err := E2EBinaries()
+	bins, err := E2EBinaries()
 	if err != nil {
 		return nil, err
 	}
+	agnhost, regression := bins.Agnhost, bins.Regression
 	base := filepath.Join(dir, "toolbox-rootfs.tar")
 	log := filepath.Join(dir, "toolbox-mmdebstrap.log")
 	if err := buildToolbox(ctx, base, log); err != nil {

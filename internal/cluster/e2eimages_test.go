@@ -95,7 +95,7 @@ func (a ociArchive) extract(t *testing.T, dir string) {
 // in a pod, reaching agnhost's and nginx's servers from outside.
 func TestE2EImages(t *testing.T) {
 	testutil.RequirePrivileged(t, "mmdebstrap", "chroot", "tar")
-	testBin, _, _, err := cluster.E2EBinaries()
+	bins, err := cluster.E2EBinaries()
 	if err != nil {
 		testutil.Unavailable(t, "%v", err)
 	}
@@ -115,9 +115,9 @@ func TestE2EImages(t *testing.T) {
 	}
 
 	t.Run("references", func(t *testing.T) {
-		out, err := exec.CommandContext(ctx, testBin, "--list-images").Output()
+		out, err := exec.CommandContext(ctx, bins.Test, "--list-images").Output()
 		if err != nil {
-			t.Fatalf("%s --list-images: %v", testBin, err)
+			t.Fatalf("%s --list-images: %v", bins.Test, err)
 		}
 		asked := strings.Fields(string(out))
 		want := cluster.E2EImages()

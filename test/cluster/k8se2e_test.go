@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -20,14 +21,23 @@ import (
 // agent as they judge every conformant cluster: on a two-node cluster with CoreDNS, first
 // without the agent (the reference), then with the chart on each backend.
 
-// K8sE2EEnv chooses what TestKubernetesE2E runs: "smoke" (the default: the masquerade focus
-// without its slow tests, on the default backend and the reference), "full" (the focus on
-// every backend and the sig-network conformance tests on the default one) or "off".
+// K8sE2EEnv chooses what TestKubernetesE2E runs: "smoke" (the default, make test's: the
+// masquerade focus without its slow tests, on the default backend), "full" (the focus without
+// the agent, the reference, and on every backend, and the sig-network conformance tests on the
+// reference and the default backend) or "off".
 const K8sE2EEnv = "IP_MASQ_AGENT_K8S_E2E"
 
 // K8sE2EFocusEnv, when set, is the focus (a regular expression of test names) of every run in
 // place of the sets', to rerun a few tests.
 const K8sE2EFocusEnv = "IP_MASQ_AGENT_K8S_E2E_FOCUS"
+
+// K8sE2EProcsEnv is how many processes run the tests of a run at once (default 4: the tests
+// mostly wait for pods and probes).
+const K8sE2EProcsEnv = "IP_MASQ_AGENT_K8S_E2E_PROCS"
+
+// K8sE2EBackendsEnv, when set, narrows the runs to these backends (names, space-separated;
+// "none" is the reference), to split a full run or rerun one backend.
+const K8sE2EBackendsEnv = "IP_MASQ_AGENT_K8S_E2E_BACKENDS"
 
 // K8sE2EReportEnv is the directory the JUnit reports go to (bin/k8s-e2e by default).
 const K8sE2EReportEnv = "IP_MASQ_AGENT_K8S_E2E_REPORTS"
@@ -98,7 +108,7 @@ func TestKubernetesE2E(t *testing.T) {
 		t.Fatalf("%s=%q: want smoke, full or off", K8sE2EEnv, scope)
 	}
 	cluster.Require(t)
-	e2eBin, _, _, err := cluster.E2EBinaries()
+	bins, err := cluster.E2EBinaries()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -149,30 +159,11 @@ func TestKubernetesE2E(t *testing.T) {
 	if scope == "smoke" {
 		skips = append(slices.Clip(skips), smokeSkips...)
 	}
-	// The reference (no agent) first, then the backends; the sets by name.
-	none := e2eBackend{none: true}
-	runs := []e2eRun{{"masquerade", none, masqueradeFocus}, {"masquerade", e2eBackend{backend: backends[0]}, masqueradeFocus}}
-	if scope == "full" {
-		for _, b := range backends[1:] {
-			runs = append(runs, e2eRun{"masquerade", e2eBackend{backend: b}, masqueradeFocus})
-		}
-		runs = append(runs, e2eRun{"conformance", none, conformanceFocus}, e2eRun{"conformance", e2eBackend{backend: backends[0]}, conformanceFocus})
-	}
-	if f := os.Getenv(K8sE2EFocusEnv); f != "" {
-		runs = []e2eRun{{"focus", none, []string{f}}, {"focus", e2eBackend{backend: backends[0]}, []string{f}}}
-		if scope == "full" {
-			for _, b := range backends[1:] {
-				runs = append(runs, e2eRun{"focus", e2eBackend{backend: b}, []string{f}})
-			}
-		}
-	}
+	runs := e2eRuns(t, scope)
 	w := &world{c: c, img: img}
 	table := resultTable{}
 	for _, r := range runs {
-		name, set := "none", r.set
-		if !r.b.none {
-			name = r.b.name
-		}
+		name, set := r.b.String(), r.set
 		t.Run(set+"/"+name, func(t *testing.T) {
 			if !r.b.none {
 				v := w.values(r.b.backend, img)
@@ -185,7 +176,7 @@ func TestKubernetesE2E(t *testing.T) {
 				defer w.uninstall(ctx, t)
 			}
 			report := filepath.Join(reports, set+"-"+name+".xml")
-			results := runE2E(ctx, t, c, e2eBin, r.focus, skips, report)
+			results := runE2E(ctx, t, c, bins, r.focus, skips, report)
 			table.add(set, name, results)
 			for _, res := range results {
 				if res.state == "failed" {
@@ -197,6 +188,63 @@ func TestKubernetesE2E(t *testing.T) {
 	t.Logf("Kubernetes e2e results (JUnit reports in %s):\n%s", reports, table)
 }
 
+// e2eRuns lists the runs of a scope: the reference (no agent) first, then the backends.
+func e2eRuns(t *testing.T, scope string) []e2eRun {
+	none := e2eBackend{none: true}
+	on := []e2eBackend{{backend: backends[0]}}
+	if scope == "full" {
+		on = []e2eBackend{none}
+		for _, b := range backends {
+			on = append(on, e2eBackend{backend: b})
+		}
+	}
+	var runs []e2eRun
+	if f := os.Getenv(K8sE2EFocusEnv); f != "" {
+		for _, b := range on {
+			runs = append(runs, e2eRun{"focus", b, []string{f}})
+		}
+	} else {
+		for _, b := range on {
+			runs = append(runs, e2eRun{"masquerade", b, masqueradeFocus})
+		}
+		if scope == "full" {
+			runs = append(runs, e2eRun{"conformance", none, conformanceFocus}, e2eRun{"conformance", on[1], conformanceFocus})
+		}
+	}
+	if only := strings.Fields(os.Getenv(K8sE2EBackendsEnv)); len(only) > 0 {
+		for _, name := range only {
+			if name != "none" && !slices.ContainsFunc(backends, func(b backend) bool { return b.name == name }) {
+				t.Fatalf("%s: no backend %q", K8sE2EBackendsEnv, name)
+			}
+		}
+		runs = slices.DeleteFunc(runs, func(r e2eRun) bool { return !slices.Contains(only, r.b.String()) })
+		if len(runs) == 0 {
+			t.Fatalf("%s=%q leaves no run of scope %s", K8sE2EBackendsEnv, os.Getenv(K8sE2EBackendsEnv), scope)
+		}
+	}
+	return runs
+}
+
+// String names the backend, "none" for the reference.
+func (b e2eBackend) String() string {
+	if b.none {
+		return "none"
+	}
+	return b.name
+}
+
+func e2eProcs(t *testing.T) int {
+	v := os.Getenv(K8sE2EProcsEnv)
+	if v == "" {
+		return 4
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 1 {
+		t.Fatalf("%s=%q: want a number of processes", K8sE2EProcsEnv, v)
+	}
+	return n
+}
+
 // e2eResult is one test of a run, as its JUnit report says.
 type e2eResult struct {
 	name    string
@@ -206,9 +254,11 @@ type e2eResult struct {
 }
 
 // runE2E runs the e2e binary in the control plane's network namespace (it needs only the API
-// server: every probe is kubectl exec or the API server's proxy) with the focus and skips, its
-// JUnit report written to report, and returns the tests that ran or skipped themselves.
-func runE2E(ctx context.Context, t *testing.T, c *cluster.Cluster, bin string, focus, skips []string, report string) []e2eResult {
+// server: every probe is kubectl exec or the API server's proxy) with the focus and skips, in
+// e2eProcs parallel processes (ginkgo's command hands the tests out and runs the [Serial] ones
+// alone at the end, as upstream's CI does), its JUnit report written to report, and returns
+// the tests that ran or skipped themselves.
+func runE2E(ctx context.Context, t *testing.T, c *cluster.Cluster, bins cluster.E2EBins, focus, skips []string, report string) []e2eResult {
 	t.Helper()
 	k8s, err := cluster.Binaries()
 	if err != nil {
@@ -220,16 +270,21 @@ func runE2E(ctx context.Context, t *testing.T, c *cluster.Cluster, bin string, f
 	if err := os.MkdirAll(dumps, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	args := []string{bin,
+	args := []string{bins.Ginkgo,
+		"--procs=" + strconv.Itoa(e2eProcs(t)),
+		"--junit-report=" + report,
+		"--no-color",
+		"--timeout=4h",
+		"--focus=" + strings.Join(focus, "|"),
+		"--skip=" + strings.Join(skips, "|"),
+		bins.Test, "--",
 		"--kubeconfig=" + c.Kubeconfig,
 		"--kubectl-path=" + filepath.Join(k8s, "kubectl"),
 		"--provider=skeleton",
+		// Only the first process counts the nodes; the others would skip every test that
+		// needs two (upstream's runners pass it too).
+		"--num-nodes=" + strconv.Itoa(len(c.Nodes)),
 		"--report-dir=" + dumps,
-		"-ginkgo.junit-report=" + report,
-		"-ginkgo.no-color",
-		"-ginkgo.timeout=4h",
-		"-ginkgo.focus=" + strings.Join(focus, "|"),
-		"-ginkgo.skip=" + strings.Join(skips, "|"),
 	}
 	logf, err := os.Create(logPath)
 	if err != nil {
@@ -239,6 +294,14 @@ func runE2E(ctx context.Context, t *testing.T, c *cluster.Cluster, bin string, f
 	cmd := cluster.Namespaces{Net: "/run/netns/" + c.Netns}.Command(ctx, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.Dir = dumps
+	// ginkgo checks its own version against the tests' with `go list -m` in the binary's
+	// directory, which is in this repository's module: point it at the tools module that built
+	// them (a mismatch would be a bug of make k8s-e2e, and ginkgo says so in the log).
+	root, err := cluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Env = append(os.Environ(), "GOFLAGS=-modfile="+filepath.Join(root, "test", "cluster", "k8s", "go.mod"))
 	start := time.Now()
 	runErr := cmd.Run()
 	t.Logf("e2e run (%v, log %s): %v", time.Since(start).Round(time.Second), logPath, runErr)
