@@ -31,7 +31,7 @@ const K8sE2EEnv = "IP_MASQ_AGENT_K8S_E2E"
 // place of the sets', to rerun a few tests.
 const K8sE2EFocusEnv = "IP_MASQ_AGENT_K8S_E2E_FOCUS"
 
-// K8sE2EProcsEnv is how many processes run the tests of a run at once (default 4: the tests
+// K8sE2EProcsEnv is how many processes run the tests of a run at once (default 6: the tests
 // mostly wait for pods and probes).
 const K8sE2EProcsEnv = "IP_MASQ_AGENT_K8S_E2E_PROCS"
 
@@ -236,7 +236,7 @@ func (b e2eBackend) String() string {
 func e2eProcs(t *testing.T) int {
 	v := os.Getenv(K8sE2EProcsEnv)
 	if v == "" {
-		return 4
+		return 6
 	}
 	n, err := strconv.Atoi(v)
 	if err != nil || n < 1 {
