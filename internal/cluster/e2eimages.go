@@ -151,9 +151,16 @@ func agnhostLayer(ctx context.Context, out, agnhost string) error {
 	if err != nil {
 		return err
 	}
+	// Upstream's image carries CoreDNS too: "DNS should support configurable pod resolv.conf"
+	// runs it as a pod's DNS server (its hosts and log plugins, which make coredns's has).
+	coredns, err := CoreDNSBinary()
+	if err != nil {
+		return err
+	}
 	return image.WriteLayer(out, e2eEpoch, []image.Entry{
 		{Path: "/agnhost", Source: agnhost, Mode: 0o755},
 		{Path: "/agnhost-2", Link: "agnhost"},
+		{Path: "/coredns", Source: coredns, Mode: 0o755},
 		{Path: "/localhost.crt", Source: filepath.Join(porter, "localhost.crt")},
 		{Path: "/localhost.key", Source: filepath.Join(porter, "localhost.key")},
 		{Path: "/uploads"},

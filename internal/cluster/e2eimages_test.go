@@ -151,6 +151,9 @@ func TestE2EImages(t *testing.T) {
 		if err != nil || !strings.Contains(string(out), "netexec") {
 			t.Errorf("agnhost-2 --help: %v:\n%s", err, out)
 		}
+		if out, err := exec.CommandContext(ctx, "chroot", root, "/coredns", "-plugins").CombinedOutput(); err != nil || !slices.Contains(strings.Fields(string(out)), "hosts") || !slices.Contains(strings.Fields(string(out)), "log") {
+			t.Errorf("coredns -plugins: %v:\n%s", err, out)
+		}
 		if out, err := exec.CommandContext(ctx, "chroot", root, "/bin/sh", "-c", toolsCheck).CombinedOutput(); err != nil {
 			t.Errorf("the tools: %v:\n%s", err, out)
 		}

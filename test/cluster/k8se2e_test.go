@@ -65,7 +65,7 @@ var masqueradeFocus = []string{
 	`\[sig-network\] Services should preserve source pod IP for traffic thru service cluster IP`,
 	`\[sig-network\] Networking should provide Internet connection for containers \[Feature:Networking-IPv4\]`,
 	`\[sig-network\] Conntrack`,
-	`\[sig-network\] DNS should (provide DNS for the cluster|provide DNS for services|resolve DNS of partial qualified names|provide /etc/hosts entries for the cluster|provide DNS for pods for (Hostname|Subdomain)|provide DNS for ExternalName services|support configurable pod DNS nameservers)`,
+	`\[sig-network\] DNS should (provide DNS for the cluster|provide DNS for services|resolve DNS of partial qualified names|provide /etc/hosts entries for the cluster|provide DNS for pods for (Hostname|Subdomain)|provide DNS for ExternalName services|support configurable pod DNS nameservers|support configurable pod resolv.conf)`,
 }
 
 // conformanceFocus is every sig-network conformance test.
