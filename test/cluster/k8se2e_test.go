@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"sort"
 	"strconv"
@@ -114,6 +116,8 @@ func TestKubernetesE2E(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Hour)
 	defer cancel()
+
+	t.Run("documented", func(t *testing.T) { checkDocumented(ctx, t, bins) })
 
 	start := time.Now()
 	img := buildAgentImage(t)
@@ -322,6 +326,101 @@ func runE2E(ctx context.Context, t *testing.T, c *cluster.Cluster, bins cluster.
 		t.Errorf("the e2e binary failed (%v) with no failed test; the log ends:\n%s", runErr, tail(logPath, 40))
 	}
 	return results
+}
+
+// e2eDoc is where the tests each set chooses are listed, between <!-- k8s-e2e SET --> and
+// <!-- /k8s-e2e -->, a "- `name`" line each.
+const e2eDoc = "docs/development.md"
+
+// checkDocumented fails unless e2eDoc lists exactly the tests each set chooses (a dry run of the
+// binary with the set's focus and e2eSkips), so the list stays the one that runs.
+func checkDocumented(ctx context.Context, t *testing.T, bins cluster.E2EBins) {
+	root, err := cluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc, err := os.ReadFile(filepath.Join(root, e2eDoc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for set, focus := range map[string][]string{"masquerade": masqueradeFocus, "conformance": conformanceFocus} {
+		chosen, err := e2eList(ctx, t.TempDir(), bins, focus, e2eSkips)
+		if err != nil {
+			t.Fatal(err)
+		}
+		listed, err := documentedE2E(string(doc), set)
+		if err != nil {
+			t.Fatalf("%s: %v", e2eDoc, err)
+		}
+		for _, name := range chosen {
+			if !slices.Contains(listed, name) {
+				t.Errorf("%s does not list the %s test %q", e2eDoc, set, name)
+			}
+		}
+		for _, name := range listed {
+			if !slices.Contains(chosen, name) {
+				t.Errorf("%s lists %q in %s, which the set does not choose", e2eDoc, name, set)
+			}
+		}
+	}
+}
+
+// e2eList is the tests that focus and skips choose, by a dry run of the binary in dir.
+func e2eList(ctx context.Context, dir string, bins cluster.E2EBins, focus, skips []string) ([]string, error) {
+	report := filepath.Join(dir, "dry-run.xml")
+	cmd := exec.CommandContext(ctx, bins.Test, "-ginkgo.dry-run", "-ginkgo.no-color",
+		"-ginkgo.junit-report="+report,
+		"-ginkgo.focus="+strings.Join(focus, "|"),
+		"-ginkgo.skip="+strings.Join(skips, "|"))
+	cmd.Dir = dir
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("%s --ginkgo.dry-run: %w: %s", bins.Test, err, out)
+	}
+	results, err := readJUnit(report)
+	if err != nil {
+		return nil, err
+	}
+	var names []string
+	for _, r := range results {
+		if strings.HasPrefix(r.name, "[sig-network]") {
+			names = append(names, specName(r.name))
+		}
+	}
+	if len(names) == 0 {
+		return nil, fmt.Errorf("the focus %q chooses no test", focus)
+	}
+	return names, nil
+}
+
+// specLabels is the label list ginkgo's report appends to a test's name.
+var specLabels = regexp.MustCompile(` \[sig-network(, [^\]]*)?\]$`)
+
+// specName is a test's name as its report gives it, without the labels it appends.
+func specName(name string) string { return specLabels.ReplaceAllString(name, "") }
+
+// documentedE2E reads the tests doc lists for set.
+func documentedE2E(doc, set string) ([]string, error) {
+	begin := "<!-- k8s-e2e " + set + " -->"
+	i := strings.Index(doc, begin)
+	if i < 0 {
+		return nil, fmt.Errorf("no %s", begin)
+	}
+	rest := doc[i+len(begin):]
+	j := strings.Index(rest, "<!-- /k8s-e2e -->")
+	if j < 0 {
+		return nil, fmt.Errorf("%s has no end", begin)
+	}
+	var names []string
+	for _, line := range strings.Split(rest[:j], "\n") {
+		if line = strings.TrimSpace(line); line != "" {
+			name, ok := strings.CutPrefix(line, "- `")
+			if !ok || !strings.HasSuffix(name, "`") {
+				return nil, fmt.Errorf("%s: %q is not a \"- `name`\" line", begin, line)
+			}
+			names = append(names, strings.TrimSuffix(name, "`"))
+		}
+	}
+	return names, nil
 }
 
 // junitSuites is the part of ginkgo's JUnit report the summary reads.
