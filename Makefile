@@ -23,7 +23,7 @@ TESTFLAGS ?= -count=1 -timeout 25m
 # Pinned clang flags for the BPF objects (read by the go:generate lines through the environment).
 export BPF_CFLAGS := -O2 -g -Wall -Werror -mcpu=v3
 
-.PHONY: all build image test test-main test-late test-k8s-e2e-smoke k8s-e2e-idle test-kernels test-k8s-e2e unit e2e demo generate check-generate bench lint deps clean k8s k8s-e2e coredns cluster-up cluster-down
+.PHONY: all build image test test-main test-late test-k8s-e2e-smoke coredns-idle k8s-e2e-idle test-kernels test-k8s-e2e unit e2e demo generate check-generate bench lint deps clean k8s k8s-e2e coredns cluster-up cluster-down
 
 all: build
 
@@ -44,27 +44,29 @@ image: deps build
 ## test: every test, privileged ones included (run as root; CI=true makes a test that cannot run fail).
 ## The cluster tests run the Kubernetes components make k8s builds (once per version) and the
 ## CoreDNS make coredns builds.
-## Three phases. First the main packages (test-main), with make k8s-e2e beside them at the lowest
-## CPU priority, which takes only what their waits leave. Then the container and cluster suites
-## (test-late), one package at a time: their image builds (mmdebstrap, dpkg) and clusters take the
-## machine's CPU and disk for minutes, which would slow the time-bound end-to-end tests of the
-## first phase; beside them, in a cluster of its own, Kubernetes' e2e smoke set
-## (test-k8s-e2e-smoke: the masquerade focus without its slow tests, on the default backend).
-## The kernel matrix comes last, alone, on the kernels other than the host's (whose run is the
-## first phase's), with the end-to-end suite on the oldest. make test-k8s-e2e runs the rest of
-## Kubernetes' e2e tests.
+## Three phases. First the main packages (test-main), with make coredns and make k8s-e2e beside
+## them at the lowest CPU priority, which takes only what their waits leave. Then the container
+## and cluster suites (test-late), one package at a time: their image builds (mmdebstrap, dpkg)
+## and clusters take the machine's CPU and disk for minutes, which would slow the time-bound
+## end-to-end tests of the first phase; beside them, in a cluster of its own, Kubernetes' e2e
+## smoke set (test-k8s-e2e-smoke: the masquerade focus without its slow tests, on the default
+## backend). The kernel matrix comes last, alone (it keeps both CPUs busy), on the kernels other
+## than the host's (whose run is the first phase's), with the end-to-end suite on the oldest.
+## make test-k8s-e2e runs the rest of Kubernetes' e2e tests.
 LATE_TESTS := ./test/container ./internal/cluster ./test/cluster ./internal/vm
-test: deps build k8s coredns
+test: deps build k8s
 	$(MAKE) -j3 --output-sync=target test-late test-k8s-e2e-smoke
 	$(MAKE) test-kernels KERNELS="$(VM_KERNELS)" KERNEL_E2E=oldest
 
-# make test's phases, by themselves: the main packages; what make k8s-e2e builds, at the lowest
-# CPU priority; the container and cluster suites; Kubernetes' e2e smoke set.
+# make test's phases, by themselves: the main packages; make coredns, then make k8s-e2e, at the
+# lowest CPU priority; the container and cluster suites; Kubernetes' e2e smoke set.
 test-main:
 	$(GO) test $(TESTFLAGS) $$($(GO) list ./... | grep -v -x -F "$$($(GO) list $(LATE_TESTS) ./test/kernels)")
-k8s-e2e-idle:
+coredns-idle:
+	nice -n 19 $(MAKE) coredns
+k8s-e2e-idle: coredns-idle
 	nice -n 19 $(MAKE) k8s-e2e
-test-late: test-main
+test-late: test-main coredns-idle
 	$(GO) test $(TESTFLAGS) -p 1 -skip '$(K8S_E2E_TESTS)' $(LATE_TESTS)
 test-k8s-e2e-smoke: test-main k8s-e2e-idle
 	IP_MASQ_AGENT_K8S_E2E=smoke $(GO) test -count=1 -timeout 40m -v -run '^TestKubernetesE2E$$' ./test/cluster
@@ -149,7 +151,8 @@ $(COREDNS_BIN): $(COREDNS_MODULE)/go.mod $(COREDNS_MODULE)/go.sum $(COREDNS_MODU
 ## CoreDNS: the images they need built and checked, then the masquerade focus without the agent
 ## (the reference) and with the chart on each backend, and the sig-network conformance tests
 ## without the agent and on the default backend (root; K8S_E2E=smoke: the focus without its slow
-## tests, on the reference and the default backend). JUnit reports and logs: bin/k8s-e2e.
+## tests, on the default backend, as make test runs it). About 30 minutes on 2 CPUs. JUnit
+## reports and logs: bin/k8s-e2e.
 K8S_E2E       ?= full
 K8S_E2E_TESTS := ^(TestE2EImages|TestKubernetesE2E)$$
 test-k8s-e2e: deps build k8s coredns k8s-e2e
