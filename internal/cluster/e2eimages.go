@@ -66,6 +66,9 @@ type E2EBins struct {
 	Ginkgo     string // ginkgo's command, which runs Test in parallel processes
 	Agnhost    string
 	Regression string // regression-issue-74839
+	// Modfile is the go.mod of the tools module that built them, for the go commands ginkgo
+	// runs to check its version against the tests'.
+	Modfile string
 }
 
 // E2EBinaries finds what `make k8s-e2e` builds.
@@ -74,11 +77,16 @@ func E2EBinaries() (E2EBins, error) {
 	if err != nil {
 		return E2EBins{}, err
 	}
+	root, err := RepoRoot()
+	if err != nil {
+		return E2EBins{}, err
+	}
 	return E2EBins{
 		Test:       filepath.Join(dir, "e2e-network.test"),
 		Ginkgo:     filepath.Join(dir, "ginkgo"),
 		Agnhost:    filepath.Join(dir, "agnhost"),
 		Regression: filepath.Join(dir, "regression-issue-74839"),
+		Modfile:    filepath.Join(root, toolsModule),
 	}, nil
 }
 
@@ -94,14 +102,13 @@ func BuildE2EImages(ctx context.Context, dir string) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	agnhost, regression := bins.Agnhost, bins.Regression
 	base := filepath.Join(dir, "toolbox-rootfs.tar")
 	log := filepath.Join(dir, "toolbox-mmdebstrap.log")
 	if err := buildToolbox(ctx, base, log); err != nil {
 		return nil, err
 	}
 	top := filepath.Join(dir, "agnhost-layer.tar")
-	if err := agnhostLayer(ctx, top, agnhost); err != nil {
+	if err := agnhostLayer(ctx, top, bins.Agnhost); err != nil {
 		return nil, err
 	}
 	var archives []string
@@ -115,7 +122,7 @@ func BuildE2EImages(ctx context.Context, dir string) ([]string, error) {
 		archives = append(archives, out)
 	}
 	rootfs := filepath.Join(dir, "regression-issue-74839-rootfs.tar")
-	if err := image.WriteLayer(rootfs, e2eEpoch, []image.Entry{{Path: "/regression-issue-74839", Source: regression, Mode: 0o755}}); err != nil {
+	if err := image.WriteLayer(rootfs, e2eEpoch, []image.Entry{{Path: "/regression-issue-74839", Source: bins.Regression, Mode: 0o755}}); err != nil {
 		return nil, err
 	}
 	out, err := packE2E(dir, RegressionIssue74839Ref, image.Spec{Suite: "none", Binary: "/regression-issue-74839"}, rootfs)

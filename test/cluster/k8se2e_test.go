@@ -227,8 +227,8 @@ func TestKubernetesE2E(t *testing.T) {
 
 // e2eRuns lists the runs of a scope: the reference (no agent) first, then the backends.
 func e2eRuns(t *testing.T, scope string) []e2eRun {
-	none := e2eBackend{none: true}
-	on := []e2eBackend{{backend: backends[0]}}
+	none, standard := e2eBackend{none: true}, e2eBackend{backend: backends[0]}
+	on := []e2eBackend{standard}
 	if scope == "full" {
 		on = []e2eBackend{none}
 		for _, b := range backends {
@@ -247,7 +247,7 @@ func e2eRuns(t *testing.T, scope string) []e2eRun {
 		if scope == "full" {
 			runs = append(runs,
 				e2eRun{set: "conformance", b: none, focus: conformanceFocus},
-				e2eRun{set: "conformance", b: on[1], focus: conformanceFocus})
+				e2eRun{set: "conformance", b: standard, focus: conformanceFocus})
 		}
 	}
 	if os.Getenv(K8sE2EControlEnv) != "" {
@@ -343,11 +343,7 @@ func runE2E(ctx context.Context, t *testing.T, c *cluster.Cluster, bins cluster.
 	// ginkgo checks its own version against the tests' with `go list -m` in the binary's
 	// directory, which is in this repository's module: point it at the tools module that built
 	// them (a mismatch would be a bug of make k8s-e2e, and ginkgo says so in the log).
-	root, err := cluster.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd.Env = append(os.Environ(), "GOFLAGS=-modfile="+filepath.Join(root, "test", "cluster", "k8s", "go.mod"))
+	cmd.Env = append(os.Environ(), "GOFLAGS=-modfile="+bins.Modfile)
 	start := time.Now()
 	runErr := cmd.Run()
 	t.Logf("e2e run (%v, log %s): %v", time.Since(start).Round(time.Second), logPath, runErr)
